@@ -1,0 +1,19 @@
+"""The one exception type for bad configuration. Lives at the bottom of config/ so every layer can raise it."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A ds_config problem. The message names the JSON path, what was expected and what was given,
+    e.g. ``zero_optimization.stage: must be 0, 1, 2 or 3 (got 4)``. Several problems are reported
+    together, one per line; `problems` holds them as a list."""
+
+    def __init__(self, problems: str | list[str]):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} problems in the config:\n" + "\n".join(f"  {p}" for p in self.problems)
+        super().__init__(message)

@@ -1,0 +1,25 @@
+"""Optimizers and LR schedules built from the ds_config `optimizer` and `scheduler` sections."""
+
+from lightspeed.optim.factory import build_optimizer
+from lightspeed.optim.lamb import Lamb
+from lightspeed.optim.lion import Lion
+from lightspeed.optim.schedules import (
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    build_scheduler,
+)
+
+__all__ = [
+    "build_optimizer",
+    "build_scheduler",
+    "Lamb",
+    "Lion",
+    "LRRangeTest",
+    "OneCycle",
+    "WarmupLR",
+    "WarmupDecayLR",
+    "WarmupCosineLR",
+]

@@ -1,0 +1,42 @@
+"""Named wall-clock timers (forward, backward, step, communication) for `wall_clock_breakdown`.
+
+On CUDA a timer synchronizes the device at start and stop so the figures mean something; timers are
+only created when the breakdown is requested, so the hot path pays nothing otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from lightspeed._utils.device import synchronize
+
+
+class Timers:
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device = device
+        self.enabled = enabled
+        self._start: dict[str, float] = {}
+        self._elapsed: dict[str, float] = defaultdict(float)
+
+    def start(self, name: str) -> None:
+        if self.enabled:
+            synchronize(self.device)
+            self._start[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        if self.enabled and name in self._start:
+            synchronize(self.device)
+            self._elapsed[name] += time.perf_counter() - self._start.pop(name)
+
+    def add(self, name: str, seconds: float) -> None:
+        if self.enabled:
+            self._elapsed[name] += seconds
+
+    def elapsed_ms(self, reset: bool = True) -> dict[str, float]:
+        out = {k: v * 1e3 for k, v in self._elapsed.items()}
+        if reset:
+            self._elapsed.clear()
+        return out

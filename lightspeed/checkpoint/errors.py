@@ -1,0 +1,11 @@
+"""The one exception type for checkpoints that cannot be read or written. Lives at the bottom of
+checkpoint/ so every module in it (and the engine above) can raise and catch it."""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint problem, in one line that names the file, e.g.
+    ``CheckpointError: /ckpt/global_step10/mp_rank_00_model_states.pt is truncated or corrupt (...)``."""

@@ -1,0 +1,178 @@
+"""Engine feature sections: ``activation_checkpointing``, ``checkpoint``, ``aio``, ``pipeline``,
+``elasticity``, ``autotuning`` and ``hybrid_engine``. Keys and defaults follow DeepSpeed's
+``runtime/activation_checkpointing/config.py``, ``runtime/constants.py`` and
+``runtime/model_checkpointing/constants.py``, ``runtime/swap_tensor/constants.py``,
+``runtime/config.py`` (pipeline, hybrid engine), ``elasticity/constants.py`` and
+``autotuning/constants.py``. Owns the section shapes only.
+
+`autotuning.arg_mappings` / `model_info` stay free dicts: they are read by the autotuner, not the
+engine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+from pydantic import BeforeValidator
+
+from lightspeed.config.base import (
+    Bool, Choice, Float, FreeDict, IntList, NonNegInt, PosInt, Section, Str, as_int, expectation,
+)  # fmt: skip
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``: options of ``deepspeed.checkpointing`` (Megatron-style)."""
+
+    partition_activations: Bool = False
+    contiguous_memory_optimization: Bool = False
+    cpu_checkpointing: Bool = False
+    number_checkpoints: Optional[PosInt] = None
+    synchronize_checkpoint_boundary: Bool = False
+    profile: Bool = False
+
+
+class ParallelWriteConfig(Section):
+    """``checkpoint.parallel_write``."""
+
+    pipeline_stage: Bool = False
+
+
+class CheckpointWriterConfig(Section):
+    """``checkpoint.writer``: DeepSpeed's fast/decoupled checkpoint writers."""
+
+    type: Choice("MOCK", "PYTHON", "FAST", normalize=str.upper) = "FAST"
+    decoupled: Bool = False
+    io_buffer_size: PosInt = 64 * 1024**2
+    io_buffer_double: Bool = True
+    show_statistics: Bool = False
+    data_parallel: Optional[Choice("REPLICA", "SOCKET", "MACHINE", normalize=str.upper)] = None
+    io_multiplier: PosInt = 1
+
+
+TagValidation = Choice("WARN", "IGNORE", "FAIL", normalize=str.upper, what='must be "Warn", "Ignore" or "Fail"')
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``."""
+
+    tag_validation: TagValidation = "WARN"
+    """Check that every rank saves/loads the same tag: WARN, IGNORE or FAIL (case-insensitive)."""
+    load_universal: Bool = False
+    use_node_local_storage: Bool = False
+    parallel_write: ParallelWriteConfig = ParallelWriteConfig()
+    checkpoint_serialization: Bool = True
+    writer: Optional[CheckpointWriterConfig] = None
+
+
+_AIO_BACKENDS = {"async_io": "async_io", "aio": "async_io", "async": "async_io", "deepnvme": "async_io",
+                 "posix": "posix", "sync": "posix", "simple": "posix"}  # fmt: skip
+
+
+class AIOConfig(Section):
+    """``aio``: the asynchronous NVMe I/O used by ZeRO-Infinity offload."""
+
+    io_backend: Choice("async_io", "posix", normalize=lambda s: _AIO_BACKENDS.get(s.lower(), s)) = "async_io"
+    block_size: PosInt = 1_048_576
+    queue_depth: PosInt = 8
+    intra_op_parallelism: PosInt = 1
+    thread_count: PosInt = 1
+    """DeepSpeed's older name for intra_op_parallelism (used when intra_op_parallelism is not given)."""
+    single_submit: Bool = False
+    overlap_events: Bool = True
+    use_gds: Bool = False
+
+
+def _check_stages(value: Any):
+    if value == "auto":
+        return value
+    count = as_int(value)
+    if count is None or count < 1:
+        raise expectation('must be "auto" or a positive integer')
+    return count
+
+
+class PipelineConfig(Section):
+    """``pipeline``: options of the pipeline engine (``PipelineModule`` training)."""
+
+    stages: Annotated[Any, BeforeValidator(_check_stages)] = "auto"
+    partition: Str = "best"
+    seed_layers: Bool = False
+    activation_checkpoint_interval: NonNegInt = 0
+    pipe_partitioned: Bool = True
+    grad_partitioned: Bool = True
+
+
+class ElasticityConfig(Section):
+    """``elasticity``: pick a batch size that works for a range of GPU counts."""
+
+    enabled: Bool = False
+    max_train_batch_size: PosInt = 2000
+    micro_batch_sizes: IntList(ge=1) = [2, 4, 6]
+    min_gpus: PosInt = 1
+    max_gpus: PosInt = 10000
+    min_time: NonNegInt = 20
+    prefer_larger_batch: Bool = True
+    ignore_non_elastic_batch_info: Bool = False
+    version: Float(gt=0) = 0.1
+    model_parallel_size: PosInt = 1
+    num_gpus_per_node: PosInt = 1
+
+
+class AutotuningConfig(Section):
+    """``autotuning``: the DeepSpeed autotuner (driven by the launcher, not the engine)."""
+
+    enabled: Bool = False
+    fast: Bool = True
+    results_dir: Str = "autotuning_results"
+    exps_dir: Str = "autotuning_exps"
+    overwrite: Bool = True
+    start_profile_step: NonNegInt = 3
+    end_profile_step: NonNegInt = 5
+    metric: Str = "throughput"
+    metric_path: Optional[Str] = None
+    tuner_type: Choice("gridsearch", "random", "model_based") = "gridsearch"
+    tuner_early_stopping: NonNegInt = 5
+    tuner_num_trials: PosInt = 50
+    arg_mappings: Optional[FreeDict] = None
+    model_info: Optional[FreeDict] = None
+    model_info_path: Optional[Str] = None
+    mp_size: PosInt = 1
+    max_train_batch_size: Optional[PosInt] = None
+    min_train_batch_size: PosInt = 1
+    max_train_micro_batch_size_per_gpu: PosInt = 1024
+    min_train_micro_batch_size_per_gpu: PosInt = 1
+    num_tuning_micro_batch_sizes: PosInt = 3
+
+
+class HybridEngineConfig(Section):
+    """``hybrid_engine``: switch between training and inference kernels (RLHF actors)."""
+
+    enabled: Bool = False
+    max_out_tokens: PosInt = 512
+    inference_tp_size: PosInt = 1
+    release_inference_cache: Bool = False
+    pin_parameters: Bool = True
+    tp_gather_partition_size: PosInt = 8
+    enable_cuda_graph: Bool = False
+
+
+def feature_problems(cfg) -> list[str]:
+    """Rules across keys of these sections."""
+    out = []
+    at = cfg.autotuning
+    if at.end_profile_step < at.start_profile_step:
+        out.append(
+            f"autotuning.end_profile_step: must be >= autotuning.start_profile_step "
+            f"({at.start_profile_step}) (got {at.end_profile_step})"
+        )
+    el = cfg.elasticity
+    if el.max_gpus < el.min_gpus:
+        out.append(f"elasticity.max_gpus: must be >= elasticity.min_gpus ({el.min_gpus}) (got {el.max_gpus})")
+    return out
+
+
+__all__ = [
+    "AIOConfig", "ActivationCheckpointingConfig", "AutotuningConfig", "CheckpointConfig",
+    "CheckpointWriterConfig", "ElasticityConfig", "HybridEngineConfig", "PipelineConfig",
+    "feature_problems",
+]  # fmt: skip

@@ -1,0 +1,239 @@
+"""`load()`: from a dict, file or JSON string to a validated `LightspeedConfig`, with every problem
+reported at once.
+
+Order: parse (hjson) -> sort top-level keys (known / typo / unknown) -> reject Hugging Face "auto"
+placeholders -> map legacy names -> validate sections -> cross-section rules -> resolve the batch
+triad -> check support. Must not build anything from the config.
+
+Note: unknown top-level keys
+    DeepSpeed ignores unknown top-level keys silently, so a misspelt section is simply lost.
+    Here an unknown top-level key is an error when it is likely a typo of a known key, and a
+    logged warning otherwise. "Likely a typo" means: after lower-casing and reading "-" as "_" it
+    equals a known key, or it is within Damerau-Levenshtein distance 1 (keys of up to 8
+    characters) or 2 (longer keys) of one. That catches ``train_batch_sz``, ``zero_optimisation``,
+    ``Bf16``, ``fp61`` and lets other projects' keys through with a warning, e.g. LLaMA-Factory's
+    ``comms_config`` (5 edits from ``comms_logger``) and ``monitor_config``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+from pydantic import ValidationError
+
+from lightspeed._utils.logging import get_logger
+from lightspeed.config.base import as_int, dotted, problems_from, section_at, show
+from lightspeed.config.batch import BATCH_KEYS, detect_world_size, resolve_batch
+from lightspeed.config.errors import ConfigError
+from lightspeed.config.legacy import map_legacy
+from lightspeed.config.model import LightspeedConfig, cross_problems
+from lightspeed.config.parse import read_source
+from lightspeed.config.support import check_supported
+
+logger = get_logger(__name__)
+
+# Top-level names DeepSpeed reads that legacy.py consumes (they are not fields of the model).
+LEGACY_TOP_LEVEL = ("bfloat16", "allgather_size")
+
+# Names people write for a top-level key that are too far from it for the typo rule.
+MISNAMED_TOP_LEVEL = {"seq_parallel_communication_data_type": "seq_parallel_comm_data_type"}
+
+# Places where DeepSpeed itself gives "auto" a meaning, so it is not an unresolved HF placeholder.
+AUTO_ALLOWED_PATHS = ("pipeline.stages",)
+AUTO_ALLOWED_PREFIXES = ("expert_parallel.",)
+
+
+def _osa_distance(a: str, b: str) -> int:
+    """Damerau-Levenshtein distance (optimal string alignment: adjacent transpositions count 1)."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[len(b)]
+
+
+def likely_typo(key: str, known: list[str]) -> Optional[str]:
+    """The known key `key` is probably a misspelling of, or None (rule in the module Note)."""
+    normalized = key.lower().replace("-", "_")
+    limit = 1 if len(key) <= 8 else 2
+    best, best_distance = None, limit + 1
+    for candidate in known:
+        distance = 0 if normalized == candidate else _osa_distance(normalized, candidate)
+        if distance < best_distance:
+            best, best_distance = candidate, distance
+    return best
+
+
+def _section_owning(key: str) -> Optional[str]:
+    """The one top-level section that has `key` as one of its own keys (for a misplaced-key hint)."""
+    owners = [
+        name
+        for name in LightspeedConfig.model_fields
+        if (section := section_at(LightspeedConfig, (name,))) is not None and key in section.model_fields
+    ]
+    return owners[0] if len(owners) == 1 else None
+
+
+def _top_level(parsed: dict) -> tuple[list[str], list[str]]:
+    """(problems for typo keys, unknown keys to ignore); warnings are logged for the latter."""
+    known = list(LightspeedConfig.model_fields) + list(LEGACY_TOP_LEVEL)
+    problems, ignored = [], []
+    for key in parsed:
+        if key in known:
+            continue
+        typo = MISNAMED_TOP_LEVEL.get(key) or likely_typo(key, known)
+        if typo is not None:
+            problems.append(f'{key}: unknown top-level key; did you mean "{typo}"?')
+            continue
+        ignored.append(key)
+        owner = _section_owning(key)
+        hint = f'; "{key}" is a key of {owner}, did you mean {owner}.{key}?' if owner else ""
+        logger.warning(f"config: unknown top-level key {show(key)} is ignored (not a DeepSpeed key{hint})")
+    return problems, ignored
+
+
+def _auto_paths(value: Any, loc: tuple = ()) -> list[str]:
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _auto_paths(v, loc + (k,))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _auto_paths(v, loc + (i,))]
+    if value == "auto":
+        path = dotted(loc)
+        if path not in AUTO_ALLOWED_PATHS and not path.startswith(AUTO_ALLOWED_PREFIXES):
+            return [path]
+    return []
+
+
+def _auto_problems(parsed: dict, ignored: list[str]) -> list[str]:
+    paths = _auto_paths({k: v for k, v in parsed.items() if k not in ignored})
+    if not paths:
+        return []
+    return [
+        '"auto" is a Hugging Face placeholder, not a value: the caller (e.g. the HF Trainer or '
+        'Accelerate) must resolve every "auto" before passing the config; found at:'
+    ] + [f'{path}: must be a concrete value (got "auto")' for path in paths]
+
+
+def _warn_like_deepspeed(cfg: LightspeedConfig) -> None:
+    """The warnings DeepSpeedConfig._do_warning_check gives."""
+    if cfg.vocabulary_size is not None and cfg.vocabulary_size % 8:
+        logger.warning(f"config: vocabulary_size {cfg.vocabulary_size} is not a multiple of 8 (slower tensor cores)")
+    max_grad_norm = cfg.optimizer.params.get("max_grad_norm") if cfg.optimizer is not None else None
+    if isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool) and max_grad_norm > 0:
+        logger.warning(
+            f"config: optimizer.params.max_grad_norm ({max_grad_norm}) is not applied by the engine; "
+            "use the top-level gradient_clipping"
+        )
+
+
+def _batch_inputs(mapped: dict) -> Optional[tuple]:
+    """The given triad values as ints (None where absent), or None when one of them is invalid
+    (its own validation problem is reported instead)."""
+    out = []
+    for key in BATCH_KEYS:
+        value = mapped.get(key)
+        if value is None:
+            out.append(None)
+            continue
+        count = as_int(value)
+        if count is None or count < 1:
+            return None
+        out.append(count)
+    return tuple(out)
+
+
+def _validate(model_input: dict) -> tuple[Optional[LightspeedConfig], list[str]]:
+    """The config (None if any section is invalid) and the problems. Cross-section rules still run
+    when some sections are invalid: over the valid ones, with the invalid ones at their defaults,
+    keeping only the rules that do not mention an invalid section."""
+    try:
+        cfg = LightspeedConfig.model_validate(model_input)
+    except ValidationError as err:
+        problems = _dedupe(problems_from(err, LightspeedConfig))
+        failed = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
+        try:
+            partial = LightspeedConfig.model_validate({k: v for k, v in model_input.items() if k not in failed})
+        except ValidationError:  # pragma: no cover - every failing section was removed
+            return None, problems
+        for line in cross_problems(partial):
+            if not any(line.startswith(key) or f" {key}." in line or f" {key} " in line for key in failed):
+                problems.append(line)
+        return None, problems
+    return cfg, cross_problems(cfg)
+
+
+def load(
+    source: Union[dict, str, "os.PathLike[str]", LightspeedConfig],
+    world_size: Optional[int] = None,
+    *,
+    check_support: bool = True,
+) -> LightspeedConfig:
+    """Validate a ds_config and resolve its batch triad.
+
+    source: a dict, a path to a JSON/HJSON file, a JSON string (first non-blank character ``{``),
+        or an already loaded `LightspeedConfig` (returned as is, or re-resolved for a new world size).
+    world_size: the data-parallel world size; by default the initialized torch.distributed world
+        size, else env WORLD_SIZE, else 1.
+    check_support: raise NotImplementedError for settings lightspeed does not implement yet.
+
+    Raises ConfigError listing every problem found, then NotImplementedError (see `support.py`).
+    """
+    if isinstance(source, LightspeedConfig):
+        if world_size is None or as_int(world_size) == source.world_size:
+            if check_support:
+                check_supported(source)
+            return source
+        reloaded = load(source.raw, world_size, check_support=check_support)
+        reloaded._source = source.source
+        return reloaded
+
+    parsed, name = read_source(source)
+    problems, ignored = _top_level(parsed)
+    autos = _auto_problems(parsed, ignored)
+    if autos:
+        raise ConfigError(problems + autos)
+
+    mapped, legacy_problems = map_legacy(parsed)
+    problems += legacy_problems
+    if "allgather_size" in mapped:
+        logger.warning("config: allgather_size is ignored (it is only read with a boolean zero_optimization)")
+
+    cfg, section_problems = _validate({k: v for k, v in mapped.items() if k in LightspeedConfig.model_fields})
+    problems += section_problems
+
+    resolved = None
+    try:
+        world, world_source = detect_world_size(world_size)
+    except ConfigError as err:
+        problems += err.problems
+        world, world_source = None, ""
+    elasticity = mapped.get("elasticity")
+    elastic = isinstance(elasticity, dict) and elasticity.get("enabled") is True  # it sets the triad itself
+    given = _batch_inputs(mapped)
+    if world is not None and given is not None and not elastic:
+        *resolved, batch_problems = resolve_batch(*given, world, world_source)
+        problems += batch_problems
+
+    if problems:
+        raise ConfigError(problems)
+    assert cfg is not None
+    _warn_like_deepspeed(cfg)
+    if resolved is not None:
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = resolved
+    cfg._raw = mapped
+    cfg._world_size, cfg._world_size_source, cfg._source = world, world_source, name
+    if check_support:
+        check_supported(cfg)
+    return cfg
+
+
+def _dedupe(lines: list[str]) -> list[str]:
+    seen: set[str] = set()
+    return [line for line in lines if not (line in seen or seen.add(line))]

@@ -1,0 +1,174 @@
+"""The registry of config features that parse but are not implemented yet.
+
+One list, `UNIMPLEMENTED`: each entry is a config path, a predicate saying whether the loaded config
+turns the feature on, and optionally the text describing the setting. When a feature lands, its
+entry is deleted from the list (and nothing else changes). `check_supported(cfg)` names every active
+entry at once, e.g. ``zero_optimization.stage=2 is not implemented yet``.
+
+Implemented today, hence absent: the batch triad, steps_per_print, wall_clock_breakdown,
+gradient_clipping, prescale_gradients, gradient_predivide_factor, optimizer, scheduler, fp16 (not
+auto_cast, not fp16_master_weights_and_grads), bf16, ZeRO stage 0, data_types.grad_accum_dtype,
+communication_data_type, checkpoint.tag_validation, memory_breakdown, dump_state; also
+dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
+precision mode by ``lightspeed.precision.policy``).
+``aio`` is not listed: it only matters with NVMe offload, which is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from pydantic import BaseModel
+
+from lightspeed.config.base import as_int, show
+from lightspeed.config.model import LightspeedConfig
+
+
+def _get(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = cfg.get(part) if isinstance(cfg, dict) else getattr(cfg, part, None)
+    return cfg
+
+
+@dataclass(frozen=True)
+class Unimplemented:
+    """`path` names the setting; `active(cfg)` is true when the config turns it on; `describe(cfg)`
+    replaces the default ``path=value`` text."""
+
+    path: str
+    active: Callable[[LightspeedConfig], bool]
+    describe: Optional[Callable[[LightspeedConfig], str]] = None
+
+    def message(self, cfg: LightspeedConfig) -> str:
+        what = self.describe(cfg) if self.describe else f"{self.path}={show(_get(cfg, self.path))}"
+        return f"{what} is not implemented yet"
+
+
+def _flag(path: str) -> Unimplemented:
+    """A boolean (or enabled-switch) setting: active when true."""
+    return Unimplemented(path, lambda cfg: _get(cfg, path) is True)
+
+
+def _set(path: str) -> Unimplemented:
+    """A setting (or optional section, then named by its path alone) that is off while None."""
+
+    def describe(cfg):
+        value = _get(cfg, path)
+        return path if isinstance(value, (dict, BaseModel)) else f"{path}={show(value)}"
+
+    return Unimplemented(path, lambda cfg: _get(cfg, path) is not None, describe)
+
+
+def _above(path: str, limit: int) -> Unimplemented:
+    """An integer setting that is off up to `limit`."""
+    return Unimplemented(path, lambda cfg: (as_int(_get(cfg, path)) or limit) > limit)
+
+
+def _changed(path: str) -> Unimplemented:
+    """A whole section: active when any key differs from its default."""
+
+    def describe(cfg):
+        changed = _get(cfg, path).non_default()
+        return f"{path} (" + ", ".join(f"{k}={show(v)}" for k, v in changed.items()) + ")"
+
+    return Unimplemented(path, lambda cfg: bool(_get(cfg, path).non_default()), describe)
+
+
+def _offload(block: str, device: str) -> Unimplemented:
+    path = f"zero_optimization.{block}.device"
+    return Unimplemented(path, lambda cfg: getattr(cfg.zero_optimization, f"{block}_device") == device)
+
+
+_ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+
+UNIMPLEMENTED: list[Unimplemented] = [
+    # ZeRO
+    Unimplemented("zero_optimization.stage", lambda cfg: cfg.zero_optimization.stage != 0),
+    _offload("offload_optimizer", "cpu"),
+    _offload("offload_optimizer", "nvme"),
+    _offload("offload_param", "cpu"),
+    _offload("offload_param", "nvme"),
+    _flag("zero_optimization.zero_quantized_weights"),
+    _flag("zero_optimization.zero_quantized_nontrainable_weights"),
+    _flag("zero_optimization.zero_quantized_gradients"),
+    _above("zero_optimization.zero_hpz_partition_size", 1),
+    _set("zero_optimization.zeropp_loco_param"),
+    _above("zero_optimization.mics_shard_size", 0),
+    _flag("zero_optimization.mics_hierarchical_params_gather"),
+    _set("zero_optimization.zenflow"),
+    # Precision
+    _flag("fp16.auto_cast"),
+    _flag("fp16.fp16_master_weights_and_grads"),
+    _flag("bf16.bf16_master_weights_and_grads"),
+    _flag("bf16.bf16_optimizer_states"),
+    _flag("amp.enabled"),
+    _flag("torch_autocast.enabled"),
+    _set("data_types.buffer_dtype"),
+    # Gradients, communication, optimizer
+    _flag("sparse_gradients"),
+    Unimplemented("gradient_allreduce_op", lambda cfg: cfg.gradient_allreduce_op != "mean"),
+    Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
+    Unimplemented("sequence_parallel_size", lambda cfg: (cfg.sequence_parallel_size or 1) > 1),
+    Unimplemented(
+        "optimizer.type",
+        lambda cfg: cfg.optimizer is not None and cfg.optimizer.type.lower() in _ONEBIT_OPTIMIZERS,
+    ),
+    # Features
+    _changed("activation_checkpointing"),
+    _changed("pipeline"),
+    _flag("checkpoint.load_universal"),
+    _flag("checkpoint.use_node_local_storage"),
+    _flag("checkpoint.parallel_write.pipeline_stage"),
+    _set("checkpoint.writer"),
+    _flag("elasticity.enabled"),
+    _flag("autotuning.enabled"),
+    _flag("hybrid_engine.enabled"),
+    _flag("graph_harvesting"),
+    _flag("use_data_before_expert_parallelism"),
+    _flag("disable_python_gc"),
+    # Monitoring and profiling
+    _flag("flops_profiler.enabled"),
+    _flag("tensorboard.enabled"),
+    _flag("wandb.enabled"),
+    _flag("csv_monitor.enabled"),
+    _flag("comet.enabled"),
+    _flag("trackio.enabled"),
+    _flag("comms_logger.enabled"),
+    # Training-efficiency research features
+    Unimplemented(
+        "compression_training",
+        lambda cfg: bool(cfg.compression_training.enabled_techniques()),
+        lambda cfg: "compression_training (" + ", ".join(cfg.compression_training.enabled_techniques()) + ")",
+    ),
+    _flag("data_efficiency.enabled"),
+    _flag("curriculum_learning.enabled"),
+    _flag("progressive_layer_drop.enabled"),
+    _set("sparse_attention"),
+    _flag("eigenvalue.enabled"),
+    # Sections kept as free dicts
+    _flag("compile.deepcompile"),
+    _flag("compile.enabled"),
+    _above("tensor_parallel.autotp_size", 1),
+    _flag("expert_parallel.enabled"),
+    _flag("nebula.enabled"),
+    _flag("datastates.enabled"),
+    _flag("quantize_training.enabled"),
+    _set("weight_quantization"),
+]
+
+
+def unimplemented_features(cfg: LightspeedConfig) -> list[str]:
+    """One message per feature the config turns on that lightspeed does not implement yet."""
+    return [entry.message(cfg) for entry in UNIMPLEMENTED if entry.active(cfg)]
+
+
+def check_supported(cfg: LightspeedConfig) -> None:
+    """Raise NotImplementedError naming every enabled-but-unimplemented setting of `cfg` at once."""
+    messages = unimplemented_features(cfg)
+    if len(messages) == 1:
+        raise NotImplementedError(messages[0])
+    if messages:
+        raise NotImplementedError(
+            f"{len(messages)} config settings are not implemented yet:\n" + "\n".join(f"  {m}" for m in messages)
+        )

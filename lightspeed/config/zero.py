@@ -1,0 +1,158 @@
+"""The ``zero_optimization`` section with its ``offload_optimizer`` / ``offload_param`` blocks,
+ZeRO++ keys (``zero_quantized_weights``, ``zero_hpz_partition_size``, ``zero_quantized_gradients``,
+...) and MiCS keys. Keys and defaults follow DeepSpeed's ``runtime/zero/config.py`` and
+``runtime/zero/offload_config.py``.
+
+Attributes carry the JSON names, so the stage-3 knobs are ``stage3_prefetch_bucket_size`` and so
+on. DeepSpeed also accepts their unprefixed field names (``prefetch_bucket_size``); `legacy.py`
+rewrites those, and the deprecated ``cpu_offload*`` / ``stage3_gather_fp16_weights_on_model_save``
+keys, before this model sees the dict. Owns the section's shape only; no partitioning logic.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from pydantic import model_validator
+
+from lightspeed.config.base import Bool, Choice, Float, FreeDict, Int, NonNegInt, Section, Str, StrList
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+# DeepSpeed's field name -> JSON alias, for the stage-3 knobs that have a `stage3_` alias.
+STAGE3_ALIASES = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
+}
+
+OffloadDevice = Choice(*OFFLOAD_DEVICES)
+
+
+class OffloadParamConfig(Section):
+    """``zero_optimization.offload_param``: where stage-3 parameter partitions live."""
+
+    device: OffloadDevice = "none"
+    nvme_path: Optional[Str] = None
+    nvme_path_per_local_rank: Optional[StrList] = None
+    """One NVMe path per local rank, indexed by LOCAL_RANK."""
+    buffer_count: NonNegInt = 5
+    buffer_size: NonNegInt = 100_000_000
+    max_in_cpu: NonNegInt = 1_000_000_000
+    """Parameter elements kept in CPU memory when offloading to NVMe."""
+    pin_memory: Bool = False
+
+
+class OffloadOptimizerConfig(Section):
+    """``zero_optimization.offload_optimizer``: where optimizer state lives and where the step runs."""
+
+    device: OffloadDevice = "none"
+    nvme_path: Optional[Str] = None
+    nvme_path_per_local_rank: Optional[StrList] = None
+    buffer_count: NonNegInt = 4
+    buffer_size: NonNegInt = 100_000_000
+    pin_memory: Bool = False
+    pipeline_read: Bool = False
+    pipeline_write: Bool = False
+    fast_init: Bool = False
+    ratio: Float(ge=0.0, le=1.0) = 1.0
+    """Fraction of the optimizer step run on CPU (partial offload; ZeRO-3 only)."""
+    super_offload: Bool = False
+    convert_grad_on_cpu: Bool = True
+    cpuadam_cores_perc: Float(ge=0.0, le=1.0) = 0.8
+
+    @property
+    def pipeline(self) -> bool:
+        return self.pipeline_read or self.pipeline_write
+
+
+class LeafModuleConfig(Section):
+    """``zero_optimization.leaf_module``: modules ZeRO-3 gathers as one unit (no hooks inside)."""
+
+    classes: StrList = []
+    names: StrList = []
+    name_suffixes: StrList = []
+
+
+class ZeroConfig(Section):
+    """``zero_optimization``."""
+
+    stage: Int(ge=0, le=3, what="must be 0, 1, 2 or 3") = 0
+    contiguous_gradients: Bool = True
+    reduce_scatter: Bool = True
+    reduce_bucket_size: NonNegInt = 500_000_000
+    use_multi_rank_bucket_allreduce: Bool = True
+    allgather_partitions: Bool = True
+    allgather_bucket_size: NonNegInt = 500_000_000
+    overlap_comm: Optional[Bool] = None
+    """None means DeepSpeed's dynamic default: true for stage 3, false otherwise (resolved on load)."""
+    load_from_fp32_weights: Bool = True
+    elastic_checkpoint: Bool = False
+    compute_grad_norm: Bool = True
+    parameter_alignment: Bool = False
+    offload_param: Optional[OffloadParamConfig] = None
+    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+    zenflow: Optional[FreeDict] = None
+    sub_group_size: NonNegInt = 1_000_000_000
+    stage3_prefetch_bucket_size: NonNegInt = 50_000_000
+    stage3_param_persistence_threshold: NonNegInt = 100_000
+    stage3_model_persistence_threshold: NonNegInt = sys.maxsize
+    stage3_max_live_parameters: NonNegInt = 1_000_000_000
+    stage3_max_reuse_distance: NonNegInt = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: Bool = False
+    stage3_module_granularity_threshold: Int() = 0
+    stage3_use_all_reduce_for_fetch_params: Bool = False
+    stage3_allgather_sequential: Bool = False
+    ignore_unused_parameters: Bool = True
+    legacy_stage1: Bool = False
+    round_robin_gradients: Bool = False
+    zero_hpz_partition_size: NonNegInt = 1
+    zero_quantized_weights: Bool = False
+    zero_quantized_nontrainable_weights: Bool = False
+    zero_quantized_gradients: Bool = False
+    zeropp_loco_param: Optional[FreeDict] = None
+    mics_shard_size: Int() = -1
+    mics_hierarchical_params_gather: Bool = False
+    memory_efficient_linear: Bool = True
+    pipeline_loading_checkpoint: Bool = False
+    override_module_apply: Bool = True
+    log_trace_cache_warnings: Bool = False
+    enable_sanity_checks: Bool = False
+    save_muon_momentum_buffer_in_memory: Bool = False
+    leaf_module: LeafModuleConfig = LeafModuleConfig()
+
+    @model_validator(mode="after")
+    def _dynamic_defaults(self):
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
+        return self
+
+    @property
+    def offload_optimizer_device(self) -> str:
+        return self.offload_optimizer.device if self.offload_optimizer is not None else "none"
+
+    @property
+    def offload_param_device(self) -> str:
+        return self.offload_param.device if self.offload_param is not None else "none"
+
+
+def zero_problems(zero: ZeroConfig) -> list[str]:
+    """Rules across keys of the section (DeepSpeed's validators, plus NVMe needing a path)."""
+    out = []
+    opt = zero.offload_optimizer
+    if opt is not None and opt.ratio < 1.0 and zero.stage != 3:
+        out.append(
+            f"zero_optimization.offload_optimizer.ratio: partial offload (ratio < 1) needs "
+            f"zero_optimization.stage 3 (got ratio {opt.ratio} with stage {zero.stage})"
+        )
+    for name, block in (("offload_optimizer", opt), ("offload_param", zero.offload_param)):
+        if block is not None and block.device == "nvme" and not (block.nvme_path or block.nvme_path_per_local_rank):
+            out.append(f'zero_optimization.{name}.nvme_path: is required when device is "nvme"')
+    return out

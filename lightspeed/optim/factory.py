@@ -1,0 +1,238 @@
+"""Builds the optimizer named by the ds_config `optimizer` section, with DeepSpeed's names, defaults
+and Adam/AdamW rules.
+
+Owns: matching `optimizer.type`, validating `optimizer.params`, and one small builder per optimizer
+family (`_adam`, `_lamb`, `_lion`, `_adagrad`): the seam where lightspeed's fused kernels will plug
+in under the same names. Must not: wrap the optimizer for ZeRO or mixed precision, or know about the
+engine.
+
+Note [DeepSpeed optimizer names]: the DeepSpeed names (adam, adamw, lamb, lion, adagrad and the
+one-bit / mup / muon ones) match case-insensitively; any other name is a torch.optim class, matched
+exactly as DeepSpeed's getattr(torch.optim, name) does, and case-insensitively as a convenience.
+`max_grad_norm` is rejected for every type (DeepSpeed: use the top-level `gradient_clipping`).
+
+Note [Adam modes]: "Adam" and "AdamW" both mean DeepSpeed's FusedAdam. `adam_w_mode` (default true)
+selects decoupled weight decay and type "AdamW" forces it, so plain "Adam" is AdamW unless
+`adam_w_mode: false`. The family builds torch.optim.AdamW (decoupled) or torch.optim.Adam (L2) with
+FusedAdam's parameters and defaults (weight_decay 0, not torch AdamW's 0.01). `torch_adam: true`
+passes the remaining params straight to torch.optim.Adam/AdamW with torch's defaults, as DeepSpeed
+does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Iterable
+
+import torch
+from pydantic import BeforeValidator, ValidationError
+
+from lightspeed._utils.logging import get_logger
+from lightspeed.config.base import Bool, Float, Section, problems_from, show, suggest
+from lightspeed.config.errors import ConfigError
+from lightspeed.optim.lamb import Lamb
+from lightspeed.optim.lion import Lion
+from lightspeed.optim.schedules import kwargs_problems, read_section
+
+logger = get_logger(__name__)
+
+__all__ = ["build_optimizer"]
+
+_NOT_IMPLEMENTED = {
+    "onebitadam": "OneBitAdam",
+    "zerooneadam": "ZeroOneAdam",
+    "onebitlamb": "OneBitLamb",
+    "muadam": "MuAdam",
+    "muadamw": "MuAdamW",
+    "musgd": "MuSGD",
+    "muon": "Muon",
+}
+_DISPLAY_NAMES = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", *_NOT_IMPLEMENTED.values()]
+
+
+def _check_betas(value):
+    def ok(b) -> bool:
+        return not isinstance(b, bool) and isinstance(b, (int, float)) and math.isfinite(b) and 0 <= b < 1
+
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(ok(b) for b in value):
+        return (float(value[0]), float(value[1]))
+    raise ValueError("must be a list of two numbers in [0, 1)")
+
+
+Betas = Annotated[Any, BeforeValidator(_check_betas)]
+NonNegFloat = Float(ge=0)
+
+
+class _AdamFlags(Section):
+    torch_adam: Bool = False
+    adam_w_mode: Bool = True
+
+
+class _FusedAdamParams(Section):
+    lr: NonNegFloat = 1e-3
+    bias_correction: Bool = True
+    betas: Betas = (0.9, 0.999)
+    eps: NonNegFloat = 1e-8
+    weight_decay: NonNegFloat = 0.0
+    amsgrad: Bool = False
+    set_grad_none: Bool = True
+
+
+class _FusedLambParams(Section):
+    lr: NonNegFloat = 1e-3
+    bias_correction: Bool = True
+    betas: Betas = (0.9, 0.999)
+    eps: NonNegFloat = 1e-8
+    eps_inside_sqrt: Bool = False
+    weight_decay: NonNegFloat = 0.0
+    max_coeff: NonNegFloat = 10.0
+    min_coeff: NonNegFloat = 0.01
+    amsgrad: Bool = False
+
+
+class _FusedLionParams(Section):
+    lr: NonNegFloat = 1e-3
+    betas: Betas = (0.9, 0.999)
+    weight_decay: NonNegFloat = 0.0
+    set_grad_none: Bool = True
+
+
+class _TorchCommonParams(Section):
+    """Types of the usual torch.optim arguments; checked only when present."""
+
+    lr: NonNegFloat = None
+    betas: Betas = None
+    eps: NonNegFloat = None
+    weight_decay: NonNegFloat = None
+    momentum: NonNegFloat = None
+    dampening: NonNegFloat = None
+    lr_decay: NonNegFloat = None
+    initial_accumulator_value: NonNegFloat = None
+    alpha: NonNegFloat = None
+    nesterov: Bool = None
+    amsgrad: Bool = None
+    maximize: Bool = None
+    centered: Bool = None
+
+
+def _validate(model: type[Section], params: dict, *, only_set: bool = False) -> dict:
+    try:
+        return model.model_validate(params).model_dump(exclude_unset=only_set)
+    except ValidationError as error:
+        raise ConfigError(problems_from(error, model, ("optimizer", "params"))) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# One builder per family: the only place that picks the implementation.
+
+
+def _adam(param_groups: list, *, adamw: bool, lr: float, betas: tuple, eps: float, weight_decay: float):
+    """DeepSpeed FusedAdam semantics; decoupled weight decay when `adamw`, else L2 into the gradient."""
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def _lamb(param_groups: list, **hyper) -> Lamb:
+    """DeepSpeed FusedLamb semantics (see lightspeed.optim.lamb)."""
+    return Lamb(param_groups, **hyper)
+
+
+def _lion(param_groups: list, **hyper) -> Lion:
+    """DeepSpeed FusedLion semantics (see lightspeed.optim.lion)."""
+    return Lion(param_groups, **hyper)
+
+
+def _adagrad(param_groups: list, params: dict):
+    """torch.optim.Adagrad, as DeepSpeed builds without CPU offload."""
+    return _torch_optimizer(torch.optim.Adagrad, param_groups, params)
+
+
+def _torch_optimizer(cls: type, param_groups: list, params: dict):
+    problems = kwargs_problems(cls, params, "optimizer.params", skip=("params",))
+    common = {k: v for k, v in params.items() if k in _TorchCommonParams.model_fields}
+    try:
+        params = {**params, **_validate(_TorchCommonParams, common, only_set=True)}
+    except ConfigError as error:
+        problems += error.problems
+    if problems:
+        raise ConfigError(problems)
+    return cls(param_groups, **params)
+
+
+def _torch_class(type_name: str) -> type:
+    """torch.optim.<type_name>, matched exactly first, then case-insensitively."""
+    names = [
+        n
+        for n in dir(torch.optim)
+        if n != "Optimizer" and isinstance(getattr(torch.optim, n), type)
+        and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+    ]
+    if type_name in names:
+        return getattr(torch.optim, type_name)
+    by_lower = {n.lower(): n for n in names}
+    if type_name.lower() in by_lower:
+        return getattr(torch.optim, by_lower[type_name.lower()])
+    hint = suggest(type_name, _DISPLAY_NAMES + names)
+    raise ConfigError(f"optimizer.type: unknown optimizer {show(type_name)}{hint}")
+
+
+def build_optimizer(optimizer_config, model_parameters: Iterable) -> torch.optim.Optimizer:
+    """The optimizer named by `optimizer_config` (`.type`/`.params`, or a dict) over
+    `model_parameters` (tensors or param-group dicts, whose own keys override the params).
+
+    Bad types and params raise ConfigError naming `optimizer.type` / `optimizer.params.<key>`; the
+    one-bit optimizers, MuAdam/MuAdamW/MuSGD and Muon raise NotImplementedError.
+    """
+    type_name, params = read_section(optimizer_config, "optimizer")
+    param_groups = list(model_parameters)
+    if not param_groups:
+        raise ValueError("build_optimizer: model_parameters is empty")
+    if "max_grad_norm" in params:
+        raise ConfigError(
+            "optimizer.params.max_grad_norm: not supported as an optimizer parameter; "
+            "use the top-level gradient_clipping"
+        )
+    name = type_name.lower()
+    if name in _NOT_IMPLEMENTED:
+        raise NotImplementedError(f"optimizer.type: {_NOT_IMPLEMENTED[name]} is not implemented in lightspeed yet")
+    try:
+        optimizer = _build(name, type_name, param_groups, params)
+    except (TypeError, ValueError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"optimizer.params: {type_name} rejected them: {error}") from error
+    logger.info(f"optimizer: {type_name} -> {type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    return optimizer
+
+
+def _build(name: str, type_name: str, param_groups: list, params: dict):
+    if name in ("adam", "adamw"):
+        flags = _validate(_AdamFlags, {k: params.pop(k) for k in list(params) if k in _AdamFlags.model_fields})
+        adamw = name == "adamw" or flags["adam_w_mode"]
+        if flags["torch_adam"]:
+            return _torch_optimizer(torch.optim.AdamW if adamw else torch.optim.Adam, param_groups, params)
+        hyper = _validate(_FusedAdamParams, params)
+        if not hyper.pop("bias_correction"):
+            raise ConfigError(
+                "optimizer.params.bias_correction: false is not supported yet "
+                "(lightspeed's Adam always bias-corrects; DeepSpeed FusedAdam can turn it off)"
+            )
+        if hyper.pop("amsgrad"):
+            raise ConfigError(
+                "optimizer.params.amsgrad: FusedAdam does not support the AMSGrad variant "
+                "(set torch_adam: true to use torch.optim's)"
+            )
+        hyper.pop("set_grad_none")
+        return _adam(param_groups, adamw=adamw, **hyper)
+    if name == "lamb":
+        hyper = _validate(_FusedLambParams, params)
+        if hyper.pop("amsgrad"):
+            raise ConfigError("optimizer.params.amsgrad: FusedLamb does not support the AMSGrad variant")
+        return _lamb(param_groups, **hyper)
+    if name == "lion":
+        hyper = _validate(_FusedLionParams, params)
+        hyper.pop("set_grad_none")
+        return _lion(param_groups, **hyper)
+    if name == "adagrad":
+        return _adagrad(param_groups, params)
+    return _torch_optimizer(_torch_class(type_name), param_groups, params)

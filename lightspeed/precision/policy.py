@@ -1,0 +1,115 @@
+"""Precision policy: which dtype each role (params, compute, grad accumulation, reduction, master
+copy) uses, resolved once from the config.
+
+Owns the dtype decisions and their DeepSpeed defaults. It must not cast tensors or build buffers;
+strategies read the policy and allocate accordingly.
+
+Note: [defaults, and why bf16 accumulates in bf16]
+    DeepSpeed derives everything from ``fp16.enabled`` / ``bf16.enabled`` (engine.get_data_types,
+    engine.communication_data_type):
+
+    =====  ======  ==========  =======================  ========================  ======  ============
+    mode   params  compute     grad accumulation        reduction                 master  loss scaling
+    =====  ======  ==========  =======================  ========================  ======  ============
+    fp16   fp16    fp16        data_types or fp16       communication or fp16     fp32    yes
+    bf16   bf16    bf16        data_types or bf16       communication or bf16     fp32    no
+    fp32   fp32    fp32        data_types or fp32       communication or fp32     None    no
+    =====  ======  ==========  =======================  ========================  ======  ============
+
+    bf16 accumulation default: DeepSpeed releases from about 0.7 to 0.16 accumulated bf16 gradients
+    in fp32 (BF16_Optimizer) *only without ZeRO*; every ZeRO stage has always accumulated in the
+    model dtype, and current DeepSpeed (``get_data_types``) returns the model dtype whenever
+    ``data_types.grad_accum_dtype`` is unset, for every stage. We follow current DeepSpeed: bf16
+    grads accumulate in bf16 unless the config says ``"grad_accum_dtype": "fp32"``, which gives the
+    fp32 accumulation buffer (the numerically safer choice for long accumulation) on every stage.
+    Narrowing accumulation below the param dtype, or crossing fp16 <-> bf16, is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightspeed.config.errors import ConfigError
+
+__all__ = ["PrecisionPolicy", "policy_from_config", "parse_dtype"]
+
+# DeepSpeed's DtypeEnum spellings (runtime/config.py), plus torch dtypes themselves.
+_DTYPE_NAMES = {
+    torch.float16: ("fp16", "float16", "half", "torch.float16"),
+    torch.bfloat16: ("bf16", "bfloat16", "bfloat", "torch.bfloat16"),
+    torch.float32: ("fp32", "float32", "float", "torch.float32"),
+}
+_BY_NAME = {name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The dtype of every tensor role in training. ``master_dtype`` is None when params are already
+    fp32 (no master copy); ``loss_scaling`` is True only for fp16."""
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    grad_accum_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype | None = None
+    loss_scaling: bool = False
+
+    @property
+    def mixed(self) -> bool:
+        """True when params are kept in a low-precision dtype with a separate master copy."""
+        return self.master_dtype is not None
+
+
+def parse_dtype(value: Any, key: str) -> torch.dtype | None:
+    """``None`` / a DeepSpeed dtype string / a torch dtype -> torch dtype; ``key`` names the JSON path."""
+    if value is None or isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
+        return value
+    if isinstance(value, str) and value.strip().lower() in _BY_NAME:
+        return _BY_NAME[value.strip().lower()]
+    raise ConfigError(f'{key}: must be one of "fp32", "fp16", "bf16" or null (got {value!r})')
+
+
+def _field(cfg: Any, path: str, default: Any = None) -> Any:
+    for name in path.split("."):
+        if cfg is None:
+            return default
+        cfg = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
+    return default if cfg is None else cfg
+
+
+def _short(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype][0]
+
+
+def policy_from_config(cfg: Any) -> PrecisionPolicy:
+    """Resolve the policy from a config object or dict with DeepSpeed's ``fp16``, ``bf16``,
+    ``data_types.grad_accum_dtype``, ``data_types.param_dtype`` (checked, not chosen) and
+    ``communication_data_type``; missing sections mean DeepSpeed's defaults."""
+    fp16 = bool(_field(cfg, "fp16.enabled", False))
+    bf16 = bool(_field(cfg, "bf16.enabled", False)) or bool(_field(cfg, "bfloat16.enabled", False))
+    if fp16 and bf16:
+        raise ConfigError("fp16.enabled and bf16.enabled: at most one may be true (got both)")
+    param = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+    declared = parse_dtype(_field(cfg, "data_types.param_dtype"), "data_types.param_dtype")
+    if declared is not None and declared != param:  # DeepSpeed's _assert_valid_mixed_precision_config
+        raise ConfigError(f"data_types.param_dtype: must match the enabled precision mode, {_short(param)} "
+                          f"(got {_short(declared)})")
+
+    accum = parse_dtype(_field(cfg, "data_types.grad_accum_dtype"), "data_types.grad_accum_dtype") or param
+    if accum != param and accum != torch.float32:
+        raise ConfigError(f"data_types.grad_accum_dtype: {_short(accum)} cannot accumulate {_short(param)} "
+                          f'gradients; use "{_short(param)}" or "fp32" (got {_short(accum)!r})')
+    reduce = parse_dtype(_field(cfg, "communication_data_type"), "communication_data_type") or param
+
+    return PrecisionPolicy(
+        param_dtype=param,
+        compute_dtype=param,
+        grad_accum_dtype=accum,
+        reduce_dtype=reduce,
+        master_dtype=None if param == torch.float32 else torch.float32,
+        loss_scaling=fp16,
+    )

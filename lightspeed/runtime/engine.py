@@ -1,0 +1,274 @@
+"""The training engine: orchestration only.
+
+Owns the training-step protocol (forward, backward with loss scaling and accumulation, step at the
+accumulation boundary, LR schedule, counters, logging) and wires the pieces built by `initialize()`.
+Must not: know how gradients are reduced or where state lives (the sharding strategy does), nor
+branch on the ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from lightspeed._utils.logging import get_logger
+from lightspeed._utils.sizes import human_bytes
+from lightspeed._utils.timers import Timers
+from lightspeed.checkpoint import engine_checkpoint
+from lightspeed.comm.collectives import Communicator
+from lightspeed.comm.groups import ParallelGroups
+from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.runtime.dataloader import build_dataloader
+from lightspeed.runtime.strategy import ShardingStrategy
+
+logger = get_logger(__name__)
+
+
+class LightspeedEngine(torch.nn.Module):
+    """DeepSpeed's engine API: `engine(*inputs)`, `engine.backward(loss)`, `engine.step()`, checkpoints."""
+
+    def __init__(self, *, module: torch.nn.Module, config, groups: ParallelGroups, comm: Communicator,
+                 device: torch.device, policy: PrecisionPolicy, strategy: ShardingStrategy,
+                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, loss_scaler: Any):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.groups = groups
+        self.comm = comm
+        self.device = device
+        self.policy = policy
+        self.strategy = strategy
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._step_applied = False
+        self._grad_norm: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self._last_print = (time.perf_counter(), 0)
+        self._memory_logged = False
+        self.timers = Timers(device, enabled=bool(config.wall_clock_breakdown))
+        self.training_dataloader = None
+
+    # ------------------------------------------------------------------ configuration accessors
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping)
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    @property
+    def global_rank(self) -> int:
+        return self.groups.world_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.groups.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.groups.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.groups.dp_world_size
+
+    # ------------------------------------------------------------------ training step
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step is the last of its accumulation window."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the boundary computed from the step counter (None restores it)."""
+        self._boundary_override = is_boundary
+
+    def forward(self, *inputs, **kwargs):
+        self.timers.start("forward")
+        out = self.module(*inputs, **kwargs)
+        self.timers.stop("forward")
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of `loss` (divided by the accumulation steps and multiplied by the loss scale)."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.backward expects a scalar loss tensor")
+        detached = loss.detach().float()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._loss_count += 1
+        self.timers.start("backward")
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale_loss(loss)  # in fp32: an fp16 loss times 2**16 could overflow
+        self.strategy.backward_start(self.is_gradient_accumulation_boundary())
+        loss.backward(retain_graph=retain_graph)
+        self.strategy.backward_end()
+        self.timers.stop("backward")
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Optimizer step at the accumulation boundary (skipped on fp16 overflow); a no-op otherwise."""
+        if self.is_gradient_accumulation_boundary():
+            self.timers.start("comm")
+            self.strategy.wait_gradients()
+            self.timers.stop("comm")
+            self.timers.start("step")
+            scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else None
+            result = self.strategy.step(scale, self.gradient_clipping())
+            self._step_applied = result.applied
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(not result.applied)
+            if result.applied:
+                self._grad_norm = result.grad_norm
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+            self.strategy.zero_grad()
+            self.timers.stop("step")
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._after_step()
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        self.strategy.zero_grad()
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the unscaled gradients of the last applied step, before clipping."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """This rank's bytes of lp_params, master_params, grads and optimizer_state, by device type."""
+        return self.strategy.memory_breakdown()
+
+    # ------------------------------------------------------------------ logging
+    def _after_step(self) -> None:
+        if not self._memory_logged:
+            self._memory_logged = True
+            parts = [f"{dev}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(cats.items()))
+                     for dev, cats in self.memory_breakdown().items()]
+            logger.info("memory after first step (this rank): %s", "; ".join(parts))
+        if self.global_steps % self.steps_per_print() != 0:
+            return
+        now = time.perf_counter()
+        then, samples_then = self._last_print
+        self._last_print = (now, self.global_samples)
+        steps = self.steps_per_print()
+        loss = float(self._loss_sum / self._loss_count) if self._loss_count else float("nan")
+        self._loss_sum, self._loss_count = None, 0
+        norm = self.get_global_grad_norm()
+        lrs = ", ".join(f"{lr:.4g}" for lr in self.get_lr())
+        msg = (f"step {self.global_steps}: loss {loss:.4f} lr [{lrs}] loss_scale {self.loss_scale:g} "
+               f"grad_norm {norm if norm is None else f'{norm:.4f}'} "
+               f"samples/s {(self.global_samples - samples_then) / max(now - then, 1e-9):.1f} "
+               f"ms/step {(now - then) * 1e3 / steps:.1f}")
+        if self.skipped_steps:
+            msg += f" skipped_steps {self.skipped_steps}"
+        logger.info(msg)
+        if self.timers.enabled:
+            times = self.timers.elapsed_ms()
+            parts = " ".join(f"{k} {v / steps:.2f}" for k, v in sorted(times.items()))
+            comm_bytes = self.comm.stats.total_bytes() / steps
+            self.comm.stats.reset()
+            logger.info("time per step (ms): %s | communication %s per step", parts, human_bytes(comm_bytes))
+
+    # ------------------------------------------------------------------ data
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route=None, pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None):
+        return build_dataloader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                dp_rank=self.groups.dp_rank, dp_world_size=self.groups.dp_world_size,
+                                collate_fn=collate_fn, data_sampler=data_sampler,
+                                num_workers=num_local_io_workers or 0,
+                                drop_last=bool(getattr(self.config, "dataloader_drop_last", False)),
+                                pin_memory=pin_memory and self.device.type == "cuda")
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        module_state = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            module_state = {k: v for k, v in module_state.items() if k not in frozen}
+        shared = {
+            "module": module_state,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "counters": {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                         "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps},
+            "client_state": dict(client_state or {}),
+            "zero_stage": self.zero_optimization_stage(),
+            "dp_world_size": self.dp_world_size,
+        }
+        engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=self.strategy.state_dict(),
+                               strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
+                               dp_rank=self.groups.dp_rank, save_latest=save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Restore a checkpoint written by `save_checkpoint`; returns `(path, client_state)`, or
+        `(None, None)` when `load_dir` holds no `latest` file and no tag is given."""
+        loaded = engine_checkpoint.load(load_dir, tag, dp_rank=self.groups.dp_rank,
+                                        load_strategy=not load_module_only)
+        if loaded is None:
+            logger.warning("no checkpoint to load in %s (no 'latest' file and no tag given)", load_dir)
+            return None, None
+        path, shared, strategy_state = loaded
+        self.module.load_state_dict(shared["module"], strict=load_module_strict)
+        if load_module_only:
+            self.strategy.load_state_dict({}, load_optimizer_states=False)
+            return path, shared.get("client_state", {})
+        self.strategy.load_state_dict(strategy_state, load_optimizer_states=load_optimizer_states)
+        if load_lr_scheduler_states and self.lr_scheduler is not None and shared.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
+        if self.loss_scaler is not None and shared.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(shared["loss_scaler"])
+        counters = shared["counters"]
+        self.global_steps = counters["global_steps"]
+        self.global_samples = counters["global_samples"]
+        self.micro_steps = counters["micro_steps"]
+        self.skipped_steps = counters["skipped_steps"]
+        return path, shared.get("client_state", {})

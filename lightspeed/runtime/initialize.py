@@ -1,0 +1,109 @@
+"""`initialize()`: DeepSpeed's entry point. Builds, in order: process groups, the validated config,
+the precision policy, the module on its device and dtype, the optimizer, the sharding strategy, the
+loss scaler, the LR scheduler and the data loader, and hands them to the engine."""
+
+from __future__ import annotations
+
+import torch
+
+from lightspeed import config as config_mod
+from lightspeed._utils.device import default_device
+from lightspeed._utils.logging import get_logger
+from lightspeed.comm.collectives import Communicator
+from lightspeed.comm.groups import ParallelGroups
+from lightspeed.comm.init import init_distributed
+from lightspeed.config.errors import ConfigError
+from lightspeed.optim import build_optimizer, build_scheduler
+from lightspeed.precision.loss_scaler import build_loss_scaler
+from lightspeed.precision.policy import policy_from_config
+from lightspeed.runtime.engine import LightspeedEngine
+from lightspeed.runtime.strategy import select_strategy
+
+logger = get_logger(__name__)
+
+
+def _config_source(args, config, config_params):
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize(): pass the config as `config` or `config_params`, not both")
+    config = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "lightspeed_config", None)
+    if config is not None and from_args is not None:
+        raise ConfigError("initialize(): the config is given both as `config` and as `args.deepspeed_config`; "
+                          "pass one")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ConfigError("initialize(): no config given (pass `config=` a dict or a path, or "
+                          "`args.deepspeed_config`)")
+    return config
+
+
+def _build_optimizer(optimizer, cfg, module, model_parameters):
+    params = list(model_parameters) if model_parameters is not None else list(module.parameters())
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer: given both in the config and to initialize(); pass one")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        return optimizer(params)
+    if cfg.optimizer is not None:
+        return build_optimizer(cfg.optimizer, params)
+    return None
+
+
+def _build_scheduler(lr_scheduler, cfg, optimizer):
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler: given both in the config and to initialize(); pass one")
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(optimizer)
+        return lr_scheduler
+    if cfg.scheduler is not None:
+        if optimizer is None:
+            raise ConfigError("scheduler: needs an optimizer (none in the config and none passed to initialize())")
+        return build_scheduler(cfg.scheduler, optimizer)
+    return None
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: bool | None = None, collate_fn=None, config=None, config_params=None,
+               mesh_param=None):
+    """Returns `(engine, optimizer, training_dataloader, lr_scheduler)`, as `deepspeed.initialize`.
+
+    `config` (or `config_params`, or `args.deepspeed_config`) is a dict, a JSON/HJSON file path or a
+    JSON string; `optimizer` and `lr_scheduler` may be instances, callables, or come from the config.
+    """
+    if model is None:
+        raise ValueError("initialize(): `model` is required")
+    if mesh_param is not None:
+        raise NotImplementedError("initialize(mesh_param=...) (sequence/tensor-parallel meshes) is not implemented")
+    source = _config_source(args, config, config_params)
+    if dist_init_required is not False:
+        init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    groups = ParallelGroups.build(mpu)
+    cfg = config_mod.load(source, world_size=groups.dp_world_size)
+    policy = policy_from_config(cfg)
+    device = default_device(groups.local_rank)
+    model.to(device=device)
+    if policy.param_dtype != torch.float32:
+        model.to(dtype=policy.param_dtype)
+    optimizer = _build_optimizer(optimizer, cfg, model, model_parameters)
+    comm = Communicator(groups.dp_group, groups.dp_world_size)
+    strategy = select_strategy(cfg, model, optimizer, policy, comm)
+    strategy.broadcast_from_rank0(model)
+    loss_scaler = build_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
+    lr_scheduler = _build_scheduler(lr_scheduler, cfg, optimizer)
+    engine = LightspeedEngine(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
+                              strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                              loss_scaler=loss_scaler)
+    dataloader = None
+    if training_data is not None:
+        dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+        engine.training_dataloader = dataloader
+    logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, micro batch %d x %d accumulation "
+                "steps = %d global, device %s", cfg.zero_optimization.stage, policy.param_dtype,
+                groups.dp_world_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                cfg.train_batch_size, device)
+    return engine, optimizer, dataloader, lr_scheduler

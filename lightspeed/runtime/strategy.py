@@ -1,0 +1,52 @@
+"""The sharding-strategy protocol every ZeRO stage implements, and the one place a stage is chosen.
+
+The engine calls these methods and never branches on the stage number.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from lightspeed.comm.collectives import Communicator
+from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.zero.stage0 import ReduceOptions, Stage0Strategy, StepResult
+
+
+class ShardingStrategy(Protocol):
+    stage: int
+    state_is_replicated: bool  # True: state_dict() is the same on every rank (rank 0 writes it)
+
+    def broadcast_from_rank0(self, module: torch.nn.Module) -> None: ...
+
+    def backward_start(self, is_boundary: bool) -> None: ...
+
+    def backward_end(self) -> None: ...
+
+    def wait_gradients(self) -> None: ...
+
+    def step(self, loss_scale: float | None, max_norm: float) -> StepResult: ...
+
+    def zero_grad(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None: ...
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]: ...
+
+
+def reduce_options(cfg, policy: PrecisionPolicy) -> ReduceOptions:
+    return ReduceOptions(bucket_numel=int(cfg.zero_optimization.reduce_bucket_size),
+                         prescale_gradients=bool(cfg.prescale_gradients),
+                         gradient_predivide_factor=float(cfg.gradient_predivide_factor),
+                         reduce_dtype=policy.reduce_dtype)
+
+
+def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPolicy,
+                    comm: Communicator) -> ShardingStrategy:
+    stage = cfg.zero_optimization.stage
+    if stage == 0:
+        return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy))
+    raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")

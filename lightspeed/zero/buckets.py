@@ -1,0 +1,96 @@
+"""Gradient buckets: consecutive ranges of a flat gradient buffer, reduced as soon as every parameter
+in them has its gradient for this step.
+
+Owns: readiness bookkeeping and the launch order. Must not: decide how a bucket is reduced (the
+`launch` callable given by the strategy does: all-reduce for stage 0, reduce-scatter later).
+
+Note (launch order): every rank must issue collectives in the same order, so buckets are launched in
+index order only: a bucket that becomes ready early waits until all buckets before it have been
+launched. Parameters that got no gradient in this backward (unused in forward) are launched by
+`flush()` at the end of backward, again in index order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lightspeed.zero.flat_params import FlatParams
+from lightspeed.zero.partition import bucket_ranges
+
+
+@dataclass
+class Bucket:
+    index: int
+    flat: FlatParams
+    first: int  # first parameter index (in flat.params)
+    last: int  # one past the last parameter index
+    start: int  # flat-buffer element range [start, end)
+    end: int
+    num_pending: int = 0
+    handle: Any = None
+    marked: set[int] = field(default_factory=set)
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.flat.grad_flat[self.start:self.end]
+
+
+class GradBuckets:
+    """Buckets over one or more FlatParams, launched in a fixed order by `launch(bucket) -> handle`."""
+
+    def __init__(self, flats: list[FlatParams], bucket_numel: int, launch: Callable[[Bucket], Any]):
+        self.launch_fn = launch
+        self.buckets: list[Bucket] = []
+        self.where: dict[int, tuple[Bucket, int]] = {}  # id(param) -> (bucket, param index)
+        for flat in flats:
+            ranges = [flat.param_range(i) for i in range(len(flat.params))]
+            spans = bucket_ranges(ranges, bucket_numel)
+            for n, (first, last) in enumerate(spans):
+                start = ranges[first].start
+                # the last bucket of a buffer also covers the padding, so the whole buffer is reduced
+                end = flat.layout.padded_numel if n == len(spans) - 1 else ranges[last - 1].end
+                bucket = Bucket(len(self.buckets), flat, first, last, start, end)
+                self.buckets.append(bucket)
+                for i in range(first, last):
+                    self.where[id(flat.params[i])] = (bucket, i)
+        self._next = 0
+        self.reset()
+
+    def reset(self) -> None:
+        for b in self.buckets:
+            b.num_pending = b.last - b.first
+            b.handle = None
+            b.marked.clear()
+        self._next = 0
+
+    def mark_ready(self, param: torch.nn.Parameter) -> None:
+        bucket, index = self.where[id(param)]
+        if index in bucket.marked:
+            raise RuntimeError("a parameter received its gradient twice in one backward pass at a gradient "
+                               "accumulation boundary (reentrant checkpointing or a second backward?); "
+                               "call engine.backward once per micro-step")
+        bucket.marked.add(index)
+        bucket.num_pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].num_pending == 0:
+            bucket = self.buckets[self._next]
+            bucket.handle = self.launch_fn(bucket)
+            self._next += 1
+
+    def flush(self) -> None:
+        """Launch every bucket not launched yet (parameters without gradients count as ready)."""
+        for bucket in self.buckets[self._next:]:
+            bucket.num_pending = 0
+        self._launch_ready()
+
+    def wait(self) -> None:
+        self.flush()
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None

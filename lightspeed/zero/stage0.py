@@ -1,0 +1,235 @@
+"""ZeRO stage 0: plain data parallelism on flat buffers.
+
+Every rank holds whole parameters, gradients, fp32 master parameters and optimizer state. Gradients
+are all-reduced bucket by bucket from backward hooks, at gradient-accumulation boundaries only, and
+overlap with the rest of backward (asynchronous collectives). This is the reference the sharded
+stages are tested against.
+
+Owns: flattening the module's trainable parameters, the gradient hooks, bucketed all-reduce with
+DeepSpeed's prescale / predivide semantics, the fp16 overflow check, clipping and the optimizer step
+on master weights. Must not: touch the loss scaler's state or the LR schedule (the engine does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightspeed.comm.collectives import Communicator
+from lightspeed.precision.overflow import flat_has_inf_or_nan
+from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.zero.buckets import Bucket, GradBuckets
+from lightspeed.zero.flat_params import FlatParams
+from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
+
+
+@dataclass
+class StepResult:
+    applied: bool  # False when the step was skipped (fp16 overflow)
+    grad_norm: torch.Tensor | None  # global L2 norm of the unscaled gradients (0-dim tensor)
+
+
+@dataclass(frozen=True)
+class ReduceOptions:
+    """How gradients are averaged across data-parallel ranks (DeepSpeed's semantics)."""
+
+    bucket_numel: int = 500_000_000
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    reduce_dtype: torch.dtype | None = None  # communication_data_type; None = the gradient dtype
+
+
+class _PendingReduce:
+    """An in-flight bucket reduction; `wait()` finishes the scaling and copies back a cast buffer."""
+
+    def __init__(self, handle, buf: torch.Tensor, grad: torch.Tensor, post_scale: float):
+        self.handle, self.buf, self.grad, self.post_scale = handle, buf, grad, post_scale
+
+    def wait(self) -> None:
+        self.handle.wait()
+        if self.post_scale != 1.0:
+            self.buf.mul_(self.post_scale)
+        if self.buf is not self.grad:
+            self.grad.copy_(self.buf)
+
+
+def group_trainable_params(module: torch.nn.Module) -> dict[torch.dtype, list[torch.nn.Parameter]]:
+    """The module's trainable parameters (each once, tied ones too) grouped by dtype, in order."""
+    groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in module.parameters():
+        if p.requires_grad:
+            groups.setdefault(p.dtype, []).append(p)
+    return groups
+
+
+class Stage0Strategy:
+    stage = 0
+    state_is_replicated = True  # every rank holds the same state: rank 0 alone writes it
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
+                 comm: Communicator, reduce: ReduceOptions):
+        self.module, self.optimizer, self.policy, self.comm, self.reduce = module, optimizer, policy, comm, reduce
+        grad_dtype = policy.grad_accum_dtype
+        self.flats = [FlatParams(params, grad_dtype, keep_master=policy.master_dtype is not None)
+                      for params in group_trainable_params(module).values()]
+        self._flat_of = {id(p): flat for flat in self.flats for p in flat.params}
+        self._master_grad_flats = [self._master_grad_flat(flat) for flat in self.flats]
+        self.buckets = GradBuckets(self.flats, reduce.bucket_numel, self._launch)
+        self._boundary = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for flat in self.flats for p in flat.params]
+        for flat in self.flats:
+            if flat.grads_alias_autograd:
+                for p, g in zip(flat.params, flat.grad_views):
+                    p.grad = g
+        self._opt_params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (optimizer's tensor, its grad)
+        if optimizer is not None:
+            self._bind_optimizer(optimizer)
+
+    # ---------------------------------------------------------------- set-up
+    @staticmethod
+    def _master_grad_flat(flat: FlatParams) -> torch.Tensor:
+        """Gradients the optimizer reads: fp32 when there is a master copy."""
+        if flat.has_master and flat.grad_flat.dtype != torch.float32:
+            return torch.zeros_like(flat.grad_flat, dtype=torch.float32)
+        return flat.grad_flat
+
+    def _bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point the optimizer at the fp32 master views (when there are masters) and remember which
+        gradient view belongs to each of its tensors."""
+        if optimizer.state and any(f.has_master for f in self.flats):
+            raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
+        for group in optimizer.param_groups:
+            new_params = []
+            for p in group["params"]:
+                flat = self._flat_of.get(id(p))
+                if flat is None:  # frozen parameter: the optimizer keeps it and never sees a gradient
+                    new_params.append(p)
+                    continue
+                i = flat.index[id(p)]
+                target = flat.optimizer_view(p)
+                grad_flat = self._master_grad_flats[self.flats.index(flat)]
+                grad_view = grad_flat.narrow(0, flat.layout.offsets[i], p.numel()).view(p.shape)
+                self._opt_params.append((target, grad_view))
+                new_params.append(target)
+            group["params"] = new_params
+
+    def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
+        """Make every rank start from data-parallel rank 0's parameters and buffers."""
+        for flat in self.flats:
+            self.comm.broadcast(flat.lp_flat, src=0)
+            flat.copy_params_to_master()
+        for p in module.parameters():
+            if not p.requires_grad:
+                self.comm.broadcast(p.data, src=0)
+        for b in module.buffers():
+            self.comm.broadcast(b, src=0)
+
+    # ---------------------------------------------------------------- backward
+    def backward_start(self, is_boundary: bool) -> None:
+        self._boundary = is_boundary
+        if is_boundary:
+            self.buckets.reset()
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        flat = self._flat_of[id(param)]
+        view = flat.grad_views[flat.index[id(param)]]
+        grad = param.grad
+        if grad is None or grad.data_ptr() != view.data_ptr():
+            if grad is not None:  # autograd made a new tensor (other dtype, or .grad was reset)
+                view.add_(grad)
+            param.grad = view if flat.grads_alias_autograd else None
+        if self._boundary:
+            self.buckets.mark_ready(param)
+
+    def _launch(self, bucket: Bucket) -> _PendingReduce:
+        grad, world = bucket.grad, self.comm.world_size
+        dtype = self.reduce.reduce_dtype or grad.dtype
+        buf = grad if dtype == grad.dtype else grad.to(dtype)
+        if self.reduce.prescale_gradients:
+            if world > 1:
+                buf.mul_(1.0 / world)
+            post = 1.0
+        else:
+            predivide = self.reduce.gradient_predivide_factor
+            if predivide != 1.0:
+                buf.mul_(1.0 / predivide)
+            post = predivide / world if predivide != world else 1.0
+        return _PendingReduce(self.comm.all_reduce(buf, async_op=True), buf, grad, post)
+
+    def backward_end(self) -> None:
+        if self._boundary:
+            self.buckets.flush()
+
+    # ---------------------------------------------------------------- step
+    def wait_gradients(self) -> None:
+        """Block until every bucket's reduction has finished (idempotent)."""
+        self.buckets.wait()
+
+    def step(self, loss_scale: float | None, max_norm: float) -> StepResult:
+        """Finish the reductions, then (unless fp16 overflowed) unscale, clip and step.
+        `loss_scale` None means no loss scaling (fp32 / bf16): no overflow check."""
+        self.buckets.wait()
+        if loss_scale is not None:
+            flags = torch.stack([flat_has_inf_or_nan(f.grad_flat).reshape(()).float() for f in self.flats])
+            if bool(flags.any()):  # gradients are identical on every rank here, so every rank agrees
+                return StepResult(False, None)
+        for flat, master_grad in zip(self.flats, self._master_grad_flats):
+            if master_grad is not flat.grad_flat:
+                master_grad.copy_(flat.grad_flat)
+        grads = self._master_grad_flats
+        norm = squared_norm(grads).sqrt() / (loss_scale or 1.0)
+        if (loss_scale or 1.0) != 1.0 or max_norm > 0:
+            coef = grad_coefficient(norm, loss_scale or 1.0, max_norm)
+            torch._foreach_mul_(grads, coef)
+        if self.optimizer is not None:
+            for tensor, grad in self._opt_params:
+                tensor.grad = grad
+            self.optimizer.step()
+        for flat in self.flats:
+            flat.copy_master_to_params()
+        return StepResult(True, norm)
+
+    def zero_grad(self) -> None:
+        for flat in self.flats:
+            flat.grad_flat.zero_()
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": 0,
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "master": [f.master_flat for f in self.flats if f.has_master]}
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None:
+        masters = [f for f in self.flats if f.has_master]
+        saved = state.get("master") or []
+        if len(saved) == len(masters) and all(s.numel() == f.master_flat.numel() for s, f in zip(saved, masters)):
+            for s, f in zip(saved, masters):
+                f.master_flat.copy_(s)
+                f.copy_master_to_params()
+        else:  # no fp32 copy saved (e.g. an fp32 run loaded into bf16): masters follow the loaded params
+            for f in masters:
+                f.copy_params_to_master()
+        if load_optimizer_states and self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """This rank's bytes by device and category."""
+        out: dict[str, dict[str, int]] = {}
+
+        def add(device: torch.device, key: str, nbytes: int) -> None:
+            out.setdefault(device.type, {}).setdefault(key, 0)
+            out[device.type][key] += nbytes
+
+        for flat, mg in zip(self.flats, self._master_grad_flats):
+            for key, nbytes in flat.nbytes().items():
+                add(flat.device, key, nbytes)
+            if mg is not flat.grad_flat:
+                add(flat.device, "grads", mg.numel() * mg.element_size())
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                for v in st.values():
+                    if torch.is_tensor(v):
+                        add(v.device, "optimizer_state", v.numel() * v.element_size())
+        return out

@@ -1,0 +1,89 @@
+"""The not-yet-implemented registry: what is implemented loads, every enabled unimplemented setting
+is named at once."""
+
+import pytest
+
+from lightspeed.config import check_supported, load
+from lightspeed.config.support import UNIMPLEMENTED, unimplemented_features
+
+BASE = {"train_batch_size": 8}
+
+
+def features(config) -> list[str]:
+    return unimplemented_features(load({**BASE, **config}, world_size=1, check_support=False))
+
+
+def test_implemented_features_load():
+    cfg = load({
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 5,
+        "wall_clock_breakdown": True, "gradient_clipping": 1.0, "prescale_gradients": True,
+        "gradient_predivide_factor": 2.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 2},
+        "zero_optimization": {"stage": 0}, "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32", "checkpoint": {"tag_validation": "Fail"},
+        "memory_breakdown": True, "dump_state": True, "aio": {"block_size": 1048576},
+        "zero_optimization_unused_extra": 1,
+    }, world_size=1)  # fmt: skip
+    check_supported(cfg)
+    assert cfg.gradient_accumulation_steps == 4
+
+
+def test_stage_message_and_all_named_at_once():
+    with pytest.raises(NotImplementedError) as info:
+        load({**BASE, "zero_optimization": {"stage": 2}}, world_size=1)
+    assert str(info.value) == "zero_optimization.stage=2 is not implemented yet"
+    with pytest.raises(NotImplementedError) as info:
+        load({**BASE, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}, "tensorboard": {"enabled": True},
+              "fp16": {"enabled": True, "auto_cast": True}}, world_size=1)  # fmt: skip
+    message = str(info.value)
+    assert message.startswith("4 config settings are not implemented yet:")
+    for line in ("zero_optimization.stage=3", "zero_optimization.zero_quantized_weights=true",
+                 "tensorboard.enabled=true", "fp16.auto_cast=true"):  # fmt: skip
+        assert f"  {line} is not implemented yet" in message
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, 'zero_optimization.offload_optimizer.device="cpu"'),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}}, 'zero_optimization.offload_param.device="nvme"'),
+        ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size=8"),
+        ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients=true"),
+        ({"zero_optimization": {"zero_quantized_nontrainable_weights": True}}, "zero_optimization.zero_quantized_nontrainable_weights=true"),
+        ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size=4"),
+        ({"amp": {"enabled": True, "opt_level": "O2"}}, "amp.enabled=true"),
+        ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled=true"),
+        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 1}}, "fp16.fp16_master_weights_and_grads=true"),
+        ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing (cpu_checkpointing=true)"),
+        ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled=true"),
+        ({"wandb": {"enabled": True}}, "wandb.enabled=true"),
+        ({"csv_monitor": {"enabled": True}}, "csv_monitor.enabled=true"),
+        ({"comet": {"enabled": True}}, "comet.enabled=true"),
+        ({"comms_logger": {"enabled": True}}, "comms_logger.enabled=true"),
+        ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}, "compression_training (weight_quantization)"),
+        ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),
+        ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, "curriculum_learning.enabled=true"),
+        ({"autotuning": {"enabled": True}}, "autotuning.enabled=true"),
+        ({"pipeline": {"stages": 2}}, "pipeline (stages=2)"),
+        ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
+        ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop.enabled=true"),
+        ({"optimizer": {"type": "ZeroOneAdam"}}, 'optimizer.type="ZeroOneAdam"'),
+        ({"optimizer": {"type": "onebitlamb"}}, 'optimizer.type="onebitlamb"'),
+        ({"sparse_gradients": True}, "sparse_gradients=true"),
+        ({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
+        ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal=true"),
+        ({"tensor_parallel": {"autotp_size": 4}}, "tensor_parallel.autotp_size=4"),
+    ],
+)  # fmt: skip
+def test_registered_feature_is_named(config, expected):
+    assert f"{expected} is not implemented yet" in features(config)
+
+
+def test_default_config_has_no_unimplemented_features():
+    assert features({}) == []
+
+
+def test_registry_is_one_list_of_entries_with_paths():
+    paths = [entry.path for entry in UNIMPLEMENTED]
+    assert "zero_optimization.stage" in paths and all(isinstance(p, str) and p for p in paths)

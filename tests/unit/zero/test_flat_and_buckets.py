@@ -1,0 +1,75 @@
+"""Flat layouts, shard ranges and gradient buckets: pure bookkeeping, no processes."""
+
+import pytest
+import torch
+
+from lightspeed._utils.flat import FlatLayout, flat_views, flatten_into
+from lightspeed.zero.buckets import GradBuckets
+from lightspeed.zero.flat_params import FlatParams
+from lightspeed.zero.partition import Range, bucket_ranges, shard_range
+
+
+def test_layout_pads_to_world_size_and_views_alias_the_buffer():
+    shapes = [torch.Size([3, 5]), torch.Size([7]), torch.Size([1])]
+    layout = FlatLayout.build(shapes, world_size=4)
+    assert layout.numel == 23 and layout.padded_numel == 24
+    tensors = [torch.randn(s) for s in shapes]
+    flat = flatten_into(tensors, layout)
+    views = flat_views(flat, layout)
+    for v, t in zip(views, tensors):
+        assert torch.equal(v, t)
+    views[1].fill_(7.0)
+    assert torch.all(flat[15:22] == 7.0) and flat[23] == 0
+
+
+@pytest.mark.parametrize("numel,world", [(24, 4), (10, 5), (0, 2)])
+def test_shard_ranges_tile_the_buffer(numel, world):
+    ranges = [shard_range(numel, world, r) for r in range(world)]
+    assert ranges[0].start == 0 and ranges[-1].end == numel
+    assert all(a.end == b.start for a, b in zip(ranges, ranges[1:]))
+    with pytest.raises(ValueError):
+        shard_range(numel + 1, world, 0) if (numel + 1) % world else shard_range(numel + 3, 2 * world + 1, 0)
+
+
+def test_range_intersection():
+    assert Range(0, 10).intersect(Range(5, 20)) == Range(5, 10)
+    assert Range(0, 3).intersect(Range(5, 8)).numel == 0
+
+
+def test_bucket_ranges_never_split_a_parameter():
+    ranges = [Range(0, 4), Range(4, 10), Range(10, 11), Range(11, 30)]
+    assert bucket_ranges(ranges, 5) == [(0, 2), (2, 4)]
+    assert bucket_ranges(ranges, 0) == [(0, 4)]
+    assert bucket_ranges(ranges, 1000) == [(0, 4)]
+    assert bucket_ranges([], 5) == []
+
+
+def test_buckets_launch_in_index_order_only():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 6, 1, 19)]
+    flat = FlatParams(params, torch.float32, keep_master=False)
+    launched = []
+    buckets = GradBuckets([flat], 5, lambda b: launched.append(b.index))
+    # buffer order is reversed: [p3 (19), p2 (1), p1 (6), p0 (4)] -> buckets [p3], [p2, p1], [p0]
+    assert [(b.first, b.last) for b in buckets.buckets] == [(0, 1), (1, 3), (3, 4)]
+    buckets.mark_ready(params[0])  # last bucket ready first: must wait for the others
+    assert launched == []
+    buckets.mark_ready(params[3])
+    assert launched == [0]
+    buckets.mark_ready(params[1])
+    assert launched == [0]
+    buckets.flush()  # params[2] never got a gradient
+    assert launched == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="twice"):
+        buckets.mark_ready(params[0])
+
+
+def test_flat_params_repoint_parameters_and_keep_fp32_master():
+    params = [torch.nn.Parameter(torch.randn(3, 3).bfloat16()), torch.nn.Parameter(torch.randn(5).bfloat16())]
+    values = [p.detach().clone() for p in params]
+    flat = FlatParams(params, torch.float32, world_size=4, keep_master=True)
+    assert flat.layout.padded_numel == 16 and flat.has_master
+    for p, v in zip(params, values):
+        assert torch.equal(p, v)
+    flat.master_flat.add_(1.0)
+    flat.copy_master_to_params()
+    assert torch.equal(params[1], (values[1].float() + 1).bfloat16())

@@ -16,4 +16,5 @@ demo: install
 	$(PYTHON) -m lightspeed.launcher.cli demo
 
 test: install-test
+	lint-imports
 	$(PYTHON) -m pytest -q tests

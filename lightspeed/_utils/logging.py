@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 _LOGGER_NAME = "lightspeed"
 _warned: set[str] = set()
 
 
 def _current_rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:  # pragma: no cover - torch without distributed support
-        pass
+    # torch.distributed is only looked up, never imported here: comm/ is its one importer, and if it
+    # was never imported no process group can be initialized.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         if key in os.environ:
             try:

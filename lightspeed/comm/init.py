@@ -5,6 +5,7 @@ started this process (torchrun / the `lightspeed` launcher, SLURM, Open MPI), De
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,13 +33,10 @@ class LaunchEnv:
 
 
 def _first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM nodelist such as `node[01-04,07],other` (no scontrol needed)."""
-    first = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
-    if "[" not in first:
-        return first
-    prefix, rest = nodelist.split("[", 1)
-    first_range = rest.split("]", 1)[0].split(",")[0]
-    return prefix + first_range.split("-")[0]
+    """First host of a SLURM nodelist such as `node[01-04,07],other` or `rack[1-2]-n[01-08]-ib`
+    (no scontrol needed): the first entry, with each bracket group replaced by its first value."""
+    first = re.split(r",(?![^\[]*\])", nodelist, maxsplit=1)[0]  # commas outside brackets separate hosts
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], first)
 
 
 def free_port() -> int:

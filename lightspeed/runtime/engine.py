@@ -55,6 +55,7 @@ class LightspeedEngine(torch.nn.Module):
         self._last_print = (time.perf_counter(), 0)
         self._memory_logged = False
         self.timers = Timers(device, enabled=bool(config.wall_clock_breakdown))
+        self.comm.stats.reset()  # per-step volume counts training traffic, not initialize()'s broadcast
         self.training_dataloader = None
 
     # ------------------------------------------------------------------ configuration accessors

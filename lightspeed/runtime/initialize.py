@@ -56,9 +56,8 @@ def _build_scheduler(lr_scheduler, cfg, optimizer):
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler: given both in the config and to initialize(); pass one")
     if lr_scheduler is not None:
-        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            return lr_scheduler(optimizer)
-        return lr_scheduler
+        is_instance = hasattr(lr_scheduler, "step") and not isinstance(lr_scheduler, type)
+        return lr_scheduler if is_instance else lr_scheduler(optimizer)  # a class or factory: build it
     if cfg.scheduler is not None:
         if optimizer is None:
             raise ConfigError("scheduler: needs an optimizer (none in the config and none passed to initialize())")

@@ -142,7 +142,8 @@ class LightspeedEngine(torch.nn.Module):
             self.timers.stop("comm")
             self.timers.start("step")
             scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else None
-            result = self.strategy.step(scale, self.gradient_clipping())
+            check = scale is not None or (self.bfloat16_enabled() and bool(self.config.bf16.check_grad_overflow))
+            result = self.strategy.step(scale, self.gradient_clipping(), check_overflow=check)
             self._step_applied = result.applied
             if self.loss_scaler is not None:
                 self.loss_scaler.update_scale(not result.applied)

@@ -167,11 +167,12 @@ class Stage0Strategy:
         """Block until every bucket's reduction has finished (idempotent)."""
         self.buckets.wait()
 
-    def step(self, loss_scale: float | None, max_norm: float) -> StepResult:
-        """Finish the reductions, then (unless fp16 overflowed) unscale, clip and step.
-        `loss_scale` None means no loss scaling (fp32 / bf16): no overflow check."""
+    def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
+        """Finish the reductions, then (unless a gradient is inf/nan) unscale, clip and step.
+        `loss_scale` None means no loss scaling (fp32 / bf16). `check_overflow` (default: when there is
+        a loss scale) skips the step on inf/nan gradients, as fp16 and bf16.check_grad_overflow do."""
         self.buckets.wait()
-        if loss_scale is not None:
+        if check_overflow if check_overflow is not None else loss_scale is not None:
             flags = torch.stack([flat_has_inf_or_nan(f.grad_flat).reshape(()).float() for f in self.flats])
             if bool(flags.any()):  # gradients are identical on every rank here, so every rank agrees
                 return StepResult(False, None)

@@ -157,3 +157,24 @@ def test_fp16_overflow_skips_step_on_every_rank_and_scale_recovers():
     lrs = [t[4] for t in trace]
     assert lrs[2] == lrs[1] and lrs[3] == lrs[1] and lrs[4] > lrs[3]
     assert [t[5] for t in trace] == list(range(1, 9))
+
+
+def _bf16_nan_run(check: bool):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = TinyMLP()
+    cfg = _config(world, bf16={"enabled": True, "check_grad_overflow": check})
+    engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    micro = engine.train_micro_batch_size_per_gpu()
+    x, y = regression_data(GLOBAL_BATCH)
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    loss = engine(x[rank * micro:(rank + 1) * micro].bfloat16(), y[rank * micro:(rank + 1) * micro])
+    engine.backward(loss * float("nan") if rank == 0 else loss)
+    engine.step()
+    finite = all(torch.isfinite(v.float()).all() for v in engine.module.state_dict().values())
+    unchanged = all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    return engine.skipped_steps, finite, unchanged
+
+
+def test_bf16_check_grad_overflow_skips_nan_steps():
+    assert run_world(_bf16_nan_run, 2, True) == [(1, True, True)] * 2
+    assert run_world(_bf16_nan_run, 2, False) == [(0, False, False)] * 2

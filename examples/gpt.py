@@ -1,0 +1,173 @@
+"""A small GPT: the model of the lightspeed demo and of the GPU benchmarks.
+
+Decoder-only transformer in the GPT-2 shape: token + learned position embeddings, pre-LayerNorm blocks
+(causal self-attention through ``F.scaled_dot_product_attention``, GELU MLP), a final LayerNorm and an
+LM head tied to the token embedding. Plain PyTorch, no lightspeed imports: the engine must work on an
+unchanged model. Import it as ``examples.gpt`` from the repository root or load it by path.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPTConfig":
+        """A named size from ``PRESETS``, with any field overridden (e.g. ``block_size=512``)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+# "demo" is byte-level and sized to learn visibly in about a minute on two CPU cores. The others use
+# GPT-2's vocabulary padded to a multiple of 64 (50304) and are there for the GPU benchmarks.
+PRESETS: dict[str, GPTConfig] = {
+    "demo": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128),
+    "gpt2": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "1.3b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if config.n_embd % config.n_head != 0:
+            raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one Parameter, registered under both names
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 init: N(0, 0.02) weights, zero biases, and the projections that write into the
+        residual stream scaled by 1/sqrt(2 * n_layer) so its variance does not grow with depth."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith("c_proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) int64 token ids with T <= block_size; targets: (B, T) int64 or None.
+
+        Returns the mean cross-entropy loss (a scalar) when targets is given, else the logits
+        (B, T, vocab_size) in the compute dtype.
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Distinct parameters (the tied head counts once); ``non_embedding`` drops both embeddings."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wte.weight.numel() + self.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward), the PaLM appendix B / nanoGPT MFU estimate:
+        6 * N for the weight matmuls plus 12 * n_layer * n_embd * seq_len for attention scores and
+        values. N excludes the position embedding (a lookup, no matmul) but keeps the tied token
+        embedding, which is the LM head's matmul. The attention term ignores causal masking, as PaLM's does.
+        """
+        T = seq_len or self.config.block_size
+        N = self.num_params() - self.wpe.weight.numel()
+        return 6 * N + 12 * self.config.n_layer * self.config.n_embd * T
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
+        """Extend idx (B, T) by max_new_tokens tokens; temperature 0 is greedy. Returns (B, T + new)."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size :])[:, -1, :].float()
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, next_id), dim=1)
+        return idx

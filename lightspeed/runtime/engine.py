@@ -229,7 +229,7 @@ class LightspeedEngine(torch.nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        module_state = self.module.state_dict()
+        module_state = self.strategy.module_state_dict()
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             module_state = {k: v for k, v in module_state.items() if k not in frozen}
@@ -259,7 +259,7 @@ class LightspeedEngine(torch.nn.Module):
             logger.warning("no checkpoint to load in %s (no 'latest' file and no tag given)", load_dir)
             return None, None
         path, shared, strategy_state = loaded
-        self.module.load_state_dict(shared["module"], strict=load_module_strict)
+        self.strategy.load_module_state_dict(shared["module"], strict=load_module_strict)
         if load_module_only:
             self.strategy.load_state_dict({}, load_optimizer_states=False)
             return path, shared.get("client_state", {})

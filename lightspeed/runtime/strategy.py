@@ -36,6 +36,12 @@ class ShardingStrategy(Protocol):
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]: ...
 
+    def module_state_dict(self) -> dict[str, Any]:
+        """The module's full state_dict (stage 3 gathers the partitioned parameters)."""
+        ...
+
+    def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None: ...
+
 
 def reduce_options(cfg, policy: PrecisionPolicy) -> ReduceOptions:
     return ReduceOptions(bucket_numel=int(cfg.zero_optimization.reduce_bucket_size),

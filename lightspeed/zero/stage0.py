@@ -215,6 +215,12 @@ class Stage0Strategy:
         if load_optimizer_states and self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 
+    def module_state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        self.module.load_state_dict(state, strict=strict)  # copies into the lp_flat views in place
+
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category."""
         out: dict[str, dict[str, int]] = {}

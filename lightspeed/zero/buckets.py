@@ -18,7 +18,6 @@ from typing import Any, Callable
 import torch
 
 from lightspeed.zero.flat_params import FlatParams
-from lightspeed.zero.partition import bucket_ranges
 
 
 @dataclass
@@ -35,26 +34,27 @@ class Bucket:
 
     @property
     def grad(self) -> torch.Tensor:
+        """This bucket's slice of the full gradient buffer (stages 0 and 1)."""
         return self.flat.grad_flat[self.start:self.end]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
 
 
 class GradBuckets:
     """Buckets over one or more FlatParams, launched in a fixed order by `launch(bucket) -> handle`."""
 
-    def __init__(self, flats: list[FlatParams], bucket_numel: int, launch: Callable[[Bucket], Any]):
+    def __init__(self, flats: list[FlatParams], launch: Callable[[Bucket], Any]):
         self.launch_fn = launch
         self.buckets: list[Bucket] = []
         self.where: dict[int, tuple[Bucket, int]] = {}  # id(param) -> (bucket, param index)
         for flat in flats:
-            ranges = [flat.param_range(i) for i in range(len(flat.params))]
-            spans = bucket_ranges(ranges, bucket_numel)
-            for n, (first, last) in enumerate(spans):
-                start = ranges[first].start
-                # the last bucket of a buffer also covers the padding, so the whole buffer is reduced
-                end = flat.layout.padded_numel if n == len(spans) - 1 else ranges[last - 1].end
-                bucket = Bucket(len(self.buckets), flat, first, last, start, end)
+            for plan in flat.buckets:
+                bucket = Bucket(len(self.buckets), flat, plan.first, plan.last, plan.start,
+                                plan.start + plan.padded_numel)
                 self.buckets.append(bucket)
-                for i in range(first, last):
+                for i in range(plan.first, plan.last):
                     self.where[id(flat.params[i])] = (bucket, i)
         self._next = 0
         self.reset()

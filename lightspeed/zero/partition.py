@@ -49,3 +49,49 @@ def bucket_ranges(param_ranges: list[Range], bucket_numel: int) -> list[tuple[in
     if first < len(param_ranges):
         buckets.append((first, len(param_ranges)))
     return buckets
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One bucket of a flat buffer: parameters [first, last) (buffer order) at elements
+    [start, start + padded_numel); `padded_numel` is a multiple of the world size, and rank r owns
+    the r-th of its `world_size` equal chunks."""
+
+    first: int
+    last: int
+    start: int
+    padded_numel: int
+
+    def chunk(self, world_size: int, rank: int) -> Range:
+        size = self.padded_numel // world_size
+        return Range(self.start + rank * size, self.start + (rank + 1) * size)
+
+
+def plan_flat(numels: list[int], bucket_numel: int, world_size: int = 1) -> tuple[list[int], list[BucketPlan], int]:
+    """Lay parameters of `numels` (in buffer order) end to end in buckets of about `bucket_numel`
+    elements, each padded to a multiple of `world_size`. Returns (offset of each parameter, the
+    buckets, total buffer size). Sharding by bucket chunks (not one range of the whole buffer) lets
+    every bucket be reduce-scattered and all-gathered on its own."""
+    spans = bucket_ranges([Range(0, n) for n in numels], bucket_numel)
+    offsets: list[int] = []
+    buckets: list[BucketPlan] = []
+    start = 0
+    for first, last in spans:
+        pos = start
+        for n in numels[first:last]:
+            offsets.append(pos)
+            pos += n
+        padded = max(-(-(pos - start) // world_size) * world_size, world_size)
+        buckets.append(BucketPlan(first, last, start, padded))
+        start += padded
+    return offsets, buckets, start
+
+
+def owned_chunks(buckets: list[BucketPlan], world_size: int, rank: int) -> list[tuple[Range, int]]:
+    """This rank's chunk of every bucket, with where it starts in the rank's contiguous shard."""
+    out, shard_pos = [], 0
+    for b in buckets:
+        r = b.chunk(world_size, rank)
+        out.append((r, shard_pos))
+        shard_pos += r.numel
+    return out

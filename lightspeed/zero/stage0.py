@@ -72,11 +72,12 @@ class Stage0Strategy:
                  comm: Communicator, reduce: ReduceOptions):
         self.module, self.optimizer, self.policy, self.comm, self.reduce = module, optimizer, policy, comm, reduce
         grad_dtype = policy.grad_accum_dtype
-        self.flats = [FlatParams(params, grad_dtype, keep_master=policy.master_dtype is not None)
+        self.flats = [FlatParams(params, grad_dtype, keep_master=policy.master_dtype is not None,
+                                 bucket_numel=reduce.bucket_numel)
                       for params in group_trainable_params(module).values()]
         self._flat_of = {id(p): flat for flat in self.flats for p in flat.params}
         self._master_grad_flats = [self._master_grad_flat(flat) for flat in self.flats]
-        self.buckets = GradBuckets(self.flats, reduce.bucket_numel, self._launch)
+        self.buckets = GradBuckets(self.flats, self._launch)
         self._boundary = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for flat in self.flats for p in flat.params]
         for flat in self.flats:

@@ -6,7 +6,7 @@ import torch
 from lightspeed._utils.flat import FlatLayout, flat_views, flatten_into
 from lightspeed.zero.buckets import GradBuckets
 from lightspeed.zero.flat_params import FlatParams
-from lightspeed.zero.partition import Range, bucket_ranges, shard_range
+from lightspeed.zero.partition import Range, bucket_ranges, owned_chunks, plan_flat, shard_range
 
 
 def test_layout_pads_to_world_size_and_views_alias_the_buffer():
@@ -46,9 +46,9 @@ def test_bucket_ranges_never_split_a_parameter():
 
 def test_buckets_launch_in_index_order_only():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 6, 1, 19)]
-    flat = FlatParams(params, torch.float32, keep_master=False)
+    flat = FlatParams(params, torch.float32, keep_master=False, bucket_numel=5)
     launched = []
-    buckets = GradBuckets([flat], 5, lambda b: launched.append(b.index))
+    buckets = GradBuckets([flat], lambda b: launched.append(b.index))
     # buffer order is reversed: [p3 (19), p2 (1), p1 (6), p0 (4)] -> buckets [p3], [p2, p1], [p0]
     assert [(b.first, b.last) for b in buckets.buckets] == [(0, 1), (1, 3), (3, 4)]
     buckets.mark_ready(params[0])  # last bucket ready first: must wait for the others
@@ -67,9 +67,25 @@ def test_flat_params_repoint_parameters_and_keep_fp32_master():
     params = [torch.nn.Parameter(torch.randn(3, 3).bfloat16()), torch.nn.Parameter(torch.randn(5).bfloat16())]
     values = [p.detach().clone() for p in params]
     flat = FlatParams(params, torch.float32, world_size=4, keep_master=True)
-    assert flat.layout.padded_numel == 16 and flat.has_master
+    assert flat.layout.padded_numel == 16 and flat.has_master  # one bucket of 14 elements, padded to 16
     for p, v in zip(params, values):
         assert torch.equal(p, v)
     flat.master_flat.add_(1.0)
     flat.copy_master_to_params()
     assert torch.equal(params[1], (values[1].float() + 1).bfloat16())
+
+
+def test_plan_pads_each_bucket_to_the_world_size_and_chunks_tile_it():
+    offsets, buckets, total = plan_flat([19, 1, 6, 4], 5, 4)
+    assert offsets == [0, 20, 21, 28] and total == 32
+    assert [(b.first, b.last, b.start, b.padded_numel) for b in buckets] == [(0, 1, 0, 20), (1, 3, 20, 8),
+                                                                           (3, 4, 28, 4)]
+    seen = []
+    for rank in range(4):
+        shard_pos = 0
+        for r, pos in owned_chunks(buckets, 4, rank):
+            assert pos == shard_pos
+            shard_pos += r.numel
+            seen.extend(range(r.start, r.end))
+        assert shard_pos == total // 4
+    assert sorted(seen) == list(range(total))

@@ -63,6 +63,7 @@ class Communicator:
         if world_size is None:
             world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.world_size = world_size
+        self.rank = dist.get_rank(group) if dist.is_initialized() and world_size > 1 else 0
         self.stats = stats if stats is not None else CommStats()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):

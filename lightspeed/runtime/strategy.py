@@ -11,7 +11,9 @@ import torch
 
 from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.policy import PrecisionPolicy
-from lightspeed.zero.stage0 import ReduceOptions, Stage0Strategy, StepResult
+from lightspeed.zero.reduce import ReduceOptions
+from lightspeed.zero.stage0 import Stage0Strategy, StepResult
+from lightspeed.zero.stage12 import ShardedStrategy
 
 
 class ShardingStrategy(Protocol):
@@ -55,4 +57,7 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
     stage = cfg.zero_optimization.stage
     if stage == 0:
         return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy))
+    if stage in (1, 2):
+        return ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
+                               allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer))
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")

@@ -23,36 +23,13 @@ from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
+from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 
 
 @dataclass
 class StepResult:
     applied: bool  # False when the step was skipped (fp16 overflow)
     grad_norm: torch.Tensor | None  # global L2 norm of the unscaled gradients (0-dim tensor)
-
-
-@dataclass(frozen=True)
-class ReduceOptions:
-    """How gradients are averaged across data-parallel ranks (DeepSpeed's semantics)."""
-
-    bucket_numel: int = 500_000_000
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
-    reduce_dtype: torch.dtype | None = None  # communication_data_type; None = the gradient dtype
-
-
-class _PendingReduce:
-    """An in-flight bucket reduction; `wait()` finishes the scaling and copies back a cast buffer."""
-
-    def __init__(self, handle, buf: torch.Tensor, grad: torch.Tensor, post_scale: float):
-        self.handle, self.buf, self.grad, self.post_scale = handle, buf, grad, post_scale
-
-    def wait(self) -> None:
-        self.handle.wait()
-        if self.post_scale != 1.0:
-            self.buf.mul_(self.post_scale)
-        if self.buf is not self.grad:
-            self.grad.copy_(self.buf)
 
 
 def group_trainable_params(module: torch.nn.Module) -> dict[torch.dtype, list[torch.nn.Parameter]]:
@@ -144,20 +121,9 @@ class Stage0Strategy:
         if self._boundary:
             self.buckets.mark_ready(param)
 
-    def _launch(self, bucket: Bucket) -> _PendingReduce:
-        grad, world = bucket.grad, self.comm.world_size
-        dtype = self.reduce.reduce_dtype or grad.dtype
-        buf = grad if dtype == grad.dtype else grad.to(dtype)
-        if self.reduce.prescale_gradients:
-            if world > 1:
-                buf.mul_(1.0 / world)
-            post = 1.0
-        else:
-            predivide = self.reduce.gradient_predivide_factor
-            if predivide != 1.0:
-                buf.mul_(1.0 / predivide)
-            post = predivide / world if predivide != world else 1.0
-        return _PendingReduce(self.comm.all_reduce(buf, async_op=True), buf, grad, post)
+    def _launch(self, bucket: Bucket) -> PendingReduce:
+        buf, post = self.reduce.prepare(bucket.grad, self.comm.world_size)
+        return PendingReduce(self.comm.all_reduce(buf, async_op=True), buf, bucket.grad, post)
 
     def backward_end(self) -> None:
         if self._boundary:

@@ -115,10 +115,10 @@ def test_bf16_training_tracks_fp32():
     assert losses[-1] < losses[0]
 
 
-def _fp16_overflow_run(inject_at: set[int]):
+def _fp16_overflow_run(inject_at: set[int], stage: int = 0):
     world, rank = dist.get_world_size(), dist.get_rank()
     model = TinyMLP()
-    cfg = _config(world, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2,
+    cfg = _config(world, zero_optimization={"stage": stage}, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2,
                                "hysteresis": 1, "min_loss_scale": 1},
                   scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
                                                             "warmup_num_steps": 100, "warmup_type": "linear"}})

@@ -127,7 +127,7 @@ def test_megatron_zero2_derives_the_micro_batch():
     assert cfg.activation_checkpointing.partition_activations is True
     with pytest.raises(NotImplementedError) as info:
         load(path, world_size=4)
-    assert "zero_optimization.stage=2" in str(info.value)
+    assert "zero_optimization.stage" not in str(info.value)  # ZeRO-2 itself runs
     assert "activation_checkpointing (partition_activations=true)" in str(info.value)
 
 

@@ -1,0 +1,56 @@
+"""How gradients are averaged across data-parallel ranks: DeepSpeed's prescale / predivide rules,
+and the in-flight reductions the strategies wait on. Shared by every stage.
+
+DeepSpeed: with `prescale_gradients`, divide by the world size before the sum; otherwise divide by
+`gradient_predivide_factor` before and multiply by `predivide / world_size` after (skipped when
+they are equal). Either way the result is the mean over ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ReduceOptions:
+    """How gradients are averaged across data-parallel ranks (DeepSpeed's semantics)."""
+
+    bucket_numel: int = 500_000_000
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    reduce_dtype: torch.dtype | None = None  # communication_data_type; None = the gradient dtype
+
+    def scaling(self, world_size: int) -> tuple[float, float]:
+        """(factor before the sum, factor after it)."""
+        if self.prescale_gradients:
+            return (1.0 / world_size if world_size > 1 else 1.0), 1.0
+        predivide = self.gradient_predivide_factor
+        return 1.0 / predivide, (predivide / world_size if predivide != world_size else 1.0)
+
+    def prepare(self, grad: torch.Tensor, world_size: int) -> tuple[torch.Tensor, float]:
+        """The buffer to send (cast to the reduce dtype, pre-scaled) and the factor to apply after."""
+        dtype = self.reduce_dtype or grad.dtype
+        buf = grad if dtype == grad.dtype else grad.to(dtype)
+        pre, post = self.scaling(world_size)
+        if pre != 1.0:
+            buf.mul_(pre)
+        return buf, post
+
+
+class PendingReduce:
+    """An in-flight reduction. `wait()` finishes it: scales the result by `post_scale`, then copies it
+    into `dest` (or adds it, when `accumulate`), unless the result already is `dest`."""
+
+    def __init__(self, handle, result: torch.Tensor, dest: torch.Tensor, post_scale: float, accumulate: bool = False):
+        self.handle, self.result, self.dest, self.post_scale, self.accumulate = handle, result, dest, post_scale, accumulate
+
+    def wait(self) -> None:
+        self.handle.wait()
+        if self.post_scale != 1.0:
+            self.result.mul_(self.post_scale)
+        if self.accumulate:
+            self.dest.add_(self.result)
+        elif self.result is not self.dest:
+            self.dest.copy_(self.result)

@@ -1,0 +1,301 @@
+"""ZeRO stages 1 and 2: the fp32 master parameters and the optimizer state exist only as each rank's
+shard; stage 2 also keeps only the shard of the gradients.
+
+Owns: the per-(optimizer group, dtype) flat buffers with their owned shards, gradient
+reduce-scatter bucket by bucket, the sharded step (overflow flag and grad norm agreed across ranks),
+and the all-gather of the updated low-precision parameters. Must not: touch the loss scaler or the
+LR schedule.
+
+Note (what lives where): a rank owns the r-th chunk of every bucket of a flat buffer
+(`partition.plan_flat`); its shard is those chunks end to end. Stage 1 accumulates whole gradients in
+`grad_flat` (like stage 0) and reduce-scatters them at the accumulation boundary; stage 2 has no
+`grad_flat`: each micro-step's gradients are copied into a per-bucket staging buffer that is
+reduce-scattered as soon as the bucket is complete and freed, the result accumulating in the shard.
+The optimizer steps one fp32 tensor per flat buffer (the master shard), so optimizers that treat each
+element independently (Adam, AdamW, Adagrad, Lion, SGD) give the unsharded results exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightspeed.comm.collectives import Communicator
+from lightspeed.precision.overflow import flat_has_inf_or_nan
+from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.zero.buckets import Bucket, GradBuckets
+from lightspeed.zero.flat_params import FlatParams
+from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
+from lightspeed.zero.partition import Range, owned_chunks
+from lightspeed.zero.reduce import PendingReduce, ReduceOptions
+from lightspeed.zero.stage0 import StepResult
+
+# Optimizers that DeepSpeed's ZeRO accepts without `zero_allow_untested_optimizer`.
+TESTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion")
+
+
+@dataclass
+class Shard:
+    """One flat buffer and this rank's part of it."""
+
+    flat: FlatParams
+    chunks: list[tuple[Range, int]]  # (flat-buffer range, start in the shard) per bucket
+    master: torch.Tensor  # fp32 [shard_numel]: the tensor the optimizer steps
+    grad: torch.Tensor  # grad_accum dtype [shard_numel]: reduced gradients
+    master_grad: torch.Tensor  # fp32 view of `grad` for the optimizer (a copy when grad is not fp32)
+    stepped: bool  # False for trainable params outside every optimizer group
+
+    def chunk_pairs(self):
+        """(flat-buffer slice, shard slice) per bucket."""
+        for r, pos in self.chunks:
+            yield slice(r.start, r.end), slice(pos, pos + r.numel)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer | None, allow_untested: bool, stage: int) -> None:
+    if optimizer is None or allow_untested:
+        return
+    name = type(optimizer).__name__
+    if name not in TESTED_OPTIMIZERS:
+        raise ValueError(f"zero_optimization.stage={stage}: {name} is not tested with ZeRO (its update is not "
+                         f"elementwise-safe on flat shards, or not verified); set \"zero_allow_untested_optimizer\": "
+                         f"true to use it anyway")
+
+
+class ShardedStrategy:
+    """ZeRO stage 1 (`stage=1`) or 2 (`stage=2`) over `comm`'s data-parallel group."""
+
+    state_is_replicated = False
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
+                 comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False):
+        assert stage in (1, 2)
+        check_optimizer(optimizer, allow_untested_optimizer, stage)
+        self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
+            stage, module, optimizer, policy, comm, reduce)
+        world, rank = comm.world_size, comm.rank
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.shards: list[Shard] = []
+        self._shard_of: dict[int, Shard] = {}
+        for group_index, params in self._param_groups(module, optimizer):
+            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+            for p in params:
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype_params in by_dtype.values():
+                flat = FlatParams(dtype_params, policy.grad_accum_dtype, keep_master=False,
+                                  bucket_numel=reduce.bucket_numel, world_size=world,
+                                  names=[names[id(p)] for p in dtype_params], full_grads=stage == 1)
+                chunks = owned_chunks(flat.buckets, world, rank)
+                numel = flat.layout.padded_numel // world
+                master = torch.empty(numel, dtype=torch.float32, device=flat.device)
+                grad = torch.zeros(numel, dtype=policy.grad_accum_dtype, device=flat.device)
+                master_grad = grad if grad.dtype == torch.float32 else torch.zeros_like(grad, dtype=torch.float32)
+                shard = Shard(flat, chunks, master, grad, master_grad, stepped=group_index is not None)
+                self._copy_params_to_master(shard)
+                self.shards.append(shard)
+                for p in dtype_params:
+                    self._shard_of[id(p)] = shard
+                if group_index is not None:
+                    optimizer.param_groups[group_index].setdefault("_shards", []).append(master)
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                frozen = [p for p in group["params"] if id(p) not in self._shard_of]
+                group["params"] = group.pop("_shards", []) + frozen
+        self._staging: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> staged gradients
+        self.buckets = GradBuckets([s.flat for s in self.shards], self._launch)
+        # GradBuckets numbers the buckets flat by flat, plan by plan: the same order as the chunks
+        self._targets = [(s, r, pos) for s in self.shards for r, pos in s.chunks]
+        self._boundary = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for s in self.shards for p in s.flat.params]
+        for s in self.shards:
+            if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
+                for p, g in zip(s.flat.params, s.flat.grad_views):
+                    p.grad = g
+
+    @staticmethod
+    def _param_groups(module: torch.nn.Module, optimizer):
+        """(optimizer group index or None, trainable params) in a deterministic order."""
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        seen: set[int] = set()
+        groups = []
+        if optimizer is not None:
+            if optimizer.state:
+                raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
+            wanted = {id(p) for p in trainable}
+            for i, group in enumerate(optimizer.param_groups):
+                params = [p for p in group["params"] if id(p) in wanted and id(p) not in seen]
+                seen.update(id(p) for p in params)
+                if params:
+                    groups.append((i, params))
+        rest = [p for p in trainable if id(p) not in seen]
+        if rest:
+            groups.append((None, rest))
+        return groups
+
+    # ---------------------------------------------------------------- parameters
+    def _copy_params_to_master(self, shard: Shard) -> None:
+        for flat_slice, shard_slice in shard.chunk_pairs():
+            shard.master[shard_slice].copy_(shard.flat.lp_flat[flat_slice])
+
+    def _all_gather_params(self, shard: Shard) -> None:
+        """Write the master shard into this rank's chunks of the lp buffer, then all-gather each bucket."""
+        flat, world = shard.flat, self.comm.world_size
+        for (flat_slice, shard_slice), bucket in zip(shard.chunk_pairs(), flat.buckets):
+            flat.lp_flat[flat_slice].copy_(shard.master[shard_slice])
+            out = flat.lp_flat[bucket.start:bucket.start + bucket.padded_numel]
+            # gloo may not accept an input that aliases the output; NCCL handles in-place all-gather
+            chunk = flat.lp_flat[flat_slice]
+            self.comm.all_gather(out, chunk if chunk.is_cuda else chunk.clone())
+
+    def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
+        for s in self.shards:
+            self.comm.broadcast(s.flat.lp_flat, src=0)
+            self._copy_params_to_master(s)
+        for p in module.parameters():
+            if not p.requires_grad:
+                self.comm.broadcast(p.data, src=0)
+        for b in module.buffers():
+            self.comm.broadcast(b, src=0)
+
+    # ---------------------------------------------------------------- backward
+    def backward_start(self, is_boundary: bool) -> None:
+        self._boundary = is_boundary
+        if is_boundary or self.stage == 2:
+            self.buckets.reset()
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        shard = self._shard_of[id(param)]
+        flat, i = shard.flat, shard.flat.index[id(param)]
+        grad = param.grad
+        if self.stage == 1:
+            view = flat.grad_views[i]
+            if grad is None or grad.data_ptr() != view.data_ptr():
+                if grad is not None:
+                    view.add_(grad)
+                param.grad = view if flat.grads_alias_autograd else None
+            if self._boundary:
+                self.buckets.mark_ready(param)
+            return
+        bucket, _ = self.buckets.where[id(param)]
+        staging = self._staging.get(bucket.index)
+        if staging is None:  # zeros: parameters without a gradient this step contribute nothing
+            dtype = self.reduce.reduce_dtype or self.policy.grad_accum_dtype
+            staging = self._staging[bucket.index] = torch.zeros(bucket.numel, dtype=dtype, device=flat.device)
+        start = flat.layout.offsets[i] - bucket.start
+        staging[start:start + param.numel()].view(param.shape).copy_(grad)
+        param.grad = None
+        self.buckets.mark_ready(param)
+
+    def _launch(self, bucket: Bucket) -> PendingReduce:
+        shard, chunk, pos = self._targets[bucket.index]
+        world = self.comm.world_size
+        if self.stage == 1:
+            send, post = self.reduce.prepare(bucket.grad, world)
+        else:
+            staged = self._staging.pop(bucket.index, None)
+            if staged is None:
+                staged = torch.zeros(bucket.numel, dtype=self.reduce.reduce_dtype or self.policy.grad_accum_dtype,
+                                     device=bucket.flat.device)
+            send, post = self.reduce.prepare(staged, world)
+        out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
+        handle = self.comm.reduce_scatter(out, send, async_op=True)
+        return PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
+
+    def backward_end(self) -> None:
+        if self._boundary or self.stage == 2:
+            self.buckets.flush()
+        if self.stage == 2 and not self._boundary:
+            self.buckets.wait()  # gradients of this micro-step are in the shard; staging is freed
+
+    def wait_gradients(self) -> None:
+        self.buckets.wait()
+
+    # ---------------------------------------------------------------- step
+    def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
+        self.buckets.wait()
+        if check_overflow if check_overflow is not None else loss_scale is not None:
+            flag = torch.stack([flat_has_inf_or_nan(s.grad).reshape(()).float() for s in self.shards]).amax()
+            self.comm.all_reduce(flag, op="max")
+            if bool(flag):
+                return StepResult(False, None)
+        for s in self.shards:
+            if s.master_grad is not s.grad:
+                s.master_grad.copy_(s.grad)
+        grads = [s.master_grad for s in self.shards]
+        sq = squared_norm(grads)
+        self.comm.all_reduce(sq)
+        scale = loss_scale or 1.0
+        norm = sq.sqrt() / scale
+        if scale != 1.0 or max_norm > 0:
+            torch._foreach_mul_(grads, grad_coefficient(norm, scale, max_norm))
+        if self.optimizer is not None:
+            for s in self.shards:
+                s.master.grad = s.master_grad if s.stepped else None
+            self.optimizer.step()
+        for s in self.shards:
+            if s.stepped:
+                self._all_gather_params(s)
+        return StepResult(True, norm)
+
+    def zero_grad(self) -> None:
+        for s in self.shards:
+            s.grad.zero_()
+            if s.flat.grad_flat is not None:
+                s.flat.grad_flat.zero_()
+
+    # ---------------------------------------------------------------- state
+    def manifest(self) -> list[dict[str, Any]]:
+        """Where every element lives: per flat buffer, each parameter's name, shape and offset, the
+        buckets, and the world size whose chunks the shards hold."""
+        return [{"names": list(s.flat.names), "shapes": [list(sh) for sh in s.flat.layout.shapes],
+                 "offsets": list(s.flat.layout.offsets), "dtype": str(s.flat.dtype).replace("torch.", ""),
+                 "buckets": [[b.first, b.last, b.start, b.padded_numel] for b in s.flat.buckets],
+                 "world_size": self.comm.world_size} for s in self.shards]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "dp_rank": self.comm.rank, "manifest": self.manifest(),
+                "master": [s.master for s in self.shards],
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None:
+        if not state:  # module-only load: masters follow the loaded parameters
+            for s in self.shards:
+                self._copy_params_to_master(s)
+            return
+        if state.get("manifest") != self.manifest():
+            raise ValueError("checkpoint: its ZeRO shards were laid out differently (another world size, bucket "
+                             "size, stage or model); loading a checkpoint into another layout is not implemented yet")
+        for s, saved in zip(self.shards, state["master"]):
+            s.master.copy_(saved)
+            self._all_gather_params(s)
+        if load_optimizer_states and self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def module_state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        self.module.load_state_dict(state, strict=strict)
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+
+        def add(device: torch.device, key: str, t: torch.Tensor) -> None:
+            cats = out.setdefault(device.type, {})
+            cats[key] = cats.get(key, 0) + t.numel() * t.element_size()
+
+        for s in self.shards:
+            add(s.flat.device, "lp_params", s.flat.lp_flat)
+            add(s.flat.device, "master_params", s.master)
+            add(s.flat.device, "grads", s.grad)
+            if s.master_grad is not s.grad:
+                add(s.flat.device, "grads", s.master_grad)
+            if s.flat.grad_flat is not None:
+                add(s.flat.device, "grads", s.flat.grad_flat)
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                for v in st.values():
+                    if torch.is_tensor(v):
+                        add(v.device, "optimizer_state", v)
+        return out

@@ -1,0 +1,148 @@
+"""ZeRO stages 1 and 2 against stage 0 and the single-process reference, on real gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightspeed
+from lightspeed.testing.models import TinyMLP, regression_data
+from lightspeed.testing.run_world import run_world
+from tests.distributed.test_checkpoint_resume import CONFIG as RESUME_CONFIG
+from tests.distributed.test_checkpoint_resume import _resume_worker
+from tests.distributed.test_data_parallel import (STEPS, _config, _fp16_overflow_run, engine_losses,
+                                                  reference_losses)
+
+pytestmark = pytest.mark.dist
+
+# a small bucket size so every flat buffer has several buckets, each padded to the world size
+SMALL_BUCKETS = {"reduce_bucket_size": 50, "allgather_bucket_size": 50}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_stages_match_single_process(stage, world):
+    ref, ref_state = reference_losses(STEPS)
+    cfg = _config(world, zero_optimization={"stage": stage, **SMALL_BUCKETS})
+    for losses, state, _ in run_world(engine_losses, world, STEPS, cfg):
+        assert losses == pytest.approx(ref, rel=1e-5, abs=1e-7)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_accumulation_and_clipping(stage):
+    ref, ref_state = reference_losses(STEPS, clip=0.05)
+    cfg = _config(2, gas=3, gradient_clipping=0.05, zero_optimization={"stage": stage, **SMALL_BUCKETS})
+    (losses, state, norm), _ = run_world(engine_losses, 2, STEPS, cfg)
+    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-7)
+    assert norm > 0.05
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_bf16_tracks_stage0_bf16(stage):
+    base = {"bf16": {"enabled": True}}
+    (ref, _, _), _ = run_world(engine_losses, 2, STEPS, _config(2, **base))
+    (losses, _, _), _ = run_world(engine_losses, 2, STEPS, _config(2, zero_optimization={"stage": stage}, **base))
+    assert losses == pytest.approx(ref, rel=2e-2, abs=1e-2)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_fp16_overflow_is_agreed_across_ranks(stage):
+    traces = run_world(_fp16_overflow_run, 2, {2, 3}, stage)
+    assert traces[0] == traces[1] == run_world(_fp16_overflow_run, 2, {2, 3}, 0)[0]
+
+
+def _memory(stage: int):
+    world = dist.get_world_size()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 61))
+    cfg = _config(world, bf16={"enabled": True}, zero_optimization={"stage": stage, "reduce_bucket_size": 5000})
+    cfg["train_batch_size"] = 4 * world
+    engine, *_ = lightspeed.initialize(model=model, config=cfg)
+    x = torch.randn(4, 64).bfloat16()
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    return engine.memory_breakdown()["cpu"]
+
+
+def test_memory_of_sharded_categories_is_a_quarter_at_world_size_4():
+    s0, s1, s2 = (run_world(_memory, 4, stage)[1] for stage in (0, 1, 2))
+    for s in (s1, s2):
+        assert s["master_params"] == pytest.approx(s0["master_params"] / 4, rel=0.02)
+        assert s["optimizer_state"] == pytest.approx(s0["optimizer_state"] / 4, rel=0.05)
+        assert s["lp_params"] == pytest.approx(s0["lp_params"], rel=0.02)
+    # stage 1 keeps whole bf16 gradients (as many bytes as the bf16 params) plus its fp32 shard;
+    # stage 2 keeps only the shard (stage 0: whole bf16 gradients plus the whole fp32 copy)
+    assert s1["grads"] == pytest.approx(s0["lp_params"] + s0["grads"] / 4, rel=0.02)
+    assert s2["grads"] == pytest.approx(s0["grads"] / 4, rel=0.02)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_checkpoint_resume_is_identical(tmp_path, stage):
+    cfg = dict(RESUME_CONFIG, zero_optimization={"stage": stage, **SMALL_BUCKETS})
+    for first, uninterrupted, resumed in run_world(_resume_worker, 2, str(tmp_path), cfg):
+        assert resumed == uninterrupted
+    files = sorted(p.name for p in (tmp_path / "global_step4").iterdir())
+    assert files == ["model_states.pt", "optim_states_rank0.pt", "optim_states_rank1.pt", "rng_rank0.pt",
+                     "rng_rank1.pt"]
+
+
+def _gpt_losses(stage: int, steps: int = 6):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from examples.gpt import GPT, GPTConfig
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("demo", n_layer=2, n_embd=32, n_head=2, block_size=16))
+    cfg = {"train_batch_size": 8, "steps_per_print": 1000, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 700}}
+    engine, *_ = lightspeed.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (steps, 8, 17), generator=g)
+    micro = engine.train_micro_batch_size_per_gpu()
+    losses = []
+    for s in range(steps):
+        batch = data[s, rank * micro:(rank + 1) * micro]
+        loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    tied = engine.module.lm_head.weight is engine.module.wte.weight if hasattr(engine.module, "lm_head") else True
+    return losses, tied
+
+
+def test_gpt_with_tied_embeddings_matches_stage0():
+    (ref, _), _ = run_world(_gpt_losses, 2, 0)
+    for stage in (1, 2):
+        (losses, tied), _ = run_world(_gpt_losses, 2, stage)
+        assert tied
+        assert losses == pytest.approx(ref, rel=1e-5)
+
+
+def _untested_optimizer():
+    cfg = {"train_batch_size": 4, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    try:
+        lightspeed.initialize(model=TinyMLP(), config=cfg)
+    except ValueError as err:
+        msg = str(err)
+    else:
+        msg = None
+    cfg["zero_allow_untested_optimizer"] = True
+    engine, *_ = lightspeed.initialize(model=TinyMLP(), config=cfg)
+    return msg, type(engine.optimizer).__name__
+
+
+def test_untested_optimizer_needs_the_flag():
+    msg, name = run_world(_untested_optimizer, 1)[0]
+    assert msg and "zero_allow_untested_optimizer" in msg and "Lamb" in msg
+    assert name == "Lamb"

@@ -129,7 +129,11 @@ def _validate(model: type[Section], params: dict, *, only_set: bool = False) -> 
 def _adam(param_groups: list, *, adamw: bool, lr: float, betas: tuple, eps: float, weight_decay: float):
     """DeepSpeed FusedAdam semantics; decoupled weight decay when `adamw`, else L2 into the gradient."""
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    tensors = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    # Until lightspeed's Triton kernels land, torch's fused CUDA kernel stands in for FusedAdam.
+    fused = bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
+    extra = {"fused": True} if fused else {}
+    return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **extra)
 
 
 def _lamb(param_groups: list, **hyper) -> Lamb:

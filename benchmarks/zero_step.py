@@ -1,0 +1,145 @@
+"""ZeRO step time on one GPU (NCCL, world size 1): lightspeed stages 0-3 against plain PyTorch
+(bf16 autocast + torch.optim.AdamW(fused=True)) and DeepSpeed's engine, same model, batch and precision.
+
+    torchrun --nproc_per_node 1 benchmarks/zero_step.py [--sizes gpt2-medium 1.3b] [--stages 0 1 2 3]
+        [--micro 8] [--seq 1024] [--steps 20] [--deepspeed] [--compile] [--smoke]
+
+Model: examples/gpt.py (SDPA attention, tied embeddings). lightspeed and DeepSpeed keep bf16 params
+with fp32 master weights and AdamW state (DeepSpeed's bf16 semantics); plain PyTorch keeps fp32
+params under autocast. --smoke runs a tiny model on CPU/gloo so CI-like machines can keep the
+script alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lightspeed  # noqa: E402
+from benchmarks.harness import H200_BF16_PEAK_FLOPS, Result, peak_gib, print_table, reset_memory, time_steps  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+LR = 1e-4
+
+
+def make_batches(vocab: int, micro: int, seq: int, device, n: int = 4):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (micro, seq + 1), generator=g).to(device) for _ in range(n)]
+
+
+def ds_config(stage: int, micro: int, bf16: bool, torch_adam: bool) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "torch_adam": torch_adam}}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def bench_plain(base: GPT, batches, args, device) -> Result:
+    reset_memory()
+    model = copy.deepcopy(base).to(device)
+    fwd = torch.compile(model) if args.compile else model
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=device.type == "cuda")
+    amp = device.type == "cuda"
+    it = iter(range(10**9))
+
+    def step():
+        b = batches[next(it) % len(batches)]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = fwd(b[:, :-1], b[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    ms, losses = time_steps(step, args.steps, args.warmup)
+    return finish(Result("plain PyTorch (autocast)"), ms, losses, base, args)
+
+
+def bench_engine(initialize, name: str, base: GPT, batches, args, device, stage: int, torch_adam: bool) -> Result:
+    reset_memory()
+    model = copy.deepcopy(base)
+    try:
+        engine, *_ = initialize(model=model, model_parameters=model.parameters(),
+                                config=ds_config(stage, args.micro, device.type == "cuda", torch_adam))
+    except NotImplementedError as err:
+        return Result(name, note=f"n/a: {err}")
+    fwd = torch.compile(engine.module) if args.compile else engine
+    it = iter(range(10**9))
+
+    def step():
+        b = batches[next(it) % len(batches)]
+        loss = fwd(b[:, :-1].to(engine.device), b[:, 1:].to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    ms, losses = time_steps(step, args.steps, args.warmup)
+    result = finish(Result(name), ms, losses, base, args)
+    del engine, model
+    return result
+
+
+def finish(r: Result, ms: float, losses, base: GPT, args) -> Result:
+    r.ms_per_step, r.losses = ms, losses
+    tokens = args.micro * args.seq
+    r.tokens_per_s = tokens / (ms / 1e3)
+    r.mfu = base.flops_per_token(args.seq) * r.tokens_per_s / H200_BF16_PEAK_FLOPS
+    r.peak_gib = peak_gib()
+    r.note = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="+", default=["gpt2-medium", "1.3b"])
+    ap.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3])
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's engine (must be importable)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (keeps the script alive in CI)")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ["LIGHTSPEED_ACCELERATOR"] = "cpu"
+        args.sizes, args.micro, args.seq, args.steps, args.warmup = ["demo"], 2, 32, 2, 1
+    lightspeed.init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    deepspeed = None
+    if args.deepspeed:
+        import deepspeed
+    for size in args.sizes:
+        torch.manual_seed(0)
+        cfg = GPTConfig.preset(size, block_size=args.seq)
+        with torch.device("cpu"):
+            base = GPT(cfg)
+        batches = make_batches(cfg.vocab_size, args.micro, args.seq, device)
+        hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        print(f"\n== {size}: {base.num_params() / 1e6:.0f}M params, micro batch {args.micro} x seq {args.seq}, "
+              f"{hw}, torch {torch.__version__}, world size {dist.get_world_size()} ({dist.get_backend()})"
+              f"{', compiled' if args.compile else ''}")
+        results = [bench_plain(base, batches, args, device)]
+        for stage in args.stages:
+            results.append(bench_engine(lightspeed.initialize, f"lightspeed ZeRO-{stage}", base, batches, args,
+                                        device, stage, torch_adam=False))
+        if deepspeed is not None:
+            for stage in args.stages:
+                results.append(bench_engine(deepspeed.initialize, f"DeepSpeed ZeRO-{stage}", base, batches, args,
+                                            device, stage, torch_adam=False))
+        print_table(results, "plain PyTorch (autocast)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,11 @@
 """ZeRO step time on one GPU (NCCL, world size 1): lightspeed stages 0-3 against plain PyTorch
 (bf16 autocast + torch.optim.AdamW(fused=True)) and DeepSpeed's engine, same model, batch and precision.
 
-    torchrun --nproc_per_node 1 benchmarks/zero_step.py [--sizes gpt2-medium 1.3b] [--stages 0 1 2 3]
+    python benchmarks/zero_step.py [--sizes gpt2-medium 1.3b] [--stages 0 1 2 3]
         [--micro 8] [--seq 1024] [--steps 20] [--deepspeed] [--compile] [--smoke]
+
+Each configuration runs in a fresh process (world size 1, NCCL on GPU), so no run inherits memory
+or state from another; the parent prints one table per model size.
 
 Model: examples/gpt.py (SDPA attention, tied embeddings). lightspeed and DeepSpeed keep bf16 params
 with fp32 master weights and AdamW state (DeepSpeed's bf16 semantics); plain PyTorch keeps fp32
@@ -14,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -99,6 +105,29 @@ def finish(r: Result, ms: float, losses, base: GPT, args) -> Result:
     return r
 
 
+def run_one(args, size: str, system: str, stage: int) -> Result:
+    """One configuration, in this process (the parent runs each in a fresh one: no leftovers)."""
+    lightspeed.init_distributed(verbose=False)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset(size, block_size=args.seq)
+    with device:  # initialised where it trains: a 1.3B model's CPU init alone takes many seconds
+        base = GPT(cfg)
+    batches = make_batches(cfg.vocab_size, args.micro, args.seq, device)
+    if system == "plain":
+        result = bench_plain(base, batches, args, device)
+    elif system == "lightspeed":
+        result = bench_engine(lightspeed.initialize, f"lightspeed ZeRO-{stage}", base, batches, args, device,
+                              stage, torch_adam=False)
+    else:
+        import deepspeed
+
+        result = bench_engine(deepspeed.initialize, f"DeepSpeed ZeRO-{stage}", base, batches, args, device, stage,
+                              torch_adam=False)
+    dist.destroy_process_group()
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["gpt2-medium", "1.3b"])
@@ -110,35 +139,42 @@ def main():
     ap.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's engine (must be importable)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (keeps the script alive in CI)")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # size:system:stage, run in a child
     args = ap.parse_args()
     if args.smoke:
         os.environ["LIGHTSPEED_ACCELERATOR"] = "cpu"
         args.sizes, args.micro, args.seq, args.steps, args.warmup = ["demo"], 2, 32, 2, 1
-    lightspeed.init_distributed()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    deepspeed = None
-    if args.deepspeed:
-        import deepspeed
+    if args.one:
+        size, system, stage = args.one.split(":")
+        print("RESULT " + json.dumps(asdict(run_one(args, size, system, int(stage)))), flush=True)
+        return
+    import torch.distributed.run  # noqa: F401  (only to fail early when torch lacks it)
+
+    passthrough = [a for a in sys.argv[1:] if a not in ("--deepspeed",)]
     for size in args.sizes:
-        torch.manual_seed(0)
         cfg = GPTConfig.preset(size, block_size=args.seq)
-        with torch.device("cpu"):
-            base = GPT(cfg)
-        batches = make_batches(cfg.vocab_size, args.micro, args.seq, device)
-        hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        print(f"\n== {size}: {base.num_params() / 1e6:.0f}M params, micro batch {args.micro} x seq {args.seq}, "
-              f"{hw}, torch {torch.__version__}, world size {dist.get_world_size()} ({dist.get_backend()})"
-              f"{', compiled' if args.compile else ''}")
-        results = [bench_plain(base, batches, args, device)]
-        for stage in args.stages:
-            results.append(bench_engine(lightspeed.initialize, f"lightspeed ZeRO-{stage}", base, batches, args,
-                                        device, stage, torch_adam=False))
-        if deepspeed is not None:
-            for stage in args.stages:
-                results.append(bench_engine(deepspeed.initialize, f"DeepSpeed ZeRO-{stage}", base, batches, args,
-                                            device, stage, torch_adam=False))
+        with torch.device("meta"):
+            num_params = GPT(cfg).num_params()
+        hw = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
+        print(f"\n== {size}: {num_params / 1e6:.0f}M params, micro batch {args.micro} x seq {args.seq}, {hw}, "
+              f"torch {torch.__version__}, world size 1, each run in a fresh process"
+              f"{', compiled' if args.compile else ''}", flush=True)
+        runs = [("plain", 0)] + [("lightspeed", s) for s in args.stages]
+        runs += [("deepspeed", s) for s in args.stages] if args.deepspeed else []
+        results = []
+        for system, stage in runs:
+            env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(29500 + len(results)))
+            proc = subprocess.run([sys.executable, __file__, *passthrough, "--one", f"{size}:{system}:{stage}"],
+                                  env=env, capture_output=True, text=True)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                name = {"plain": "plain PyTorch (autocast)"}.get(system, f"{system} ZeRO-{stage}")
+                results.append(Result(name, note=f"failed: {tail[:120]}"))
+            else:
+                results.append(Result(**json.loads(line[len("RESULT "):])))
         print_table(results, "plain PyTorch (autocast)")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

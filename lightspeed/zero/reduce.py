@@ -21,6 +21,8 @@ class ReduceOptions:
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     reduce_dtype: torch.dtype | None = None  # communication_data_type; None = the gradient dtype
+    overlap_comm: bool = True  # False: each sharded-stage reduction is waited on as soon as it starts
+    allgather_bucket_numel: int = 500_000_000
 
     def scaling(self, world_size: int) -> tuple[float, float]:
         """(factor before the sum, factor after it)."""
@@ -47,7 +49,10 @@ class PendingReduce:
         self.handle, self.result, self.dest, self.post_scale, self.accumulate = handle, result, dest, post_scale, accumulate
 
     def wait(self) -> None:
+        if self.handle is None:  # already finished
+            return
         self.handle.wait()
+        self.handle = None
         if self.post_scale != 1.0:
             self.result.mul_(self.post_scale)
         if self.accumulate:

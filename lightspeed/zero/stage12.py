@@ -13,6 +13,12 @@ Note (what lives where): a rank owns the r-th chunk of every bucket of a flat bu
 reduce-scattered as soon as the bucket is complete and freed, the result accumulating in the shard.
 The optimizer steps one fp32 tensor per flat buffer (the master shard), so optimizers that treat each
 element independently (Adam, AdamW, Adagrad, Lion, SGD) give the unsharded results exactly.
+
+DeepSpeed's keys: `reduce_bucket_size` and `allgather_bucket_size` both bound the layout bucket (the
+unit of reduce-scatter and all-gather); `overlap_comm` false waits on each reduction as soon as it
+is launched (true lets it run under the rest of backward: NCCL runs it on its own stream);
+`contiguous_gradients` is always the case (gradients live in flat buffers); `round_robin_gradients`
+only reorders gradient copies for CPU offload in DeepSpeed and changes nothing here.
 """
 
 from __future__ import annotations
@@ -83,8 +89,11 @@ class ShardedStrategy:
             for p in params:
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype_params in by_dtype.values():
+                # a layout bucket is both the reduce-scatter and the all-gather unit: bound it by both sizes
+                bucket_numel = min(reduce.bucket_numel, reduce.allgather_bucket_numel) or max(
+                    reduce.bucket_numel, reduce.allgather_bucket_numel)
                 flat = FlatParams(dtype_params, policy.grad_accum_dtype, keep_master=False,
-                                  bucket_numel=reduce.bucket_numel, world_size=world,
+                                  bucket_numel=bucket_numel, world_size=world,
                                   names=[names[id(p)] for p in dtype_params], full_grads=stage == 1)
                 chunks = owned_chunks(flat.buckets, world, rank)
                 numel = flat.layout.padded_numel // world
@@ -200,7 +209,10 @@ class ShardedStrategy:
             send, post = self.reduce.prepare(staged, world)
         out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
         handle = self.comm.reduce_scatter(out, send, async_op=True)
-        return PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
+        pending = PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
+        if not self.reduce.overlap_comm:
+            pending.wait()
+        return pending
 
     def backward_end(self) -> None:
         if self._boundary or self.stage == 2:

@@ -146,3 +146,24 @@ def test_untested_optimizer_needs_the_flag():
     msg, name = run_world(_untested_optimizer, 1)[0]
     assert msg and "zero_allow_untested_optimizer" in msg and "Lamb" in msg
     assert name == "Lamb"
+
+
+def _comm_bytes(stage: int, overlap: bool):
+    world = dist.get_world_size()
+    model = TinyMLP()
+    cfg = _config(world, zero_optimization={"stage": stage, "overlap_comm": overlap, **SMALL_BUCKETS})
+    engine, *_ = lightspeed.initialize(model=model, config=cfg)
+    x, y = regression_data(8 * world)
+    micro = engine.train_micro_batch_size_per_gpu()
+    engine.backward(engine(x[:micro], y[:micro]))
+    engine.step()
+    padded = sum(s.flat.layout.padded_numel for s in engine.strategy.shards)
+    return dict(engine.comm.stats.bytes), padded
+
+
+@pytest.mark.parametrize("stage,overlap", [(1, True), (2, False)])
+def test_communication_volume_is_twice_the_parameter_bytes(stage, overlap):
+    stats, padded = run_world(_comm_bytes, 2, stage, overlap)[0]
+    param_bytes = 4 * padded  # fp32 model, every bucket padded to the world size
+    assert stats["reduce_scatter"] == param_bytes and stats["all_gather"] == param_bytes
+    assert stats["all_reduce"] == 4  # the squared grad norm (no fp16: no overflow flag)

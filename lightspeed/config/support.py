@@ -80,7 +80,7 @@ def _offload(block: str, device: str) -> Unimplemented:
     return Unimplemented(path, lambda cfg: getattr(cfg.zero_optimization, f"{block}_device") == device)
 
 
-IMPLEMENTED_STAGES = (0, 1, 2)  # ZeRO stages the engine runs; the others raise NotImplementedError
+IMPLEMENTED_STAGES = (0, 1, 2, 3)  # ZeRO stages the engine runs; the others raise NotImplementedError
 
 _ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 

@@ -8,6 +8,7 @@ branch on the ZeRO stage.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed._utils.sizes import human_bytes
 from lightspeed._utils.timers import Timers
 from lightspeed.checkpoint import engine_checkpoint
+from lightspeed.checkpoint.atomic import atomic_torch_save
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.precision.policy import PrecisionPolicy
@@ -246,6 +248,28 @@ class LightspeedEngine(torch.nn.Module):
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=self.strategy.state_dict(),
                                strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
                                dp_rank=self.groups.dp_rank, save_latest=save_latest)
+        return True
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the whole module state_dict (parameters in the training dtype) to
+        `save_dir/save_filename`; global rank 0 writes. A partitioned strategy gathers the parameters
+        only with `zero_optimization.stage3_gather_16bit_weights_on_model_save` (DeepSpeed's rule):
+        otherwise nothing is written and False is returned. Every rank must call it."""
+        path = os.path.join(save_dir, save_filename)
+        # strategies that hold whole parameters (stages 0-2) can always save; stage 3 says whether it may gather
+        if not getattr(self.strategy, "gather_16bit_weights_on_model_save", True):
+            logger.warning("did not save the model %s: zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                           "is false", path)
+            return False
+        state = self.strategy.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            atomic_torch_save(state, path)
+        self.comm.barrier()
         return True
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,

@@ -17,7 +17,7 @@ from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.runtime.engine import LightspeedEngine
-from lightspeed.runtime.strategy import select_strategy
+from lightspeed.runtime.strategy import select_strategy, strategy_places_params
 
 logger = get_logger(__name__)
 
@@ -65,6 +65,12 @@ def _build_scheduler(lr_scheduler, cfg, optimizer):
     return None
 
 
+def _place(model: torch.nn.Module, device: torch.device, policy) -> None:
+    model.to(device=device)
+    if policy.param_dtype != torch.float32:
+        model.to(dtype=policy.param_dtype)
+
+
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
                dist_init_required: bool | None = None, collate_fn=None, config=None, config_params=None,
@@ -85,12 +91,17 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     cfg = config_mod.load(source, world_size=groups.dp_world_size)
     policy = policy_from_config(cfg)
     device = default_device(groups.local_rank)
-    model.to(device=device)
-    if policy.param_dtype != torch.float32:
-        model.to(dtype=policy.param_dtype)
+    places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself
+    if not places_params:
+        if any(p.is_meta for p in model.parameters()):
+            raise ConfigError(f"zero_optimization.stage: a model built under lightspeed.zero.Init (meta parameters) "
+                              f"needs stage 3 (got {cfg.zero_optimization.stage})")
+        _place(model, device, policy)
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters)
     comm = Communicator(groups.dp_group, groups.dp_world_size)
-    strategy = select_strategy(cfg, model, optimizer, policy, comm)
+    strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device)
+    if places_params:
+        _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)
     loss_scaler = build_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
     lr_scheduler = _build_scheduler(lr_scheduler, cfg, optimizer)

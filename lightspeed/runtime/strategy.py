@@ -49,15 +49,27 @@ def reduce_options(cfg, policy: PrecisionPolicy) -> ReduceOptions:
     return ReduceOptions(bucket_numel=int(cfg.zero_optimization.reduce_bucket_size),
                          prescale_gradients=bool(cfg.prescale_gradients),
                          gradient_predivide_factor=float(cfg.gradient_predivide_factor),
-                         reduce_dtype=policy.reduce_dtype)
+                         reduce_dtype=policy.reduce_dtype,
+                         overlap_comm=bool(cfg.zero_optimization.overlap_comm),
+                         allgather_bucket_numel=int(cfg.zero_optimization.allgather_bucket_size))
+
+
+def strategy_places_params(cfg) -> bool:
+    """True when the strategy itself puts the parameters on the device (stage 3 shards them there, one
+    group at a time), so `initialize()` must not move the whole model first."""
+    return cfg.zero_optimization.stage == 3
 
 
 def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPolicy,
-                    comm: Communicator) -> ShardingStrategy:
+                    comm: Communicator, device: torch.device | None = None) -> ShardingStrategy:
     stage = cfg.zero_optimization.stage
     if stage == 0:
         return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy))
     if stage in (1, 2):
         return ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
                                allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer))
+    if stage == 3:
+        from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy
+
+        return Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy), device=device)
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")

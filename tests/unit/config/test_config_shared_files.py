@@ -97,8 +97,9 @@ def test_transformers_zero3_with_a_batch_size_loads(ls_caplog):
     assert "deprecated" in ls_caplog.text
     with pytest.raises(NotImplementedError) as info:
         load(raw)
-    for text in ("zero_optimization.stage=3", 'offload_optimizer.device="cpu"', 'offload_param.device="cpu"'):
+    for text in ('offload_optimizer.device="cpu"', 'offload_param.device="cpu"'):
         assert text in str(info.value)
+    assert "zero_optimization.stage" not in str(info.value)  # stage 3 itself is implemented
 
 
 def test_onebit_adam_world_size_must_divide_the_batch():

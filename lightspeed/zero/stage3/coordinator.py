@@ -1,0 +1,348 @@
+"""The stage-3 coordinator: decides when each ParamGroup is gathered and released, and owns every hook.
+
+Hooks (all registered through public torch APIs; nothing on nn.Module or nn.Parameter is patched):
+    forward pre-hook (every module)     gather the groups the module uses; prefetch what comes next
+    forward hook (every module)         release them (persistence, reuse distance, live limit permitting);
+                                        register the pre-backward hook on the outputs that need grad
+    pre-backward (multi-grad hook, any) re-gather the module's groups before its backward runs
+    post-accumulate-grad (each param)   when all of a group's grads are in: reduce-scatter, release
+    torch-function mode (forward)       a released managed parameter reaching any torch op is gathered
+                                        on the spot and registered as used by the innermost running
+                                        module (DeepSpeed's "external parameters", found automatically)
+
+Must not: know the optimizer, the precision policy or the loss scale (the strategy does).
+
+Note (the trace): the modules whose hooks fire (every forward; backward where there are groups to
+gather) are recorded in order during the first forward+backward; later iterations follow it with a
+cursor, and an iteration that departs from it has the next one recorded again. With
+a complete trace the coordinator prefetches the groups of upcoming modules (up to
+`stage3_prefetch_bucket_size` elements, and never past `stage3_max_live_parameters` gathered
+elements), and keeps a group gathered after a module's forward when the trace uses it again within
+`stage3_max_reuse_distance` elements (DeepSpeed's rule; its default, 1e9, keeps every group of a
+small model gathered from its first use until its backward). If an iteration departs from the
+trace (control flow changed), prefetching and reuse-keeping stop for the rest of that iteration;
+correctness never depends on the trace.
+
+Note (external parameters): a parameter read outside its owner's forward (e.g. `self.wte.weight` in
+the top-level forward) is found by a TorchFunctionMode active during forward: the op that receives
+the released parameter triggers its gather, and the innermost running module gathers that group
+around its forward and backward from then on. The mode costs a Python call per torch op, so by
+default (`external_detection="trace"`) it is active only until the first forward+backward has been
+traced; a use that first appears later needs `register_external_parameter` (or "always").
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.overrides import TorchFunctionMode
+
+from lightspeed._utils.logging import get_logger, warn_once
+from lightspeed.zero.stage3.param_group import GATHERED, RELEASED, ParamGroup, param_state
+
+logger = get_logger(__name__)
+
+MAX_INFLIGHT_REDUCES = 2  # bounds the full-size gradient buffers alive at once
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The knobs of gathering and releasing (DeepSpeed's stage-3 keys, in elements)."""
+
+    prefetch_numel: int = 50_000_000
+    max_live_numel: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    reduce_dtype: torch.dtype | None = None
+    external_detection: str = "trace"  # "trace": forwards until the trace is complete; "always"; "off"
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside a module's output: tensors, lists/tuples, mappings, dataclass-like objects."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors(getattr(obj, name, None))
+
+
+class _ExternalUseMode(TorchFunctionMode):
+    """Active during forward: gathers a released managed parameter when a torch op receives it."""
+
+    def __init__(self, coordinator: "Coordinator"):
+        super().__init__()
+        self.coordinator = coordinator
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        on_use = self.coordinator.on_use
+        for a in args:
+            if isinstance(a, torch.nn.Parameter):
+                on_use(a)
+            elif type(a) in (list, tuple):
+                for b in a:
+                    if isinstance(b, torch.nn.Parameter):
+                        on_use(b)
+        for a in kwargs.values():
+            if isinstance(a, torch.nn.Parameter):
+                on_use(a)
+        return func(*args, **kwargs)
+
+
+class Coordinator:
+    """Schedules the gathers and releases of `groups` for `root`; `uses[id(m)]` lists the groups
+    module `m` needs gathered while its own forward/backward code runs."""
+
+    def __init__(self, root: torch.nn.Module, groups: list[ParamGroup], uses: dict[int, list[ParamGroup]],
+                 schedule: Schedule):
+        self.root, self.groups, self.uses, self.schedule = root, groups, uses, schedule
+        for g in groups:
+            g.coordinator = self
+        self.live_numel = 0
+        self._stack: list[torch.nn.Module] = []
+        self._mode: _ExternalUseMode | None = None
+        self._busy = False
+        # trace
+        self._trace: list[torch.nn.Module] = []
+        self._trace_done = False
+        self._trace_ok = True
+        self._pos = 0
+        self._cursor = 0
+        self._occurrences: dict[int, list[int]] = {}
+        self._cum_numel: list[int] = [0]
+        # backward
+        self._ready: dict[int, int] = {}
+        self._reduced: set[int] = set()
+        self._pending: deque = deque()
+        self._handles = []
+        for m in root.modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+        for g in groups:
+            if g.trainable:
+                for p in g.params:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ gather / release
+    def fetch(self, g: ParamGroup) -> None:
+        """Start gathering `g` (no-op when gathered or in flight)."""
+        if g.state == RELEASED:
+            self.live_numel += g.numel
+            g.gather()
+
+    def fetch_now(self, groups) -> None:
+        for g in groups:
+            self.fetch(g)
+        for g in groups:
+            g.wait()
+
+    def release(self, g: ParamGroup, force: bool = False) -> None:
+        if g.state == RELEASED or (not force and (g.pins > 0 or g.persistent)):
+            return
+        g.release()
+        self.live_numel -= g.numel
+
+    def release_all(self, force: bool = False) -> None:
+        """Release every group not held (also persistent ones with `force`); a held group that must
+        stay gathered is refreshed instead, since `force` means its shard changed."""
+        for g in self.groups:
+            if force and g.pins > 0:
+                g.refresh()
+            else:
+                self.release(g, force=force)
+
+    # ------------------------------------------------------------------ trace
+    def _record(self, module: torch.nn.Module) -> None:
+        if not self._trace_done:
+            self._trace.append(module)
+        elif self._trace_ok and (self._pos >= len(self._trace) or self._trace[self._pos] is not module):
+            self._trace_ok = False
+            warn_once("ZeRO-3: the module order differs from the first step's; prefetching is off for the rest "
+                      "of this step", logger)
+        self._pos += 1
+
+    def _finish_trace(self) -> None:
+        if self._trace_done or not self._trace:
+            return
+        self._occurrences = {}
+        self._cum_numel = [0]
+        for i, m in enumerate(self._trace):
+            groups = self.uses.get(id(m), [])
+            for g in groups:
+                self._occurrences.setdefault(id(g), []).append(i)
+            self._cum_numel.append(self._cum_numel[-1] + sum(g.numel for g in groups))
+        self._trace_done = True
+
+    def _following(self) -> bool:
+        return self._trace_done and self._trace_ok
+
+    def _prefetch(self) -> None:
+        if not self._following() or self.schedule.prefetch_numel <= 0:
+            return
+        budget = min(self.schedule.prefetch_numel, self.schedule.max_live_numel - self.live_numel)
+        issued, i = 0, max(self._pos, self._cursor)
+        while i < len(self._trace) and issued < budget:
+            for g in self.uses.get(id(self._trace[i]), []):
+                if g.state == RELEASED:
+                    self.fetch(g)
+                    issued += g.numel
+            i += 1
+        self._cursor = i
+
+    def _reused_soon(self, g: ParamGroup) -> bool:
+        """True when the trace uses `g` again within `max_reuse_distance` elements from here."""
+        if not self._following() or self.live_numel > self.schedule.max_live_numel:
+            return False
+        occ = self._occurrences.get(id(g), [])
+        k = bisect.bisect_left(occ, self._pos)
+        if k == len(occ):
+            return False
+        return self._cum_numel[occ[k]] - self._cum_numel[self._pos] < self.schedule.max_reuse_distance
+
+    # ------------------------------------------------------------------ forward hooks
+    def _pre_forward(self, module: torch.nn.Module, args) -> None:
+        if not self._stack:
+            self._begin_forward()
+        self._stack.append(module)
+        self._record(module)  # every module: one may use groups only from its first forward on
+        groups = self.uses.get(id(module))
+        if groups:
+            self._busy = True
+            try:
+                for g in groups:
+                    g.pins += 1
+                self.fetch_now(groups)
+                self._prefetch()
+            finally:
+                self._busy = False
+
+    def _post_forward(self, module: torch.nn.Module, args, output) -> None:
+        if self._stack and self._stack[-1] is module:
+            self._stack.pop()
+        groups = self.uses.get(id(module))
+        if groups:
+            self._busy = True
+            try:
+                for g in groups:
+                    g.pins -= 1
+                if torch.is_grad_enabled():
+                    # leaves (a module returning a parameter) would keep the hook across iterations
+                    needs_grad = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
+                    if needs_grad:
+                        register_multi_grad_hook(needs_grad, lambda _grad, m=module: self._pre_backward(m), mode="any")
+                for g in groups:
+                    if g.pins == 0 and not g.persistent and not self._reused_soon(g):
+                        self.release(g)
+            finally:
+                self._busy = False
+        if not self._stack:
+            self._end_forward()
+
+    def _begin_forward(self) -> None:
+        self._pos, self._cursor, self._trace_ok = 0, 0, True
+        if not self._trace_done:
+            self._trace = []
+        detect = self.schedule.external_detection
+        if detect == "always" or (detect == "trace" and not self._trace_done):
+            self._mode = _ExternalUseMode(self)
+            self._mode.__enter__()
+
+    def _end_forward(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+        if not torch.is_grad_enabled():  # no backward follows: nothing is worth keeping
+            self.release_all()
+
+    def on_use(self, param: torch.nn.Parameter) -> None:
+        """A parameter reached a torch op during forward: make sure its group is gathered."""
+        if self._busy:
+            return
+        st = param_state(param)
+        if st is None or st.group.state == GATHERED:
+            return
+        g = st.group
+        self._busy = True
+        try:
+            if self._stack:
+                user = self._stack[-1]
+                used = self.uses.setdefault(id(user), [])
+                if g not in used:
+                    logger.debug("ZeRO-3: %s uses parameter %s of another module; gathering it with %s from now on",
+                                 type(user).__name__, st.name, type(user).__name__)
+                    used.append(g)
+                    g.pins += 1  # the module's forward hook unpins every group it uses
+            self.fetch_now([g])
+        finally:
+            self._busy = False
+
+    def register_external(self, module: torch.nn.Module, groups) -> None:
+        used = self.uses.setdefault(id(module), [])
+        for g in groups:
+            if g not in used:
+                used.append(g)
+
+    # ------------------------------------------------------------------ backward hooks
+    def _pre_backward(self, module: torch.nn.Module) -> None:
+        groups = self.uses.get(id(module))
+        if groups:
+            self._record(module)
+            self.fetch_now(groups)
+            self._prefetch()
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        g = param_state(param).group
+        key = id(g)
+        if key in self._reduced:
+            return
+        self._ready[key] = self._ready.get(key, 0) + 1
+        if self._ready[key] == len(g.params):
+            self._reduce(g)
+            self.release(g)
+
+    def _reduce(self, g: ParamGroup) -> None:
+        s = self.schedule
+        self._pending.append(g.reduce_grads(s.prescale_gradients, s.gradient_predivide_factor, s.reduce_dtype))
+        self._reduced.add(id(g))
+        while len(self._pending) > MAX_INFLIGHT_REDUCES:
+            self._pending.popleft().wait()
+
+    def backward_start(self) -> None:
+        self._ready.clear()
+        self._reduced.clear()
+
+    def backward_end(self) -> None:
+        """Reduce the groups whose gradients did not all arrive (unused params: zeros), in a fixed
+        order so every rank issues the same collectives; wait; release everything not persistent."""
+        for g in self.groups:
+            if g.trainable and id(g) not in self._reduced:
+                self._reduce(g)
+        self.wait_reduces()
+        self.release_all()
+        self._ready.clear()
+        self._reduced.clear()
+        if self._trace_done and not self._trace_ok:  # the order changed: record it again next iteration
+            self._trace_done = False
+        else:
+            self._finish_trace()
+
+    def wait_reduces(self) -> None:
+        while self._pending:
+            self._pending.popleft().wait()

@@ -1,0 +1,365 @@
+"""ZeRO stage 3: parameters, gradients, fp32 master weights and optimizer state all partitioned.
+
+Owns: building the ParamGroups (materializing an `Init`-built model one module at a time), pointing
+the optimizer at flat fp32 shards, the step (overflow check agreed across ranks, global norm, clip,
+optimizer, lp write-back), checkpoint state and the gathered module state_dict. Gathering, releasing
+and gradient reduction are scheduled by `coordinator.Coordinator`. Must not: touch the loss scaler or
+the LR schedule (the engine does).
+
+Note (granularity): a ParamGroup is the directly owned parameters (`recurse=False`) of one module
+with one `requires_grad` value; a parameter registered on several modules (tied) belongs to the first
+in `named_modules()` order, and every module registering it gathers that group around its own
+forward and backward. Leaf-level groups keep the gathered memory to the module running now (plus
+prefetch) at the price of one all-gather and one reduce-scatter per parameter-owning module; frozen
+parameters form their own groups so the optimizer never sees them. Within a group, parameters are
+laid out by optimizer param group (stable), so that each (optimizer param group x ParamGroup) is one
+contiguous range of the shard and the optimizer gets one flat tensor for it: elementwise optimizers
+(Adam, AdamW, SGD, Adagrad, Lion, ...) then compute exactly what they compute on whole parameters.
+`sub_group_size` is accepted and has no effect: these pieces already are the optimizer's sub-groups.
+
+Note (initial values): without Init, every rank's constructed model is flattened one group at a time,
+rank 0's values are broadcast, and each rank keeps its slice; then `param.data` becomes an empty
+placeholder. With Init, see `init.py`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightspeed._utils.device import Stream
+from lightspeed._utils.logging import get_logger
+from lightspeed.comm.collectives import Communicator
+from lightspeed.config.errors import ConfigError
+from lightspeed.optim.lion import Lion
+from lightspeed.precision.overflow import flat_has_inf_or_nan
+from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
+from lightspeed.zero.partition import Range
+from lightspeed.zero.stage0 import StepResult
+from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
+from lightspeed.zero.stage3.gathered import take_pending_external
+from lightspeed.zero.stage3.init import init_record, materialize_module, owned_params, seed_from_global_rng
+from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
+
+logger = get_logger(__name__)
+
+# Optimizers whose update of an element depends only on that element's history and the group's
+# hyperparameters, so stepping flat shards equals stepping whole parameters (DeepSpeed's list of
+# ZeRO-supported optimizers, in torch terms). Lamb is not among them: its trust ratio is per tensor.
+ELEMENTWISE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
+                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                          torch.optim.Rprop, Lion)
+
+
+@dataclass(frozen=True)
+class Stage3Options:
+    schedule: Schedule = field(default_factory=Schedule)
+    param_persistence_threshold: int = 100_000
+    model_persistence_threshold: int = sys.maxsize
+    gather_16bit_weights_on_model_save: bool = False
+    allow_untested_optimizer: bool = False
+
+    @classmethod
+    def from_config(cls, cfg, policy: PrecisionPolicy) -> "Stage3Options":
+        z = cfg.zero_optimization
+        schedule = Schedule(prefetch_numel=int(z.stage3_prefetch_bucket_size),
+                            max_live_numel=int(z.stage3_max_live_parameters),
+                            max_reuse_distance=int(z.stage3_max_reuse_distance),
+                            prescale_gradients=bool(cfg.prescale_gradients),
+                            gradient_predivide_factor=float(cfg.gradient_predivide_factor),
+                            reduce_dtype=policy.reduce_dtype)
+        return cls(schedule=schedule, param_persistence_threshold=int(z.stage3_param_persistence_threshold),
+                   model_persistence_threshold=int(z.stage3_model_persistence_threshold),
+                   gather_16bit_weights_on_model_save=bool(z.stage3_gather_16bit_weights_on_model_save),
+                   allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer))
+
+
+def check_optimizer(optimizer, allow_untested: bool) -> None:
+    if optimizer is None or allow_untested or type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+        return
+    raise ConfigError(f"zero_allow_untested_optimizer: ZeRO stage 3 steps {type(optimizer).__name__} on flat "
+                      "shards holding pieces of many parameters, which is tested only for elementwise "
+                      f"optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); set "
+                      '"zero_allow_untested_optimizer": true to use it anyway')
+
+
+class Stage3Strategy:
+    stage = 3
+    state_is_replicated = False  # each rank holds its own slices: every rank writes its file
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
+                 comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None):
+        self.options = options or Stage3Options()
+        check_optimizer(optimizer, self.options.allow_untested_optimizer)
+        if optimizer is not None and optimizer.state:
+            raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
+        self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
+        self.device = torch.device(device) if device is not None else self._infer_device(module)
+        self.gather_16bit_weights_on_model_save = self.options.gather_16bit_weights_on_model_save
+        stream = Stream(self.device) if self.device.type == "cuda" else None
+        opt_index = {}
+        if optimizer is not None:
+            opt_index = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self.setup_peak_numel = 0  # most full-size parameter elements alive at once while sharding
+        self.groups = self._build_groups(opt_index, stream)
+        self._mark_persistent()
+        self._opt_params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (optimizer's tensor, its grad)
+        if optimizer is not None:
+            self._bind_optimizer(optimizer, opt_index)
+        self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule)
+
+    # ---------------------------------------------------------------- set-up
+    @staticmethod
+    def _infer_device(module: torch.nn.Module) -> torch.device:
+        for p in module.parameters():
+            if not p.is_meta:
+                return p.device
+        return torch.device("cpu")
+
+    def _init_seeds(self, plan) -> dict[int, int]:
+        """Rank 0's initialization seed for each module with meta parameters (see init.py)."""
+        deferred = [(index, m) for index, _, m, owned in plan if any(p.is_meta for _, p in owned)]
+        if not deferred:
+            return {}
+        seeds = []
+        for _, m in deferred:
+            record = init_record(m)
+            seeds.append(record.seed if record is not None else seed_from_global_rng())
+        t = torch.tensor(seeds, dtype=torch.int64, device=self.device)
+        self.comm.broadcast(t, src=0)
+        return {index: int(s) for (index, _), s in zip(deferred, t.tolist())}
+
+    def _build_groups(self, opt_index: dict[int, int], stream) -> list[ParamGroup]:
+        plan = owned_params(self.module)
+        seeds = self._init_seeds(plan)
+        last = len(self.optimizer.param_groups) if self.optimizer is not None else 0
+        groups: list[ParamGroup] = []
+
+        def shape_of(p):
+            st = param_state(p)
+            return st.shape if st is not None else p.shape
+
+        for index, mname, m, owned in plan:
+            for _, p in owned:
+                if not p.is_floating_point():
+                    raise TypeError(f"ZeRO stage 3 shards floating-point parameters only ({mname} has {p.dtype})")
+            if index in seeds:
+                materialize_module(self.module, m, index, owned, seeds[index], self.device, shape_of)
+            full_numel = sum(p.numel() for _, p in owned)
+            for trainable in (True, False):
+                sel = [(n, p) for n, p in owned if p.requires_grad == trainable]
+                if not sel:
+                    continue
+                sel.sort(key=lambda item: opt_index.get(id(item[1]), last))
+                name = (mname or "<root>") + ("" if trainable else " (frozen)")
+                g = ParamGroup(name, [p for _, p in sel], [n for n, _ in sel], [p.detach() for _, p in sel], self.comm,
+                               dtype=self.policy.param_dtype, device=self.device,
+                               grad_dtype=self.policy.grad_accum_dtype,
+                               keep_master=self.policy.master_dtype is not None, stream=stream)
+                self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
+                groups.append(g)
+        return groups
+
+    def _uses(self) -> dict[int, list[ParamGroup]]:
+        uses: dict[int, list[ParamGroup]] = {}
+        for m in self.module.modules():
+            gs: list[ParamGroup] = []
+            params = list(m.parameters(recurse=False)) + take_pending_external(m)
+            for p in params:
+                st = param_state(p)
+                if st is not None and st.group not in gs:
+                    gs.append(st.group)
+            if gs:
+                uses[id(m)] = gs
+        return uses
+
+    def _mark_persistent(self) -> None:
+        """DeepSpeed's persistence: small groups stay gathered once gathered (until the next step),
+        up to `stage3_model_persistence_threshold` elements in all."""
+        total = 0
+        for g in self.groups:
+            if g.layout.numel <= self.options.param_persistence_threshold and \
+                    total + g.layout.numel <= self.options.model_persistence_threshold:
+                g.persistent = True
+                total += g.layout.numel
+
+    def _bind_optimizer(self, optimizer: torch.optim.Optimizer, opt_index: dict[int, int]) -> None:
+        """Replace each optimizer group's params by this rank's flat pieces of it, one per ParamGroup."""
+        for gi, pg in enumerate(optimizer.param_groups):
+            tensors = []
+            for g in self.groups:
+                if not g.trainable:
+                    continue
+                idx = [st.index for st in g.states if opt_index.get(id(st.param)) == gi]
+                if not idx:
+                    continue
+                assert idx == list(range(idx[0], idx[-1] + 1)), "optimizer groups are laid out contiguously"
+                own = g.local(Range(g.layout.range_of(idx[0])[0], g.layout.range_of(idx[-1])[1]))
+                if own.numel == 0:
+                    continue
+                tensor = g.optimizer_shard[own.start:own.end]
+                self._opt_params.append((tensor, g.master_grad_shard[own.start:own.end]))
+                tensors.append(tensor)
+            pg["params"] = tensors
+
+    def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
+        """Parameters were broadcast group by group while sharding; buffers (kept whole) are here."""
+        for b in module.buffers():
+            self.comm.broadcast(b, src=0)
+
+    # ---------------------------------------------------------------- backward
+    def backward_start(self, is_boundary: bool) -> None:
+        # DeepSpeed's stage 3 reduce-scatters at every micro-step: the boundary changes nothing here
+        self.coordinator.backward_start()
+
+    def backward_end(self) -> None:
+        self.coordinator.backward_end()
+
+    def wait_gradients(self) -> None:
+        self.coordinator.wait_reduces()
+
+    # ---------------------------------------------------------------- step
+    def _trainable(self) -> list[ParamGroup]:
+        return [g for g in self.groups if g.trainable]
+
+    def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
+        """Unless some rank's gradient slice holds inf/nan: unscale, clip by the global norm, step the
+        optimizer on the fp32 shards and write the lp shards (gathered groups are then re-gathered on
+        use)."""
+        self.coordinator.wait_reduces()
+        groups = self._trainable()
+        if check_overflow if check_overflow is not None else loss_scale is not None:
+            flags = [flat_has_inf_or_nan(g.grad_shard).reshape(1) for g in groups]
+            flag = torch.cat(flags).max().reshape(1) if flags else torch.zeros(1, device=self.device)
+            self.comm.all_reduce(flag, op="max")
+            if bool(flag.item()):
+                return StepResult(False, None)
+        for g in groups:
+            if g.master_grad_shard is not g.grad_shard:
+                g.master_grad_shard.copy_(g.grad_shard)
+        grads = [g.master_grad_shard for g in groups]
+        sq = squared_norm(grads).to(self.device).reshape(1)
+        self.comm.all_reduce(sq)
+        scale = loss_scale or 1.0
+        norm = sq.reshape(()).sqrt() / scale
+        if scale != 1.0 or max_norm > 0:
+            torch._foreach_mul_(grads, grad_coefficient(norm, scale, max_norm))
+        if self.optimizer is not None:
+            for tensor, grad in self._opt_params:
+                tensor.grad = grad
+            self.optimizer.step()
+        for g in groups:
+            g.copy_master_to_lp()
+        self.coordinator.release_all(force=True)
+        return StepResult(True, norm)
+
+    def zero_grad(self) -> None:
+        for g in self._trainable():
+            g.grad_shard.zero_()
+            for p in g.params:
+                p.grad = None
+
+    # ---------------------------------------------------------------- state
+    def _layout(self) -> list[list]:
+        return [[g.name, g.layout.numel, g.layout.padded_numel, g.trainable] for g in self.groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's fp32 master slices and optimizer state, with the layout they belong to."""
+        return {"stage": 3, "dp_world_size": self.comm.world_size, "dp_rank": self.comm.rank,
+                "layout": self._layout(),
+                "master": [g.master_shard for g in self.groups if g.master_shard is not None],
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None:
+        masters = [g for g in self.groups if g.master_shard is not None]
+        same = (state.get("stage") == 3 and state.get("dp_world_size") == self.comm.world_size
+                and state.get("layout") == self._layout())
+        if state and not same and load_optimizer_states:
+            raise ValueError(f"ZeRO-3 checkpoint state was written by stage {state.get('stage')} at "
+                             f"dp_world_size {state.get('dp_world_size')}; this run is stage 3 at dp_world_size "
+                             f"{self.comm.world_size}{'' if state.get('stage') != 3 else ' (or its layout differs)'}. "
+                             "Re-slicing is not implemented: load at the same world size, or pass "
+                             "load_optimizer_states=False to load the module weights only")
+        saved = (state.get("master") or []) if same else []
+        if len(saved) == len(masters) and saved:
+            for s, g in zip(saved, masters):
+                g.master_shard.copy_(s)
+                g.copy_master_to_lp()
+        else:
+            for g in masters:
+                g.copy_lp_to_master()
+        if same and load_optimizer_states and self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.coordinator.release_all(force=True)
+
+    def _gathered_values(self) -> dict[int, torch.Tensor]:
+        """id(param) -> its full value on the CPU, gathered one group at a time."""
+        values: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            was_released = g.state == RELEASED
+            g.pins += 1
+            try:
+                self.coordinator.fetch_now([g])
+                for st in g.states:
+                    values[id(st.param)] = g.views[st.index].to("cpu", copy=True)
+            finally:
+                g.pins -= 1
+            if was_released:
+                self.coordinator.release(g)
+        return values
+
+    def module_state_dict(self) -> dict[str, Any]:
+        """The module's full state_dict on every rank (parameters gathered, as CPU tensors in the
+        training dtype; tied names share one tensor). A collective: every rank must call it."""
+        state = self.module.state_dict()
+        values = self._gathered_values()
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if name in state and id(p) in values:
+                state[name] = values[id(p)]
+        return state
+
+    def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Scatter a full state_dict into the shards (each rank copies its slices; no communication)."""
+        names: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if param_state(p) is not None:
+                names.setdefault(id(p), []).append(name)
+        param_keys = {n for ns in names.values() for n in ns}
+        result = self.module.load_state_dict({k: v for k, v in state.items() if k not in param_keys}, strict=False)
+        missing = [k for k in result.missing_keys if k not in param_keys] + sorted(k for k in param_keys if k not in state)
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys "
+                               f"{missing}, unexpected keys {list(result.unexpected_keys)}")
+        for g in self.groups:
+            for st in g.states:
+                value = next((state[n] for n in names.get(id(st.param), []) if n in state), None)
+                if value is None:
+                    continue
+                if tuple(value.shape) != tuple(st.shape):
+                    raise RuntimeError(f"size mismatch for {st.name}: copying a param with shape {tuple(value.shape)}"
+                                       f", the shape in the current model is {tuple(st.shape)}")
+                g.load_param(st.index, value)
+            g.copy_lp_to_master()
+        self.coordinator.release_all(force=True)
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """This rank's bytes by device and category (gathered buffers count while they are held)."""
+        out: dict[str, dict[str, int]] = {}
+
+        def add(device: torch.device, key: str, nbytes: int) -> None:
+            out.setdefault(device.type, {}).setdefault(key, 0)
+            out[device.type][key] += nbytes
+
+        for g in self.groups:
+            for key, nbytes in g.nbytes().items():
+                add(g.device, key, nbytes)
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                for v in st.values():
+                    if torch.is_tensor(v):
+                        add(v.device, "optimizer_state", v.numel() * v.element_size())
+        return out

@@ -1,0 +1,155 @@
+"""ZeRO-3 building blocks without processes: ownership, param groups (gather / release / storage),
+reduce scaling, persistence, optimizer binding and refusal, Init and the initialization rule."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightspeed.comm.collectives import Communicator
+from lightspeed.config.errors import ConfigError
+from lightspeed.optim.lamb import Lamb
+from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.testing.models import TinyMLP
+from lightspeed.zero import GatheredParameters, Init
+from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy, initialize_module_weights, param_state
+from lightspeed.zero.stage3.init import owned_params
+from lightspeed.zero.stage3.param_group import GATHERED, RELEASED, ParamGroup, reduce_scaling
+
+REPO = Path(__file__).resolve().parents[3]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+pytestmark = pytest.mark.timeout(30)
+TINY_GPT = GPTConfig.preset("demo", n_layer=1, n_embd=16, n_head=2, block_size=8)
+
+
+def comm1():
+    return Communicator(None, world_size=1)
+
+
+def test_owned_params_give_a_tied_parameter_to_its_first_module():
+    model = GPT(TINY_GPT)
+    plan = {name: [n for n, _ in own] for _, name, _, own in owned_params(model)}
+    assert plan["wte"] == ["wte.weight"] and "lm_head" not in plan
+    assert sum(len(v) for v in plan.values()) == len(list(model.parameters()))
+    plan = {name: [n for n, _ in own] for _, name, _, own in owned_params(TinyMLP())}
+    assert plan[""] == ["tiny", "frozen"]
+
+
+@pytest.mark.parametrize("prescale,predivide,world,expected", [
+    (False, 1.0, 4, (1.0, 0.25)), (True, 1.0, 4, (0.25, 1.0)), (False, 2.0, 4, (0.5, 0.5)),
+    (False, 4.0, 4, (0.25, 1.0)), (True, 1.0, 1, (1.0, 1.0))])
+def test_reduce_scaling_averages_over_ranks(prescale, predivide, world, expected):
+    pre, post = reduce_scaling(prescale, predivide, world)
+    assert (pre, post) == expected and pre * post * world == pytest.approx(1.0)
+
+
+def test_group_gathers_into_views_and_frees_the_storage_on_release():
+    lin = torch.nn.Linear(3, 2)
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    g = ParamGroup("lin", [lin.weight, lin.bias], ["weight", "bias"], [w, b], comm1(), dtype=torch.bfloat16,
+                   device=torch.device("cpu"), grad_dtype=torch.bfloat16, keep_master=True)
+    assert g.state == RELEASED and lin.weight.numel() == 0 and g.full_flat.untyped_storage().nbytes() == 0
+    assert g.lp_shard.dtype == torch.bfloat16 and g.master_shard.dtype == torch.float32
+    assert g.master_grad_shard is not g.grad_shard  # bf16 grads, fp32 copy for the optimizer
+    assert param_state(lin.weight).group is g and param_state(lin.bias).range.start == 6
+    g.gather()
+    g.wait()
+    assert g.state == GATHERED and torch.equal(lin.weight, w.bfloat16()) and lin.bias.shape == (2,)
+    assert lin.weight.data_ptr() == g.full_flat.data_ptr()
+    g.release()
+    assert lin.weight.numel() == 0 and g.full_flat.untyped_storage().nbytes() == 0
+    assert param_state(torch.nn.Parameter(torch.zeros(1))) is None
+
+
+def _strategy(model, optimizer=None, policy=PrecisionPolicy(), **options):
+    return Stage3Strategy(model, optimizer, policy, comm1(), Stage3Options(**options), device=torch.device("cpu"))
+
+
+def test_persistence_thresholds_follow_deepspeed():
+    def persistent(**thresholds):
+        return {g.name for g in _strategy(TinyMLP(), **thresholds).groups if g.persistent}
+
+    # groups of at most param_persistence_threshold elements, in module order, while the total stays
+    # within model_persistence_threshold: tiny (3), frozen (5), then norm (74) only if 82 fit
+    assert persistent(param_persistence_threshold=74, model_persistence_threshold=80) == {"<root>", "<root> (frozen)"}
+    assert persistent(param_persistence_threshold=74, model_persistence_threshold=82) == {
+        "<root>", "<root> (frozen)", "norm"}
+    assert persistent(param_persistence_threshold=0) == set()
+
+
+def test_optimizer_groups_are_contiguous_flat_pieces():
+    model = TinyMLP()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight") and p.requires_grad]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    s = _strategy(model, opt)
+    fc1 = next(g for g in s.groups if g.name == "fc1")
+    assert [st.name for st in fc1.states] == ["fc1.weight", "fc1.bias"]
+    assert [t.numel() for t in opt.param_groups[0]["params"]] == [13 * 37, 37, 37 * 5]  # fc1, norm, fc2 weights
+    assert sum(t.numel() for t in opt.param_groups[1]["params"]) == 37 + 37 + 5 + 3
+    assert all(t.dtype == torch.float32 for g in opt.param_groups for t in g["params"])
+
+
+def test_untested_optimizer_is_refused_unless_allowed():
+    model = TinyMLP()
+    with pytest.raises(ConfigError, match="zero_allow_untested_optimizer"):
+        _strategy(model, Lamb(model.parameters()))
+    _strategy(TinyMLP(), Lamb(TinyMLP().parameters()), allow_untested_optimizer=True)
+
+
+def test_init_defers_parameters_and_keeps_buffers():
+    with Init(seed=3):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    assert all(p.is_meta for p in model.parameters())
+    assert not model[1].running_var.is_meta and torch.equal(model[1].running_var, torch.ones(8))
+    with pytest.raises(NotImplementedError, match="offload"):
+        Init(remote_device="cpu")
+    with Init(enabled=False):
+        assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
+def test_materialized_init_model_equals_the_rule_applied_to_a_normal_model():
+    with Init(seed=11):
+        deferred = GPT(TINY_GPT)
+    s = _strategy(deferred)
+    largest_module = max(sum(p.numel() for _, p in own) for _, _, _, own in owned_params(GPT(TINY_GPT)))
+    assert s.setup_peak_numel <= 2 * largest_module  # one module's params and its flat buffer at a time
+    normal = initialize_module_weights(GPT(TINY_GPT), 11)
+    state = s.module_state_dict()
+    for k, v in normal.state_dict().items():
+        assert torch.equal(state[k], v), k
+    assert state["lm_head.weight"] is state["wte.weight"]  # tied: one tensor under both names
+    # the rule depends on the seed only, not on the global RNG or on earlier init code
+    torch.manual_seed(0)
+    again = initialize_module_weights(GPT(TINY_GPT), 11)
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), normal.parameters()))
+    assert not torch.equal(initialize_module_weights(GPT(TINY_GPT), 12).wte.weight, normal.wte.weight)
+
+
+def test_materialize_changes_only_the_modules_own_parameters():
+    attn = torch.nn.MultiheadAttention(8, 2)  # its reset_parameters also zeroes out_proj.bias (a child's)
+    initialize_module_weights(attn, 5)
+    ref = torch.nn.Linear(8, 8)
+    initialize_module_weights(ref, 5 + 1)  # out_proj is module 1 of the attention
+    assert torch.equal(attn.out_proj.bias, ref.bias) and bool(attn.out_proj.bias.abs().sum() > 0)
+
+
+def test_gathered_parameters_modify_writes_lp_and_master_shards():
+    model = TinyMLP()
+    s = _strategy(model, torch.optim.SGD(model.parameters(), lr=0.1), param_persistence_threshold=0,
+                  policy=PrecisionPolicy(torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32))
+    with GatheredParameters(model.fc2.bias, modifier_rank=0) as bias:
+        with torch.no_grad():
+            bias.copy_(torch.arange(5.0))
+    assert model.fc2.bias.numel() == 0
+    g = param_state(model.fc2.bias).group
+    r = param_state(model.fc2.bias).range
+    assert torch.equal(g.master_shard[r.start:r.end], torch.arange(5.0))
+    assert torch.equal(s.module_state_dict()["fc2.bias"].float(), torch.arange(5.0))
+    with GatheredParameters([model.fc2.bias, model.fc1.weight]) as (b, w):
+        assert b.shape == (5,) and w.shape == (37, 13)

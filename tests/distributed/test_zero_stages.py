@@ -167,3 +167,18 @@ def test_communication_volume_is_twice_the_parameter_bytes(stage, overlap):
     param_bytes = 4 * padded  # fp32 model, every bucket padded to the world size
     assert stats["reduce_scatter"] == param_bytes and stats["all_gather"] == param_bytes
     assert stats["all_reduce"] == 4  # the squared grad norm (no fp16: no overflow flag)
+
+
+def _hf_gpt2_stages():
+    from tests.distributed.test_stage3 import config, train
+
+    world = dist.get_world_size()
+    return {stage: train("hf-gpt2", config(world, stage), 10) for stage in (0, 1, 2)}
+
+
+def test_hf_gpt2_from_config_matches_stage0_at_stages_1_and_2():
+    pytest.importorskip("transformers")
+    results = run_world(_hf_gpt2_stages, 2)[0]
+    ref_losses = results[0]["losses"]
+    for stage in (1, 2):
+        assert results[stage]["losses"] == pytest.approx(ref_losses, rel=1e-5)

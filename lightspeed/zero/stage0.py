@@ -22,6 +22,7 @@ from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
+from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 
@@ -30,6 +31,15 @@ from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 class StepResult:
     applied: bool  # False when the step was skipped (fp16 overflow)
     grad_norm: torch.Tensor | None  # global L2 norm of the unscaled gradients (0-dim tensor)
+
+
+def broadcast_unflattened(comm: Communicator, module: torch.nn.Module) -> None:
+    """Broadcast from rank 0 what the flat buffers do not hold: frozen parameters and buffers."""
+    for p in module.parameters():
+        if not p.requires_grad:
+            comm.broadcast(p.data, src=0)
+    for b in module.buffers():
+        comm.broadcast(b, src=0)
 
 
 def group_trainable_params(module: torch.nn.Module) -> dict[torch.dtype, list[torch.nn.Parameter]]:
@@ -98,11 +108,7 @@ class Stage0Strategy:
         for flat in self.flats:
             self.comm.broadcast(flat.lp_flat, src=0)
             flat.copy_params_to_master()
-        for p in module.parameters():
-            if not p.requires_grad:
-                self.comm.broadcast(p.data, src=0)
-        for b in module.buffers():
-            self.comm.broadcast(b, src=0)
+        broadcast_unflattened(self.comm, module)
 
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
@@ -190,20 +196,11 @@ class Stage0Strategy:
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category."""
-        out: dict[str, dict[str, int]] = {}
-
-        def add(device: torch.device, key: str, nbytes: int) -> None:
-            out.setdefault(device.type, {}).setdefault(key, 0)
-            out[device.type][key] += nbytes
-
+        tally = MemoryTally()
         for flat, mg in zip(self.flats, self._master_grad_flats):
             for key, nbytes in flat.nbytes().items():
-                add(flat.device, key, nbytes)
+                tally.add(flat.device, key, nbytes)
             if mg is not flat.grad_flat:
-                add(flat.device, "grads", mg.numel() * mg.element_size())
-        if self.optimizer is not None:
-            for st in self.optimizer.state.values():
-                for v in st.values():
-                    if torch.is_tensor(v):
-                        add(v.device, "optimizer_state", v.numel() * v.element_size())
-        return out
+                tally.add_tensor("grads", mg)
+        tally.add_optimizer_state(self.optimizer)
+        return tally.bytes

@@ -36,7 +36,8 @@ from lightspeed.zero.flat_params import FlatParams
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
 from lightspeed.zero.partition import Range, owned_chunks
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
-from lightspeed.zero.stage0 import StepResult
+from lightspeed.zero.memory import MemoryTally
+from lightspeed.zero.stage0 import StepResult, broadcast_unflattened
 
 # Optimizers that DeepSpeed's ZeRO accepts without `zero_allow_untested_optimizer`.
 TESTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion")
@@ -161,11 +162,7 @@ class ShardedStrategy:
         for s in self.shards:
             self.comm.broadcast(s.flat.lp_flat, src=0)
             self._copy_params_to_master(s)
-        for p in module.parameters():
-            if not p.requires_grad:
-                self.comm.broadcast(p.data, src=0)
-        for b in module.buffers():
-            self.comm.broadcast(b, src=0)
+        broadcast_unflattened(self.comm, module)
 
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
@@ -291,23 +288,14 @@ class ShardedStrategy:
         self.module.load_state_dict(state, strict=strict)
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-
-        def add(device: torch.device, key: str, t: torch.Tensor) -> None:
-            cats = out.setdefault(device.type, {})
-            cats[key] = cats.get(key, 0) + t.numel() * t.element_size()
-
+        tally = MemoryTally()
         for s in self.shards:
-            add(s.flat.device, "lp_params", s.flat.lp_flat)
-            add(s.flat.device, "master_params", s.master)
-            add(s.flat.device, "grads", s.grad)
+            tally.add_tensor("lp_params", s.flat.lp_flat)
+            tally.add_tensor("master_params", s.master)
+            tally.add_tensor("grads", s.grad)
             if s.master_grad is not s.grad:
-                add(s.flat.device, "grads", s.master_grad)
+                tally.add_tensor("grads", s.master_grad)
             if s.flat.grad_flat is not None:
-                add(s.flat.device, "grads", s.flat.grad_flat)
-        if self.optimizer is not None:
-            for st in self.optimizer.state.values():
-                for v in st.values():
-                    if torch.is_tensor(v):
-                        add(v.device, "optimizer_state", v)
-        return out
+                tally.add_tensor("grads", s.flat.grad_flat)
+        tally.add_optimizer_state(self.optimizer)
+        return tally.bytes

@@ -44,6 +44,7 @@ from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
 from lightspeed.zero.stage3.gathered import take_pending_external
 from lightspeed.zero.stage3.init import init_record, materialize_module, owned_params, seed_from_global_rng
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
+from lightspeed.zero.memory import MemoryTally
 
 logger = get_logger(__name__)
 
@@ -348,18 +349,9 @@ class Stage3Strategy:
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category (gathered buffers count while they are held)."""
-        out: dict[str, dict[str, int]] = {}
-
-        def add(device: torch.device, key: str, nbytes: int) -> None:
-            out.setdefault(device.type, {}).setdefault(key, 0)
-            out[device.type][key] += nbytes
-
+        tally = MemoryTally()
         for g in self.groups:
             for key, nbytes in g.nbytes().items():
-                add(g.device, key, nbytes)
-        if self.optimizer is not None:
-            for st in self.optimizer.state.values():
-                for v in st.values():
-                    if torch.is_tensor(v):
-                        add(v.device, "optimizer_state", v.numel() * v.element_size())
-        return out
+                tally.add(g.device, key, nbytes)
+        tally.add_optimizer_state(self.optimizer)
+        return tally.bytes

@@ -1,8 +1,9 @@
-"""ZeRO stage 3: parameter partitioning (param groups as the unit of communication, module hooks,
+"""ZeRO stage 3: parameter partitioning (param groups of unit subtrees as the unit of communication, hooks,
 prefetch, meta-device construction under `Init`).
 
 Modules, in import order: `param_group` (per-parameter state, the flat sharded group), `init`
-(`Init`, the initialization rule), `coordinator` (hooks, trace, prefetch, release), `gathered`
+(`Init`, the initialization rule), `units` (which module subtrees form the units of communication),
+`coordinator` (hooks, trace, prefetch, release), `gathered`
 (`GatheredParameters`, `register_external_parameter`), `strategy` (`Stage3Strategy`).
 """
 

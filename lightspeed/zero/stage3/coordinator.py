@@ -1,14 +1,16 @@
 """The stage-3 coordinator: decides when each ParamGroup is gathered and released, and owns every hook.
 
 Hooks (all registered through public torch APIs; nothing on nn.Module or nn.Parameter is patched):
-    forward pre-hook (every module)     gather the groups the module uses; prefetch what comes next
-    forward hook (every module)         release them (persistence, reuse distance, live limit permitting);
+    forward pre-hook (unit modules)     gather the groups the unit uses; prefetch what comes next
+    forward hook (unit modules)         release them (persistence, reuse distance, live limit permitting);
                                         register the pre-backward hook on the outputs that need grad
-    pre-backward (multi-grad hook, any) re-gather the module's groups before its backward runs
+    pre-backward (multi-grad hook, any) re-gather the unit's groups before its backward runs
     post-accumulate-grad (each param)   when all of a group's grads are in: reduce-scatter, release
     torch-function mode (forward)       a released managed parameter reaching any torch op is gathered
                                         on the spot and registered as used by the innermost running
-                                        module (DeepSpeed's "external parameters", found automatically)
+                                        unit (DeepSpeed's "external parameters", found automatically)
+Only unit modules (see `units.py`) have hooks: the modules inside a unit run with its groups gathered.
+Below, "module" means a unit module.
 
 Must not: know the optimizer, the precision policy or the loss scale (the strategy does).
 
@@ -106,8 +108,12 @@ class Coordinator:
     module `m` needs gathered while its own forward/backward code runs."""
 
     def __init__(self, root: torch.nn.Module, groups: list[ParamGroup], uses: dict[int, list[ParamGroup]],
-                 schedule: Schedule):
+                 schedule: Schedule, units: list[torch.nn.Module] | None = None,
+                 unit_of: dict[int, torch.nn.Module] | None = None):
+        """`units`: the modules that get hooks (default: every module of `root`); `unit_of[id(m)]`:
+        the unit module that gathers for module `m` (default: `m` itself)."""
         self.root, self.groups, self.uses, self.schedule = root, groups, uses, schedule
+        self.unit_of = unit_of or {}
         for g in groups:
             g.coordinator = self
         self.live_numel = 0
@@ -127,7 +133,7 @@ class Coordinator:
         self._reduced: set[int] = set()
         self._pending: deque = deque()
         self._handles = []
-        for m in root.modules():
+        for m in (units if units is not None else root.modules()):
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         for g in groups:
@@ -294,6 +300,7 @@ class Coordinator:
             self._busy = False
 
     def register_external(self, module: torch.nn.Module, groups) -> None:
+        module = self.unit_of.get(id(module), module)  # a module inside a unit: its unit gathers
         used = self.uses.setdefault(id(module), [])
         for g in groups:
             if g not in used:

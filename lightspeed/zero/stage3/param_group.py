@@ -1,8 +1,8 @@
 """ParamGroup, the unit of communication of ZeRO stage 3, and ParamState, one parameter's place in it.
 
-A group is the directly-owned parameters of one module that share `requires_grad` (see the Note in
-`strategy.py` for the granularity). They are laid end to end in one flat buffer padded to a multiple
-of the data-parallel world size; rank r keeps only its range of it:
+A group is the parameters of one unit (a module's subtree, see `units.py`) that share
+`requires_grad` (see the Note in `strategy.py` for the granularity). They are laid end to end in one
+flat buffer padded to a multiple of the data-parallel world size; rank r keeps only its range of it:
 
     lp_shard          [padded/W] param dtype     this rank's low-precision params (always allocated)
     master_shard      [padded/W] fp32 or None    fp32 master (trainable groups with lp params only)
@@ -90,7 +90,7 @@ class PendingGrad:
 
 
 class ParamGroup:
-    """The parameters of one module (one `requires_grad` value), sharded over the data-parallel group."""
+    """The parameters of one unit (one `requires_grad` value), sharded over the data-parallel group."""
 
     def __init__(self, name: str, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  values: Sequence[torch.Tensor], comm: Communicator, *, dtype: torch.dtype, device: torch.device,

@@ -6,20 +6,24 @@ optimizer, lp write-back), checkpoint state and the gathered module state_dict. 
 and gradient reduction are scheduled by `coordinator.Coordinator`. Must not: touch the loss scaler or
 the LR schedule (the engine does).
 
-Note (granularity): a ParamGroup is the directly owned parameters (`recurse=False`) of one module
-with one `requires_grad` value; a parameter registered on several modules (tied) belongs to the first
-in `named_modules()` order, and every module registering it gathers that group around its own
-forward and backward. Leaf-level groups keep the gathered memory to the module running now (plus
-prefetch) at the price of one all-gather and one reduce-scatter per parameter-owning module; frozen
-parameters form their own groups so the optimizer never sees them. Within a group, parameters are
-laid out by optimizer param group (stable), so that each (optimizer param group x ParamGroup) is one
-contiguous range of the shard and the optimizer gets one flat tensor for it: elementwise optimizers
-(Adam, AdamW, SGD, Adagrad, Lion, ...) then compute exactly what they compute on whole parameters.
-`sub_group_size` is accepted and has no effect: these pieces already are the optimizer's sub-groups.
+Note (granularity): the unit of communication is a *unit* (rule in `units.py`: the root, each
+child of a ModuleList/Sequential/ModuleDict holding parameters, DeepSpeed's leaf modules): a
+ParamGroup is the parameters of one unit's region with one `requires_grad` value, so a GPT has one
+group per block plus one for the embeddings, final norm and head, as FSDP2's `fully_shard` per
+block. Coarse groups keep the per-group Python work (hooks, gathers, reduce-scatters, optimizer
+pieces) a few dozen per step instead of one per parameter-owning module, at the price of a unit's
+parameters gathered at once (plus prefetch); frozen parameters form their own groups so the
+optimizer never sees them. Within a group, parameters are laid out by optimizer param group
+(stable), so that each (optimizer param group x ParamGroup) is one contiguous range of the shard and
+the optimizer gets one flat tensor for it: elementwise optimizers (Adam, AdamW, SGD, Adagrad, Lion,
+...) then compute exactly what they compute on whole parameters. `sub_group_size` is accepted and
+has no effect: these pieces already are the optimizer's sub-groups.
 
 Note (initial values): without Init, every rank's constructed model is flattened one group at a time,
 rank 0's values are broadcast, and each rank keeps its slice; then `param.data` becomes an empty
-placeholder. With Init, see `init.py`.
+placeholder. With Init, see `init.py`: the modules of a unit are materialized one at a time (each
+by its own seed), then the unit's groups are built, so at most one unit's parameters (and their flat
+buffer) are whole at once.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from lightspeed.zero.partition import Range
 from lightspeed.zero.stage0 import StepResult
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
 from lightspeed.zero.stage3.gathered import take_pending_external
-from lightspeed.zero.stage3.init import init_record, materialize_module, owned_params, seed_from_global_rng
+from lightspeed.zero.stage3.init import init_record, materialize_module, seed_from_global_rng
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
+from lightspeed.zero.stage3.units import LeafRule, choose_units
 from lightspeed.zero.memory import MemoryTally
 
 logger = get_logger(__name__)
@@ -63,6 +68,7 @@ class Stage3Options:
     model_persistence_threshold: int = sys.maxsize
     gather_16bit_weights_on_model_save: bool = False
     allow_untested_optimizer: bool = False
+    leaf_rule: LeafRule = field(default_factory=LeafRule)  # which modules are units (see units.py)
 
     @classmethod
     def from_config(cls, cfg, policy: PrecisionPolicy) -> "Stage3Options":
@@ -73,10 +79,14 @@ class Stage3Options:
                             prescale_gradients=bool(cfg.prescale_gradients),
                             gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                             reduce_dtype=policy.reduce_dtype)
+        leaf = z.leaf_module
+        leaf_rule = LeafRule(granularity_threshold=int(z.stage3_module_granularity_threshold),
+                             classes=tuple(leaf.classes), names=tuple(leaf.names),
+                             name_suffixes=tuple(leaf.name_suffixes))
         return cls(schedule=schedule, param_persistence_threshold=int(z.stage3_param_persistence_threshold),
                    model_persistence_threshold=int(z.stage3_model_persistence_threshold),
                    gather_16bit_weights_on_model_save=bool(z.stage3_gather_16bit_weights_on_model_save),
-                   allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer))
+                   allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), leaf_rule=leaf_rule)
 
 
 def check_optimizer(optimizer, allow_untested: bool) -> None:
@@ -106,12 +116,15 @@ class Stage3Strategy:
         if optimizer is not None:
             opt_index = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.setup_peak_numel = 0  # most full-size parameter elements alive at once while sharding
+        self.units = choose_units(module, self.options.leaf_rule)
         self.groups = self._build_groups(opt_index, stream)
         self._mark_persistent()
         self._opt_params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (optimizer's tensor, its grad)
         if optimizer is not None:
             self._bind_optimizer(optimizer, opt_index)
-        self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule)
+        unit_of = {id(m): u.module for u in self.units for m in u.region}
+        self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
+                                       units=[u.module for u in self.units], unit_of=unit_of)
 
     # ---------------------------------------------------------------- set-up
     @staticmethod
@@ -135,8 +148,7 @@ class Stage3Strategy:
         return {index: int(s) for (index, _), s in zip(deferred, t.tolist())}
 
     def _build_groups(self, opt_index: dict[int, int], stream) -> list[ParamGroup]:
-        plan = owned_params(self.module)
-        seeds = self._init_seeds(plan)
+        seeds = self._init_seeds([entry for u in self.units for entry in u.members])
         last = len(self.optimizer.param_groups) if self.optimizer is not None else 0
         groups: list[ParamGroup] = []
 
@@ -144,38 +156,44 @@ class Stage3Strategy:
             st = param_state(p)
             return st.shape if st is not None else p.shape
 
-        for index, mname, m, owned in plan:
-            for _, p in owned:
-                if not p.is_floating_point():
-                    raise TypeError(f"ZeRO stage 3 shards floating-point parameters only ({mname} has {p.dtype})")
-            if index in seeds:
-                materialize_module(self.module, m, index, owned, seeds[index], self.device, shape_of)
+        for unit in self.units:
+            for index, mname, m, owned in unit.members:
+                for _, p in owned:
+                    if not p.is_floating_point():
+                        raise TypeError(f"ZeRO stage 3 shards floating-point parameters only ({mname} has {p.dtype})")
+                if index in seeds:
+                    materialize_module(self.module, m, index, owned, seeds[index], self.device, shape_of)
+            owned = unit.owned()
             full_numel = sum(p.numel() for _, p in owned)
             for trainable in (True, False):
                 sel = [(n, p) for n, p in owned if p.requires_grad == trainable]
                 if not sel:
                     continue
                 sel.sort(key=lambda item: opt_index.get(id(item[1]), last))
-                name = (mname or "<root>") + ("" if trainable else " (frozen)")
+                name = unit.name + ("" if trainable else " (frozen)")
                 g = ParamGroup(name, [p for _, p in sel], [n for n, _ in sel], [p.detach() for _, p in sel], self.comm,
                                dtype=self.policy.param_dtype, device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
                                keep_master=self.policy.master_dtype is not None, stream=stream)
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
+                full_numel -= g.layout.numel  # the values now live in the group's shard only
         return groups
 
     def _uses(self) -> dict[int, list[ParamGroup]]:
+        """id(unit module) -> the groups of every parameter registered in its region (its own, tied
+        ones owned by another unit, and external ones registered before the strategy existed)."""
         uses: dict[int, list[ParamGroup]] = {}
-        for m in self.module.modules():
+        for unit in self.units:
             gs: list[ParamGroup] = []
-            params = list(m.parameters(recurse=False)) + take_pending_external(m)
-            for p in params:
-                st = param_state(p)
-                if st is not None and st.group not in gs:
-                    gs.append(st.group)
+            for m in unit.region:
+                params = list(m.parameters(recurse=False)) + take_pending_external(m)
+                for p in params:
+                    st = param_state(p)
+                    if st is not None and st.group not in gs:
+                        gs.append(st.group)
             if gs:
-                uses[id(m)] = gs
+                uses[id(unit.module)] = gs
         return uses
 
     def _mark_persistent(self) -> None:

@@ -16,6 +16,7 @@ from lightspeed.zero import GatheredParameters, Init
 from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy, initialize_module_weights, param_state
 from lightspeed.zero.stage3.init import owned_params
 from lightspeed.zero.stage3.param_group import GATHERED, RELEASED, ParamGroup, reduce_scaling
+from lightspeed.zero.stage3.units import LeafRule, choose_units
 
 REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:
@@ -72,13 +73,14 @@ def _strategy(model, optimizer=None, policy=PrecisionPolicy(), **options):
 
 def test_persistence_thresholds_follow_deepspeed():
     def persistent(**thresholds):
-        return {g.name for g in _strategy(TinyMLP(), **thresholds).groups if g.persistent}
+        model = torch.nn.Sequential(torch.nn.Linear(2, 1), torch.nn.Linear(4, 1), torch.nn.LayerNorm(37),
+                                    torch.nn.Linear(37, 5))  # one unit each: 3, 5, 74, 190 elements
+        return {g.name for g in _strategy(model, **thresholds).groups if g.persistent}
 
-    # groups of at most param_persistence_threshold elements, in module order, while the total stays
-    # within model_persistence_threshold: tiny (3), frozen (5), then norm (74) only if 82 fit
-    assert persistent(param_persistence_threshold=74, model_persistence_threshold=80) == {"<root>", "<root> (frozen)"}
-    assert persistent(param_persistence_threshold=74, model_persistence_threshold=82) == {
-        "<root>", "<root> (frozen)", "norm"}
+    # groups of at most param_persistence_threshold elements, in unit order, while the total stays
+    # within model_persistence_threshold: 0 (3), 1 (5), then 2 (74) only if 82 fit
+    assert persistent(param_persistence_threshold=74, model_persistence_threshold=80) == {"0", "1"}
+    assert persistent(param_persistence_threshold=74, model_persistence_threshold=82) == {"0", "1", "2"}
     assert persistent(param_persistence_threshold=0) == set()
 
 
@@ -88,10 +90,13 @@ def test_optimizer_groups_are_contiguous_flat_pieces():
     rest = [p for n, p in model.named_parameters() if not n.endswith("weight") and p.requires_grad]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
     s = _strategy(model, opt)
-    fc1 = next(g for g in s.groups if g.name == "fc1")
-    assert [st.name for st in fc1.states] == ["fc1.weight", "fc1.bias"]
-    assert [t.numel() for t in opt.param_groups[0]["params"]] == [13 * 37, 37, 37 * 5]  # fc1, norm, fc2 weights
-    assert sum(t.numel() for t in opt.param_groups[1]["params"]) == 37 + 37 + 5 + 3
+    assert [g.name for g in s.groups] == ["<root>", "<root> (frozen)"]  # no ModuleList: one unit
+    root = s.groups[0]
+    # by optimizer group (stable): the decayed weights, then the rest, each in module order
+    assert [st.name for st in root.states] == ["fc1.weight", "norm.weight", "fc2.weight", "tiny", "fc1.bias",
+                                               "norm.bias", "fc2.bias"]
+    assert [t.numel() for t in opt.param_groups[0]["params"]] == [13 * 37 + 37 + 37 * 5]  # one piece per group
+    assert [t.numel() for t in opt.param_groups[1]["params"]] == [3 + 37 + 37 + 5]
     assert all(t.dtype == torch.float32 for g in opt.param_groups for t in g["params"])
 
 
@@ -117,8 +122,8 @@ def test_materialized_init_model_equals_the_rule_applied_to_a_normal_model():
     with Init(seed=11):
         deferred = GPT(TINY_GPT)
     s = _strategy(deferred)
-    largest_module = max(sum(p.numel() for _, p in own) for _, _, _, own in owned_params(GPT(TINY_GPT)))
-    assert s.setup_peak_numel <= 2 * largest_module  # one module's params and its flat buffer at a time
+    largest_unit = max(sum(p.numel() for _, p in u.owned()) for u in choose_units(GPT(TINY_GPT)))
+    assert s.setup_peak_numel <= 2 * largest_unit  # one unit's params and its flat buffer at a time
     normal = initialize_module_weights(GPT(TINY_GPT), 11)
     state = s.module_state_dict()
     for k, v in normal.state_dict().items():

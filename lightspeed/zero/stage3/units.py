@@ -1,0 +1,157 @@
+"""Units: the modules whose subtrees are ZeRO-3's units of communication (FSDP2-style).
+
+Owns: the rule that picks the unit modules and the assignment of every module (and so every
+parameter) to one unit. Must not: shard, gather or hook anything (the strategy and the coordinator do).
+
+Note (the unit rule): the unit modules are
+    1. the root;
+    2. every child of an `nn.ModuleList`, `nn.Sequential` or `nn.ModuleDict` whose subtree holds
+       parameters, at any depth (a model's transformer blocks; nested lists give nested units),
+       except inside a leaf module (3);
+    3. leaf modules (DeepSpeed's "z3 leaf modules", gathered whole) that contain a unit of rule 2 or
+       are one: the leaf is a unit in their place and nothing inside it is a unit. Leaves are
+       - the modules named by `zero_optimization.leaf_module` (`classes`: class name, simple or
+         `module.Qualified`; `names`: name in `named_modules()`; `name_suffixes`), except a ModuleList
+         or ModuleDict (never called, so hooks on it would never run), and
+       - with `stage3_module_granularity_threshold` > 0, DeepSpeed's rule: a module's granularity is
+         the parameter count of its subtree over (1 + the torch leaf modules with parameters in it);
+         searched from the root down, a module (not a container, not a torch leaf, at most 1e9
+         parameters) with granularity <= the threshold is a leaf and is not searched further, so a
+         parent that qualifies absorbs its children.
+    A leaf inside a unit's region that contains no unit changes nothing (the unit already gathers it
+    whole): leaves only ever coarsen, as the threshold does in DeepSpeed, where the default unit is
+    every parameter-owning module.
+Every module belongs to its nearest unit ancestor (itself, if a unit), and a unit's *region* is the
+modules that belong to it. A unit's parameter groups are the parameters first registered in its
+region (one group per `requires_grad` value); a parameter registered in several places (tied)
+belongs to the unit of its first registration in `named_modules()` order, and every other unit
+registering it gathers that group too. Hooks run on unit modules only: a module inside a unit runs
+with the unit's parameters already gathered, so calling such a module directly (outside its unit's
+forward) needs `GatheredParameters`, as with FSDP2. The rule uses no model-specific class names.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from lightspeed.zero.stage3.init import owned_params
+
+CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+MAX_LEAF_NUMEL = 1_000_000_000  # DeepSpeed's Z3_MAX_LEAF_SIZE: larger modules never become leaves by threshold
+
+
+@dataclass(frozen=True)
+class LeafRule:
+    """Which modules are units with no unit inside (DeepSpeed's leaf modules)."""
+
+    granularity_threshold: int = 0
+    classes: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+    name_suffixes: tuple[str, ...] = ()
+
+    def named(self, module: torch.nn.Module, name: str) -> bool:
+        cls = type(module)
+        return ((cls.__name__ in self.classes or f"{cls.__module__}.{cls.__qualname__}" in self.classes)
+                or (bool(name) and (name in self.names or any(name.endswith(s) for s in self.name_suffixes))))
+
+
+@dataclass
+class Unit:
+    """One unit: its module, its name, and the `owned_params` entries of its region (in
+    `named_modules()` order): `(index, module name, module, [(full name, param)])`."""
+
+    name: str
+    module: torch.nn.Module
+    members: list = field(default_factory=list)
+    region: list[torch.nn.Module] = field(default_factory=list)  # every module that belongs to it
+
+    def owned(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [item for _, _, _, own in self.members for item in own]
+
+
+def _has_params(m: torch.nn.Module) -> bool:
+    return next(m.parameters(), None) is not None
+
+
+def _granularities(root: torch.nn.Module) -> dict[int, int]:
+    """DeepSpeed's `_get_granularity_recursively`: id(module) -> granularity (sys.maxsize: never a leaf)."""
+    out: dict[int, int] = {}
+
+    def visit(m: torch.nn.Module) -> tuple[int, int]:
+        if next(m.parameters(), None) is None:
+            out[id(m)] = sys.maxsize
+            return 0, 0
+        numel = sum(p.numel() for p in m.parameters(recurse=False))
+        children = list(m.children())
+        if not children:
+            out[id(m)] = sys.maxsize
+            return 1, numel
+        layers = 0
+        for c in children:
+            cl, cn = visit(c)
+            layers, numel = layers + cl, numel + cn
+        if isinstance(m, CONTAINERS):
+            out[id(m)] = sys.maxsize
+            return layers, numel
+        layers += 1
+        out[id(m)] = numel // layers if numel <= MAX_LEAF_NUMEL else sys.maxsize
+        return layers, numel
+
+    visit(root)
+    return out
+
+
+def choose_units(root: torch.nn.Module, rule: LeafRule = LeafRule()) -> list[Unit]:
+    """The units of `root` by the rule of this module's Note, root first, then in `named_modules()`
+    order; units whose region owns no parameter are kept (their modules may use tied ones)."""
+    gran = _granularities(root) if rule.granularity_threshold > 0 else {}
+
+    def is_leaf(m: torch.nn.Module, name: str) -> bool:
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            return False  # no forward of their own: their hooks would never run
+        return rule.named(m, name) or gran.get(id(m), sys.maxsize) <= rule.granularity_threshold
+
+    unit_ids: set[int] = {id(root)}
+    seen: set[int] = {id(root)}
+
+    def visit(m: torch.nn.Module, prefix: str) -> None:
+        for cname, child in m.named_children():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            name = prefix + cname
+            if not _has_params(child):
+                continue
+            if is_leaf(child, name):
+                if isinstance(m, CONTAINERS) or any(isinstance(d, CONTAINERS) and any(map(_has_params, d.children()))
+                                                    for d in child.modules()):
+                    unit_ids.add(id(child))  # itself a unit by rule 2, or in place of those inside it
+                continue
+            if isinstance(m, CONTAINERS):
+                unit_ids.add(id(child))
+            visit(child, name + ".")
+
+    if not is_leaf(root, ""):
+        visit(root, "")
+
+    # every module -> its nearest unit ancestor (named_modules order is a pre-order walk)
+    units: dict[int, Unit] = {}
+    unit_of: dict[int, Unit] = {}
+
+    def assign(m: torch.nn.Module, name: str, current: Unit | None) -> None:
+        if id(m) in unit_of:
+            return
+        if id(m) in unit_ids:
+            current = units.setdefault(id(m), Unit(name or "<root>", m))
+        unit_of[id(m)] = current
+        current.region.append(m)
+        for cname, child in m.named_children():
+            assign(child, f"{name}.{cname}" if name else cname, current)
+
+    assign(root, "", None)
+    for entry in owned_params(root):
+        unit_of[id(entry[2])].members.append(entry)
+    return list(units.values())

@@ -91,6 +91,7 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _offload("offload_optimizer", "nvme"),
     _offload("offload_param", "cpu"),
     _offload("offload_param", "nvme"),
+    _flag("zero_optimization.stage3_use_all_reduce_for_fetch_params"),
     _flag("zero_optimization.zero_quantized_weights"),
     _flag("zero_optimization.zero_quantized_nontrainable_weights"),
     _flag("zero_optimization.zero_quantized_gradients"),

@@ -1,26 +1,45 @@
-"""The `lightspeed` command: one argparse parser with a subcommand per job.
+"""The `lightspeed` command: argument parsing and dispatch.
 
-Owns argument parsing and handing work to torch.distributed's elastic agent. It must not import torch
-(or anything that does) while parsing, so `lightspeed --help` and argument errors stay instant; each
-command imports what it needs inside its function. Subcommands register themselves in
-`build_parser` (`demo` now; `report`, `config` and launching a user script come later).
+``lightspeed [launcher options] script.py [script args]`` starts a training script on this node or on
+every host of a hostfile, with the options of DeepSpeed's `deepspeed` command. Subcommands, named
+first: ``lightspeed demo``, ``lightspeed report``, ``lightspeed config check|show FILE``. (A script
+named like a subcommand is run as ``lightspeed ./report``.)
+
+Must not import torch (or anything that does) while parsing, so `lightspeed --help` and argument
+errors stay instant; each command imports what it needs inside its function. Bad input is one line
+on stderr and exit status 2, before any process starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn, Optional
 
-# A command gets its parsed arguments and the arguments meant for the script it runs; returns an exit status.
+from lightspeed.launcher.errors import LaunchError
+from lightspeed.launcher.hostfile import DEFAULT_HOSTFILE, describe_slots
+
+# A subcommand gets its parsed arguments and the arguments meant for the script it runs; returns an exit status.
 Command = Callable[[argparse.Namespace, list[str]], int]
+SUBCOMMANDS = ("demo", "report", "config")
+LAUNCHER_CHOICES = ("pdsh", "ssh", "openmpi", "slurm", "local")
 
 
 def _error(msg: str) -> int:
     print(f"lightspeed: error: {msg}", file=sys.stderr)
     return 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line (no usage dump) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        message = message.replace(", user_args", "")
+        print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
 
 
 def _repo_root() -> Path:
@@ -29,42 +48,102 @@ def _repo_root() -> Path:
     return Path(lightspeed.__file__).resolve().parents[1]
 
 
-def launch_local(script: Path, script_args: list[str], nproc: int, run_id: str) -> int:
-    """Run `python -u script *script_args` in nproc processes on this host through the elastic agent.
+# ---------------------------------------------------------------------------------------------- launch
 
-    The agent sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for each worker, as
-    torchrun does; rendezvous is c10d on localhost with a port the OS picks. Returns 0 when every
-    worker succeeds, 1 when one fails (the agent stops the others and prints which one and why).
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # Workers must import this lightspeed even when it is not installed (run from a source checkout).
-    root = str(_repo_root())
-    path = os.environ.get("PYTHONPATH", "")
-    if root not in path.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
-    # Like torchrun: without this every worker starts one thread per core and they fight over them.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        monitor_interval=0.5,
+def build_launch_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="lightspeed", allow_abbrev=False,
+        usage="lightspeed [launcher options] script.py [script args]\n"
+              "       lightspeed {demo,report,config} ...",
+        description="Run a training script on this node's GPUs (or CPU processes), or on every host of a "
+                    "hostfile, through torch.distributed's elastic agent. Options are DeepSpeed's.",
+        epilog="subcommands: `lightspeed demo` trains a small GPT; `lightspeed report` shows versions, GPUs "
+               "and which kernels can run here; `lightspeed config check|show FILE` validates or resolves "
+               "a ds_config. Each has --help.",
     )
+    add = p.add_argument
+    add("-H", "--hostfile", default=None,
+        help=f'hostfile of "HOSTNAME slots=N" lines (default: {DEFAULT_HOSTFILE} if present, else this machine)')
+    add("-i", "--include", default="", help='hosts/slots to use, e.g. "worker-0@worker-1:0,2"')
+    add("-e", "--exclude", default="", help='hosts/slots not to use, e.g. "worker-1:0" (same syntax)')
+    add("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
+    add("--num_gpus", "--num_accelerators", type=int, default=-1, help="use GPUs [0, N) of each host")
+    add("--num_procs", type=int, default=-1, help="run N CPU processes per node (no GPUs)")
+    add("--master_addr", default="", help="address of node 0 (default: 127.0.0.1, or the first host)")
+    add("--master_port", type=int, default=None,
+        help="port on node 0 (default: 29500 for several nodes, a free port for one)")
+    add("--node_rank", type=int, default=-1, help="this node's rank, with --launcher local / --no_ssh")
+    add("--launcher", type=str.lower, default="pdsh", choices=LAUNCHER_CHOICES,
+        help="how to start the hosts of a multi-node job (default: pdsh); local: this node only")
+    add("--launcher_args", default="", help="extra arguments for pdsh / ssh / mpirun / srun, as one string; write "
+        "--launcher_args='-i key ...' when it starts with a dash")
+    add("--force_multi", action="store_true", help="use the multi-node launcher even for one host")
+    add("--no_ssh", action="store_true", help="same as --launcher local: run this node's share only")
+    add("--no_ssh_check", action="store_true", help="skip the passwordless-ssh check of the first host")
+    add("--ssh_port", type=int, default=None, help="ssh port for pdsh and ssh")
+    add("--module", action="store_true", help="run the script as a module (python -m)")
+    add("--no_python", action="store_true", help="the script is an executable; do not run it with python")
+    add("--no_local_rank", action="store_true", help="never pass --local_rank to the script")
+    add("--max_restarts", type=int, default=0, help="restart all workers up to N times after a failure")
+    add("--enable_each_rank_log", default=None, metavar="DIR",
+        help="write each rank's output to DIR/<time>_rank<R>.log")
+    add("--bind_cores_to_rank", action="store_true", help="give each rank its own share of the cores")
+    add("--bind_core_list", default=None, help='cores to share out, e.g. "0-15,32-47" (implies --bind_cores_to_rank)')
+    add("--elastic_training", action="store_true", help="elastic rendezvous: nodes may come and go")
+    add("--min_elastic_nodes", type=int, default=-1, help="elastic: fewest nodes to run on (default 1)")
+    add("--max_elastic_nodes", type=int, default=-1, help="elastic: most nodes (default: the hosts given)")
+    add("--comment", default="", help="slurm: srun --comment")
+    add("--account", default="", help="slurm: srun --account")
+    add("--dry_run", action="store_true", help="print the command(s) that would run, and run nothing")
+    add("--version", action="version", version=_version())
+    add("user_script", metavar="script", help="the training script, followed by its arguments")
+    add("user_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p
+
+
+def _version() -> str:
+    import lightspeed
+
+    return f"lightspeed {lightspeed.__version__}"
+
+
+def _dry_run(job) -> list[str]:
+    from lightspeed.launcher import multinode
+    from lightspeed.launcher.local import NodePlan, worker_command, worker_env
+    from lightspeed.launcher.node import node_command
+
+    if not isinstance(job, NodePlan):
+        return multinode.dry_run_lines(job, dict(os.environ))
+    plan = job
+    env = worker_env(plan, dict(os.environ))
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()
+                     if k in ("CUDA_VISIBLE_DEVICES", "LIGHTSPEED_ACCELERATOR"))
+    return [shlex.join(node_command(plan, str(plan.node_rank))),
+            f"# {plan.host}: node {plan.node_rank}, slots {describe_slots(plan.slots)}, {plan.nprocs} of "
+            f"{plan.world_size} ranks" + (f", {shown}" if shown else ""),
+            f"# each worker runs: {shlex.join(worker_command(plan))}"]
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """`lightspeed [options] script.py [args]`."""
+    from lightspeed.launcher import multinode
+    from lightspeed.launcher.job import resolve_job
+    from lightspeed.launcher.local import NodePlan, run_node
+
     try:
-        elastic_launch(config, sys.executable)("-u", str(script), *script_args)
-    except ChildFailedError as e:
-        print(e, file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+        job = resolve_job(args)
+        if args.dry_run:
+            print("\n".join(_dry_run(job)))
+            return 0
+        if isinstance(job, NodePlan):
+            return run_node(job)
+        return multinode.run(job, check_ssh_first=not args.no_ssh_check)
+    except LaunchError as e:
+        return _error(str(e))
+
+
+# ------------------------------------------------------------------------------------------ subcommands
 
 
 def run_demo(args: argparse.Namespace, script_args: list[str]) -> int:
@@ -73,21 +152,34 @@ def run_demo(args: argparse.Namespace, script_args: list[str]) -> int:
     if not script.is_file():
         return _error(f"demo script not found at {script}; the demo needs a source checkout "
                       "installed with `pip install -e .`")
-    import torch
-
     if args.nproc is not None and args.nproc < 1:
         return _error(f"--nproc must be at least 1 (got {args.nproc})")
+    import torch
+
+    from lightspeed.launcher.local import launch_local
+
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     if args.steps is not None:
         script_args = ["--steps", str(args.steps), *script_args]
     return launch_local(script, script_args, nproc, run_id=f"lightspeed-demo-{os.getpid()}")
 
 
+def run_report(args: argparse.Namespace, script_args: list[str]) -> int:
+    from lightspeed.launcher.report import print_report
+
+    return print_report()
+
+
+def run_config(args: argparse.Namespace, script_args: list[str]) -> int:
+    from lightspeed.launcher.config_cmd import config_check, config_show
+
+    return (config_check if args.action == "check" else config_show)(args.file, args.world_size)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightspeed", description="Fast, memory-efficient training of large PyTorch models."
-    )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    """The subcommands' parser (`demo`, `report`, `config`)."""
+    parser = _Parser(prog="lightspeed", description="Fast, memory-efficient training of large PyTorch models.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
     demo = commands.add_parser(
         "demo",
@@ -101,10 +193,30 @@ def build_parser() -> argparse.ArgumentParser:
                       help="number of processes (default: 2 on CPU, one per GPU with CUDA)")
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the script's)")
     demo.set_defaults(func=run_demo, passes_extra_args=True)
+
+    report = commands.add_parser("report", help="versions, GPUs and which kernels can run here (like ds_report)",
+                                 description="Print lightspeed, torch, triton, CUDA and NCCL versions, the GPUs "
+                                 "seen, and for each kernel family whether it can run on this machine and why not.")
+    report.set_defaults(func=run_report)
+
+    config = commands.add_parser("config", help="check or show a ds_config file",
+                                 description="Validate a DeepSpeed config (check) or print it resolved (show).")
+    actions = config.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
+    for name, text in (("check", "print every problem with its JSON path, and the settings lightspeed does not "
+                                 "implement yet; exit 1 if there is any"),
+                       ("show", "print the resolved config as JSON: every default filled in, batch sizes resolved")):
+        action = actions.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        action.add_argument("file", help="ds_config file (JSON or HJSON)")
+        action.add_argument("--world-size", "--world_size", dest="world_size", type=int, default=None,
+                            help="data-parallel world size for the batch triad (default: $WORLD_SIZE, else 1)")
+        action.set_defaults(func=run_config)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        return run_launch(build_launch_parser().parse_args(argv))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passes_extra_args", False):

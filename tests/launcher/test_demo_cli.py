@@ -6,11 +6,14 @@ import sys
 
 import pytest
 
+from .conftest import REPO
+
 pytestmark = pytest.mark.dist
 
 
 def _run(args, tmp_path, timeout=240):
-    env = dict(os.environ, LIGHTSPEED_ACCELERATOR="cpu")
+    # PYTHONPATH: this checkout, whatever an editable install of lightspeed points at.
+    env = dict(os.environ, LIGHTSPEED_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return subprocess.run([sys.executable, "-m", "lightspeed.launcher.cli", *args], env=env, cwd=tmp_path,

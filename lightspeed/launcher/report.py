@@ -1,0 +1,165 @@
+"""`lightspeed report`: what this machine offers lightspeed (DeepSpeed's `ds_report`).
+
+Versions (lightspeed, torch, triton, CUDA, NCCL), the GPUs torch sees, the process launchers on PATH,
+and for each kernel family whether it can run here and, if not, why. Works without a GPU and without
+triton. Gathering (`gather`) is separate from printing (`format_report`), so tests can check either.
+
+Triton is never imported here (only ops/**/triton.py may): its version comes from package metadata.
+
+Kernel families are `KERNEL_FAMILIES` below, keyed by the module under `lightspeed.ops` that holds
+them. A family whose module does not exist yet reports "not present in this version". A present
+module may define ``availability() -> (bool, str)`` to answer for itself (the ops registry, once it
+exists); otherwise the family's declared needs are checked against this machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+NOT_PRESENT = "not present in this version"
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """`module` under lightspeed.ops; `names` the classes/functions users reach for; `needs`: "cpu"
+    (runs anywhere), "gpu" (a CUDA GPU and triton), optionally with a minimum compute capability."""
+
+    title: str
+    module: str
+    names: tuple[str, ...]
+    needs: str = "gpu"
+    min_capability: Optional[tuple[int, int]] = None
+
+
+KERNEL_FAMILIES: list[KernelFamily] = [
+    KernelFamily("fused Adam/AdamW", "lightspeed.ops.adam", ("FusedAdam",)),
+    KernelFamily("CPU Adam (offload)", "lightspeed.ops.adam", ("CPUAdam",), needs="cpu"),
+    KernelFamily("fused Lamb", "lightspeed.ops.lamb", ("FusedLamb",)),
+    KernelFamily("fused Lion", "lightspeed.ops.lion", ("FusedLion",)),
+    KernelFamily("fused Adagrad", "lightspeed.ops.adagrad", ("FusedAdagrad",)),
+    KernelFamily("quantization (ZeRO++, int8/int4)", "lightspeed.ops.quant", ()),
+    KernelFamily("one-bit compression", "lightspeed.ops.onebit", ()),
+    KernelFamily("FP6 linear (FP6-LLM)", "lightspeed.ops.fp6", (), min_capability=(8, 0)),
+]
+
+LAUNCHER_PROGRAMS = ("pdsh", "ssh", "mpirun", "srun", "numactl")
+
+
+@dataclass
+class Machine:
+    lightspeed: str
+    lightspeed_path: str
+    python: str
+    torch: str
+    torch_path: str
+    cuda_build: Optional[str]
+    cuda_available: bool
+    nccl: Optional[str]
+    triton: Optional[str]
+    gpus: list[tuple[str, tuple[int, int], int]]  # (name, compute capability, memory bytes)
+    accelerator_env: Optional[str]
+    programs: dict[str, Optional[str]]
+
+
+def _package_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gather() -> Machine:
+    import torch
+
+    import lightspeed
+
+    cuda = torch.cuda.is_available()
+    gpus = []
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            gpus.append((props.name, (props.major, props.minor), props.total_memory))
+    nccl = None
+    if cuda and hasattr(torch.cuda, "nccl"):
+        try:
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception as e:  # a CUDA build without NCCL
+            nccl = f"unavailable ({type(e).__name__})"
+    triton = _package_version("triton") or _package_version("pytorch-triton")
+    return Machine(
+        lightspeed=lightspeed.__version__, lightspeed_path=os.path.dirname(lightspeed.__file__),
+        python=f"{platform.python_version()} ({sys.executable})", torch=torch.__version__,
+        torch_path=os.path.dirname(torch.__file__), cuda_build=torch.version.cuda, cuda_available=cuda,
+        nccl=nccl, triton=triton, gpus=gpus, accelerator_env=os.environ.get("LIGHTSPEED_ACCELERATOR"),
+        programs={name: shutil.which(name) for name in LAUNCHER_PROGRAMS},
+    )
+
+
+def family_status(family: KernelFamily, machine: Machine) -> tuple[str, str]:
+    """(status, reason): status is "yes", "no" or NOT_PRESENT."""
+    if importlib.util.find_spec("lightspeed.ops") is None or importlib.util.find_spec(family.module) is None:
+        return NOT_PRESENT, f"{family.module} does not exist yet"
+    try:
+        module = importlib.import_module(family.module)
+    except Exception as e:
+        return "no", f"{family.module} fails to import: {type(e).__name__}: {e}"
+    missing = [name for name in family.names if not hasattr(module, name)]
+    if missing:
+        return NOT_PRESENT, f"{family.module} has no {', '.join(missing)} yet"
+    if callable(getattr(module, "availability", None)):
+        ok, why = module.availability()
+        return ("yes" if ok else "no"), why
+    if family.needs == "cpu":
+        return "yes", "runs on the CPU"
+    if not machine.gpus:
+        return "no", "no CUDA GPU seen" if machine.cuda_build else "torch is a CPU-only build (no CUDA)"
+    if machine.triton is None:
+        return "no", "triton is not installed"
+    if family.min_capability:
+        low = [name for name, cap, _ in machine.gpus if cap < family.min_capability]
+        if low:
+            need = ".".join(map(str, family.min_capability))
+            return "no", f"needs compute capability {need} or newer ({low[0]} is older)"
+    return "yes", f"triton {machine.triton} on {len(machine.gpus)} GPU(s)"
+
+
+def format_report(machine: Machine) -> str:
+    def line(key: str, value: object) -> str:
+        return f"  {key:<22} {value}"
+
+    out = ["lightspeed report", "", "versions",
+           line("lightspeed", f"{machine.lightspeed} ({machine.lightspeed_path})"),
+           line("python", machine.python),
+           line("torch", f"{machine.torch} ({machine.torch_path})"),
+           line("triton", machine.triton or "not installed"),
+           line("CUDA (torch build)", machine.cuda_build or "none (CPU-only build)"),
+           line("CUDA available", "yes" if machine.cuda_available else "no"),
+           line("NCCL", machine.nccl or ("none" if not machine.cuda_available else "unknown")),
+           line("LIGHTSPEED_ACCELERATOR", machine.accelerator_env or "(unset)"),
+           "", "GPUs"]
+    if machine.gpus:
+        for i, (name, cap, mem) in enumerate(machine.gpus):
+            out.append(line(f"cuda:{i}", f"{name}, compute capability {cap[0]}.{cap[1]}, {mem / 2**30:.1f} GiB"))
+    else:
+        out.append("  none seen: training runs on CPU processes (gloo); use `lightspeed --num_procs N`")
+    out += ["", "launchers (for multi-node jobs)"]
+    out += [line(name, path or "not found") for name, path in machine.programs.items()]
+    out += ["", "kernel families", f"  {'family':<36} {'can run':<28} why"]
+    for family in KERNEL_FAMILIES:
+        status, why = family_status(family, machine)
+        out.append(f"  {family.title:<36} {status:<28} {why}")
+    return "\n".join(out)
+
+
+def print_report() -> int:
+    print(format_report(gather()))
+    return 0

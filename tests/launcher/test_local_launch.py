@@ -1,0 +1,84 @@
+"""`lightspeed --num_procs N script.py` end to end: real CPU processes under the elastic agent."""
+
+import json
+import os
+import socket
+import time
+
+import pytest
+
+from .conftest import SCRIPTS, run_cli
+
+pytestmark = pytest.mark.dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(out, n):
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def test_two_processes_with_local_rank_per_rank_logs_and_core_binding(tmp_path, home):
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    bind = len(os.sched_getaffinity(0)) >= 2
+    proc = run_cli(["--num_procs", "2", "--enable_each_rank_log", logs, *(["--bind_cores_to_rank"] if bind else []),
+                    SCRIPTS / "allreduce_job.py", "--out", out], tmp_path, home, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = _ranks(out, 2)
+    for r, seen in enumerate(ranks):
+        assert seen["sum"] == 1.0
+        assert (seen["RANK"], seen["LOCAL_RANK"], seen["WORLD_SIZE"], seen["LOCAL_WORLD_SIZE"]) == (str(r), str(r), "2", "2")
+        assert seen["local_rank_arg"] == r  # the script declares --local_rank, so it got it
+        assert seen["MASTER_ADDR"] and int(seen["MASTER_PORT"]) > 0
+        assert (seen["CROSS_RANK"], seen["CROSS_SIZE"], seen["LOCAL_SIZE"]) == ("0", "1", "2")
+        assert seen["LIGHTSPEED_ACCELERATOR"] == "cpu" and seen["CUDA_VISIBLE_DEVICES"] is None
+        if bind:
+            assert seen["OMP_NUM_THREADS"] == str(len(seen["cores"]))
+    if bind:
+        assert not set(ranks[0]["cores"]) & set(ranks[1]["cores"])
+    logs_by_rank = {p.name.rsplit("_", 1)[1]: p.read_text() for p in logs.iterdir()}
+    assert sorted(logs_by_rank) == ["rank0.log", "rank1.log"]
+    assert "rank 1 done" in logs_by_rank["rank1.log"] and "rank 1 done" not in proc.stdout
+
+
+def test_four_processes_on_a_fixed_master_port(tmp_path, home):
+    out = tmp_path / "out"
+    out.mkdir()
+    port = _free_port()
+    proc = run_cli(["--num_procs", "4", "--master_port", port, SCRIPTS / "allreduce_job.py", "--out", out],
+                   tmp_path, home, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r, seen in enumerate(_ranks(out, 4)):
+        assert seen["sum"] == 6.0 and seen["RANK"] == str(r) and seen["WORLD_SIZE"] == "4"
+        assert (seen["MASTER_ADDR"], seen["MASTER_PORT"]) == ("127.0.0.1", str(port))
+
+
+def test_a_failing_rank_stops_the_job_with_its_exit_status(tmp_path, home):
+    start = time.monotonic()
+    proc = run_cli(["--num_procs", "2", SCRIPTS / "failing_job.py"], tmp_path, home, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "rank 1 fails on purpose" in proc.stderr
+    assert elapsed < 30  # rank 0 waits for rank 1 forever; the agent must stop it
+
+
+def test_max_restarts_restarts_the_workers(tmp_path, home):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli(["--num_procs", "2", "--max_restarts", "1", SCRIPTS / "flaky_job.py", out], tmp_path, home,
+                   timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "failed (exitcode: 3) local_rank: 1" in proc.stderr  # the first attempt failed, as planned
+    # Second attempt (restart count 1) for both ranks; no --local_rank for a script that does not declare it.
+    assert [(out / f"done{r}").read_text() for r in range(2)] == ["1 2 []", "1 2 []"]
+
+
+def test_exit_status_of_a_failed_worker():
+    from lightspeed.launcher.local import _exit_status
+
+    assert [_exit_status(c) for c in (3, 1, -9, -15, 0)] == [3, 1, 137, 143, 1]

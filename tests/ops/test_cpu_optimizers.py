@@ -1,0 +1,224 @@
+"""CPU optimizers (CPUAdam, CPUAdagrad, CPULion) vs their references and vs torch.optim."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightspeed.ops.adagrad import CPUAdagrad, DeepSpeedCPUAdagrad, adagrad_step
+from lightspeed.ops.adam import CPUAdam, DeepSpeedCPUAdam, adam_step
+from lightspeed.ops.lion import CPULion, DeepSpeedCPULion, lion_step
+
+SIZES = [0, 1, 7, 33, 1023, 4099]
+# (atol, rtol) per param dtype, states always fp32
+TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+STEPS = 3
+
+
+def _params(dtype, seed=0, sizes=SIZES):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen).to(dtype).requires_grad_() for n in sizes]
+
+
+def _set_grads(params, step, seed=1):
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def _close(a, b, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+def _run(opt_cls, kwargs, params, steps=STEPS, **step_kw):
+    opt = opt_cls(params, **kwargs)
+    for s in range(steps):
+        _set_grads(params, s)
+        opt.step(**step_kw)
+    return opt
+
+
+def test_aliases():
+    assert DeepSpeedCPUAdam is CPUAdam and DeepSpeedCPUAdagrad is CPUAdagrad and DeepSpeedCPULion is CPULion
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("adamw", [True, False])
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adam_vs_reference(dtype, adamw, bias_correction, wd):
+    kw = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd)
+    params = _params(dtype)
+    opt = _run(CPUAdam, dict(kw, bias_correction=bias_correction, adamw_mode=adamw), params)
+    ref = _params(dtype)
+    ms = [torch.zeros(p.shape) for p in ref]
+    vs = [torch.zeros(p.shape) for p in ref]
+    for s in range(STEPS):
+        _set_grads(ref, s)
+        for p, m, v in zip(ref, ms, vs):
+            adam_step(p.data, p.grad, m, v, step=s + 1, lr=kw["lr"], beta1=0.8, beta2=0.95, eps=1e-6,
+                      weight_decay=wd, adamw=adamw, bias_correction=bias_correction)
+    for p, r, m, v in zip(params, ref, ms, vs):
+        assert p.dtype == dtype
+        _close(p, r, dtype)
+        st = opt.state[p]
+        assert st["step"] == STEPS
+        assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
+        _close(st["exp_avg"], m, dtype)
+        _close(st["exp_avg_sq"], v, dtype)
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_adam_vs_torch(adamw, wd):
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
+    params = _params(torch.float32)
+    _run(CPUAdam, dict(kw, adamw_mode=adamw), params, steps=5)
+    ref = _params(torch.float32)
+    _run(torch.optim.AdamW if adamw else torch.optim.Adam, dict(kw, foreach=False), ref, steps=5)
+    for p, r in zip(params, ref):
+        _close(p, r, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adagrad(dtype, wd):
+    params = _params(dtype)
+    _run(CPUAdagrad, dict(lr=1e-2, eps=1e-10, weight_decay=wd), params)
+    ref = _params(dtype)
+    ss = [torch.zeros(p.shape) for p in ref]
+    for s in range(STEPS):
+        _set_grads(ref, s)
+        for p, v in zip(ref, ss):
+            adagrad_step(p.data, p.grad, v, step=s + 1, lr=1e-2, eps=1e-10, weight_decay=wd)
+    for p, r in zip(params, ref):
+        _close(p, r, dtype)
+    if dtype == torch.float32:
+        tref = _params(dtype)
+        _run(torch.optim.Adagrad, dict(lr=1e-2, eps=1e-10, weight_decay=wd, foreach=False), tref)
+        for p, r in zip(params, tref):
+            _close(p, r, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_lion(dtype, wd):
+    params = _params(dtype)
+    opt = _run(CPULion, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=wd), params)
+    ref = _params(dtype)
+    ms = [torch.zeros(p.shape) for p in ref]
+    for s in range(STEPS):
+        _set_grads(ref, s)
+        for p, m in zip(ref, ms):
+            lion_step(p.data, p.grad, m, step=s + 1, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=wd)
+    for p, r, m in zip(params, ref, ms):
+        _close(p, r, dtype)
+        _close(opt.state[p]["exp_avg"], m, dtype)
+
+
+def test_lion_zero_momentum_sign():
+    # DeepSpeed copies the sign bit of c onto lr: c == +0 moves the param by -lr
+    p = torch.zeros(5, requires_grad=True)
+    p.grad = torch.zeros(5)
+    CPULion([p], lr=0.5).step()
+    torch.testing.assert_close(p.detach(), torch.full((5,), -0.5))
+
+
+@pytest.mark.parametrize("cls,kw", [(CPUAdam, dict(lr=1e-2, weight_decay=0.01)),
+                                    (CPUAdagrad, dict(lr=1e-2)), (CPULion, dict(lr=1e-3))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_round_trip(cls, kw, dtype):
+    params = _params(dtype, sizes=[5, 1000])
+    opt = _run(cls, kw, params, steps=2)
+    sd = copy.deepcopy(opt.state_dict())
+    clone = [p.detach().clone().requires_grad_() for p in params]
+    opt2 = cls(clone, **kw)
+    opt2.load_state_dict(sd)
+    for p, q in zip(params, clone):
+        for k, v in opt.state[p].items():
+            w = opt2.state[q][k]
+            if isinstance(v, torch.Tensor):
+                assert w.dtype == v.dtype == torch.float32
+                assert torch.equal(v, w)
+            else:
+                assert v == w
+    for s in range(2, 4):
+        _set_grads(params, s)
+        _set_grads(clone, s)
+        opt.step()
+        opt2.step()
+    for p, q in zip(params, clone):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("cls,kw", [(CPUAdam, dict(lr=1e-2, weight_decay=0.01)),
+                                    (CPUAdagrad, dict(lr=1e-2)), (CPULion, dict(lr=1e-3))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lowp", [torch.bfloat16, torch.float16])
+def test_fp16_param_groups_copy(cls, kw, dtype, lowp, monkeypatch):
+    import lightspeed.ops.adam.cpu_adam as mod
+    monkeypatch.setattr(mod, "CHUNK_ELEMS", 1000)  # exercise several chunks and a ragged tail
+    params = _params(dtype, sizes=[0, 1, 7, 4099])
+    copies = [torch.zeros(p.shape, dtype=lowp) for p in params]
+    _run(cls, kw, params, fp16_param_groups=[copies])
+    plain = _params(dtype, sizes=[0, 1, 7, 4099])
+    _run(cls, kw, plain)
+    for p, q, c in zip(params, plain, copies):
+        assert torch.equal(p, q)
+        if dtype == torch.float32 or dtype == lowp:
+            assert torch.equal(c, p.detach().to(lowp))
+        else:  # the copy is rounded from the fp32 result, not from the bf16 param
+            _close(c, p.detach(), dtype)
+
+
+def test_skips_params_without_grad_and_closure():
+    a = torch.randn(4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    b0 = b.detach().clone()
+    opt = CPUAdam([a, b])
+
+    def closure():
+        a.grad = torch.ones(4)
+        return torch.tensor(3.0)
+
+    assert opt.step(closure).item() == 3.0
+    assert torch.equal(b.detach(), b0) and b not in opt.state
+    assert opt.state[a]["step"] == 1
+
+
+def test_param_groups_and_amsgrad():
+    a = torch.randn(10, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    opt = CPUAdam([{"params": [a]}, {"params": [b], "lr": 0.1, "bias_correction": False}])
+    a.grad, b.grad = torch.randn(10), torch.randn(3)
+    a_ref, b_ref = a.detach().clone(), b.detach().clone()
+    opt.step()
+    for p, ref, lr, bc in [(a, a_ref, 1e-3, True), (b, b_ref, 0.1, False)]:
+        m, v = torch.zeros_like(ref), torch.zeros_like(ref)
+        adam_step(ref, p.grad, m, v, step=1, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0,
+                  adamw=True, bias_correction=bc)
+        _close(p, ref, torch.float32)
+    with pytest.raises(RuntimeError):
+        CPUAdam([a], amsgrad=True)
+
+
+def test_fp16_states_when_not_fp32_optimizer_states():
+    p = torch.randn(100).bfloat16().requires_grad_()
+    p.grad = torch.randn(100).bfloat16()
+    opt = CPUAdam([p], fp32_optimizer_states=False)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_non_contiguous_param_uses_reference():
+    base = torch.randn(8, 6)
+    p = base.t().contiguous().t().requires_grad_()  # non-contiguous leaf
+    assert not p.is_contiguous()
+    p.grad = torch.randn(8, 6)
+    q = p.detach().clone()
+    CPUAdam([p], lr=0.1).step()
+    m, v = torch.zeros_like(q), torch.zeros_like(q)
+    adam_step(q, p.grad, m, v, step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0, adamw=True)
+    _close(p, q, torch.float32)

@@ -52,9 +52,10 @@ def _fault_point(point: str, path: str) -> None:
         _fault_hook(point, path)
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename or file creation inside `directory` durable (best effort where unsupported)."""
     try:
-        fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(os.fspath(directory), os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory handles
         return
     try:
@@ -86,7 +87,7 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) ->
             pass
         raise
     _fault_point("replaced", path)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lightspeed.checkpoint.atomic import atomic_torch_save, read_latest, safe_torch_load, validate_tag, write_latest
+from lightspeed.checkpoint.atomic import atomic_torch_save, fsync_dir, read_latest, safe_torch_load, validate_tag, write_latest
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.rng import get_rng_state, set_rng_state
 from lightspeed.comm.collectives import Communicator
@@ -86,20 +86,12 @@ def save(save_dir, tag: str, *, shared: dict[str, Any], strategy_state: dict[str
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(save_dir)
+        fsync_dir(save_dir)
         shutil.rmtree(old, ignore_errors=True)
         if save_latest:
             write_latest(save_dir, tag)
     comm.barrier()
     return final
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True):

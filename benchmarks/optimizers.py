@@ -1,21 +1,38 @@
-"""Optimizer step throughput. CPU section: ours (CPUAdam) vs torch AdamW (foreach / fused) vs
-DeepSpeedCPUAdam (when deepspeed is importable and its cpu_adam op builds), fp32 params, 1 and 2 threads.
+"""Optimizer step throughput.
 
-Reports ms/step and GB/s counting 28 bytes/element (read p, g, m, v; write p, m, v), and the ratio to a
-plain memory copy (dst.copy_(src), 8 bytes/element moved) measured in the same run.
+GPU section (--gpu): lightspeed's Triton FusedAdam/FusedLion/FusedAdagrad/FusedLamb vs
+torch.optim.AdamW(foreach=True), AdamW(fused=True) and DeepSpeed's FusedAdam (when deepspeed is
+importable and its op builds), on fp32 params of ~1B elements in GPT-like shapes (multi-tensor) and
+as one flat shard; then the mixed-precision ZeRO step (bf16 grads in, unscale/clip coefficient, fp32
+master and states, bf16 params out) against the same work done with torch's/DeepSpeed's best pieces
+(upcast+scale in one op, fused step, downcast copy). GB/s count the minimum bytes per element (Adam:
+28 = read p, g, m, v + write p, m, v; mixed: 28 = read g(2) p m v + write p m v + bf16 copy(2); Lion,
+Adagrad: 20; LAMB: 40 for its two passes) against a device copy measured in the same run. Also a
+block-size / warps sweep of the Adam kernel on the flat form.
 
+CPU section (--cpu): ours (CPUAdam) vs torch AdamW (foreach / fused) vs DeepSpeedCPUAdam (when
+deepspeed is importable and its cpu_adam op builds), fp32 params, 1 and 2 threads; 28 B/elem against
+a plain memory copy (dst.copy_(src), 8 bytes/element moved) measured in the same run.
+
+    python benchmarks/optimizers.py --gpu [--elems 1e9] [--steps 10] [--no-sweep] [--json out.json]
     python benchmarks/optimizers.py --cpu [--sizes 100e6,500e6] [--threads 1,2] [--steps 3]
-    python benchmarks/optimizers.py --smoke      # tiny sizes, seconds
-Run with a python that has deepspeed installed to include DeepSpeedCPUAdam.
+    python benchmarks/optimizers.py --smoke      # tiny sizes, seconds (CPU)
+Run with a python that has deepspeed installed to include DeepSpeed's optimizers.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BYTES_PER_ELEM = 28
 
@@ -102,14 +119,185 @@ def print_table(rows) -> None:
         print(f"{n / 1e6:>7.0f}M {th:>3}  {name:<24} {ms:>10.1f} {gbs:>8.2f} {ratio:>7.2f}{note}")
 
 
+# ---------------------------------------------------------------------------------------------- GPU
+def gpt_shapes(total: float) -> list[tuple[int, ...]]:
+    """GPT-like parameter shapes (width 2048, vocab 50304, tied embedding) adding up to about `total`."""
+    d, vocab = 2048, 50304
+    shapes: list[tuple[int, ...]] = [(vocab, d), (2048, d), (d,), (d,)]
+    layer = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    per_layer = sum(math.prod(s) for s in layer)
+    count = max(1, round((total - sum(math.prod(s) for s in shapes)) / per_layer))
+    return shapes + layer * count
+
+
+def _gpu_time(fn, steps: int, warmup: int = 3) -> float:
+    """Median seconds of fn() over `steps` runs timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _ds_optimizers():
+    try:
+        from deepspeed.ops.adam import FusedAdam as DSFusedAdam
+
+        return DSFusedAdam
+    except Exception as e:  # noqa: BLE001 - optional peer
+        return e
+
+
+def run_gpu(total: float, steps: int, sweep: bool) -> list[dict]:
+    from lightspeed.ops.adagrad import FusedAdagrad
+    from lightspeed.ops.adam import FusedAdam
+    from lightspeed.ops.lamb import FusedLamb
+    from lightspeed.ops.lion import FusedLion
+
+    dev = torch.device("cuda")
+    rows: list[dict] = []
+    n_copy = int(total)
+    src = torch.empty(n_copy, device=dev)
+    dst = torch.empty_like(src)
+    copy_bw = 8 * n_copy / _gpu_time(lambda: dst.copy_(src), steps) / 1e9
+    del src, dst
+    _free()
+    rows.append(dict(section="copy", impl="device copy (8 B/elem)", elems=n_copy, ms=float("nan"), gbs=copy_bw))
+
+    def record(section, impl, elems, seconds, bytes_per_elem, note=""):
+        gbs = bytes_per_elem * elems / seconds / 1e9
+        rows.append(dict(section=section, impl=impl, elems=elems, ms=seconds * 1e3, gbs=gbs, x_copy=gbs / copy_bw,
+                         note=note))
+        print(f"  {section:<22} {impl:<34} {seconds * 1e3:8.2f} ms {gbs:8.0f} GB/s {gbs / copy_bw:5.2f}x copy {note}",
+              flush=True)
+
+    ds_cls = _ds_optimizers()
+    lr, wd = 1e-4, 0.01
+    adam_makers = {
+        "lightspeed FusedAdam": lambda ps: FusedAdam(ps, lr=lr, weight_decay=wd),
+        "torch AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd, foreach=True),
+        "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd, fused=True),
+    }
+    if isinstance(ds_cls, Exception):
+        print(f"  DeepSpeed FusedAdam unavailable: {ds_cls}")
+    else:
+        adam_makers["DeepSpeed FusedAdam"] = lambda ps: ds_cls(ps, lr=lr, weight_decay=wd, adam_w_mode=True)
+
+    forms = {"fp32 GPT shapes": gpt_shapes(total), "fp32 one flat shard": [(int(total),)]}
+    for section, shapes in forms.items():
+        elems = sum(math.prod(s) for s in shapes)
+        for impl, make in adam_makers.items():
+            params = [torch.randn(s, device=dev) for s in shapes]
+            for p in params:
+                p.grad = torch.randn_like(p) * 1e-3
+            opt = make(params)
+            record(section, impl, elems, _gpu_time(opt.step, steps), 28)
+            del opt, params
+            _free()
+
+    # the other families, GPT shapes
+    shapes = forms["fp32 GPT shapes"]
+    elems = sum(math.prod(s) for s in shapes)
+    families = {
+        "lightspeed FusedLion": (lambda ps: FusedLion(ps, lr=lr, weight_decay=wd), 20),
+        "lightspeed FusedAdagrad": (lambda ps: FusedAdagrad(ps, lr=lr, weight_decay=wd), 20),
+        "torch Adagrad foreach": (lambda ps: torch.optim.Adagrad(ps, lr=lr, weight_decay=wd, foreach=True), 20),
+        "lightspeed FusedLamb": (lambda ps: FusedLamb(ps, lr=lr, weight_decay=wd), 40),
+    }
+    for impl, (make, nbytes) in families.items():
+        params = [torch.randn(s, device=dev) for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt = make(params)
+        record("other families", impl, elems, _gpu_time(opt.step, steps), nbytes)
+        del opt, params
+        _free()
+
+    # the mixed-precision ZeRO step on one flat shard
+    n = int(total)
+    master = torch.randn(n, device=dev)
+    g16 = (torch.randn(n, device=dev) * 1e-3).bfloat16()
+    lp = master.bfloat16()
+    coef = torch.tensor(0.5, device=dev)
+    ours = FusedAdam([master], lr=lr, weight_decay=wd)
+    pieces = {master: [(0, lp)]}
+    record("mixed bf16->fp32->bf16", "lightspeed fused ZeRO step", n,
+           _gpu_time(lambda: ours.step(grads={master: g16}, grad_scale=coef, lowp_out=pieces), steps), 28)
+    del ours
+    _free()
+    g32 = torch.empty(n, device=dev)
+    baselines = {"torch: mul(out=fp32) + AdamW fused + copy": lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd,
+                                                                                            fused=True)}
+    if not isinstance(ds_cls, Exception):
+        baselines["DeepSpeed: mul(out=fp32) + FusedAdam + copy"] = lambda ps: ds_cls(ps, lr=lr, weight_decay=wd)
+    for impl, make in baselines.items():
+        master.grad = g32
+        opt = make([master])
+
+        def step():
+            torch.mul(g16, coef, out=g32)
+            opt.step()
+            lp.copy_(master)
+
+        record("mixed bf16->fp32->bf16", impl, n, _gpu_time(step, steps), 28, note="(40 B/elem moved)")
+        del opt
+        master.grad = None
+        _free()
+    del master, g16, lp, g32
+    _free()
+
+    if sweep:  # block size and warps of the Adam kernel, flat fp32 form
+        from lightspeed.ops.adam import triton as kernels
+        from lightspeed.ops.multi_tensor import plan
+
+        p = torch.randn(n, device=dev)
+        g, m, v = torch.randn_like(p) * 1e-3, torch.zeros_like(p), torch.zeros_like(p)
+        arrays = [[p], [g], [m], [v]]
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                pl = plan(arrays, block)
+
+                def launch():
+                    kernels.launch(arrays, pl, None, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd,
+                                   adamw=True, step_size=lr, bc2_sqrt=1.0, num_warps=warps)
+
+                record("sweep adam flat fp32", f"BLOCK={block} warps={warps}", n, _gpu_time(launch, steps), 28)
+        del p, g, m, v
+        _free()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="run the CPU section (default when no GPU section)")
+    ap.add_argument("--gpu", action="store_true", help="run the GPU section (Triton kernels, CUDA)")
+    ap.add_argument("--elems", type=float, default=1e9, help="GPU: elements in all (default 1e9)")
+    ap.add_argument("--no-sweep", action="store_true", help="GPU: skip the block-size sweep")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one timed step")
     ap.add_argument("--sizes", default="100e6,500e6")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
+    if args.gpu:
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, median of {args.steps} steps")
+        rows = run_gpu(args.elems, args.steps, not args.no_sweep)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        if not args.cpu:
+            return
     if args.smoke:
         sizes, threads, steps = [100_003], [1], 1
     else:

@@ -1,7 +1,5 @@
 """lightspeed: DeepSpeed's training API rebuilt Python-first on PyTorch, torch.distributed and Triton."""
 
-from lightspeed.config.errors import ConfigError
-
 __version__ = "0.1.0"
 
 
@@ -19,4 +17,20 @@ def init_distributed(*args, **kwargs):
     return _init_distributed(*args, **kwargs)
 
 
-__all__ = ["ConfigError", "initialize", "init_distributed", "__version__"]
+def init_inference(*args, **kwargs):
+    """See :func:`lightspeed.inference.init_inference` (imported lazily: no triton/transformers at import)."""
+    from lightspeed.inference import init_inference as _init_inference
+
+    return _init_inference(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    # lazy, so `import lightspeed.ops...` needs neither pydantic nor the config package
+    if name == "ConfigError":
+        from lightspeed.config.errors import ConfigError
+
+        return ConfigError
+    raise AttributeError(f"module 'lightspeed' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", "initialize", "init_distributed", "init_inference", "__version__"]

@@ -1,8 +1,6 @@
 """Optimizers and LR schedules built from the ds_config `optimizer` and `scheduler` sections."""
 
 from lightspeed.optim.factory import build_optimizer
-from lightspeed.optim.lamb import Lamb
-from lightspeed.optim.lion import Lion
 from lightspeed.optim.schedules import (
     LRRangeTest,
     OneCycle,
@@ -15,8 +13,6 @@ from lightspeed.optim.schedules import (
 __all__ = [
     "build_optimizer",
     "build_scheduler",
-    "Lamb",
-    "Lion",
     "LRRangeTest",
     "OneCycle",
     "WarmupLR",

@@ -11,12 +11,17 @@ one-bit / mup / muon ones) match case-insensitively; any other name is a torch.o
 exactly as DeepSpeed's getattr(torch.optim, name) does, and case-insensitively as a convenience.
 `max_grad_norm` is rejected for every type (DeepSpeed: use the top-level `gradient_clipping`).
 
-Note [Adam modes]: "Adam" and "AdamW" both mean DeepSpeed's FusedAdam. `adam_w_mode` (default true)
-selects decoupled weight decay and type "AdamW" forces it, so plain "Adam" is AdamW unless
-`adam_w_mode: false`. The family builds torch.optim.AdamW (decoupled) or torch.optim.Adam (L2) with
-FusedAdam's parameters and defaults (weight_decay 0, not torch AdamW's 0.01). `torch_adam: true`
-passes the remaining params straight to torch.optim.Adam/AdamW with torch's defaults, as DeepSpeed
-does.
+Note [Adam modes]: "Adam" and "AdamW" both mean DeepSpeed's FusedAdam (lightspeed.ops.adam.FusedAdam:
+the Triton kernel on CUDA, its plain-PyTorch reference on CPU). `adam_w_mode` (default true) selects
+decoupled weight decay and type "AdamW" forces it, so plain "Adam" is AdamW unless
+`adam_w_mode: false`. FusedAdam's defaults apply (weight_decay 0, not torch AdamW's 0.01).
+`torch_adam: true` passes the remaining params straight to torch.optim.Adam/AdamW with torch's
+defaults, as DeepSpeed does.
+
+Note [fused families]: Lamb, Lion and Adagrad build lightspeed.ops' FusedLamb / FusedLion /
+FusedAdagrad (Triton on CUDA, reference on CPU). Adagrad params outside FusedAdagrad's (lr, lr_decay,
+weight_decay, initial_accumulator_value, eps), e.g. `maximize` or `foreach`, build torch.optim.Adagrad
+instead, and the log says so.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from pydantic import BeforeValidator, ValidationError
 from lightspeed._utils.logging import get_logger
 from lightspeed.config.base import Bool, Float, Section, problems_from, show, suggest
 from lightspeed.config.errors import ConfigError
-from lightspeed.optim.lamb import Lamb
-from lightspeed.optim.lion import Lion
+from lightspeed.ops.adagrad import FusedAdagrad
+from lightspeed.ops.adam import FusedAdam
+from lightspeed.ops.lamb import FusedLamb
+from lightspeed.ops.lion import FusedLion
 from lightspeed.optim.schedules import kwargs_problems, read_section
 
 logger = get_logger(__name__)
@@ -126,28 +133,31 @@ def _validate(model: type[Section], params: dict, *, only_set: bool = False) -> 
 # One builder per family: the only place that picks the implementation.
 
 
-def _adam(param_groups: list, *, adamw: bool, lr: float, betas: tuple, eps: float, weight_decay: float):
+def _adam(param_groups: list, *, adamw: bool, **hyper) -> FusedAdam:
     """DeepSpeed FusedAdam semantics; decoupled weight decay when `adamw`, else L2 into the gradient."""
-    cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    tensors = [p for g in param_groups for p in (g["params"] if isinstance(g, dict) else [g])]
-    # Until lightspeed's Triton kernels land, torch's fused CUDA kernel stands in for FusedAdam.
-    fused = bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
-    extra = {"fused": True} if fused else {}
-    return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **extra)
+    return FusedAdam(param_groups, adam_w_mode=adamw, **hyper)
 
 
-def _lamb(param_groups: list, **hyper) -> Lamb:
-    """DeepSpeed FusedLamb semantics (see lightspeed.optim.lamb)."""
-    return Lamb(param_groups, **hyper)
+def _lamb(param_groups: list, **hyper) -> FusedLamb:
+    """DeepSpeed FusedLamb semantics (see lightspeed.ops.lamb)."""
+    return FusedLamb(param_groups, **hyper)
 
 
-def _lion(param_groups: list, **hyper) -> Lion:
-    """DeepSpeed FusedLion semantics (see lightspeed.optim.lion)."""
-    return Lion(param_groups, **hyper)
+def _lion(param_groups: list, **hyper) -> FusedLion:
+    """DeepSpeed FusedLion semantics (see lightspeed.ops.lion)."""
+    return FusedLion(param_groups, **hyper)
+
+
+_FUSED_ADAGRAD_KEYS = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
 
 
 def _adagrad(param_groups: list, params: dict):
-    """torch.optim.Adagrad, as DeepSpeed builds without CPU offload."""
+    """FusedAdagrad (torch.optim.Adagrad's update); torch.optim.Adagrad itself for params it lacks."""
+    if set(params) <= set(_FUSED_ADAGRAD_KEYS):
+        checked = _validate(_TorchCommonParams, params, only_set=True) if params else {}
+        return FusedAdagrad(param_groups, **{**params, **checked})
+    logger.info(f"optimizer: Adagrad params {sorted(set(params) - set(_FUSED_ADAGRAD_KEYS))} are not "
+                "FusedAdagrad's; building torch.optim.Adagrad")
     return _torch_optimizer(torch.optim.Adagrad, param_groups, params)
 
 
@@ -216,17 +226,11 @@ def _build(name: str, type_name: str, param_groups: list, params: dict):
         if flags["torch_adam"]:
             return _torch_optimizer(torch.optim.AdamW if adamw else torch.optim.Adam, param_groups, params)
         hyper = _validate(_FusedAdamParams, params)
-        if not hyper.pop("bias_correction"):
-            raise ConfigError(
-                "optimizer.params.bias_correction: false is not supported yet "
-                "(lightspeed's Adam always bias-corrects; DeepSpeed FusedAdam can turn it off)"
-            )
         if hyper.pop("amsgrad"):
             raise ConfigError(
                 "optimizer.params.amsgrad: FusedAdam does not support the AMSGrad variant "
                 "(set torch_adam: true to use torch.optim's)"
             )
-        hyper.pop("set_grad_none")
         return _adam(param_groups, adamw=adamw, **hyper)
     if name == "lamb":
         hyper = _validate(_FusedLambParams, params)
@@ -234,9 +238,7 @@ def _build(name: str, type_name: str, param_groups: list, params: dict):
             raise ConfigError("optimizer.params.amsgrad: FusedLamb does not support the AMSGrad variant")
         return _lamb(param_groups, **hyper)
     if name == "lion":
-        hyper = _validate(_FusedLionParams, params)
-        hyper.pop("set_grad_none")
-        return _lion(param_groups, **hyper)
+        return _lion(param_groups, **_validate(_FusedLionParams, params))
     if name == "adagrad":
         return _adagrad(param_groups, params)
     return _torch_optimizer(_torch_class(type_name), param_groups, params)

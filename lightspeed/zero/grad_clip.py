@@ -12,8 +12,10 @@ import torch
 
 
 def squared_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of all elements of `grads` (fp32, 0-dim, on the grads' device)."""
-    norms = torch._foreach_norm([g for g in grads if g.numel()], 2) if any(g.numel() for g in grads) else []
+    """Sum of squares of all elements of `grads` (fp32, 0-dim, on the grads' device). bf16/fp16
+    gradients are accumulated in fp32 (the fused ZeRO step hands them over without an fp32 copy)."""
+    live = [g for g in grads if g.numel()]
+    norms = torch._foreach_norm(live, 2, dtype=torch.float32) if live else []
     if not norms:
         device = grads[0].device if grads else "cpu"
         return torch.zeros((), dtype=torch.float32, device=device)

@@ -23,6 +23,7 @@ from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
 from lightspeed.zero.memory import MemoryTally
+from lightspeed.zero.optimizers import fused_step
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 
@@ -63,6 +64,9 @@ class Stage0Strategy:
                                  bucket_numel=reduce.bucket_numel)
                       for params in group_trainable_params(module).values()]
         self._flat_of = {id(p): flat for flat in self.flats for p in flat.params}
+        # fused step (lightspeed.ops optimizers): the optimizer reads the low-precision gradients,
+        # applies the unscale/clip coefficient and writes the parameters: no fp32 gradient copy
+        self._fused = fused_step(optimizer)
         self._master_grad_flats = [self._master_grad_flat(flat) for flat in self.flats]
         self.buckets = GradBuckets(self.flats, self._launch)
         self._boundary = True
@@ -72,14 +76,14 @@ class Stage0Strategy:
                 for p, g in zip(flat.params, flat.grad_views):
                     p.grad = g
         self._opt_params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (optimizer's tensor, its grad)
+        self._lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = {}  # fused: master view -> lp view
         if optimizer is not None:
             self._bind_optimizer(optimizer)
 
     # ---------------------------------------------------------------- set-up
-    @staticmethod
-    def _master_grad_flat(flat: FlatParams) -> torch.Tensor:
-        """Gradients the optimizer reads: fp32 when there is a master copy."""
-        if flat.has_master and flat.grad_flat.dtype != torch.float32:
+    def _master_grad_flat(self, flat: FlatParams) -> torch.Tensor:
+        """Gradients the optimizer reads: fp32 when there is a master copy (unless the step is fused)."""
+        if flat.has_master and flat.grad_flat.dtype != torch.float32 and not self._fused:
             return torch.zeros_like(flat.grad_flat, dtype=torch.float32)
         return flat.grad_flat
 
@@ -100,6 +104,8 @@ class Stage0Strategy:
                 grad_flat = self._master_grad_flats[self.flats.index(flat)]
                 grad_view = grad_flat.narrow(0, flat.layout.offsets[i], p.numel()).view(p.shape)
                 self._opt_params.append((target, grad_view))
+                if flat.has_master:
+                    self._lowp_out[target] = [(0, flat.lp_views[i].view(-1))]
                 new_params.append(target)
             group["params"] = new_params
 
@@ -154,9 +160,14 @@ class Stage0Strategy:
                 master_grad.copy_(flat.grad_flat)
         grads = self._master_grad_flats
         norm = squared_norm(grads).sqrt() / (loss_scale or 1.0)
+        coef = None
         if (loss_scale or 1.0) != 1.0 or max_norm > 0:
             coef = grad_coefficient(norm, loss_scale or 1.0, max_norm)
-            torch._foreach_mul_(grads, coef)
+            if not self._fused:
+                torch._foreach_mul_(grads, coef)
+        if self.optimizer is not None and self._fused:
+            self.optimizer.step(grads=dict(self._opt_params), grad_scale=coef, lowp_out=self._lowp_out)
+            return StepResult(True, norm)
         if self.optimizer is not None:
             for tensor, grad in self._opt_params:
                 tensor.grad = grad

@@ -37,11 +37,8 @@ from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
 from lightspeed.zero.partition import Range, owned_chunks
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 from lightspeed.zero.memory import MemoryTally
+from lightspeed.zero.optimizers import check_optimizer, fused_step
 from lightspeed.zero.stage0 import StepResult, broadcast_unflattened
-
-# Optimizers that DeepSpeed's ZeRO accepts without `zero_allow_untested_optimizer`.
-TESTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion")
-
 
 @dataclass
 class Shard:
@@ -60,16 +57,6 @@ class Shard:
             yield slice(r.start, r.end), slice(pos, pos + r.numel)
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer | None, allow_untested: bool, stage: int) -> None:
-    if optimizer is None or allow_untested:
-        return
-    name = type(optimizer).__name__
-    if name not in TESTED_OPTIMIZERS:
-        raise ValueError(f"zero_optimization.stage={stage}: {name} is not tested with ZeRO (its update is not "
-                         f"elementwise-safe on flat shards, or not verified); set \"zero_allow_untested_optimizer\": "
-                         f"true to use it anyway")
-
-
 class ShardedStrategy:
     """ZeRO stage 1 (`stage=1`) or 2 (`stage=2`) over `comm`'s data-parallel group."""
 
@@ -79,6 +66,9 @@ class ShardedStrategy:
                  comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False):
         assert stage in (1, 2)
         check_optimizer(optimizer, allow_untested_optimizer, stage)
+        # fused ZeRO step: the optimizer reads the reduced (low-precision) gradient shard itself,
+        # applies the unscale/clip coefficient and writes the lp chunks (no fp32 gradient copy)
+        self._fused = fused_step(optimizer)
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
         world, rank = comm.world_size, comm.rank
@@ -100,7 +90,8 @@ class ShardedStrategy:
                 numel = flat.layout.padded_numel // world
                 master = torch.empty(numel, dtype=torch.float32, device=flat.device)
                 grad = torch.zeros(numel, dtype=policy.grad_accum_dtype, device=flat.device)
-                master_grad = grad if grad.dtype == torch.float32 else torch.zeros_like(grad, dtype=torch.float32)
+                fp32_copy = grad.dtype != torch.float32 and not self._fused
+                master_grad = torch.zeros_like(grad, dtype=torch.float32) if fp32_copy else grad
                 shard = Shard(flat, chunks, master, grad, master_grad, stepped=group_index is not None)
                 self._copy_params_to_master(shard)
                 self.shards.append(shard)
@@ -148,11 +139,13 @@ class ShardedStrategy:
         for flat_slice, shard_slice in shard.chunk_pairs():
             shard.master[shard_slice].copy_(shard.flat.lp_flat[flat_slice])
 
-    def _all_gather_params(self, shard: Shard) -> None:
-        """Write the master shard into this rank's chunks of the lp buffer, then all-gather each bucket."""
-        flat, world = shard.flat, self.comm.world_size
+    def _all_gather_params(self, shard: Shard, copy: bool = True) -> None:
+        """Write the master shard into this rank's chunks of the lp buffer (unless the fused step has
+        written them: `copy=False`), then all-gather each bucket."""
+        flat = shard.flat
         for (flat_slice, shard_slice), bucket in zip(shard.chunk_pairs(), flat.buckets):
-            flat.lp_flat[flat_slice].copy_(shard.master[shard_slice])
+            if copy:
+                flat.lp_flat[flat_slice].copy_(shard.master[shard_slice])
             out = flat.lp_flat[bucket.start:bucket.start + bucket.padded_numel]
             # gloo may not accept an input that aliases the output; NCCL handles in-place all-gather
             chunk = flat.lp_flat[flat_slice]
@@ -236,15 +229,20 @@ class ShardedStrategy:
         self.comm.all_reduce(sq)
         scale = loss_scale or 1.0
         norm = sq.sqrt() / scale
-        if scale != 1.0 or max_norm > 0:
-            torch._foreach_mul_(grads, grad_coefficient(norm, scale, max_norm))
-        if self.optimizer is not None:
+        coef = grad_coefficient(norm, scale, max_norm) if scale != 1.0 or max_norm > 0 else None
+        if coef is not None and not self._fused:
+            torch._foreach_mul_(grads, coef)
+        if self.optimizer is not None and self._fused:
+            stepped = [s for s in self.shards if s.stepped]
+            lowp = {s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped}
+            self.optimizer.step(grads={s.master: s.grad for s in stepped}, grad_scale=coef, lowp_out=lowp)
+        elif self.optimizer is not None:
             for s in self.shards:
                 s.master.grad = s.master_grad if s.stepped else None
             self.optimizer.step()
         for s in self.shards:
             if s.stepped:
-                self._all_gather_params(s)
+                self._all_gather_params(s, copy=not (self._fused and self.optimizer is not None))
         return StepResult(True, norm)
 
     def zero_grad(self) -> None:

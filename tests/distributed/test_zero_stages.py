@@ -145,7 +145,7 @@ def _untested_optimizer():
 def test_untested_optimizer_needs_the_flag():
     msg, name = run_world(_untested_optimizer, 1)[0]
     assert msg and "zero_allow_untested_optimizer" in msg and "Lamb" in msg
-    assert name == "Lamb"
+    assert name == "FusedLamb"
 
 
 def _comm_bytes(stage: int, overlap: bool):

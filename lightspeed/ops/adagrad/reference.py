@@ -14,13 +14,13 @@ import torch
 
 @torch.no_grad()
 def adagrad_step(param: torch.Tensor, grad: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int, lr: float,
-                 eps: float, weight_decay: float, grad_scale: float = 1.0,
+                 eps: float, weight_decay: float, grad_scale: float | torch.Tensor = 1.0,
                  param_lowp_out: torch.Tensor | None = None) -> None:
     """Update ``param`` and ``exp_avg_sq`` in place; optionally write ``param_lowp_out``."""
     del step  # DeepSpeed's Adagrad has no step-dependent term
     p = param.float()
     g = grad.float()
-    if grad_scale != 1.0:
+    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
         g = g * grad_scale
     s = exp_avg_sq.float()
     if weight_decay:

@@ -21,12 +21,12 @@ import torch
 @torch.no_grad()
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool,
-              bias_correction: bool = True, grad_scale: float = 1.0,
+              bias_correction: bool = True, grad_scale: float | torch.Tensor = 1.0,
               param_lowp_out: torch.Tensor | None = None) -> None:
     """Update ``param``, ``exp_avg``, ``exp_avg_sq`` in place; optionally write ``param_lowp_out``."""
     p = param.float()
     g = grad.float()
-    if grad_scale != 1.0:
+    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
         g = g * grad_scale
     m = exp_avg.float()
     v = exp_avg_sq.float()

@@ -7,7 +7,7 @@ flat buffer padded to a multiple of the data-parallel world size; rank r keeps o
     lp_shard          [padded/W] param dtype     this rank's low-precision params (always allocated)
     master_shard      [padded/W] fp32 or None    fp32 master (trainable groups with lp params only)
     grad_shard        [padded/W] grad_accum      reduced, accumulated gradients (trainable groups)
-    master_grad_shard [padded/W] fp32            what the optimizer reads (is grad_shard when fp32)
+    master_grad_shard [padded/W] fp32            what the optimizer reads (is grad_shard when fp32 or fused)
     full_flat         [padded]   param dtype     the gathered buffer; its storage exists only while
                                                  the group is gathered
 
@@ -94,9 +94,10 @@ class ParamGroup:
 
     def __init__(self, name: str, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  values: Sequence[torch.Tensor], comm: Communicator, *, dtype: torch.dtype, device: torch.device,
-                 grad_dtype: torch.dtype, keep_master: bool, stream: Any = None):
+                 grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True):
         """`values[i]` holds the full value of `params[i]` (any dtype/device). Every rank passes its own
-        values and rank 0's win (broadcast), so all ranks start identical."""
+        values and rank 0's win (broadcast), so all ranks start identical. `fp32_grad_copy=False` (the
+        fused optimizer step reads low-precision gradients itself) skips the fp32 gradient shard."""
         self.name, self.comm, self.dtype, self.device, self.stream = name, comm, dtype, device, stream
         self.params = list(params)
         self.trainable = self.params[0].requires_grad
@@ -123,7 +124,8 @@ class ParamGroup:
         self.release()
         self.master_shard = self.lp_shard.float() if keep_master and self.trainable and dtype != torch.float32 else None
         self.grad_shard = torch.zeros_like(self.lp_shard, dtype=grad_dtype) if self.trainable else None
-        if self.grad_shard is not None and self.master_shard is not None and grad_dtype != torch.float32:
+        if self.grad_shard is not None and self.master_shard is not None and grad_dtype != torch.float32 \
+                and fp32_grad_copy:
             self.master_grad_shard = torch.zeros_like(self.lp_shard, dtype=torch.float32)
         else:
             self.master_grad_shard = self.grad_shard

@@ -37,8 +37,6 @@ import torch
 from lightspeed._utils.device import Stream
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
-from lightspeed.config.errors import ConfigError
-from lightspeed.optim.lion import Lion
 from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
@@ -50,17 +48,13 @@ from lightspeed.zero.stage3.init import init_record, materialize_module, seed_fr
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.units import LeafRule, choose_units
 from lightspeed.zero.memory import MemoryTally
+from lightspeed.zero.optimizers import check_optimizer, fused_step
 
 logger = get_logger(__name__)
 
 # Optimizers whose update of an element depends only on that element's history and the group's
 # hyperparameters, so stepping flat shards equals stepping whole parameters (DeepSpeed's list of
 # ZeRO-supported optimizers, in torch terms). Lamb is not among them: its trust ratio is per tensor.
-ELEMENTWISE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
-                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-                          torch.optim.Rprop, Lion)
-
-
 @dataclass(frozen=True)
 class Stage3Options:
     schedule: Schedule = field(default_factory=Schedule)
@@ -89,15 +83,6 @@ class Stage3Options:
                    allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), leaf_rule=leaf_rule)
 
 
-def check_optimizer(optimizer, allow_untested: bool) -> None:
-    if optimizer is None or allow_untested or type(optimizer) in ELEMENTWISE_OPTIMIZERS:
-        return
-    raise ConfigError(f"zero_allow_untested_optimizer: ZeRO stage 3 steps {type(optimizer).__name__} on flat "
-                      "shards holding pieces of many parameters, which is tested only for elementwise "
-                      f"optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); set "
-                      '"zero_allow_untested_optimizer": true to use it anyway')
-
-
 class Stage3Strategy:
     stage = 3
     state_is_replicated = False  # each rank holds its own slices: every rank writes its file
@@ -105,7 +90,8 @@ class Stage3Strategy:
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None):
         self.options = options or Stage3Options()
-        check_optimizer(optimizer, self.options.allow_untested_optimizer)
+        check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
+        self._fused = fused_step(optimizer)  # the optimizer unscales, clips and writes the lp shards
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
@@ -120,6 +106,7 @@ class Stage3Strategy:
         self.groups = self._build_groups(opt_index, stream)
         self._mark_persistent()
         self._opt_params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (optimizer's tensor, its grad)
+        self._lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = {}  # fused: master -> lp piece
         if optimizer is not None:
             self._bind_optimizer(optimizer, opt_index)
         unit_of = {id(m): u.module for u in self.units for m in u.region}
@@ -174,7 +161,8 @@ class Stage3Strategy:
                 g = ParamGroup(name, [p for _, p in sel], [n for n, _ in sel], [p.detach() for _, p in sel], self.comm,
                                dtype=self.policy.param_dtype, device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
-                               keep_master=self.policy.master_dtype is not None, stream=stream)
+                               keep_master=self.policy.master_dtype is not None, stream=stream,
+                               fp32_grad_copy=not self._fused)
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
                 full_numel -= g.layout.numel  # the values now live in the group's shard only
@@ -222,6 +210,8 @@ class Stage3Strategy:
                     continue
                 tensor = g.optimizer_shard[own.start:own.end]
                 self._opt_params.append((tensor, g.master_grad_shard[own.start:own.end]))
+                if g.master_shard is not None:
+                    self._lowp_out[tensor] = [(0, g.lp_shard[own.start:own.end])]
                 tensors.append(tensor)
             pg["params"] = tensors
 
@@ -265,14 +255,18 @@ class Stage3Strategy:
         self.comm.all_reduce(sq)
         scale = loss_scale or 1.0
         norm = sq.reshape(()).sqrt() / scale
-        if scale != 1.0 or max_norm > 0:
-            torch._foreach_mul_(grads, grad_coefficient(norm, scale, max_norm))
-        if self.optimizer is not None:
-            for tensor, grad in self._opt_params:
-                tensor.grad = grad
-            self.optimizer.step()
-        for g in groups:
-            g.copy_master_to_lp()
+        coef = grad_coefficient(norm, scale, max_norm) if scale != 1.0 or max_norm > 0 else None
+        if coef is not None and not self._fused:
+            torch._foreach_mul_(grads, coef)
+        if self.optimizer is not None and self._fused:
+            self.optimizer.step(grads=dict(self._opt_params), grad_scale=coef, lowp_out=self._lowp_out)
+        else:
+            if self.optimizer is not None:
+                for tensor, grad in self._opt_params:
+                    tensor.grad = grad
+                self.optimizer.step()
+            for g in groups:
+                g.copy_master_to_lp()
         self.coordinator.release_all(force=True)
         return StepResult(True, norm)
 

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from lightspeed import ConfigError
-from lightspeed.optim import Lamb, Lion, build_optimizer
+from lightspeed.ops.adagrad import FusedAdagrad
+from lightspeed.ops.adam import FusedAdam
+from lightspeed.ops.lamb import FusedLamb as Lamb
+from lightspeed.ops.lion import FusedLion as Lion
+from lightspeed.optim import build_optimizer
 
 SHAPES = [(7, 13), (1,), (3, 5, 2), (257,), (0,)]
 ATOL, RTOL = 1e-6, 1e-5  # fp32, identical formulas in a different order
@@ -34,23 +38,35 @@ def _defaults(opt, *keys):
 
 
 @pytest.mark.parametrize(
-    "type_name, extra, cls, weight_decay",
+    "type_name, extra, cls, adamw, weight_decay",
     [
-        ("Adam", {}, torch.optim.AdamW, 0.0),  # adam_w_mode defaults to true; FusedAdam's wd default 0
-        ("adam", {"adam_w_mode": False}, torch.optim.Adam, 0.0),
-        ("ADAMW", {}, torch.optim.AdamW, 0.0),
-        ("AdamW", {"adam_w_mode": False}, torch.optim.AdamW, 0.0),  # type AdamW forces decoupled decay
-        ("Adam", {"torch_adam": True}, torch.optim.AdamW, 0.01),  # torch's own defaults with torch_adam
-        ("Adam", {"torch_adam": True, "adam_w_mode": False}, torch.optim.Adam, 0.0),
-        ("AdamW", {"torch_adam": True, "adam_w_mode": False}, torch.optim.AdamW, 0.01),
+        ("Adam", {}, FusedAdam, True, 0.0),  # adam_w_mode defaults to true; FusedAdam's wd default 0
+        ("adam", {"adam_w_mode": False}, FusedAdam, False, 0.0),
+        ("ADAMW", {}, FusedAdam, True, 0.0),
+        ("AdamW", {"adam_w_mode": False}, FusedAdam, True, 0.0),  # type AdamW forces decoupled decay
+        ("Adam", {"torch_adam": True}, torch.optim.AdamW, True, 0.01),  # torch's own defaults with torch_adam
+        ("Adam", {"torch_adam": True, "adam_w_mode": False}, torch.optim.Adam, False, 0.0),
+        ("AdamW", {"torch_adam": True, "adam_w_mode": False}, torch.optim.AdamW, True, 0.01),
     ],
 )
-def test_adam_family_modes(type_name, extra, cls, weight_decay):
+def test_adam_family_modes(type_name, extra, cls, adamw, weight_decay):
     opt = build_optimizer({"type": type_name, "params": {"lr": 3e-4, **extra}}, _params())
     assert type(opt) is cls
+    if cls is FusedAdam:
+        assert opt.adam_w_mode is adamw
     assert opt.defaults["lr"] == 3e-4 and opt.defaults["weight_decay"] == weight_decay
     assert tuple(opt.defaults["betas"]) == (0.9, 0.999) and opt.defaults["eps"] == 1e-8
     assert "torch_adam" not in opt.defaults and "adam_w_mode" not in opt.defaults
+
+
+def test_adam_bias_correction_false_reaches_fused_adam():
+    opt = build_optimizer({"type": "Adam", "params": {"bias_correction": False}}, _params())
+    assert opt.defaults["bias_correction"] is False
+
+
+def test_adagrad_with_torch_only_params_builds_torch_adagrad():
+    opt = build_optimizer({"type": "Adagrad", "params": {"lr": 0.1, "maximize": True}}, _params())
+    assert type(opt) is torch.optim.Adagrad and opt.defaults["maximize"] is True
 
 
 def test_adam_hyperparameters_are_passed():
@@ -73,8 +89,9 @@ def test_torch_adam_accepts_torch_only_arguments():
         ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True}, torch.optim.SGD,
          dict(lr=0.1, momentum=0.9, nesterov=True)),
         ("sgd", {"lr": 0.2}, torch.optim.SGD, dict(lr=0.2, momentum=0)),
-        ("Adagrad", {"lr": 0.05, "eps": 1e-9}, torch.optim.Adagrad, dict(lr=0.05, eps=1e-9)),
-        ("ADAGRAD", {}, torch.optim.Adagrad, dict(lr=0.01)),
+        ("Adagrad", {"lr": 0.05, "eps": 1e-9}, FusedAdagrad, dict(lr=0.05, eps=1e-9)),
+        ("ADAGRAD", {"lr_decay": 0.1, "initial_accumulator_value": 0.5}, FusedAdagrad,
+         dict(lr=0.01, lr_decay=0.1, initial_accumulator_value=0.5)),
         ("RMSprop", {"lr": 1e-3, "alpha": 0.9}, torch.optim.RMSprop, dict(lr=1e-3, alpha=0.9)),
         ("Lamb", {"lr": 2e-3, "max_coeff": 5.0, "min_coeff": 0.1, "weight_decay": 0.01}, Lamb,
          dict(lr=2e-3, max_coeff=5.0, min_coeff=0.1, weight_decay=0.01, bias_correction=True, betas=(0.9, 0.999))),
@@ -97,7 +114,7 @@ def test_lamb_eps_inside_sqrt_reaches_the_optimizer():
 def test_attribute_config_generator_params_and_none_params():
     model = torch.nn.Linear(4, 3)
     opt = build_optimizer(SimpleNamespace(type="AdamW", params=None), model.parameters())
-    assert type(opt) is torch.optim.AdamW and len(opt.param_groups[0]["params"]) == 2
+    assert type(opt) is FusedAdam and len(opt.param_groups[0]["params"]) == 2
 
 
 def test_param_groups_are_honoured():
@@ -131,7 +148,6 @@ def test_param_groups_are_honoured():
         ({"type": "Adam", "params": {"adam_w_mode": 1}}, "optimizer.params.adam_w_mode: must be true or false"),
         ({"type": "Adam", "params": {"max_grad_norm": 1.0}}, "optimizer.params.max_grad_norm"),
         ({"type": "Lamb", "params": {"max_grad_norm": 1.0}}, "gradient_clipping"),
-        ({"type": "Adam", "params": {"bias_correction": False}}, "optimizer.params.bias_correction"),
         ({"type": "Adam", "params": {"amsgrad": True}}, "optimizer.params.amsgrad"),
         ({"type": "Adam", "params": {"torch_adam": True, "bias_correction": True}},
          "optimizer.params.bias_correction: unknown key"),

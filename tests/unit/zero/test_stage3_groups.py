@@ -9,7 +9,7 @@ import torch
 
 from lightspeed.comm.collectives import Communicator
 from lightspeed.config.errors import ConfigError
-from lightspeed.optim.lamb import Lamb
+from lightspeed.ops.lamb import FusedLamb as Lamb
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.testing.models import TinyMLP
 from lightspeed.zero import GatheredParameters, Init

@@ -1,0 +1,80 @@
+"""Triton multi-tensor Lion (see ops/multi_tensor). Per element, fp32, as reference.lion_step:
+g = grad*scale; c = b1*m + (1-b1)*g; p = p*(1 - lr*wd); p = p + (-lr if c > 0 else +lr) (DeepSpeed's
+GPU FusedLion rule: c == 0 moves by +lr); m = b2*m + (1-b2)*g.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lightspeed.ops.multi_tensor import Plan
+from lightspeed.ops.multi_tensor.triton import block_of, offset_of
+
+BLOCK = 1024  # with 4 warps: 0.99 of copy bandwidth on the H200 (sweep in benchmarks/optimizers.py)
+NUM_WARPS = 4
+
+
+@triton.jit
+def _lion_block(p_ptr, g_ptr, m_ptr, o_ptr, idx, n, scale, lr, beta1, beta2, wd,
+                HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, MASKED: tl.constexpr):
+    if MASKED:
+        mask = idx < n
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
+    else:
+        p = tl.load(p_ptr + idx).to(tl.float32)
+        g = tl.load(g_ptr + idx).to(tl.float32)
+        m = tl.load(m_ptr + idx)
+    if HAS_SCALE:
+        g = g * scale
+    c = m * beta1 + g * (1.0 - beta1)
+    p = p * (1.0 - lr * wd)
+    p = p + tl.where(c > 0, -lr, lr)
+    m = m * beta2 + g * (1.0 - beta2)
+    if MASKED:
+        tl.store(p_ptr + idx, p.to(p_ptr.dtype.element_ty), mask=mask)
+        tl.store(m_ptr + idx, m, mask=mask)
+        if HAS_OUT:
+            tl.store(o_ptr + idx, p.to(o_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(p_ptr + idx, p.to(p_ptr.dtype.element_ty))
+        tl.store(m_ptr + idx, m)
+        if HAS_OUT:
+            tl.store(o_ptr + idx, p.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _lion_kernel(p_base, g_base, m_base, o_base, offsets, numels, block_segment, block_start, num_segments,
+                 scale_ptr, lr, beta1, beta2, wd,
+                 HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    seg, start, n, full = block_of(block_segment, block_start, numels, BLOCK)
+    p_ptr = p_base + offset_of(offsets, 0, num_segments, seg, ALIGN)
+    g_ptr = g_base + offset_of(offsets, 1, num_segments, seg, ALIGN)
+    m_ptr = m_base + offset_of(offsets, 2, num_segments, seg, ALIGN)
+    o_ptr = p_ptr
+    if HAS_OUT:
+        o_ptr = o_base + offset_of(offsets, 3, num_segments, seg, ALIGN)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr)
+    idx = start + tl.arange(0, BLOCK)
+    if full:
+        _lion_block(p_ptr, g_ptr, m_ptr, o_ptr, idx, n, scale, lr, beta1, beta2, wd, HAS_SCALE, HAS_OUT, False)
+    else:
+        _lion_block(p_ptr, g_ptr, m_ptr, o_ptr, idx, n, scale, lr, beta1, beta2, wd, HAS_SCALE, HAS_OUT, True)
+
+
+def launch(arrays, plan: Plan, scale, *, lr: float, beta1: float, beta2: float, weight_decay: float,
+           num_warps: int | None = None) -> None:
+    """Run the kernel over `arrays` = [params, grads, exp_avgs, (outs)] with `plan`."""
+    has_out = len(arrays) == 4
+    if plan.num_blocks == 0:
+        return
+    bases = plan.bases(arrays)
+    _lion_kernel[(plan.num_blocks,)](
+        bases[0], bases[1], bases[2], bases[3] if has_out else bases[0],
+        plan.offsets, plan.numels, plan.block_segment, plan.block_start, plan.num_segments,
+        scale if scale is not None else bases[2], lr, beta1, beta2, weight_decay,
+        HAS_SCALE=scale is not None, HAS_OUT=has_out, ALIGN=8 if plan.aligned else 1, BLOCK=plan.block,
+        num_warps=num_warps or NUM_WARPS)

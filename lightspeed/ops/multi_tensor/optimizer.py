@@ -1,0 +1,260 @@
+"""FusedOptimizer: the torch.optim.Optimizer base of FusedAdam, FusedLamb, FusedLion, FusedAdagrad.
+
+Owns: collecting each group's parameters with gradients into segments (a parameter, or a piece of
+one), state creation (fp32 whatever the parameter dtype), grouping segments into launches of one
+(step, dtypes, alignment) each, the choice of backend, and the two extras the ZeRO engine passes to
+`step`:
+  * `grad_scale`: a float or 0-dim tensor every gradient is multiplied by inside the kernel (the
+    1/loss_scale unscale times the clip coefficient), so no pass over the gradients is spent on it
+    and no host synchronisation is needed to learn it;
+  * `lowp_out`: {param: [(offset, out), ...]}: after the update, elements [offset, offset+numel) of
+    the flattened param are also written, rounded, to `out` (the bf16/fp16 parameter copy).
+  * `grads`: {param: gradient} used instead of `param.grad`; the gradient may have another dtype
+    than its parameter (the bf16 gradient shard of an fp32 master shard), which torch does not allow
+    to assign to `.grad`.
+
+Backends: "triton" (the family's multi-tensor kernel; on CUDA, or on CPU under TRITON_INTERPRET=1 in
+the tests), "reference" (the family's plain-PyTorch step, one segment at a time), "auto" (triton for
+CUDA tensors, reference otherwise). The environment variable LIGHTSPEED_OPS_BACKEND replaces "auto"
+(e.g. "reference" to rule the kernels out while debugging, "triton" to test them inside the engine). Must not: communicate, or know about ZeRO's buffers.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from lightspeed.ops.multi_tensor import Plan, plan
+
+__all__ = ["FusedOptimizer", "Launch", "Segment"]
+
+_BACKENDS = ("auto", "triton", "reference")
+
+
+class Segment:
+    """A contiguous run of one parameter: flat views of param, grad, each state, and the optional
+    low-precision output."""
+
+    __slots__ = ("param", "grad", "states", "out", "owner")
+
+    def __init__(self, param, grad, states, out, owner):
+        self.param, self.grad, self.states, self.out, self.owner = param, grad, states, out, owner
+
+
+class Launch:
+    """The segments updated by one kernel launch (one step value, device and dtype combination),
+    with their tensor lists and launch plans built once."""
+
+    __slots__ = ("owner", "device", "segments", "_arrays", "_plans")
+
+    def __init__(self, owner: torch.Tensor, device: torch.device):
+        self.owner, self.device, self.segments = owner, device, []
+        self._arrays, self._plans = None, {}
+
+    def arrays(self, with_out: bool = True) -> list[list[torch.Tensor]]:
+        """[params, grads, *states, (outs, when the segments have them and `with_out`)]."""
+        if self._arrays is None:
+            segs = self.segments
+            arrays = [[s.param for s in segs], [s.grad for s in segs]]
+            arrays += [[s.states[i] for s in segs] for i in range(len(segs[0].states))]
+            if segs[0].out is not None:
+                arrays.append([s.out for s in segs])
+            self._arrays = arrays
+        has_out = self.segments[0].out is not None
+        return self._arrays if with_out or not has_out else self._arrays[:-1]
+
+    def plan(self, block: int, with_out: bool = True) -> Plan:
+        key = (block, with_out)
+        if key not in self._plans:
+            self._plans[key] = plan(self.arrays(with_out), block)
+        return self._plans[key]
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class; families set `_state_keys` and implement `_launch_triton` / `_launch_reference`."""
+
+    _state_keys: tuple[str, ...] = ()
+    #: whether step(lowp_out=...) is supported (the ZeRO engine then skips its own copy pass)
+    fuses_lowp_out = True
+
+    def __init__(self, params: Iterable, defaults: dict, *, set_grad_none: bool = True, backend: str = "auto"):
+        if backend == "auto":
+            backend = os.environ.get("LIGHTSPEED_OPS_BACKEND", "auto")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend (or LIGHTSPEED_OPS_BACKEND) must be one of {_BACKENDS}, got {backend!r}")
+        super().__init__(params, defaults)
+        self.set_grad_none = bool(set_grad_none)
+        self.backend = backend
+        self._scale_cache: dict[tuple, torch.Tensor] = {}
+        self._launch_cache: dict[int, tuple] = {}  # group index -> (signature, launches)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("set_grad_none", True)
+        self.__dict__.setdefault("backend", "auto")
+        self.__dict__.setdefault("_scale_cache", {})
+        self.__dict__.setdefault("_launch_cache", {})
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    # ------------------------------------------------------------------------------------------
+    def _use_triton(self, device: torch.device) -> bool:
+        if self.backend == "reference":
+            return False
+        if self.backend == "triton":
+            if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError(f"{type(self).__name__}(backend='triton') on {device} needs CUDA or TRITON_INTERPRET=1")
+            return True
+        return device.type == "cuda"
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = 0
+            for key in self._state_keys:
+                state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            self._init_extra_state(p, state)
+        return state
+
+    def _init_extra_state(self, p: torch.Tensor, state: dict) -> None:
+        """Hook for families whose state does not start at zero (Adagrad's initial accumulator)."""
+
+    def scale_tensor(self, grad_scale, device: torch.device) -> torch.Tensor | None:
+        """`grad_scale` as a 0-dim fp32 tensor on `device` (None when there is none)."""
+        if grad_scale is None:
+            return None
+        if isinstance(grad_scale, torch.Tensor):
+            return grad_scale.to(device=device, dtype=torch.float32).reshape(())
+        if float(grad_scale) == 1.0:
+            return None
+        key = (device, float(grad_scale))
+        if key not in self._scale_cache:
+            self._scale_cache.clear()
+            self._scale_cache[key] = torch.tensor(float(grad_scale), dtype=torch.float32, device=device)
+        return self._scale_cache[key]
+
+    @staticmethod
+    def _pieces(numel: int, pieces: Sequence[tuple[int, torch.Tensor]] | None):
+        """(start, length, out or None) covering [0, numel), split at the low-precision pieces."""
+        if not pieces:
+            return [(0, numel, None)]
+        runs, cursor = [], 0
+        for offset, out in sorted(pieces, key=lambda item: item[0]):
+            length = out.numel()
+            if offset < cursor or offset + length > numel:
+                raise ValueError(f"lowp_out pieces overlap or exceed the parameter ({offset}+{length} of {numel})")
+            if offset > cursor:
+                runs.append((cursor, offset - cursor, None))
+            if length:
+                runs.append((offset, length, out.reshape(-1)))
+            cursor = offset + length
+        if cursor < numel:
+            runs.append((cursor, numel - cursor, None))
+        return runs
+
+    def _live(self, group: dict, grads: Mapping | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(param, gradient) of the group's parameters that have a gradient this step."""
+        live = []
+        for p in group["params"]:
+            grad = grads.get(p, p.grad) if grads is not None else p.grad
+            if grad is None:
+                continue
+            if grad.numel() != p.numel():
+                raise ValueError(f"{type(self).__name__}: gradient of {grad.numel()} elements for a parameter "
+                                 f"of {p.numel()}")
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            live.append((p, grad))
+        return live
+
+    def _signature(self, live, lowp_out: Mapping | None) -> tuple | None:
+        """What the cached launches of a group depend on: the addresses of every tensor they read or
+        write. None (no caching) when a parameter or gradient is not contiguous (those are copied)."""
+        sig = []
+        for p, g in live:
+            if not (p.is_contiguous() and g.is_contiguous()):
+                return None
+            state = self.state.get(p)
+            if not state:
+                return None
+            pieces = lowp_out.get(p) if lowp_out is not None else None
+            sig.append((p.data_ptr(), g.data_ptr(), g.dtype, *(state[k].data_ptr() for k in self._state_keys),
+                        *((off, out.data_ptr(), out.numel(), out.dtype) for off, out in (pieces or ()))))
+        return tuple(sig)
+
+    def _build_launches(self, live, lowp_out: Mapping | None) -> list["Launch"]:
+        """Group the segments of `live` into launches of one (step, device, dtypes) each."""
+        launches: dict[tuple, Launch] = {}
+        for p, grad in live:
+            state = self._init_state(p)
+            work = p if p.is_contiguous() else p.detach().contiguous()
+            flat_p = work.view(-1)
+            flat_g = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+            flat_states = [state[k].view(-1) for k in self._state_keys]
+            pieces = lowp_out.get(p) if lowp_out is not None else None
+            for start, length, out in self._pieces(p.numel(), pieces):
+                if length == 0 and p.numel():
+                    continue  # (an empty parameter keeps its one empty segment: FusedLamb reports its ratio)
+                end = start + length
+                seg = Segment(flat_p[start:end], flat_g[start:end], [s[start:end] for s in flat_states], out,
+                              (p, work))
+                key = (state["step"], p.device, p.dtype, grad.dtype, None if out is None else out.dtype)
+                if key not in launches:
+                    launches[key] = Launch(p, p.device)
+                launches[key].segments.append(seg)
+        return list(launches.values())
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+             grad_scale: float | torch.Tensor | None = None,
+             lowp_out: Mapping[torch.Tensor, Sequence[tuple[int, torch.Tensor]]] | None = None):
+        """One update of every parameter with a gradient. See the module docstring for the extras.
+
+        Note [launch cache]: building the segments costs Python time per parameter (views, tables),
+        which on a model of hundreds of tensors is longer than the kernel. Each group keeps its
+        launches and reuses them while the signature (addresses of params, grads, states and
+        low-precision outputs) is unchanged; load_state_dict clears the cache."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            self._before_group(group, grads)
+            live = self._live(group, grads)
+            sig = self._signature(live, lowp_out)
+            cached = self._launch_cache.get(index)
+            if sig is not None and cached is not None and cached[0] == sig:
+                launches = cached[1]
+            else:
+                launches = self._build_launches(live, lowp_out)
+                self._launch_cache[index] = (self._signature(live, lowp_out), launches)
+            for p, _ in live:
+                self.state[p]["step"] += 1
+            for launch in launches:
+                step = self.state[launch.owner]["step"]
+                scale = self.scale_tensor(grad_scale, launch.device)
+                if self._use_triton(launch.device):
+                    self._launch_triton(group, step, launch, scale)
+                else:
+                    self._launch_reference(group, step, launch.segments, scale)
+                for seg in launch.segments:
+                    p, work = seg.owner
+                    if work is not p:
+                        p.copy_(work)
+        return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        self._launch_cache.clear()
+        super().load_state_dict(state_dict)
+
+    def _before_group(self, group: dict, grads: Mapping | None) -> None:
+        """Hook run once per group before its launches (FusedLamb resets its coefficients)."""
+
+    # families implement these --------------------------------------------------------------------
+    def _launch_triton(self, group: dict, step: int, launch: "Launch", scale: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _launch_reference(self, group: dict, step: int, segments: list[Segment], scale: torch.Tensor | None) -> None:
+        raise NotImplementedError

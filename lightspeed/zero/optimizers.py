@@ -1,0 +1,38 @@
+"""Which optimizers ZeRO steps on flat shards, and whether one fuses the ZeRO step.
+
+Owns: the list of optimizers whose update is elementwise (so stepping one flat shard that holds
+pieces of many parameters gives the same result as stepping the parameters), the check that refuses
+others unless `zero_allow_untested_optimizer` is set (DeepSpeed's rule), and `fused_step`: whether
+the optimizer takes `step(grad_scale=..., lowp_out=...)` (lightspeed.ops' fused optimizers), so the
+strategies hand it low-precision gradients, the unscale/clip coefficient and the parameter copy to
+write, instead of spending passes on them.
+"""
+from __future__ import annotations
+
+import torch
+
+from lightspeed.config.errors import ConfigError
+from lightspeed.ops.adagrad import CPUAdagrad, FusedAdagrad
+from lightspeed.ops.adam import CPUAdam, FusedAdam
+from lightspeed.ops.lion import CPULion, FusedLion
+from lightspeed.ops.multi_tensor.optimizer import FusedOptimizer
+
+ELEMENTWISE_OPTIMIZERS = (
+    FusedAdam, FusedLion, FusedAdagrad, CPUAdam, CPUAdagrad, CPULion,
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop,
+)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer | None, allow_untested: bool, stage: int) -> None:
+    if optimizer is None or allow_untested or type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+        return
+    raise ConfigError(f"zero_allow_untested_optimizer: ZeRO stage {stage} steps {type(optimizer).__name__} on flat "
+                      "shards holding pieces of many parameters, which is tested only for elementwise optimizers "
+                      f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); set "
+                      '"zero_allow_untested_optimizer": true to use it anyway')
+
+
+def fused_step(optimizer: torch.optim.Optimizer | None) -> bool:
+    """True when `optimizer.step(grad_scale=..., lowp_out=...)` is available."""
+    return isinstance(optimizer, FusedOptimizer) and optimizer.fuses_lowp_out

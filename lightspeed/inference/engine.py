@@ -1,0 +1,144 @@
+"""`init_inference`: DeepSpeed's `deepspeed.init_inference(model, dtype=..., ...)` shape, limited to
+casting, device placement and weight-only quantization (nn.Linear and transformers' Conv1D swapped
+for `QuantizedLinear`). Owns the argument checks and the module swap; must not change the model's
+own forward or generate (no kernel injection, no tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import torch
+from torch import nn
+
+from lightspeed._utils.device import default_device
+from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
+from lightspeed.ops.wquant.reference import FORMATS, check_quant_args
+
+logger = logging.getLogger(__name__)
+
+_QUANT_KEYS = ("enabled", "weight", "group_size", "include", "exclude")
+_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+
+def _tp_size(value) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, dict):
+        return int(value.get("tp_size", 1) or 1) if value.get("enabled", True) else 1
+    if isinstance(value, int):
+        return value
+    size = getattr(value, "tp_size", 1)
+    return int(size or 1)
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"init_inference: dtype must be float16, bfloat16 or float32 (got {dtype})")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"init_inference: dtype must be float16, bfloat16 or float32 (got {dtype!r})")
+
+
+def _check_quant(quant: dict) -> dict:
+    if not isinstance(quant, dict):
+        raise ValueError(f"init_inference: quant must be a dict like {{'weight': 'fp6'}} (got {type(quant).__name__})")
+    for key in quant:
+        if key not in _QUANT_KEYS:
+            raise ValueError(f"init_inference: unknown quant key {key!r} (known: {', '.join(_QUANT_KEYS)})")
+    q = {"enabled": True, "weight": "fp6", "group_size": None, "include": (), "exclude": (), **quant}
+    if q["weight"] not in FORMATS:
+        raise ValueError(f"init_inference: quant['weight'] must be one of {FORMATS} (got {q['weight']!r})")
+    if q["group_size"] is not None:
+        check_quant_args(q["weight"], (1, 16 * q["group_size"]) if isinstance(q["group_size"], int) else (1, 16),
+                         q["group_size"])  # the group size alone; each layer's K is checked at the swap
+    for key in ("include", "exclude"):
+        if isinstance(q[key], str):
+            q[key] = (q[key],)
+    return q
+
+
+def _tied_output_ids(model: nn.Module) -> set[int]:
+    """ids of weights shared with an nn.Embedding (tied lm_head / output embeddings)."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | None = None, include=(),
+                     exclude=()) -> list[str]:
+    """Swap nn.Linear / Conv1D submodules of `model` for QuantizedLinear in place; returns the swapped
+    names. Skipped: lm_head and layers whose weight is tied to an embedding (unless named in
+    `include`), names matching `exclude` (fnmatch patterns), layers whose in_features cannot be packed
+    (logged)."""
+    tied = _tied_output_ids(model)
+    swaps = []
+    for name, module in model.named_modules():
+        if not (isinstance(module, nn.Linear) or is_conv1d(module)) or isinstance(module, QuantizedLinear):
+            continue
+        if _matches(name, exclude):
+            continue
+        forced = _matches(name, include)
+        if not forced and (name.split(".")[-1] == "lm_head" or id(module.weight) in tied):
+            logger.info("init_inference: keeping %s unquantized (output head / tied embedding)", name)
+            continue
+        in_features = module.weight.shape[0] if is_conv1d(module) else module.weight.shape[1]
+        out_features = module.weight.shape[1] if is_conv1d(module) else module.weight.shape[0]
+        try:
+            check_quant_args(weight, (out_features, in_features), group_size)
+        except ValueError as err:
+            logger.warning("init_inference: keeping %s unquantized: %s", name, err)
+            continue
+        swaps.append((name, module))
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantizedLinear.from_linear(module, weight=weight, group_size=group_size))
+    return [name for name, _ in swaps]
+
+
+def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.float16, quant: dict | None = None,
+                   tensor_parallel=None, mp_size: int = 1, replace_with_kernel_inject: bool = False,
+                   device=None) -> nn.Module:
+    """Prepare `model` for generation: cast it to `dtype`, move it to `device` (default: this rank's
+    GPU, else CPU) and, with `quant={"weight": "fp6"|"int8"|"int4", "group_size": None|int,
+    "include": [...], "exclude": [...]}`, swap its linear layers for QuantizedLinear. `config` may hold
+    the same keys (DeepSpeed's dict form); keyword arguments win. Returns the model itself, so its own
+    `generate` works. Tensor parallelism and kernel injection raise NotImplementedError."""
+    kwargs = {"dtype": dtype, "quant": quant, "tensor_parallel": tensor_parallel, "mp_size": mp_size,
+              "replace_with_kernel_inject": replace_with_kernel_inject, "device": device}
+    if config is not None:
+        if not isinstance(config, dict):
+            raise ValueError(f"init_inference: config must be a dict (got {type(config).__name__})")
+        for key, value in config.items():
+            if key not in kwargs:
+                raise ValueError(f"init_inference: unknown argument {key!r} (known: {', '.join(kwargs)})")
+            defaults = {"dtype": torch.float16, "quant": None, "tensor_parallel": None, "mp_size": 1,
+                        "replace_with_kernel_inject": False, "device": None}
+            if kwargs[key] is defaults[key] or kwargs[key] == defaults[key]:
+                kwargs[key] = value
+    if _tp_size(kwargs["tensor_parallel"]) > 1:
+        raise NotImplementedError("init_inference: tensor_parallel (tp_size > 1) is not implemented")
+    if int(kwargs["mp_size"] or 1) > 1:
+        raise NotImplementedError("init_inference: mp_size > 1 (tensor parallelism) is not implemented")
+    if kwargs["replace_with_kernel_inject"]:
+        raise NotImplementedError("init_inference: replace_with_kernel_inject=True is not implemented")
+    target_dtype = _resolve_dtype(kwargs["dtype"])
+    q = _check_quant(kwargs["quant"]) if kwargs["quant"] is not None else None
+    target_device = torch.device(kwargs["device"]) if kwargs["device"] is not None else default_device()
+
+    model = model.to(device=target_device, dtype=target_dtype)
+    model.eval()
+    if q is not None and q["enabled"]:
+        before = sum(p.numel() * p.element_size() for p in model.parameters())
+        names = quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"])
+        after = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        logger.info("init_inference: %d linear layers -> %s (group_size=%s); weights %.1f MiB -> %.1f MiB",
+                    len(names), q["weight"], q["group_size"], before / 2**20, after / 2**20)
+    return model

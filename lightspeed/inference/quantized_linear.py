@@ -1,0 +1,100 @@
+"""`QuantizedLinear`: a drop-in for nn.Linear (and transformers' Conv1D) whose weight lives packed as
+FP6 e3m2, INT8 or INT4 (layout: `lightspeed.ops.wquant.reference`). Owns the module and its buffers;
+the arithmetic lives in `lightspeed.ops.wquant`.
+
+Note: scales are stored as the int16 bit pattern of their fp16 values, so `model.half()` /
+`model.to(torch.bfloat16)` cast the bias but can never round the scales the codes were computed
+against; `scales_fp16` views them back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightspeed.ops.wquant import QuantizedWeight, dequantize, quantize, quantized_matmul
+from lightspeed.ops.wquant.reference import PACK_TILE, check_quant_args, plane_specs
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2): a linear layer with weight [in, out]; recognised without importing
+    transformers."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(getattr(module, "weight", None),
+                                                                                       torch.Tensor)
+
+
+def _plane_shapes(fmt: str, n: int, k: int) -> list[tuple[str, tuple[int, int], torch.dtype]]:
+    """Buffer name, shape and dtype of each packed plane (K padded to the pack tile; see reference.py)."""
+    names = ("qweight", "qweight_lo")
+    return [(name, shape, dtype) for name, (shape, dtype) in zip(names, plane_specs(fmt, n, k, PACK_TILE))]
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ dequant(W).T + bias, W: [out_features, in_features] packed (any in_features: K is padded to
+    the pack tile inside the planes). x: [..., in_features] fp16/bf16
+    (fp32 runs the reference), y in x's dtype. CPU runs the plain-PyTorch reference, CUDA the Triton
+    kernel. Build one with `from_linear`; the constructor makes empty buffers for `load_state_dict`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, weight: str = "fp6",
+                 group_size: int | None = None, dtype: torch.dtype = torch.float16, device=None):
+        super().__init__()
+        check_quant_args(weight, (out_features, in_features), group_size)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight_format = weight
+        self.group_size = group_size
+        self.weight_dtype = dtype
+        for name, shape, plane_dtype in _plane_shapes(weight, out_features, in_features):
+            self.register_buffer(name, torch.zeros(shape, dtype=plane_dtype, device=device))
+        num_groups = 1 if group_size is None else in_features // group_size
+        self.register_buffer("scales", torch.zeros((out_features, num_groups), dtype=torch.int16, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, weight: str = "fp6", group_size: int | None = None) -> "QuantizedLinear":
+        """Quantize an nn.Linear (weight [out, in]) or a transformers Conv1D (weight [in, out]) on its
+        device, in its dtype."""
+        if isinstance(linear, nn.Linear):
+            w = linear.weight.detach()
+        elif is_conv1d(linear):
+            w = linear.weight.detach().t()
+        else:
+            raise ValueError(f"from_linear needs an nn.Linear or transformers Conv1D (got {type(linear).__name__})")
+        out_features, in_features = w.shape
+        qw = quantize(w, weight, group_size)
+        module = cls(in_features, out_features, bias=linear.bias is not None, weight=weight, group_size=group_size,
+                     dtype=w.dtype, device=w.device)
+        module._load_packed(qw)
+        if linear.bias is not None:
+            module.bias.copy_(linear.bias.detach())
+        return module
+
+    def _load_packed(self, qw: QuantizedWeight) -> None:
+        names = [name for name, _, _ in _plane_shapes(self.weight_format, self.out_features, self.in_features)]
+        for name, plane in zip(names, qw.planes):
+            getattr(self, name).copy_(plane)
+        self.scales.copy_(qw.scales.view(torch.int16))
+
+    @property
+    def scales_fp16(self) -> torch.Tensor:
+        return self.scales.view(torch.float16)
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The packed weight as the ops layer sees it (views of this module's buffers)."""
+        planes = (self.qweight, self.qweight_lo) if self.weight_format == "fp6" else (self.qweight,)
+        return QuantizedWeight(self.weight_format, (self.out_features, self.in_features), self.group_size, planes,
+                               self.scales_fp16, self.weight_dtype, PACK_TILE)
+
+    def dequantize_weight(self) -> torch.Tensor:
+        """The float weight [out_features, in_features] this module represents, in the original dtype."""
+        return dequantize(self.quantized_weight(), dtype=self.weight_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_matmul(x, self.quantized_weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight={self.weight_format}, group_size={self.group_size}")

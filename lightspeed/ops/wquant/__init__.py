@@ -1,0 +1,85 @@
+"""Weight-only quantized matmul (FP6 e3m2, INT8, INT4): quantizers and packing in `reference.py`,
+Triton kernels in `triton.py` (imported only when a CUDA tensor needs them), and the dispatcher
+`quantized_matmul`, which validates inputs, runs Triton on CUDA and the plain-PyTorch reference on
+CPU. Imports only torch and the layers below ops/."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .reference import (
+    FORMATS,
+    QuantizedWeight,
+    dequantize,
+    fp6_code_values,
+    fp6_decode,
+    fp6_encode,
+    fp6_to_fp16_bits,
+    quantize,
+    reference_matmul,
+)
+
+logger = logging.getLogger(__name__)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(W).T (+ bias). x: [..., K] (fp16/bf16 for the kernel; fp32 runs the reference),
+    W: packed [N, K]; y: [..., N] in x's dtype, accumulated in fp32. CUDA -> Triton kernel, CPU ->
+    reference. Raises ValueError for a wrong K, dtype or device."""
+    n, k = qweight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features but the quantized weight expects K={k}")
+    if not x.is_floating_point() or x.dtype not in (*_KERNEL_DTYPES, torch.float32):
+        raise ValueError(f"x must be float16, bfloat16 or float32 (got {x.dtype})")
+    if x.device != qweight.device:
+        raise ValueError(f"x is on {x.device} but the quantized weight is on {qweight.device}")
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device):
+        raise ValueError(f"bias must have shape ({n},) on {x.device} (got {tuple(bias.shape)} on {bias.device})")
+    if x.device.type != "cuda":
+        return reference_matmul(x, qweight, bias)
+    if x.dtype not in _KERNEL_DTYPES:
+        _log_once(f"quantized_matmul: {x.dtype} activations run the dequantize+matmul reference (kernel: fp16/bf16)")
+        return reference_matmul(x, qweight, bias)
+    from .triton import wq_matmul  # lazy: the only triton importer
+
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty((*lead, n))
+    y = wq_matmul(x2, qweight, bias.to(x.dtype) if bias is not None else None)
+    return y.reshape(*lead, n)
+
+
+__all__ = [
+    "FORMATS",
+    "QuantizedWeight",
+    "dequantize",
+    "fp6_code_values",
+    "fp6_decode",
+    "fp6_encode",
+    "fp6_to_fp16_bits",
+    "quantize",
+    "quantized_matmul",
+    "reference_matmul",
+    "triton_available",
+]

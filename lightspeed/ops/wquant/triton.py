@@ -1,0 +1,407 @@
+"""Triton kernels for `y = x @ dequant(W).T` with a packed FP6 / INT8 / INT4 weight (tile-interleaved
+layout in `reference.py`). The only module of ops/wquant that imports triton; import it lazily.
+
+One kernel serves every M. A program owns a [BLOCK_M, BLOCK_N] output tile and a contiguous share of
+the K-tiles (T = 128 values each). Per K-tile it loads one [BLOCK_N, T/8] word tile per plane (16-byte
+vector loads: rows and tiles are 16-byte aligned) and, for each field i = 0..7 of the words, makes
+with two shifts and two masks (fp6; int4: a shift, a mask, an or and an fp16 subtract) the
+[BLOCK_N, T/8] fp16 weight tile of the *contiguous* K range [k0 + i*T/8, k0 + (i+1)*T/8), loads the
+matching [BLOCK_M, T/8] x sub-tile straight from memory and does `acc = tl.dot(x_i, w_i.T, acc)`:
+no reshape, gather or int->float convert. int8 (plain layout) loads [BLOCK_N, SUB] int8 sub-tiles
+and dequantizes with the 0x6480 fp16 trick. fp32 accumulator; the per-channel scale (and fp6's
+2**12) is applied once in the epilogue, per-group scales once per group span (`SPG` sub-tiles).
+
+M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
+grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1. Split-K partials go
+to an fp32 workspace [SPLIT_K, M, N]; by default the last program of an N block to finish (an
+acq_rel counter per output tile, reset by that program) sums them in the fixed split order, adds the
+bias and writes y, so the result is deterministic and one launch does it all (`REDUCE = 1`).
+`REDUCE = 0` (env LIGHTSPEED_WQ_REDUCE=kernel) uses a second tiny kernel instead.
+
+Note: TRITON_INTERPRET. triton.jit reads TRITON_INTERPRET when the kernels are *defined*, i.e. when
+this module is first imported; the CPU tests set it before importing. Under the interpreter the
+autotuner is bypassed (its GPU timing is meaningless and slow there): `_heuristic_config` picks one
+valid config, as it also does when a caller passes `config=`; tl.dot runs in fp32 (the interpreter's
+bf16 dot is wrong in triton 3.6) and the K loop is a while loop (no `range` over a runtime bound).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, QuantizedWeight, plane_specs
+
+logger = logging.getLogger(__name__)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_FORMAT_ID = {"fp6": 0, "int8": 1, "int4": 2}
+_NUM_SMS = None
+MAX_SINGLE_BLOCK_M = 64  # up to here, one M block (decode); above, a grid over M blocks of 64
+_REDUCE_MODES = {"fixup": 1, "kernel": 0}
+REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
+
+
+@triton.jit
+def _dequant_field(w, h32, I: tl.constexpr, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Field I of the int32 word tile `w` (and fp6's duplicated 16-bit `h32`) -> the weight sub-tile in
+    x's dtype: fp6 as value * 2**-12, int4 as q (exact)."""
+    if FORMAT == 0:  # fp6: hi nibble `eee m1` -> bits 12..9; lo: m0 at (-2I) % 16, s 7 above -> 8, 15
+        if I < 3:
+            a = w << (9 - 4 * I)
+        else:
+            a = w >> (4 * I - 9)
+        if I == 0:
+            b = h32 << 8
+        elif I < 4:
+            b = h32 >> (8 - 2 * I)  # s sits in the upper copy of the 16-bit word
+        elif I == 4:
+            b = h32
+        else:
+            b = h32 << (2 * I - 8)
+        bits = (a & 0x1E00) | (b & 0x8100)
+        v = bits.to(tl.int16).to(tl.float16, bitcast=True)
+        if X_BF16:
+            v = v.to(tl.bfloat16)
+    else:  # int4: fp16 bits 0x6400 | c == 1024 + c (bf16: 0x4300 | c == 128 + c), c = q + 8
+        if I == 0:
+            c = w & 0xF
+        else:
+            c = (w >> (4 * I)) & 0xF
+        if X_BF16:
+            v = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            if INTERPRETED:  # the interpreter has no bf16 scalars; fp32 is exact here
+                v = v.to(tl.float32) - 136.0
+            else:
+                v = v - 136.0
+        else:
+            v = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+    return v
+
+
+@triton.jit
+def _dequant_int8(q, X_BF16: tl.constexpr):
+    """int8 q -> q in x's dtype: fp16 bits 0x6480 + q == 1152 + q."""
+    v = (q.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+    if X_BF16:
+        v = v.to(tl.bfloat16)
+    return v
+
+
+@triton.jit
+def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm,
+            K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
+            NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
+            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 += x[:, tile t] @ dequant(W)[:, tile t].T (per-group scales applied)."""
+    k0 = t * TILE
+    NSUB: tl.constexpr = TILE // SUB
+    if FORMAT != 1:  # one [BLOCK_N, TILE/8] word tile per plane, 8 fields each
+        offs_w = tl.max_contiguous(tl.multiple_of(t * SUB + tl.arange(0, SUB), SUB), SUB)
+        w = tl.load(w_ptr + offs_nc[:, None] * (KP // 8) + offs_w[None, :])
+        h32 = w  # unused unless fp6
+        if FORMAT == 0:
+            h = tl.load(w2_ptr + offs_nc[:, None] * (KP // 8) + offs_w[None, :]).to(tl.int32)
+            h32 = (h & 0xFFFF) | (h << 16)
+    part = tl.zeros_like(acc)
+    for i in tl.static_range(NSUB):
+        offs_k = tl.max_contiguous(tl.multiple_of(k0 + i * SUB + tl.arange(0, SUB), SUB), SUB)
+        if K % TILE == 0:
+            x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :])
+        else:
+            x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+        if FORMAT == 1:
+            q = tl.load(w_ptr + offs_nc[:, None] * KP + offs_k[None, :])
+            wi = _dequant_int8(q, X_BF16)
+        else:
+            wi = _dequant_field(w, h32, i, FORMAT, X_BF16, INTERPRETED)
+        if INTERPRETED:  # the interpreter's bf16 tl.dot is wrong (triton 3.6); fp32 is exact for these operands
+            x = x.to(tl.float32)
+            wi = wi.to(tl.float32)
+        if not PER_GROUP:
+            acc = tl.dot(x, tl.trans(wi), acc)
+        else:  # SPG consecutive sub-tiles share one scale: sum them, then scale once
+            if i % SPG == 0:
+                part = tl.dot(x, tl.trans(wi))
+            else:
+                part = tl.dot(x, tl.trans(wi), part)
+            if i % SPG == SPG - 1:
+                g = tl.minimum((k0 + i * SUB) // GROUP, NG - 1)  # padding past K (x == 0 there): any valid group
+                s = tl.load(s_ptr + offs_nc * NG + g).to(tl.float32)
+                acc += part * s[None, :]
+    return acc
+
+
+@triton.jit
+def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+                      M, N, stride_xm, out_scale,
+                      K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
+                      SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, MAX_SPLIT_K: tl.constexpr,
+                      REDUCE: tl.constexpr, INTERPRETED: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias); split-K partials through ws [SPLIT_K, M, N].
+    K is a constexpr (one compile per layer width), so plane strides and tile counts are constants.
+    MAX_SPLIT_K only keys the autotuner (its pruning bounds SPLIT_K, hence the workspace size, by M)."""
+    KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
+    NT: tl.constexpr = KP // TILE
+    NG: tl.constexpr = K // GROUP
+    TPS: tl.constexpr = (NT + SPLIT_K - 1) // SPLIT_K
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_mc = tl.minimum(offs_m, M - 1)  # clamped rows: loads need no mask, extra rows are never stored
+    offs_nc = tl.minimum(offs_n, N - 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    t_start = pid_k * TPS
+    t_end = tl.minimum(t_start + TPS, NT)
+    if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
+        t = t_start
+        while t < t_end:
+            acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm, K, KP, TILE, SUB, GROUP,
+                          NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED)
+            t += 1
+    else:
+        for t in range(t_start, t_end):
+            acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm, K, KP, TILE, SUB, GROUP,
+                          NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED)
+    if not PER_GROUP:
+        acc = acc * tl.load(s_ptr + offs_nc).to(tl.float32)[None, :]
+    acc = acc * out_scale
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_nc).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
+        if REDUCE == 1:  # the last split of this output tile to arrive sums all partials in split order
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            tile_id = pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
+                    total += tl.load(ws_ptr + s * M * N + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + offs_nc).to(tl.float32)[None, :]
+                tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next call
+
+
+@triton.jit
+def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in tl.static_range(SPLIT_K):  # fixed order: deterministic (same sums as the in-kernel fixup)
+        acc += tl.load(ws_ptr + i * numel + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(block_n, split_k, num_warps, num_stages):
+    return triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k}, num_warps=num_warps, num_stages=num_stages)
+
+
+BLOCK_NS = (32, 64, 128)
+SPLIT_KS = (1, 2, 3, 4, 6, 8, 12, 16)
+# (num_warps, num_stages) tried for the best (BLOCK_N, SPLIT_K) of each BLOCK_N, and for the runner-up
+_VARIANTS_BEST = ((4, 3), (4, 4), (8, 3))
+_VARIANTS_NEXT = ((4, 3),)
+_STAGES_WARPS = sorted({*_VARIANTS_BEST, *_VARIANTS_NEXT})
+_CONFIGS = [_config(bn, sk, w, s) for bn in BLOCK_NS for sk in SPLIT_KS for w, s in _STAGES_WARPS]
+TARGET_PROGRAMS_PER_SM = 4
+
+
+def _num_sms() -> int:
+    global _NUM_SMS
+    if _NUM_SMS is None:
+        _NUM_SMS = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return _NUM_SMS
+
+
+def num_k_tiles(K: int, tile: int) -> int:
+    return -(-K // tile)
+
+
+def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[triton.Config]:
+    """The <= 12 configs the autotuner times for one problem: for each BLOCK_N, the SPLIT_K whose
+    program count is nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles)
+    with 3 (warps, stages) variants, and the runner-up SPLIT_K with one."""
+    nt = num_k_tiles(K, tile)
+    m_blocks = -(-M // MAX_SINGLE_BLOCK_M) if M > MAX_SINGLE_BLOCK_M else 1
+    target = TARGET_PROGRAMS_PER_SM * sms
+    out = []
+    for bn in BLOCK_NS:
+        if bn > 32 and N <= bn // 2:
+            continue  # mostly padding
+        splits = [sk for sk in SPLIT_KS if sk == 1 or (sk <= max_split_k(M) and nt >= 2 * sk)]
+        ranked = sorted(splits, key=lambda sk: (abs(math.log2(-(-N // bn) * sk * m_blocks / target)), sk))
+        for rank, sk in enumerate(ranked[:2]):
+            for w, s in (_VARIANTS_BEST if rank == 0 else _VARIANTS_NEXT):
+                out.append(_config(bn, sk, w, s))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    wanted = {(c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages)
+              for c in candidate_configs(named_args["M"], named_args["N"], kwargs["K"], kwargs["TILE"], _num_sms())}
+    return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages) in wanted]
+
+
+if INTERPRET:
+    _tuned_kernel = None
+else:
+    _tuned_kernel = triton.autotune(configs=_CONFIGS,
+                                    key=["BLOCK_M", "MAX_SPLIT_K", "N", "K", "GROUP", "FORMAT", "REDUCE"],
+                                    prune_configs_by={"early_config_prune": _prune}, cache_results=True,
+                                    warmup=5, rep=20)(_wq_matmul_kernel)
+
+
+def _heuristic_config(M: int, K: int) -> dict:
+    """One valid config for the interpreter (small tiles so tests exercise masking and several tiles)."""
+    return {"BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+
+
+def block_m_for(M: int) -> int:
+    """M padded for tl.dot: 16, 32 or 64; larger M is tiled in blocks of 64."""
+    return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+def max_split_k(M: int) -> int:
+    """Split-K bound by M, which also bounds the workspace to 256 * N fp32 values."""
+    return 16 if M <= 16 else 8 if M <= 32 else 4 if M <= MAX_SINGLE_BLOCK_M else 1
+
+
+def group_layout(fmt: str, K: int, group_size: int | None, tile: int) -> tuple[bool, int, int, int]:
+    """(per_group, GROUP, SUB, SPG): the sub-tile width SUB (fp6/int4: tile/8, the field width; int8: the
+    largest divisor of the tile the groups align to) and SPG, how many consecutive sub-tiles share one
+    scale (their dots are summed before one fp32 scale multiply)."""
+    per_group = group_size is not None and group_size < K
+    group = group_size if per_group else K
+    if fmt == "int8":
+        sub = math.gcd(group, tile) if per_group else tile
+    else:
+        sub = tile // 8
+    if not per_group:
+        return False, group, sub, 1
+    if group % sub:
+        raise ValueError(f"group_size={group} must be a multiple of the {sub}-value sub-tile")
+    if group % tile == 0:
+        spg = tile // sub
+    elif tile % group == 0:
+        spg = group // sub
+    else:
+        spg = 1
+    return True, group, sub, spg
+
+
+_workspaces: dict = {}
+_counters: dict = {}
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """A grow-only fp32 scratch buffer per device for split-K partials (kernels overwrite, never
+    accumulate into it, so it needs no zeroing)."""
+    ws = _workspaces.get(device)
+    if ws is None or ws.numel() < numel:
+        ws = torch.empty(max(numel, 1), device=device, dtype=torch.float32)
+        _workspaces[device] = ws
+    return ws
+
+
+def _counter(device: torch.device, numel: int) -> torch.Tensor:
+    """A grow-only int32 buffer of zeros per device: the split-K arrival counters (each output tile's
+    last program resets its counter, so it is zero between calls)."""
+    cnt = _counters.get(device)
+    if cnt is None or cnt.numel() < numel:
+        cnt = torch.zeros(max(numel, 1024), device=device, dtype=torch.int32)
+        _counters[device] = cnt
+    return cnt
+
+
+_last_config: dict = {}
+
+
+def last_config() -> dict:
+    """The config (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of the latest `wq_matmul` call."""
+    return dict(_last_config)
+
+
+def autotune_timings() -> dict | None:
+    """{config string: ms} of the autotuner's latest tuning run (None before any, or when read from
+    the disk cache only the best is known)."""
+    if _tuned_kernel is None or not getattr(_tuned_kernel, "configs_timings", None):
+        return None
+    return {str(c): t for c, t in _tuned_kernel.configs_timings.items()}
+
+
+def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+              config: dict | None = None, reduce: str | None = None) -> torch.Tensor:
+    """y = x @ dequant(W).T (+ bias). x: [M, K] fp16/bf16 contiguous along K, on the weight's device;
+    y: [M, N] in x's dtype. `config` (BLOCK_N, SPLIT_K, num_warps, num_stages) skips the autotuner;
+    `reduce` ("fixup" | "kernel") overrides the split-K reduction. Callers validate shapes and dtypes
+    (see `lightspeed.ops.wquant.quantized_matmul`); the planes must be contiguous as packed."""
+    M, K = x.shape
+    N = qw.shape[0]
+    for plane, (shape, dtype) in zip(qw.planes, plane_specs(qw.format, N, K, qw.tile)):
+        if tuple(plane.shape) != shape or plane.dtype != dtype or not plane.is_contiguous():
+            raise ValueError(f"{qw.format} plane must be a contiguous {dtype} {shape} (got {plane.dtype} "
+                             f"{tuple(plane.shape)})")
+    per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
+    w = qw.planes[0]
+    w2 = qw.planes[1] if qw.format == "fp6" else w
+    scales = qw.scales.contiguous()
+    block_m = block_m_for(M)
+    m_blocks = triton.cdiv(M, block_m)
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    has_bias = bias is not None
+    b = bias if has_bias else scales  # dummy pointer when HAS_BIAS is False
+    red = REDUCE if reduce is None else _REDUCE_MODES[reduce]
+    if config is None and _tuned_kernel is not None:
+        kernel, meta = _tuned_kernel, {}
+        ws = _workspace(x.device, max_split_k(M) * M * N)
+    else:
+        cfg = dict(config) if config is not None else _heuristic_config(M, K)
+        if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:
+            raise ValueError(f"SPLIT_K > 1 needs M <= {MAX_SINGLE_BLOCK_M} (got M={M})")
+        kernel, meta = _wq_matmul_kernel, cfg
+        ws = _workspace(x.device, cfg["SPLIT_K"] * M * N) if cfg["SPLIT_K"] > 1 else out
+    cnt = _counter(x.device, triton.cdiv(N, 16) * m_blocks)  # >= programs of any BLOCK_N >= 16
+
+    def grid(m):
+        return (triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"], m_blocks)
+
+    kernel[grid](x, w, w2, scales, b, out, ws, cnt, M, N, x.stride(0),
+                 FP6_FP16_SCALE if qw.format == "fp6" else 1.0, K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg,
+                 FORMAT=_FORMAT_ID[qw.format], PER_GROUP=per_group, HAS_BIAS=has_bias,
+                 X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, MAX_SPLIT_K=max_split_k(M), REDUCE=red,
+                 INTERPRETED=INTERPRET, **meta)
+    if meta:
+        chosen = {"BLOCK_N": meta["BLOCK_N"], "SPLIT_K": meta["SPLIT_K"], "num_warps": meta.get("num_warps", 4),
+                  "num_stages": meta.get("num_stages", 3)}
+    else:
+        best = kernel.best_config
+        chosen = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+    _last_config.clear()
+    _last_config.update(BLOCK_M=block_m, **chosen)
+    split_k = chosen["SPLIT_K"]
+    if split_k > 1 and red == 0:
+        numel = M * N
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(numel, block),)](ws, b, out, numel, N, SPLIT_K=split_k, HAS_BIAS=has_bias,
+                                                          BLOCK=block)
+    return out

@@ -1,0 +1,85 @@
+"""init_inference on tiny transformers models (GPT-2 with Conv1D, Llama; random init, no downloads):
+layers swapped, lm_head kept, logits close to the unquantized model, generate runs; argument errors."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lightspeed
+from lightspeed.inference import QuantizedLinear, init_inference
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+# (model, number of swapped layers: gpt2 4 Conv1D per block, llama 7 Linear per block)
+MODELS = {"gpt2": (_gpt2, 8), "llama": (_llama, 14)}
+# relative logits error bound vs the unquantized model (measured ~0.04-0.06 for fp6)
+LOGITS_BOUND = {"fp6": 0.15, "int8": 0.03, "int4": 0.5}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("fmt", ["fp6", "int8", "int4"])
+def test_quantized_model_close_to_unquantized(name, fmt):
+    torch.manual_seed(0)
+    build, num_swapped = MODELS[name]
+    base = build()
+    ref = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu")
+    q = lightspeed.init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu",
+                                  quant={"weight": fmt, "group_size": 32 if fmt == "int4" else None})
+    assert sum(isinstance(m, QuantizedLinear) for m in q.modules()) == num_swapped
+    assert not isinstance(q.lm_head, QuantizedLinear)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = ref(ids).logits, q(ids).logits
+    rel = ((a - b).norm() / a.norm()).item()
+    assert 0 < rel < LOGITS_BOUND[fmt], rel
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generate_bf16(name):
+    torch.manual_seed(0)
+    model = init_inference(MODELS[name][0](), dtype=torch.bfloat16, device="cpu", quant={"weight": "fp6"})
+    assert model.transformer.h[0].attn.c_attn.bias.dtype == torch.bfloat16 if name == "gpt2" else True
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                         pad_token_id=0)
+    assert out.shape == (1, 11)
+
+
+def test_include_exclude_and_config_dict():
+    model = init_inference(_llama(), config={"dtype": "fp32", "quant": {"weight": "int8", "include": ["lm_head"],
+                                                                         "exclude": ["*.mlp.*"]}}, device="cpu")
+    assert isinstance(model.lm_head, QuantizedLinear)
+    assert not isinstance(model.model.layers[0].mlp.up_proj, QuantizedLinear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantizedLinear)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"quant": {"weight": "fp6", "bits": 6}}, ValueError, "unknown quant key 'bits'"),
+    ({"quant": {"weight": "nf4"}}, ValueError, "quant\\['weight'\\]"),
+    ({"quant": {"weight": "int4", "group_size": 20}}, ValueError, "group_size"),
+    ({"dtype": torch.int8}, ValueError, "dtype"),
+    ({"config": {"checkpoint": "x"}}, ValueError, "unknown argument 'checkpoint'"),
+    ({"tensor_parallel": {"tp_size": 2}}, NotImplementedError, "tensor_parallel"),
+    ({"mp_size": 2}, NotImplementedError, "mp_size"),
+    ({"replace_with_kernel_inject": True}, NotImplementedError, "replace_with_kernel_inject"),
+])
+def test_argument_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        init_inference(torch.nn.Linear(64, 8), device="cpu", **kwargs)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,171 @@
+"""The Triton kernel of lightspeed.ops.wquant (run by TRITON_INTERPRET=1 on CPU) vs the dequantize +
+fp32 matmul reference, for fp6 / int8 / int4, fp16 and bf16 activations, every M in 1..64 across the
+file, odd N, K not a multiple of the pack tile (padding), per-group scales (every scale-span mode),
+split-K with both reductions, bias, and all 64 fp6 codes exactly."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightspeed.ops.wquant import quantize, reference_matmul
+
+# triton.jit (its own tl.* helpers included) reads TRITON_INTERPRET when functions are defined, i.e. at
+# `import triton`: too late once anything in this process imported triton. So on a CPU machine the
+# kernel tests run in one child pytest with TRITON_INTERPRET=1 (test_interpreted_in_subprocess); on a
+# GPU they run in-process on CUDA.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+RUN_HERE = INTERPRET or DEVICE == "cuda"
+kernel_test = pytest.mark.skipif(not RUN_HERE, reason="runs in the TRITON_INTERPRET=1 child (see below)")
+
+# (rtol, atol relative to max |y|) per activation dtype: fp32 sums in a different order, then one rounding
+TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 8e-3)}
+FORMATS = [("fp6", None), ("int8", None), ("int4", None)]
+DTYPES = [torch.float16, torch.bfloat16]
+# every M in 1..64 appears at least once across the (format, dtype) cases below
+M_CHUNKS = [list(range(i, 65, 6)) for i in range(1, 7)]
+assert sorted(m for chunk in M_CHUNKS for m in chunk) == list(range(1, 65))
+
+
+@pytest.mark.skipif(RUN_HERE, reason="already interpreting or on CUDA")
+def test_interpreted_in_subprocess():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def wt():
+    pytest.importorskip("triton")
+    from lightspeed.ops.wquant import triton as module
+
+    assert module.INTERPRET == INTERPRET
+    return module
+
+
+def _check(y, x, qw, bias=None):
+    ref = reference_matmul(x, qw, bias)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    rtol, atol = TOL[x.dtype]
+    torch.testing.assert_close(y.float(), ref.float(), rtol=rtol, atol=atol * ref.float().abs().max().item() + 1e-6)
+
+
+def _weight(n, k, fmt, group_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(n, k, generator=gen) * 0.05, fmt, group_size).to(DEVICE)
+
+
+def _randn(*shape, gen, dtype):
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+@kernel_test
+@pytest.mark.parametrize("case", range(6))
+def test_kernel_matches_reference_every_m(wt, case):
+    fmt, group_size = FORMATS[case % 3]
+    dtype = DTYPES[case // 3]
+    n, k = (48, 128) if case % 2 == 0 else (80, 192)
+    qw = _weight(n, k, fmt, group_size, seed=case)
+    gen = torch.Generator().manual_seed(100 + case)
+    for m in M_CHUNKS[case]:
+        x = _randn(m, k, gen=gen, dtype=dtype)
+        _check(wt.wq_matmul(x, qw), x, qw)
+
+
+def _cfg(block_n=16, split_k=1):
+    return {"BLOCK_N": block_n, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 2}
+
+
+@kernel_test
+@pytest.mark.parametrize("fmt", ["fp6", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_odd_n_odd_k_bias_split_k(wt, fmt, dtype):
+    """N = 37 (partial N block), K = 200 (padded to 256: 2 K-tiles, the second partly padding), split-K
+    3 (one split gets no tile) and 2 through the in-kernel fixup and the two-kernel reduction."""
+    n, k = 37, 200
+    qw = _weight(n, k, fmt, None, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    bias = _randn(n, gen=gen, dtype=dtype)
+    for m, split_k, reduce in ((1, 3, "fixup"), (13, 2, "kernel"), (33, 1, None)):
+        x = _randn(m, k, gen=gen, dtype=dtype)
+        _check(wt.wq_matmul(x, qw, bias, config=_cfg(16, split_k), reduce=reduce), x, qw, bias)
+        assert wt.last_config()["SPLIT_K"] == split_k
+    # the fixup leaves every arrival counter at zero for the next call
+    assert int(wt._counters[torch.device(DEVICE)].abs().sum()) == 0
+
+
+@kernel_test
+@pytest.mark.parametrize("fmt,group_size,k", [("int4", 64, 128), ("int8", 32, 128), ("fp6", 64, 128),
+                                              ("int4", 48, 240), ("int8", 256, 512), ("fp6", 256, 512)])
+def test_kernel_per_group_scales(wt, fmt, group_size, k):
+    """Groups of 32/64 (several per K-tile), 48 (straddling K-tiles: scale per 16-value sub-tile) and 256
+    (several K-tiles per group), with and without split-K."""
+    qw = _weight(24, k, fmt, group_size, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    for m, dtype, split_k in ((5, torch.float16, 1), (17, torch.bfloat16, 2)):
+        x = _randn(m, k, gen=gen, dtype=dtype)
+        _check(wt.wq_matmul(x, qw, config=_cfg(16, split_k)), x, qw)
+
+
+@kernel_test
+def test_group_layout_modes(wt):
+    assert wt.group_layout("fp6", 512, None, 128) == (False, 512, 16, 1)
+    assert wt.group_layout("int4", 512, 64, 128) == (True, 64, 16, 4)
+    assert wt.group_layout("int4", 512, 256, 128) == (True, 256, 16, 8)
+    assert wt.group_layout("int4", 480, 48, 128) == (True, 48, 16, 1)
+    assert wt.group_layout("int8", 512, 64, 128) == (True, 64, 64, 1)
+    assert wt.group_layout("int8", 512, None, 128) == (False, 512, 128, 1)
+    assert wt.group_layout("int8", 512, 512, 128) == (False, 512, 128, 1)  # one group == per channel
+
+
+@kernel_test
+def test_kernel_large_m_tiles_over_m(wt):
+    qw = _weight(40, 64, "fp6", None, seed=11)
+    x = _randn(130, 64, gen=torch.Generator().manual_seed(12), dtype=torch.float16)
+    _check(wt.wq_matmul(x, qw), x, qw)
+    with pytest.raises(ValueError, match="SPLIT_K > 1 needs M <= 64"):
+        wt.wq_matmul(x, qw, config=_cfg(16, 2))
+
+
+@kernel_test
+def test_kernel_rejects_foreign_planes(wt):
+    qw = _weight(8, 128, "fp6", None, seed=13)
+    qw.planes = (qw.planes[0], qw.planes[1].to(torch.int32))
+    with pytest.raises(ValueError, match="plane must be a contiguous"):
+        wt.wq_matmul(torch.zeros(1, 128, dtype=torch.float16, device=DEVICE), qw)
+
+
+@kernel_test
+def test_kernel_extreme_codes_are_exact(wt):
+    """All 64 e3m2 codes in every field position, saturated and zero rows: fp16 x = one-hot rows reads
+    back dequant(W).T exactly."""
+    k = 128
+    w = torch.zeros(4, k)
+    w[0] = torch.linspace(-28, 28, k)
+    w[1, :64] = torch.arange(64, dtype=torch.float32) - 32  # mixed magnitudes, subnormals after scaling
+    w[1, 64:] = -(torch.arange(64, dtype=torch.float32) - 31)
+    qw = quantize(w, "fp6").to(DEVICE)
+    codes = torch.arange(64, dtype=torch.uint8).repeat(2)
+    from lightspeed.ops.wquant.reference import pack_fp6
+
+    hi, lo = pack_fp6(torch.stack([codes, codes.roll(16)]))  # each code in several field positions
+    qw.planes = (torch.cat([qw.planes[0][:2], hi.to(DEVICE)]), torch.cat([qw.planes[1][:2], lo.to(DEVICE)]))
+    qw.shape = (4, k)
+    qw.scales = torch.cat([qw.scales[:2], torch.ones(2, 1, dtype=torch.float16, device=DEVICE)])
+    x = torch.eye(k, dtype=torch.float16, device=DEVICE)
+    for m0 in (0, 64):
+        xs = x[m0:m0 + 64]
+        y = wt.wq_matmul(xs, qw)
+        torch.testing.assert_close(y.float(), reference_matmul(xs, qw).float(), rtol=0, atol=0)
+        assert torch.isfinite(y).all()
+    y = wt.wq_matmul(x[:64], qw).float()
+    from lightspeed.ops.wquant import fp6_decode
+
+    assert torch.equal(y[:, 2], fp6_decode(codes[:64]))  # all 64 codes, exactly

@@ -159,35 +159,44 @@ class FusedOptimizer(torch.optim.Optimizer):
         live = []
         for p in group["params"]:
             grad = grads.get(p, p.grad) if grads is not None else p.grad
-            if grad is None:
-                continue
-            if grad.numel() != p.numel():
-                raise ValueError(f"{type(self).__name__}: gradient of {grad.numel()} elements for a parameter "
-                                 f"of {p.numel()}")
+            if grad is not None:
+                live.append((p, grad))
+        for p, grad in live:
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            live.append((p, grad))
         return live
 
     def _signature(self, live, lowp_out: Mapping | None) -> tuple | None:
         """What the cached launches of a group depend on: the addresses of every tensor they read or
-        write. None (no caching) when a parameter or gradient is not contiguous (those are copied)."""
-        sig = []
+        write, flattened into one tuple (this runs every step: kept lean). None (no caching) when a
+        parameter or gradient is not contiguous (those are copied) or has no state yet."""
+        keys, state_of, sig = self._state_keys, self.state, []
+        add = sig.append
         for p, g in live:
-            if not (p.is_contiguous() and g.is_contiguous()):
+            st = state_of.get(p)
+            if not st or not p.is_contiguous() or not g.is_contiguous():
                 return None
-            state = self.state.get(p)
-            if not state:
-                return None
-            pieces = lowp_out.get(p) if lowp_out is not None else None
-            sig.append((p.data_ptr(), g.data_ptr(), g.dtype, *(state[k].data_ptr() for k in self._state_keys),
-                        *((off, out.data_ptr(), out.numel(), out.dtype) for off, out in (pieces or ()))))
+            add(p.data_ptr())
+            add(g.data_ptr())
+            add(g.dtype)
+            for k in keys:
+                add(st[k].data_ptr())
+            if lowp_out:
+                for off, out in lowp_out.get(p, ()):
+                    add(off)
+                    add(out.data_ptr())
+                    add(out.numel())
+                    add(out.dtype)
+            add(None)  # separator: a piece list of one parameter cannot pass for another's
         return tuple(sig)
 
     def _build_launches(self, live, lowp_out: Mapping | None) -> list["Launch"]:
         """Group the segments of `live` into launches of one (step, device, dtypes) each."""
         launches: dict[tuple, Launch] = {}
         for p, grad in live:
+            if grad.numel() != p.numel():
+                raise ValueError(f"{type(self).__name__}: gradient of {grad.numel()} elements for a parameter "
+                                 f"of {p.numel()}")
             state = self._init_state(p)
             work = p if p.is_contiguous() else p.detach().contiguous()
             flat_p = work.view(-1)
@@ -230,8 +239,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             else:
                 launches = self._build_launches(live, lowp_out)
                 self._launch_cache[index] = (self._signature(live, lowp_out), launches)
+            state_of = self.state
             for p, _ in live:
-                self.state[p]["step"] += 1
+                state_of[p]["step"] += 1
             for launch in launches:
                 step = self.state[launch.owner]["step"]
                 scale = self.scale_tensor(grad_scale, launch.device)

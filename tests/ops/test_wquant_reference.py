@@ -16,6 +16,7 @@ from lightspeed.ops.wquant.reference import (
     PACK_TILE,
     SCALE_MIN,
     QuantizedWeight,
+    dequant_pairs_fp16,
     dequant_planes_fp16,
     pack_fp6,
     pack_fp6_lo,
@@ -138,20 +139,24 @@ def test_pack_unpack_round_trip_odd_shapes(n, k):
     words = pack_nibbles(nib, pad=9)
     assert words.dtype == torch.int32 and words.shape == (n, kp // 8)
     assert torch.equal(unpack_nibbles(words, k), nib)
-    # layout: value k = t*T + i*T/8 + j sits at bits 4i of word t*T/8 + j; padding holds the pad code
-    sub = PACK_TILE // 8
+    # layout: value k = t*T + f*T/4 + c sits at bits 4f of half-word t*T/4 + c (int16 view, little
+    # endian: half-word 2j is the low half of word j); padding holds the pad code
+    sub = PACK_TILE // 4
+    halves = words.view(torch.int16)
     for kk in {0, 1, k // 2, k - 1, min(k + 1, kp - 1), kp - 1}:
-        t, i, j = kk // PACK_TILE, (kk % PACK_TILE) // sub, kk % sub
-        got = (int(words[n - 1, t * sub + j]) >> (4 * i)) & 0xF
+        t, f, c = kk // PACK_TILE, (kk % PACK_TILE) // sub, kk % sub
+        got = (int(halves[n - 1, t * sub + c]) >> (4 * f)) & 0xF
         assert got == (int(nib[n - 1, kk]) if kk < k else 9)
+        word = int(words[n - 1, (t * sub + c) // 2]) & 0xFFFFFFFF
+        assert (word >> (16 * (c % 2) + 4 * f)) & 0xF == got
     lo = pack_fp6_lo(bit[0], bit[1])
     assert lo.dtype == torch.int16 and lo.shape == (n, kp // 8)
     s_back, m_back = unpack_fp6_lo(lo, k)
     assert torch.equal(s_back, bit[0]) and torch.equal(m_back, bit[1])
     for kk in {0, k - 1}:
-        t, i, j = kk // PACK_TILE, (kk % PACK_TILE) // sub, kk % sub
-        word = int(lo[0, t * sub + j]) & 0xFFFF
-        assert (word >> FP6_SIGN_BIT[i]) & 1 == bit[0, 0, kk] and (word >> FP6_M0_BIT[i]) & 1 == bit[1, 0, kk]
+        t, f, c = kk // PACK_TILE, (kk % PACK_TILE) // sub, kk % sub
+        byte = int(lo.view(torch.int8)[0, t * sub + c]) & 0xFF
+        assert (byte >> FP6_SIGN_BIT[f]) & 1 == bit[0, 0, kk] and (byte >> FP6_M0_BIT[f]) & 1 == bit[1, 0, kk]
     codes = torch.randint(0, 64, (n, k), generator=gen, dtype=torch.uint8)
     hi, lo = pack_fp6(codes)
     assert torch.equal(unpack_fp6(hi, lo, k), codes)
@@ -160,8 +165,33 @@ def test_pack_unpack_round_trip_odd_shapes(n, k):
 
 def test_fp6_lo_bits_are_a_partition_with_sign_7_above_m0():
     bits = sorted(FP6_M0_BIT + FP6_SIGN_BIT)
-    assert bits == list(range(16))
-    assert all((s - m) % 16 == 7 for s, m in zip(FP6_SIGN_BIT, FP6_M0_BIT))
+    assert bits == list(range(8))  # one byte per half-word of hi
+    assert all((s - m) % 8 == 7 for s, m in zip(FP6_SIGN_BIT, FP6_M0_BIT))  # in the doubled byte: 7 above
+    assert all((8 - 2 * f) % 8 == m for f, m in enumerate(FP6_M0_BIT))  # << 2f puts m0 at bit 8, s at 15
+
+
+@pytest.mark.parametrize("fmt", ["fp6", "int4"])
+@pytest.mark.parametrize("k", [8, 200, 384])
+def test_gpu_pair_dequant_replay_is_bit_identical(fmt, k):
+    """The GPU kernel's inline asm (two values per 32-bit op, replayed op by op in torch) gives the same
+    fp16 bits as the interpreter path's one-value-at-a-time formulas, padding included: CI cannot run
+    the asm, so this proves the formulas equivalent."""
+    gen = torch.Generator().manual_seed(k + 1)
+    qw = quantize(torch.randn(5, k, generator=gen), fmt)
+    pairs, single = dequant_pairs_fp16(qw), dequant_planes_fp16(qw)
+    assert torch.equal(pairs.view(torch.int16), single.view(torch.int16))
+    if fmt == "fp6":  # every code (both signs) in every field and both halves of a word
+        codes = torch.arange(64, dtype=torch.uint8).repeat(4)
+        codes = torch.stack([codes, codes.roll(1), codes.roll(33)])
+        hi, lo = pack_fp6(codes)
+        qw = QuantizedWeight("fp6", (3, 256), None, (hi, lo), torch.ones(3, 1, dtype=torch.float16), torch.float16)
+    else:  # every nibble in every field and both halves
+        nib = torch.arange(16, dtype=torch.uint8).repeat(16)
+        planes = (pack_nibbles(torch.stack([nib, nib.roll(1), nib.roll(7)]), pad=8),)
+        qw = QuantizedWeight("int4", (3, 256), None, planes, torch.ones(3, 1, dtype=torch.float16), torch.float16)
+    pairs, single = dequant_pairs_fp16(qw), dequant_planes_fp16(qw)
+    assert torch.equal(pairs.view(torch.int16), single.view(torch.int16))
+    assert torch.equal(single.float() * (FP6_FP16_SCALE if fmt == "fp6" else 1), dequantize(qw, torch.float32))
 
 
 @pytest.mark.parametrize("fmt,group_size", [("fp6", None), ("int4", None), ("int8", None), ("int4", 32)])

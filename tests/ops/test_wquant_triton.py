@@ -98,7 +98,7 @@ def test_kernel_odd_n_odd_k_bias_split_k(wt, fmt, dtype):
         _check(wt.wq_matmul(x, qw, bias, config=_cfg(16, split_k), reduce=reduce), x, qw, bias)
         assert wt.last_config()["SPLIT_K"] == split_k
     # the fixup leaves every arrival counter at zero for the next call
-    assert int(wt._counters[torch.device(DEVICE)].abs().sum()) == 0
+    assert all(int(c.abs().sum()) == 0 for c in wt._counters.values())
 
 
 @kernel_test
@@ -116,10 +116,11 @@ def test_kernel_per_group_scales(wt, fmt, group_size, k):
 
 @kernel_test
 def test_group_layout_modes(wt):
-    assert wt.group_layout("fp6", 512, None, 128) == (False, 512, 16, 1)
-    assert wt.group_layout("int4", 512, 64, 128) == (True, 64, 16, 4)
-    assert wt.group_layout("int4", 512, 256, 128) == (True, 256, 16, 8)
-    assert wt.group_layout("int4", 480, 48, 128) == (True, 48, 16, 1)
+    assert wt.group_layout("fp6", 512, None, 128) == (False, 512, 32, 1)
+    assert wt.group_layout("int4", 512, 64, 128) == (True, 64, 32, 2)
+    assert wt.group_layout("int4", 512, 256, 128) == (True, 256, 32, 4)
+    assert wt.group_layout("int4", 480, 48, 128) == (True, 48, 16, 1)  # odd multiple of 16: fields split
+    assert wt.group_layout("int4", 512, 16, 128) == (True, 16, 16, 1)
     assert wt.group_layout("int8", 512, 64, 128) == (True, 64, 64, 1)
     assert wt.group_layout("int8", 512, None, 128) == (False, 512, 128, 1)
     assert wt.group_layout("int8", 512, 512, 128) == (False, 512, 128, 1)  # one group == per channel
@@ -168,4 +169,4 @@ def test_kernel_extreme_codes_are_exact(wt):
     y = wt.wq_matmul(x[:64], qw).float()
     from lightspeed.ops.wquant import fp6_decode
 
-    assert torch.equal(y[:, 2], fp6_decode(codes[:64]))  # all 64 codes, exactly
+    assert torch.equal(y[:, 2].cpu(), fp6_decode(codes[:64]).cpu())  # all 64 codes, exactly

@@ -6,15 +6,17 @@ anything above ops/.
 
 Note: packed layout (tile-interleaved planes). Rows are output channels n (nn.Linear orientation).
 K is padded with zero codes to Kp, a multiple of the pack tile T = `PACK_TILE` (128), so any K works.
-In K-tile t and row n, word j (0 <= j < T/8) of a plane holds the 8 values k = t*T + i*T/8 + j,
-i = 0..7 (field i of the word). A kernel loads one [BLOCK_N, T/8] word tile per plane and, for each
-i, gets with shifts and masks alone a [BLOCK_N, T/8] tile of the *contiguous* K range
-[t*T + i*T/8, t*T + (i+1)*T/8): no reshape, gather or layout change. All rows are 16-byte multiples.
-  fp6   code ``s eee mm``. Plane ``hi`` int32 [N, Kp/8]: field i = nibble ``eee m1`` at bits 4i.
-        Plane ``lo`` int16 [N, Kp/8] (same word index): for field i, ``m0`` at bit (-2i) mod 16 and
-        ``s`` at bit (7 - 2i) mod 16, i.e. s always 7 bits above m0 (mod 16), so one shift of the
-        16-bit word (duplicated into 32 bits) puts s at bit 15 and m0 at bit 8 together. 6 bits/value.
-  int4  plane int32 [N, Kp/8], field i = nibble ``q + 8`` (q in [-7, 7]) at bits 4i; pad code 8.
+The 4-bit planes are int32 [N, Kp/8] in storage but are addressed as 16-bit half-words (int16 view,
+little endian: word j = half-word 2j | half-word 2j+1 << 16). In K-tile t and row n, half-word c
+(0 <= c < T/4) holds the 4 values k = t*T + f*T/4 + c, f = 0..3 (field f, at bits 4f). So a 32-bit
+word holds, per field, the values k and k+1 (k even) in its two halves: one 32-bit shift / mask /
+packed-fp16 op dequantizes two values (`FIELDS` fields, each a *contiguous* K range of T/4 values).
+  fp6   code ``s eee mm``. Plane ``hi`` int32 [N, Kp/8]: field f of half-word c = nibble ``eee m1``.
+        Plane ``lo`` int16 [N, Kp/8], addressed as bytes (int8 view): byte c (same index as half-word
+        c of ``hi``) holds field f's ``s`` at bit FP6_SIGN_BIT[f] = 7 - 2f and ``m0`` at bit
+        FP6_M0_BIT[f] = (8 - 2f) mod 8: in the byte doubled to 16 bits, a left shift by 2f puts s at
+        bit 15 and m0 at bit 8 together. 6 bits/value.
+  int4  plane int32 [N, Kp/8], field f of half-word c = nibble ``q + 8`` (q in [-7, 7]); pad code 8.
   int8  plane int8 [N, Kp]: q in [-127, 127], plain (no interleave needed).
 Scales are fp16 [N, K / group_size] (one column when group_size is None): w ~= q * scale.
 group_size must be a multiple of T/8 (16) dividing K, so a T/8 sub-tile never straddles two groups.
@@ -24,10 +26,11 @@ codes 0, and quantization divides by the *stored* scale, so the row's absmax map
 Note: fp16 dequant tricks (the kernel's arithmetic; `dequant_planes_fp16` replays it in torch).
 fp6: the fp16 with bits ``s << 15 | eeemm << 8`` equals the e3m2 value times 2**-12, for normals
 (exponent bias 15 vs 3) and subnormals (fp16 subnormal step 2**-24 times mm << 8 is mm * 2**-16 =
-(mm / 16) * 2**-12) alike; from the planes it is ``(hi << 9-4i) & 0x1E00 | (lo32 << 2i-8 ...) &
-0x8100`` (2 shifts, 2 logic ops per value); 2**12 is folded into the fp32 epilogue scale
-(`FP6_FP16_SCALE`). int4/int8: fp16 bits ``0x6400 | c`` are 1024 + c for 0 <= c < 1024, so
-``(nib | 0x6400) - 1032`` and ``(q + 0x6480) - 1152`` are q exactly, without an int->float convert.
+(mm / 16) * 2**-12) alike; from the planes it is ``(hi16 << 9-4f) & 0x1E00 | ((lo8 * 0x101) << 2f) &
+0x8100`` per value, done on 32-bit words for two values at once (the kernel's inline asm); 2**12 is
+folded into the fp32 epilogue scale (`FP6_FP16_SCALE`). int4/int8: fp16 bits ``0x6400 | c`` are
+1024 + c for 0 <= c < 1024, so ``(nib | 0x6400) - 1032`` and ``(q + 0x6480) - 1152`` are q exactly,
+without an int->float convert (int4 fields 1 and 3 use ``(16 * nib | 0x6400) / 16 - 72``, no shift).
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ FP6_MAX = 28.0
 FP6_FP16_SCALE = 4096.0  # fp16(s<<15 | eeemm<<8) * 2**12 == e3m2 value
 INT_MAX = {"int8": 127, "int4": 7}
 QMAX = {"fp6": FP6_MAX, "int8": 127.0, "int4": 7.0}
-PACK_TILE = 128  # T: K is padded to a multiple of T; a word holds 8 values T/8 apart along K
-SUB_TILE = PACK_TILE // 8  # contiguous K range one field of a word tile covers; group_size unit
-FP6_M0_BIT = tuple((-2 * i) % 16 for i in range(8))  # lo plane: bit of m0 for field i
-FP6_SIGN_BIT = tuple((7 - 2 * i) % 16 for i in range(8))  # lo plane: bit of s for field i
+PACK_TILE = 128  # T: K is padded to a multiple of T; a 16-bit half-word holds 4 values T/4 apart along K
+FIELDS = 4  # fields per half-word (fp6 hi / int4) and per lo byte (fp6)
+SUB_TILE = 16  # group_size unit (the kernel splits a T/4 field in two for groups not a multiple of 32)
+FP6_M0_BIT = tuple((8 - 2 * f) % 8 for f in range(FIELDS))  # lo byte: bit of m0 for field f
+FP6_SIGN_BIT = tuple(7 - 2 * f for f in range(FIELDS))  # lo byte: bit of s for field f
 SCALE_MIN = 2.0**-14
 SCALE_MAX = 65504.0
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -165,19 +169,19 @@ def _expand(scales: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _fields(vals: torch.Tensor, tile: int, pad: int) -> torch.Tensor:
-    """[N, K] -> int64 [N, Kp/tile, 8, tile/8]: [n, t, i, j] is value k = t*tile + i*tile/8 + j
+    """[N, K] -> int64 [N, Kp/tile, FIELDS, tile/FIELDS]: [n, t, f, c] is value k = t*tile + f*tile/4 + c
     (K padded with `pad`)."""
     n, k = vals.shape
-    if tile % 8 or tile < 8:
-        raise ValueError(f"pack tile must be a positive multiple of 8 (got {tile})")
+    if tile % 16 or tile < 16:
+        raise ValueError(f"pack tile must be a positive multiple of 16 (got {tile})")
     kp = padded_k(k, tile)
     v = torch.full((n, kp), pad, dtype=torch.int64, device=vals.device)
     v[:, :k] = vals.to(torch.int64)
-    return v.reshape(n, kp // tile, 8, tile // 8)
+    return v.reshape(n, kp // tile, FIELDS, tile // FIELDS)
 
 
 def _unfields(f: torch.Tensor, k: int) -> torch.Tensor:
-    """Inverse of `_fields`: [N, T', 8, tile/8] -> [N, k] (padding dropped)."""
+    """Inverse of `_fields`: [N, T', FIELDS, tile/FIELDS] -> [N, k] (padding dropped)."""
     n = f.shape[0]
     return f.reshape(n, -1)[:, :k]
 
@@ -188,40 +192,56 @@ def _to_signed(words: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 2 ** (bits - 1), words - 2**bits, words).to(dtype)
 
 
+def _join_pairs(units: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 [N, 2L] units of `bits` bits -> int64 [N, L] words: unit 2j low, unit 2j+1 high (the
+    little-endian storage of the unit array)."""
+    return units[:, 0::2] | (units[:, 1::2] << bits)
+
+
+def _split_pairs(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `_join_pairs` (words any int dtype): int64 [N, 2L] units."""
+    w = words.to(torch.int64) & ((1 << (2 * bits)) - 1)
+    return torch.stack([w & ((1 << bits) - 1), w >> bits], dim=-1).reshape(w.shape[0], -1)
+
+
+def _fields_of_units(units: torch.Tensor, tile: int) -> torch.Tensor:
+    """int64 [N, Kp/4] units -> [N, Kp/tile, 1, tile/4] (broadcasts against the field axis)."""
+    return units.reshape(units.shape[0], -1, 1, tile // FIELDS)
+
+
 def pack_nibbles(vals: torch.Tensor, tile: int = PACK_TILE, pad: int = 0) -> torch.Tensor:
-    """uint8 [N, K] values 0..15 -> int32 [N, Kp/8]: word t*tile/8 + j, bits 4i..4i+3 hold value
-    k = t*tile + i*tile/8 + j (K padded with `pad`)."""
+    """uint8 [N, K] values 0..15 -> int32 [N, Kp/8]: half-word t*tile/4 + c (int16 view), bits
+    4f..4f+3, holds value k = t*tile + f*tile/4 + c (K padded with `pad`)."""
     f = _fields(vals, tile, pad)
-    shifts = torch.arange(8, device=vals.device, dtype=torch.int64)[:, None] * 4
-    words = (f << shifts).sum(dim=2)  # disjoint bit ranges: sum == or
-    return _to_signed(words.reshape(f.shape[0], -1), 32)
+    shifts = torch.arange(FIELDS, device=vals.device, dtype=torch.int64)[:, None] * 4
+    half = (f << shifts).sum(dim=2).reshape(f.shape[0], -1)  # disjoint bit ranges: sum == or
+    return _to_signed(_join_pairs(half, 16), 32)
 
 
 def unpack_nibbles(words: torch.Tensor, k: int, tile: int = PACK_TILE) -> torch.Tensor:
     """int32 [N, Kp/8] -> uint8 [N, k] (inverse of `pack_nibbles`)."""
-    n = words.shape[0]
-    w = words.to(torch.int64).reshape(n, -1, 1, tile // 8)
-    shifts = torch.arange(8, device=words.device, dtype=torch.int64)[:, None] * 4
-    return _unfields((w >> shifts) & 0xF, k).to(torch.uint8)
+    h = _fields_of_units(_split_pairs(words, 16), tile)
+    shifts = torch.arange(FIELDS, device=words.device, dtype=torch.int64)[:, None] * 4
+    return _unfields((h >> shifts) & 0xF, k).to(torch.uint8)
 
 
 def pack_fp6_lo(sign: torch.Tensor, m0: torch.Tensor, tile: int = PACK_TILE) -> torch.Tensor:
-    """Sign and mantissa-lsb bits [N, K] (0/1) -> the fp6 ``lo`` plane int16 [N, Kp/8]: field i of word
-    j (value k = t*tile + i*tile/8 + j) has m0 at bit FP6_M0_BIT[i] and s at FP6_SIGN_BIT[i]; padding 0."""
+    """Sign and mantissa-lsb bits [N, K] (0/1) -> the fp6 ``lo`` plane int16 [N, Kp/8]: byte c (int8
+    view) has, for field f (value k = t*tile + f*tile/4 + c), m0 at bit FP6_M0_BIT[f] and s at
+    FP6_SIGN_BIT[f]; padding 0."""
     fs, fm = _fields(sign, tile, 0), _fields(m0, tile, 0)
     sb = torch.tensor(FP6_SIGN_BIT, device=sign.device, dtype=torch.int64)[:, None]
     mb = torch.tensor(FP6_M0_BIT, device=sign.device, dtype=torch.int64)[:, None]
-    words = ((fs << sb) + (fm << mb)).sum(dim=2)
-    return _to_signed(words.reshape(fs.shape[0], -1), 16)
+    byte = ((fs << sb) + (fm << mb)).sum(dim=2).reshape(fs.shape[0], -1)
+    return _to_signed(_join_pairs(byte, 8), 16)
 
 
 def unpack_fp6_lo(words: torch.Tensor, k: int, tile: int = PACK_TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """int16 [N, Kp/8] -> (sign, m0) uint8 [N, k] (inverse of `pack_fp6_lo`)."""
-    n = words.shape[0]
-    w = (words.to(torch.int64) & 0xFFFF).reshape(n, -1, 1, tile // 8)
+    b = _fields_of_units(_split_pairs(words, 8), tile)
     sb = torch.tensor(FP6_SIGN_BIT, device=words.device, dtype=torch.int64)[:, None]
     mb = torch.tensor(FP6_M0_BIT, device=words.device, dtype=torch.int64)[:, None]
-    return _unfields((w >> sb) & 1, k).to(torch.uint8), _unfields((w >> mb) & 1, k).to(torch.uint8)
+    return _unfields((b >> sb) & 1, k).to(torch.uint8), _unfields((b >> mb) & 1, k).to(torch.uint8)
 
 
 def pack_fp6(codes: torch.Tensor, tile: int = PACK_TILE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,29 +257,77 @@ def unpack_fp6(hi: torch.Tensor, lo: torch.Tensor, k: int, tile: int = PACK_TILE
 
 
 def dequant_planes_fp16(qw: "QuantizedWeight") -> torch.Tensor:
-    """The kernel's dequantization replayed in torch on the planes, field by field (same shifts and
-    masks): fp16 [N, Kp] equal to code value * 2**-12 (fp6) or q (int4, int8), padding included."""
+    """The kernel's interpreter-path dequantization replayed in torch on the planes, field by field, one
+    value per 16-bit unit (same shifts and masks): fp16 [N, Kp] equal to code value * 2**-12 (fp6) or
+    q (int4, int8), padding included. (The GPU path does the same on 32-bit pairs:
+    `dequant_pairs_fp16`.)"""
     n, kp = qw.shape[0], qw.padded_k
-    tile, sub = qw.tile, qw.tile // 8
-    out = torch.empty((n, kp // tile, 8, sub), dtype=torch.float16, device=qw.device)
+    tile = qw.tile
+    out = torch.empty((n, kp // tile, FIELDS, tile // FIELDS), dtype=torch.float16, device=qw.device)
     if qw.format == "int8":
         bits = qw.planes[0].to(torch.int32) + 0x6480  # fp16 bits of 1152 + q
         return bits.to(torch.int16).view(torch.float16) - 1152.0
-    w = qw.planes[0].to(torch.int64).reshape(n, kp // tile, sub)  # int64: shifts never overflow
+    h = _fields_of_units(_split_pairs(qw.planes[0], 16), tile)[:, :, 0]  # int64: shifts never overflow
     if qw.format == "fp6":
-        h = qw.planes[1].to(torch.int64).reshape(n, kp // tile, sub)
-        h32 = (h & 0xFFFF) | (h << 16)  # the 16-bit word twice: a right shift brings s down from the top copy
-    for i in range(8):
+        lo = _fields_of_units(_split_pairs(qw.planes[1], 8), tile)[:, :, 0]
+        lo16 = lo | (lo << 8)  # the byte twice: one left shift puts s at bit 15 and m0 at bit 8
+    for f in range(FIELDS):
         if qw.format == "int4":
-            bits = ((w >> (4 * i)) & 0xF) | 0x6400  # fp16 bits of 1024 + (q + 8)
-            out[:, :, i] = (bits.to(torch.int16).view(torch.float16) - 1032.0)
+            bits = ((h >> (4 * f)) & 0xF) | 0x6400  # fp16 bits of 1024 + (q + 8)
+            out[:, :, f] = (bits.to(torch.int16).view(torch.float16) - 1032.0)
         else:
-            a = w << (9 - 4 * i) if i < 3 else w >> (4 * i - 9)  # eee m1 -> bits 12..9
-            d = 8 - FP6_M0_BIT[i]  # m0 -> bit 8, s (7 bits above it, mod 16) -> bit 15
-            b = h32 << d if d >= 0 else h32 >> -d
-            bits = (a & 0x1E00) | (b & 0x8100)
-            out[:, :, i] = bits.to(torch.int16).view(torch.float16)
+            a = h << (9 - 4 * f) if f < 3 else h >> (4 * f - 9)  # eee m1 -> bits 12..9
+            bits = (a & 0x1E00) | ((lo16 << (2 * f)) & 0x8100)  # s -> bit 15, m0 -> bit 8
+            out[:, :, f] = bits.to(torch.int16).view(torch.float16)
     return out.reshape(n, kp)
+
+
+_HALF_MAGIC = 0x64006400  # fp16x2 1024, 1024
+_ASM_MASK32 = (1 << 32) - 1
+
+
+def _f16x2(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 32-bit words -> (low, high) fp16 halves as fp32."""
+    lo = (words & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16).float()
+    hi = ((words >> 16) & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16).float()
+    return lo, hi
+
+
+def dequant_pairs_fp16(qw: "QuantizedWeight") -> torch.Tensor:
+    """The GPU kernel's inline-asm dequantization (fp16 activations) replayed in torch, instruction by
+    instruction on the 32-bit words (two values per op): fp16 [N, Kp], which must be bit-identical to
+    `dequant_planes_fp16` (CI cannot run the asm). fp6: ``l = prmt(lo16, 0x1100)`` (bytes b0 b0 b1 b1),
+    field f = ``(hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100``. int4: fields 0, 2 =
+    ``(w >> 4f) & 0x000F000F | 0x64006400`` minus 1032 (sub.f16x2); fields 1, 3 = ``(w >> 4f-4) &
+    0x00F000F0 | 0x64006400`` times 1/16 minus 72 (fma.rn.f16x2, exact: 64 + c)."""
+    if qw.format not in ("fp6", "int4"):
+        raise ValueError("pair dequant is for fp6 and int4")
+    n, kp = qw.shape[0], qw.padded_k
+    tile = qw.tile
+    w = qw.planes[0].to(torch.int64) & _ASM_MASK32  # [N, Kp/8]: one word = half-words 2j, 2j+1
+    out = torch.empty((n, kp // 8, FIELDS, 2), dtype=torch.float32, device=qw.device)
+    if qw.format == "fp6":
+        b = qw.planes[1].to(torch.int64) & 0xFFFF
+        l32 = (b & 0xFF) * 0x0101 | ((b >> 8) & 0xFF) * 0x01010000  # prmt.b32 l, lo, 0, 0x1100
+        for f in range(FIELDS):
+            a = (w << (9 - 4 * f)) if f < 3 else (w >> 3)
+            bits = ((a & 0x1E001E00) | ((l32 << (2 * f)) & 0x81008100)) & _ASM_MASK32
+            out[:, :, f, 0], out[:, :, f, 1] = _f16x2(bits)
+    else:
+        w8 = w >> 8
+        for f in range(FIELDS):
+            src = w if f < 2 else w8
+            if f % 2 == 0:
+                t = (src & 0x000F000F) | _HALF_MAGIC
+                lo, hi = _f16x2(t)
+                out[:, :, f, 0], out[:, :, f, 1] = lo - 1032.0, hi - 1032.0  # exact in fp16
+            else:
+                t = (src & 0x00F000F0) | _HALF_MAGIC  # fp16 1024 + 16 c
+                lo, hi = _f16x2(t)
+                out[:, :, f, 0], out[:, :, f, 1] = lo / 16 - 72.0, hi / 16 - 72.0  # exact in fp16
+    # [N, Kp/8, f, half] -> value k = t*tile + f*tile/4 + c with c = 2 * (word j in tile) + half
+    out = out.reshape(n, kp // tile, tile // 8, FIELDS, 2).permute(0, 1, 3, 2, 4)
+    return out.reshape(n, kp).to(torch.float16)
 
 
 def quantize(weight: torch.Tensor, fmt: str = "fp6", group_size: int | None = None) -> QuantizedWeight:

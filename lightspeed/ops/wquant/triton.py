@@ -47,41 +47,111 @@ _REDUCE_MODES = {"fixup": 1, "kernel": 0}
 REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 
 
+# GPU dequant of one 32-bit word (= half-words c, c+1 of the int16 view: the values k, k+1 of each
+# field) into 4 fp16x2 registers, one per field, two values per instruction; replayed bit for bit in
+# torch by `reference.dequant_pairs_fp16` (the CPU tests cannot run it). int4: 9 ops / 8 values.
+_INT4_ASM = tl.constexpr("""{
+.reg .b32 t, u, c1, s, c2;
+mov.b32 c1, 0x64086408;
+mov.b32 s, 0x2C002C00;
+mov.b32 c2, 0xD480D480;
+lop3.b32 t, $4, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 $0, t, c1;
+lop3.b32 t, $4, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 $1, t, s, c2;
+shr.u32 u, $4, 8;
+lop3.b32 t, u, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 $2, t, c1;
+lop3.b32 t, u, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 $3, t, s, c2;
+}""")
+# fp6: $4 = hi word, $5 = the two lo bytes b0 (bits 0..7) and b1 (bits 8..15); l = b1 b1 b0 b0 bytes;
+# field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100 (16 ops / 8 values).
+_FP6_ASM = tl.constexpr("""{
+.reg .b32 l, a, b;
+prmt.b32 l, $5, 0, 0x1100;
+shl.b32 a, $4, 9;
+and.b32 b, l, 0x81008100;
+lop3.b32 $0, a, 0x1E001E00, b, 0xEA;
+shl.b32 a, $4, 5;
+shl.b32 b, l, 2;
+and.b32 b, b, 0x81008100;
+lop3.b32 $1, a, 0x1E001E00, b, 0xEA;
+shl.b32 a, $4, 1;
+shl.b32 b, l, 4;
+and.b32 b, b, 0x81008100;
+lop3.b32 $2, a, 0x1E001E00, b, 0xEA;
+shr.u32 a, $4, 3;
+shl.b32 b, l, 6;
+and.b32 b, b, 0x81008100;
+lop3.b32 $3, a, 0x1E001E00, b, 0xEA;
+}""")
+
+
 @triton.jit
-def _dequant_field(w, h32, I: tl.constexpr, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Field I of the int32 word tile `w` (and fp6's duplicated 16-bit `h32`) -> the weight sub-tile in
-    x's dtype: fp6 as value * 2**-12, int4 as q (exact)."""
-    if FORMAT == 0:  # fp6: hi nibble `eee m1` -> bits 12..9; lo: m0 at (-2I) % 16, s 7 above -> 8, 15
-        if I < 3:
-            a = w << (9 - 4 * I)
+def _dequant_fields(w, lo, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The int16 half-word tile `w` (and fp6's int8 `lo` tile, same shape) -> the 4 field weight tiles in
+    x's dtype: fp6 as value * 2**-12, int4 as q (exact). fp16 on the GPU: inline asm on 32-bit pairs
+    (`pack=2`: one register holds half-words c, c+1); else the same bits one value at a time."""
+    if (not INTERPRETED) and (not X_BF16):
+        if FORMAT == 0:
+            v0, v1, v2, v3 = tl.inline_asm_elementwise(_FP6_ASM, "=r,=r,=r,=r,r,r", [w, lo],
+                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                       is_pure=True, pack=2)
         else:
-            a = w >> (4 * I - 9)
-        if I == 0:
-            b = h32 << 8
-        elif I < 4:
-            b = h32 >> (8 - 2 * I)  # s sits in the upper copy of the 16-bit word
-        elif I == 4:
-            b = h32
+            v0, v1, v2, v3 = tl.inline_asm_elementwise(_INT4_ASM, "=r,=r,=r,=r,r", [w],
+                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                       is_pure=True, pack=2)
+    else:
+        h = w.to(tl.int32)
+        if FORMAT == 0:
+            lb = lo.to(tl.int32) & 0xFF
+            l16 = lb | (lb << 8)  # the byte twice: a left shift by 2f puts s at bit 15, m0 at bit 8
+            v0 = _fp6_bits(h << 9, l16, X_BF16)
+            v1 = _fp6_bits(h << 5, l16 << 2, X_BF16)
+            v2 = _fp6_bits(h << 1, l16 << 4, X_BF16)
+            v3 = _fp6_bits(h >> 3, l16 << 6, X_BF16)
         else:
-            b = h32 << (2 * I - 8)
-        bits = (a & 0x1E00) | (b & 0x8100)
-        v = bits.to(tl.int16).to(tl.float16, bitcast=True)
-        if X_BF16:
-            v = v.to(tl.bfloat16)
-    else:  # int4: fp16 bits 0x6400 | c == 1024 + c (bf16: 0x4300 | c == 128 + c), c = q + 8
-        if I == 0:
-            c = w & 0xF
-        else:
-            c = (w >> (4 * I)) & 0xF
-        if X_BF16:
-            v = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            if INTERPRETED:  # the interpreter has no bf16 scalars; fp32 is exact here
-                v = v.to(tl.float32) - 136.0
-            else:
-                v = v - 136.0
-        else:
-            v = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+            v0 = _int4_value(h & 0xF, X_BF16, INTERPRETED)
+            v1 = _int4_value((h >> 4) & 0xF, X_BF16, INTERPRETED)
+            v2 = _int4_value((h >> 8) & 0xF, X_BF16, INTERPRETED)
+            v3 = _int4_value((h >> 12) & 0xF, X_BF16, INTERPRETED)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _fp6_bits(a, b, X_BF16: tl.constexpr):
+    v = ((a & 0x1E00) | (b & 0x8100)).to(tl.int16).to(tl.float16, bitcast=True)
+    if X_BF16:
+        v = v.to(tl.bfloat16)
     return v
+
+
+@triton.jit
+def _int4_value(c, X_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """c = q + 8 -> q: fp16 bits 0x6400 | c == 1024 + c (bf16: 0x4300 | c == 128 + c)."""
+    if X_BF16:
+        v = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        if INTERPRETED:  # the interpreter has no bf16 scalars; fp32 is exact here
+            v = v.to(tl.float32) - 136.0
+        else:
+            v = v - 136.0
+    else:
+        v = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
+    return v
+
+
+@triton.jit
+def _pick(f: tl.constexpr, v0, v1, v2, v3):
+    if f == 0:
+        r = v0
+    elif f == 1:
+        r = v1
+    elif f == 2:
+        r = v2
+    else:
+        r = v3
+    return r
 
 
 @triton.jit
@@ -100,40 +170,56 @@ def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm,
             X_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 += x[:, tile t] @ dequant(W)[:, tile t].T (per-group scales applied)."""
     k0 = t * TILE
-    NSUB: tl.constexpr = TILE // SUB
-    if FORMAT != 1:  # one [BLOCK_N, TILE/8] word tile per plane, 8 fields each
-        offs_w = tl.max_contiguous(tl.multiple_of(t * SUB + tl.arange(0, SUB), SUB), SUB)
-        w = tl.load(w_ptr + offs_nc[:, None] * (KP // 8) + offs_w[None, :])
-        h32 = w  # unused unless fp6
-        if FORMAT == 0:
-            h = tl.load(w2_ptr + offs_nc[:, None] * (KP // 8) + offs_w[None, :]).to(tl.int32)
-            h32 = (h & 0xFFFF) | (h << 16)
     part = tl.zeros_like(acc)
-    for i in tl.static_range(NSUB):
-        offs_k = tl.max_contiguous(tl.multiple_of(k0 + i * SUB + tl.arange(0, SUB), SUB), SUB)
-        if K % TILE == 0:
-            x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :])
+    if FORMAT == 1:
+        NSUB: tl.constexpr = TILE // SUB
+        for i in tl.static_range(NSUB):
+            offs_q = tl.max_contiguous(tl.multiple_of(k0 + i * SUB + tl.arange(0, SUB), SUB), SUB)
+            q = tl.load(w_ptr + offs_nc[:, None] * KP + offs_q[None, :])
+            acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + i * SUB, i, stride_xm, _dequant_int8(q, X_BF16),
+                           K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED)
+    else:  # per half (SUB = T/4: one; SUB = T/8: two) one [BLOCK_N, SUB] half-word tile (+ fp6 lo bytes)
+        FW: tl.constexpr = TILE // 4  # field width: field f covers K [k0 + f*FW, k0 + (f+1)*FW)
+        for hh in tl.static_range(FW // SUB):
+            offs_c = tl.max_contiguous(tl.multiple_of(t * FW + hh * SUB + tl.arange(0, SUB), SUB), SUB)
+            w = tl.load(w_ptr + offs_nc[:, None] * (KP // 4) + offs_c[None, :])
+            lo = w
+            if FORMAT == 0:
+                lo = tl.load(w2_ptr + offs_nc[:, None] * (KP // 4) + offs_c[None, :])
+            v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED)
+            for f in tl.static_range(4):
+                acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f, stride_xm,
+                               _pick(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED)
+    return acc
+
+
+@triton.jit
+def _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, kst, i: tl.constexpr, stride_xm, wi,
+             K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+             SPG: tl.constexpr, PER_GROUP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc += x[:, kst:kst+SUB] @ wi.T for sub-tile i of the K-tile (per-group: the SPG sub-tiles of one
+    group span are summed in `part` and scaled once; with two halves per field (SUB = T/8) SPG is 1 or
+    the whole tile, so the (half, field) visiting order never splits a span)."""
+    offs_k = tl.max_contiguous(tl.multiple_of(kst + tl.arange(0, SUB), SUB), SUB)
+    if K % TILE == 0:
+        x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :])
+    else:
+        x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+    if INTERPRETED:  # the interpreter's bf16 tl.dot is wrong (triton 3.6); fp32 is exact for these operands
+        x = x.to(tl.float32)
+        wi = wi.to(tl.float32)
+    if not PER_GROUP:
+        acc = tl.dot(x, tl.trans(wi), acc)
+    else:  # SPG consecutive sub-tiles share one scale: sum them in `part`, then scale once
+        if i % SPG == 0:
+            part = tl.dot(x, tl.trans(wi))
         else:
-            x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
-        if FORMAT == 1:
-            q = tl.load(w_ptr + offs_nc[:, None] * KP + offs_k[None, :])
-            wi = _dequant_int8(q, X_BF16)
-        else:
-            wi = _dequant_field(w, h32, i, FORMAT, X_BF16, INTERPRETED)
-        if INTERPRETED:  # the interpreter's bf16 tl.dot is wrong (triton 3.6); fp32 is exact for these operands
-            x = x.to(tl.float32)
-            wi = wi.to(tl.float32)
-        if not PER_GROUP:
-            acc = tl.dot(x, tl.trans(wi), acc)
-        else:  # SPG consecutive sub-tiles share one scale: sum them, then scale once
-            if i % SPG == 0:
-                part = tl.dot(x, tl.trans(wi))
-            else:
-                part = tl.dot(x, tl.trans(wi), part)
-            if i % SPG == SPG - 1:
-                g = tl.minimum((k0 + i * SUB) // GROUP, NG - 1)  # padding past K (x == 0 there): any valid group
-                s = tl.load(s_ptr + offs_nc * NG + g).to(tl.float32)
-                acc += part * s[None, :]
+            part = tl.dot(x, tl.trans(wi), part)
+        if i % SPG == SPG - 1:
+            g = tl.minimum(kst // GROUP, NG - 1)  # padding past K (x == 0 there): any valid group
+            s = tl.load(s_ptr + offs_nc * NG + g).to(tl.float32)
+            acc += part * s[None, :]
+    return acc, part
     return acc
 
 
@@ -221,7 +307,7 @@ SPLIT_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 # (num_warps, num_stages) tried for the best (BLOCK_N, SPLIT_K) of each BLOCK_N, and for the runner-up
 _VARIANTS_BEST = ((4, 3), (4, 4), (8, 3))
 _VARIANTS_NEXT = ((4, 3),)
-_STAGES_WARPS = sorted({*_VARIANTS_BEST, *_VARIANTS_NEXT})
+_STAGES_WARPS = sorted({*_VARIANTS_BEST, *_VARIANTS_NEXT, (8, 4)})  # (8, 4): M > 32 at BLOCK_N 128
 _CONFIGS = [_config(bn, sk, w, s) for bn in BLOCK_NS for sk in SPLIT_KS for w, s in _STAGES_WARPS]
 TARGET_PROGRAMS_PER_SM = 4
 
@@ -252,7 +338,19 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[trito
         ranked = sorted(splits, key=lambda sk: (abs(math.log2(-(-N // bn) * sk * m_blocks / target)), sk))
         for rank, sk in enumerate(ranked[:2]):
             for w, s in (_VARIANTS_BEST if rank == 0 else _VARIANTS_NEXT):
+                if M > 32 and bn * 64 // (32 * w) >= 64:
+                    w = 8  # a 64 x BLOCK_N fp32 accumulator over 4 warps spills at BLOCK_N 128 (SASS: 255 regs)
                 out.append(_config(bn, sk, w, s))
+    return _dedup(out)
+
+
+def _dedup(configs: list) -> list:
+    seen, out = set(), []
+    for c in configs:
+        key = (c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
     return out
 
 
@@ -294,8 +392,8 @@ def group_layout(fmt: str, K: int, group_size: int | None, tile: int) -> tuple[b
     group = group_size if per_group else K
     if fmt == "int8":
         sub = math.gcd(group, tile) if per_group else tile
-    else:
-        sub = tile // 8
+    else:  # a field (tile/4 values); groups that are odd multiples of 16 split each field in two
+        sub = tile // 4 if group % (tile // 4) == 0 else tile // 8
     if not per_group:
         return False, group, sub, 1
     if group % sub:
@@ -362,8 +460,8 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
             raise ValueError(f"{qw.format} plane must be a contiguous {dtype} {shape} (got {plane.dtype} "
                              f"{tuple(plane.shape)})")
     per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
-    w = qw.planes[0]
-    w2 = qw.planes[1] if qw.format == "fp6" else w
+    w = qw.planes[0] if qw.format == "int8" else qw.planes[0].view(torch.int16)  # half-words (layout Note)
+    w2 = qw.planes[1].view(torch.int8) if qw.format == "fp6" else w  # fp6 lo: one byte per half-word
     scales = qw.scales.contiguous()
     block_m = block_m_for(M)
     m_blocks = triton.cdiv(M, block_m)

@@ -7,16 +7,17 @@ own forward or generate (no kernel injection, no tensor parallelism).
 from __future__ import annotations
 
 import fnmatch
-import logging
 
 import torch
 from torch import nn
+
+from lightspeed._utils.logging import get_logger
 
 from lightspeed._utils.device import default_device
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
 from lightspeed.ops.wquant.reference import FORMATS, check_quant_args
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _QUANT_KEYS = ("enabled", "weight", "group_size", "include", "exclude")
 _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,

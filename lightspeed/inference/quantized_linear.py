@@ -2,6 +2,10 @@
 FP6 e3m2, INT8 or INT4 (layout: `lightspeed.ops.wquant.reference`). Owns the module and its buffers;
 the arithmetic lives in `lightspeed.ops.wquant`.
 
+Note: layout version. The packed bit layout may change between versions; each module carries a
+`layout_version` buffer, and loading a state dict packed with another layout (or without the buffer)
+raises instead of computing with misread bits: re-quantize from the float weights.
+
 Note: scales are stored as the int16 bit pattern of their fp16 values, so `model.half()` /
 `model.to(torch.bfloat16)` cast the bias but can never round the scales the codes were computed
 against; `scales_fp16` views them back.
@@ -13,7 +17,7 @@ import torch
 from torch import nn
 
 from lightspeed.ops.wquant import QuantizedWeight, dequantize, quantize, quantized_matmul
-from lightspeed.ops.wquant.reference import PACK_TILE, check_quant_args, plane_specs
+from lightspeed.ops.wquant.reference import LAYOUT_VERSION, PACK_TILE, check_quant_args, plane_specs
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -52,6 +56,17 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
             self.bias = None
+        self.register_buffer("layout_version", torch.tensor(LAYOUT_VERSION, dtype=torch.int32, device=device))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        saved = state_dict.get(prefix + "layout_version")
+        if saved is None or int(saved) != LAYOUT_VERSION:
+            found = "none" if saved is None else int(saved)
+            raise ValueError(f"{prefix or 'QuantizedLinear'}: packed with layout version {found}, this version "
+                             f"reads {LAYOUT_VERSION}; re-quantize from the float weights")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, weight: str = "fp6", group_size: int | None = None) -> "QuantizedLinear":

@@ -48,7 +48,7 @@ def test_state_dict_round_trip_and_casts():
     fresh = QuantizedLinear(64, 24, bias=True, weight="fp6", dtype=torch.bfloat16)
     fresh.load_state_dict(q.state_dict())
     assert torch.equal(fresh.dequantize_weight(), q.dequantize_weight())
-    assert set(q.state_dict()) == {"qweight", "qweight_lo", "scales", "bias"}
+    assert set(q.state_dict()) == {"qweight", "qweight_lo", "scales", "bias", "layout_version"}
     before = q.scales.clone()
     q.half()  # casts the bias, never the scales (stored as fp16 bits)
     assert torch.equal(q.scales, before) and q.bias.dtype == torch.float16
@@ -84,3 +84,14 @@ def test_bad_input():
     q = QuantizedLinear.from_linear(nn.Linear(64, 8), weight="int4")
     with pytest.raises(ValueError, match="K=64"):
         q(torch.randn(2, 32))
+
+
+def test_state_dict_of_another_layout_is_refused():
+    q = QuantizedLinear.from_linear(torch.nn.Linear(64, 8), weight="fp6")
+    state = q.state_dict()
+    state["layout_version"] = torch.tensor(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="layout version 2"):
+        QuantizedLinear(64, 8, weight="fp6").load_state_dict(state)
+    del state["layout_version"]
+    with pytest.raises(ValueError, match="layout version none"):
+        QuantizedLinear(64, 8, weight="fp6").load_state_dict(state)

@@ -5,9 +5,10 @@ CPU. Imports only torch and the layers below ops/."""
 
 from __future__ import annotations
 
-import logging
 
 import torch
+
+from lightspeed._utils.logging import get_logger
 
 from .reference import (
     FORMATS,
@@ -21,7 +22,7 @@ from .reference import (
     reference_matmul,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _logged: set[str] = set()
 

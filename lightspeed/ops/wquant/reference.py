@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+#: bumped whenever the packed bit layout changes (QuantizedLinear refuses other versions)
+LAYOUT_VERSION = 3
 FORMATS = ("fp6", "int8", "int4")
 FP6_MAX = 28.0
 FP6_FP16_SCALE = 4096.0  # fp16(s<<15 | eeemm<<8) * 2**12 == e3m2 value

@@ -27,7 +27,6 @@ bf16 dot is wrong in triton 3.6) and the K loop is a while loop (no `range` over
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 
@@ -35,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lightspeed._utils.logging import get_logger
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, QuantizedWeight, plane_specs
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _FORMAT_ID = {"fp6": 0, "int8": 1, "int4": 2}

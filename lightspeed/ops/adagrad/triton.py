@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from lightspeed.ops.multi_tensor import Plan
-from lightspeed.ops.multi_tensor.triton import block_of, offset_of
+from lightspeed.ops.multi_tensor.triton import block_of, load_f32, offset_of, store_as
 
 BLOCK = 1024  # with 4 warps: 0.99 of copy bandwidth on the H200 (sweep in benchmarks/optimizers.py)
 NUM_WARPS = 4
@@ -17,30 +17,18 @@ NUM_WARPS = 4
 @triton.jit
 def _adagrad_block(p_ptr, g_ptr, s_ptr, o_ptr, idx, n, scale, clr, eps, wd,
                    HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, MASKED: tl.constexpr):
-    if MASKED:
-        mask = idx < n
-        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + idx, mask=mask, other=0.0)
-    else:
-        p = tl.load(p_ptr + idx).to(tl.float32)
-        g = tl.load(g_ptr + idx).to(tl.float32)
-        s = tl.load(s_ptr + idx)
+    p = load_f32(p_ptr, idx, n, MASKED)
+    g = load_f32(g_ptr, idx, n, MASKED)
+    s = load_f32(s_ptr, idx, n, MASKED)
     if HAS_SCALE:
         g = g * scale
     g = g + wd * p
     s = s + g * g
     p = p - clr * tl.div_rn(g, tl.sqrt_rn(s) + eps)
-    if MASKED:
-        tl.store(p_ptr + idx, p.to(p_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + idx, s, mask=mask)
-        if HAS_OUT:
-            tl.store(o_ptr + idx, p.to(o_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(p_ptr + idx, p.to(p_ptr.dtype.element_ty))
-        tl.store(s_ptr + idx, s)
-        if HAS_OUT:
-            tl.store(o_ptr + idx, p.to(o_ptr.dtype.element_ty))
+    store_as(p_ptr, idx, p, n, MASKED)
+    store_as(s_ptr, idx, s, n, MASKED)
+    if HAS_OUT:
+        store_as(o_ptr, idx, p, n, MASKED)
 
 
 @triton.jit

@@ -20,3 +20,20 @@ def offset_of(offsets, array: tl.constexpr, num_segments, seg, ALIGN: tl.constex
     """Element offset of segment `seg` of array `array` from that array's base."""
     off = tl.load(offsets + array * num_segments + seg)
     return tl.multiple_of(off, ALIGN)
+
+
+@triton.jit
+def load_f32(ptr, idx, n, MASKED: tl.constexpr):
+    """ptr[idx] as fp32; masked (idx < n, zeros outside) only for a segment's partial last block."""
+    if MASKED:
+        return tl.load(ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    return tl.load(ptr + idx).to(tl.float32)
+
+
+@triton.jit
+def store_as(ptr, idx, value, n, MASKED: tl.constexpr):
+    """ptr[idx] = value rounded to ptr's dtype (to nearest even); masked as load_f32."""
+    if MASKED:
+        tl.store(ptr + idx, value.to(ptr.dtype.element_ty), mask=idx < n)
+    else:
+        tl.store(ptr + idx, value.to(ptr.dtype.element_ty))

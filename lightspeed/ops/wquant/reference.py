@@ -298,7 +298,9 @@ def _f16x2(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequant_pairs_fp16(qw: "QuantizedWeight") -> torch.Tensor:
     """The GPU kernel's inline-asm dequantization (fp16 activations) replayed in torch, instruction by
     instruction on the 32-bit words (two values per op): fp16 [N, Kp], which must be bit-identical to
-    `dequant_planes_fp16` (CI cannot run the asm). fp6: ``l = prmt(lo16, 0x1100)`` (bytes b0 b0 b1 b1),
+    `dequant_planes_fp16` (CI cannot run the asm). fp6: ``l = prmt(lo16, 0x1100)`` (bytes b0 b0 b1 b1; the
+    pack=4 asm takes 4 lo bytes b0..b3 in one register and uses ``prmt 0x1100`` for its first hi word and
+    ``prmt 0x3322`` (b2 b2 b3 b3) for its second: the same bytes per word as here),
     field f = ``(hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100``. int4: fields 0, 2 =
     ``(w >> 4f) & 0x000F000F | 0x64006400`` minus 1032 (sub.f16x2); fields 1, 3 = ``(w >> 4f-4) &
     0x00F000F0 | 0x64006400`` times 1/16 minus 72 (fma.rn.f16x2, exact: 64 + c)."""

@@ -11,6 +11,10 @@ no reshape, gather or int->float convert. int8 (plain layout) loads [BLOCK_N, SU
 and dequantizes with the 0x6480 fp16 trick. fp32 accumulator; the per-channel scale (and fp6's
 2**12) is applied once in the epilogue, per-group scales once per group span (`SPG` sub-tiles).
 
+SWAP (BLOCK_M = 64): the dots are computed transposed, acc^T [BLOCK_N, BLOCK_M] += w_i @ x_i^T, so on sm_90
+the dequantized tile is wgmma's register operand A (unswapped, Triton picks wgmma with both operands in
+shared memory and round-trips every dequantized tile through STS + CTA barriers: 2x slower per byte).
+
 M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
 grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1. Split-K partials go
 to an fp32 workspace [SPLIT_K, M, N]; by default the last program of an N block to finish (an
@@ -65,9 +69,50 @@ sub.f16x2 $2, t, c1;
 lop3.b32 t, u, 0x00F000F0, 0x64006400, 0xEA;
 fma.rn.f16x2 $3, t, s, c2;
 }""")
-# fp6: $4 = hi word, $5 = the two lo bytes b0 (bits 0..7) and b1 (bits 8..15); l = b1 b1 b0 b0 bytes;
-# field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100 (16 ops / 8 values).
+# fp6 (pack=4: four half-words c..c+3 of the thread, in two hi words, and their four lo bytes in one
+# register, so the loaded lo register feeds the asm as is): $8 / $9 = hi words of half-words 0,1 / 2,3,
+# $10 = lo bytes b0..b3; l = prmt(lo, 0x1100) (b1 b1 b0 b0) for $8, prmt(lo, 0x3322) (b3 b3 b2 b2) for
+# $9; field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100, out $2f (from $8) and $2f+1 (from $9)
+# (15 ops / 8 values).
 _FP6_ASM = tl.constexpr("""{
+.reg .b32 l, m, a, b;
+prmt.b32 l, $10, 0, 0x1100;
+prmt.b32 m, $10, 0, 0x3322;
+shl.b32 a, $8, 9;
+and.b32 b, l, 0x81008100;
+lop3.b32 $0, a, 0x1E001E00, b, 0xEA;
+shl.b32 a, $8, 5;
+shl.b32 b, l, 2;
+and.b32 b, b, 0x81008100;
+lop3.b32 $2, a, 0x1E001E00, b, 0xEA;
+shl.b32 a, $8, 1;
+shl.b32 b, l, 4;
+and.b32 b, b, 0x81008100;
+lop3.b32 $4, a, 0x1E001E00, b, 0xEA;
+shr.u32 a, $8, 3;
+shl.b32 b, l, 6;
+and.b32 b, b, 0x81008100;
+lop3.b32 $6, a, 0x1E001E00, b, 0xEA;
+shl.b32 a, $9, 9;
+and.b32 b, m, 0x81008100;
+lop3.b32 $1, a, 0x1E001E00, b, 0xEA;
+shl.b32 a, $9, 5;
+shl.b32 b, m, 2;
+and.b32 b, b, 0x81008100;
+lop3.b32 $3, a, 0x1E001E00, b, 0xEA;
+shl.b32 a, $9, 1;
+shl.b32 b, m, 4;
+and.b32 b, b, 0x81008100;
+lop3.b32 $5, a, 0x1E001E00, b, 0xEA;
+shr.u32 a, $9, 3;
+shl.b32 b, m, 6;
+and.b32 b, b, 0x81008100;
+lop3.b32 $7, a, 0x1E001E00, b, 0xEA;
+}""")
+
+# fp6, pack=2 (the swapped-operand layout, where a thread's lo bytes come two per row): $4 = hi word, $5 = the two lo bytes b0 (bits 0..7) and b1 (bits 8..15); l = b1 b1 b0 b0 bytes;
+# field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100 (16 ops / 8 values).
+_FP6_ASM2 = tl.constexpr("""{
 .reg .b32 l, a, b;
 prmt.b32 l, $5, 0, 0x1100;
 shl.b32 a, $4, 9;
@@ -87,17 +132,21 @@ and.b32 b, b, 0x81008100;
 lop3.b32 $3, a, 0x1E001E00, b, 0xEA;
 }""")
 
-
 @triton.jit
-def _dequant_fields(w, lo, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+def _dequant_fields(w, lo, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                    SWAP: tl.constexpr):
     """The int16 half-word tile `w` (and fp6's int8 `lo` tile, same shape) -> the 4 field weight tiles in
     x's dtype: fp6 as value * 2**-12, int4 as q (exact). fp16 on the GPU: inline asm on 32-bit pairs
     (`pack=2`: one register holds half-words c, c+1); else the same bits one value at a time."""
     if (not INTERPRETED) and (not X_BF16):
-        if FORMAT == 0:
-            v0, v1, v2, v3 = tl.inline_asm_elementwise(_FP6_ASM, "=r,=r,=r,=r,r,r", [w, lo],
+        if FORMAT == 0 and SWAP:
+            v0, v1, v2, v3 = tl.inline_asm_elementwise(_FP6_ASM2, "=r,=r,=r,=r,r,r", [w, lo],
                                                        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                        is_pure=True, pack=2)
+        elif FORMAT == 0:
+            v0, v1, v2, v3 = tl.inline_asm_elementwise(_FP6_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [w, lo],
+                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                       is_pure=True, pack=4)
         else:
             v0, v1, v2, v3 = tl.inline_asm_elementwise(_INT4_ASM, "=r,=r,=r,=r,r", [w],
                                                        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
@@ -167,8 +216,8 @@ def _dequant_int8(q, X_BF16: tl.constexpr):
 def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm,
             K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
             NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
-            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 += x[:, tile t] @ dequant(W)[:, tile t].T (per-group scales applied)."""
+            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 (SWAP: its transpose [BLOCK_N, BLOCK_M]) += x[:, tile t] @ dequant(W)[:, tile t].T (per-group scales applied)."""
     k0 = t * TILE
     part = tl.zeros_like(acc)
     if FORMAT == 1:
@@ -177,7 +226,7 @@ def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm,
             offs_q = tl.max_contiguous(tl.multiple_of(k0 + i * SUB + tl.arange(0, SUB), SUB), SUB)
             q = tl.load(w_ptr + offs_nc[:, None] * KP + offs_q[None, :])
             acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + i * SUB, i, stride_xm, _dequant_int8(q, X_BF16),
-                           K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED)
+                           K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED, SWAP)
     else:  # per half (SUB = T/4: one; SUB = T/8: two) one [BLOCK_N, SUB] half-word tile (+ fp6 lo bytes)
         FW: tl.constexpr = TILE // 4  # field width: field f covers K [k0 + f*FW, k0 + (f+1)*FW)
         for hh in tl.static_range(FW // SUB):
@@ -186,18 +235,18 @@ def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm,
             lo = w
             if FORMAT == 0:
                 lo = tl.load(w2_ptr + offs_nc[:, None] * (KP // 4) + offs_c[None, :])
-            v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED)
+            v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, SWAP)
             for f in tl.static_range(4):
                 acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f, stride_xm,
-                               _pick(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED)
+                               _pick(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED, SWAP)
     return acc
 
 
 @triton.jit
 def _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, kst, i: tl.constexpr, stride_xm, wi,
              K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-             SPG: tl.constexpr, PER_GROUP: tl.constexpr, INTERPRETED: tl.constexpr):
-    """acc += x[:, kst:kst+SUB] @ wi.T for sub-tile i of the K-tile (per-group: the SPG sub-tiles of one
+             SPG: tl.constexpr, PER_GROUP: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr):
+    """acc += x[:, kst:kst+SUB] @ wi.T (SWAP: acc^T += wi @ x^T) for sub-tile i of the K-tile (per-group: the SPG sub-tiles of one
     group span are summed in `part` and scaled once; with two halves per field (SUB = T/8) SPG is 1 or
     the whole tile, so the (half, field) visiting order never splits a span)."""
     offs_k = tl.max_contiguous(tl.multiple_of(kst + tl.arange(0, SUB), SUB), SUB)
@@ -208,19 +257,27 @@ def _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, kst, i: tl.constexpr, st
     if INTERPRETED:  # the interpreter's bf16 tl.dot is wrong (triton 3.6); fp32 is exact for these operands
         x = x.to(tl.float32)
         wi = wi.to(tl.float32)
+    if SWAP:  # acc^T [BLOCK_N, BLOCK_M] += wi @ x^T: the dequantized tile is the register operand A of wgmma
+        a = wi
+        b = tl.trans(x)
+    else:
+        a = x
+        b = tl.trans(wi)
     if not PER_GROUP:
-        acc = tl.dot(x, tl.trans(wi), acc)
+        acc = tl.dot(a, b, acc)
     else:  # SPG consecutive sub-tiles share one scale: sum them in `part`, then scale once
         if i % SPG == 0:
-            part = tl.dot(x, tl.trans(wi))
+            part = tl.dot(a, b)
         else:
-            part = tl.dot(x, tl.trans(wi), part)
+            part = tl.dot(a, b, part)
         if i % SPG == SPG - 1:
             g = tl.minimum(kst // GROUP, NG - 1)  # padding past K (x == 0 there): any valid group
             s = tl.load(s_ptr + offs_nc * NG + g).to(tl.float32)
-            acc += part * s[None, :]
+            if SWAP:
+                acc += part * s[:, None]
+            else:
+                acc += part * s[None, :]
     return acc, part
-    return acc
 
 
 @triton.jit
@@ -247,19 +304,25 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     n_mask = offs_n < N
     offs_mc = tl.minimum(offs_m, M - 1)  # clamped rows: loads need no mask, extra rows are never stored
     offs_nc = tl.minimum(offs_n, N - 1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    SWAP: tl.constexpr = BLOCK_M >= 64  # swapped operands (see the module docstring)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     t_start = pid_k * TPS
     t_end = tl.minimum(t_start + TPS, NT)
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
         t = t_start
         while t < t_end:
             acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm, K, KP, TILE, SUB, GROUP,
-                          NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED)
+                          NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP)
             t += 1
     else:
         for t in range(t_start, t_end):
             acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm, K, KP, TILE, SUB, GROUP,
-                          NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED)
+                          NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
     if not PER_GROUP:
         acc = acc * tl.load(s_ptr + offs_nc).to(tl.float32)[None, :]
     acc = acc * out_scale

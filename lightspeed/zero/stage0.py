@@ -79,6 +79,7 @@ class Stage0Strategy:
         self._lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = {}  # fused: master view -> lp view
         if optimizer is not None:
             self._bind_optimizer(optimizer)
+        self._opt_grads = dict(self._opt_params)  # fused step: {optimizer's tensor: its gradient view}
 
     # ---------------------------------------------------------------- set-up
     def _master_grad_flat(self, flat: FlatParams) -> torch.Tensor:
@@ -166,7 +167,7 @@ class Stage0Strategy:
             if not self._fused:
                 torch._foreach_mul_(grads, coef)
         if self.optimizer is not None and self._fused:
-            self.optimizer.step(grads=dict(self._opt_params), grad_scale=coef, lowp_out=self._lowp_out)
+            self.optimizer.step(grads=self._opt_grads, grad_scale=coef, lowp_out=self._lowp_out)
             return StepResult(True, norm)
         if self.optimizer is not None:
             for tensor, grad in self._opt_params:

@@ -109,6 +109,10 @@ class ShardedStrategy:
         self._targets = [(s, r, pos) for s in self.shards for r, pos in s.chunks]
         self._boundary = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for s in self.shards for p in s.flat.params]
+        # fused step: what the optimizer reads and writes besides the master shards, built once
+        stepped = [s for s in self.shards if s.stepped]
+        self._fused_grads = {s.master: s.grad for s in stepped}
+        self._fused_lowp = {s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped}
         for s in self.shards:
             if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
                 for p, g in zip(s.flat.params, s.flat.grad_views):
@@ -233,9 +237,7 @@ class ShardedStrategy:
         if coef is not None and not self._fused:
             torch._foreach_mul_(grads, coef)
         if self.optimizer is not None and self._fused:
-            stepped = [s for s in self.shards if s.stepped]
-            lowp = {s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped}
-            self.optimizer.step(grads={s.master: s.grad for s in stepped}, grad_scale=coef, lowp_out=lowp)
+            self.optimizer.step(grads=self._fused_grads, grad_scale=coef, lowp_out=self._fused_lowp)
         elif self.optimizer is not None:
             for s in self.shards:
                 s.master.grad = s.master_grad if s.stepped else None

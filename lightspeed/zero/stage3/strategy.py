@@ -109,6 +109,7 @@ class Stage3Strategy:
         self._lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = {}  # fused: master -> lp piece
         if optimizer is not None:
             self._bind_optimizer(optimizer, opt_index)
+        self._opt_grads = dict(self._opt_params)  # fused step: {optimizer's tensor: its gradient view}
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
                                        units=[u.module for u in self.units], unit_of=unit_of)
@@ -259,7 +260,7 @@ class Stage3Strategy:
         if coef is not None and not self._fused:
             torch._foreach_mul_(grads, coef)
         if self.optimizer is not None and self._fused:
-            self.optimizer.step(grads=dict(self._opt_params), grad_scale=coef, lowp_out=self._lowp_out)
+            self.optimizer.step(grads=self._opt_grads, grad_scale=coef, lowp_out=self._lowp_out)
         else:
             if self.optimizer is not None:
                 for tensor, grad in self._opt_params:

@@ -4,7 +4,9 @@ on awkward sizes, mixed dtypes, the fused ZeRO extras (grads=, grad_scale=, lowp
 from __future__ import annotations
 
 import copy
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -148,12 +150,11 @@ def test_many_tensors_one_launch_and_plan_cache():
     assert len(multi_tensor._cache) >= 1
 
 
-def test_launch_cache_is_reused_and_rebuilt_when_tensors_move():
+def test_launch_cache_survives_new_gradients_and_keeps_none_alive():
     ps = _params(11, torch.float32, [(300,), (5, 7)])
     qs = [p.clone() for p in ps]
     fast, ref = FusedAdam(ps, backend="triton", lr=0.01), FusedAdam(qs, backend="reference", lr=0.01)
-    grads = _grads(12, ps)
-    for p, q, g in zip(ps, qs, grads):
+    for p, q, g in zip(ps, qs, _grads(12, ps)):
         p.grad, q.grad = g, g.clone()
     fast.step()
     ref.step()
@@ -161,18 +162,23 @@ def test_launch_cache_is_reused_and_rebuilt_when_tensors_move():
     fast.step()  # same tensors: the cached launches are used
     ref.step()
     assert fast._launch_cache[0][1] is first
-    for p, q, g in zip(ps, qs, _grads(13, ps)):  # new gradient tensors: rebuilt
-        p.grad, q.grad = g, g.clone()
+    for p, q, g in zip(ps, qs, _grads(13, ps)):  # new gradient tensors (as after zero_grad(set_to_none)):
+        p.grad, q.grad = g, g.clone()             # same launches, the gradient offsets follow
     fast.step()
     ref.step()
-    assert fast._launch_cache[0][1] is not first
-    ps[1].grad = None  # a parameter without a gradient is skipped, and its step does not advance
+    assert fast._launch_cache[0][1] is first
+    probe = weakref.ref(ps[0].grad)
+    fast.zero_grad()  # set_grad_none: nothing in the optimizer may keep the gradient alive
+    gc.collect()
+    assert probe() is None
+    ps[1].grad = _grads(14, ps)[1]  # a parameter without a gradient is skipped, and its step does not advance
+    qs[1].grad = ps[1].grad.clone()
+    qs[0].grad = None
     fast.step()
-    qs[1].grad = None
     ref.step()
     for p, q in zip(ps, qs):
         _close(p, q, torch.float32)
-    assert fast.state[ps[0]]["step"] == 4 and fast.state[ps[1]]["step"] == 3
+    assert fast.state[ps[0]]["step"] == 3 and fast.state[ps[1]]["step"] == 4
 
 
 def test_noncontiguous_param_and_set_grad_none():
@@ -228,3 +234,21 @@ def test_errors():
     p[0].grad = torch.ones(4, device=DEVICE)
     with pytest.raises(ValueError, match="overlap or exceed"):
         opt.step(lowp_out={p[0]: [(2, torch.empty(3, device=DEVICE))]})
+
+
+def test_gradients_moving_to_unaligned_addresses_take_the_unaligned_kernel():
+    ps = _params(15, torch.float32, [(1000,), (1000,)])
+    qs = [p.clone() for p in ps]
+    fast, ref = FusedAdam(ps, backend="triton", lr=0.01), FusedAdam(qs, backend="reference", lr=0.01)
+    for step in range(3):
+        flat = _grads(20 + step, [torch.empty(2020)])[0]
+        start = 0 if step == 0 else 3  # step 0: aligned views; then views 3 elements off alignment
+        grads = [flat[start:start + 1000], flat[start + 1008:start + 2008]]
+        for p, q, g in zip(ps, qs, grads):
+            p.grad, q.grad = g, g.clone()
+        fast.step()
+        ref.step()
+        (plan, _), = fast._launch_cache[0][1][0]._plans.values()
+        assert plan.aligned == (step == 0)
+    for p, q in zip(ps, qs):
+        _close(p, q, torch.float32)

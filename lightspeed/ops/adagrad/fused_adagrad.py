@@ -43,8 +43,8 @@ class FusedAdagrad(FusedOptimizer):
     def _launch_triton(self, group, step, launch, scale):
         from . import triton as kernels
 
-        arrays = launch.arrays()
-        kernels.launch(arrays, launch.plan(kernels.BLOCK), scale, clr=self._clr(group, step), eps=group["eps"],
+        arrays, plan = launch.kernel_arrays(kernels.BLOCK)
+        kernels.launch(arrays, plan, scale, clr=self._clr(group, step), eps=group["eps"],
                        weight_decay=group["weight_decay"])
 
     def _launch_reference(self, group, step, segments, scale):

@@ -52,9 +52,9 @@ class FusedAdam(FusedOptimizer):
         from . import triton as kernels
 
         bc1, bc2 = self._corrections(group, step)
-        arrays = launch.arrays()
+        arrays, plan = launch.kernel_arrays(kernels.BLOCK)
         beta1, beta2 = group["betas"]
-        kernels.launch(arrays, launch.plan(kernels.BLOCK), scale, lr=group["lr"], beta1=beta1, beta2=beta2,
+        kernels.launch(arrays, plan, scale, lr=group["lr"], beta1=beta1, beta2=beta2,
                        eps=group["eps"], weight_decay=group["weight_decay"], adamw=self.adam_w_mode,
                        step_size=group["lr"] / bc1, bc2_sqrt=math.sqrt(bc2))
 

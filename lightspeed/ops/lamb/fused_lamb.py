@@ -86,9 +86,9 @@ class FusedLamb(FusedOptimizer):
         from . import triton as kernels
 
         beta1, beta2, bc1, bc2, scale = self._hyper(group, step, scale)
-        arrays = launch.arrays(with_out=False)
+        arrays, plan = launch.kernel_arrays(kernels.BLOCK, with_out=False)
         self.lamb_coeffs.append(kernels.launch(
-            arrays, launch.plan(kernels.BLOCK, with_out=False), scale, lr=group["lr"], beta1=beta1, beta2=beta2, bc1=bc1, bc2=bc2,
+            arrays, plan, scale, lr=group["lr"], beta1=beta1, beta2=beta2, bc1=bc1, bc2=bc2,
             eps=group["eps"], weight_decay=group["weight_decay"], eps_inside_sqrt=self.eps_inside_sqrt,
             min_coeff=group["min_coeff"], max_coeff=group["max_coeff"]))
 

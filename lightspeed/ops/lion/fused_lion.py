@@ -28,9 +28,9 @@ class FusedLion(FusedOptimizer):
     def _launch_triton(self, group, step, launch, scale):
         from . import triton as kernels
 
-        arrays = launch.arrays()
+        arrays, plan = launch.kernel_arrays(kernels.BLOCK)
         beta1, beta2 = group["betas"]
-        kernels.launch(arrays, launch.plan(kernels.BLOCK), scale, lr=group["lr"], beta1=beta1, beta2=beta2,
+        kernels.launch(arrays, plan, scale, lr=group["lr"], beta1=beta1, beta2=beta2,
                        weight_decay=group["weight_decay"])
 
     def _launch_reference(self, group, step, segments, scale):

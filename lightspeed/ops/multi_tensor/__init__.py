@@ -17,7 +17,7 @@ which the callers group by.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -40,6 +40,22 @@ class Plan:
     aligned: bool
     block: int
     base_index: int  # the segment whose tensors are the arrays' bases (the first non-empty one)
+    host_offsets: list[list[int]]  # the offsets on the host, one row per array
+    host_numels: list[int]
+    row_aligned: list[bool]  # per array: base 16-byte aligned and every offset a multiple of ALIGN
+
+    def with_row(self, row: int, ptrs: Sequence[int], element_size: int) -> "Plan":
+        """This plan with array `row`'s offsets recomputed from its segments' data pointers `ptrs`
+        (same segment lengths, e.g. new gradient tensors each step): the block tables are kept, one
+        small table is copied to the device."""
+        offs, ok = _ptr_offsets(ptrs, self.host_numels, self.base_index, element_size)
+        host = [list(r) for r in self.host_offsets]
+        host[row] = offs
+        row_aligned = list(self.row_aligned)
+        row_aligned[row] = ok
+        device = self.offsets.device
+        return replace(self, offsets=torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True),
+                       host_offsets=host, row_aligned=row_aligned, aligned=all(row_aligned))
 
     def bases(self, arrays: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         return [arr[self.base_index] for arr in arrays]
@@ -51,6 +67,27 @@ class Plan:
     @property
     def num_segments(self) -> int:
         return int(self.numels.numel())
+
+
+def _ptr_offsets(ptrs: Sequence[int], numels: Sequence[int], base_index: int,
+                 size: int) -> tuple[list[int], bool]:
+    """Element offsets of the segments at `ptrs` from segment `base_index`'s, and whether the base is
+    16-byte aligned and every offset a multiple of ALIGN."""
+    base_ptr = ptrs[base_index]
+    offs = []
+    for q, n in zip(ptrs, numels):
+        if n == 0:  # no block reads it; its address may be anything
+            offs.append(0)
+            continue
+        delta = q - base_ptr
+        if delta % size:
+            raise ValueError("multi-tensor launch: tensor addresses are not element-aligned")
+        offs.append(delta // size)
+    return offs, base_ptr % 16 == 0 and all(o % ALIGN == 0 for o in offs)
+
+
+def _row_offsets(arr: Sequence[torch.Tensor], base_index: int) -> tuple[list[int], bool]:
+    return _ptr_offsets([t.data_ptr() for t in arr], [t.numel() for t in arr], base_index, arr[0].element_size())
 
 
 def _key(arrays: Sequence[Sequence[torch.Tensor]], block: int) -> tuple:
@@ -79,21 +116,9 @@ def plan(arrays: Sequence[Sequence[torch.Tensor]], block: int) -> Plan:
         if any(t.dtype != arr[0].dtype for t in arr):
             raise ValueError("multi-tensor launch: one array must have one dtype")
     base_index = next((i for i, n in enumerate(numels) if n), 0)
-    offsets, aligned = [], True
-    for arr in arrays:
-        base = arr[base_index]
-        size = base.element_size()
-        offs = []
-        for t in arr:
-            if t.numel() == 0:  # no block reads it; its address may be anything
-                offs.append(0)
-                continue
-            delta = t.data_ptr() - base.data_ptr()
-            if delta % size:
-                raise ValueError("multi-tensor launch: tensor addresses are not element-aligned")
-            offs.append(delta // size)
-        aligned = aligned and base.data_ptr() % 16 == 0 and all(o % ALIGN == 0 for o in offs)
-        offsets.append(offs)
+    rows = [_row_offsets(arr, base_index) for arr in arrays]
+    offsets = [offs for offs, _ in rows]
+    row_aligned = [ok for _, ok in rows]
     counts = [-(-n // block) for n in numels]
     seg_ids = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), torch.tensor(counts))
     first_block = torch.zeros(len(numels) + 1, dtype=torch.int64)
@@ -105,9 +130,12 @@ def plan(arrays: Sequence[Sequence[torch.Tensor]], block: int) -> Plan:
         block_segment=seg_ids.to(device, non_blocking=True),
         block_start=starts.to(device, non_blocking=True),
         segment_first_block=first_block.to(device, non_blocking=True),
-        aligned=aligned,
+        aligned=all(row_aligned),
         block=block,
         base_index=base_index,
+        host_offsets=offsets,
+        host_numels=numels,
+        row_aligned=row_aligned,
     )
     _cache[key] = result
     while len(_cache) > _CACHE_SIZE:

@@ -33,42 +33,74 @@ _BACKENDS = ("auto", "triton", "reference")
 
 
 class Segment:
-    """A contiguous run of one parameter: flat views of param, grad, each state, and the optional
-    low-precision output."""
+    """A contiguous run [start, end) of one parameter: flat views of the param, each state and the
+    optional low-precision output; the gradient view is bound for the duration of one step only."""
 
-    __slots__ = ("param", "grad", "states", "out", "owner")
+    __slots__ = ("param", "grad", "states", "out", "owner", "start", "end")
 
-    def __init__(self, param, grad, states, out, owner):
-        self.param, self.grad, self.states, self.out, self.owner = param, grad, states, out, owner
+    def __init__(self, param, states, out, owner, start: int, end: int):
+        self.param, self.grad, self.states, self.out, self.owner = param, None, states, out, owner
+        self.start, self.end = start, end
 
 
 class Launch:
     """The segments updated by one kernel launch (one step value, device and dtype combination),
-    with their tensor lists and launch plans built once."""
+    with their tensor lists and launch plans built once. Gradients change from step to step (autograd
+    allocates new ones after zero_grad(set_to_none=True)), so they are bound per step and released
+    after it: a cached launch never keeps a gradient alive, and gradients at new addresses cost one
+    small offsets table (from their data pointers, no views), not a rebuild."""
 
-    __slots__ = ("owner", "device", "segments", "_arrays", "_plans")
+    __slots__ = ("owner", "device", "segments", "_static", "_grad_of", "_plans")
 
     def __init__(self, owner: torch.Tensor, device: torch.device):
         self.owner, self.device, self.segments = owner, device, []
-        self._arrays, self._plans = None, {}
+        self._static, self._grad_of, self._plans = None, None, {}
+
+    def bind_grads(self, grad_of: Mapping[int, torch.Tensor]) -> None:
+        """This step's gradients: {id(param): contiguous gradient}."""
+        self._grad_of = grad_of
+
+    def release_grads(self) -> None:
+        self._grad_of = None
+        for seg in self.segments:
+            seg.grad = None
+
+    def _grad_slice(self, seg: Segment) -> torch.Tensor:
+        return self._grad_of[id(seg.owner[0])].view(-1)[seg.start:seg.end]
 
     def arrays(self, with_out: bool = True) -> list[list[torch.Tensor]]:
-        """[params, grads, *states, (outs, when the segments have them and `with_out`)]."""
-        if self._arrays is None:
+        """[params, grads, *states, (outs, when the segments have them and `with_out`)], with every
+        segment's gradient view (the reference path, and a plan's first build)."""
+        if self._static is None:
             segs = self.segments
-            arrays = [[s.param for s in segs], [s.grad for s in segs]]
-            arrays += [[s.states[i] for s in segs] for i in range(len(segs[0].states))]
+            self._static = [[s.param for s in segs]] + [[s.states[i] for s in segs] for i in range(len(segs[0].states))]
             if segs[0].out is not None:
-                arrays.append([s.out for s in segs])
-            self._arrays = arrays
+                self._static.append([s.out for s in segs])
+        for seg in self.segments:
+            seg.grad = self._grad_slice(seg)
+        arrays = [self._static[0], [seg.grad for seg in self.segments], *self._static[1:]]
         has_out = self.segments[0].out is not None
-        return self._arrays if with_out or not has_out else self._arrays[:-1]
+        return arrays if with_out or not has_out else arrays[:-1]
 
-    def plan(self, block: int, with_out: bool = True) -> Plan:
+    def kernel_arrays(self, block: int, with_out: bool = True) -> tuple[list[list[torch.Tensor]], Plan]:
+        """(arrays, plan) for a Triton launch. The plan is built once; when this step's gradients
+        live elsewhere than the plan's, only its gradient offsets are recomputed. The gradient row of
+        `arrays` holds just the base tensor (kernels read `plan.bases(arrays)`; offsets do the rest)."""
         key = (block, with_out)
-        if key not in self._plans:
-            self._plans[key] = plan(self.arrays(with_out), block)
-        return self._plans[key]
+        grad_of, segs = self._grad_of, self.segments
+        size = grad_of[id(segs[0].owner[0])].element_size()
+        ptrs = tuple(grad_of[id(seg.owner[0])].data_ptr() + seg.start * size for seg in segs)
+        cached = self._plans.get(key)
+        if cached is None:
+            arrays = self.arrays(with_out)
+            built = plan(arrays, block)
+            self._plans[key] = (built, ptrs)
+            return arrays, built
+        built = cached[0] if cached[1] == ptrs else cached[0].with_row(1, ptrs, size)
+        self._plans[key] = (built, ptrs)
+        static = self._static if with_out or segs[0].out is None else self._static[:-1]
+        grads = [self._grad_slice(segs[built.base_index])] * len(segs)
+        return [static[0], grads, *static[1:]], built
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -167,9 +199,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         return live
 
     def _signature(self, live, lowp_out: Mapping | None) -> tuple | None:
-        """What the cached launches of a group depend on: the addresses of every tensor they read or
-        write, flattened into one tuple (this runs every step: kept lean). None (no caching) when a
-        parameter or gradient is not contiguous (those are copied) or has no state yet."""
+        """What the cached launches of a group depend on: the addresses of the tensors they keep
+        (params, states, low-precision outputs) and each gradient's dtype, flattened into one tuple
+        (this runs every step: kept lean). Gradient addresses are not part of it (bound per step).
+        None (no caching) when a parameter or gradient is not contiguous (those are copied) or a
+        parameter has no state yet."""
         keys, state_of, sig = self._state_keys, self.state, []
         add = sig.append
         for p, g in live:
@@ -177,7 +211,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             if not st or not p.is_contiguous() or not g.is_contiguous():
                 return None
             add(p.data_ptr())
-            add(g.data_ptr())
             add(g.dtype)
             for k in keys:
                 add(st[k].data_ptr())
@@ -200,15 +233,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             state = self._init_state(p)
             work = p if p.is_contiguous() else p.detach().contiguous()
             flat_p = work.view(-1)
-            flat_g = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
             flat_states = [state[k].view(-1) for k in self._state_keys]
             pieces = lowp_out.get(p) if lowp_out is not None else None
             for start, length, out in self._pieces(p.numel(), pieces):
                 if length == 0 and p.numel():
                     continue  # (an empty parameter keeps its one empty segment: FusedLamb reports its ratio)
                 end = start + length
-                seg = Segment(flat_p[start:end], flat_g[start:end], [s[start:end] for s in flat_states], out,
-                              (p, work))
+                seg = Segment(flat_p[start:end], [s[start:end] for s in flat_states], out, (p, work), start, end)
                 key = (state["step"], p.device, p.dtype, grad.dtype, None if out is None else out.dtype)
                 if key not in launches:
                     launches[key] = Launch(p, p.device)
@@ -223,8 +254,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         Note [launch cache]: building the segments costs Python time per parameter (views, tables),
         which on a model of hundreds of tensors is longer than the kernel. Each group keeps its
-        launches and reuses them while the signature (addresses of params, grads, states and
-        low-precision outputs) is unchanged; load_state_dict clears the cache."""
+        launches and reuses them while the signature (addresses of params, states and low-precision
+        outputs; gradient dtypes) is unchanged; gradients are bound per step (see Launch).
+        load_state_dict clears the cache."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -240,15 +272,22 @@ class FusedOptimizer(torch.optim.Optimizer):
                 launches = self._build_launches(live, lowp_out)
                 self._launch_cache[index] = (self._signature(live, lowp_out), launches)
             state_of = self.state
-            for p, _ in live:
+            flat_grads = {}
+            for p, g in live:
                 state_of[p]["step"] += 1
+                flat_grads[id(p)] = g if g.is_contiguous() else g.contiguous()
             for launch in launches:
                 step = self.state[launch.owner]["step"]
                 scale = self.scale_tensor(grad_scale, launch.device)
-                if self._use_triton(launch.device):
-                    self._launch_triton(group, step, launch, scale)
-                else:
-                    self._launch_reference(group, step, launch.segments, scale)
+                launch.bind_grads(flat_grads)
+                try:
+                    if self._use_triton(launch.device):
+                        self._launch_triton(group, step, launch, scale)
+                    else:
+                        launch.arrays()  # binds each segment's gradient view
+                        self._launch_reference(group, step, launch.segments, scale)
+                finally:
+                    launch.release_grads()
                 for seg in launch.segments:
                     p, work = seg.owner
                     if work is not p:

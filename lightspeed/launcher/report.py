@@ -47,7 +47,8 @@ KERNEL_FAMILIES: list[KernelFamily] = [
     KernelFamily("fused Adagrad", "lightspeed.ops.adagrad", ("FusedAdagrad",)),
     KernelFamily("quantization (ZeRO++, int8/int4)", "lightspeed.ops.quant", ()),
     KernelFamily("one-bit compression", "lightspeed.ops.onebit", ()),
-    KernelFamily("FP6 linear (FP6-LLM)", "lightspeed.ops.fp6", (), min_capability=(8, 0)),
+    KernelFamily("weight-only FP6/INT8/INT4 linear", "lightspeed.ops.wquant", ("quantized_matmul",),
+                 min_capability=(8, 0)),
 ]
 
 LAUNCHER_PROGRAMS = ("pdsh", "ssh", "mpirun", "srun", "numactl")

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import lightspeed
+from lightspeed.testing.parity import train_alongside
 from lightspeed.zero.stage3 import param_state
 from lightspeed.zero.stage3.param_group import RELEASED
 
@@ -52,18 +53,7 @@ def test_world_size_1_training_equals_plain_pytorch(zero):
     ref_model = Chain()
     opt = torch.optim.AdamW(ref_model.parameters(), lr=0.01, weight_decay=0.01)
     engine = _engine(Chain(), **zero)
-    for x, y in _data(6):
-        loss = ref_model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        got = engine(x, y)
-        engine.backward(got)
-        engine.step()
-        assert got.item() == pytest.approx(loss.item(), rel=1e-6)
-    state = engine.strategy.module_state_dict()
-    for k, v in ref_model.state_dict().items():
-        torch.testing.assert_close(state[k], v, rtol=1e-6, atol=1e-7)
+    train_alongside(engine, ref_model, opt, _data(6))
 
 
 def test_external_use_is_registered_with_the_module_that_reads_it():

@@ -12,6 +12,7 @@ import lightspeed
 from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.testing.models import TinyMLP
+from lightspeed.testing.parity import train_alongside
 from lightspeed.zero import register_external_parameter
 from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy, param_state
 from lightspeed.zero.stage3.units import LeafRule, choose_units
@@ -118,19 +119,8 @@ def _train_equal(make, zero, steps=5):
            "zero_optimization": {"stage": 3, **zero}}
     engine, *_ = lightspeed.initialize(model=make(), config=cfg, dist_init_required=False)
     g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
-        loss = ref(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        got = engine(x, y)
-        engine.backward(got)
-        engine.step()
-        assert got.item() == pytest.approx(loss.item(), rel=1e-6)
-    state = engine.strategy.module_state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(state[k], v, rtol=1e-6, atol=1e-7)
+    train_alongside(engine, ref, opt, [(torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g))
+                                       for _ in range(steps)])
     return engine
 
 

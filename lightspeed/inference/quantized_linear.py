@@ -27,10 +27,10 @@ def is_conv1d(module: nn.Module) -> bool:
                                                                                        torch.Tensor)
 
 
-def _plane_shapes(fmt: str, n: int, k: int) -> list[tuple[str, tuple[int, int], torch.dtype]]:
-    """Buffer name, shape and dtype of each packed plane (K padded to the pack tile; see reference.py)."""
-    names = ("qweight", "qweight_lo")
-    return [(name, shape, dtype) for name, (shape, dtype) in zip(names, plane_specs(fmt, n, k, PACK_TILE))]
+def _plane_shapes(fmt: str, n: int, k: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Buffer name, shape and dtype of the packed weight (tile-major, K padded to the pack tile and N to
+    the storage row group; see reference.py)."""
+    return [(name, shape, dtype) for name, (shape, dtype) in zip(("qweight",), plane_specs(fmt, n, k, PACK_TILE))]
 
 
 class QuantizedLinear(nn.Module):
@@ -99,8 +99,8 @@ class QuantizedLinear(nn.Module):
 
     def quantized_weight(self) -> QuantizedWeight:
         """The packed weight as the ops layer sees it (views of this module's buffers)."""
-        planes = (self.qweight, self.qweight_lo) if self.weight_format == "fp6" else (self.qweight,)
-        return QuantizedWeight(self.weight_format, (self.out_features, self.in_features), self.group_size, planes,
+        return QuantizedWeight(self.weight_format, (self.out_features, self.in_features), self.group_size,
+                               (self.qweight,),
                                self.scales_fp16, self.weight_dtype, PACK_TILE)
 
     def dequantize_weight(self) -> torch.Tensor:

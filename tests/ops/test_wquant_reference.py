@@ -1,6 +1,6 @@
 """Weight-only quantization reference (lightspeed.ops.wquant.reference): the e3m2 code table, the fp16
 bit trick, quantize/dequantize properties, the tile-interleaved packing (bit positions, padding, odd
-shapes, the kernel's dequant replayed on the planes), error bounds on Gaussian weights, bad input."""
+shapes, the tile-major chunk storage, the kernel's dequant replayed on the planes), error bounds on Gaussian weights, bad input."""
 from __future__ import annotations
 
 import math
@@ -14,6 +14,7 @@ from lightspeed.ops.wquant.reference import (
     FP6_M0_BIT,
     FP6_SIGN_BIT,
     PACK_TILE,
+    ROW_GROUP,
     SCALE_MIN,
     QuantizedWeight,
     dequant_pairs_fp16,
@@ -22,8 +23,11 @@ from lightspeed.ops.wquant.reference import (
     pack_fp6_lo,
     pack_nibbles,
     padded_k,
+    padded_n,
     plane_specs,
     reference_matmul,
+    row_planes,
+    tile_major,
     unpack_codes,
     unpack_fp6,
     unpack_fp6_lo,
@@ -183,11 +187,11 @@ def test_gpu_pair_dequant_replay_is_bit_identical(fmt, k):
     if fmt == "fp6":  # every code (both signs) in every field and both halves of a word
         codes = torch.arange(64, dtype=torch.uint8).repeat(4)
         codes = torch.stack([codes, codes.roll(1), codes.roll(33)])
-        hi, lo = pack_fp6(codes)
-        qw = QuantizedWeight("fp6", (3, 256), None, (hi, lo), torch.ones(3, 1, dtype=torch.float16), torch.float16)
+        packed = tile_major(pack_fp6(codes), "fp6", 3, 256)
+        qw = QuantizedWeight("fp6", (3, 256), None, (packed,), torch.ones(3, 1, dtype=torch.float16), torch.float16)
     else:  # every nibble in every field and both halves
         nib = torch.arange(16, dtype=torch.uint8).repeat(16)
-        planes = (pack_nibbles(torch.stack([nib, nib.roll(1), nib.roll(7)]), pad=8),)
+        planes = (tile_major((pack_nibbles(torch.stack([nib, nib.roll(1), nib.roll(7)]), pad=8),), "int4", 3, 256),)
         qw = QuantizedWeight("int4", (3, 256), None, planes, torch.ones(3, 1, dtype=torch.float16), torch.float16)
     pairs, single = dequant_pairs_fp16(qw), dequant_planes_fp16(qw)
     assert torch.equal(pairs.view(torch.int16), single.view(torch.int16))
@@ -207,7 +211,21 @@ def test_plane_shapes_padding_and_kernel_dequant_replay(fmt, group_size, k):
     assert qw.tile == PACK_TILE and qw.padded_k == padded_k(k)
     for plane, (shape, dtype) in zip(qw.planes, plane_specs(fmt, 6, k)):
         assert plane.shape == shape and plane.dtype == dtype and plane.is_contiguous()
-        assert (plane.shape[1] * plane.element_size()) % 16 == 0
+        assert plane.shape[-1] % 16 == 0 and shape[0] * ROW_GROUP == padded_n(6)
+    # tile-major: chunk (row group g, K-tile t) holds each row's K-tile bytes, row by row (fp6: the R hi rows,
+    # then the R lo rows); rows past N decode to 0
+    rows = row_planes(qw)
+    assert torch.equal(tile_major(rows, fmt, 6, k), qw.planes[0])
+    sizes = {"fp6": [64, 32], "int4": [64], "int8": [128]}[fmt]
+    packed = qw.planes[0].view(torch.uint8)
+    for t in range(qw.padded_k // PACK_TILE):
+        start = 0
+        for plane, nb in zip(rows, sizes):
+            row_bytes = plane.contiguous().view(torch.uint8).reshape(6, -1)
+            for r in (0, 5):
+                got = packed[0, t, start + r * nb:start + (r + 1) * nb]
+                assert torch.equal(got, row_bytes[r, t * nb:(t + 1) * nb])
+            start += ROW_GROUP * nb
     deq = dequant_planes_fp16(qw).float()
     codes = unpack_codes(qw)
     exact = fp6_decode(codes) / FP6_FP16_SCALE if fmt == "fp6" else codes.float()
@@ -218,8 +236,8 @@ def test_plane_shapes_padding_and_kernel_dequant_replay(fmt, group_size, k):
 def test_kernel_dequant_replay_all_fp6_codes_every_field():
     codes = torch.arange(64, dtype=torch.uint8).repeat(4)  # 256 values: each code in 4 fields of 2 tiles
     codes = torch.stack([codes, codes.roll(5)])
-    hi, lo = pack_fp6(codes)
-    qw = QuantizedWeight("fp6", (2, 256), None, (hi, lo), torch.ones(2, 1, dtype=torch.float16), torch.float16)
+    packed = tile_major(pack_fp6(codes), "fp6", 2, 256)
+    qw = QuantizedWeight("fp6", (2, 256), None, (packed,), torch.ones(2, 1, dtype=torch.float16), torch.float16)
     got = dequant_planes_fp16(qw).float() * FP6_FP16_SCALE
     assert torch.equal(got, fp6_decode(codes))
     assert torch.equal(fp6_to_fp16_bits(codes).float(), dequant_planes_fp16(qw).float())

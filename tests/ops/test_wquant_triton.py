@@ -138,7 +138,7 @@ def test_kernel_large_m_tiles_over_m(wt):
 @kernel_test
 def test_kernel_rejects_foreign_planes(wt):
     qw = _weight(8, 128, "fp6", None, seed=13)
-    qw.planes = (qw.planes[0], qw.planes[1].to(torch.int32))
+    qw.planes = (qw.planes[0].view(torch.int16),)
     with pytest.raises(ValueError, match="plane must be a contiguous"):
         wt.wq_matmul(torch.zeros(1, 128, dtype=torch.float16, device=DEVICE), qw)
 
@@ -156,8 +156,12 @@ def test_kernel_extreme_codes_are_exact(wt):
     codes = torch.arange(64, dtype=torch.uint8).repeat(2)
     from lightspeed.ops.wquant.reference import pack_fp6
 
+    from lightspeed.ops.wquant.reference import row_planes, tile_major
+
     hi, lo = pack_fp6(torch.stack([codes, codes.roll(16)]))  # each code in several field positions
-    qw.planes = (torch.cat([qw.planes[0][:2], hi.to(DEVICE)]), torch.cat([qw.planes[1][:2], lo.to(DEVICE)]))
+    rows = row_planes(qw)
+    qw.planes = (tile_major((torch.cat([rows[0][:2], hi.to(DEVICE)]), torch.cat([rows[1][:2], lo.to(DEVICE)])),
+                            "fp6", 4, k),)
     qw.shape = (4, k)
     qw.scales = torch.cat([qw.scales[:2], torch.ones(2, 1, dtype=torch.float16, device=DEVICE)])
     x = torch.eye(k, dtype=torch.float16, device=DEVICE)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, QuantizedWeight, plane_specs
+from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight, plane_specs
 
 logger = get_logger(__name__)
 
@@ -213,28 +213,30 @@ def _dequant_int8(q, X_BF16: tl.constexpr):
 
 
 @triton.jit
-def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm,
+def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm,
             K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
             NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
-            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 (SWAP: its transpose [BLOCK_N, BLOCK_M]) += x[:, tile t] @ dequant(W)[:, tile t].T (per-group scales applied)."""
+            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr, CHUNK: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 (SWAP: its transpose [BLOCK_N, BLOCK_M]) += x[:, tile t] @ dequant(W)[:, tile t].T
+    (per-group scales applied). row_a / row_b: each row's offset in its tile-0 chunk (row_a: int8 bytes, or
+    half-words of the 4-bit plane; row_b: fp6 lo bytes); tile t's chunk is t * CHUNK bytes further."""
     k0 = t * TILE
     part = tl.zeros_like(acc)
     if FORMAT == 1:
         NSUB: tl.constexpr = TILE // SUB
         for i in tl.static_range(NSUB):
-            offs_q = tl.max_contiguous(tl.multiple_of(k0 + i * SUB + tl.arange(0, SUB), SUB), SUB)
-            q = tl.load(w_ptr + offs_nc[:, None] * KP + offs_q[None, :])
+            offs_q = tl.max_contiguous(tl.multiple_of(i * SUB + tl.arange(0, SUB), SUB), SUB)
+            q = tl.load(w_ptr + (row_a[:, None] + t * CHUNK) + offs_q[None, :])
             acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + i * SUB, i, stride_xm, _dequant_int8(q, X_BF16),
                            K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED, SWAP)
     else:  # per half (SUB = T/4: one; SUB = T/8: two) one [BLOCK_N, SUB] half-word tile (+ fp6 lo bytes)
         FW: tl.constexpr = TILE // 4  # field width: field f covers K [k0 + f*FW, k0 + (f+1)*FW)
         for hh in tl.static_range(FW // SUB):
-            offs_c = tl.max_contiguous(tl.multiple_of(t * FW + hh * SUB + tl.arange(0, SUB), SUB), SUB)
-            w = tl.load(w_ptr + offs_nc[:, None] * (KP // 4) + offs_c[None, :])
+            offs_c = tl.max_contiguous(tl.multiple_of(hh * SUB + tl.arange(0, SUB), SUB), SUB)
+            w = tl.load(w_ptr + (row_a[:, None] + t * (CHUNK // 2)) + offs_c[None, :])
             lo = w
             if FORMAT == 0:
-                lo = tl.load(w2_ptr + offs_nc[:, None] * (KP // 4) + offs_c[None, :])
+                lo = tl.load(w2_ptr + (row_b[:, None] + t * CHUNK) + offs_c[None, :])
             v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, SWAP)
             for f in tl.static_range(4):
                 acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f, stride_xm,
@@ -286,7 +288,7 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
                       K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
                       SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, MAX_SPLIT_K: tl.constexpr,
-                      REDUCE: tl.constexpr, INTERPRETED: tl.constexpr,
+                      REDUCE: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
     """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias); split-K partials through ws [SPLIT_K, M, N].
     K is a constexpr (one compile per layer width), so plane strides and tile counts are constants.
@@ -304,6 +306,17 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     n_mask = offs_n < N
     offs_mc = tl.minimum(offs_m, M - 1)  # clamped rows: loads need no mask, extra rows are never stored
     offs_nc = tl.minimum(offs_n, N - 1)
+    # tile-major storage (reference.py): chunks of ROWS rows x one K-tile, CHUNK bytes each
+    RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2  # bytes of a row's K-tile: int8 / 4-bit plane
+    CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
+    grp = offs_nc // ROWS
+    rin = offs_nc % ROWS
+    if FORMAT == 1:
+        row_a = grp * (NT * CHUNK) + rin * TILE  # int8: bytes
+        row_b = row_a
+    else:
+        row_a = grp * (NT * CHUNK // 2) + rin * (TILE // 4)  # half-words of the 4-bit plane
+        row_b = grp * (NT * CHUNK) + ROWS * RB + rin * (TILE // 4)  # fp6 lo bytes: after the chunk's hi rows
     SWAP: tl.constexpr = BLOCK_M >= 64  # swapped operands (see the module docstring)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -314,13 +327,13 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
         t = t_start
         while t < t_end:
-            acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm, K, KP, TILE, SUB, GROUP,
-                          NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP)
+            acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP, TILE,
+                          SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
             t += 1
     else:
         for t in range(t_start, t_end):
-            acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, t, stride_xm, K, KP, TILE, SUB, GROUP,
-                          NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP)
+            acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP, TILE,
+                          SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
     if SWAP:
         acc = tl.trans(acc)
     if not PER_GROUP:
@@ -523,8 +536,9 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
             raise ValueError(f"{qw.format} plane must be a contiguous {dtype} {shape} (got {plane.dtype} "
                              f"{tuple(plane.shape)})")
     per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
-    w = qw.planes[0] if qw.format == "int8" else qw.planes[0].view(torch.int16)  # half-words (layout Note)
-    w2 = qw.planes[1].view(torch.int8) if qw.format == "fp6" else w  # fp6 lo: one byte per half-word
+    packed = qw.planes[0]
+    w = packed if qw.format == "int8" else packed.view(torch.int16)  # 4-bit plane: half-words (layout Note)
+    w2 = packed  # fp6 lo: bytes
     scales = qw.scales.contiguous()
     block_m = block_m_for(M)
     m_blocks = triton.cdiv(M, block_m)
@@ -550,7 +564,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
                  FP6_FP16_SCALE if qw.format == "fp6" else 1.0, K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg,
                  FORMAT=_FORMAT_ID[qw.format], PER_GROUP=per_group, HAS_BIAS=has_bias,
                  X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, MAX_SPLIT_K=max_split_k(M), REDUCE=red,
-                 INTERPRETED=INTERPRET, **meta)
+                 INTERPRETED=INTERPRET, ROWS=ROW_GROUP, **meta)
     if meta:
         chosen = {"BLOCK_N": meta["BLOCK_N"], "SPLIT_K": meta["SPLIT_K"], "num_warps": meta.get("num_warps", 4),
                   "num_stages": meta.get("num_stages", 3)}

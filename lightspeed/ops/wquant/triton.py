@@ -1,19 +1,28 @@
-"""Triton kernels for `y = x @ dequant(W).T` with a packed FP6 / INT8 / INT4 weight (tile-interleaved
-layout in `reference.py`). The only module of ops/wquant that imports triton; import it lazily.
+"""Triton kernels for `y = x @ dequant(W).T` with a packed FP6 / INT8 / INT4 weight (tile-interleaved,
+tile-major layout in `reference.py`). The only module of ops/wquant that imports triton; import it lazily.
 
 One kernel serves every M. A program owns a [BLOCK_M, BLOCK_N] output tile and a contiguous share of
-the K-tiles (T = 128 values each). Per K-tile it loads one [BLOCK_N, T/8] word tile per plane (16-byte
-vector loads: rows and tiles are 16-byte aligned) and, for each field i = 0..7 of the words, makes
-with two shifts and two masks (fp6; int4: a shift, a mask, an or and an fp16 subtract) the
-[BLOCK_N, T/8] fp16 weight tile of the *contiguous* K range [k0 + i*T/8, k0 + (i+1)*T/8), loads the
-matching [BLOCK_M, T/8] x sub-tile straight from memory and does `acc = tl.dot(x_i, w_i.T, acc)`:
-no reshape, gather or int->float convert. int8 (plain layout) loads [BLOCK_N, SUB] int8 sub-tiles
-and dequantizes with the 0x6480 fp16 trick. fp32 accumulator; the per-channel scale (and fp6's
-2**12) is applied once in the epilogue, per-group scales once per group span (`SPG` sub-tiles).
+the K-tiles (T = 128 values each). The weight is stored tile-major (`reference.py`): the rows of a
+program's K-tile lie in BLOCK_N / 32 contiguous chunks, so its loads stream whole chunks (16-byte
+vectors) rather than 32..128-byte pieces of rows kilobytes apart. Per K-tile it loads one
+[BLOCK_N, T/4] half-word tile (+ fp6's [BLOCK_N, T/4] lo bytes) and, for each field f = 0..3, makes
+with shifts and masks (inline PTX on 32-bit pairs for fp16 activations) the [BLOCK_N, T/4] fp16
+weight tile of the *contiguous* K range [k0 + f*T/4, k0 + (f+1)*T/4), loads the matching
+[BLOCK_M, T/4] x sub-tile and accumulates its product: no reshape, gather or int->float convert.
+int8 loads [BLOCK_N, SUB] int8 sub-tiles and dequantizes with the 0x6480 fp16 trick. fp32
+accumulator; the per-channel scale (and fp6's 2**12) is applied once in the epilogue, per-group scales
+once per group span (`SPG` sub-tiles).
 
-SWAP (BLOCK_M = 64): the dots are computed transposed, acc^T [BLOCK_N, BLOCK_M] += w_i @ x_i^T, so on sm_90
-the dequantized tile is wgmma's register operand A (unswapped, Triton picks wgmma with both operands in
-shared memory and round-trips every dequantized tile through STS + CTA barriers: 2x slower per byte).
+SWAP (fp6 and int4 at every M, int8 at BLOCK_M = 64): the products are computed transposed,
+acc^T [BLOCK_N, BLOCK_M] += w_f @ x_f^T, so on sm_90 the dequantized tile is wgmma's register operand A
+and x^T its shared-memory operand B (BLOCK_N >= 64; M = 16 is wgmma's n16). Unswapped, M <= 32 runs
+mma.sync, every warp reading all of x from shared memory (fp6 8192 x 28672, M = 1: 55 us vs 50 us
+swapped), and M = 64 picks wgmma with both operands in shared memory, round-tripping every dequantized
+tile through STS + CTA barriers (2x slower per byte). int8 swapped at M <= 16 was 10-15% slower.
+Each K-tile's products go to a fresh accumulator that is added to acc at the tile's end, which makes
+the tile's wgmmas complete inside the iteration: left in flight across the loop back-edge (Triton's
+default), int4 at BLOCK_N 128 / 4 warps gave wrong results on the H200 in most calls (the next tile's
+dequant reusing the pending wgmma's A registers), at a cost of 2-4% for fp6.
 
 M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
 grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1. Split-K partials go
@@ -317,7 +326,7 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     else:
         row_a = grp * (NT * CHUNK // 2) + rin * (TILE // 4)  # half-words of the 4-bit plane
         row_b = grp * (NT * CHUNK) + ROWS * RB + rin * (TILE // 4)  # fp6 lo bytes: after the chunk's hi rows
-    SWAP: tl.constexpr = BLOCK_M >= 64  # swapped operands (see the module docstring)
+    SWAP: tl.constexpr = FORMAT != 1 or BLOCK_M >= 64  # swapped operands (see the module docstring)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -327,13 +336,23 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
         t = t_start
         while t < t_end:
-            acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP, TILE,
-                          SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
+            if SWAP:  # the tile's wgmmas complete before the next tile (module docstring)
+                acc += _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t,
+                               stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED,
+                               SWAP, CHUNK)
+            else:
+                acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+                              TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
             t += 1
     else:
         for t in range(t_start, t_end):
-            acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP, TILE,
-                          SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
+            if SWAP:  # the tile's wgmmas complete before the next tile (module docstring)
+                acc += _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t,
+                               stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED,
+                               SWAP, CHUNK)
+            else:
+                acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+                              TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
     if SWAP:
         acc = tl.trans(acc)
     if not PER_GROUP:
@@ -378,14 +397,11 @@ def _config(block_n, split_k, num_warps, num_stages):
     return triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k}, num_warps=num_warps, num_stages=num_stages)
 
 
-BLOCK_NS = (32, 64, 128)
-SPLIT_KS = (1, 2, 3, 4, 6, 8, 12, 16)
-# (num_warps, num_stages) tried for the best (BLOCK_N, SPLIT_K) of each BLOCK_N, and for the runner-up
-_VARIANTS_BEST = ((4, 3), (4, 4), (8, 3))
-_VARIANTS_NEXT = ((4, 3),)
-_STAGES_WARPS = sorted({*_VARIANTS_BEST, *_VARIANTS_NEXT, (8, 4)})  # (8, 4): M > 32 at BLOCK_N 128
+BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (module docstring)
+SPLIT_KS = (1, 2, 4, 8, 16)
+_STAGES_WARPS = ((4, 3), (4, 4), (8, 3), (8, 4))  # 8 warps when M > 32 at BLOCK_N 128
 _CONFIGS = [_config(bn, sk, w, s) for bn in BLOCK_NS for sk in SPLIT_KS for w, s in _STAGES_WARPS]
-TARGET_PROGRAMS_PER_SM = 4
+TARGET_PROGRAMS_PER_SM = 3  # H200 sweep (2026-11-29): the best split gave 2-7 programs per SM
 
 
 def _num_sms() -> int:
@@ -400,23 +416,22 @@ def num_k_tiles(K: int, tile: int) -> int:
 
 
 def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[triton.Config]:
-    """The <= 12 configs the autotuner times for one problem: for each BLOCK_N, the SPLIT_K whose
-    program count is nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles)
-    with 3 (warps, stages) variants, and the runner-up SPLIT_K with one."""
+    """The <= 7 configs the autotuner times for one problem: at BLOCK_N 128 the three SPLIT_Ks whose
+    program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
+    most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages.
+    4 warps, 8 for a 64 x 128 accumulator (over 4 warps it spills: SASS 255 registers)."""
     nt = num_k_tiles(K, tile)
     m_blocks = -(-M // MAX_SINGLE_BLOCK_M) if M > MAX_SINGLE_BLOCK_M else 1
     target = TARGET_PROGRAMS_PER_SM * sms
+    splits = [sk for sk in SPLIT_KS if sk == 1 or (sk <= max_split_k(M) and nt >= 2 * sk)]
     out = []
     for bn in BLOCK_NS:
-        if bn > 32 and N <= bn // 2:
+        if bn == 128 and N <= 64:
             continue  # mostly padding
-        splits = [sk for sk in SPLIT_KS if sk == 1 or (sk <= max_split_k(M) and nt >= 2 * sk)]
         ranked = sorted(splits, key=lambda sk: (abs(math.log2(-(-N // bn) * sk * m_blocks / target)), sk))
-        for rank, sk in enumerate(ranked[:2]):
-            for w, s in (_VARIANTS_BEST if rank == 0 else _VARIANTS_NEXT):
-                if M > 32 and bn * 64 // (32 * w) >= 64:
-                    w = 8  # a 64 x BLOCK_N fp32 accumulator over 4 warps spills at BLOCK_N 128 (SASS: 255 regs)
-                out.append(_config(bn, sk, w, s))
+        warps = 8 if M > 32 and bn == 128 else 4
+        stages = (3, 4) if bn == 128 else (3,)
+        out += [_config(bn, sk, warps, st) for sk in ranked[:3 if bn == 128 else 1] for st in stages]
     return _dedup(out)
 
 

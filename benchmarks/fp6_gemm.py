@@ -8,7 +8,7 @@ copy bandwidth. Weights are rotated among enough copies that their total exceeds
 reads its weight from HBM.
 
     python benchmarks/fp6_gemm.py                  # full table (GPU)
-    python benchmarks/fp6_gemm.py --check          # every (shape, M, format) vs dequant + fp32 matmul
+    python benchmarks/fp6_gemm.py --check          # every (shape, M, format) vs dequant + fp32 matmul (10 calls)
     python benchmarks/fp6_gemm.py --smoke          # tiny sizes; on CPU through the reference
     python benchmarks/fp6_gemm.py --json out.json  # also write the rows as JSON
     python benchmarks/fp6_gemm.py --configs-report # also every autotune candidate's time
@@ -35,6 +35,7 @@ FORMATS = ["fp6", "int8", "int4"]
 L2_BYTES = 50 * 2**20  # H200
 SMOKE_SHAPES = [(256, 384)]
 SMOKE_MS = [1, 16]
+CHECK_CALLS = 10
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -171,10 +172,10 @@ def run(shapes, ms, formats, device, check: bool, group_size, timing: str = "gra
                     print(f"  autotune {k}x{n} M={m} {fmt}: " + "; ".join(
                         f"{c} {t * 1e3:.1f}us{' *' if t == best else ''}" for c, t in sorted(timings.items(),
                                                                                             key=lambda kv: kv[1])))
-                if check:
-                    got = wq.quantized_matmul(x, qws[0]).float()
+                if check:  # several calls: a race in the kernel shows as some of them wrong
                     ref = x.float() @ wq.dequantize(qws[0]).to(device).T
-                    err = (got - ref).abs().max().item()
+                    err = max((wq.quantized_matmul(x, qws[0]).float() - ref).abs().max().item()
+                              for _ in range(CHECK_CALLS))
                     scale = ref.abs().max().item()
                     row.update(max_abs_err=err, max_ref=scale, ok=bool(err <= 2e-3 * scale + 1e-3))
                 us = bench_us(lambda i: wq.quantized_matmul(x, qws[i]), len(qws), timing=timing)

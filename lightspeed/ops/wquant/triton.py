@@ -247,10 +247,46 @@ def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t,
             if FORMAT == 0:
                 lo = tl.load(w2_ptr + (row_b[:, None] + t * CHUNK) + offs_c[None, :])
             v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, SWAP)
-            for f in tl.static_range(4):
-                acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f, stride_xm,
-                               _pick(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED, SWAP)
+            if SWAP and (not PER_GROUP) and SUB == FW:  # one product over the whole K-tile
+                acc = tl.dot(_w_op(_cat_fields(v0, v1, v2, v3), INTERPRETED),
+                             tl.trans(_x_sub(x_ptr, offs_mc, k0, stride_xm, K, TILE, TILE, INTERPRETED)), acc)
+            else:
+                for f in tl.static_range(4):
+                    acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f,
+                                         stride_xm, _pick(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP,
+                                         INTERPRETED, SWAP)
     return acc
+
+
+@triton.jit
+def _cat_fields(v0, v1, v2, v3):
+    """Four [BLOCK_N, FW] field tiles -> [BLOCK_N, 4 FW], column f * FW + c = field f's column c (the K-tile
+    in K order). The field index becomes two register bits of the wgmma operand layout, which holds every
+    16-column slab of K in each thread's registers, so no data moves (SASS: no shuffle, no shared memory)."""
+    a = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, FW, i, o] = v(2i + o)
+    a = tl.permute(a, (0, 2, 3, 1))  # [BN, i, o, FW]
+    return tl.reshape(a, (a.shape[0], 4 * a.shape[3]))
+
+
+@triton.jit
+def _x_sub(x_ptr, offs_mc, kst, stride_xm, K: tl.constexpr, TILE: tl.constexpr, WIDTH: tl.constexpr,
+           INTERPRETED: tl.constexpr):
+    """x[:, kst:kst+WIDTH] ([BLOCK_M, WIDTH], zero past K), fp32 under the interpreter."""
+    offs_k = tl.max_contiguous(tl.multiple_of(kst + tl.arange(0, WIDTH), WIDTH), WIDTH)
+    if K % TILE == 0:
+        x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :])
+    else:
+        x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+    if INTERPRETED:  # the interpreter's bf16 tl.dot is wrong (triton 3.6); fp32 is exact for these operands
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _w_op(v, INTERPRETED: tl.constexpr):
+    if INTERPRETED:
+        v = v.to(tl.float32)
+    return v
 
 
 @triton.jit
@@ -260,14 +296,8 @@ def _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, kst, i: tl.constexpr, st
     """acc += x[:, kst:kst+SUB] @ wi.T (SWAP: acc^T += wi @ x^T) for sub-tile i of the K-tile (per-group: the SPG sub-tiles of one
     group span are summed in `part` and scaled once; with two halves per field (SUB = T/8) SPG is 1 or
     the whole tile, so the (half, field) visiting order never splits a span)."""
-    offs_k = tl.max_contiguous(tl.multiple_of(kst + tl.arange(0, SUB), SUB), SUB)
-    if K % TILE == 0:
-        x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :])
-    else:
-        x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
-    if INTERPRETED:  # the interpreter's bf16 tl.dot is wrong (triton 3.6); fp32 is exact for these operands
-        x = x.to(tl.float32)
-        wi = wi.to(tl.float32)
+    x = _x_sub(x_ptr, offs_mc, kst, stride_xm, K, TILE, SUB, INTERPRETED)
+    wi = _w_op(wi, INTERPRETED)
     if SWAP:  # acc^T [BLOCK_N, BLOCK_M] += wi @ x^T: the dequantized tile is the register operand A of wgmma
         a = wi
         b = tl.trans(x)
@@ -331,15 +361,17 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # a runtime 1.0: `acc += one * tile` cannot be folded into the tile's last dot (module docstring)
+    one = (N > 0).to(tl.float32)
     t_start = pid_k * TPS
     t_end = tl.minimum(t_start + TPS, NT)
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
         t = t_start
         while t < t_end:
             if SWAP:  # the tile's wgmmas complete before the next tile (module docstring)
-                acc += _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t,
-                               stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED,
-                               SWAP, CHUNK)
+                acc += one * _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b,
+                                     t, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16,
+                                     INTERPRETED, SWAP, CHUNK)
             else:
                 acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
                               TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
@@ -347,9 +379,9 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     else:
         for t in range(t_start, t_end):
             if SWAP:  # the tile's wgmmas complete before the next tile (module docstring)
-                acc += _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t,
-                               stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED,
-                               SWAP, CHUNK)
+                acc += one * _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b,
+                                     t, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16,
+                                     INTERPRETED, SWAP, CHUNK)
             else:
                 acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
                               TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
@@ -399,7 +431,7 @@ def _config(block_n, split_k, num_warps, num_stages):
 
 BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (module docstring)
 SPLIT_KS = (1, 2, 4, 8, 16)
-_STAGES_WARPS = ((4, 3), (4, 4), (8, 3), (8, 4))  # 8 warps when M > 32 at BLOCK_N 128
+_STAGES_WARPS = ((4, 3), (4, 4), (8, 3), (8, 4))  # 8 warps when M > 16 at BLOCK_N 128
 _CONFIGS = [_config(bn, sk, w, s) for bn in BLOCK_NS for sk in SPLIT_KS for w, s in _STAGES_WARPS]
 TARGET_PROGRAMS_PER_SM = 3  # H200 sweep (2026-11-29): the best split gave 2-7 programs per SM
 
@@ -419,7 +451,8 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[trito
     """The <= 7 configs the autotuner times for one problem: at BLOCK_N 128 the three SPLIT_Ks whose
     program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
     most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages.
-    4 warps, 8 for a 64 x 128 accumulator (over 4 warps it spills: SASS 255 registers)."""
+    4 warps, 8 at BLOCK_N 128 when M > 16 (fp6 at M = 32 over 4 warps: 200 registers per thread, at M = 64
+    a spill)."""
     nt = num_k_tiles(K, tile)
     m_blocks = -(-M // MAX_SINGLE_BLOCK_M) if M > MAX_SINGLE_BLOCK_M else 1
     target = TARGET_PROGRAMS_PER_SM * sms
@@ -429,7 +462,7 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[trito
         if bn == 128 and N <= 64:
             continue  # mostly padding
         ranked = sorted(splits, key=lambda sk: (abs(math.log2(-(-N // bn) * sk * m_blocks / target)), sk))
-        warps = 8 if M > 32 and bn == 128 else 4
+        warps = 8 if M > 16 and bn == 128 else 4
         stages = (3, 4) if bn == 128 else (3,)
         out += [_config(bn, sk, warps, st) for sk in ranked[:3 if bn == 128 else 1] for st in stages]
     return _dedup(out)

@@ -17,7 +17,8 @@ reads its weight from HBM.
 Timing: by default a CUDA graph of back-to-back calls is replayed (kernel time as a captured decode
 step sees it, for cuBLAS and ours alike); `--timing events` times eager calls, which includes the
 Python/launch overhead whenever the CPU is slower than the kernel. The `config` column is the kernel
-config the autotuner chose (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages).
+config the autotuner chose (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages; fp6/int4: one product per K-tile
+or per field).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def _rotations(bytes_per_copy: int) -> int:
 def _config_str(cfg: dict) -> str:
     if not cfg:
         return "-"
-    return f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} SK{cfg['SPLIT_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
+    one = {0: " dot/field", 1: " dot/tile"}.get(cfg.get("ONE_DOT"), "")
+    return f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} SK{cfg['SPLIT_K']} w{cfg['num_warps']} s{cfg['num_stages']}{one}"
 
 
 def _chosen_config(device) -> tuple[dict, dict | None]:

@@ -102,6 +102,20 @@ def test_kernel_odd_n_odd_k_bias_split_k(wt, fmt, dtype):
 
 
 @kernel_test
+@pytest.mark.parametrize("fmt", ["fp6", "int4"])
+def test_kernel_both_product_forms(wt, fmt):
+    """ONE_DOT 1 (the four field tiles joined into one K-tile product) and 0 (one product per field), which
+    the autotuner chooses between, agree with the reference (fp16 and bf16, several M, K with padding)."""
+    qw = _weight(40, 200, fmt, None, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    for m, dtype in ((1, torch.float16), (16, torch.bfloat16), (40, torch.float16)):
+        x = _randn(m, 200, gen=gen, dtype=dtype)
+        for one_dot in (0, 1):
+            _check(wt.wq_matmul(x, qw, config={**_cfg(32, 2 if m <= 64 else 1), "ONE_DOT": one_dot}), x, qw)
+            assert wt.last_config()["ONE_DOT"] == one_dot
+
+
+@kernel_test
 @pytest.mark.parametrize("fmt,group_size,k", [("int4", 64, 128), ("int8", 32, 128), ("fp6", 64, 128),
                                               ("int4", 48, 240), ("int8", 256, 512), ("fp6", 256, 512)])
 def test_kernel_per_group_scales(wt, fmt, group_size, k):
@@ -177,16 +191,17 @@ def test_kernel_extreme_codes_are_exact(wt):
 
 
 def test_autotune_candidates_are_few_valid_and_bounded():
-    """The autotuner's pruned list: <= 7 configs, each in the compiled config space, SPLIT_K within
+    """The autotuner's pruned list: <= 7 configs (x2 for fp6/int4: one product per K-tile or per field), each in the compiled config space, SPLIT_K within
     max_split_k(M) and K-tiles, 8 warps for accumulators of M > 16 at BLOCK_N 128."""
     wt = pytest.importorskip("lightspeed.ops.wquant.triton")
-    space = {(c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages) for c in wt._CONFIGS}
+    space = {wt._key(c) for c in wt._CONFIGS}
     for m, n, k in [(1, 8192, 8192), (16, 28672, 8192), (64, 8192, 28672), (200, 4096, 4096), (1, 48, 256)]:
+        assert len(wt.candidate_configs(m, n, k, 128, 132, fmt=1)) <= 7  # int8: ONE_DOT = 1 only
         cands = wt.candidate_configs(m, n, k, 128, 132)
-        assert 1 <= len(cands) <= 7
+        assert 1 <= len(cands) <= 14
         for c in cands:
             bn, sk, w, s = c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages
-            assert (bn, sk, w, s) in space
+            assert wt._key(c) in space
             assert sk == 1 or (sk <= wt.max_split_k(m) and wt.num_k_tiles(k, 128) >= 2 * sk)
             assert w == (8 if m > 16 and bn == 128 else 4)
             assert not (n <= 64 and bn == 128)

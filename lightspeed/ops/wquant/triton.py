@@ -19,10 +19,17 @@ and x^T its shared-memory operand B (BLOCK_N >= 64; M = 16 is wgmma's n16). Unsw
 mma.sync, every warp reading all of x from shared memory (fp6 8192 x 28672, M = 1: 55 us vs 50 us
 swapped), and M = 64 picks wgmma with both operands in shared memory, round-tripping every dequantized
 tile through STS + CTA barriers (2x slower per byte). int8 swapped at M <= 16 was 10-15% slower.
+ONE_DOT (autotuned): 1 joins the four field tiles into one [BLOCK_N, T] operand in K order (`_cat_fields`:
+the field index lands on register bits of the wgmma operand layout, so nothing moves) and does one
+product per K-tile: 16 HGMMAs and one wait. 0 does one product per field; Triton then waits after each
+(4 waits per tile). Neither wins everywhere on the H200 (fp6 8192 x 28672: M = 1 per field 52 us, per
+tile 62; M = 16 per field 59, per tile 55), so the autotuner times both.
 Each K-tile's products go to a fresh accumulator that is added to acc at the tile's end, which makes
 the tile's wgmmas complete inside the iteration: left in flight across the loop back-edge (Triton's
 default), int4 at BLOCK_N 128 / 4 warps gave wrong results on the H200 in most calls (the next tile's
-dequant reusing the pending wgmma's A registers), at a cost of 2-4% for fp6.
+dequant reusing the pending wgmma's A registers), at a cost of 2-4% for fp6. The add is `acc += one *
+tile` with `one` a runtime 1.0: a plain add is folded into the tile's last dot, which would leave the
+wgmmas pending across the back-edge again.
 
 M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
 grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1. Split-K partials go
@@ -225,7 +232,8 @@ def _dequant_int8(q, X_BF16: tl.constexpr):
 def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm,
             K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
             NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
-            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr, CHUNK: tl.constexpr):
+            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr, CHUNK: tl.constexpr,
+            ONE_DOT: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 (SWAP: its transpose [BLOCK_N, BLOCK_M]) += x[:, tile t] @ dequant(W)[:, tile t].T
     (per-group scales applied). row_a / row_b: each row's offset in its tile-0 chunk (row_a: int8 bytes, or
     half-words of the 4-bit plane; row_b: fp6 lo bytes); tile t's chunk is t * CHUNK bytes further."""
@@ -247,7 +255,7 @@ def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t,
             if FORMAT == 0:
                 lo = tl.load(w2_ptr + (row_b[:, None] + t * CHUNK) + offs_c[None, :])
             v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, SWAP)
-            if SWAP and (not PER_GROUP) and SUB == FW:  # one product over the whole K-tile
+            if SWAP and ONE_DOT and (not PER_GROUP) and SUB == FW:  # one product over the whole K-tile
                 acc = tl.dot(_w_op(_cat_fields(v0, v1, v2, v3), INTERPRETED),
                              tl.trans(_x_sub(x_ptr, offs_mc, k0, stride_xm, K, TILE, TILE, INTERPRETED)), acc)
             else:
@@ -328,7 +336,7 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
                       SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, MAX_SPLIT_K: tl.constexpr,
                       REDUCE: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr):
     """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias); split-K partials through ws [SPLIT_K, M, N].
     K is a constexpr (one compile per layer width), so plane strides and tile counts are constants.
     MAX_SPLIT_K only keys the autotuner (its pruning bounds SPLIT_K, hence the workspace size, by M)."""
@@ -371,20 +379,20 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
             if SWAP:  # the tile's wgmmas complete before the next tile (module docstring)
                 acc += one * _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b,
                                      t, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16,
-                                     INTERPRETED, SWAP, CHUNK)
+                                     INTERPRETED, SWAP, CHUNK, ONE_DOT)
             else:
                 acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                              TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
+                              TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
             t += 1
     else:
         for t in range(t_start, t_end):
             if SWAP:  # the tile's wgmmas complete before the next tile (module docstring)
                 acc += one * _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b,
                                      t, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16,
-                                     INTERPRETED, SWAP, CHUNK)
+                                     INTERPRETED, SWAP, CHUNK, ONE_DOT)
             else:
                 acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                              TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK)
+                              TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
     if SWAP:
         acc = tl.trans(acc)
     if not PER_GROUP:
@@ -425,14 +433,15 @@ def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(block_n, split_k, num_warps, num_stages):
-    return triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k}, num_warps=num_warps, num_stages=num_stages)
+def _config(block_n, split_k, num_warps, num_stages, one_dot=1):
+    return triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k, "ONE_DOT": one_dot}, num_warps=num_warps,
+                         num_stages=num_stages)
 
 
 BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (module docstring)
 SPLIT_KS = (1, 2, 4, 8, 16)
 _STAGES_WARPS = ((4, 3), (4, 4), (8, 3), (8, 4))  # 8 warps when M > 16 at BLOCK_N 128
-_CONFIGS = [_config(bn, sk, w, s) for bn in BLOCK_NS for sk in SPLIT_KS for w, s in _STAGES_WARPS]
+_CONFIGS = [_config(bn, sk, w, s, od) for bn in BLOCK_NS for sk in SPLIT_KS for w, s in _STAGES_WARPS for od in (0, 1)]
 TARGET_PROGRAMS_PER_SM = 3  # H200 sweep (2026-11-29): the best split gave 2-7 programs per SM
 
 
@@ -447,7 +456,7 @@ def num_k_tiles(K: int, tile: int) -> int:
     return -(-K // tile)
 
 
-def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[triton.Config]:
+def candidate_configs(M: int, N: int, K: int, tile: int, sms: int, fmt: int = 0) -> list[triton.Config]:
     """The <= 7 configs the autotuner times for one problem: at BLOCK_N 128 the three SPLIT_Ks whose
     program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
     most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages.
@@ -464,14 +473,16 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[trito
         ranked = sorted(splits, key=lambda sk: (abs(math.log2(-(-N // bn) * sk * m_blocks / target)), sk))
         warps = 8 if M > 16 and bn == 128 else 4
         stages = (3, 4) if bn == 128 else (3,)
-        out += [_config(bn, sk, warps, st) for sk in ranked[:3 if bn == 128 else 1] for st in stages]
+        one_dots = (1,) if fmt == 1 else (1, 0)  # int8 has no field tiles to join
+        out += [_config(bn, sk, warps, st, od) for sk in ranked[:3 if bn == 128 else 1] for st in stages
+                for od in one_dots]
     return _dedup(out)
 
 
 def _dedup(configs: list) -> list:
     seen, out = set(), []
     for c in configs:
-        key = (c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages)
+        key = _key(c)
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -479,9 +490,13 @@ def _dedup(configs: list) -> list:
 
 
 def _prune(configs, named_args, **kwargs):
-    wanted = {(c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages)
-              for c in candidate_configs(named_args["M"], named_args["N"], kwargs["K"], kwargs["TILE"], _num_sms())}
-    return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages) in wanted]
+    wanted = {_key(c) for c in candidate_configs(named_args["M"], named_args["N"], kwargs["K"], kwargs["TILE"],
+                                                _num_sms(), kwargs["FORMAT"])}
+    return [c for c in configs if _key(c) in wanted]
+
+
+def _key(c) -> tuple:
+    return c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.kwargs["ONE_DOT"], c.num_warps, c.num_stages
 
 
 if INTERPRET:
@@ -497,7 +512,7 @@ else:
 
 def _heuristic_config(M: int, K: int) -> dict:
     """One valid config for the interpreter (small tiles so tests exercise masking and several tiles)."""
-    return {"BLOCK_N": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 32, "SPLIT_K": 1, "ONE_DOT": 1, "num_warps": 4, "num_stages": 2}
 
 
 def block_m_for(M: int) -> int:
@@ -600,7 +615,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
         kernel, meta = _tuned_kernel, {}
         ws = _workspace(x.device, max_split_k(M) * M * N)
     else:
-        cfg = dict(config) if config is not None else _heuristic_config(M, K)
+        cfg = {"ONE_DOT": 1, **(dict(config) if config is not None else _heuristic_config(M, K))}
         if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:
             raise ValueError(f"SPLIT_K > 1 needs M <= {MAX_SINGLE_BLOCK_M} (got M={M})")
         kernel, meta = _wq_matmul_kernel, cfg
@@ -616,8 +631,8 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
                  X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, MAX_SPLIT_K=max_split_k(M), REDUCE=red,
                  INTERPRETED=INTERPRET, ROWS=ROW_GROUP, **meta)
     if meta:
-        chosen = {"BLOCK_N": meta["BLOCK_N"], "SPLIT_K": meta["SPLIT_K"], "num_warps": meta.get("num_warps", 4),
-                  "num_stages": meta.get("num_stages", 3)}
+        chosen = {"BLOCK_N": meta["BLOCK_N"], "SPLIT_K": meta["SPLIT_K"], "ONE_DOT": meta["ONE_DOT"],
+                  "num_warps": meta.get("num_warps", 4), "num_stages": meta.get("num_stages", 3)}
     else:
         best = kernel.best_config
         chosen = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}

@@ -1,6 +1,7 @@
 """Weight-only quantization reference (lightspeed.ops.wquant.reference): the e3m2 code table, the fp16
 bit trick, quantize/dequantize properties, the tile-interleaved packing (bit positions, padding, odd
-shapes, the tile-major chunk storage, the kernel's dequant replayed on the planes), error bounds on Gaussian weights, bad input."""
+shapes, the tile-major chunk storage, the kernel's dequant replayed on the planes), error bounds on
+Gaussian weights, bad input."""
 from __future__ import annotations
 
 import math

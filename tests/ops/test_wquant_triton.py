@@ -191,8 +191,9 @@ def test_kernel_extreme_codes_are_exact(wt):
 
 
 def test_autotune_candidates_are_few_valid_and_bounded():
-    """The autotuner's pruned list: <= 7 configs (x2 for fp6/int4: one product per K-tile or per field), each in the compiled config space, SPLIT_K within
-    max_split_k(M) and K-tiles, 8 warps for accumulators of M > 16 at BLOCK_N 128."""
+    """The autotuner's pruned list: <= 7 configs (x2 for fp6/int4: one product per K-tile or per
+    field), each in the compiled config space, SPLIT_K within max_split_k(M) and K-tiles, 8 warps for
+    accumulators of M > 16 at BLOCK_N 128."""
     wt = pytest.importorskip("lightspeed.ops.wquant.triton")
     space = {wt._key(c) for c in wt._CONFIGS}
     for m, n, k in [(1, 8192, 8192), (16, 28672, 8192), (64, 8192, 28672), (200, 4096, 4096), (1, 48, 256)]:

@@ -6,8 +6,8 @@ anything above ops/.
 
 Note: packed layout (tile-interleaved planes). Rows are output channels n (nn.Linear orientation).
 K is padded with zero codes to Kp, a multiple of the pack tile T = `PACK_TILE` (128), so any K works.
-The 4-bit planes are int32 [N, Kp/8] in storage but are addressed as 16-bit half-words (int16 view,
-little endian: word j = half-word 2j | half-word 2j+1 << 16). In K-tile t and row n, half-word c
+The row planes (`pack_fp6`, `pack_nibbles`) are int32 [N, Kp/8] addressed as 16-bit half-words (int16
+view, little endian: word j = half-word 2j | half-word 2j+1 << 16). In K-tile t and row n, half-word c
 (0 <= c < T/4) holds the 4 values k = t*T + f*T/4 + c, f = 0..3 (field f, at bits 4f). So a 32-bit
 word holds, per field, the values k and k+1 (k even) in its two halves: one 32-bit shift / mask /
 packed-fp16 op dequantizes two values (`FIELDS` fields, each a *contiguous* K range of T/4 values).

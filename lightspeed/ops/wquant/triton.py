@@ -229,14 +229,20 @@ def _dequant_int8(q, X_BF16: tl.constexpr):
 
 
 @triton.jit
-def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm,
+def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm,
             K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
             NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
             X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr, CHUNK: tl.constexpr,
             ONE_DOT: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 (SWAP: its transpose [BLOCK_N, BLOCK_M]) += x[:, tile t] @ dequant(W)[:, tile t].T
     (per-group scales applied). row_a / row_b: each row's offset in its tile-0 chunk (row_a: int8 bytes, or
-    half-words of the 4-bit plane; row_b: fp6 lo bytes); tile t's chunk is t * CHUNK bytes further."""
+    half-words of the 4-bit plane; row_b: fp6 lo bytes); tile t's chunk is t * CHUNK bytes further.
+    SWAP: the tile's products start from zero and are added as `acc_in + one * tile` (one: a runtime 1.0),
+    so they complete before the next tile (module docstring)."""
+    if SWAP:
+        acc = tl.zeros_like(acc_in)
+    else:
+        acc = acc_in
     k0 = t * TILE
     part = tl.zeros_like(acc)
     if FORMAT == 1:
@@ -263,6 +269,8 @@ def _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t,
                     acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f,
                                          stride_xm, _pick(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP,
                                          INTERPRETED, SWAP)
+    if SWAP:
+        acc = acc_in + one * acc
     return acc
 
 
@@ -376,23 +384,13 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
         t = t_start
         while t < t_end:
-            if SWAP:  # the tile's wgmmas complete before the next tile (module docstring)
-                acc += one * _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b,
-                                     t, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16,
-                                     INTERPRETED, SWAP, CHUNK, ONE_DOT)
-            else:
-                acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                              TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
             t += 1
     else:
         for t in range(t_start, t_end):
-            if SWAP:  # the tile's wgmmas complete before the next tile (module docstring)
-                acc += one * _k_tile(tl.zeros_like(acc), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b,
-                                     t, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16,
-                                     INTERPRETED, SWAP, CHUNK, ONE_DOT)
-            else:
-                acc = _k_tile(acc, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                              TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
     if SWAP:
         acc = tl.trans(acc)
     if not PER_GROUP:

@@ -342,12 +342,12 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
                       M, N, stride_xm, out_scale,
                       K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
                       SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, MAX_SPLIT_K: tl.constexpr,
+                      X_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
                       REDUCE: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr):
     """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias); split-K partials through ws [SPLIT_K, M, N].
-    K is a constexpr (one compile per layer width), so plane strides and tile counts are constants.
-    MAX_SPLIT_K only keys the autotuner (its pruning bounds SPLIT_K, hence the workspace size, by M)."""
+    K is a constexpr (one compile per layer width), so plane strides and tile counts are constants. The
+    autotuner is keyed by M; its pruning bounds SPLIT_K by `max_split_k(M)`, hence the workspace size."""
     KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
     NT: tl.constexpr = KP // TILE
     NG: tl.constexpr = K // GROUP
@@ -503,7 +503,7 @@ else:
     _tuned_kernel = triton.autotune(configs=_CONFIGS,
                                     # per M: the best split differs between M = 1 and 2..16 (int4 8192 x 8192
                                     # on the H200: 14 vs 19 us with M = 1's config at M = 2)
-                                    key=["M", "BLOCK_M", "MAX_SPLIT_K", "N", "K", "GROUP", "FORMAT", "REDUCE"],
+                                    key=["M", "BLOCK_M", "N", "K", "GROUP", "FORMAT", "REDUCE"],
                                     prune_configs_by={"early_config_prune": _prune}, cache_results=True,
                                     warmup=5, rep=20)(_wq_matmul_kernel)
 
@@ -626,7 +626,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     kernel[grid](x, w, w2, scales, b, out, ws, cnt, M, N, x.stride(0),
                  FP6_FP16_SCALE if qw.format == "fp6" else 1.0, K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg,
                  FORMAT=_FORMAT_ID[qw.format], PER_GROUP=per_group, HAS_BIAS=has_bias,
-                 X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, MAX_SPLIT_K=max_split_k(M), REDUCE=red,
+                 X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, REDUCE=red,
                  INTERPRETED=INTERPRET, ROWS=ROW_GROUP, **meta)
     if meta:
         chosen = {"BLOCK_N": meta["BLOCK_N"], "SPLIT_K": meta["SPLIT_K"], "ONE_DOT": meta["ONE_DOT"],

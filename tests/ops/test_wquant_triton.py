@@ -194,15 +194,17 @@ def test_autotune_candidates_are_few_valid_and_bounded():
     """The autotuner's pruned list: <= 7 configs (x2 for fp6/int4: one product per K-tile or per
     field), each in the compiled config space, SPLIT_K within max_split_k(M) and K-tiles, 8 warps for
     accumulators of M > 16 at BLOCK_N 128."""
-    wt = pytest.importorskip("lightspeed.ops.wquant.triton")
-    space = {wt._key(c) for c in wt._CONFIGS}
+    pytest.importorskip("triton")
+    from lightspeed.ops.wquant import tuning as wt
+
+    space = {wt.config_key(c) for c in wt.CONFIGS}
     for m, n, k in [(1, 8192, 8192), (16, 28672, 8192), (64, 8192, 28672), (200, 4096, 4096), (1, 48, 256)]:
         assert len(wt.candidate_configs(m, n, k, 128, 132, fmt=1)) <= 7  # int8: ONE_DOT = 1 only
         cands = wt.candidate_configs(m, n, k, 128, 132)
         assert 1 <= len(cands) <= 14
         for c in cands:
             bn, sk, w, s = c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages
-            assert wt._key(c) in space
+            assert wt.config_key(c) in space
             assert sk == 1 or (sk <= wt.max_split_k(m) and wt.num_k_tiles(k, 128) >= 2 * sk)
             assert w == (8 if m > 16 and bn == 128 else 4)
             assert not (n <= 64 and bn == 128)

@@ -1,5 +1,6 @@
 """Triton kernels for `y = x @ dequant(W).T` with a packed FP6 / INT8 / INT4 weight (tile-interleaved,
-tile-major layout in `reference.py`). The only module of ops/wquant that imports triton; import it lazily.
+tile-major layout in `reference.py`). With `tuning.py` (its autotune config space), the only modules of ops/wquant that import triton;
+import them lazily.
 
 One kernel serves every M. A program owns a [BLOCK_M, BLOCK_N] output tile and a contiguous share of
 the K-tiles (T = 128 values each). The weight is stored tile-major (`reference.py`): the rows of a
@@ -40,7 +41,7 @@ bias and writes y, so the result is deterministic and one launch does it all (`R
 
 Note: TRITON_INTERPRET. triton.jit reads TRITON_INTERPRET when the kernels are *defined*, i.e. when
 this module is first imported; the CPU tests set it before importing. Under the interpreter the
-autotuner is bypassed (its GPU timing is meaningless and slow there): `_heuristic_config` picks one
+autotuner is bypassed (its GPU timing is meaningless and slow there): `heuristic_config` picks one
 valid config, as it also does when a caller passes `config=`; tl.dot runs in fp32 (the interpreter's
 bf16 dot is wrong in triton 3.6) and the K loop is a while loop (no `range` over a runtime bound).
 """
@@ -56,13 +57,19 @@ import triton.language as tl
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight, plane_specs
+from lightspeed.ops.wquant.tuning import (
+    CONFIGS,
+    MAX_SINGLE_BLOCK_M,
+    block_m_for,
+    heuristic_config,
+    max_split_k,
+    prune_configs,
+)
 
 logger = get_logger(__name__)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _FORMAT_ID = {"fp6": 0, "int8": 1, "int4": 2}
-_NUM_SMS = None
-MAX_SINGLE_BLOCK_M = 64  # up to here, one M block (decode); above, a grid over M blocks of 64
 _REDUCE_MODES = {"fixup": 1, "kernel": 0}
 REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 
@@ -431,96 +438,15 @@ def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(block_n, split_k, num_warps, num_stages, one_dot=1):
-    return triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k, "ONE_DOT": one_dot}, num_warps=num_warps,
-                         num_stages=num_stages)
-
-
-BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (module docstring)
-SPLIT_KS = (1, 2, 4, 8, 16)
-_STAGES_WARPS = ((4, 3), (4, 4), (8, 3), (8, 4))  # 8 warps when M > 16 at BLOCK_N 128
-_CONFIGS = [_config(bn, sk, w, s, od) for bn in BLOCK_NS for sk in SPLIT_KS for w, s in _STAGES_WARPS for od in (0, 1)]
-TARGET_PROGRAMS_PER_SM = 3  # H200 sweep (2026-11-29): the best split gave 2-7 programs per SM
-
-
-def _num_sms() -> int:
-    global _NUM_SMS
-    if _NUM_SMS is None:
-        _NUM_SMS = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return _NUM_SMS
-
-
-def num_k_tiles(K: int, tile: int) -> int:
-    return -(-K // tile)
-
-
-def candidate_configs(M: int, N: int, K: int, tile: int, sms: int, fmt: int = 0) -> list[triton.Config]:
-    """The <= 7 configs the autotuner times for one problem: at BLOCK_N 128 the three SPLIT_Ks whose
-    program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
-    most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages.
-    4 warps, 8 at BLOCK_N 128 when M > 16 (fp6 at M = 32 over 4 warps: 200 registers per thread, at M = 64
-    a spill)."""
-    nt = num_k_tiles(K, tile)
-    m_blocks = -(-M // MAX_SINGLE_BLOCK_M) if M > MAX_SINGLE_BLOCK_M else 1
-    target = TARGET_PROGRAMS_PER_SM * sms
-    splits = [sk for sk in SPLIT_KS if sk == 1 or (sk <= max_split_k(M) and nt >= 2 * sk)]
-    out = []
-    for bn in BLOCK_NS:
-        if bn == 128 and N <= 64:
-            continue  # mostly padding
-        ranked = sorted(splits, key=lambda sk: (abs(math.log2(-(-N // bn) * sk * m_blocks / target)), sk))
-        warps = 8 if M > 16 and bn == 128 else 4
-        stages = (3, 4) if bn == 128 else (3,)
-        one_dots = (1,) if fmt == 1 else (1, 0)  # int8 has no field tiles to join
-        out += [_config(bn, sk, warps, st, od) for sk in ranked[:3 if bn == 128 else 1] for st in stages
-                for od in one_dots]
-    return _dedup(out)
-
-
-def _dedup(configs: list) -> list:
-    seen, out = set(), []
-    for c in configs:
-        key = _key(c)
-        if key not in seen:
-            seen.add(key)
-            out.append(c)
-    return out
-
-
-def _prune(configs, named_args, **kwargs):
-    wanted = {_key(c) for c in candidate_configs(named_args["M"], named_args["N"], kwargs["K"], kwargs["TILE"],
-                                                _num_sms(), kwargs["FORMAT"])}
-    return [c for c in configs if _key(c) in wanted]
-
-
-def _key(c) -> tuple:
-    return c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.kwargs["ONE_DOT"], c.num_warps, c.num_stages
-
-
 if INTERPRET:
     _tuned_kernel = None
 else:
-    _tuned_kernel = triton.autotune(configs=_CONFIGS,
+    _tuned_kernel = triton.autotune(configs=CONFIGS,
                                     # per M: the best split differs between M = 1 and 2..16 (int4 8192 x 8192
                                     # on the H200: 14 vs 19 us with M = 1's config at M = 2)
                                     key=["M", "BLOCK_M", "N", "K", "GROUP", "FORMAT", "REDUCE"],
-                                    prune_configs_by={"early_config_prune": _prune}, cache_results=True,
+                                    prune_configs_by={"early_config_prune": prune_configs}, cache_results=True,
                                     warmup=5, rep=20)(_wq_matmul_kernel)
-
-
-def _heuristic_config(M: int, K: int) -> dict:
-    """One valid config for the interpreter (small tiles so tests exercise masking and several tiles)."""
-    return {"BLOCK_N": 32, "SPLIT_K": 1, "ONE_DOT": 1, "num_warps": 4, "num_stages": 2}
-
-
-def block_m_for(M: int) -> int:
-    """M padded for tl.dot: 16, 32 or 64; larger M is tiled in blocks of 64."""
-    return 16 if M <= 16 else 32 if M <= 32 else 64
-
-
-def max_split_k(M: int) -> int:
-    """Split-K bound by M, which also bounds the workspace to 256 * N fp32 values."""
-    return 16 if M <= 16 else 8 if M <= 32 else 4 if M <= MAX_SINGLE_BLOCK_M else 1
 
 
 def group_layout(fmt: str, K: int, group_size: int | None, tile: int) -> tuple[bool, int, int, int]:
@@ -613,7 +539,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
         kernel, meta = _tuned_kernel, {}
         ws = _workspace(x.device, max_split_k(M) * M * N)
     else:
-        cfg = {"ONE_DOT": 1, **(dict(config) if config is not None else _heuristic_config(M, K))}
+        cfg = {"ONE_DOT": 1, **(dict(config) if config is not None else heuristic_config(M, K))}
         if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:
             raise ValueError(f"SPLIT_K > 1 needs M <= {MAX_SINGLE_BLOCK_M} (got M={M})")
         kernel, meta = _wq_matmul_kernel, cfg

@@ -1,0 +1,97 @@
+"""Autotuning of the weight-quantized matmul kernel (`triton.py`): the config space, the <= 14
+candidates timed per problem, the interpreter's fixed config, and the M blocking. Imports triton
+(for `triton.Config`); like `triton.py`, import it lazily."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+MAX_SINGLE_BLOCK_M = 64  # up to here, one M block (decode); above, a grid over M blocks of 64
+_NUM_SMS = None
+
+
+def make_config(block_n, split_k, num_warps, num_stages, one_dot=1):
+    return triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k, "ONE_DOT": one_dot}, num_warps=num_warps,
+                         num_stages=num_stages)
+
+
+BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (triton.py's module docstring)
+SPLIT_KS = (1, 2, 4, 8, 16)
+_STAGES_WARPS = ((4, 3), (4, 4), (8, 3), (8, 4))  # 8 warps when M > 16 at BLOCK_N 128
+CONFIGS = [make_config(bn, sk, w, s, od) for bn in BLOCK_NS for sk in SPLIT_KS for w, s in _STAGES_WARPS
+           for od in (0, 1)]
+TARGET_PROGRAMS_PER_SM = 3  # H200 sweep (2026-11-29): the best split gave 2-7 programs per SM
+
+
+def _num_sms() -> int:
+    global _NUM_SMS
+    if _NUM_SMS is None:
+        _NUM_SMS = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return _NUM_SMS
+
+
+def num_k_tiles(K: int, tile: int) -> int:
+    return -(-K // tile)
+
+
+def candidate_configs(M: int, N: int, K: int, tile: int, sms: int, fmt: int = 0) -> list[triton.Config]:
+    """The configs the autotuner times for one problem (<= 7, each for both product forms ONE_DOT 1 / 0
+    except int8, fmt 1): at BLOCK_N 128 the three SPLIT_Ks whose
+    program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
+    most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages.
+    4 warps, 8 at BLOCK_N 128 when M > 16 (fp6 at M = 32 over 4 warps: 200 registers per thread, at M = 64
+    a spill)."""
+    nt = num_k_tiles(K, tile)
+    m_blocks = -(-M // MAX_SINGLE_BLOCK_M) if M > MAX_SINGLE_BLOCK_M else 1
+    target = TARGET_PROGRAMS_PER_SM * sms
+    splits = [sk for sk in SPLIT_KS if sk == 1 or (sk <= max_split_k(M) and nt >= 2 * sk)]
+    out = []
+    for bn in BLOCK_NS:
+        if bn == 128 and N <= 64:
+            continue  # mostly padding
+        ranked = sorted(splits, key=lambda sk: (abs(math.log2(-(-N // bn) * sk * m_blocks / target)), sk))
+        warps = 8 if M > 16 and bn == 128 else 4
+        stages = (3, 4) if bn == 128 else (3,)
+        one_dots = (1,) if fmt == 1 else (1, 0)  # int8 has no field tiles to join
+        out += [make_config(bn, sk, warps, st, od) for sk in ranked[:3 if bn == 128 else 1] for st in stages
+                for od in one_dots]
+    return _dedup(out)
+
+
+def _dedup(configs: list) -> list:
+    seen, out = set(), []
+    for c in configs:
+        key = config_key(c)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def prune_configs(configs, named_args, **kwargs):
+    """The autotuner's early prune: the configs `candidate_configs` picks for this call."""
+    wanted = {config_key(c) for c in candidate_configs(named_args["M"], named_args["N"], kwargs["K"],
+                                                       kwargs["TILE"], _num_sms(), kwargs["FORMAT"])}
+    return [c for c in configs if config_key(c) in wanted]
+
+
+def config_key(c) -> tuple:
+    return c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.kwargs["ONE_DOT"], c.num_warps, c.num_stages
+
+
+def heuristic_config(M: int, K: int) -> dict:
+    """One valid config for the interpreter (small tiles so tests exercise masking and several tiles)."""
+    return {"BLOCK_N": 32, "SPLIT_K": 1, "ONE_DOT": 1, "num_warps": 4, "num_stages": 2}
+
+
+def block_m_for(M: int) -> int:
+    """M padded for tl.dot: 16, 32 or 64; larger M is tiled in blocks of 64."""
+    return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+def max_split_k(M: int) -> int:
+    """Split-K bound by M, which also bounds the workspace to 256 * N fp32 values."""
+    return 16 if M <= 16 else 8 if M <= 32 else 4 if M <= MAX_SINGLE_BLOCK_M else 1

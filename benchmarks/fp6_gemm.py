@@ -13,6 +13,7 @@ reads its weight from HBM.
     python benchmarks/fp6_gemm.py --json out.json  # also write the rows as JSON
     python benchmarks/fp6_gemm.py --configs-report # also every autotune candidate's time
     python benchmarks/fp6_gemm.py --timing events  # eager calls timed with events (launch overhead incl.)
+    python benchmarks/fp6_gemm.py --deepspeed      # also DeepSpeed's FP6-LLM kernel (checked, then timed)
 
 Timing: by default a CUDA graph of back-to-back calls is replayed (kernel time as a captured decode
 step sees it, for cuBLAS and ours alike); `--timing events` times eager calls, which includes the
@@ -136,12 +137,31 @@ def _chosen_config(device) -> tuple[dict, dict | None]:
     return wt.last_config(), wt.autotune_timings()
 
 
-def run(shapes, ms, formats, device, check: bool, group_size, timing: str = "graph", configs_report: bool = False):
+def _deepspeed_baseline(device, formats):
+    """DeepSpeed's FP6 kernel (benchmarks/ds_fp6.py), or None with the reason printed."""
+    if device.type != "cuda" or "fp6" not in formats:
+        print("--deepspeed: needs CUDA and the fp6 format; no DeepSpeed rows")
+        return None
+    try:
+        from benchmarks.ds_fp6 import DeepSpeedFP6
+
+        ds = DeepSpeedFP6()
+    except Exception as e:  # a benchmark baseline: say why it is missing, measure the rest
+        print(f"--deepspeed: DeepSpeed's FP6 kernel is unavailable ({type(e).__name__}: {e}); no DeepSpeed rows")
+        return None
+    print(f"DeepSpeed FP6 kernel loaded in {ds.build_s:.0f} s (TORCH_CUDA_ARCH_LIST="
+          f"{os.environ.get('TORCH_CUDA_ARCH_LIST')})")
+    return ds
+
+
+def run(shapes, ms, formats, device, check: bool, group_size, timing: str = "graph", configs_report: bool = False,
+        deepspeed: bool = False):
     gen = torch.Generator().manual_seed(0)
     rows = []
     bw = copy_bandwidth(device)
     if bw == bw:
         print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s")
+    ds = _deepspeed_baseline(device, formats) if deepspeed else None
     for k, n in shapes:
         w_cpu = torch.randn(n, k, generator=gen) * 0.02
         w16 = w_cpu.to(device=device, dtype=torch.float16)
@@ -153,6 +173,12 @@ def run(shapes, ms, formats, device, check: bool, group_size, timing: str = "gra
             packed[fmt] = [qw] + [wq.QuantizedWeight(qw.format, qw.shape, qw.group_size,
                                                      tuple(p.clone() for p in qw.planes), qw.scales.clone(), qw.dtype)
                                   for _ in range(_rotations(qw.num_bytes) - 1)]
+        ds_packed = []
+        if ds is not None and ds.supports(n, k):
+            one = ds.pack(packed["fp6"][0])  # the same codes and scales as ours; copies for the rotation
+            ds_packed = [one] + [tuple(t.clone() for t in one) for _ in range(len(packed["fp6"]) - 1)]
+        elif ds is not None:
+            print(f"  DeepSpeed's FP6 kernel needs N % 256 == 0 and K % 64 == 0: no DeepSpeed row for {k}x{n}")
         for m in ms:
             x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.float16)
             base = {}
@@ -183,13 +209,21 @@ def run(shapes, ms, formats, device, check: bool, group_size, timing: str = "gra
                 us = bench_us(lambda i: wq.quantized_matmul(x, qws[i]), len(qws), timing=timing)
                 row.update(us=us, speedup_vs_fp16=base[torch.float16] / us)
                 rows.append(row)
-            for r in rows[-(2 + len(packed)):]:
+            if ds_packed:  # always checked: built for the wrong architecture its kernel returns garbage
+                ref = x.float() @ wq.dequantize(packed["fp6"][0]).to(device).T
+                err = (ds(x, ds_packed[0], n).float() - ref).abs().max().item()
+                us = bench_us(lambda i: ds(x, ds_packed[i], n), len(ds_packed), timing=timing)
+                rows.append(dict(K=k, N=n, M=m, impl="ds_fp6", us=us, speedup_vs_fp16=base[torch.float16] / us,
+                                 bytes=sum(t.numel() * t.element_size() for t in ds_packed[0]), max_abs_err=err,
+                                 max_ref=ref.abs().max().item(),
+                                 ok=bool(err <= 2e-3 * ref.abs().max().item() + 1e-3)))
+            for r in rows[-(2 + len(packed) + (1 if ds_packed else 0)):]:
                 r["bw_frac"] = r["bytes"] / (r["us"] * 1e-6) / bw if bw == bw else float("nan")
     return rows, bw
 
 
 def print_table(rows, check: bool) -> None:
-    if check:
+    if check or any("ok" in r for r in rows):  # DeepSpeed rows are always checked
         print(f"{'K x N':>14}{'M':>4}{'fmt':>6}{'max_abs_err':>14}{'max|ref|':>11}  ok    config")
         for r in rows:
             if "ok" in r:
@@ -215,6 +249,8 @@ def main() -> int:
                     help="graph: CUDA-graph replay of back-to-back calls (GPU time); events: eager calls")
     ap.add_argument("--configs-report", action="store_true",
                     help="print every autotune candidate's time per (shape, M, format)")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="also time DeepSpeed's FP6-LLM kernel on the same weights (JIT-built; benchmarks/ds_fp6.py)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -228,13 +264,14 @@ def main() -> int:
     formats = [f for f in args.formats.split(",") if f]
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
-    rows, bw = run(shapes, ms, formats, device, args.check, args.group_size, args.timing, args.configs_report)
+    rows, bw = run(shapes, ms, formats, device, args.check, args.group_size, args.timing, args.configs_report,
+                   args.deepspeed)
     print_table(rows, args.check)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                        "copy_bandwidth_Bps": bw, "check": args.check, "rows": rows}, f, indent=1)
-    if args.check and not all(r["ok"] for r in rows if "ok" in r):
+    if not all(r["ok"] for r in rows if "ok" in r):
         print("CHECK FAILED")
         return 1
     return 0

@@ -124,6 +124,8 @@ def _rotations(bytes_per_copy: int) -> int:
 def _config_str(cfg: dict) -> str:
     if not cfg:
         return "-"
+    if "PATH" in cfg:
+        return cfg["PATH"]
     one = {0: " dot/field", 1: " dot/tile"}.get(cfg.get("ONE_DOT"), "")
     return f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} SK{cfg['SPLIT_K']} w{cfg['num_warps']} s{cfg['num_stages']}{one}"
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from lightspeed.ops.wquant import quantize, reference_matmul
+from lightspeed.ops.wquant import dequantize, quantize, reference_matmul
 
 # triton.jit (its own tl.* helpers included) reads TRITON_INTERPRET when functions are defined, i.e. at
 # `import triton`: too late once anything in this process imported triton. So on a CPU machine the
@@ -99,6 +99,40 @@ def test_kernel_odd_n_odd_k_bias_split_k(wt, fmt, dtype):
         assert wt.last_config()["SPLIT_K"] == split_k
     # the fixup leaves every arrival counter at zero for the next call
     assert all(int(c.abs().sum()) == 0 for c in wt._counters.values())
+
+
+@kernel_test
+@pytest.mark.parametrize("fmt,group_size", [("fp6", None), ("int8", None), ("int4", None), ("int4", 48),
+                                            ("int8", 80)])
+def test_dequantize_weight_is_bit_identical_to_the_reference(wt, fmt, group_size):
+    """The one-pass Triton dequantizer (the prefill path's first step) gives exactly the reference's
+    value * scale rounded once (bf16 in the interpreter: within its truncation's ulp), for N not a
+    multiple of the 32-row storage group and K with padding."""
+    qw = _weight(45, 240, fmt, group_size, seed=31)
+    for dtype in DTYPES:
+        got, ref = wt.dequantize_weight(qw, dtype), dequantize(qw, dtype)
+        assert got.dtype == dtype and got.shape == (45, 240)
+        if dtype == torch.bfloat16 and INTERPRET:  # the interpreter rounds fp32 -> bf16 toward zero: 1 ulp
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(got, ref)
+
+
+@kernel_test
+def test_large_m_runs_dequantize_then_matmul(wt, monkeypatch):
+    """From DEQUANT_MIN_M rows on (lowered here to keep the interpreter fast) wq_matmul dequantizes once and
+    calls torch.matmul; an explicit config still runs the kernel."""
+    monkeypatch.setattr(wt, "DEQUANT_MIN_M", 8)
+    qw = _weight(40, 200, "fp6", None, seed=32)
+    gen = torch.Generator().manual_seed(33)
+    bias = _randn(40, gen=gen, dtype=torch.float16)
+    x = _randn(9, 200, gen=gen, dtype=torch.float16)
+    _check(wt.wq_matmul(x, qw, bias), x, qw, bias)
+    assert wt.last_config() == {"PATH": "dequant+matmul"}
+    _check(wt.wq_matmul(x, qw, bias, config=_cfg(32, 1)), x, qw, bias)
+    assert wt.last_config()["BLOCK_N"] == 32
+    _check(wt.wq_matmul(x[:7], qw, bias), x[:7], qw, bias)
+    assert "PATH" not in wt.last_config()
 
 
 @kernel_test

@@ -43,8 +43,9 @@ def triton_available() -> bool:
 
 def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ dequant(W).T (+ bias). x: [..., K] (fp16/bf16 for the kernel; fp32 runs the reference),
-    W: packed [N, K]; y: [..., N] in x's dtype, accumulated in fp32. CUDA -> Triton kernel, CPU ->
-    reference. Raises ValueError for a wrong K, dtype or device."""
+    W: packed [N, K]; y: [..., N] in x's dtype, accumulated in fp32. CUDA -> Triton kernel (from 1024
+    rows of x on: the weight dequantized once by Triton, then torch.matmul), CPU -> reference. Raises
+    ValueError for a wrong K, dtype or device."""
     n, k = qweight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features but the quantized weight expects K={k}")

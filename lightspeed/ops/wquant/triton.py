@@ -33,7 +33,10 @@ tile` with `one` a runtime 1.0: a plain add is folded into the tile's last dot, 
 wgmmas pending across the back-edge again.
 
 M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
-grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1. Split-K partials go
+grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1, and from
+DEQUANT_MIN_M (1024) rows on `wq_matmul` instead dequantizes the weight once (`_dequant_kernel`, one
+program per storage chunk, bit-identical to the reference dequantizer) and multiplies with cuBLAS: the
+kernel would dequantize each weight tile once per 64 rows (the threshold is an estimate, not measured). Split-K partials go
 to an fp32 workspace [SPLIT_K, M, N]; by default the last program of an N block to finish (an
 acq_rel counter per output tile, reset by that program) sums them in the fixed split order, adds the
 bias and writes y, so the result is deterministic and one launch does it all (`REDUCE = 1`).
@@ -71,6 +74,9 @@ logger = get_logger(__name__)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _FORMAT_ID = {"fp6": 0, "int8": 1, "int4": 2}
 _REDUCE_MODES = {"fixup": 1, "kernel": 0}
+# from this M on (prefill), `wq_matmul` dequantizes the weight once and calls cuBLAS: the kernel would
+# dequantize every weight tile once per 64 rows of x (not measured yet: see BENCHMARKS.md)
+DEQUANT_MIN_M = 1024
 REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 
 
@@ -426,6 +432,50 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
 
 
 @triton.jit
+def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, K: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
+                    FORMAT: tl.constexpr, OUT_SCALE: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr):
+    """out [N, K] (fp16/bf16) = code value * scale, rounded once from fp32 (bit-identical to
+    `reference.dequantize(qw, dtype)`). One program per storage chunk (row group, K-tile)."""
+    KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
+    NT: tl.constexpr = KP // TILE
+    NG: tl.constexpr = K // GROUP
+    RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
+    CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
+    grp = tl.program_id(0)
+    t = tl.program_id(1)
+    rin = tl.arange(0, ROWS)
+    offs_n = grp * ROWS + rin
+    base = (grp * NT + t) * CHUNK  # bytes; the chunk holds ROWS rows (padded past N)
+    if FORMAT == 1:
+        offs_c = tl.arange(0, TILE)
+        q = tl.load(w_ptr + base + rin[:, None] * TILE + offs_c[None, :])
+        _store_scaled(out_ptr, s_ptr, _dequant_int8(q, False), offs_n, t * TILE + offs_c, N, K, GROUP, NG, OUT_SCALE)
+    else:
+        FW: tl.constexpr = TILE // 4
+        offs_c = tl.arange(0, FW)
+        w = tl.load(w_ptr + base // 2 + rin[:, None] * FW + offs_c[None, :])
+        lo = w
+        if FORMAT == 0:
+            lo = tl.load(w2_ptr + base + ROWS * RB + rin[:, None] * FW + offs_c[None, :])
+        v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, False, INTERPRETED, False)
+        for f in tl.static_range(4):
+            _store_scaled(out_ptr, s_ptr, _pick(f, v0, v1, v2, v3), offs_n, t * TILE + f * FW + offs_c, N, K, GROUP,
+                          NG, OUT_SCALE)
+
+
+@triton.jit
+def _store_scaled(out_ptr, s_ptr, v, offs_n, offs_k, N, K: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+                  OUT_SCALE: tl.constexpr):
+    """out[n, k] = v * (scale[n, k // GROUP] * OUT_SCALE) in fp32, one rounding to out's dtype."""
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    nc = tl.minimum(offs_n, N - 1)
+    g = tl.minimum(offs_k // GROUP, NG - 1)
+    s = tl.load(s_ptr + nc[:, None] * NG + g[None, :]).to(tl.float32) * OUT_SCALE
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], (v.to(tl.float32) * s).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -512,18 +562,45 @@ def autotune_timings() -> dict | None:
     return {str(c): t for c, t in _tuned_kernel.configs_timings.items()}
 
 
-def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-              config: dict | None = None, reduce: str | None = None) -> torch.Tensor:
-    """y = x @ dequant(W).T (+ bias). x: [M, K] fp16/bf16 contiguous along K, on the weight's device;
-    y: [M, N] in x's dtype. `config` (BLOCK_N, SPLIT_K, num_warps, num_stages) skips the autotuner;
-    `reduce` ("fixup" | "kernel") overrides the split-K reduction. Callers validate shapes and dtypes
-    (see `lightspeed.ops.wquant.quantized_matmul`); the planes must be contiguous as packed."""
-    M, K = x.shape
-    N = qw.shape[0]
+def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight [N, K] in fp16/bf16 (value * scale, rounded once: what `reference.dequantize` gives
+    in that dtype), by one Triton pass over the packed chunks."""
+    N, K = qw.shape
+    _check_planes(qw)
+    group = qw.group_size if qw.group_size is not None else K
+    packed = qw.planes[0]
+    out = torch.empty((N, K), device=packed.device, dtype=dtype)
+    grid = (triton.cdiv(N, ROW_GROUP), triton.cdiv(K, qw.tile))
+    _dequant_kernel[grid](packed if qw.format == "int8" else packed.view(torch.int16), packed, qw.scales.contiguous(),
+                          out, N, K=K, TILE=qw.tile, GROUP=group, FORMAT=_FORMAT_ID[qw.format],
+                          OUT_SCALE=FP6_FP16_SCALE if qw.format == "fp6" else 1.0, INTERPRETED=INTERPRET,
+                          ROWS=ROW_GROUP, num_warps=4)
+    return out
+
+
+def _check_planes(qw: QuantizedWeight) -> None:
+    N, K = qw.shape
     for plane, (shape, dtype) in zip(qw.planes, plane_specs(qw.format, N, K, qw.tile)):
         if tuple(plane.shape) != shape or plane.dtype != dtype or not plane.is_contiguous():
             raise ValueError(f"{qw.format} plane must be a contiguous {dtype} {shape} (got {plane.dtype} "
                              f"{tuple(plane.shape)})")
+
+
+def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+              config: dict | None = None, reduce: str | None = None) -> torch.Tensor:
+    """y = x @ dequant(W).T (+ bias). x: [M, K] fp16/bf16 contiguous along K, on the weight's device;
+    y: [M, N] in x's dtype. M >= DEQUANT_MIN_M (without `config`): `dequantize_weight` + torch.matmul.
+    `config` (BLOCK_N, SPLIT_K, ONE_DOT, num_warps, num_stages) skips the autotuner;
+    `reduce` ("fixup" | "kernel") overrides the split-K reduction. Callers validate shapes and dtypes
+    (see `lightspeed.ops.wquant.quantized_matmul`); the planes must be contiguous as packed."""
+    M, K = x.shape
+    N = qw.shape[0]
+    _check_planes(qw)
+    if config is None and M >= DEQUANT_MIN_M:  # prefill: dequantize once, then a dense cuBLAS product
+        w = dequantize_weight(qw, x.dtype)
+        _last_config.clear()
+        _last_config.update(PATH="dequant+matmul")
+        return torch.matmul(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
     per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
     packed = qw.planes[0]
     w = packed if qw.format == "int8" else packed.view(torch.int16)  # 4-bit plane: half-words (layout Note)

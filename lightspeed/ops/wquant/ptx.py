@@ -23,65 +23,32 @@ sub.f16x2 $2, t, c1;
 lop3.b32 t, u, 0x00F000F0, 0x64006400, 0xEA;
 fma.rn.f16x2 $3, t, s, c2;
 }""")
+
+
+def _fp6_fields(hi: str, l: str, outs: list[str]) -> str:
+    """The four fields of one hi word: field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100 into
+    outs[f] (l = the lo bytes doubled by prmt; f = 3 shifts hi right by 3)."""
+    lines = []
+    for f, out in enumerate(outs):
+        lines.append(f"shl.b32 a, {hi}, {9 - 4 * f};" if f < 3 else f"shr.u32 a, {hi}, 3;")
+        if f:
+            lines.append(f"shl.b32 b, {l}, {2 * f};")
+        lines.append(f"and.b32 b, {l if f == 0 else 'b'}, 0x81008100;")
+        lines.append(f"lop3.b32 {out}, a, 0x1E001E00, b, 0xEA;")
+    return "\n".join(lines)
+
+
 # fp6 (pack=4: four half-words c..c+3 of the thread, in two hi words, and their four lo bytes in one
 # register, so the loaded lo register feeds the asm as is): $8 / $9 = hi words of half-words 0,1 / 2,3,
 # $10 = lo bytes b0..b3; l = prmt(lo, 0x1100) (b1 b1 b0 b0) for $8, prmt(lo, 0x3322) (b3 b3 b2 b2) for
 # $9; field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100, out $2f (from $8) and $2f+1 (from $9)
 # (15 ops / 8 values).
-FP6_PACK4 = tl.constexpr("""{
-.reg .b32 l, m, a, b;
-prmt.b32 l, $10, 0, 0x1100;
-prmt.b32 m, $10, 0, 0x3322;
-shl.b32 a, $8, 9;
-and.b32 b, l, 0x81008100;
-lop3.b32 $0, a, 0x1E001E00, b, 0xEA;
-shl.b32 a, $8, 5;
-shl.b32 b, l, 2;
-and.b32 b, b, 0x81008100;
-lop3.b32 $2, a, 0x1E001E00, b, 0xEA;
-shl.b32 a, $8, 1;
-shl.b32 b, l, 4;
-and.b32 b, b, 0x81008100;
-lop3.b32 $4, a, 0x1E001E00, b, 0xEA;
-shr.u32 a, $8, 3;
-shl.b32 b, l, 6;
-and.b32 b, b, 0x81008100;
-lop3.b32 $6, a, 0x1E001E00, b, 0xEA;
-shl.b32 a, $9, 9;
-and.b32 b, m, 0x81008100;
-lop3.b32 $1, a, 0x1E001E00, b, 0xEA;
-shl.b32 a, $9, 5;
-shl.b32 b, m, 2;
-and.b32 b, b, 0x81008100;
-lop3.b32 $3, a, 0x1E001E00, b, 0xEA;
-shl.b32 a, $9, 1;
-shl.b32 b, m, 4;
-and.b32 b, b, 0x81008100;
-lop3.b32 $5, a, 0x1E001E00, b, 0xEA;
-shr.u32 a, $9, 3;
-shl.b32 b, m, 6;
-and.b32 b, b, 0x81008100;
-lop3.b32 $7, a, 0x1E001E00, b, 0xEA;
-}""")
+FP6_PACK4 = tl.constexpr("{\n.reg .b32 l, m, a, b;\nprmt.b32 l, $10, 0, 0x1100;\nprmt.b32 m, $10, 0, 0x3322;\n"
+                         + _fp6_fields("$8", "l", ["$0", "$2", "$4", "$6"]) + "\n"
+                         + _fp6_fields("$9", "m", ["$1", "$3", "$5", "$7"]) + "\n}")
 
-# fp6, pack=2 (the swapped-operand layout, where a thread's lo bytes come two per row): $4 = hi word, $5 = the two lo bytes b0 (bits 0..7) and b1 (bits 8..15); l = b1 b1 b0 b0 bytes;
+# fp6, pack=2 (the swapped-operand layout, where a thread's lo bytes come two per row): $4 = hi word,
+# $5 = the two lo bytes b0 (bits 0..7) and b1 (bits 8..15); l = b1 b1 b0 b0 bytes;
 # field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100 (16 ops / 8 values).
-FP6_PACK2 = tl.constexpr("""{
-.reg .b32 l, a, b;
-prmt.b32 l, $5, 0, 0x1100;
-shl.b32 a, $4, 9;
-and.b32 b, l, 0x81008100;
-lop3.b32 $0, a, 0x1E001E00, b, 0xEA;
-shl.b32 a, $4, 5;
-shl.b32 b, l, 2;
-and.b32 b, b, 0x81008100;
-lop3.b32 $1, a, 0x1E001E00, b, 0xEA;
-shl.b32 a, $4, 1;
-shl.b32 b, l, 4;
-and.b32 b, b, 0x81008100;
-lop3.b32 $2, a, 0x1E001E00, b, 0xEA;
-shr.u32 a, $4, 3;
-shl.b32 b, l, 6;
-and.b32 b, b, 0x81008100;
-lop3.b32 $3, a, 0x1E001E00, b, 0xEA;
-}""")
+FP6_PACK2 = tl.constexpr("{\n.reg .b32 l, a, b;\nprmt.b32 l, $5, 0, 0x1100;\n"
+                         + _fp6_fields("$4", "l", ["$0", "$1", "$2", "$3"]) + "\n}")

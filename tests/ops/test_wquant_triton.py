@@ -121,7 +121,8 @@ def test_dequantize_weight_is_bit_identical_to_the_reference(wt, fmt, group_size
 @kernel_test
 def test_large_m_runs_dequantize_then_matmul(wt, monkeypatch):
     """From DEQUANT_MIN_M rows on (lowered here to keep the interpreter fast) wq_matmul dequantizes once and
-    calls torch.matmul; an explicit config still runs the kernel."""
+    calls torch.matmul, in row chunks when the weight is larger than DEQUANT_CHUNK_ELEMS; an explicit
+    config still runs the kernel."""
     monkeypatch.setattr(wt, "DEQUANT_MIN_M", 8)
     qw = _weight(40, 200, "fp6", None, seed=32)
     gen = torch.Generator().manual_seed(33)
@@ -133,6 +134,12 @@ def test_large_m_runs_dequantize_then_matmul(wt, monkeypatch):
     assert wt.last_config()["BLOCK_N"] == 32
     _check(wt.wq_matmul(x[:7], qw, bias), x[:7], qw, bias)
     assert "PATH" not in wt.last_config()
+    monkeypatch.setattr(wt, "DEQUANT_CHUNK_ELEMS", 32 * 200)  # row chunks of 32: [0, 32) and [32, 40)
+    _check(wt.wq_matmul(x, qw, bias), x, qw, bias)
+    _check(wt.wq_matmul(x, qw), x, qw)
+    assert torch.equal(wt.dequantize_weight(qw, torch.float16, (32, 40)), dequantize(qw, torch.float16)[32:40])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        wt.dequantize_weight(qw, torch.float16, (16, 40))
 
 
 @kernel_test

@@ -78,6 +78,7 @@ _REDUCE_MODES = {"fixup": 1, "kernel": 0}
 # from this M on (prefill), `wq_matmul` dequantizes the weight once and calls cuBLAS: the kernel would
 # dequantize every weight tile once per 64 rows of x (not measured yet: see BENCHMARKS.md)
 DEQUANT_MIN_M = 1024
+DEQUANT_CHUNK_ELEMS = 1 << 26  # the dense path dequantizes at most this many weight values at a time
 REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 
 
@@ -352,16 +353,18 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, K: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
-                    FORMAT: tl.constexpr, OUT_SCALE: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr):
-    """out [N, K] (fp16/bf16) = code value * scale, rounded once from fp32 (bit-identical to
-    `reference.dequantize(qw, dtype)`). One program per storage chunk (row group, K-tile)."""
+def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, G0, N_END, K: tl.constexpr, TILE: tl.constexpr,
+                    GROUP: tl.constexpr, FORMAT: tl.constexpr, OUT_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
+                    ROWS: tl.constexpr):
+    """out [N_END - G0 * ROWS, K] (fp16/bf16) = rows G0 * ROWS .. N_END - 1 of code value * scale, rounded
+    once from fp32 (bit-identical to `reference.dequantize(qw, dtype)`). One program per storage chunk
+    (row group G0 + program 0, K-tile program 1)."""
     KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
     NT: tl.constexpr = KP // TILE
     NG: tl.constexpr = K // GROUP
     RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
     CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
-    grp = tl.program_id(0)
+    grp = G0 + tl.program_id(0)
     t = tl.program_id(1)
     rin = tl.arange(0, ROWS)
     offs_n = grp * ROWS + rin
@@ -369,7 +372,8 @@ def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, K: tl.constexpr, TILE: tl.
     if FORMAT == 1:
         offs_c = tl.arange(0, TILE)
         q = tl.load(w_ptr + base + rin[:, None] * TILE + offs_c[None, :])
-        _store_scaled(out_ptr, s_ptr, _dequant_int8(q, False), offs_n, t * TILE + offs_c, N, K, GROUP, NG, OUT_SCALE)
+        _store_scaled(out_ptr, s_ptr, _dequant_int8(q, False), offs_n, t * TILE + offs_c, N, G0 * ROWS, N_END, K,
+                      GROUP, NG, OUT_SCALE)
     else:
         FW: tl.constexpr = TILE // 4
         offs_c = tl.arange(0, FW)
@@ -379,20 +383,21 @@ def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, K: tl.constexpr, TILE: tl.
             lo = tl.load(w2_ptr + base + ROWS * RB + rin[:, None] * FW + offs_c[None, :])
         v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, False, INTERPRETED, False)
         for f in tl.static_range(4):
-            _store_scaled(out_ptr, s_ptr, _pick(f, v0, v1, v2, v3), offs_n, t * TILE + f * FW + offs_c, N, K, GROUP,
-                          NG, OUT_SCALE)
+            _store_scaled(out_ptr, s_ptr, _pick(f, v0, v1, v2, v3), offs_n, t * TILE + f * FW + offs_c, N, G0 * ROWS,
+                          N_END, K, GROUP, NG, OUT_SCALE)
 
 
 @triton.jit
-def _store_scaled(out_ptr, s_ptr, v, offs_n, offs_k, N, K: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-                  OUT_SCALE: tl.constexpr):
-    """out[n, k] = v * (scale[n, k // GROUP] * OUT_SCALE) in fp32, one rounding to out's dtype."""
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+def _store_scaled(out_ptr, s_ptr, v, offs_n, offs_k, N, row0, N_END, K: tl.constexpr, GROUP: tl.constexpr,
+                  NG: tl.constexpr, OUT_SCALE: tl.constexpr):
+    """out[n - row0, k] = v * (scale[n, k // GROUP] * OUT_SCALE) in fp32, one rounding to out's dtype, for
+    rows n < N_END."""
+    mask = (offs_n < N_END)[:, None] & (offs_k < K)[None, :]
     nc = tl.minimum(offs_n, N - 1)
     g = tl.minimum(offs_k // GROUP, NG - 1)
     s = tl.load(s_ptr + nc[:, None] * NG + g[None, :]).to(tl.float32) * OUT_SCALE
-    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], (v.to(tl.float32) * s).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + (offs_n - row0)[:, None] * K + offs_k[None, :],
+             (v.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -482,19 +487,39 @@ def autotune_timings() -> dict | None:
     return {str(c): t for c, t in _tuned_kernel.configs_timings.items()}
 
 
-def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The dense weight [N, K] in fp16/bf16 (value * scale, rounded once: what `reference.dequantize` gives
-    in that dtype), by one Triton pass over the packed chunks."""
+def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The dense weight [N, K] (or its rows n0..n1-1, n0 a multiple of ROW_GROUP) in fp16/bf16 (value *
+    scale, rounded once: what `reference.dequantize` gives in that dtype), by one Triton pass over the
+    packed chunks."""
     N, K = qw.shape
     _check_planes(qw)
+    n0, n1 = rows if rows is not None else (0, N)
+    if n0 % ROW_GROUP or not 0 <= n0 < n1 <= N:
+        raise ValueError(f"rows must be (n0, n1) with n0 a multiple of {ROW_GROUP} and 0 <= n0 < n1 <= {N}")
     group = qw.group_size if qw.group_size is not None else K
     packed = qw.planes[0]
-    out = torch.empty((N, K), device=packed.device, dtype=dtype)
-    grid = (triton.cdiv(N, ROW_GROUP), triton.cdiv(K, qw.tile))
+    out = torch.empty((n1 - n0, K), device=packed.device, dtype=dtype)
+    grid = (triton.cdiv(n1 - n0, ROW_GROUP), triton.cdiv(K, qw.tile))
     _dequant_kernel[grid](packed if qw.format == "int8" else packed.view(torch.int16), packed, qw.scales.contiguous(),
-                          out, N, K=K, TILE=qw.tile, GROUP=group, FORMAT=_FORMAT_ID[qw.format],
+                          out, N, n0 // ROW_GROUP, n1, K=K, TILE=qw.tile, GROUP=group, FORMAT=_FORMAT_ID[qw.format],
                           OUT_SCALE=FP6_FP16_SCALE if qw.format == "fp6" else 1.0, INTERPRETED=INTERPRET,
                           ROWS=ROW_GROUP, num_warps=4)
+    return out
+
+
+def _dense_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) through the dense weight, dequantized in row chunks of about DEQUANT_CHUNK_ELEMS
+    values so the transient copy stays bounded (128 MB in fp16) whatever the layer's size."""
+    N, K = qw.shape
+    step = max(ROW_GROUP, DEQUANT_CHUNK_ELEMS // K // ROW_GROUP * ROW_GROUP)
+    if step >= N:
+        w = dequantize_weight(qw, x.dtype)
+        return torch.matmul(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
+    out = torch.empty((x.shape[0], N), device=x.device, dtype=x.dtype)
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        w = dequantize_weight(qw, x.dtype, (n0, n1))
+        out[:, n0:n1] = torch.matmul(x, w.t()) if bias is None else torch.addmm(bias[n0:n1], x, w.t())
     return out
 
 
@@ -516,11 +541,10 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     M, K = x.shape
     N = qw.shape[0]
     _check_planes(qw)
-    if config is None and M >= DEQUANT_MIN_M:  # prefill: dequantize once, then a dense cuBLAS product
-        w = dequantize_weight(qw, x.dtype)
+    if config is None and M >= DEQUANT_MIN_M:  # prefill: dequantize once, then dense cuBLAS products
         _last_config.clear()
         _last_config.update(PATH="dequant+matmul")
-        return torch.matmul(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
+        return _dense_matmul(x, qw, bias)
     per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
     packed = qw.planes[0]
     w = packed if qw.format == "int8" else packed.view(torch.int16)  # 4-bit plane: half-words (layout Note)

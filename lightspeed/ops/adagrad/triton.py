@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from lightspeed.ops.multi_tensor import Plan
-from lightspeed.ops.multi_tensor.triton import block_of, load_f32, offset_of, store_as
+from lightspeed.ops.multi_tensor.triton import block_of, load_f32, offset_of, out_and_scale, store_as
 
 BLOCK = 1024  # with 4 warps: 0.99 of copy bandwidth on the H200 (sweep in benchmarks/optimizers.py)
 NUM_WARPS = 4
@@ -39,12 +39,7 @@ def _adagrad_kernel(p_base, g_base, s_base, o_base, offsets, numels, block_segme
     p_ptr = p_base + offset_of(offsets, 0, num_segments, seg, ALIGN)
     g_ptr = g_base + offset_of(offsets, 1, num_segments, seg, ALIGN)
     s_ptr = s_base + offset_of(offsets, 2, num_segments, seg, ALIGN)
-    o_ptr = p_ptr
-    if HAS_OUT:
-        o_ptr = o_base + offset_of(offsets, 3, num_segments, seg, ALIGN)
-    scale = 1.0
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr)
+    o_ptr, scale = out_and_scale(p_ptr, o_base, offsets, 3, num_segments, seg, scale_ptr, HAS_OUT, HAS_SCALE, ALIGN)
     idx = start + tl.arange(0, BLOCK)
     if full:
         _adagrad_block(p_ptr, g_ptr, s_ptr, o_ptr, idx, n, scale, clr, eps, wd, HAS_SCALE, HAS_OUT, False)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from lightspeed.ops.multi_tensor import Plan
-from lightspeed.ops.multi_tensor.triton import block_of, load_f32, offset_of, store_as
+from lightspeed.ops.multi_tensor.triton import block_of, load_f32, offset_of, out_and_scale, store_as
 
 BLOCK = 1024  # with 4 warps: 0.99 of copy bandwidth on the H200 (sweep in benchmarks/optimizers.py)
 NUM_WARPS = 4
@@ -52,12 +52,7 @@ def _adam_kernel(p_base, g_base, m_base, v_base, o_base, offsets, numels, block_
     g_ptr = g_base + offset_of(offsets, 1, num_segments, seg, ALIGN)
     m_ptr = m_base + offset_of(offsets, 2, num_segments, seg, ALIGN)
     v_ptr = v_base + offset_of(offsets, 3, num_segments, seg, ALIGN)
-    o_ptr = p_ptr
-    if HAS_OUT:
-        o_ptr = o_base + offset_of(offsets, 4, num_segments, seg, ALIGN)
-    scale = 1.0
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr)
+    o_ptr, scale = out_and_scale(p_ptr, o_base, offsets, 4, num_segments, seg, scale_ptr, HAS_OUT, HAS_SCALE, ALIGN)
     idx = start + tl.arange(0, BLOCK)
     if full:
         _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, idx, n, scale, lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,

@@ -23,6 +23,20 @@ def offset_of(offsets, array: tl.constexpr, num_segments, seg, ALIGN: tl.constex
 
 
 @triton.jit
+def out_and_scale(p_ptr, o_base, offsets, out_array: tl.constexpr, num_segments, seg, scale_ptr,
+                  HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, ALIGN: tl.constexpr):
+    """(where the low-precision parameter copy goes: array `out_array`'s segment, or the parameter itself
+    without one; the gradient scale: *scale_ptr, or 1.0 without one)."""
+    o_ptr = p_ptr
+    if HAS_OUT:
+        o_ptr = o_base + offset_of(offsets, out_array, num_segments, seg, ALIGN)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr)
+    return o_ptr, scale
+
+
+@triton.jit
 def load_f32(ptr, idx, n, MASKED: tl.constexpr):
     """ptr[idx] as fp32; masked (idx < n, zeros outside) only for a segment's partial last block."""
     if MASKED:

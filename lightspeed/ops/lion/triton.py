@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 from lightspeed.ops.multi_tensor import Plan
-from lightspeed.ops.multi_tensor.triton import block_of, load_f32, offset_of, out_and_scale, store_as
+from lightspeed.ops.multi_tensor.triton import (block_of, launch_elementwise, load_f32, offset_of, out_and_scale,
+                                              store_as)
 
 BLOCK = 1024  # with 4 warps: 0.99 of copy bandwidth on the H200 (sweep in benchmarks/optimizers.py)
 NUM_WARPS = 4
@@ -51,13 +52,4 @@ def _lion_kernel(p_base, g_base, m_base, o_base, offsets, numels, block_segment,
 def launch(arrays, plan: Plan, scale, *, lr: float, beta1: float, beta2: float, weight_decay: float,
            num_warps: int | None = None) -> None:
     """Run the kernel over `arrays` = [params, grads, exp_avgs, (outs)] with `plan`."""
-    has_out = len(arrays) == 4
-    if plan.num_blocks == 0:
-        return
-    bases = plan.bases(arrays)
-    _lion_kernel[(plan.num_blocks,)](
-        bases[0], bases[1], bases[2], bases[3] if has_out else bases[0],
-        plan.offsets, plan.numels, plan.block_segment, plan.block_start, plan.num_segments,
-        scale if scale is not None else bases[2], lr, beta1, beta2, weight_decay,
-        HAS_SCALE=scale is not None, HAS_OUT=has_out, ALIGN=8 if plan.aligned else 1, BLOCK=plan.block,
-        num_warps=num_warps or NUM_WARPS)
+    launch_elementwise(_lion_kernel, arrays, plan, scale, 3, (lr, beta1, beta2, weight_decay), num_warps or NUM_WARPS)

@@ -51,3 +51,20 @@ def store_as(ptr, idx, value, n, MASKED: tl.constexpr):
         tl.store(ptr + idx, value.to(ptr.dtype.element_ty), mask=idx < n)
     else:
         tl.store(ptr + idx, value.to(ptr.dtype.element_ty))
+
+
+def launch_elementwise(kernel, arrays, plan, scale, n_arrays: int, hyper: tuple, num_warps: int, **constexprs) -> None:
+    """Launch an elementwise multi-tensor kernel (one program per block of `plan`) whose arguments are the
+    bases of its `n_arrays` arrays, the output array's base (the params' when `arrays` has no output
+    array), the plan's tables, the gradient-scale pointer (any valid pointer when `scale` is None), then
+    `hyper`; HAS_SCALE, HAS_OUT, ALIGN and BLOCK are derived, other constexprs passed through."""
+    if plan.num_blocks == 0:
+        return
+    has_out = len(arrays) == n_arrays + 1
+    bases = plan.bases(arrays)
+    kernel[(plan.num_blocks,)](
+        *bases[:n_arrays], bases[n_arrays] if has_out else bases[0],
+        plan.offsets, plan.numels, plan.block_segment, plan.block_start, plan.num_segments,
+        scale if scale is not None else bases[n_arrays - 1], *hyper,
+        HAS_SCALE=scale is not None, HAS_OUT=has_out, ALIGN=8 if plan.aligned else 1, BLOCK=plan.block,
+        num_warps=num_warps, **constexprs)

@@ -123,7 +123,7 @@ def test_large_m_runs_dequantize_then_matmul(wt, monkeypatch):
     """From DEQUANT_MIN_M rows on (lowered here to keep the interpreter fast) wq_matmul dequantizes once and
     calls torch.matmul, in row chunks when the weight is larger than DEQUANT_CHUNK_ELEMS; an explicit
     config still runs the kernel."""
-    monkeypatch.setattr(wt, "DEQUANT_MIN_M", 8)
+    monkeypatch.setitem(wt.DEQUANT_MIN_M, "fp6", 8)
     qw = _weight(40, 200, "fp6", None, seed=32)
     gen = torch.Generator().manual_seed(33)
     bias = _randn(40, gen=gen, dtype=torch.float16)

@@ -34,9 +34,11 @@ wgmmas pending across the back-edge again.
 
 M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
 grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1, and from
-DEQUANT_MIN_M (1024) rows on `wq_matmul` instead dequantizes the weight once (`_dequant_kernel`, one
+DEQUANT_MIN_M[format] rows on `wq_matmul` instead dequantizes the weight once (`_dequant_kernel`, one
 program per storage chunk, bit-identical to the reference dequantizer) and multiplies with cuBLAS: the
-kernel would dequantize each weight tile once per 64 rows (the threshold is an estimate, not measured). Split-K partials go
+kernel dequantizes each weight tile once per 64 rows, which from there on costs more than one dense
+copy of the weight (H200, 8192 x 8192 and 8192 x 28672, M = 128..4096: the crossover is M ~ 200-256 for
+int8, 512 for fp6, 700-1000 for int4; BENCHMARKS.md). Split-K partials go
 to an fp32 workspace [SPLIT_K, M, N]; by default the last program of an N block to finish (an
 acq_rel counter per output tile, reset by that program) sums them in the fixed split order, adds the
 bias and writes y, so the result is deterministic and one launch does it all (`REDUCE = 1`).
@@ -75,9 +77,9 @@ logger = get_logger(__name__)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _FORMAT_ID = {"fp6": 0, "int8": 1, "int4": 2}
 _REDUCE_MODES = {"fixup": 1, "kernel": 0}
-# from this M on (prefill), `wq_matmul` dequantizes the weight once and calls cuBLAS: the kernel would
-# dequantize every weight tile once per 64 rows of x (not measured yet: see BENCHMARKS.md)
-DEQUANT_MIN_M = 1024
+# from this M on (prefill), `wq_matmul` dequantizes the weight once and calls cuBLAS: the kernel
+# dequantizes every weight tile once per 64 rows of x (crossovers measured on the H200: BENCHMARKS.md)
+DEQUANT_MIN_M = {"int8": 256, "fp6": 512, "int4": 1024}
 DEQUANT_CHUNK_ELEMS = 1 << 26  # the dense path dequantizes at most this many weight values at a time
 REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 
@@ -313,6 +315,12 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # a runtime 1.0: `acc += one * tile` cannot be folded into the tile's last dot (module docstring)
     one = (N > 0).to(tl.float32)
+    # per-channel scales and bias are read before the K loop: read after it, their DRAM latency would sit
+    # between the last tile and the store, on every call's critical path
+    if not PER_GROUP:
+        s_n = tl.load(s_ptr + offs_nc).to(tl.float32)
+    if HAS_BIAS:
+        b_n = tl.load(b_ptr + offs_nc).to(tl.float32)
     t_start = pid_k * TPS
     t_end = tl.minimum(t_start + TPS, NT)
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
@@ -328,13 +336,13 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     if SWAP:
         acc = tl.trans(acc)
     if not PER_GROUP:
-        acc = acc * tl.load(s_ptr + offs_nc).to(tl.float32)[None, :]
+        acc = acc * s_n[None, :]
     acc = acc * out_scale
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_offs = offs_m[:, None] * N + offs_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_nc).to(tl.float32)[None, :]
+            acc += b_n[None, :]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(ws_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
@@ -347,9 +355,9 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
                 for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
                     total += tl.load(ws_ptr + s * M * N + out_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
-                    total += tl.load(b_ptr + offs_nc).to(tl.float32)[None, :]
+                    total += b_n[None, :]
                 tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next call
+                tl.store(cnt_ptr + tile_id, 0)  # ready for the next call (the launch boundary orders it)
 
 
 @triton.jit
@@ -534,14 +542,14 @@ def _check_planes(qw: QuantizedWeight) -> None:
 def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
               config: dict | None = None, reduce: str | None = None) -> torch.Tensor:
     """y = x @ dequant(W).T (+ bias). x: [M, K] fp16/bf16 contiguous along K, on the weight's device;
-    y: [M, N] in x's dtype. M >= DEQUANT_MIN_M (without `config`): `dequantize_weight` + torch.matmul.
+    y: [M, N] in x's dtype. M >= DEQUANT_MIN_M[format] (without `config`): `dequantize_weight` + torch.matmul.
     `config` (BLOCK_N, SPLIT_K, ONE_DOT, num_warps, num_stages) skips the autotuner;
     `reduce` ("fixup" | "kernel") overrides the split-K reduction. Callers validate shapes and dtypes
     (see `lightspeed.ops.wquant.quantized_matmul`); the planes must be contiguous as packed."""
     M, K = x.shape
     N = qw.shape[0]
     _check_planes(qw)
-    if config is None and M >= DEQUANT_MIN_M:  # prefill: dequantize once, then dense cuBLAS products
+    if config is None and M >= DEQUANT_MIN_M[qw.format]:  # prefill: dequantize once, then dense cuBLAS products
         _last_config.clear()
         _last_config.update(PATH="dequant+matmul")
         return _dense_matmul(x, qw, bias)

@@ -18,8 +18,8 @@ reads its weight from HBM.
 Timing: by default a CUDA graph of back-to-back calls is replayed (kernel time as a captured decode
 step sees it, for cuBLAS and ours alike); `--timing events` times eager calls, which includes the
 Python/launch overhead whenever the CPU is slower than the kernel. The `config` column is the kernel
-config the autotuner chose (BLOCK_M, BLOCK_N, SPLIT_K, warps, stages; fp6/int4: one product per K-tile
-or per field).
+config the autotuner chose (BLOCK_M, BLOCK_N, SPLIT_K or stream-K programs per SM, warps, stages;
+fp6/int4: one product per K-tile or per field).
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def _config_str(cfg: dict) -> str:
     if "PATH" in cfg:
         return cfg["PATH"]
     one = {0: " dot/field", 1: " dot/tile"}.get(cfg.get("ONE_DOT"), "")
-    return f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} SK{cfg['SPLIT_K']} w{cfg['num_warps']} s{cfg['num_stages']}{one}"
+    grid = f"stream{cfg['STREAM']}/SM" if cfg.get("STREAM") else f"SK{cfg['SPLIT_K']}"
+    return f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} {grid} w{cfg['num_warps']} s{cfg['num_stages']}{one}"
 
 
 def _chosen_config(device) -> tuple[dict, dict | None]:

@@ -102,6 +102,30 @@ def test_kernel_odd_n_odd_k_bias_split_k(wt, fmt, dtype):
 
 
 @kernel_test
+@pytest.mark.parametrize("fmt,group_size", [("fp6", None), ("int8", None), ("int4", None), ("int4", 48)])
+def test_kernel_stream_k(wt, fmt, group_size):
+    """Stream-K: N = 200 (7 blocks of 32, the last partial) x K = 700 (6 K-tiles, padding) = 42 units cut
+    into P ranges; P = 5 (ranges of 8-9 units: some blocks inside one range, others split in two),
+    13 (2-3 programs per block) and 42 (one unit per program: 6 per block, every block through the
+    fixup); bias, fp16/bf16, M = 1, 13, 64. Under the interpreter P = STREAM (one "SM"); on a GPU
+    P = min(42, STREAM x SMs) = 42. Counters are left at zero."""
+    n, k = 200, 720 if group_size else 700
+    qw = _weight(n, k, fmt, group_size, seed=41)
+    gen = torch.Generator().manual_seed(42)
+    bias = _randn(n, gen=gen, dtype=torch.float16)
+    cases = ((1, 5, torch.float16, bias), (13, 13, torch.bfloat16, None), (64, 42, torch.float16, bias),
+             (2, 5, torch.bfloat16, None))
+    for m, stream, dtype, b in cases:
+        x = _randn(m, k, gen=gen, dtype=dtype)
+        b = None if b is None else b.to(dtype)
+        _check(wt.wq_matmul(x, qw, b, config={**_cfg(32), "STREAM": stream}), x, qw, b)
+        assert wt.last_config()["STREAM"] == stream
+    assert all(int(c.abs().sum()) == 0 for c in wt._counters.values())
+    with pytest.raises(ValueError, match="STREAM need M <= 64"):
+        wt.wq_matmul(_randn(65, k, gen=gen, dtype=torch.float16), qw, config={**_cfg(32), "STREAM": 2})
+
+
+@kernel_test
 @pytest.mark.parametrize("fmt,group_size", [("fp6", None), ("int8", None), ("int4", None), ("int4", 48),
                                             ("int8", 80)])
 def test_dequantize_weight_is_bit_identical_to_the_reference(wt, fmt, group_size):
@@ -186,7 +210,7 @@ def test_kernel_large_m_tiles_over_m(wt):
     qw = _weight(40, 64, "fp6", None, seed=11)
     x = _randn(130, 64, gen=torch.Generator().manual_seed(12), dtype=torch.float16)
     _check(wt.wq_matmul(x, qw), x, qw)
-    with pytest.raises(ValueError, match="SPLIT_K > 1 needs M <= 64"):
+    with pytest.raises(ValueError, match="SPLIT_K > 1 and STREAM need M <= 64"):
         wt.wq_matmul(x, qw, config=_cfg(16, 2))
 
 
@@ -232,22 +256,27 @@ def test_kernel_extreme_codes_are_exact(wt):
 
 
 def test_autotune_candidates_are_few_valid_and_bounded():
-    """The autotuner's pruned list: <= 7 configs (x2 for fp6/int4: one product per K-tile or per
+    """The autotuner's pruned list: <= 9 configs (x2 for fp6/int4: one product per K-tile or per
     field), each in the compiled config space, SPLIT_K within max_split_k(M) and K-tiles, 8 warps for
-    accumulators of M > 16 at BLOCK_N 128."""
+    accumulators of M > 16 at BLOCK_N 128, stream-K only for one M block and >= 2 units per program."""
     pytest.importorskip("triton")
     from lightspeed.ops.wquant import tuning as wt
 
     space = {wt.config_key(c) for c in wt.CONFIGS}
     for m, n, k in [(1, 8192, 8192), (16, 28672, 8192), (64, 8192, 28672), (200, 4096, 4096), (1, 48, 256)]:
-        assert len(wt.candidate_configs(m, n, k, 128, 132, fmt=1)) <= 7  # int8: ONE_DOT = 1 only
+        assert len(wt.candidate_configs(m, n, k, 128, 132, fmt=1)) <= 9  # int8: ONE_DOT = 1 only
         cands = wt.candidate_configs(m, n, k, 128, 132)
-        assert 1 <= len(cands) <= 14
+        assert 1 <= len(cands) <= 18
+        streams = [c for c in cands if c.kwargs["STREAM"]]
+        assert bool(streams) == (m <= wt.MAX_SINGLE_BLOCK_M and n > 64)
         for c in cands:
             bn, sk, w, s = c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages
             assert wt.config_key(c) in space
             assert sk == 1 or (sk <= wt.max_split_k(m) and wt.num_k_tiles(k, 128) >= 2 * sk)
             assert w == (8 if m > 16 and bn == 128 else 4)
             assert not (n <= 64 and bn == 128)
-    splits = {c.kwargs["SPLIT_K"] for c in wt.candidate_configs(1, 8192, 8192, 128, 132) if c.kwargs["BLOCK_N"] == 128}
+        for c in streams:
+            assert c.kwargs["SPLIT_K"] == 1 and c.kwargs["STREAM"] * 132 * 2 <= -(-n // 128) * wt.num_k_tiles(k, 128)
+    splits = {c.kwargs["SPLIT_K"] for c in wt.candidate_configs(1, 8192, 8192, 128, 132)
+              if c.kwargs["BLOCK_N"] == 128 and not c.kwargs["STREAM"]}
     assert len(splits) == 3 and {4, 8} <= splits  # 64 N blocks: 256 and 512 programs were best on the H200

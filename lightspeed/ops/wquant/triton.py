@@ -66,9 +66,11 @@ from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, Quantized
 from lightspeed.ops.wquant.tuning import (
     CONFIGS,
     MAX_SINGLE_BLOCK_M,
+    STREAMS,
     block_m_for,
     heuristic_config,
     max_split_k,
+    num_sms,
     prune_configs,
 )
 
@@ -280,10 +282,45 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
                       SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       X_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
                       REDUCE: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr):
-    """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias); split-K partials through ws [SPLIT_K, M, N].
-    K is a constexpr (one compile per layer width), so plane strides and tile counts are constants. The
-    autotuner is keyed by M; its pruning bounds SPLIT_K by `max_split_k(M)`, hence the workspace size."""
+                      BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr, STREAM: tl.constexpr):
+    """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias). K is a constexpr (one compile per layer width),
+    so plane strides and tile counts are constants. STREAM = 0: grid (N blocks, SPLIT_K, M blocks)
+    (`_split_k_body`); STREAM > 0: stream-K over a grid of STREAM programs per SM (`_stream_k_body`)."""
+    if STREAM:
+        _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale, K,
+                       TILE, SUB, GROUP, SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS,
+                       BLOCK_N, ONE_DOT)
+    else:
+        _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale, K,
+                      TILE, SUB, GROUP, SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, REDUCE, INTERPRETED,
+                      ROWS, BLOCK_N, SPLIT_K, ONE_DOT)
+
+
+@triton.jit
+def _row_offsets(offs_nc, NT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
+                 FORMAT: tl.constexpr):
+    """Each row's offset in its tile-0 chunk of the tile-major storage (reference.py: chunks of ROWS rows x
+    one K-tile, CHUNK bytes each): row_a in int8 bytes or half-words of the 4-bit plane, row_b fp6's lo
+    bytes (after the chunk's hi rows)."""
+    grp = offs_nc // ROWS
+    rin = offs_nc % ROWS
+    if FORMAT == 1:
+        row_a = grp * (NT * CHUNK) + rin * TILE
+        row_b = row_a
+    else:
+        row_a = grp * (NT * CHUNK // 2) + rin * (TILE // 4)
+        row_b = grp * (NT * CHUNK) + ROWS * (TILE // 2) + rin * (TILE // 4)
+    return row_a, row_b
+
+
+@triton.jit
+def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale,
+                  K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
+                  FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
+                  BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr):
+    """Program (n block, split, m block) sums its share of the K-tiles; split-K partials go through
+    ws [SPLIT_K, M, N] (the autotuner's pruning bounds SPLIT_K by `max_split_k(M)`, hence its size)."""
     KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
     NT: tl.constexpr = KP // TILE
     NG: tl.constexpr = K // GROUP
@@ -300,14 +337,7 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     # tile-major storage (reference.py): chunks of ROWS rows x one K-tile, CHUNK bytes each
     RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2  # bytes of a row's K-tile: int8 / 4-bit plane
     CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
-    grp = offs_nc // ROWS
-    rin = offs_nc % ROWS
-    if FORMAT == 1:
-        row_a = grp * (NT * CHUNK) + rin * TILE  # int8: bytes
-        row_b = row_a
-    else:
-        row_a = grp * (NT * CHUNK // 2) + rin * (TILE // 4)  # half-words of the 4-bit plane
-        row_b = grp * (NT * CHUNK) + ROWS * RB + rin * (TILE // 4)  # fp6 lo bytes: after the chunk's hi rows
+    row_a, row_b = _row_offsets(offs_nc, NT, CHUNK, ROWS, TILE, FORMAT)
     SWAP: tl.constexpr = FORMAT != 1 or BLOCK_M >= 64  # swapped operands (see the module docstring)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -358,6 +388,125 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
                     total += b_n[None, :]
                 tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
                 tl.store(cnt_ptr + tile_id, 0)  # ready for the next call (the launch boundary orders it)
+
+
+@triton.jit
+def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale,
+                   K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
+                   FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
+                   BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   ONE_DOT: tl.constexpr):
+    """Stream-K (M <= 64, one M block). The U = N blocks x K-tiles units, N block major, are cut into P
+    equal contiguous ranges, one per program, so every program streams the same weight bytes whatever
+    the shape (no wave quantization, no split count to pick). A range crosses N blocks: one K loop per
+    block it touches (`_stream_block`), each followed by a flush (`_stream_flush`)."""
+    KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
+    NT: tl.constexpr = KP // TILE
+    NG: tl.constexpr = K // GROUP
+    RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
+    CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
+    SWAP: tl.constexpr = FORMAT != 1 or BLOCK_M >= 64
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    U = tl.cdiv(N, BLOCK_N) * NT
+    u0 = (p.to(tl.int64) * U // P).to(tl.int32)
+    u1 = ((p + 1).to(tl.int64) * U // P).to(tl.int32)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_mc = tl.minimum(offs_m, M - 1)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    one = (N > 0).to(tl.float32)
+    b_last = (u1 - 1) // NT
+    if INTERPRETED:  # while loops: the interpreter cannot run `range` over computed bounds
+        b = u0 // NT
+        while b <= b_last:
+            acc = _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
+                                cnt_ptr, offs_m, offs_mc, M, N, stride_xm, out_scale, K, KP, NT, TILE, SUB, GROUP, NG,
+                                SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS, BLOCK_N, ONE_DOT,
+                                SWAP, CHUNK)
+            b += 1
+    else:
+        for b in range(u0 // NT, b_last + 1):
+            acc = _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
+                                cnt_ptr, offs_m, offs_mc, M, N, stride_xm, out_scale, K, KP, NT, TILE, SUB, GROUP, NG,
+                                SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS, BLOCK_N, ONE_DOT,
+                                SWAP, CHUNK)
+
+
+@triton.jit
+def _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, offs_m,
+                  offs_mc, M, N, stride_xm, out_scale, K: tl.constexpr, KP: tl.constexpr, NT: tl.constexpr,
+                  TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, SPG: tl.constexpr,
+                  FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
+                  BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  ONE_DOT: tl.constexpr, SWAP: tl.constexpr, CHUNK: tl.constexpr):
+    """Program p's K-tiles of N block b (those of its range [u0, u1)), summed by a plain K loop (pipelined
+    like split-K's), then flushed (`_stream_flush`); returns the zeroed accumulator. The scales are read
+    before the loop, off the flush's critical path."""
+    offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_nc = tl.minimum(offs_n, N - 1)
+    row_a, row_b = _row_offsets(offs_nc, NT, CHUNK, ROWS, TILE, FORMAT)
+    if PER_GROUP:
+        s_n = tl.full((BLOCK_N,), 1.0, tl.float32)
+    else:
+        s_n = tl.load(s_ptr + offs_nc).to(tl.float32)
+    t0 = tl.maximum(u0 - b * NT, 0)
+    t1 = tl.minimum(u1 - b * NT, NT)
+    if INTERPRETED:
+        t = t0
+        while t < t1:
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+            t += 1
+    else:
+        for t in range(t0, t1):
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+    _stream_flush(acc, s_n, b, p, P, U, offs_m, offs_n, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, out_scale, NT, HAS_BIAS,
+                  SWAP, BLOCK_M, BLOCK_N)
+    return tl.zeros_like(acc)
+
+
+@triton.jit
+def _stream_flush(acc, s_n, b, p, P, U, offs_m, offs_n, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, out_scale,
+                  NT: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Program p's sum over its units of N block b -> y. Block b's units are covered by programs
+    first_p..last_p (program of unit v: ((v + 1) P - 1) // U). One program: it stores y. Several: each
+    stores its partial in workspace slot b + q (unique: the programs covering block b + 1 start at or
+    after the last one covering b) and the last to arrive (acq_rel counter per block, reset by it) sums
+    the slots in program order (deterministic), adds the bias and stores y."""
+    if SWAP:
+        acc = tl.trans(acc)
+    acc = acc * s_n[None, :] * out_scale
+    m_mask = offs_m < M
+    out_mask = m_mask[:, None] & (offs_n < N)[None, :]
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    first_p = (((b * NT + 1).to(tl.int64) * P - 1) // U).to(tl.int32)
+    last_p = ((((b + 1) * NT).to(tl.int64) * P - 1) // U).to(tl.int32)
+    if first_p == last_p:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        SLOT: tl.constexpr = BLOCK_M * BLOCK_N
+        slot_offs = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(ws_ptr + (b + p) * SLOT + slot_offs, acc, mask=m_mask[:, None])
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        arrived = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel", scope="gpu")
+        if arrived == last_p - first_p:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            q = first_p
+            while q <= last_p:  # program order: deterministic
+                total += tl.load(ws_ptr + (b + q) * SLOT + slot_offs, mask=m_mask[:, None], other=0.0,
+                                 cache_modifier=".cg")
+                q += 1
+            if HAS_BIAS:
+                total += tl.load(b_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)[None, :]
+            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(cnt_ptr + b, 0)  # ready for the next call (the launch boundary orders it)
 
 
 @triton.jit
@@ -453,6 +602,11 @@ def group_layout(fmt: str, K: int, group_size: int | None, tile: int) -> tuple[b
     else:
         spg = 1
     return True, group, sub, spg
+
+
+def _stream_slots(N: int, block_n: int, programs: int) -> int:
+    """Workspace slots of a stream-K launch: block b's partial from program q goes to slot b + q."""
+    return triton.cdiv(N, block_n) + programs
 
 
 _workspaces: dict = {}
@@ -564,18 +718,26 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     has_bias = bias is not None
     b = bias if has_bias else scales  # dummy pointer when HAS_BIAS is False
     red = REDUCE if reduce is None else _REDUCE_MODES[reduce]
+    sms = 1 if INTERPRET else num_sms()  # the interpreter: STREAM programs in all
+    n_tiles = triton.cdiv(K, qw.tile)
     if config is None and _tuned_kernel is not None:
         kernel, meta = _tuned_kernel, {}
-        ws = _workspace(x.device, max_split_k(M) * M * N)
+        ws = _workspace(x.device, max(max_split_k(M) * M * N,
+                                      _stream_slots(N, 128, max(STREAMS) * sms) * block_m * 128 if m_blocks == 1 else 0))
     else:
-        cfg = {"ONE_DOT": 1, **(dict(config) if config is not None else heuristic_config(M, K))}
-        if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:
-            raise ValueError(f"SPLIT_K > 1 needs M <= {MAX_SINGLE_BLOCK_M} (got M={M})")
+        cfg = {"ONE_DOT": 1, "STREAM": 0, **(dict(config) if config is not None else heuristic_config(M, K))}
+        if (cfg["SPLIT_K"] > 1 or cfg["STREAM"]) and M > MAX_SINGLE_BLOCK_M:
+            raise ValueError(f"SPLIT_K > 1 and STREAM need M <= {MAX_SINGLE_BLOCK_M} (got M={M})")
         kernel, meta = _wq_matmul_kernel, cfg
-        ws = _workspace(x.device, cfg["SPLIT_K"] * M * N) if cfg["SPLIT_K"] > 1 else out
+        if cfg["STREAM"]:
+            ws = _workspace(x.device, _stream_slots(N, cfg["BLOCK_N"], cfg["STREAM"] * sms) * block_m * cfg["BLOCK_N"])
+        else:
+            ws = _workspace(x.device, cfg["SPLIT_K"] * M * N) if cfg["SPLIT_K"] > 1 else out
     cnt = _counter(x.device, triton.cdiv(N, 16) * m_blocks)  # >= programs of any BLOCK_N >= 16
 
     def grid(m):
+        if m.get("STREAM", 0):  # stream-K: STREAM programs per SM, each >= 1 unit
+            return (min(triton.cdiv(N, m["BLOCK_N"]) * n_tiles, m["STREAM"] * sms), 1, 1)
         return (triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"], m_blocks)
 
     kernel[grid](x, w, w2, scales, b, out, ws, cnt, M, N, x.stride(0),
@@ -585,6 +747,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
                  INTERPRETED=INTERPRET, ROWS=ROW_GROUP, **meta)
     if meta:
         chosen = {"BLOCK_N": meta["BLOCK_N"], "SPLIT_K": meta["SPLIT_K"], "ONE_DOT": meta["ONE_DOT"],
+                  "STREAM": meta["STREAM"],
                   "num_warps": meta.get("num_warps", 4), "num_stages": meta.get("num_stages", 3)}
     else:
         best = kernel.best_config
@@ -592,7 +755,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     _last_config.clear()
     _last_config.update(BLOCK_M=block_m, **chosen)
     split_k = chosen["SPLIT_K"]
-    if split_k > 1 and red == 0:
+    if split_k > 1 and red == 0 and not chosen.get("STREAM"):
         numel = M * N
         block = 1024
         _split_reduce_kernel[(triton.cdiv(numel, block),)](ws, b, out, numel, N, SPLIT_K=split_k, HAS_BIAS=has_bias,

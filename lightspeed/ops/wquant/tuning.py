@@ -13,20 +13,22 @@ MAX_SINGLE_BLOCK_M = 64  # up to here, one M block (decode); above, a grid over 
 _NUM_SMS = None
 
 
-def make_config(block_n, split_k, num_warps, num_stages, one_dot=1):
-    return triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k, "ONE_DOT": one_dot}, num_warps=num_warps,
-                         num_stages=num_stages)
+def make_config(block_n, split_k, num_warps, num_stages, one_dot=1, stream=0):
+    return triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k, "ONE_DOT": one_dot, "STREAM": stream},
+                         num_warps=num_warps, num_stages=num_stages)
 
 
 BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (triton.py's module docstring)
 SPLIT_KS = (1, 2, 4, 8, 16)
 _STAGES_WARPS = ((4, 3), (4, 4), (8, 3), (8, 4))  # 8 warps when M > 16 at BLOCK_N 128
+STREAMS = (2, 3)  # stream-K programs per SM (triton.py `_stream_k_body`), BLOCK_N 128, 4 stages
 CONFIGS = [make_config(bn, sk, w, s, od) for bn in BLOCK_NS for sk in SPLIT_KS for w, s in _STAGES_WARPS
            for od in (0, 1)]
+CONFIGS += [make_config(128, 1, w, 4, od, st) for st in STREAMS for w in (4, 8) for od in (0, 1)]
 TARGET_PROGRAMS_PER_SM = 3  # H200 sweep (2026-11-29): the best split gave 2-7 programs per SM
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
     global _NUM_SMS
     if _NUM_SMS is None:
         _NUM_SMS = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -38,10 +40,12 @@ def num_k_tiles(K: int, tile: int) -> int:
 
 
 def candidate_configs(M: int, N: int, K: int, tile: int, sms: int, fmt: int = 0) -> list[triton.Config]:
-    """The configs the autotuner times for one problem (<= 7, each for both product forms ONE_DOT 1 / 0
+    """The configs the autotuner times for one problem (<= 9, each for both product forms ONE_DOT 1 / 0
     except int8, fmt 1): at BLOCK_N 128 the three SPLIT_Ks whose
     program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
-    most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages.
+    most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages;
+    for M <= MAX_SINGLE_BLOCK_M stream-K at BLOCK_N 128 with 2 and 3 programs per SM (4 stages) when
+    every program gets >= 2 units.
     4 warps, 8 at BLOCK_N 128 when M > 16 (fp6 at M = 32 over 4 warps: 200 registers per thread, at M = 64
     a spill)."""
     nt = num_k_tiles(K, tile)
@@ -58,6 +62,9 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int, fmt: int = 0)
         one_dots = (1,) if fmt == 1 else (1, 0)  # int8 has no field tiles to join
         out += [make_config(bn, sk, warps, st, od) for sk in ranked[:3 if bn == 128 else 1] for st in stages
                 for od in one_dots]
+        if bn == 128 and m_blocks == 1:
+            out += [make_config(bn, 1, warps, 4, od, st) for st in STREAMS if st * sms * 2 <= -(-N // bn) * nt
+                    for od in one_dots]
     return _dedup(out)
 
 
@@ -74,17 +81,18 @@ def _dedup(configs: list) -> list:
 def prune_configs(configs, named_args, **kwargs):
     """The autotuner's early prune: the configs `candidate_configs` picks for this call."""
     wanted = {config_key(c) for c in candidate_configs(named_args["M"], named_args["N"], kwargs["K"],
-                                                       kwargs["TILE"], _num_sms(), kwargs["FORMAT"])}
+                                                       kwargs["TILE"], num_sms(), kwargs["FORMAT"])}
     return [c for c in configs if config_key(c) in wanted]
 
 
 def config_key(c) -> tuple:
-    return c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.kwargs["ONE_DOT"], c.num_warps, c.num_stages
+    return (c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.kwargs["ONE_DOT"], c.kwargs.get("STREAM", 0), c.num_warps,
+            c.num_stages)
 
 
 def heuristic_config(M: int, K: int) -> dict:
     """One valid config for the interpreter (small tiles so tests exercise masking and several tiles)."""
-    return {"BLOCK_N": 32, "SPLIT_K": 1, "ONE_DOT": 1, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 32, "SPLIT_K": 1, "ONE_DOT": 1, "STREAM": 0, "num_warps": 4, "num_stages": 2}
 
 
 def block_m_for(M: int) -> int:

@@ -107,13 +107,13 @@ def test_kernel_stream_k(wt, fmt, group_size):
     """Stream-K: N = 200 (7 blocks of 32, the last partial) x K = 700 (6 K-tiles, padding) = 42 units cut
     into P ranges; P = 5 (ranges of 8-9 units: some blocks inside one range, others split in two),
     13 (2-3 programs per block) and 42 (one unit per program: 6 per block, every block through the
-    fixup); bias, fp16/bf16, M = 1, 13, 64. Under the interpreter P = STREAM (one "SM"); on a GPU
-    P = min(42, STREAM x SMs) = 42. Counters are left at zero."""
+    fixup); bias, fp16/bf16, M = 1, 2, 13, 16. Under the interpreter P = STREAM (one "SM"); on a GPU
+    P = min(42, STREAM x SMs) = 42. Counters are left at zero; M > 16 is refused (tuning.MAX_STREAM_M)."""
     n, k = 200, 720 if group_size else 700
     qw = _weight(n, k, fmt, group_size, seed=41)
     gen = torch.Generator().manual_seed(42)
     bias = _randn(n, gen=gen, dtype=torch.float16)
-    cases = ((1, 5, torch.float16, bias), (13, 13, torch.bfloat16, None), (64, 42, torch.float16, bias),
+    cases = ((1, 5, torch.float16, bias), (13, 13, torch.bfloat16, None), (16, 42, torch.float16, bias),
              (2, 5, torch.bfloat16, None))
     for m, stream, dtype, b in cases:
         x = _randn(m, k, gen=gen, dtype=dtype)
@@ -121,8 +121,8 @@ def test_kernel_stream_k(wt, fmt, group_size):
         _check(wt.wq_matmul(x, qw, b, config={**_cfg(32), "STREAM": stream}), x, qw, b)
         assert wt.last_config()["STREAM"] == stream
     assert all(int(c.abs().sum()) == 0 for c in wt._counters.values())
-    with pytest.raises(ValueError, match="STREAM need M <= 64"):
-        wt.wq_matmul(_randn(65, k, gen=gen, dtype=torch.float16), qw, config={**_cfg(32), "STREAM": 2})
+    with pytest.raises(ValueError, match="STREAM needs M <= 16"):
+        wt.wq_matmul(_randn(17, k, gen=gen, dtype=torch.float16), qw, config={**_cfg(32), "STREAM": 2})
 
 
 @kernel_test
@@ -210,7 +210,7 @@ def test_kernel_large_m_tiles_over_m(wt):
     qw = _weight(40, 64, "fp6", None, seed=11)
     x = _randn(130, 64, gen=torch.Generator().manual_seed(12), dtype=torch.float16)
     _check(wt.wq_matmul(x, qw), x, qw)
-    with pytest.raises(ValueError, match="SPLIT_K > 1 and STREAM need M <= 64"):
+    with pytest.raises(ValueError, match="SPLIT_K > 1 needs M <= 64"):
         wt.wq_matmul(x, qw, config=_cfg(16, 2))
 
 
@@ -258,7 +258,7 @@ def test_kernel_extreme_codes_are_exact(wt):
 def test_autotune_candidates_are_few_valid_and_bounded():
     """The autotuner's pruned list: <= 9 configs (x2 for fp6/int4: one product per K-tile or per
     field), each in the compiled config space, SPLIT_K within max_split_k(M) and K-tiles, 8 warps for
-    accumulators of M > 16 at BLOCK_N 128, stream-K only for one M block and >= 2 units per program."""
+    accumulators of M > 16 at BLOCK_N 128, stream-K only for M <= 16 and >= 2 units per program."""
     pytest.importorskip("triton")
     from lightspeed.ops.wquant import tuning as wt
 
@@ -268,7 +268,7 @@ def test_autotune_candidates_are_few_valid_and_bounded():
         cands = wt.candidate_configs(m, n, k, 128, 132)
         assert 1 <= len(cands) <= 18
         streams = [c for c in cands if c.kwargs["STREAM"]]
-        assert bool(streams) == (m <= wt.MAX_SINGLE_BLOCK_M and n > 64)
+        assert bool(streams) == (m <= wt.MAX_STREAM_M and n > 64)
         for c in cands:
             bn, sk, w, s = c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages
             assert wt.config_key(c) in space

@@ -32,6 +32,13 @@ dequant reusing the pending wgmma's A registers), at a cost of 2-4% for fp6. The
 tile` with `one` a runtime 1.0: a plain add is folded into the tile's last dot, which would leave the
 wgmmas pending across the back-edge again.
 
+Stream-K (STREAM > 0, autotune candidates for M <= 16): a grid of STREAM programs per SM, each taking
+an equal contiguous range of the (N block, K-tile) units, N block major; per N block it touches, a
+plain K loop then a flush, the blocks split between programs summed by the last to arrive in program
+order (`_stream_k_body`). It removes the wave quantization of split-K grids (H200, fp6 8192 x 28672,
+M = 1..16: 49-52 us vs 51-57 split-K). Not above M = 16: fp6 at M = 32 with 8 warps gave wrong results
+on the H200 (tuning.MAX_STREAM_M).
+
 M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
 grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1, and from
 DEQUANT_MIN_M[format] rows on `wq_matmul` instead dequantizes the weight once (`_dequant_kernel`, one
@@ -66,6 +73,7 @@ from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, Quantized
 from lightspeed.ops.wquant.tuning import (
     CONFIGS,
     MAX_SINGLE_BLOCK_M,
+    MAX_STREAM_M,
     STREAMS,
     block_m_for,
     heuristic_config,
@@ -396,7 +404,7 @@ def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
                    FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
                    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                    ONE_DOT: tl.constexpr):
-    """Stream-K (M <= 64, one M block). The U = N blocks x K-tiles units, N block major, are cut into P
+    """Stream-K (M <= MAX_STREAM_M, one M block). The U = N blocks x K-tiles units, N block major, are cut into P
     equal contiguous ranges, one per program, so every program streams the same weight bytes whatever
     the shape (no wave quantization, no split count to pick). A range crosses N blocks: one K loop per
     block it touches (`_stream_block`), each followed by a flush (`_stream_flush`)."""
@@ -723,11 +731,13 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     if config is None and _tuned_kernel is not None:
         kernel, meta = _tuned_kernel, {}
         ws = _workspace(x.device, max(max_split_k(M) * M * N,
-                                      _stream_slots(N, 128, max(STREAMS) * sms) * block_m * 128 if m_blocks == 1 else 0))
+                                      _stream_slots(N, 128, max(STREAMS) * sms) * block_m * 128 if M <= MAX_STREAM_M else 0))
     else:
         cfg = {"ONE_DOT": 1, "STREAM": 0, **(dict(config) if config is not None else heuristic_config(M, K))}
-        if (cfg["SPLIT_K"] > 1 or cfg["STREAM"]) and M > MAX_SINGLE_BLOCK_M:
-            raise ValueError(f"SPLIT_K > 1 and STREAM need M <= {MAX_SINGLE_BLOCK_M} (got M={M})")
+        if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:
+            raise ValueError(f"SPLIT_K > 1 needs M <= {MAX_SINGLE_BLOCK_M} (got M={M})")
+        if cfg["STREAM"] and M > MAX_STREAM_M:  # tuning.MAX_STREAM_M: wrong results seen above
+            raise ValueError(f"STREAM needs M <= {MAX_STREAM_M} (got M={M})")
         kernel, meta = _wq_matmul_kernel, cfg
         if cfg["STREAM"]:
             ws = _workspace(x.device, _stream_slots(N, cfg["BLOCK_N"], cfg["STREAM"] * sms) * block_m * cfg["BLOCK_N"])

@@ -221,6 +221,27 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
 
 
 @triton.jit
+def _k_range(acc, one, t_start, t_end, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, stride_xm,
+             K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
+             NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
+             X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr, CHUNK: tl.constexpr,
+             ONE_DOT: tl.constexpr):
+    """acc += the products of K-tiles t_start..t_end-1 (`_k_tile`): the K loop both grids run, pipelined
+    over num_stages on the GPU."""
+    if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
+        t = t_start
+        while t < t_end:
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+            t += 1
+    else:
+        for t in range(t_start, t_end):
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+    return acc
+
+
+@triton.jit
 def _cat_fields(v0, v1, v2, v3):
     """Four [BLOCK_N, FW] field tiles -> [BLOCK_N, 4 FW], column f * FW + c = field f's column c (the K-tile
     in K order). The field index becomes two register bits of the wgmma operand layout, which holds every
@@ -360,17 +381,9 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
     if HAS_BIAS:
         b_n = tl.load(b_ptr + offs_nc).to(tl.float32)
     t_start = pid_k * TPS
-    t_end = tl.minimum(t_start + TPS, NT)
-    if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
-        t = t_start
-        while t < t_end:
-            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
-            t += 1
-    else:
-        for t in range(t_start, t_end):
-            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+    acc = _k_range(acc, one, t_start, tl.minimum(t_start + TPS, NT), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc,
+                   row_a, row_b, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED,
+                   SWAP, CHUNK, ONE_DOT)
     if SWAP:
         acc = tl.trans(acc)
     if not PER_GROUP:
@@ -460,18 +473,9 @@ def _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_p
         s_n = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
         s_n = tl.load(s_ptr + offs_nc).to(tl.float32)
-    t0 = tl.maximum(u0 - b * NT, 0)
-    t1 = tl.minimum(u1 - b * NT, NT)
-    if INTERPRETED:
-        t = t0
-        while t < t1:
-            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
-            t += 1
-    else:
-        for t in range(t0, t1):
-            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+    acc = _k_range(acc, one, tl.maximum(u0 - b * NT, 0), tl.minimum(u1 - b * NT, NT), x_ptr, w_ptr, w2_ptr, s_ptr,
+                   offs_mc, offs_nc, row_a, row_b, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP,
+                   X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
     _stream_flush(acc, s_n, b, p, P, U, offs_m, offs_n, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, out_scale, NT, HAS_BIAS,
                   SWAP, BLOCK_M, BLOCK_N)
     return tl.zeros_like(acc)

@@ -50,6 +50,13 @@ def wt():
     return module
 
 
+@pytest.fixture(scope="module")
+def wdq(wt):
+    from lightspeed.ops.wquant import dequant
+
+    return dequant
+
+
 def _check(y, x, qw, bias=None):
     ref = reference_matmul(x, qw, bias)
     assert y.dtype == x.dtype and y.shape == ref.shape
@@ -128,13 +135,13 @@ def test_kernel_stream_k(wt, fmt, group_size):
 @kernel_test
 @pytest.mark.parametrize("fmt,group_size", [("fp6", None), ("int8", None), ("int4", None), ("int4", 48),
                                             ("int8", 80)])
-def test_dequantize_weight_is_bit_identical_to_the_reference(wt, fmt, group_size):
+def test_dequantize_weight_is_bit_identical_to_the_reference(wdq, fmt, group_size):
     """The one-pass Triton dequantizer (the prefill path's first step) gives exactly the reference's
     value * scale rounded once (bf16 in the interpreter: within its truncation's ulp), for N not a
     multiple of the 32-row storage group and K with padding."""
     qw = _weight(45, 240, fmt, group_size, seed=31)
     for dtype in DTYPES:
-        got, ref = wt.dequantize_weight(qw, dtype), dequantize(qw, dtype)
+        got, ref = wdq.dequantize_weight(qw, dtype), dequantize(qw, dtype)
         assert got.dtype == dtype and got.shape == (45, 240)
         if dtype == torch.bfloat16 and INTERPRET:  # the interpreter rounds fp32 -> bf16 toward zero: 1 ulp
             torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=0)
@@ -143,7 +150,7 @@ def test_dequantize_weight_is_bit_identical_to_the_reference(wt, fmt, group_size
 
 
 @kernel_test
-def test_large_m_runs_dequantize_then_matmul(wt, monkeypatch):
+def test_large_m_runs_dequantize_then_matmul(wt, wdq, monkeypatch):
     """From DEQUANT_MIN_M rows on (lowered here to keep the interpreter fast) wq_matmul dequantizes once and
     calls torch.matmul, in row chunks when the weight is larger than DEQUANT_CHUNK_ELEMS; an explicit
     config still runs the kernel."""
@@ -158,12 +165,12 @@ def test_large_m_runs_dequantize_then_matmul(wt, monkeypatch):
     assert wt.last_config()["BLOCK_N"] == 32
     _check(wt.wq_matmul(x[:7], qw, bias), x[:7], qw, bias)
     assert "PATH" not in wt.last_config()
-    monkeypatch.setattr(wt, "DEQUANT_CHUNK_ELEMS", 32 * 200)  # row chunks of 32: [0, 32) and [32, 40)
+    monkeypatch.setattr(wdq, "DEQUANT_CHUNK_ELEMS", 32 * 200)  # row chunks of 32: [0, 32) and [32, 40)
     _check(wt.wq_matmul(x, qw, bias), x, qw, bias)
     _check(wt.wq_matmul(x, qw), x, qw)
-    assert torch.equal(wt.dequantize_weight(qw, torch.float16, (32, 40)), dequantize(qw, torch.float16)[32:40])
+    assert torch.equal(wdq.dequantize_weight(qw, torch.float16, (32, 40)), dequantize(qw, torch.float16)[32:40])
     with pytest.raises(ValueError, match="multiple of 32"):
-        wt.dequantize_weight(qw, torch.float16, (16, 40))
+        wdq.dequantize_weight(qw, torch.float16, (16, 40))
 
 
 @kernel_test

@@ -1,6 +1,7 @@
 """Triton kernels for `y = x @ dequant(W).T` with a packed FP6 / INT8 / INT4 weight (tile-interleaved,
-tile-major layout in `reference.py`). With `tuning.py` (its autotune config space) and `ptx.py` (its inline dequant routines), the only
-modules of ops/wquant that import triton; import them lazily.
+tile-major layout in `reference.py`). With `dequant.py` (the code -> weight tile bit tricks and the
+prefill path's one-pass dequantizer), `tuning.py` (its autotune config space) and `ptx.py` (the inline
+dequant routines), the only modules of ops/wquant that import triton; import them lazily.
 
 One kernel serves every M. A program owns a [BLOCK_M, BLOCK_N] output tile and a contiguous share of
 the K-tiles (T = 128 values each). The weight is stored tile-major (`reference.py`): the rows of a
@@ -41,7 +42,7 @@ on the H200 (tuning.MAX_STREAM_M).
 
 M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
 grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1, and from
-DEQUANT_MIN_M[format] rows on `wq_matmul` instead dequantizes the weight once (`_dequant_kernel`, one
+DEQUANT_MIN_M[format] rows on `wq_matmul` instead dequantizes the weight once (`dequant.py`, one
 program per storage chunk, bit-identical to the reference dequantizer) and multiplies with cuBLAS: the
 kernel dequantizes each weight tile once per 64 rows, which from there on costs more than one dense
 copy of the weight (H200, 8192 x 8192 and 8192 x 28672, M = 128..4096: the crossover is M ~ 200-256 for
@@ -68,8 +69,16 @@ import triton
 import triton.language as tl
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.ops.wquant.ptx import FP6_PACK2, FP6_PACK4, INT4_PAIRS
-from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight, plane_specs
+from lightspeed.ops.wquant.dequant import (
+    FORMAT_ID,
+    INTERPRET,
+    check_planes,
+    dense_matmul,
+    dequant_fields,
+    dequant_int8,
+    pick_field,
+)
+from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight
 from lightspeed.ops.wquant.tuning import (
     CONFIGS,
     MAX_SINGLE_BLOCK_M,
@@ -84,94 +93,11 @@ from lightspeed.ops.wquant.tuning import (
 
 logger = get_logger(__name__)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_FORMAT_ID = {"fp6": 0, "int8": 1, "int4": 2}
 _REDUCE_MODES = {"fixup": 1, "kernel": 0}
 # from this M on (prefill), `wq_matmul` dequantizes the weight once and calls cuBLAS: the kernel
 # dequantizes every weight tile once per 64 rows of x (crossovers measured on the H200: BENCHMARKS.md)
 DEQUANT_MIN_M = {"int8": 256, "fp6": 512, "int4": 1024}
-DEQUANT_CHUNK_ELEMS = 1 << 26  # the dense path dequantizes at most this many weight values at a time
 REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
-
-
-@triton.jit
-def _dequant_fields(w, lo, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                    SWAP: tl.constexpr):
-    """The int16 half-word tile `w` (and fp6's int8 `lo` tile, same shape) -> the 4 field weight tiles in
-    x's dtype: fp6 as value * 2**-12, int4 as q (exact). fp16 on the GPU: inline asm on 32-bit pairs
-    (`pack=2`: one register holds half-words c, c+1); else the same bits one value at a time."""
-    if (not INTERPRETED) and (not X_BF16):
-        if FORMAT == 0 and SWAP:
-            v0, v1, v2, v3 = tl.inline_asm_elementwise(FP6_PACK2, "=r,=r,=r,=r,r,r", [w, lo],
-                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                       is_pure=True, pack=2)
-        elif FORMAT == 0:
-            v0, v1, v2, v3 = tl.inline_asm_elementwise(FP6_PACK4, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [w, lo],
-                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                       is_pure=True, pack=4)
-        else:
-            v0, v1, v2, v3 = tl.inline_asm_elementwise(INT4_PAIRS, "=r,=r,=r,=r,r", [w],
-                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                       is_pure=True, pack=2)
-    else:
-        h = w.to(tl.int32)
-        if FORMAT == 0:
-            lb = lo.to(tl.int32) & 0xFF
-            l16 = lb | (lb << 8)  # the byte twice: a left shift by 2f puts s at bit 15, m0 at bit 8
-            v0 = _fp6_bits(h << 9, l16, X_BF16)
-            v1 = _fp6_bits(h << 5, l16 << 2, X_BF16)
-            v2 = _fp6_bits(h << 1, l16 << 4, X_BF16)
-            v3 = _fp6_bits(h >> 3, l16 << 6, X_BF16)
-        else:
-            v0 = _int4_value(h & 0xF, X_BF16, INTERPRETED)
-            v1 = _int4_value((h >> 4) & 0xF, X_BF16, INTERPRETED)
-            v2 = _int4_value((h >> 8) & 0xF, X_BF16, INTERPRETED)
-            v3 = _int4_value((h >> 12) & 0xF, X_BF16, INTERPRETED)
-    return v0, v1, v2, v3
-
-
-@triton.jit
-def _fp6_bits(a, b, X_BF16: tl.constexpr):
-    v = ((a & 0x1E00) | (b & 0x8100)).to(tl.int16).to(tl.float16, bitcast=True)
-    if X_BF16:
-        v = v.to(tl.bfloat16)
-    return v
-
-
-@triton.jit
-def _int4_value(c, X_BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """c = q + 8 -> q: fp16 bits 0x6400 | c == 1024 + c (bf16: 0x4300 | c == 128 + c)."""
-    if X_BF16:
-        v = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        if INTERPRETED:  # the interpreter has no bf16 scalars; fp32 is exact here
-            v = v.to(tl.float32) - 136.0
-        else:
-            v = v - 136.0
-    else:
-        v = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0
-    return v
-
-
-@triton.jit
-def _pick(f: tl.constexpr, v0, v1, v2, v3):
-    if f == 0:
-        r = v0
-    elif f == 1:
-        r = v1
-    elif f == 2:
-        r = v2
-    else:
-        r = v3
-    return r
-
-
-@triton.jit
-def _dequant_int8(q, X_BF16: tl.constexpr):
-    """int8 q -> q in x's dtype: fp16 bits 0x6480 + q == 1152 + q."""
-    v = (q.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
-    if X_BF16:
-        v = v.to(tl.bfloat16)
-    return v
 
 
 @triton.jit
@@ -196,7 +122,7 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
         for i in tl.static_range(NSUB):
             offs_q = tl.max_contiguous(tl.multiple_of(i * SUB + tl.arange(0, SUB), SUB), SUB)
             q = tl.load(w_ptr + (row_a[:, None] + t * CHUNK) + offs_q[None, :])
-            acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + i * SUB, i, stride_xm, _dequant_int8(q, X_BF16),
+            acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + i * SUB, i, stride_xm, dequant_int8(q, X_BF16),
                            K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED, SWAP)
     else:  # per half (SUB = T/4: one; SUB = T/8: two) one [BLOCK_N, SUB] half-word tile (+ fp6 lo bytes)
         FW: tl.constexpr = TILE // 4  # field width: field f covers K [k0 + f*FW, k0 + (f+1)*FW)
@@ -206,14 +132,14 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
             lo = w
             if FORMAT == 0:
                 lo = tl.load(w2_ptr + (row_b[:, None] + t * CHUNK) + offs_c[None, :])
-            v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, SWAP)
+            v0, v1, v2, v3 = dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, SWAP)
             if SWAP and ONE_DOT and (not PER_GROUP) and SUB == FW:  # one product over the whole K-tile
                 acc = tl.dot(_w_op(_cat_fields(v0, v1, v2, v3), INTERPRETED),
                              tl.trans(_x_sub(x_ptr, offs_mc, k0, stride_xm, K, TILE, TILE, INTERPRETED)), acc)
             else:
                 for f in tl.static_range(4):
                     acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f,
-                                         stride_xm, _pick(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP,
+                                         stride_xm, pick_field(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP,
                                          INTERPRETED, SWAP)
     if SWAP:
         acc = acc_in + one * acc
@@ -522,54 +448,6 @@ def _stream_flush(acc, s_n, b, p, P, U, offs_m, offs_n, b_ptr, out_ptr, ws_ptr, 
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, G0, N_END, K: tl.constexpr, TILE: tl.constexpr,
-                    GROUP: tl.constexpr, FORMAT: tl.constexpr, OUT_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
-                    ROWS: tl.constexpr):
-    """out [N_END - G0 * ROWS, K] (fp16/bf16) = rows G0 * ROWS .. N_END - 1 of code value * scale, rounded
-    once from fp32 (bit-identical to `reference.dequantize(qw, dtype)`). One program per storage chunk
-    (row group G0 + program 0, K-tile program 1)."""
-    KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
-    NT: tl.constexpr = KP // TILE
-    NG: tl.constexpr = K // GROUP
-    RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
-    CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
-    grp = G0 + tl.program_id(0)
-    t = tl.program_id(1)
-    rin = tl.arange(0, ROWS)
-    offs_n = grp * ROWS + rin
-    base = (grp * NT + t) * CHUNK  # bytes; the chunk holds ROWS rows (padded past N)
-    if FORMAT == 1:
-        offs_c = tl.arange(0, TILE)
-        q = tl.load(w_ptr + base + rin[:, None] * TILE + offs_c[None, :])
-        _store_scaled(out_ptr, s_ptr, _dequant_int8(q, False), offs_n, t * TILE + offs_c, N, G0 * ROWS, N_END, K,
-                      GROUP, NG, OUT_SCALE)
-    else:
-        FW: tl.constexpr = TILE // 4
-        offs_c = tl.arange(0, FW)
-        w = tl.load(w_ptr + base // 2 + rin[:, None] * FW + offs_c[None, :])
-        lo = w
-        if FORMAT == 0:
-            lo = tl.load(w2_ptr + base + ROWS * RB + rin[:, None] * FW + offs_c[None, :])
-        v0, v1, v2, v3 = _dequant_fields(w, lo, FORMAT, False, INTERPRETED, False)
-        for f in tl.static_range(4):
-            _store_scaled(out_ptr, s_ptr, _pick(f, v0, v1, v2, v3), offs_n, t * TILE + f * FW + offs_c, N, G0 * ROWS,
-                          N_END, K, GROUP, NG, OUT_SCALE)
-
-
-@triton.jit
-def _store_scaled(out_ptr, s_ptr, v, offs_n, offs_k, N, row0, N_END, K: tl.constexpr, GROUP: tl.constexpr,
-                  NG: tl.constexpr, OUT_SCALE: tl.constexpr):
-    """out[n - row0, k] = v * (scale[n, k // GROUP] * OUT_SCALE) in fp32, one rounding to out's dtype, for
-    rows n < N_END."""
-    mask = (offs_n < N_END)[:, None] & (offs_k < K)[None, :]
-    nc = tl.minimum(offs_n, N - 1)
-    g = tl.minimum(offs_k // GROUP, NG - 1)
-    s = tl.load(s_ptr + nc[:, None] * NG + g[None, :]).to(tl.float32) * OUT_SCALE
-    tl.store(out_ptr + (offs_n - row0)[:, None] * K + offs_k[None, :],
-             (v.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -661,50 +539,6 @@ def autotune_timings() -> dict | None:
     return {str(c): t for c, t in _tuned_kernel.configs_timings.items()}
 
 
-def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """The dense weight [N, K] (or its rows n0..n1-1, n0 a multiple of ROW_GROUP) in fp16/bf16 (value *
-    scale, rounded once: what `reference.dequantize` gives in that dtype), by one Triton pass over the
-    packed chunks."""
-    N, K = qw.shape
-    _check_planes(qw)
-    n0, n1 = rows if rows is not None else (0, N)
-    if n0 % ROW_GROUP or not 0 <= n0 < n1 <= N:
-        raise ValueError(f"rows must be (n0, n1) with n0 a multiple of {ROW_GROUP} and 0 <= n0 < n1 <= {N}")
-    group = qw.group_size if qw.group_size is not None else K
-    packed = qw.planes[0]
-    out = torch.empty((n1 - n0, K), device=packed.device, dtype=dtype)
-    grid = (triton.cdiv(n1 - n0, ROW_GROUP), triton.cdiv(K, qw.tile))
-    _dequant_kernel[grid](packed if qw.format == "int8" else packed.view(torch.int16), packed, qw.scales.contiguous(),
-                          out, N, n0 // ROW_GROUP, n1, K=K, TILE=qw.tile, GROUP=group, FORMAT=_FORMAT_ID[qw.format],
-                          OUT_SCALE=FP6_FP16_SCALE if qw.format == "fp6" else 1.0, INTERPRETED=INTERPRET,
-                          ROWS=ROW_GROUP, num_warps=4)
-    return out
-
-
-def _dense_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) through the dense weight, dequantized in row chunks of about DEQUANT_CHUNK_ELEMS
-    values so the transient copy stays bounded (128 MB in fp16) whatever the layer's size."""
-    N, K = qw.shape
-    step = max(ROW_GROUP, DEQUANT_CHUNK_ELEMS // K // ROW_GROUP * ROW_GROUP)
-    if step >= N:
-        w = dequantize_weight(qw, x.dtype)
-        return torch.matmul(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
-    out = torch.empty((x.shape[0], N), device=x.device, dtype=x.dtype)
-    for n0 in range(0, N, step):
-        n1 = min(N, n0 + step)
-        w = dequantize_weight(qw, x.dtype, (n0, n1))
-        out[:, n0:n1] = torch.matmul(x, w.t()) if bias is None else torch.addmm(bias[n0:n1], x, w.t())
-    return out
-
-
-def _check_planes(qw: QuantizedWeight) -> None:
-    N, K = qw.shape
-    for plane, (shape, dtype) in zip(qw.planes, plane_specs(qw.format, N, K, qw.tile)):
-        if tuple(plane.shape) != shape or plane.dtype != dtype or not plane.is_contiguous():
-            raise ValueError(f"{qw.format} plane must be a contiguous {dtype} {shape} (got {plane.dtype} "
-                             f"{tuple(plane.shape)})")
-
-
 def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
               config: dict | None = None, reduce: str | None = None) -> torch.Tensor:
     """y = x @ dequant(W).T (+ bias). x: [M, K] fp16/bf16 contiguous along K, on the weight's device;
@@ -714,11 +548,11 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     (see `lightspeed.ops.wquant.quantized_matmul`); the planes must be contiguous as packed."""
     M, K = x.shape
     N = qw.shape[0]
-    _check_planes(qw)
+    check_planes(qw)
     if config is None and M >= DEQUANT_MIN_M[qw.format]:  # prefill: dequantize once, then dense cuBLAS products
         _last_config.clear()
         _last_config.update(PATH="dequant+matmul")
-        return _dense_matmul(x, qw, bias)
+        return dense_matmul(x, qw, bias)
     per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
     packed = qw.planes[0]
     w = packed if qw.format == "int8" else packed.view(torch.int16)  # 4-bit plane: half-words (layout Note)
@@ -756,7 +590,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
 
     kernel[grid](x, w, w2, scales, b, out, ws, cnt, M, N, x.stride(0),
                  FP6_FP16_SCALE if qw.format == "fp6" else 1.0, K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg,
-                 FORMAT=_FORMAT_ID[qw.format], PER_GROUP=per_group, HAS_BIAS=has_bias,
+                 FORMAT=FORMAT_ID[qw.format], PER_GROUP=per_group, HAS_BIAS=has_bias,
                  X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, REDUCE=red,
                  INTERPRETED=INTERPRET, ROWS=ROW_GROUP, **meta)
     if meta:

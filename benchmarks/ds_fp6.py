@@ -1,11 +1,12 @@
 """DeepSpeed's FP6-LLM kernel (`CUDAWf6Af16Linear`, DeepSpeed-FP6) as a baseline for `fp6_gemm.py --deepspeed`.
 
 Its CUDA source compiles the matmul body only for 8.0 <= __CUDA_ARCH__ < 9.0, so on a Hopper GPU it is
-built as sm_80 code plus compute_80 PTX (TORCH_CUDA_ARCH_LIST="8.0+PTX", always set here: a CUDA image's
-own "9.0a" is not parseable by DeepSpeed's builder) and the driver compiles that PTX for the GPU at load; built for sm_90 the kernel would be empty
-and return garbage, which is why every shape is checked against the dequantize + matmul reference
-before it is timed. The op is JIT-built by DeepSpeed's InferenceCoreBuilder (nvcc + ninja, minutes; the
-build is cached in torch's extension folder, TORCH_EXTENSIONS_DIR). A prebuilt copy of that op library
+built as sm_80 code plus compute_80 PTX (TORCH_CUDA_ARCH_LIST="8.0+PTX", always set here: a CUDA
+image's own "9.0a" is not parseable by DeepSpeed's builder) and the driver compiles that PTX for the
+GPU at load; built for sm_90 the kernel would be empty and return garbage, which is why every shape
+is checked against the dequantize + matmul reference before it is timed. The op is JIT-built by
+DeepSpeed's InferenceCoreBuilder (nvcc + ninja, about a minute on 16 cores; the build is cached in
+torch's extension folder, TORCH_EXTENSIONS_DIR). A prebuilt copy of that op library
 (`inference_core_ops.so` from the cache folder, built with the same torch) can be named with
 LIGHTSPEED_DS_CORE_OPS_SO instead; it is loaded as is, skipping the build.
 

@@ -14,6 +14,7 @@ reads its weight from HBM.
     python benchmarks/fp6_gemm.py --configs-report # also every autotune candidate's time
     python benchmarks/fp6_gemm.py --timing events  # eager calls timed with events (launch overhead incl.)
     python benchmarks/fp6_gemm.py --deepspeed      # also DeepSpeed's FP6-LLM kernel (checked, then timed)
+    python benchmarks/fp6_gemm.py --prefill        # large M: kernel vs dequantize-once + cuBLAS (GPU)
 
 Timing: by default a CUDA graph of back-to-back calls is replayed (kernel time as a captured decode
 step sees it, for cuBLAS and ours alike); `--timing events` times eager calls, which includes the
@@ -33,6 +34,8 @@ import torch
 
 SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # (K, N)
 MS = [1, 2, 4, 8, 16, 32, 64]
+PREFILL_MS = [128, 256, 512, 1024, 2048, 4096]
+PREFILL_SHAPES = [(8192, 8192), (8192, 28672)]
 FORMATS = ["fp6", "int8", "int4"]
 L2_BYTES = 50 * 2**20  # H200
 SMOKE_SHAPES = [(256, 384)]
@@ -225,6 +228,50 @@ def run(shapes, ms, formats, device, check: bool, group_size, timing: str = "gra
     return rows, bw
 
 
+def run_prefill(shapes, ms, formats, group_size, timing: str = "graph", device: str = "cuda"):
+    """Per (shape, format, M): the kernel path (M tiled in blocks of 64, every weight tile dequantized once
+    per block) and the dequantize-once + cuBLAS path, both forced, with cuBLAS fp16 in the same run: the
+    crossover that sets `triton.DEQUANT_MIN_M`. Weights are read once per call in both paths and the
+    products are compute-bound here, so two weight copies rotate. device="cpu" only dry-runs the code
+    (both paths are then the reference)."""
+    from lightspeed.ops.wquant import triton as wt
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for k, n in shapes:
+        w16 = (torch.randn(n, k, generator=gen) * 0.02).to(device, torch.float16)
+        dense = [w16, w16.clone()]
+        for fmt in formats:
+            qw = wq.quantize(w16, fmt, group_size if fmt != "fp6" else None)
+            qws = [qw, wq.QuantizedWeight(qw.format, qw.shape, qw.group_size, tuple(p.clone() for p in qw.planes),
+                                          qw.scales.clone(), qw.dtype)]
+            threshold = wt.DEQUANT_MIN_M[fmt]
+            try:
+                for m in ms:
+                    x = torch.randn(m, k, generator=gen).to(device, torch.float16)
+                    row = dict(K=k, N=n, M=m, fmt=fmt, threshold=threshold,
+                               cublas_us=bench_us(lambda i: torch.matmul(x, dense[i].T), 2, timing=timing))
+                    for path, min_m in (("kernel_us", 1 << 30), ("dense_us", 1)):
+                        wt.DEQUANT_MIN_M[fmt] = min_m
+                        wq.quantized_matmul(x, qws[0])  # autotunes the kernel path for this M
+                        row[path] = bench_us(lambda i: wq.quantized_matmul(x, qws[i]), 2, timing=timing)
+                    rows.append(row)
+            finally:
+                wt.DEQUANT_MIN_M[fmt] = threshold
+    return rows
+
+
+def print_prefill(rows) -> None:
+    print(f"{'K x N':>14}{'fmt':>6}{'M':>6}{'cuBLAS us':>11}{'kernel us':>11}{'x cuBLAS':>9}{'dense us':>10}"
+          f"{'x cuBLAS':>9}  faster  (wq_matmul takes)")
+    for r in rows:
+        faster = "kernel" if r["kernel_us"] < r["dense_us"] else "dense"
+        takes = "dense" if r["M"] >= r["threshold"] else "kernel"
+        print(f"{r['K']:>6} x {r['N']:<6}{r['fmt']:>6}{r['M']:>6}{r['cublas_us']:>11.1f}{r['kernel_us']:>11.1f}"
+              f"{r['cublas_us'] / r['kernel_us']:>9.2f}{r['dense_us']:>10.1f}{r['cublas_us'] / r['dense_us']:>9.2f}"
+              f"  {faster:<7} ({takes})")
+
+
 def print_table(rows, check: bool) -> None:
     if check or any("ok" in r for r in rows):  # DeepSpeed rows are always checked
         print(f"{'K x N':>14}{'M':>4}{'fmt':>6}{'max_abs_err':>14}{'max|ref|':>11}  ok    config")
@@ -254,8 +301,25 @@ def main() -> int:
                     help="print every autotune candidate's time per (shape, M, format)")
     ap.add_argument("--deepspeed", action="store_true",
                     help="also time DeepSpeed's FP6-LLM kernel on the same weights (JIT-built; benchmarks/ds_fp6.py)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="large M (default 128..4096): the kernel path vs dequantize-once + cuBLAS, both forced")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    formats = [f for f in args.formats.split(",") if f]
+    if args.prefill:
+        if device.type != "cuda":
+            print("--prefill times the GPU paths: it needs a CUDA device")
+            return 2
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else \
+            PREFILL_SHAPES
+        ms = [int(v) for v in args.ms.split(",")] if args.ms else PREFILL_MS
+        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+        rows = run_prefill(shapes, ms, formats, args.group_size, args.timing)
+        print_prefill(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "prefill": rows}, f, indent=1)
+        return 0
     if device.type != "cuda" and not args.smoke:
         print("no CUDA device: running --smoke sizes through the CPU reference")
         args.smoke = True
@@ -264,7 +328,6 @@ def main() -> int:
         ms = [int(v) for v in args.ms.split(",")]
     if args.shapes:
         shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
-    formats = [f for f in args.formats.split(",") if f]
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     rows, bw = run(shapes, ms, formats, device, args.check, args.group_size, args.timing, args.configs_report,

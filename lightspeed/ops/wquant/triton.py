@@ -584,7 +584,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     cnt = _counter(x.device, triton.cdiv(N, 16) * m_blocks)  # >= programs of any BLOCK_N >= 16
 
     def grid(m):
-        if m.get("STREAM", 0):  # stream-K: STREAM programs per SM, each >= 1 unit
+        if m["STREAM"]:  # stream-K: STREAM programs per SM, each >= 1 unit
             return (min(triton.cdiv(N, m["BLOCK_N"]) * n_tiles, m["STREAM"] * sms), 1, 1)
         return (triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"], m_blocks)
 
@@ -603,7 +603,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     _last_config.clear()
     _last_config.update(BLOCK_M=block_m, **chosen)
     split_k = chosen["SPLIT_K"]
-    if split_k > 1 and red == 0 and not chosen.get("STREAM"):
+    if split_k > 1 and red == 0 and not chosen["STREAM"]:
         numel = M * N
         block = 1024
         _split_reduce_kernel[(triton.cdiv(numel, block),)](ws, b, out, numel, N, SPLIT_K=split_k, HAS_BIAS=has_bias,

@@ -88,7 +88,7 @@ def prune_configs(configs, named_args, **kwargs):
 
 
 def config_key(c) -> tuple:
-    return (c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.kwargs["ONE_DOT"], c.kwargs.get("STREAM", 0), c.num_warps,
+    return (c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.kwargs["ONE_DOT"], c.kwargs["STREAM"], c.num_warps,
             c.num_stages)
 
 

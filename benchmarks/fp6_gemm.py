@@ -15,6 +15,7 @@ reads its weight from HBM.
     python benchmarks/fp6_gemm.py --timing events  # eager calls timed with events (launch overhead incl.)
     python benchmarks/fp6_gemm.py --deepspeed      # also DeepSpeed's FP6-LLM kernel (checked, then timed)
     python benchmarks/fp6_gemm.py --prefill        # large M: kernel vs dequantize-once + cuBLAS (GPU)
+    python benchmarks/fp6_gemm.py --check-candidates  # every autotune candidate, not only the chosen one
 
 Timing: by default a CUDA graph of back-to-back calls is replayed (kernel time as a captured decode
 step sees it, for cuBLAS and ours alike); `--timing events` times eager calls, which includes the
@@ -261,6 +262,38 @@ def run_prefill(shapes, ms, formats, group_size, timing: str = "graph", device: 
     return rows
 
 
+def check_candidates(shapes, ms, formats, group_size, device) -> list[dict]:
+    """Every config the autotuner would time for each (shape, M, format), run directly CHECK_CALLS times
+    against dequantize + fp32 matmul: a config that returns wrong results is usually also fast, so the
+    autotuner would pick it (stream-K at M = 32 did, on the H200). On the CPU, under TRITON_INTERPRET=1,
+    it dry-runs the same configs through the interpreter (one "SM")."""
+    from lightspeed.ops.wquant import triton as wt
+    from lightspeed.ops.wquant import tuning
+
+    sms = tuning.num_sms() if device.type == "cuda" else 1
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for k, n in shapes:
+        w16 = (torch.randn(n, k, generator=gen) * 0.02).to(device, torch.float16)
+        for fmt in formats:
+            qw = wq.quantize(w16, fmt, group_size if fmt != "fp6" else None)
+            for m in ms:
+                x = torch.randn(m, k, generator=gen).to(device, torch.float16)
+                ref = x.float() @ wq.dequantize(qw).to(device).T
+                scale = ref.abs().max().item()
+                for c in tuning.candidate_configs(m, n, k, qw.tile, sms, wt.FORMAT_ID[fmt]):
+                    cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                    err = max((wt.wq_matmul(x, qw, config=cfg).float() - ref).abs().max().item()
+                              for _ in range(CHECK_CALLS))
+                    rows.append(dict(K=k, N=n, M=m, fmt=fmt, config=_config_str({"BLOCK_M": tuning.block_m_for(m),
+                                                                               **cfg}),
+                                     max_abs_err=err, max_ref=scale, ok=bool(err <= 2e-3 * scale + 1e-3)))
+                    r = rows[-1]
+                    print(f"{k:>6} x {n:<6}{m:>4}{fmt:>6}  {'ok  ' if r['ok'] else 'FAIL'}  {err:.3e} / {scale:.3f}"
+                          f"  {r['config']}", flush=True)
+    return rows
+
+
 def print_prefill(rows) -> None:
     print(f"{'K x N':>14}{'fmt':>6}{'M':>6}{'cuBLAS us':>11}{'kernel us':>11}{'x cuBLAS':>9}{'dense us':>10}"
           f"{'x cuBLAS':>9}  faster  (wq_matmul takes)")
@@ -303,6 +336,8 @@ def main() -> int:
                     help="also time DeepSpeed's FP6-LLM kernel on the same weights (JIT-built; benchmarks/ds_fp6.py)")
     ap.add_argument("--prefill", action="store_true",
                     help="large M (default 128..4096): the kernel path vs dequantize-once + cuBLAS, both forced")
+    ap.add_argument("--check-candidates", action="store_true",
+                    help="run every autotune candidate config against the reference (not only the chosen one)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     formats = [f for f in args.formats.split(",") if f]
@@ -330,6 +365,14 @@ def main() -> int:
         shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    if args.check_candidates:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            print("--check-candidates runs the Triton kernel: it needs a CUDA device (or TRITON_INTERPRET=1)")
+            return 2
+        rows = check_candidates(shapes, ms, formats, args.group_size, device)
+        bad = [r for r in rows if not r["ok"]]
+        print(f"{len(rows)} candidate configs checked, {len(bad)} wrong")
+        return 1 if bad else 0
     rows, bw = run(shapes, ms, formats, device, args.check, args.group_size, args.timing, args.configs_report,
                    args.deepspeed)
     print_table(rows, args.check)

@@ -281,7 +281,7 @@ def check_candidates(shapes, ms, formats, group_size, device) -> list[dict]:
                 x = torch.randn(m, k, generator=gen).to(device, torch.float16)
                 ref = x.float() @ wq.dequantize(qw).to(device).T
                 scale = ref.abs().max().item()
-                for c in tuning.candidate_configs(m, n, k, qw.tile, sms, wt.FORMAT_ID[fmt]):
+                for c in tuning.candidate_configs(m, n, k, qw.tile, sms):
                     cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
                     err = max((wt.wq_matmul(x, qw, config=cfg).float() - ref).abs().max().item()
                               for _ in range(CHECK_CALLS))

@@ -20,6 +20,7 @@ from lightspeed.ops.wquant.reference import (
     QuantizedWeight,
     dequant_pairs_fp16,
     dequant_planes_fp16,
+    pack_bytes,
     pack_fp6,
     pack_fp6_lo,
     pack_nibbles,
@@ -29,6 +30,7 @@ from lightspeed.ops.wquant.reference import (
     reference_matmul,
     row_planes,
     tile_major,
+    unpack_bytes,
     unpack_codes,
     unpack_fp6,
     unpack_fp6_lo,
@@ -162,6 +164,15 @@ def test_pack_unpack_round_trip_odd_shapes(n, k):
         t, f, c = kk // PACK_TILE, (kk % PACK_TILE) // sub, kk % sub
         byte = int(lo.view(torch.int8)[0, t * sub + c]) & 0xFF
         assert (byte >> FP6_SIGN_BIT[f]) & 1 == bit[0, 0, kk] and (byte >> FP6_M0_BIT[f]) & 1 == bit[1, 0, kk]
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    qwords = pack_bytes(q)
+    assert qwords.dtype == torch.int32 and qwords.shape == (n, kp // 4)
+    assert torch.equal(unpack_bytes(qwords, k), q)
+    # layout: value k = t*T + f*T/4 + c is byte f of word t*T/4 + c; padding is 0
+    for kk in {0, 1, k // 2, k - 1, min(k + 1, kp - 1), kp - 1}:
+        t, f, c = kk // PACK_TILE, (kk % PACK_TILE) // sub, kk % sub
+        byte = int(qwords.view(torch.int8)[n - 1, 4 * (t * sub + c) + f])
+        assert byte == (int(q[n - 1, kk]) if kk < k else 0)
     codes = torch.randint(0, 64, (n, k), generator=gen, dtype=torch.uint8)
     hi, lo = pack_fp6(codes)
     assert torch.equal(unpack_fp6(hi, lo, k), codes)
@@ -175,7 +186,7 @@ def test_fp6_lo_bits_are_a_partition_with_sign_7_above_m0():
     assert all((8 - 2 * f) % 8 == m for f, m in enumerate(FP6_M0_BIT))  # << 2f puts m0 at bit 8, s at 15
 
 
-@pytest.mark.parametrize("fmt", ["fp6", "int4"])
+@pytest.mark.parametrize("fmt", ["fp6", "int4", "int8"])
 @pytest.mark.parametrize("k", [8, 200, 384])
 def test_gpu_pair_dequant_replay_is_bit_identical(fmt, k):
     """The GPU kernel's inline asm (two values per 32-bit op, replayed op by op in torch) gives the same
@@ -190,10 +201,14 @@ def test_gpu_pair_dequant_replay_is_bit_identical(fmt, k):
         codes = torch.stack([codes, codes.roll(1), codes.roll(33)])
         packed = tile_major(pack_fp6(codes), "fp6", 3, 256)
         qw = QuantizedWeight("fp6", (3, 256), None, (packed,), torch.ones(3, 1, dtype=torch.float16), torch.float16)
-    else:  # every nibble in every field and both halves
+    elif fmt == "int4":  # every nibble in every field and both halves
         nib = torch.arange(16, dtype=torch.uint8).repeat(16)
         planes = (tile_major((pack_nibbles(torch.stack([nib, nib.roll(1), nib.roll(7)]), pad=8),), "int4", 3, 256),)
         qw = QuantizedWeight("int4", (3, 256), None, planes, torch.ones(3, 1, dtype=torch.float16), torch.float16)
+    else:  # every byte (-128 included, which quantize never writes) in every field and both halves
+        q = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8).repeat(2)
+        planes = (tile_major((pack_bytes(torch.stack([q, q.roll(1), q.roll(77)])),), "int8", 3, 512),)
+        qw = QuantizedWeight("int8", (3, 512), None, planes, torch.ones(3, 1, dtype=torch.float16), torch.float16)
     pairs, single = dequant_pairs_fp16(qw), dequant_planes_fp16(qw)
     assert torch.equal(pairs.view(torch.int16), single.view(torch.int16))
     assert torch.equal(single.float() * (FP6_FP16_SCALE if fmt == "fp6" else 1), dequantize(qw, torch.float32))

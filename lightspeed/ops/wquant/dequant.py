@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightspeed.ops.wquant.ptx import FP6_PACK2, FP6_PACK4, INT4_PAIRS
+from lightspeed.ops.wquant.ptx import FP6_PACK2, FP6_PACK4, INT4_PAIRS, INT8_PAIRS
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight, plane_specs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -23,11 +23,16 @@ DEQUANT_CHUNK_ELEMS = 1 << 26  # the dense path dequantizes at most this many we
 @triton.jit
 def dequant_fields(w, lo, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
                     SWAP: tl.constexpr):
-    """The int16 half-word tile `w` (and fp6's int8 `lo` tile, same shape) -> the 4 field weight tiles in
-    x's dtype: fp6 as value * 2**-12, int4 as q (exact). fp16 on the GPU: inline asm on 32-bit pairs
-    (`pack=2`: one register holds half-words c, c+1); else the same bits one value at a time."""
+    """The int16 half-word tile `w` (int8: int32 word tile; fp6: with the int8 `lo` tile, same shape) -> the
+    4 field weight tiles in x's dtype: fp6 as value * 2**-12, int4 / int8 as q (exact). fp16 on the GPU:
+    inline asm on 32-bit pairs (`pack=2`: one register holds half-words c, c+1; int8: two registers, words
+    c, c+1); else the same bits one value at a time."""
     if (not INTERPRETED) and (not X_BF16):
-        if FORMAT == 0 and SWAP:
+        if FORMAT == 1:
+            v0, v1, v2, v3 = tl.inline_asm_elementwise(INT8_PAIRS, "=r,=r,=r,=r,r,r", [w],
+                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                       is_pure=True, pack=2)
+        elif FORMAT == 0 and SWAP:
             v0, v1, v2, v3 = tl.inline_asm_elementwise(FP6_PACK2, "=r,=r,=r,=r,r,r", [w, lo],
                                                        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                        is_pure=True, pack=2)
@@ -41,7 +46,12 @@ def dequant_fields(w, lo, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETE
                                                        is_pure=True, pack=2)
     else:
         h = w.to(tl.int32)
-        if FORMAT == 0:
+        if FORMAT == 1:
+            v0 = _int8_value(h & 0xFF, X_BF16)
+            v1 = _int8_value((h >> 8) & 0xFF, X_BF16)
+            v2 = _int8_value((h >> 16) & 0xFF, X_BF16)
+            v3 = _int8_value((h >> 24) & 0xFF, X_BF16)
+        elif FORMAT == 0:
             lb = lo.to(tl.int32) & 0xFF
             l16 = lb | (lb << 8)  # the byte twice: a left shift by 2f puts s at bit 15, m0 at bit 8
             v0 = _fp6_bits(h << 9, l16, X_BF16)
@@ -92,9 +102,10 @@ def pick_field(f: tl.constexpr, v0, v1, v2, v3):
 
 
 @triton.jit
-def dequant_int8(q, X_BF16: tl.constexpr):
-    """int8 q -> q in x's dtype: fp16 bits 0x6480 + q == 1152 + q."""
-    v = (q.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+def _int8_value(b, X_BF16: tl.constexpr):
+    """b = the byte of q (0..255) -> q in x's dtype: fp16 bits 0x6400 | (b ^ 0x80) == 1024 + q + 128 (bf16:
+    that fp16 value converted, exact for |q| <= 128)."""
+    v = ((b ^ 0x80) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
     if X_BF16:
         v = v.to(tl.bfloat16)
     return v
@@ -112,27 +123,22 @@ def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, G0, N_END, K: tl.constexpr
     NG: tl.constexpr = K // GROUP
     RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
     CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
+    UNIT: tl.constexpr = 4 if FORMAT == 1 else 2  # bytes of a w element: int8 words, else half-words
     grp = G0 + tl.program_id(0)
     t = tl.program_id(1)
     rin = tl.arange(0, ROWS)
     offs_n = grp * ROWS + rin
     base = (grp * NT + t) * CHUNK  # bytes; the chunk holds ROWS rows (padded past N)
-    if FORMAT == 1:
-        offs_c = tl.arange(0, TILE)
-        q = tl.load(w_ptr + base + rin[:, None] * TILE + offs_c[None, :])
-        _store_scaled(out_ptr, s_ptr, dequant_int8(q, False), offs_n, t * TILE + offs_c, N, G0 * ROWS, N_END, K,
-                      GROUP, NG, OUT_SCALE)
-    else:
-        FW: tl.constexpr = TILE // 4
-        offs_c = tl.arange(0, FW)
-        w = tl.load(w_ptr + base // 2 + rin[:, None] * FW + offs_c[None, :])
-        lo = w
-        if FORMAT == 0:
-            lo = tl.load(w2_ptr + base + ROWS * RB + rin[:, None] * FW + offs_c[None, :])
-        v0, v1, v2, v3 = dequant_fields(w, lo, FORMAT, False, INTERPRETED, False)
-        for f in tl.static_range(4):
-            _store_scaled(out_ptr, s_ptr, pick_field(f, v0, v1, v2, v3), offs_n, t * TILE + f * FW + offs_c, N, G0 * ROWS,
-                          N_END, K, GROUP, NG, OUT_SCALE)
+    FW: tl.constexpr = TILE // 4
+    offs_c = tl.arange(0, FW)
+    w = tl.load(w_ptr + base // UNIT + rin[:, None] * FW + offs_c[None, :])
+    lo = w
+    if FORMAT == 0:
+        lo = tl.load(w2_ptr + base + ROWS * RB + rin[:, None] * FW + offs_c[None, :])
+    v0, v1, v2, v3 = dequant_fields(w, lo, FORMAT, False, INTERPRETED, False)
+    for f in tl.static_range(4):
+        _store_scaled(out_ptr, s_ptr, pick_field(f, v0, v1, v2, v3), offs_n, t * TILE + f * FW + offs_c, N, G0 * ROWS,
+                      N_END, K, GROUP, NG, OUT_SCALE)
 
 
 @triton.jit
@@ -161,7 +167,7 @@ def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype, rows: tuple[int, 
     packed = qw.planes[0]
     out = torch.empty((n1 - n0, K), device=packed.device, dtype=dtype)
     grid = (triton.cdiv(n1 - n0, ROW_GROUP), triton.cdiv(K, qw.tile))
-    _dequant_kernel[grid](packed if qw.format == "int8" else packed.view(torch.int16), packed, qw.scales.contiguous(),
+    _dequant_kernel[grid](packed_units(qw), packed, qw.scales.contiguous(),
                           out, N, n0 // ROW_GROUP, n1, K=K, TILE=qw.tile, GROUP=group, FORMAT=FORMAT_ID[qw.format],
                           OUT_SCALE=FP6_FP16_SCALE if qw.format == "fp6" else 1.0, INTERPRETED=INTERPRET,
                           ROWS=ROW_GROUP, num_warps=4)
@@ -182,6 +188,12 @@ def dense_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
         w = dequantize_weight(qw, x.dtype, (n0, n1))
         out[:, n0:n1] = torch.matmul(x, w.t()) if bias is None else torch.addmm(bias[n0:n1], x, w.t())
     return out
+
+
+def packed_units(qw: QuantizedWeight) -> torch.Tensor:
+    """The packed weight as the kernels read it: int8 as 32-bit words, fp6's hi / int4's 4-bit plane as
+    half-words (fp6's lo plane is read through the int8 tensor itself)."""
+    return qw.planes[0].view(torch.int32 if qw.format == "int8" else torch.int16)
 
 
 def check_planes(qw: QuantizedWeight) -> None:

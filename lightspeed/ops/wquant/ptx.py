@@ -25,6 +25,14 @@ fma.rn.f16x2 $3, t, s, c2;
 }""")
 
 
+# int8 (pack=2: $4 / $5 = 32-bit words c, c+1, byte f of each = field f's q): per field, prmt puts byte f
+# of each word in the two halves, lop3 keeps it, flips its sign bit and sets the high byte 0x64 (fp16
+# 1024 + q + 128), sub.f16x2 takes 1152 off: 12 ops / 8 values.
+INT8_PAIRS = tl.constexpr("{\n.reg .b32 t, c;\nmov.b32 c, 0x64806480;\n" + "\n".join(
+    f"prmt.b32 t, $4, $5, 0x{4 + f}{4 + f}{f}{f};\nlop3.b32 t, t, 0x00FF00FF, c, 0x6A;\nsub.f16x2 ${f}, t, c;"
+    for f in range(4)) + "\n}")
+
+
 def _fp6_fields(hi: str, l: str, outs: list[str]) -> str:
     """The four fields of one hi word: field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100 into
     outs[f] (l = the lo bytes doubled by prmt; f = 3 shifts hi right by 3)."""

@@ -17,7 +17,11 @@ packed-fp16 op dequantizes two values (`FIELDS` fields, each a *contiguous* K ra
         FP6_M0_BIT[f] = (8 - 2f) mod 8: in the byte doubled to 16 bits, a left shift by 2f puts s at
         bit 15 and m0 at bit 8 together. 6 bits/value.
   int4  plane int32 [N, Kp/8], field f of half-word c = nibble ``q + 8`` (q in [-7, 7]); pad code 8.
-  int8  plane int8 [N, Kp]: q in [-127, 127], plain (no interleave needed).
+  int8  plane int32 [N, Kp/4] (`pack_bytes`): byte f of word t*T/4 + c = field f's q (in [-127, 127]) of
+        column c, i.e. byte 4c + f of the row's K-tile holds k = t*T + f*T/4 + c. Loaded as 32-bit
+        words, a thread's pair of words c, c+1 gives each field's values k, k+1 in one prmt + lop3 +
+        packed-fp16 subtract (plain bytes, K in order, needed 2-byte shared-memory reads and four
+        times the instructions per value on the H200's wgmma operand layout).
 Storage is *tile-major*: those row planes are cut into chunks of R = `ROW_GROUP` rows x one K-tile and
 each chunk is stored contiguously (`tile_major` / `row_planes`), as one int8 tensor
 [Np/R, Kp/T, R * B] (Np: N padded to R with rows that decode to 0; B: bytes of one row's K-tile: fp6
@@ -36,8 +40,9 @@ fp6: the fp16 with bits ``s << 15 | eeemm << 8`` equals the e3m2 value times 2**
 (mm / 16) * 2**-12) alike; from the planes it is ``(hi16 << 9-4f) & 0x1E00 | ((lo8 * 0x101) << 2f) &
 0x8100`` per value, done on 32-bit words for two values at once (the kernel's inline asm); 2**12 is
 folded into the fp32 epilogue scale (`FP6_FP16_SCALE`). int4/int8: fp16 bits ``0x6400 | c`` are
-1024 + c for 0 <= c < 1024, so ``(nib | 0x6400) - 1032`` and ``(q + 0x6480) - 1152`` are q exactly,
-without an int->float convert (int4 fields 1 and 3 use ``(16 * nib | 0x6400) / 16 - 72``, no shift).
+1024 + c for 0 <= c < 1024, so ``(nib | 0x6400) - 1032`` and ``(b ^ 0x80 | 0x6400) - 1152`` (b the
+byte of q) are q exactly, without an int->float convert (int4 fields 1 and 3 use ``(16 * nib | 0x6400)
+/ 16 - 72``, no shift).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 #: bumped whenever the packed bit layout changes (QuantizedLinear refuses other versions)
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 FORMATS = ("fp6", "int8", "int4")
 FP6_MAX = 28.0
 FP6_FP16_SCALE = 4096.0  # fp16(s<<15 | eeemm<<8) * 2**12 == e3m2 value
@@ -168,7 +173,7 @@ def _row_specs(fmt: str, n: int, k: int, tile: int) -> list[tuple[tuple[int, int
         return [((n, kp // 8), torch.int32), ((n, kp // 8), torch.int16)]
     if fmt == "int4":
         return [((n, kp // 8), torch.int32)]
-    return [((n, kp), torch.int8)]
+    return [((n, kp // 4), torch.int32)]
 
 
 _PAD_BYTE = {"fp6": 0, "int4": 0x88, "int8": 0}  # rows past N decode to 0 (int4: code 8 is q = 0)
@@ -190,7 +195,7 @@ def tile_major(planes: tuple[torch.Tensor, ...], fmt: str, n: int, k: int, tile:
 
 def row_planes(qw: "QuantizedWeight") -> tuple[torch.Tensor, ...]:
     """The row-major planes of a packed weight (inverse of `tile_major`): fp6 (hi int32, lo int16)
-    [N, Kp/8], int4 (int32 [N, Kp/8],), int8 (int8 [N, Kp],)."""
+    [N, Kp/8], int4 (int32 [N, Kp/8],), int8 (int32 [N, Kp/4],)."""
     n, k = qw.shape
     packed = qw.planes[0]
     g, nt, _ = packed.shape
@@ -289,6 +294,20 @@ def unpack_nibbles(words: torch.Tensor, k: int, tile: int = PACK_TILE) -> torch.
     return _unfields((h >> shifts) & 0xF, k).to(torch.uint8)
 
 
+def pack_bytes(q: torch.Tensor, tile: int = PACK_TILE) -> torch.Tensor:
+    """int8 [N, K] -> int32 [N, Kp/4]: byte f of word t*tile/4 + c holds value k = t*tile + f*tile/4 + c
+    (K padded with 0)."""
+    f = _fields(q.view(torch.uint8), tile, 0)  # [N, Kp/tile, FIELDS, tile/4], bytes 0..255
+    return f.transpose(2, 3).to(torch.uint8).reshape(f.shape[0], -1).view(torch.int32)
+
+
+def unpack_bytes(words: torch.Tensor, k: int, tile: int = PACK_TILE) -> torch.Tensor:
+    """int32 [N, Kp/4] -> int8 [N, k] (inverse of `pack_bytes`)."""
+    n = words.shape[0]
+    b = words.contiguous().view(torch.int8).reshape(n, -1, tile // FIELDS, FIELDS)
+    return _unfields(b.transpose(2, 3), k).contiguous()
+
+
 def pack_fp6_lo(sign: torch.Tensor, m0: torch.Tensor, tile: int = PACK_TILE) -> torch.Tensor:
     """Sign and mantissa-lsb bits [N, K] (0/1) -> the fp6 ``lo`` plane int16 [N, Kp/8]: byte c (int8
     view) has, for field f (value k = t*tile + f*tile/4 + c), m0 at bit FP6_M0_BIT[f] and s at
@@ -328,10 +347,13 @@ def dequant_planes_fp16(qw: "QuantizedWeight") -> torch.Tensor:
     n, kp = qw.shape[0], qw.padded_k
     tile = qw.tile
     out = torch.empty((n, kp // tile, FIELDS, tile // FIELDS), dtype=torch.float16, device=qw.device)
-    if qw.format == "int8":
-        bits = row_planes(qw)[0].to(torch.int32) + 0x6480  # fp16 bits of 1152 + q
-        return bits.to(torch.int16).view(torch.float16) - 1152.0
     planes = row_planes(qw)
+    if qw.format == "int8":
+        w = _fields_of_units(planes[0].to(torch.int64) & _ASM_MASK32, tile)[:, :, 0]
+        for f in range(FIELDS):
+            bits = (((w >> (8 * f)) & 0xFF) ^ 0x80) | 0x6400  # fp16 bits of 1024 + (q + 128)
+            out[:, :, f] = bits.to(torch.int16).view(torch.float16) - 1152.0
+        return out.reshape(n, kp)
     h = _fields_of_units(_split_pairs(planes[0], 16), tile)[:, :, 0]  # int64: shifts never overflow
     if qw.format == "fp6":
         lo = _fields_of_units(_split_pairs(planes[1], 8), tile)[:, :, 0]
@@ -366,15 +388,22 @@ def dequant_pairs_fp16(qw: "QuantizedWeight") -> torch.Tensor:
     ``prmt 0x3322`` (b2 b2 b3 b3) for its second: the same bytes per word as here),
     field f = ``(hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100``. int4: fields 0, 2 =
     ``(w >> 4f) & 0x000F000F | 0x64006400`` minus 1032 (sub.f16x2); fields 1, 3 = ``(w >> 4f-4) &
-    0x00F000F0 | 0x64006400`` times 1/16 minus 72 (fma.rn.f16x2, exact: 64 + c)."""
-    if qw.format not in ("fp6", "int4"):
-        raise ValueError("pair dequant is for fp6 and int4")
+    0x00F000F0 | 0x64006400`` times 1/16 minus 72 (fma.rn.f16x2, exact: 64 + c). int8 (words 2j, 2j+1 as
+    a pair): ``t = prmt(w2j, w2j+1, 0x(4+f)(4+f)ff)`` (byte f of each word in halves 0 and 1),
+    ``(t & 0x00FF00FF) ^ 0x64806480`` (lop3) minus 1152 (sub.f16x2)."""
     n, kp = qw.shape[0], qw.padded_k
     tile = qw.tile
     planes = row_planes(qw)
-    w = planes[0].to(torch.int64) & _ASM_MASK32  # [N, Kp/8]: one word = half-words 2j, 2j+1
+    w = planes[0].to(torch.int64) & _ASM_MASK32  # [N, Kp/8]: one word = half-words 2j, 2j+1 (int8: Kp/4)
     out = torch.empty((n, kp // 8, FIELDS, 2), dtype=torch.float32, device=qw.device)
-    if qw.format == "fp6":
+    if qw.format == "int8":
+        a, b = w[:, 0::2], w[:, 1::2]  # the pair of words (columns c, c+1) the asm takes
+        for f in range(FIELDS):
+            ba, bb = (a >> (8 * f)) & 0xFF, (b >> (8 * f)) & 0xFF
+            t = ba | (ba << 8) | (bb << 16) | (bb << 24)  # prmt: bytes a_f a_f b_f b_f
+            lo, hi = _f16x2((t & 0x00FF00FF) ^ 0x64806480)
+            out[:, :, f, 0], out[:, :, f, 1] = lo - 1152.0, hi - 1152.0  # exact in fp16
+    elif qw.format == "fp6":
         b = planes[1].to(torch.int64) & 0xFFFF
         l32 = (b & 0xFF) * 0x0101 | ((b >> 8) & 0xFF) * 0x01010000  # prmt.b32 l, lo, 0, 0x1100
         for f in range(FIELDS):
@@ -417,8 +446,7 @@ def quantize(weight: torch.Tensor, fmt: str = "fp6", group_size: int | None = No
         qmax = INT_MAX[fmt]
         q = torch.round(v).clamp(-qmax, qmax).to(torch.int8)
         if fmt == "int8":
-            rows = (torch.zeros((n, padded_k(k)), dtype=torch.int8, device=q.device),)
-            rows[0][:, :k] = q
+            rows = (pack_bytes(q),)
         else:
             rows = (pack_nibbles((q + 8).to(torch.uint8), pad=8),)  # pad code 8 is q = 0
     return QuantizedWeight(fmt, (n, k), group_size, (tile_major(rows, fmt, n, k),), scales, weight.dtype, PACK_TILE)
@@ -432,7 +460,7 @@ def unpack_codes(qw: QuantizedWeight) -> torch.Tensor:
         return unpack_fp6(planes[0], planes[1], k, qw.tile)
     if qw.format == "int4":
         return unpack_nibbles(planes[0], k, qw.tile).to(torch.int8) - 8
-    return planes[0][:, :k]
+    return unpack_bytes(planes[0], k, qw.tile)
 
 
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:

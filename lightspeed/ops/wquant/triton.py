@@ -7,20 +7,22 @@ One kernel serves every M. A program owns a [BLOCK_M, BLOCK_N] output tile and a
 the K-tiles (T = 128 values each). The weight is stored tile-major (`reference.py`): the rows of a
 program's K-tile lie in BLOCK_N / 32 contiguous chunks, so its loads stream whole chunks (16-byte
 vectors) rather than 32..128-byte pieces of rows kilobytes apart. Per K-tile it loads one
-[BLOCK_N, T/4] half-word tile (+ fp6's [BLOCK_N, T/4] lo bytes) and, for each field f = 0..3, makes
-with shifts and masks (inline PTX on 32-bit pairs for fp16 activations) the [BLOCK_N, T/4] fp16
-weight tile of the *contiguous* K range [k0 + f*T/4, k0 + (f+1)*T/4), loads the matching
-[BLOCK_M, T/4] x sub-tile and accumulates its product: no reshape, gather or int->float convert.
-int8 loads [BLOCK_N, SUB] int8 sub-tiles and dequantizes with the 0x6480 fp16 trick. fp32
-accumulator; the per-channel scale (and fp6's 2**12) is applied once in the epilogue, per-group scales
-once per group span (`SPG` sub-tiles).
+[BLOCK_N, T/4] tile of w units (half-words of the 4-bit plane; int8: 32-bit words) (+ fp6's
+[BLOCK_N, T/4] lo bytes) and, for each field f = 0..3, makes with shifts and masks (inline PTX on
+32-bit pairs for fp16 activations) the [BLOCK_N, T/4] fp16 weight tile of the *contiguous* K range
+[k0 + f*T/4, k0 + (f+1)*T/4), loads the matching [BLOCK_M, T/4] x sub-tile and accumulates its
+product: no reshape, gather or int->float convert. fp32 accumulator; the per-channel scale (and fp6's
+2**12) is applied once in the epilogue, per-group scales once per group span (`SPG` sub-tiles).
+int8 had plain bytes in K order until layout 5: its tile went through shared memory and came back in
+2-byte reads, 401 SASS instructions per K-tile at M = 64 (int4 190); with fields, 227, and on the
+H200 8192 x 28672 at M = 64 went from 121 to 81 us (cuBLAS fp16 119), M = 1 from 66 to 61 us.
 
-SWAP (fp6 and int4 at every M, int8 at BLOCK_M = 64): the products are computed transposed,
+SWAP (every format and M): the products are computed transposed,
 acc^T [BLOCK_N, BLOCK_M] += w_f @ x_f^T, so on sm_90 the dequantized tile is wgmma's register operand A
 and x^T its shared-memory operand B (BLOCK_N >= 64; M = 16 is wgmma's n16). Unswapped, M <= 32 runs
 mma.sync, every warp reading all of x from shared memory (fp6 8192 x 28672, M = 1: 55 us vs 50 us
 swapped), and M = 64 picks wgmma with both operands in shared memory, round-tripping every dequantized
-tile through STS + CTA barriers (2x slower per byte). int8 swapped at M <= 16 was 10-15% slower.
+tile through STS + CTA barriers (2x slower per byte).
 ONE_DOT (autotuned): 1 joins the four field tiles into one [BLOCK_N, T] operand in K order (`_cat_fields`:
 the field index lands on register bits of the wgmma operand layout, so nothing moves) and does one
 product per K-tile: 16 HGMMAs and one wait. 0 does one product per field; Triton then waits after each
@@ -61,7 +63,6 @@ bf16 dot is wrong in triton 3.6) and the K loop is a while loop (no `range` over
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -75,7 +76,7 @@ from lightspeed.ops.wquant.dequant import (
     check_planes,
     dense_matmul,
     dequant_fields,
-    dequant_int8,
+    packed_units,
     pick_field,
 )
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight
@@ -117,30 +118,25 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
         acc = acc_in
     k0 = t * TILE
     part = tl.zeros_like(acc)
-    if FORMAT == 1:
-        NSUB: tl.constexpr = TILE // SUB
-        for i in tl.static_range(NSUB):
-            offs_q = tl.max_contiguous(tl.multiple_of(i * SUB + tl.arange(0, SUB), SUB), SUB)
-            q = tl.load(w_ptr + (row_a[:, None] + t * CHUNK) + offs_q[None, :])
-            acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + i * SUB, i, stride_xm, dequant_int8(q, X_BF16),
-                           K, TILE, SUB, GROUP, NG, SPG, PER_GROUP, INTERPRETED, SWAP)
-    else:  # per half (SUB = T/4: one; SUB = T/8: two) one [BLOCK_N, SUB] half-word tile (+ fp6 lo bytes)
-        FW: tl.constexpr = TILE // 4  # field width: field f covers K [k0 + f*FW, k0 + (f+1)*FW)
-        for hh in tl.static_range(FW // SUB):
-            offs_c = tl.max_contiguous(tl.multiple_of(hh * SUB + tl.arange(0, SUB), SUB), SUB)
-            w = tl.load(w_ptr + (row_a[:, None] + t * (CHUNK // 2)) + offs_c[None, :])
-            lo = w
-            if FORMAT == 0:
-                lo = tl.load(w2_ptr + (row_b[:, None] + t * CHUNK) + offs_c[None, :])
-            v0, v1, v2, v3 = dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, SWAP)
-            if SWAP and ONE_DOT and (not PER_GROUP) and SUB == FW:  # one product over the whole K-tile
-                acc = tl.dot(_w_op(_cat_fields(v0, v1, v2, v3), INTERPRETED),
-                             tl.trans(_x_sub(x_ptr, offs_mc, k0, stride_xm, K, TILE, TILE, INTERPRETED)), acc)
-            else:
-                for f in tl.static_range(4):
-                    acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f,
-                                         stride_xm, pick_field(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP,
-                                         INTERPRETED, SWAP)
+    # per half (SUB = T/4: one; SUB = T/8: two) one [BLOCK_N, SUB] tile of w units (int8: 32-bit words,
+    # else 16-bit half-words) (+ fp6 lo bytes)
+    FW: tl.constexpr = TILE // 4  # field width: field f covers K [k0 + f*FW, k0 + (f+1)*FW)
+    UNIT: tl.constexpr = 4 if FORMAT == 1 else 2
+    for hh in tl.static_range(FW // SUB):
+        offs_c = tl.max_contiguous(tl.multiple_of(hh * SUB + tl.arange(0, SUB), SUB), SUB)
+        w = tl.load(w_ptr + (row_a[:, None] + t * (CHUNK // UNIT)) + offs_c[None, :])
+        lo = w
+        if FORMAT == 0:
+            lo = tl.load(w2_ptr + (row_b[:, None] + t * CHUNK) + offs_c[None, :])
+        v0, v1, v2, v3 = dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, SWAP)
+        if SWAP and ONE_DOT and (not PER_GROUP) and SUB == FW:  # one product over the whole K-tile
+            acc = tl.dot(_w_op(_cat_fields(v0, v1, v2, v3), INTERPRETED),
+                         tl.trans(_x_sub(x_ptr, offs_mc, k0, stride_xm, K, TILE, TILE, INTERPRETED)), acc)
+        else:
+            for f in tl.static_range(4):
+                acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f,
+                                     stride_xm, pick_field(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP,
+                                     INTERPRETED, SWAP)
     if SWAP:
         acc = acc_in + one * acc
     return acc
@@ -255,16 +251,13 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
 def _row_offsets(offs_nc, NT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
                  FORMAT: tl.constexpr):
     """Each row's offset in its tile-0 chunk of the tile-major storage (reference.py: chunks of ROWS rows x
-    one K-tile, CHUNK bytes each): row_a in int8 bytes or half-words of the 4-bit plane, row_b fp6's lo
-    bytes (after the chunk's hi rows)."""
+    one K-tile, CHUNK bytes each): row_a in w units (int8's 32-bit words or the 4-bit plane's half-words:
+    T/4 per row either way), row_b fp6's lo bytes (after the chunk's hi rows)."""
     grp = offs_nc // ROWS
     rin = offs_nc % ROWS
-    if FORMAT == 1:
-        row_a = grp * (NT * CHUNK) + rin * TILE
-        row_b = row_a
-    else:
-        row_a = grp * (NT * CHUNK // 2) + rin * (TILE // 4)
-        row_b = grp * (NT * CHUNK) + ROWS * (TILE // 2) + rin * (TILE // 4)
+    UNIT: tl.constexpr = 4 if FORMAT == 1 else 2
+    row_a = grp * (NT * CHUNK // UNIT) + rin * (TILE // 4)
+    row_b = grp * (NT * CHUNK) + ROWS * (TILE // 2) + rin * (TILE // 4)
     return row_a, row_b
 
 
@@ -293,7 +286,7 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
     RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2  # bytes of a row's K-tile: int8 / 4-bit plane
     CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
     row_a, row_b = _row_offsets(offs_nc, NT, CHUNK, ROWS, TILE, FORMAT)
-    SWAP: tl.constexpr = FORMAT != 1 or BLOCK_M >= 64  # swapped operands (see the module docstring)
+    SWAP: tl.constexpr = True  # swapped operands (see the module docstring)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -352,7 +345,7 @@ def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     NG: tl.constexpr = K // GROUP
     RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
     CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
-    SWAP: tl.constexpr = FORMAT != 1 or BLOCK_M >= 64
+    SWAP: tl.constexpr = True
     p = tl.program_id(0)
     P = tl.num_programs(0)
     U = tl.cdiv(N, BLOCK_N) * NT
@@ -472,15 +465,12 @@ else:
 
 
 def group_layout(fmt: str, K: int, group_size: int | None, tile: int) -> tuple[bool, int, int, int]:
-    """(per_group, GROUP, SUB, SPG): the sub-tile width SUB (fp6/int4: tile/8, the field width; int8: the
-    largest divisor of the tile the groups align to) and SPG, how many consecutive sub-tiles share one
-    scale (their dots are summed before one fp32 scale multiply)."""
+    """(per_group, GROUP, SUB, SPG): the sub-tile width SUB (a field, tile/4 values; tile/8 for groups that
+    are odd multiples of 16, which split each field in two) and SPG, how many consecutive sub-tiles share
+    one scale (their dots are summed before one fp32 scale multiply)."""
     per_group = group_size is not None and group_size < K
     group = group_size if per_group else K
-    if fmt == "int8":
-        sub = math.gcd(group, tile) if per_group else tile
-    else:  # a field (tile/4 values); groups that are odd multiples of 16 split each field in two
-        sub = tile // 4 if group % (tile // 4) == 0 else tile // 8
+    sub = tile // 4 if group % (tile // 4) == 0 else tile // 8
     if not per_group:
         return False, group, sub, 1
     if group % sub:
@@ -555,7 +545,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
         return dense_matmul(x, qw, bias)
     per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
     packed = qw.planes[0]
-    w = packed if qw.format == "int8" else packed.view(torch.int16)  # 4-bit plane: half-words (layout Note)
+    w = packed_units(qw)  # int8: 32-bit words; 4-bit plane: half-words (layout Note)
     w2 = packed  # fp6 lo: bytes
     scales = qw.scales.contiguous()
     block_m = block_m_for(M)

@@ -1,4 +1,4 @@
-"""Autotuning of the weight-quantized matmul kernel (`triton.py`): the config space, the <= 14
+"""Autotuning of the weight-quantized matmul kernel (`triton.py`): the config space, the <= 18
 candidates timed per problem, the interpreter's fixed config, and the M blocking. Imports triton
 (for `triton.Config`); like `triton.py`, import it lazily."""
 
@@ -41,9 +41,9 @@ def num_k_tiles(K: int, tile: int) -> int:
     return -(-K // tile)
 
 
-def candidate_configs(M: int, N: int, K: int, tile: int, sms: int, fmt: int = 0) -> list[triton.Config]:
-    """The configs the autotuner times for one problem (<= 9, each for both product forms ONE_DOT 1 / 0
-    except int8, fmt 1): at BLOCK_N 128 the three SPLIT_Ks whose
+def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[triton.Config]:
+    """The configs the autotuner times for one problem (<= 9, each for both product forms ONE_DOT 1 / 0):
+    at BLOCK_N 128 the three SPLIT_Ks whose
     program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
     most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages;
     for M <= MAX_STREAM_M stream-K at BLOCK_N 128 with 2 and 3 programs per SM (4 stages) when every
@@ -61,7 +61,7 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int, fmt: int = 0)
         ranked = sorted(splits, key=lambda sk: (abs(math.log2(-(-N // bn) * sk * m_blocks / target)), sk))
         warps = 8 if M > 16 and bn == 128 else 4
         stages = (3, 4) if bn == 128 else (3,)
-        one_dots = (1,) if fmt == 1 else (1, 0)  # int8 has no field tiles to join
+        one_dots = (1, 0)
         out += [make_config(bn, sk, warps, st, od) for sk in ranked[:3 if bn == 128 else 1] for st in stages
                 for od in one_dots]
         if bn == 128 and M <= MAX_STREAM_M:
@@ -83,7 +83,7 @@ def _dedup(configs: list) -> list:
 def prune_configs(configs, named_args, **kwargs):
     """The autotuner's early prune: the configs `candidate_configs` picks for this call."""
     wanted = {config_key(c) for c in candidate_configs(named_args["M"], named_args["N"], kwargs["K"],
-                                                       kwargs["TILE"], num_sms(), kwargs["FORMAT"])}
+                                                       kwargs["TILE"], num_sms())}
     return [c for c in configs if config_key(c) in wanted]
 
 

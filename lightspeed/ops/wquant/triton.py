@@ -105,17 +105,12 @@ REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm,
             K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
             NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
-            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr, CHUNK: tl.constexpr,
-            ONE_DOT: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 (SWAP: its transpose [BLOCK_N, BLOCK_M]) += x[:, tile t] @ dequant(W)[:, tile t].T
-    (per-group scales applied). row_a / row_b: each row's offset in its tile-0 chunk (row_a: int8 bytes, or
-    half-words of the 4-bit plane; row_b: fp6 lo bytes); tile t's chunk is t * CHUNK bytes further.
-    SWAP: the tile's products start from zero and are added as `acc_in + one * tile` (one: a runtime 1.0),
-    so they complete before the next tile (module docstring)."""
-    if SWAP:
-        acc = tl.zeros_like(acc_in)
-    else:
-        acc = acc_in
+            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr, ONE_DOT: tl.constexpr):
+    """acc^T [BLOCK_N, BLOCK_M] fp32 += (x[:, tile t] @ dequant(W)[:, tile t].T)^T (per-group scales applied).
+    row_a / row_b: each row's offset in its tile-0 chunk (row_a: w units, row_b: fp6 lo bytes); tile t's
+    chunk is t * CHUNK bytes further. The tile's products start from zero and are added as `acc_in + one *
+    tile` (one: a runtime 1.0), so they complete before the next tile (module docstring)."""
+    acc = tl.zeros_like(acc_in)
     k0 = t * TILE
     part = tl.zeros_like(acc)
     # per half (SUB = T/4: one; SUB = T/8: two) one [BLOCK_N, SUB] tile of w units (int8: 32-bit words,
@@ -128,38 +123,35 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
         lo = w
         if FORMAT == 0:
             lo = tl.load(w2_ptr + (row_b[:, None] + t * CHUNK) + offs_c[None, :])
-        v0, v1, v2, v3 = dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, SWAP)
-        if SWAP and ONE_DOT and (not PER_GROUP) and SUB == FW:  # one product over the whole K-tile
+        v0, v1, v2, v3 = dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, True)
+        if ONE_DOT and (not PER_GROUP) and SUB == FW:  # one product over the whole K-tile
             acc = tl.dot(_w_op(_cat_fields(v0, v1, v2, v3), INTERPRETED),
                          tl.trans(_x_sub(x_ptr, offs_mc, k0, stride_xm, K, TILE, TILE, INTERPRETED)), acc)
         else:
             for f in tl.static_range(4):
                 acc, part = _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, k0 + f * FW + hh * SUB, hh * 4 + f,
                                      stride_xm, pick_field(f, v0, v1, v2, v3), K, TILE, SUB, GROUP, NG, SPG, PER_GROUP,
-                                     INTERPRETED, SWAP)
-    if SWAP:
-        acc = acc_in + one * acc
-    return acc
+                                     INTERPRETED)
+    return acc_in + one * acc
 
 
 @triton.jit
 def _k_range(acc, one, t_start, t_end, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, stride_xm,
              K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
              NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
-             X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr, CHUNK: tl.constexpr,
-             ONE_DOT: tl.constexpr):
+             X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc += the products of K-tiles t_start..t_end-1 (`_k_tile`): the K loop both grids run, pipelined
     over num_stages on the GPU."""
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
         t = t_start
         while t < t_end:
             acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
             t += 1
     else:
         for t in range(t_start, t_end):
             acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
-                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
     return acc
 
 
@@ -197,18 +189,13 @@ def _w_op(v, INTERPRETED: tl.constexpr):
 @triton.jit
 def _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, kst, i: tl.constexpr, stride_xm, wi,
              K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-             SPG: tl.constexpr, PER_GROUP: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr):
-    """acc += x[:, kst:kst+SUB] @ wi.T (SWAP: acc^T += wi @ x^T) for sub-tile i of the K-tile (per-group: the SPG sub-tiles of one
-    group span are summed in `part` and scaled once; with two halves per field (SUB = T/8) SPG is 1 or
-    the whole tile, so the (half, field) visiting order never splits a span)."""
-    x = _x_sub(x_ptr, offs_mc, kst, stride_xm, K, TILE, SUB, INTERPRETED)
-    wi = _w_op(wi, INTERPRETED)
-    if SWAP:  # acc^T [BLOCK_N, BLOCK_M] += wi @ x^T: the dequantized tile is the register operand A of wgmma
-        a = wi
-        b = tl.trans(x)
-    else:
-        a = x
-        b = tl.trans(wi)
+             SPG: tl.constexpr, PER_GROUP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc^T += wi @ x[:, kst:kst+SUB]^T for sub-tile i of the K-tile: the dequantized tile is the register
+    operand A of wgmma (per-group: the SPG sub-tiles of one group span are summed in `part` and scaled
+    once; with two halves per field (SUB = T/8) SPG is 1 or the whole tile, so the (half, field)
+    visiting order never splits a span)."""
+    a = _w_op(wi, INTERPRETED)
+    b = tl.trans(_x_sub(x_ptr, offs_mc, kst, stride_xm, K, TILE, SUB, INTERPRETED))
     if not PER_GROUP:
         acc = tl.dot(a, b, acc)
     else:  # SPG consecutive sub-tiles share one scale: sum them in `part`, then scale once
@@ -219,10 +206,7 @@ def _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, kst, i: tl.constexpr, st
         if i % SPG == SPG - 1:
             g = tl.minimum(kst // GROUP, NG - 1)  # padding past K (x == 0 there): any valid group
             s = tl.load(s_ptr + offs_nc * NG + g).to(tl.float32)
-            if SWAP:
-                acc += part * s[:, None]
-            else:
-                acc += part * s[None, :]
+            acc += part * s[:, None]
     return acc, part
 
 
@@ -286,11 +270,7 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
     RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2  # bytes of a row's K-tile: int8 / 4-bit plane
     CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
     row_a, row_b = _row_offsets(offs_nc, NT, CHUNK, ROWS, TILE, FORMAT)
-    SWAP: tl.constexpr = True  # swapped operands (see the module docstring)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed (SWAP in the module docstring)
     # a runtime 1.0: `acc += one * tile` cannot be folded into the tile's last dot (module docstring)
     one = (N > 0).to(tl.float32)
     # per-channel scales and bias are read before the K loop: read after it, their DRAM latency would sit
@@ -302,9 +282,8 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
     t_start = pid_k * TPS
     acc = _k_range(acc, one, t_start, tl.minimum(t_start + TPS, NT), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc,
                    row_a, row_b, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED,
-                   SWAP, CHUNK, ONE_DOT)
-    if SWAP:
-        acc = tl.trans(acc)
+                   CHUNK, ONE_DOT)
+    acc = tl.trans(acc)
     if not PER_GROUP:
         acc = acc * s_n[None, :]
     acc = acc * out_scale
@@ -345,7 +324,6 @@ def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     NG: tl.constexpr = K // GROUP
     RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
     CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
-    SWAP: tl.constexpr = True
     p = tl.program_id(0)
     P = tl.num_programs(0)
     U = tl.cdiv(N, BLOCK_N) * NT
@@ -353,10 +331,7 @@ def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     u1 = ((p + 1).to(tl.int64) * U // P).to(tl.int32)
     offs_m = tl.arange(0, BLOCK_M)
     offs_mc = tl.minimum(offs_m, M - 1)
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed
     one = (N > 0).to(tl.float32)
     b_last = (u1 - 1) // NT
     if INTERPRETED:  # while loops: the interpreter cannot run `range` over computed bounds
@@ -365,14 +340,14 @@ def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
             acc = _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
                                 cnt_ptr, offs_m, offs_mc, M, N, stride_xm, out_scale, K, KP, NT, TILE, SUB, GROUP, NG,
                                 SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS, BLOCK_N, ONE_DOT,
-                                SWAP, CHUNK)
+                                CHUNK)
             b += 1
     else:
         for b in range(u0 // NT, b_last + 1):
             acc = _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
                                 cnt_ptr, offs_m, offs_mc, M, N, stride_xm, out_scale, K, KP, NT, TILE, SUB, GROUP, NG,
                                 SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS, BLOCK_N, ONE_DOT,
-                                SWAP, CHUNK)
+                                CHUNK)
 
 
 @triton.jit
@@ -381,7 +356,7 @@ def _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_p
                   TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, SPG: tl.constexpr,
                   FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
                   BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  ONE_DOT: tl.constexpr, SWAP: tl.constexpr, CHUNK: tl.constexpr):
+                  ONE_DOT: tl.constexpr, CHUNK: tl.constexpr):
     """Program p's K-tiles of N block b (those of its range [u0, u1)), summed by a plain K loop (pipelined
     like split-K's), then flushed (`_stream_flush`); returns the zeroed accumulator. The scales are read
     before the loop, off the flush's critical path."""
@@ -394,24 +369,21 @@ def _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_p
         s_n = tl.load(s_ptr + offs_nc).to(tl.float32)
     acc = _k_range(acc, one, tl.maximum(u0 - b * NT, 0), tl.minimum(u1 - b * NT, NT), x_ptr, w_ptr, w2_ptr, s_ptr,
                    offs_mc, offs_nc, row_a, row_b, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP,
-                   X_BF16, INTERPRETED, SWAP, CHUNK, ONE_DOT)
+                   X_BF16, INTERPRETED, CHUNK, ONE_DOT)
     _stream_flush(acc, s_n, b, p, P, U, offs_m, offs_n, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, out_scale, NT, HAS_BIAS,
-                  SWAP, BLOCK_M, BLOCK_N)
+                  BLOCK_M, BLOCK_N)
     return tl.zeros_like(acc)
 
 
 @triton.jit
 def _stream_flush(acc, s_n, b, p, P, U, offs_m, offs_n, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, out_scale,
-                  NT: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  NT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program p's sum over its units of N block b -> y. Block b's units are covered by programs
     first_p..last_p (program of unit v: ((v + 1) P - 1) // U). One program: it stores y. Several: each
     stores its partial in workspace slot b + q (unique: the programs covering block b + 1 start at or
     after the last one covering b) and the last to arrive (acq_rel counter per block, reset by it) sums
-    the slots in program order (deterministic), adds the bias and stores y."""
-    if SWAP:
-        acc = tl.trans(acc)
-    acc = acc * s_n[None, :] * out_scale
+    the slots in program order (deterministic), adds the bias and stores y. acc is transposed."""
+    acc = tl.trans(acc) * s_n[None, :] * out_scale
     m_mask = offs_m < M
     out_mask = m_mask[:, None] & (offs_n < N)[None, :]
     out_offs = offs_m[:, None] * N + offs_n[None, :]

@@ -86,6 +86,7 @@ from lightspeed.ops.wquant.tuning import (
     MAX_STREAM_M,
     STREAMS,
     block_m_for,
+    graph_bench,
     heuristic_config,
     max_split_k,
     num_sms,
@@ -433,7 +434,7 @@ else:
                                     # on the H200: 14 vs 19 us with M = 1's config at M = 2)
                                     key=["M", "BLOCK_M", "N", "K", "GROUP", "FORMAT", "REDUCE"],
                                     prune_configs_by={"early_config_prune": prune_configs}, cache_results=True,
-                                    warmup=5, rep=20)(_wq_matmul_kernel)
+                                    do_bench=graph_bench)(_wq_matmul_kernel)
 
 
 def group_layout(fmt: str, K: int, group_size: int | None, tile: int) -> tuple[bool, int, int, int]:

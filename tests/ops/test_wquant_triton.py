@@ -287,3 +287,25 @@ def test_autotune_candidates_are_few_valid_and_bounded():
     splits = {c.kwargs["SPLIT_K"] for c in wt.candidate_configs(1, 8192, 8192, 128, 132)
               if c.kwargs["BLOCK_N"] == 128 and not c.kwargs["STREAM"]}
     assert len(splits) == 3 and {4, 8} <= splits  # 64 N blocks: 256 and 512 programs were best on the H200
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
+def test_graph_bench_matches_event_timing():
+    """The autotuner's timer (`tuning.graph_bench`: graphs of n x (L2 flush, call) minus n x flush) agrees
+    with events around single calls for a kernel long enough that launch gaps do not matter."""
+    from lightspeed.ops.wquant import tuning
+
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = tuning.graph_bench(lambda: dst.copy_(src))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(11):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ref = sorted(times)[5]
+    assert 0.85 * ref < ms < 1.15 * ref, (ms, ref)
+    assert tuning.graph_bench(lambda: dst.copy_(src), quantiles=(0.5, 0.2, 0.8)) == [pytest.approx(ms, rel=0.15)] * 3

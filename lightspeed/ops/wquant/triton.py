@@ -47,8 +47,8 @@ grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1,
 DEQUANT_MIN_M[format] rows on `wq_matmul` instead dequantizes the weight once (`dequant.py`, one
 program per storage chunk, bit-identical to the reference dequantizer) and multiplies with cuBLAS: the
 kernel dequantizes each weight tile once per 64 rows, which from there on costs more than one dense
-copy of the weight (H200, 8192 x 8192 and 8192 x 28672, M = 128..4096: the crossover is M ~ 200-256 for
-int8, 512 for fp6, 700-1000 for int4; BENCHMARKS.md). Split-K partials go
+copy of the weight (H200, 8192 x 8192 and 8192 x 28672, M = 128..4096: the crossover is M ~ 256-512 for
+int8 (layout 5), 512 for fp6, 700-1000 for int4; BENCHMARKS.md). Split-K partials go
 to an fp32 workspace [SPLIT_K, M, N]; by default the last program of an N block to finish (an
 acq_rel counter per output tile, reset by that program) sums them in the fixed split order, adds the
 bias and writes y, so the result is deterministic and one launch does it all (`REDUCE = 1`).
@@ -98,7 +98,7 @@ logger = get_logger(__name__)
 _REDUCE_MODES = {"fixup": 1, "kernel": 0}
 # from this M on (prefill), `wq_matmul` dequantizes the weight once and calls cuBLAS: the kernel
 # dequantizes every weight tile once per 64 rows of x (crossovers measured on the H200: BENCHMARKS.md)
-DEQUANT_MIN_M = {"int8": 256, "fp6": 512, "int4": 1024}
+DEQUANT_MIN_M = {"int8": 512, "fp6": 512, "int4": 1024}
 REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 
 

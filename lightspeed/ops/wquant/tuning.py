@@ -137,8 +137,9 @@ def graph_bench(kernel_call, quantiles=None):
     """The autotuner's timer (ms per call): one CUDA graph of n x (L2 flush, call) minus one of n x flush,
     medians over replays. Triton's default (events around single calls after zeroing a buffer larger
     than L2: dirty lines the kernel's reads must write back, and no back-to-back launches) picked configs
-    up to 23% slower on the H200 (INT8 8192^2, M = 1) than the best in the benchmark's graph timing with
-    rotated weights; this timer's picks were within 1% of it in most cells (BENCHMARKS.md)."""
+    14% slower on average (worst 41%) than the fastest candidate in `benchmarks/fp6_gemm.py`'s timing
+    on the H200; this timer's picks 1.1% (worst 6.9%), over 12 (shape, format, M) cells
+    (`benchmarks/wq_autotune.py`, BENCHMARKS.md)."""
     device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -1,0 +1,119 @@
+"""How good are the weight-quantized kernel's autotune picks? (GPU)
+
+Claim: `tuning.graph_bench`, the autotuner's timer, picks configs within a few percent of the fastest
+candidate as `benchmarks/fp6_gemm.py` times them; triton's default timer (`triton.testing.do_bench`:
+single calls after zeroing a buffer larger than L2) picks configs that are often 10-40% slower.
+
+For each (K x N, format, M) every autotune candidate (`tuning.candidate_configs`) is timed three ways:
+- "truth": fp6_gemm.py's timing (CUDA graph of back-to-back calls, weights rotated over copies larger
+  than L2), the baseline the picks are judged by;
+- "do_bench": `triton.testing.do_bench(warmup=5, rep=20)`, what the autotuner used before;
+- "graph_bench": `tuning.graph_bench`, what it uses now.
+Each timer's pick is reported with its truth time as a ratio to the best truth time (1.000 = it picked
+the fastest), and so is the config the autotuner itself chose (a fresh process tunes afresh unless
+triton's autotune disk cache already holds the key).
+
+    python benchmarks/wq_autotune.py
+    python benchmarks/wq_autotune.py --shapes 8192x8192 --formats fp6 --ms 1,16 --verbose
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fp6_gemm import _config_str, _rotations, bench_us  # noqa: E402
+
+import lightspeed.ops.wquant as wq  # noqa: E402
+
+CASES = [((8192, 8192), "fp6", [1, 2, 4, 8, 16]), ((8192, 28672), "fp6", [1, 16]), ((28672, 8192), "fp6", [1]),
+         ((8192, 8192), "int8", [1, 4]), ((8192, 8192), "int4", [4, 16])]
+
+
+def _cfg_dict(c) -> dict:
+    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
+def run_case(K: int, N: int, fmt: str, ms: list[int], verbose: bool, gen: torch.Generator) -> list[dict]:
+    from triton.testing import do_bench
+
+    from lightspeed.ops.wquant import triton as wt
+    from lightspeed.ops.wquant import tuning
+
+    dev = torch.device("cuda")
+    w16 = (torch.randn(N, K, generator=gen) * 0.02).to(dev, torch.float16)
+    q0 = wq.quantize(w16, fmt, None)
+    nbytes = sum(p.numel() * p.element_size() for p in q0.planes) + q0.scales.numel() * 2
+    qws = [q0] + [wq.quantize(w16, fmt, None) for _ in range(_rotations(nbytes) - 1)]
+    del w16
+    out = []
+    for M in ms:
+        x = torch.randn(M, K, generator=gen).to(dev, torch.float16)
+        rows = []
+        for c in tuning.candidate_configs(M, N, K, q0.tile, tuning.num_sms()):
+            cfg = _cfg_dict(c)
+
+            def call(cfg=cfg):
+                return wt.wq_matmul(x, q0, config=dict(cfg))
+
+            call()
+            torch.cuda.synchronize()
+            name = _config_str({**cfg, "BLOCK_M": tuning.block_m_for(M)})
+            row = {"config": name, "do_bench": do_bench(call, warmup=5, rep=20, return_mode="median") * 1e3,
+                   "graph_bench": tuning.graph_bench(call) * 1e3,
+                   "truth": bench_us(lambda i, cfg=cfg: wt.wq_matmul(x, qws[i], config=dict(cfg)), len(qws))}
+            rows.append(row)
+            if verbose:
+                print(f"  {K}x{N} {fmt} M={M} {name}: do_bench {row['do_bench']:.2f}  graph_bench "
+                      f"{row['graph_bench']:.2f}  truth {row['truth']:.2f} us", flush=True)
+        wt.wq_matmul(x, q0)  # the autotuner's own pick
+        auto = _config_str(wt.last_config())
+        best = min(r["truth"] for r in rows)
+        res = {"K": K, "N": N, "fmt": fmt, "M": M, "best_us": best, "candidates": len(rows)}
+        for timer in ("do_bench", "graph_bench"):
+            pick = min(rows, key=lambda r: r[timer])
+            res[timer] = (pick["config"], pick["truth"] / best)
+        auto_truth = [r["truth"] for r in rows if r["config"] == auto]
+        res["autotuner"] = (auto, auto_truth[0] / best if auto_truth else float("nan"))
+        out.append(res)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", help="comma-separated KxN (default: the built-in cases)")
+    ap.add_argument("--formats", default="fp6", help="with --shapes: comma-separated formats")
+    ap.add_argument("--ms", default="1,4,16", help="with --shapes: comma-separated M values")
+    ap.add_argument("--verbose", action="store_true", help="print every candidate's three times")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("wq_autotune.py times the Triton kernel's autotune candidates: it needs a CUDA device")
+        return
+    cases = CASES
+    if args.shapes:
+        ms = [int(m) for m in args.ms.split(",")]
+        cases = [(tuple(int(v) for v in s.split("x")), f, ms) for s in args.shapes.split(",")
+                 for f in args.formats.split(",")]
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for (K, N), fmt, ms in cases:
+        results += run_case(K, N, fmt, ms, args.verbose, gen)
+        torch.cuda.empty_cache()
+    print(f"{'K x N':>14}{'fmt':>6}{'M':>4}{'best us':>9}  {'do_bench pick':<44}{'graph_bench pick':<44}autotuner")
+    for r in results:
+        cols = [f"{r[t][1]:.3f} {r[t][0]}" for t in ("do_bench", "graph_bench", "autotuner")]
+        print(f"{r['K']:>6} x {r['N']:<6}{r['fmt']:>6}{r['M']:>4}{r['best_us']:>9.2f}  {cols[0]:<44}{cols[1]:<44}"
+              f"{cols[2]}")
+    for t in ("do_bench", "graph_bench", "autotuner"):
+        ratios = [r[t][1] for r in results]
+        print(f"{t}: picks' truth time / best, mean {sum(ratios) / len(ratios):.3f}, worst {max(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -289,6 +289,19 @@ def test_autotune_candidates_are_few_valid_and_bounded():
     assert len(splits) == 3 and {4, 8} <= splits  # 64 N blocks: 256 and 512 programs were best on the H200
 
 
+def test_graph_bench_refuses_graph_capture(monkeypatch):
+    """Autotuning (which captures graphs of its own) inside a caller's CUDA-graph capture gets a clear error
+    naming the fix, before touching the device."""
+    pytest.importorskip("triton")
+    from lightspeed.ops.wquant import tuning
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    calls = []
+    with pytest.raises(RuntimeError, match="before capturing"):
+        tuning.graph_bench(lambda: calls.append(1))
+    assert not calls
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
 def test_graph_bench_matches_event_timing():
     """The autotuner's timer (`tuning.graph_bench`: graphs of n x (L2 flush, call) minus n x flush) agrees

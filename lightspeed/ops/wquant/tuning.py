@@ -140,6 +140,10 @@ def graph_bench(kernel_call, quantiles=None):
     14% slower on average (worst 41%) than the fastest candidate in `benchmarks/fp6_gemm.py`'s timing
     on the H200; this timer's picks 1.1% (worst 6.9%), over 12 (shape, format, M) cells
     (`benchmarks/wq_autotune.py`, BENCHMARKS.md)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the quantized matmul autotunes on its first call for each (M, N, K, format) and "
+                           "cannot do so inside CUDA-graph capture: make one call with the same shapes "
+                           "before capturing (a warm-up step)")
     device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

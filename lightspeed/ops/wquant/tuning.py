@@ -110,18 +110,6 @@ def max_split_k(M: int) -> int:
 # `graph_bench`: calls per CUDA graph (about GRAPH_MS of GPU time each) and graph replays per timing
 GRAPH_MS = 2.0
 GRAPH_REPLAYS = 5
-_flush_buffers: dict = {}
-
-
-def _l2_flush(device: torch.device):
-    """A read of 2 x the L2 size (`graph_bench`): evicts the weight and leaves only clean lines, as the
-    other layers' weight reads before a decode step's matmul do."""
-    buf = _flush_buffers.get(device)
-    if buf is None:
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        buf = torch.ones(max(2 * l2, 1 << 20) // 4, device=device, dtype=torch.float32)
-        _flush_buffers[device] = buf
-    return buf.sum()
 
 
 def _replay_ms(graph) -> float:
@@ -144,16 +132,19 @@ def graph_bench(kernel_call, quantiles=None):
         raise RuntimeError("the quantized matmul autotunes on its first call for each (M, N, K, format) and "
                            "cannot do so inside CUDA-graph capture: make one call with the same shapes "
                            "before capturing (a warm-up step)")
-    device = torch.device("cuda", torch.cuda.current_device())
+    # the flush: a read of 2 x L2, which evicts the weight and leaves only clean lines, as the other
+    # layers' weight reads before a decode step's matmul do (allocated per call: no memory kept after tuning)
+    flush = torch.zeros(2 * torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size // 4,
+                        device="cuda", dtype=torch.float32)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         kernel_call()  # compiles on first use
-        _l2_flush(device)
+        flush.sum()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(3):
-            _l2_flush(device)
+            flush.sum()
             kernel_call()
         end.record()
         end.synchronize()
@@ -163,7 +154,7 @@ def graph_bench(kernel_call, quantiles=None):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 for _ in range(n):
-                    _l2_flush(device)
+                    flush.sum()
                     if with_call:
                         kernel_call()
             graphs.append(graph)

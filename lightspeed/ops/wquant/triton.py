@@ -221,7 +221,9 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
                       BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr, STREAM: tl.constexpr):
     """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias). K is a constexpr (one compile per layer width),
     so plane strides and tile counts are constants. STREAM = 0: grid (N blocks, SPLIT_K, M blocks)
-    (`_split_k_body`); STREAM > 0: stream-K over a grid of STREAM programs per SM (`_stream_k_body`)."""
+    (`_split_k_body`); STREAM > 0: stream-K over a grid of STREAM programs per SM (`_stream_k_body`).
+    Autotuned with `tuning.graph_bench` (timer v2). This source is part of triton's autotune disk-cache key:
+    a timer change whose cached picks should be re-tuned bumps the version here."""
     if STREAM:
         _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale, K,
                        TILE, SUB, GROUP, SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS,

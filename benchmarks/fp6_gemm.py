@@ -121,6 +121,11 @@ def copy_bandwidth(device) -> float:
     return 2 * n / (us * 1e-6)
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"8192x8192,8192x28672" -> [(K, N), ...]."""
+    return [tuple(int(v) for v in sh.split("x")) for sh in text.split(",")]
+
+
 def _rotations(bytes_per_copy: int) -> int:
     return max(4, -(-2 * L2_BYTES // max(bytes_per_copy, 1)))
 
@@ -282,7 +287,7 @@ def check_candidates(shapes, ms, formats, group_size, device) -> list[dict]:
                 ref = x.float() @ wq.dequantize(qw).to(device).T
                 scale = ref.abs().max().item()
                 for c in tuning.candidate_configs(m, n, k, qw.tile, sms):
-                    cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                    cfg = tuning.config_dict(c)
                     err = max((wt.wq_matmul(x, qw, config=cfg).float() - ref).abs().max().item()
                               for _ in range(CHECK_CALLS))
                     rows.append(dict(K=k, N=n, M=m, fmt=fmt, config=_config_str({"BLOCK_M": tuning.block_m_for(m),
@@ -345,8 +350,7 @@ def main() -> int:
         if device.type != "cuda":
             print("--prefill times the GPU paths: it needs a CUDA device")
             return 2
-        shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else \
-            PREFILL_SHAPES
+        shapes = parse_shapes(args.shapes) if args.shapes else PREFILL_SHAPES
         ms = [int(v) for v in args.ms.split(",")] if args.ms else PREFILL_MS
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
         rows = run_prefill(shapes, ms, formats, args.group_size, args.timing)
@@ -362,7 +366,7 @@ def main() -> int:
     if args.ms:
         ms = [int(v) for v in args.ms.split(",")]
     if args.shapes:
-        shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
+        shapes = parse_shapes(args.shapes)
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     if args.check_candidates:

@@ -27,16 +27,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fp6_gemm import _config_str, _rotations, bench_us  # noqa: E402
+from fp6_gemm import _config_str, _rotations, bench_us, parse_shapes  # noqa: E402
 
 import lightspeed.ops.wquant as wq  # noqa: E402
 
 CASES = [((8192, 8192), "fp6", [1, 2, 4, 8, 16]), ((8192, 28672), "fp6", [1, 16]), ((28672, 8192), "fp6", [1]),
          ((8192, 8192), "int8", [1, 4]), ((8192, 8192), "int4", [4, 16])]
-
-
-def _cfg_dict(c) -> dict:
-    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
 
 
 def run_case(K: int, N: int, fmt: str, ms: list[int], verbose: bool, gen: torch.Generator) -> list[dict]:
@@ -56,7 +52,7 @@ def run_case(K: int, N: int, fmt: str, ms: list[int], verbose: bool, gen: torch.
         x = torch.randn(M, K, generator=gen).to(dev, torch.float16)
         rows = []
         for c in tuning.candidate_configs(M, N, K, q0.tile, tuning.num_sms()):
-            cfg = _cfg_dict(c)
+            cfg = tuning.config_dict(c)
 
             def call(cfg=cfg):
                 return wt.wq_matmul(x, q0, config=dict(cfg))
@@ -97,8 +93,7 @@ def main() -> None:
     cases = CASES
     if args.shapes:
         ms = [int(m) for m in args.ms.split(",")]
-        cases = [(tuple(int(v) for v in s.split("x")), f, ms) for s in args.shapes.split(",")
-                 for f in args.formats.split(",")]
+        cases = [(shape, f, ms) for shape in parse_shapes(args.shapes) for f in args.formats.split(",")]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     gen = torch.Generator().manual_seed(0)
     results = []

@@ -86,6 +86,7 @@ from lightspeed.ops.wquant.tuning import (
     MAX_STREAM_M,
     STREAMS,
     block_m_for,
+    config_dict,
     graph_bench,
     heuristic_config,
     max_split_k,
@@ -563,8 +564,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
                   "STREAM": meta["STREAM"],
                   "num_warps": meta.get("num_warps", 4), "num_stages": meta.get("num_stages", 3)}
     else:
-        best = kernel.best_config
-        chosen = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+        chosen = config_dict(kernel.best_config)
     _last_config.clear()
     _last_config.update(BLOCK_M=block_m, **chosen)
     split_k = chosen["SPLIT_K"]

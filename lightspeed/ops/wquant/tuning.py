@@ -87,6 +87,11 @@ def prune_configs(configs, named_args, **kwargs):
     return [c for c in configs if config_key(c) in wanted]
 
 
+def config_dict(c) -> dict:
+    """A `triton.Config` as the `config=` dict `wq_matmul` takes (its kwargs plus warps and stages)."""
+    return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
 def config_key(c) -> tuple:
     return (c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.kwargs["ONE_DOT"], c.kwargs["STREAM"], c.num_warps,
             c.num_stages)

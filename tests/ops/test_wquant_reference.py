@@ -227,8 +227,8 @@ def test_plane_shapes_padding_and_kernel_dequant_replay(fmt, group_size, k):
     assert qw.tile == PACK_TILE and qw.padded_k == padded_k(k)
     for plane, (shape, dtype) in zip(qw.planes, plane_specs(fmt, 6, k)):
         assert plane.shape == shape and plane.dtype == dtype and plane.is_contiguous()
-        assert plane.shape[-1] % 16 == 0 and shape[0] * ROW_GROUP == padded_n(6)
-    # tile-major: chunk (row group g, K-tile t) holds each row's K-tile bytes, row by row (fp6: the R hi rows,
+        assert plane.shape[-1] % 16 == 0 and shape[1] * ROW_GROUP == padded_n(6)
+    # tile-major: chunk [K-tile t, row group g] holds each row's K-tile bytes, row by row (fp6: the R hi rows,
     # then the R lo rows); rows past N decode to 0
     rows = row_planes(qw)
     assert torch.equal(tile_major(rows, fmt, 6, k), qw.planes[0])
@@ -239,7 +239,7 @@ def test_plane_shapes_padding_and_kernel_dequant_replay(fmt, group_size, k):
         for plane, nb in zip(rows, sizes):
             row_bytes = plane.contiguous().view(torch.uint8).reshape(6, -1)
             for r in (0, 5):
-                got = packed[0, t, start + r * nb:start + (r + 1) * nb]
+                got = packed[t, 0, start + r * nb:start + (r + 1) * nb]
                 assert torch.equal(got, row_bytes[r, t * nb:(t + 1) * nb])
             start += ROW_GROUP * nb
     deq = dequant_planes_fp16(qw).float()

@@ -128,7 +128,7 @@ def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, G0, N_END, K: tl.constexpr
     t = tl.program_id(1)
     rin = tl.arange(0, ROWS)
     offs_n = grp * ROWS + rin
-    base = (grp * NT + t) * CHUNK  # bytes; the chunk holds ROWS rows (padded past N)
+    base = (t * tl.cdiv(N, ROWS) + grp) * CHUNK  # bytes (K-tile major chunks); the chunk holds ROWS rows (padded past N)
     FW: tl.constexpr = TILE // 4
     offs_c = tl.arange(0, FW)
     w = tl.load(w_ptr + base // UNIT + rin[:, None] * FW + offs_c[None, :])
@@ -198,6 +198,9 @@ def packed_units(qw: QuantizedWeight) -> torch.Tensor:
 
 def check_planes(qw: QuantizedWeight) -> None:
     N, K = qw.shape
+    if qw.planes[0].numel() >= 2**31:  # the kernels address the packed bytes with 32-bit offsets
+        raise ValueError(f"packed weight [{N}, {K}] {qw.format} takes {qw.planes[0].numel()} bytes; the kernels take "
+                         f"< 2 GiB per layer (split the layer)")
     for plane, (shape, dtype) in zip(qw.planes, plane_specs(qw.format, N, K, qw.tile)):
         if tuple(plane.shape) != shape or plane.dtype != dtype or not plane.is_contiguous():
             raise ValueError(f"{qw.format} plane must be a contiguous {dtype} {shape} (got {plane.dtype} "

@@ -104,13 +104,13 @@ REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 
 
 @triton.jit
-def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm,
+def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr,
             K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
             NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
             X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc^T [BLOCK_N, BLOCK_M] fp32 += (x[:, tile t] @ dequant(W)[:, tile t].T)^T (per-group scales applied).
     row_a / row_b: each row's offset in its tile-0 chunk (row_a: w units, row_b: fp6 lo bytes); tile t's
-    chunk is t * CHUNK bytes further. The tile's products start from zero and are added as `acc_in + one *
+    chunk is t * tstr bytes further (K-tile major chunks: tstr = one K-tile of every row group). The tile's products start from zero and are added as `acc_in + one *
     tile` (one: a runtime 1.0), so they complete before the next tile (module docstring)."""
     acc = tl.zeros_like(acc_in)
     k0 = t * TILE
@@ -121,10 +121,10 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
     UNIT: tl.constexpr = 4 if FORMAT == 1 else 2
     for hh in tl.static_range(FW // SUB):
         offs_c = tl.max_contiguous(tl.multiple_of(hh * SUB + tl.arange(0, SUB), SUB), SUB)
-        w = tl.load(w_ptr + (row_a[:, None] + t * (CHUNK // UNIT)) + offs_c[None, :])
+        w = tl.load(w_ptr + (row_a[:, None] + t * (tstr // UNIT)) + offs_c[None, :])
         lo = w
         if FORMAT == 0:
-            lo = tl.load(w2_ptr + (row_b[:, None] + t * CHUNK) + offs_c[None, :])
+            lo = tl.load(w2_ptr + (row_b[:, None] + t * tstr) + offs_c[None, :])
         v0, v1, v2, v3 = dequant_fields(w, lo, FORMAT, X_BF16, INTERPRETED, True)
         if ONE_DOT and (not PER_GROUP) and SUB == FW:  # one product over the whole K-tile
             acc = tl.dot(_w_op(_cat_fields(v0, v1, v2, v3), INTERPRETED),
@@ -138,7 +138,7 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
 
 
 @triton.jit
-def _k_range(acc, one, t_start, t_end, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, stride_xm,
+def _k_range(acc, one, t_start, t_end, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, stride_xm, tstr,
              K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
              NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
              X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr, ONE_DOT: tl.constexpr):
@@ -147,12 +147,12 @@ def _k_range(acc, one, t_start, t_end, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, off
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
         t = t_start
         while t < t_end:
-            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr, K, KP,
                           TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
             t += 1
     else:
         for t in range(t_start, t_end):
-            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, K, KP,
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr, K, KP,
                           TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
     return acc
 
@@ -236,16 +236,15 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
 
 
 @triton.jit
-def _row_offsets(offs_nc, NT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
-                 FORMAT: tl.constexpr):
+def _row_offsets(offs_nc, CHUNK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, FORMAT: tl.constexpr):
     """Each row's offset in its tile-0 chunk of the tile-major storage (reference.py: chunks of ROWS rows x
-    one K-tile, CHUNK bytes each): row_a in w units (int8's 32-bit words or the 4-bit plane's half-words:
-    T/4 per row either way), row_b fp6's lo bytes (after the chunk's hi rows)."""
+    one K-tile, CHUNK bytes each, K-tile major): row_a in w units (int8's 32-bit words or the 4-bit plane's
+    half-words: T/4 per row either way), row_b fp6's lo bytes (after the chunk's hi rows)."""
     grp = offs_nc // ROWS
     rin = offs_nc % ROWS
     UNIT: tl.constexpr = 4 if FORMAT == 1 else 2
-    row_a = grp * (NT * CHUNK // UNIT) + rin * (TILE // 4)
-    row_b = grp * (NT * CHUNK) + ROWS * (TILE // 2) + rin * (TILE // 4)
+    row_a = grp * (CHUNK // UNIT) + rin * (TILE // 4)
+    row_b = grp * CHUNK + ROWS * (TILE // 2) + rin * (TILE // 4)
     return row_a, row_b
 
 
@@ -273,7 +272,8 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
     # tile-major storage (reference.py): chunks of ROWS rows x one K-tile, CHUNK bytes each
     RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2  # bytes of a row's K-tile: int8 / 4-bit plane
     CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
-    row_a, row_b = _row_offsets(offs_nc, NT, CHUNK, ROWS, TILE, FORMAT)
+    row_a, row_b = _row_offsets(offs_nc, CHUNK, ROWS, TILE, FORMAT)
+    tstr = tl.cdiv(N, ROWS) * CHUNK  # bytes from one K-tile's chunks to the next's
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed (SWAP in the module docstring)
     # a runtime 1.0: `acc += one * tile` cannot be folded into the tile's last dot (module docstring)
     one = (N > 0).to(tl.float32)
@@ -285,8 +285,8 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
         b_n = tl.load(b_ptr + offs_nc).to(tl.float32)
     t_start = pid_k * TPS
     acc = _k_range(acc, one, t_start, tl.minimum(t_start + TPS, NT), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc,
-                   row_a, row_b, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED,
-                   CHUNK, ONE_DOT)
+                   row_a, row_b, stride_xm, tstr, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16,
+                   INTERPRETED, CHUNK, ONE_DOT)
     acc = tl.trans(acc)
     if not PER_GROUP:
         acc = acc * s_n[None, :]
@@ -366,14 +366,14 @@ def _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_p
     before the loop, off the flush's critical path."""
     offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_nc = tl.minimum(offs_n, N - 1)
-    row_a, row_b = _row_offsets(offs_nc, NT, CHUNK, ROWS, TILE, FORMAT)
+    row_a, row_b = _row_offsets(offs_nc, CHUNK, ROWS, TILE, FORMAT)
     if PER_GROUP:
         s_n = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
         s_n = tl.load(s_ptr + offs_nc).to(tl.float32)
     acc = _k_range(acc, one, tl.maximum(u0 - b * NT, 0), tl.minimum(u1 - b * NT, NT), x_ptr, w_ptr, w2_ptr, s_ptr,
-                   offs_mc, offs_nc, row_a, row_b, stride_xm, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP,
-                   X_BF16, INTERPRETED, CHUNK, ONE_DOT)
+                   offs_mc, offs_nc, row_a, row_b, stride_xm, tl.cdiv(N, ROWS) * CHUNK, K, KP, TILE, SUB, GROUP, NG,
+                   SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
     _stream_flush(acc, s_n, b, p, P, U, offs_m, offs_n, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, out_scale, NT, HAS_BIAS,
                   BLOCK_M, BLOCK_N)
     return tl.zeros_like(acc)

@@ -229,6 +229,11 @@ def test_kernel_rejects_foreign_planes(wt):
     qw.planes = (qw.planes[0].view(torch.int16),)
     with pytest.raises(ValueError, match="plane must be a contiguous"):
         wt.wq_matmul(torch.zeros(1, 128, dtype=torch.float16, device=DEVICE), qw)
+    # the kernels address packed bytes with 32-bit offsets: 2 GiB or more is refused, not overrun
+    huge = torch.empty((2**31,), dtype=torch.int8, device="meta")
+    qw.planes = (huge,)
+    with pytest.raises(ValueError, match="< 2 GiB per layer"):
+        wt.wq_matmul(torch.zeros(1, 128, dtype=torch.float16, device=DEVICE), qw)
 
 
 @kernel_test

@@ -128,7 +128,8 @@ def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, G0, N_END, K: tl.constexpr
     t = tl.program_id(1)
     rin = tl.arange(0, ROWS)
     offs_n = grp * ROWS + rin
-    base = (t * tl.cdiv(N, ROWS) + grp) * CHUNK  # bytes (K-tile major chunks); the chunk holds ROWS rows (padded past N)
+    # bytes (K-tile major chunks); the chunk holds ROWS rows (padded past N)
+    base = (t * tl.cdiv(N, ROWS) + grp) * CHUNK
     FW: tl.constexpr = TILE // 4
     offs_c = tl.arange(0, FW)
     w = tl.load(w_ptr + base // UNIT + rin[:, None] * FW + offs_c[None, :])

@@ -110,8 +110,9 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
             X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc^T [BLOCK_N, BLOCK_M] fp32 += (x[:, tile t] @ dequant(W)[:, tile t].T)^T (per-group scales applied).
     row_a / row_b: each row's offset in its tile-0 chunk (row_a: w units, row_b: fp6 lo bytes); tile t's
-    chunk is t * tstr bytes further (K-tile major chunks: tstr = one K-tile of every row group). The tile's products start from zero and are added as `acc_in + one *
-    tile` (one: a runtime 1.0), so they complete before the next tile (module docstring)."""
+    chunk is t * tstr bytes further (K-tile major chunks: tstr = one K-tile of every row group). The
+    tile's products start from zero and are added as `acc_in + one * tile` (one: a runtime 1.0), so they
+    complete before the next tile (module docstring)."""
     acc = tl.zeros_like(acc_in)
     k0 = t * TILE
     part = tl.zeros_like(acc)
@@ -138,8 +139,8 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
 
 
 @triton.jit
-def _k_range(acc, one, t_start, t_end, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, stride_xm, tstr,
-             K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
+def _k_range(acc, one, t_start, t_end, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, stride_xm,
+             tstr, K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
              NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
              X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc += the products of K-tiles t_start..t_end-1 (`_k_tile`): the K loop both grids run, pipelined
@@ -147,13 +148,13 @@ def _k_range(acc, one, t_start, t_end, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, off
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
         t = t_start
         while t < t_end:
-            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr, K, KP,
-                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr,
+                          K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
             t += 1
     else:
         for t in range(t_start, t_end):
-            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr, K, KP,
-                          TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
+            acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr,
+                          K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
     return acc
 
 

@@ -118,8 +118,6 @@ def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, G0, N_END, K: tl.constexpr
     """out [N_END - G0 * ROWS, K] (fp16/bf16) = rows G0 * ROWS .. N_END - 1 of code value * scale, rounded
     once from fp32 (bit-identical to `reference.dequantize(qw, dtype)`). One program per storage chunk
     (row group G0 + program 0, K-tile program 1)."""
-    KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
-    NT: tl.constexpr = KP // TILE
     NG: tl.constexpr = K // GROUP
     RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
     CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB

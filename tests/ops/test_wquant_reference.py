@@ -11,8 +11,9 @@ import torch
 
 from lightspeed.ops.wquant import dequantize, fp6_decode, fp6_encode, fp6_to_fp16_bits, quantize, quantized_matmul
 from lightspeed.ops.wquant.reference import (
+    FP6_EXTRA_BIT,
     FP6_FP16_SCALE,
-    FP6_M0_BIT,
+    FP6_NIBBLE_SHIFT,
     FP6_SIGN_BIT,
     PACK_TILE,
     ROW_GROUP,
@@ -163,7 +164,7 @@ def test_pack_unpack_round_trip_odd_shapes(n, k):
     for kk in {0, k - 1}:
         t, f, c = kk // PACK_TILE, (kk % PACK_TILE) // sub, kk % sub
         byte = int(lo.view(torch.int8)[0, t * sub + c]) & 0xFF
-        assert (byte >> FP6_SIGN_BIT[f]) & 1 == bit[0, 0, kk] and (byte >> FP6_M0_BIT[f]) & 1 == bit[1, 0, kk]
+        assert (byte >> FP6_SIGN_BIT[f]) & 1 == bit[0, 0, kk] and (byte >> FP6_EXTRA_BIT[f]) & 1 == bit[1, 0, kk]
     q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     qwords = pack_bytes(q)
     assert qwords.dtype == torch.int32 and qwords.shape == (n, kp // 4)
@@ -179,11 +180,22 @@ def test_pack_unpack_round_trip_odd_shapes(n, k):
     assert torch.equal(unpack_fp6(hi, lo, kp)[:, k:], torch.zeros(n, kp - k, dtype=torch.uint8))  # pad = +0
 
 
-def test_fp6_lo_bits_are_a_partition_with_sign_7_above_m0():
-    bits = sorted(FP6_M0_BIT + FP6_SIGN_BIT)
-    assert bits == list(range(8))  # one byte per half-word of hi
-    assert all((s - m) % 8 == 7 for s, m in zip(FP6_SIGN_BIT, FP6_M0_BIT))  # in the doubled byte: 7 above
-    assert all((8 - 2 * f) % 8 == m for f, m in enumerate(FP6_M0_BIT))  # << 2f puts m0 at bit 8, s at 15
+def test_fp6_bit_places_each_field():
+    """The lo bits are a partition of the byte, and each field's formula (reference `_fp6_field_bits`, the
+    kernel's) takes every code bit from where `pack_fp6` put it: one field at a time, each of the 64 codes
+    alone in an otherwise zero tile gives fp16 bits s << 15 | eeemm << 8 there and zeros elsewhere."""
+    assert sorted(FP6_EXTRA_BIT + FP6_SIGN_BIT) == list(range(8))  # one byte per half-word of hi
+    assert set(FP6_NIBBLE_SHIFT) <= {0, 1}
+    for f in range(4):
+        codes = torch.zeros(64, PACK_TILE, dtype=torch.uint8)
+        col = f * PACK_TILE // 4 + 5
+        codes[:, col] = torch.arange(64, dtype=torch.uint8)
+        qw = QuantizedWeight("fp6", (64, PACK_TILE), None, (tile_major(pack_fp6(codes), "fp6", 64, PACK_TILE),),
+                             torch.ones(64, 1, dtype=torch.float16), torch.float16)
+        want = torch.zeros(64, PACK_TILE, dtype=torch.float16)
+        want[:, col] = fp6_to_fp16_bits(torch.arange(64, dtype=torch.uint8))
+        for replay in (dequant_planes_fp16, dequant_pairs_fp16):
+            assert torch.equal(replay(qw).view(torch.int16), want.view(torch.int16)), (f, replay.__name__)
 
 
 @pytest.mark.parametrize("fmt", ["fp6", "int4", "int8"])

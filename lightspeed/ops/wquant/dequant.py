@@ -53,11 +53,11 @@ def dequant_fields(w, lo, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETE
             v3 = _int8_value((h >> 24) & 0xFF, X_BF16)
         elif FORMAT == 0:
             lb = lo.to(tl.int32) & 0xFF
-            l16 = lb | (lb << 8)  # the byte twice: a left shift by 2f puts s at bit 15, m0 at bit 8
-            v0 = _fp6_bits(h << 9, l16, X_BF16)
-            v1 = _fp6_bits(h << 5, l16 << 2, X_BF16)
-            v2 = _fp6_bits(h << 1, l16 << 4, X_BF16)
-            v3 = _fp6_bits(h >> 3, l16 << 6, X_BF16)
+            l16 = lb | (lb << 8)  # the byte twice (reference.py's Note: one formula per field)
+            v0 = _fp6_bits((h << 9) & 0x1E00, l16 & 0x8100, X_BF16)
+            v1 = _fp6_bits((((h & 0x00F0) | (l16 & 0xFF0F)) << 5) & 0x9F00, 0, X_BF16)
+            v2 = _fp6_bits(h & 0x0F00, (l16 << 3) & 0x9000, X_BF16)
+            v3 = _fp6_bits((h >> 3) & 0x1E00, (l16 << 2) & 0x8100, X_BF16)
         else:
             v0 = _int4_value(h & 0xF, X_BF16, INTERPRETED)
             v1 = _int4_value((h >> 4) & 0xF, X_BF16, INTERPRETED)
@@ -68,7 +68,8 @@ def dequant_fields(w, lo, FORMAT: tl.constexpr, X_BF16: tl.constexpr, INTERPRETE
 
 @triton.jit
 def _fp6_bits(a, b, X_BF16: tl.constexpr):
-    v = ((a & 0x1E00) | (b & 0x8100)).to(tl.int16).to(tl.float16, bitcast=True)
+    """The fp16 (or bf16) value with bits a | b (the masked parts of one fp6 field)."""
+    v = (a | b).to(tl.int16).to(tl.float16, bitcast=True)
     if X_BF16:
         v = v.to(tl.bfloat16)
     return v

@@ -34,29 +34,26 @@ INT8_PAIRS = tl.constexpr("{\n.reg .b32 t, c;\nmov.b32 c, 0x64806480;\n" + "\n".
 
 
 def _fp6_fields(hi: str, l: str, outs: list[str]) -> str:
-    """The four fields of one hi word: field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100 into
-    outs[f] (l = the lo bytes doubled by prmt; f = 3 shifts hi right by 3)."""
-    lines = []
-    for f, out in enumerate(outs):
-        lines.append(f"shl.b32 a, {hi}, {9 - 4 * f};" if f < 3 else f"shr.u32 a, {hi}, 3;")
-        if f:
-            lines.append(f"shl.b32 b, {l}, {2 * f};")
-        lines.append(f"and.b32 b, {l if f == 0 else 'b'}, 0x81008100;")
-        lines.append(f"lop3.b32 {out}, a, 0x1E001E00, b, 0xEA;")
-    return "\n".join(lines)
+    """The four fields of one hi word into outs[f] (l = the lo bytes doubled by prmt; reference.py's
+    Note has the formulas): field 0 shl / and / lop3, field 1 lop3 merge / shl / and, field 2 shl / and /
+    lop3, field 3 shr / shl / and / lop3: 13 ops."""
+    return "\n".join([
+        f"shl.b32 a, {hi}, 9;", f"and.b32 b, {l}, 0x81008100;", f"lop3.b32 {outs[0]}, a, 0x1E001E00, b, 0xEA;",
+        f"lop3.b32 a, {hi}, 0x00F000F0, {l}, 0xE2;", "shl.b32 a, a, 5;", f"and.b32 {outs[1]}, a, 0x9F009F00;",
+        f"shl.b32 b, {l}, 3;", "and.b32 b, b, 0x90009000;", f"lop3.b32 {outs[2]}, {hi}, 0x0F000F00, b, 0xEA;",
+        f"shr.u32 a, {hi}, 3;", f"shl.b32 b, {l}, 2;", "and.b32 b, b, 0x81008100;",
+        f"lop3.b32 {outs[3]}, a, 0x1E001E00, b, 0xEA;"])
 
 
 # fp6 (pack=4: four half-words c..c+3 of the thread, in two hi words, and their four lo bytes in one
 # register, so the loaded lo register feeds the asm as is): $8 / $9 = hi words of half-words 0,1 / 2,3,
 # $10 = lo bytes b0..b3; l = prmt(lo, 0x1100) (b1 b1 b0 b0) for $8, prmt(lo, 0x3322) (b3 b3 b2 b2) for
-# $9; field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100, out $2f (from $8) and $2f+1 (from $9)
-# (15 ops / 8 values).
+# $9; field f of $8 -> $2f, of $9 -> $2f+1 (14 ops / 8 values; lop3 0xEA = (a & b) | c, 0xE2 = b ? a : c).
 FP6_PACK4 = tl.constexpr("{\n.reg .b32 l, m, a, b;\nprmt.b32 l, $10, 0, 0x1100;\nprmt.b32 m, $10, 0, 0x3322;\n"
                          + _fp6_fields("$8", "l", ["$0", "$2", "$4", "$6"]) + "\n"
                          + _fp6_fields("$9", "m", ["$1", "$3", "$5", "$7"]) + "\n}")
 
 # fp6, pack=2 (the swapped-operand layout, where a thread's lo bytes come two per row): $4 = hi word,
-# $5 = the two lo bytes b0 (bits 0..7) and b1 (bits 8..15); l = b1 b1 b0 b0 bytes;
-# field f = (hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100 (16 ops / 8 values).
+# $5 = the two lo bytes b0 (bits 0..7) and b1 (bits 8..15); l = b1 b1 b0 b0 bytes (14 ops / 8 values).
 FP6_PACK2 = tl.constexpr("{\n.reg .b32 l, a, b;\nprmt.b32 l, $5, 0, 0x1100;\n"
                          + _fp6_fields("$4", "l", ["$0", "$1", "$2", "$3"]) + "\n}")

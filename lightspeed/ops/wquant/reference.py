@@ -11,11 +11,16 @@ view, little endian: word j = half-word 2j | half-word 2j+1 << 16). In K-tile t 
 (0 <= c < T/4) holds the 4 values k = t*T + f*T/4 + c, f = 0..3 (field f, at bits 4f). So a 32-bit
 word holds, per field, the values k and k+1 (k even) in its two halves: one 32-bit shift / mask /
 packed-fp16 op dequantizes two values (`FIELDS` fields, each a *contiguous* K range of T/4 values).
-  fp6   code ``s eee mm``. Plane ``hi`` int32 [N, Kp/8]: field f of half-word c = nibble ``eee m1``.
-        Plane ``lo`` int16 [N, Kp/8], addressed as bytes (int8 view): byte c (same index as half-word
-        c of ``hi``) holds field f's ``s`` at bit FP6_SIGN_BIT[f] = 7 - 2f and ``m0`` at bit
-        FP6_M0_BIT[f] = (8 - 2f) mod 8: in the byte doubled to 16 bits, a left shift by 2f puts s at
-        bit 15 and m0 at bit 8 together. 6 bits/value.
+  fp6   code ``s eee mm``. Plane ``hi`` int32 [N, Kp/8]: field f of half-word c = nibble ``eee m1``
+        (``ee m1 m0`` for field 2: `FP6_NIBBLE_SHIFT`). Plane ``lo`` int16 [N, Kp/8], addressed as
+        bytes (int8 view): byte c (same index as half-word c of ``hi``) holds field f's ``s`` at bit
+        FP6_SIGN_BIT[f] and the code bit its nibble leaves out (m0; e2 for field 2) at bit
+        FP6_EXTRA_BIT[f]. The bits are placed for the kernel's dequant (14 ops per 8 values, layout
+        7): with l = the byte doubled to 16 bits, field 0 = ``hi << 9 & 0x1E00 | l & 0x8100``, field 1
+        = ``(hi & 0x00F0 | l & ~0x00F0) << 5 & 0x9F00`` (one merge, then one shift for both parts),
+        field 2 = ``hi & 0x0F00 | l << 3 & 0x9000``, field 3 = ``hi >> 3 & 0x1E00 | l << 2 & 0x8100``
+        (an exhaustive search over nibble choices and lo bit places found no arrangement under 14;
+        layout 6 took 16). 6 bits/value.
   int4  plane int32 [N, Kp/8], field f of half-word c = nibble ``q + 8`` (q in [-7, 7]); pad code 8.
   int8  plane int32 [N, Kp/4] (`pack_bytes`): byte f of word t*T/4 + c = field f's q (in [-127, 127]) of
         column c, i.e. byte 4c + f of the row's K-tile holds k = t*T + f*T/4 + c. Loaded as 32-bit
@@ -56,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 #: bumped whenever the packed bit layout changes (QuantizedLinear refuses other versions)
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 FORMATS = ("fp6", "int8", "int4")
 FP6_MAX = 28.0
 FP6_FP16_SCALE = 4096.0  # fp16(s<<15 | eeemm<<8) * 2**12 == e3m2 value
@@ -66,8 +71,9 @@ PACK_TILE = 128  # T: K is padded to a multiple of T; a 16-bit half-word holds 4
 FIELDS = 4  # fields per half-word (fp6 hi / int4) and per lo byte (fp6)
 ROW_GROUP = 32  # R: rows per contiguous storage chunk (module Note)
 SUB_TILE = 16  # group_size unit (the kernel splits a T/4 field in two for groups not a multiple of 32)
-FP6_M0_BIT = tuple((8 - 2 * f) % 8 for f in range(FIELDS))  # lo byte: bit of m0 for field f
-FP6_SIGN_BIT = tuple(7 - 2 * f for f in range(FIELDS))  # lo byte: bit of s for field f
+FP6_NIBBLE_SHIFT = (1, 1, 0, 1)  # hi nibble of field f = (code >> shift) & 0xF: eee m1, field 2 ee m1 m0
+FP6_EXTRA_BIT = (0, 3, 1, 6)  # lo byte: bit of the code bit field f's nibble leaves out (m0; field 2: e2)
+FP6_SIGN_BIT = (7, 2, 4, 5)  # lo byte: bit of s for field f
 SCALE_MIN = 2.0**-14
 SCALE_MAX = 65504.0
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -312,35 +318,45 @@ def unpack_bytes(words: torch.Tensor, k: int, tile: int = PACK_TILE) -> torch.Te
     return _unfields(b.transpose(2, 3), k).contiguous()
 
 
-def pack_fp6_lo(sign: torch.Tensor, m0: torch.Tensor, tile: int = PACK_TILE) -> torch.Tensor:
-    """Sign and mantissa-lsb bits [N, K] (0/1) -> the fp6 ``lo`` plane int16 [N, Kp/8]: byte c (int8
-    view) has, for field f (value k = t*tile + f*tile/4 + c), m0 at bit FP6_M0_BIT[f] and s at
-    FP6_SIGN_BIT[f]; padding 0."""
-    fs, fm = _fields(sign, tile, 0), _fields(m0, tile, 0)
+def pack_fp6_lo(sign: torch.Tensor, extra: torch.Tensor, tile: int = PACK_TILE) -> torch.Tensor:
+    """Sign bits and each field's extra code bit [N, K] (0/1) -> the fp6 ``lo`` plane int16 [N, Kp/8]:
+    byte c (int8 view) has, for field f (value k = t*tile + f*tile/4 + c), the extra bit at bit
+    FP6_EXTRA_BIT[f] and s at FP6_SIGN_BIT[f]; padding 0."""
+    fs, fe = _fields(sign, tile, 0), _fields(extra, tile, 0)
     sb = torch.tensor(FP6_SIGN_BIT, device=sign.device, dtype=torch.int64)[:, None]
-    mb = torch.tensor(FP6_M0_BIT, device=sign.device, dtype=torch.int64)[:, None]
-    byte = ((fs << sb) + (fm << mb)).sum(dim=2).reshape(fs.shape[0], -1)
+    eb = torch.tensor(FP6_EXTRA_BIT, device=sign.device, dtype=torch.int64)[:, None]
+    byte = ((fs << sb) + (fe << eb)).sum(dim=2).reshape(fs.shape[0], -1)
     return _to_signed(_join_pairs(byte, 8), 16)
 
 
 def unpack_fp6_lo(words: torch.Tensor, k: int, tile: int = PACK_TILE) -> tuple[torch.Tensor, torch.Tensor]:
-    """int16 [N, Kp/8] -> (sign, m0) uint8 [N, k] (inverse of `pack_fp6_lo`)."""
+    """int16 [N, Kp/8] -> (sign, extra) uint8 [N, k] (inverse of `pack_fp6_lo`)."""
     b = _fields_of_units(_split_pairs(words, 8), tile)
     sb = torch.tensor(FP6_SIGN_BIT, device=words.device, dtype=torch.int64)[:, None]
-    mb = torch.tensor(FP6_M0_BIT, device=words.device, dtype=torch.int64)[:, None]
-    return _unfields((b >> sb) & 1, k).to(torch.uint8), _unfields((b >> mb) & 1, k).to(torch.uint8)
+    eb = torch.tensor(FP6_EXTRA_BIT, device=words.device, dtype=torch.int64)[:, None]
+    return _unfields((b >> sb) & 1, k).to(torch.uint8), _unfields((b >> eb) & 1, k).to(torch.uint8)
+
+
+def _nibble_shifts(k: int, tile: int, device) -> torch.Tensor:
+    """int64 [k]: FP6_NIBBLE_SHIFT of the field each column k falls in."""
+    field = (torch.arange(k, device=device) % tile) // (tile // FIELDS)
+    return torch.tensor(FP6_NIBBLE_SHIFT, device=device, dtype=torch.int64)[field]
 
 
 def pack_fp6(codes: torch.Tensor, tile: int = PACK_TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """e3m2 codes uint8 [N, K] -> (hi int32 [N, Kp/8], lo int16 [N, Kp/8]); padding is code 0 (+0)."""
     c = codes.to(torch.int64)
-    return pack_nibbles((c >> 1) & 0xF, tile), pack_fp6_lo((c >> 5) & 1, c & 1, tile)
+    sh = _nibble_shifts(c.shape[1], tile, c.device)
+    extra = torch.where(sh == 1, c & 1, (c >> 4) & 1)  # the code bit the nibble leaves out
+    return pack_nibbles((c >> sh) & 0xF, tile), pack_fp6_lo((c >> 5) & 1, extra, tile)
 
 
 def unpack_fp6(hi: torch.Tensor, lo: torch.Tensor, k: int, tile: int = PACK_TILE) -> torch.Tensor:
     """(hi, lo) planes -> e3m2 codes uint8 [N, k] (inverse of `pack_fp6`)."""
-    sign, m0 = unpack_fp6_lo(lo, k, tile)
-    return (sign << 5) | (unpack_nibbles(hi, k, tile) << 1) | m0
+    sign, extra = unpack_fp6_lo(lo, k, tile)
+    nib, sh = unpack_nibbles(hi, k, tile).to(torch.int64), _nibble_shifts(k, tile, hi.device)
+    low5 = torch.where(sh == 1, (nib << 1) | extra, (extra.to(torch.int64) << 4) | nib)
+    return ((sign.to(torch.int64) << 5) | low5).to(torch.uint8)
 
 
 def dequant_planes_fp16(qw: "QuantizedWeight") -> torch.Tensor:
@@ -361,16 +377,30 @@ def dequant_planes_fp16(qw: "QuantizedWeight") -> torch.Tensor:
     h = _fields_of_units(_split_pairs(planes[0], 16), tile)[:, :, 0]  # int64: shifts never overflow
     if qw.format == "fp6":
         lo = _fields_of_units(_split_pairs(planes[1], 8), tile)[:, :, 0]
-        lo16 = lo | (lo << 8)  # the byte twice: one left shift puts s at bit 15 and m0 at bit 8
+        lo16 = lo | (lo << 8)  # the byte twice (module Note: field f's formula)
     for f in range(FIELDS):
         if qw.format == "int4":
             bits = ((h >> (4 * f)) & 0xF) | 0x6400  # fp16 bits of 1024 + (q + 8)
             out[:, :, f] = (bits.to(torch.int16).view(torch.float16) - 1032.0)
         else:
-            a = h << (9 - 4 * f) if f < 3 else h >> (4 * f - 9)  # eee m1 -> bits 12..9
-            bits = (a & 0x1E00) | ((lo16 << (2 * f)) & 0x8100)  # s -> bit 15, m0 -> bit 8
-            out[:, :, f] = bits.to(torch.int16).view(torch.float16)
+            out[:, :, f] = _fp6_field_bits(h, lo16, f, 0xFFFF).to(torch.int16).view(torch.float16)
     return out.reshape(n, kp)
+
+
+def _fp6_field_bits(h: torch.Tensor, l: torch.Tensor, f: int, mask: int) -> torch.Tensor:
+    """fp16 bits ``s << 15 | eeemm << 8`` of fp6 field f from the hi unit(s) h and the doubled lo byte(s) l
+    (int64; module Note): mask 0xFFFF for one value per 16-bit unit, 0xFFFFFFFF for the pairs of the
+    32-bit asm (the masks below are then repeated in both halves)."""
+    rep = 0x00010001 if mask > 0xFFFF else 1
+    if f == 0:
+        bits = ((h << 9) & (0x1E00 * rep)) | (l & (0x8100 * rep))
+    elif f == 1:
+        bits = (((h & (0x00F0 * rep)) | (l & ~(0x00F0 * rep))) << 5) & (0x9F00 * rep)
+    elif f == 2:
+        bits = (h & (0x0F00 * rep)) | ((l << 3) & (0x9000 * rep))
+    else:
+        bits = ((h >> 3) & (0x1E00 * rep)) | ((l << 2) & (0x8100 * rep))
+    return bits & mask
 
 
 _HALF_MAGIC = 0x64006400  # fp16x2 1024, 1024
@@ -390,7 +420,7 @@ def dequant_pairs_fp16(qw: "QuantizedWeight") -> torch.Tensor:
     `dequant_planes_fp16` (CI cannot run the asm). fp6: ``l = prmt(lo16, 0x1100)`` (bytes b0 b0 b1 b1; the
     pack=4 asm takes 4 lo bytes b0..b3 in one register and uses ``prmt 0x1100`` for its first hi word and
     ``prmt 0x3322`` (b2 b2 b3 b3) for its second: the same bytes per word as here),
-    field f = ``(hi << 9-4f) & 0x1E001E00 | (l << 2f) & 0x81008100``. int4: fields 0, 2 =
+    field f = the module Note's formula on both halves at once (`_fp6_field_bits`). int4: fields 0, 2 =
     ``(w >> 4f) & 0x000F000F | 0x64006400`` minus 1032 (sub.f16x2); fields 1, 3 = ``(w >> 4f-4) &
     0x00F000F0 | 0x64006400`` times 1/16 minus 72 (fma.rn.f16x2, exact: 64 + c). int8 (words 2j, 2j+1 as
     a pair): ``t = prmt(w2j, w2j+1, 0x(4+f)(4+f)ff)`` (byte f of each word in halves 0 and 1),
@@ -411,9 +441,7 @@ def dequant_pairs_fp16(qw: "QuantizedWeight") -> torch.Tensor:
         b = planes[1].to(torch.int64) & 0xFFFF
         l32 = (b & 0xFF) * 0x0101 | ((b >> 8) & 0xFF) * 0x01010000  # prmt.b32 l, lo, 0, 0x1100
         for f in range(FIELDS):
-            a = (w << (9 - 4 * f)) if f < 3 else (w >> 3)
-            bits = ((a & 0x1E001E00) | ((l32 << (2 * f)) & 0x81008100)) & _ASM_MASK32
-            out[:, :, f, 0], out[:, :, f, 1] = _f16x2(bits)
+            out[:, :, f, 0], out[:, :, f, 1] = _f16x2(_fp6_field_bits(w, l32, f, _ASM_MASK32))
     else:
         w8 = w >> 8
         for f in range(FIELDS):

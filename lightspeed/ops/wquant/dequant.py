@@ -17,7 +17,29 @@ from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, Quantized
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 FORMAT_ID = {"fp6": 0, "int8": 1, "int4": 2}
+_FORMAT_NAME = {i: name for name, i in FORMAT_ID.items()}
 DEQUANT_CHUNK_ELEMS = 1 << 26  # the dense path dequantizes at most this many weight values at a time
+
+
+# the storage geometry (reference.py's Note) as compile-time constants of the kernels (FORMAT = FORMAT_ID)
+@triton.constexpr_function
+def unit_bytes(FORMAT):
+    """Bytes of one w element as the kernels load it (`packed_units`): int8's 32-bit words, else half-words."""
+    return 4 if _FORMAT_NAME[FORMAT] == "int8" else 2
+
+
+@triton.constexpr_function
+def hi_row_bytes(FORMAT, TILE):
+    """Bytes of a row's K-tile in the w elements (int8's bytes, the 4-bit plane's nibbles); fp6's lo bytes
+    (TILE / 4 per row) follow the chunk's hi rows."""
+    return TILE if _FORMAT_NAME[FORMAT] == "int8" else TILE // 2
+
+
+@triton.constexpr_function
+def chunk_bytes(FORMAT, TILE, ROWS):
+    """Bytes of one storage chunk: ROWS rows x one K-tile, each row's w elements then fp6's lo bytes (ROWS x
+    `reference.tile_bytes`, which a test checks)."""
+    return ROWS * (hi_row_bytes(FORMAT, TILE) + (TILE // 4 if _FORMAT_NAME[FORMAT] == "fp6" else 0))
 
 
 @triton.jit
@@ -120,9 +142,7 @@ def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, G0, N_END, K: tl.constexpr
     once from fp32 (bit-identical to `reference.dequantize(qw, dtype)`). One program per storage chunk
     (row group G0 + program 0, K-tile program 1)."""
     NG: tl.constexpr = K // GROUP
-    RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
-    CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
-    UNIT: tl.constexpr = 4 if FORMAT == 1 else 2  # bytes of a w element: int8 words, else half-words
+    CHUNK: tl.constexpr = chunk_bytes(FORMAT, TILE, ROWS)
     grp = G0 + tl.program_id(0)
     t = tl.program_id(1)
     rin = tl.arange(0, ROWS)
@@ -131,10 +151,10 @@ def _dequant_kernel(w_ptr, w2_ptr, s_ptr, out_ptr, N, G0, N_END, K: tl.constexpr
     base = (t * tl.cdiv(N, ROWS) + grp) * CHUNK
     FW: tl.constexpr = TILE // 4
     offs_c = tl.arange(0, FW)
-    w = tl.load(w_ptr + base // UNIT + rin[:, None] * FW + offs_c[None, :])
+    w = tl.load(w_ptr + base // unit_bytes(FORMAT) + rin[:, None] * FW + offs_c[None, :])
     lo = w
     if FORMAT == 0:
-        lo = tl.load(w2_ptr + base + ROWS * RB + rin[:, None] * FW + offs_c[None, :])
+        lo = tl.load(w2_ptr + base + ROWS * hi_row_bytes(FORMAT, TILE) + rin[:, None] * FW + offs_c[None, :])
     v0, v1, v2, v3 = dequant_fields(w, lo, FORMAT, False, INTERPRETED, False)
     for f in tl.static_range(4):
         _store_scaled(out_ptr, s_ptr, pick_field(f, v0, v1, v2, v3), offs_n, t * TILE + f * FW + offs_c, N, G0 * ROWS,

@@ -74,10 +74,13 @@ from lightspeed.ops.wquant.dequant import (
     FORMAT_ID,
     INTERPRET,
     check_planes,
+    chunk_bytes,
     dense_matmul,
     dequant_fields,
+    hi_row_bytes,
     packed_units,
     pick_field,
+    unit_bytes,
 )
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight
 from lightspeed.ops.wquant.tuning import (
@@ -105,9 +108,9 @@ REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 
 @triton.jit
 def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr,
-            K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
-            NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
-            X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr, ONE_DOT: tl.constexpr):
+            K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+            SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, X_BF16: tl.constexpr,
+            INTERPRETED: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc^T [BLOCK_N, BLOCK_M] fp32 += (x[:, tile t] @ dequant(W)[:, tile t].T)^T (per-group scales applied).
     row_a / row_b: each row's offset in its tile-0 chunk (row_a: w units, row_b: fp6 lo bytes); tile t's
     chunk is t * tstr bytes further (K-tile major chunks: tstr = one K-tile of every row group). The
@@ -119,10 +122,9 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
     # per half (SUB = T/4: one; SUB = T/8: two) one [BLOCK_N, SUB] tile of w units (int8: 32-bit words,
     # else 16-bit half-words) (+ fp6 lo bytes)
     FW: tl.constexpr = TILE // 4  # field width: field f covers K [k0 + f*FW, k0 + (f+1)*FW)
-    UNIT: tl.constexpr = 4 if FORMAT == 1 else 2
     for hh in tl.static_range(FW // SUB):
         offs_c = tl.max_contiguous(tl.multiple_of(hh * SUB + tl.arange(0, SUB), SUB), SUB)
-        w = tl.load(w_ptr + (row_a[:, None] + t * (tstr // UNIT)) + offs_c[None, :])
+        w = tl.load(w_ptr + (row_a[:, None] + t * (tstr // unit_bytes(FORMAT))) + offs_c[None, :])
         lo = w
         if FORMAT == 0:
             lo = tl.load(w2_ptr + (row_b[:, None] + t * tstr) + offs_c[None, :])
@@ -140,21 +142,21 @@ def _k_tile(acc_in, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, r
 
 @triton.jit
 def _k_range(acc, one, t_start, t_end, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, stride_xm,
-             tstr, K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
-             NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
-             X_BF16: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr, ONE_DOT: tl.constexpr):
+             tstr, K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+             SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, X_BF16: tl.constexpr,
+             INTERPRETED: tl.constexpr, ONE_DOT: tl.constexpr):
     """acc += the products of K-tiles t_start..t_end-1 (`_k_tile`): the K loop both grids run, pipelined
     over num_stages on the GPU."""
     if INTERPRETED:  # the interpreter (numpy 2) cannot run `range` over a computed bound
         t = t_start
         while t < t_end:
             acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr,
-                          K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
+                          K, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, ONE_DOT)
             t += 1
     else:
         for t in range(t_start, t_end):
             acc = _k_tile(acc, one, x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc, row_a, row_b, t, stride_xm, tstr,
-                          K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
+                          K, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, ONE_DOT)
     return acc
 
 
@@ -237,16 +239,17 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
 
 
 @triton.jit
-def _row_offsets(offs_nc, CHUNK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, FORMAT: tl.constexpr):
-    """Each row's offset in its tile-0 chunk of the tile-major storage (reference.py: chunks of ROWS rows x
-    one K-tile, CHUNK bytes each, K-tile major): row_a in w units (int8's 32-bit words or the 4-bit plane's
-    half-words: T/4 per row either way), row_b fp6's lo bytes (after the chunk's hi rows)."""
+def _row_offsets(offs_nc, N, ROWS: tl.constexpr, TILE: tl.constexpr, FORMAT: tl.constexpr):
+    """(row_a, row_b, tstr): each row's offset in its tile-0 chunk of the tile-major storage (reference.py:
+    chunks of ROWS rows x one K-tile, K-tile major): row_a in w units (int8's 32-bit words or the 4-bit
+    plane's half-words: T/4 per row either way), row_b fp6's lo bytes (after the chunk's hi rows); tstr the
+    bytes from one K-tile's chunks to the next's (one K-tile of every row group)."""
+    CHUNK: tl.constexpr = chunk_bytes(FORMAT, TILE, ROWS)
     grp = offs_nc // ROWS
     rin = offs_nc % ROWS
-    UNIT: tl.constexpr = 4 if FORMAT == 1 else 2
-    row_a = grp * (CHUNK // UNIT) + rin * (TILE // 4)
-    row_b = grp * CHUNK + ROWS * (TILE // 2) + rin * (TILE // 4)
-    return row_a, row_b
+    row_a = grp * (CHUNK // unit_bytes(FORMAT)) + rin * (TILE // 4)
+    row_b = grp * CHUNK + ROWS * hi_row_bytes(FORMAT, TILE) + rin * (TILE // 4)
+    return row_a, row_b, tl.cdiv(N, ROWS) * CHUNK
 
 
 @triton.jit
@@ -257,8 +260,7 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
                   BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr):
     """Program (n block, split, m block) sums its share of the K-tiles; split-K partials go through
     ws [SPLIT_K, M, N] (the autotuner's pruning bounds SPLIT_K by `max_split_k(M)`, hence its size)."""
-    KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
-    NT: tl.constexpr = KP // TILE
+    NT: tl.constexpr = (K + TILE - 1) // TILE  # K-tiles (K padded to a multiple of TILE)
     NG: tl.constexpr = K // GROUP
     TPS: tl.constexpr = (NT + SPLIT_K - 1) // SPLIT_K
     pid_n = tl.program_id(0)
@@ -270,11 +272,7 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
     n_mask = offs_n < N
     offs_mc = tl.minimum(offs_m, M - 1)  # clamped rows: loads need no mask, extra rows are never stored
     offs_nc = tl.minimum(offs_n, N - 1)
-    # tile-major storage (reference.py): chunks of ROWS rows x one K-tile, CHUNK bytes each
-    RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2  # bytes of a row's K-tile: int8 / 4-bit plane
-    CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
-    row_a, row_b = _row_offsets(offs_nc, CHUNK, ROWS, TILE, FORMAT)
-    tstr = tl.cdiv(N, ROWS) * CHUNK  # bytes from one K-tile's chunks to the next's
+    row_a, row_b, tstr = _row_offsets(offs_nc, N, ROWS, TILE, FORMAT)  # tile-major storage (reference.py)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed (SWAP in the module docstring)
     # a runtime 1.0: `acc += one * tile` cannot be folded into the tile's last dot (module docstring)
     one = (N > 0).to(tl.float32)
@@ -286,8 +284,8 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
         b_n = tl.load(b_ptr + offs_nc).to(tl.float32)
     t_start = pid_k * TPS
     acc = _k_range(acc, one, t_start, tl.minimum(t_start + TPS, NT), x_ptr, w_ptr, w2_ptr, s_ptr, offs_mc, offs_nc,
-                   row_a, row_b, stride_xm, tstr, K, KP, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16,
-                   INTERPRETED, CHUNK, ONE_DOT)
+                   row_a, row_b, stride_xm, tstr, K, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP, X_BF16,
+                   INTERPRETED, ONE_DOT)
     acc = tl.trans(acc)
     if not PER_GROUP:
         acc = acc * s_n[None, :]
@@ -324,11 +322,8 @@ def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     equal contiguous ranges, one per program, so every program streams the same weight bytes whatever
     the shape (no wave quantization, no split count to pick). A range crosses N blocks: one K loop per
     block it touches (`_stream_block`), each followed by a flush (`_stream_flush`)."""
-    KP: tl.constexpr = (K + TILE - 1) // TILE * TILE
-    NT: tl.constexpr = KP // TILE
+    NT: tl.constexpr = (K + TILE - 1) // TILE  # K-tiles (K padded to a multiple of TILE)
     NG: tl.constexpr = K // GROUP
-    RB: tl.constexpr = TILE if FORMAT == 1 else TILE // 2
-    CHUNK: tl.constexpr = ROWS * (RB + TILE // 4) if FORMAT == 0 else ROWS * RB
     p = tl.program_id(0)
     P = tl.num_programs(0)
     U = tl.cdiv(N, BLOCK_N) * NT
@@ -343,38 +338,35 @@ def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
         b = u0 // NT
         while b <= b_last:
             acc = _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
-                                cnt_ptr, offs_m, offs_mc, M, N, stride_xm, out_scale, K, KP, NT, TILE, SUB, GROUP, NG,
-                                SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS, BLOCK_N, ONE_DOT,
-                                CHUNK)
+                                cnt_ptr, offs_m, offs_mc, M, N, stride_xm, out_scale, K, NT, TILE, SUB, GROUP, NG,
+                                SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS, BLOCK_N, ONE_DOT)
             b += 1
     else:
         for b in range(u0 // NT, b_last + 1):
             acc = _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
-                                cnt_ptr, offs_m, offs_mc, M, N, stride_xm, out_scale, K, KP, NT, TILE, SUB, GROUP, NG,
-                                SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS, BLOCK_N, ONE_DOT,
-                                CHUNK)
+                                cnt_ptr, offs_m, offs_mc, M, N, stride_xm, out_scale, K, NT, TILE, SUB, GROUP, NG,
+                                SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS, BLOCK_N, ONE_DOT)
 
 
 @triton.jit
 def _stream_block(acc, one, b, u0, u1, p, P, U, x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, offs_m,
-                  offs_mc, M, N, stride_xm, out_scale, K: tl.constexpr, KP: tl.constexpr, NT: tl.constexpr,
-                  TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, SPG: tl.constexpr,
-                  FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
-                  BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  ONE_DOT: tl.constexpr, CHUNK: tl.constexpr):
+                  offs_mc, M, N, stride_xm, out_scale, K: tl.constexpr, NT: tl.constexpr, TILE: tl.constexpr,
+                  SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr,
+                  PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+                  INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_DOT: tl.constexpr):
     """Program p's K-tiles of N block b (those of its range [u0, u1)), summed by a plain K loop (pipelined
     like split-K's), then flushed (`_stream_flush`); returns the zeroed accumulator. The scales are read
     before the loop, off the flush's critical path."""
     offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_nc = tl.minimum(offs_n, N - 1)
-    row_a, row_b = _row_offsets(offs_nc, CHUNK, ROWS, TILE, FORMAT)
+    row_a, row_b, tstr = _row_offsets(offs_nc, N, ROWS, TILE, FORMAT)
     if PER_GROUP:
         s_n = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
         s_n = tl.load(s_ptr + offs_nc).to(tl.float32)
     acc = _k_range(acc, one, tl.maximum(u0 - b * NT, 0), tl.minimum(u1 - b * NT, NT), x_ptr, w_ptr, w2_ptr, s_ptr,
-                   offs_mc, offs_nc, row_a, row_b, stride_xm, tl.cdiv(N, ROWS) * CHUNK, K, KP, TILE, SUB, GROUP, NG,
-                   SPG, FORMAT, PER_GROUP, X_BF16, INTERPRETED, CHUNK, ONE_DOT)
+                   offs_mc, offs_nc, row_a, row_b, stride_xm, tstr, K, TILE, SUB, GROUP, NG, SPG, FORMAT, PER_GROUP,
+                   X_BF16, INTERPRETED, ONE_DOT)
     _stream_flush(acc, s_n, b, p, P, U, offs_m, offs_n, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, out_scale, NT, HAS_BIAS,
                   BLOCK_M, BLOCK_N)
     return tl.zeros_like(acc)

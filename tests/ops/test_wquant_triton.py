@@ -218,12 +218,12 @@ def test_group_layout_modes(wt):
 @pytest.mark.parametrize("fmt", ["fp6", "int8", "int4"])
 def test_kernel_storage_geometry_matches_the_reference(wdq, fmt):
     # the kernels' compile-time chunk sizes (dequant.chunk_bytes & co) against reference.py's layout
-    from lightspeed.ops.wquant.reference import ROW_GROUP, plane_specs, tile_bytes
+    from lightspeed.ops.wquant.reference import ROW_GROUP, _row_plane_bytes, plane_specs, tile_bytes
 
     f = wdq.FORMAT_ID[fmt]
     for tile in (32, 128):
         assert wdq.chunk_bytes(f, tile, ROW_GROUP) == ROW_GROUP * tile_bytes(fmt, tile)
-        assert wdq.hi_row_bytes(f, tile) * 2 == tile * (2 if fmt == "int8" else 1)  # int8 T bytes, 4-bit T/2
+        assert wdq.hi_row_bytes(f, tile) == _row_plane_bytes(fmt, tile)[0]  # the w elements' plane comes first
         assert plane_specs(fmt, 70, 3 * tile, tile)[0][0][2] == wdq.chunk_bytes(f, tile, ROW_GROUP)
     assert wdq.unit_bytes(f) == wdq.packed_units(quantize(torch.zeros(32, 128), fmt)).element_size()
 

@@ -527,8 +527,9 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     n_tiles = triton.cdiv(K, qw.tile)
     if config is None and _tuned_kernel is not None:
         kernel, meta = _tuned_kernel, {}
-        ws = _workspace(x.device, max(max_split_k(M) * M * N,
-                                      _stream_slots(N, 128, max(STREAMS) * sms) * block_m * 128 if M <= MAX_STREAM_M else 0))
+        # room for any candidate: the largest split-K, or stream-K (BLOCK_N 128) at the most programs per SM
+        stream_numel = _stream_slots(N, 128, max(STREAMS) * sms) * block_m * 128 if M <= MAX_STREAM_M else 0
+        ws = _workspace(x.device, max(max_split_k(M) * M * N, stream_numel))
     else:
         cfg = {"ONE_DOT": 1, "STREAM": 0, **(dict(config) if config is not None else heuristic_config(M, K))}
         if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:

@@ -57,6 +57,7 @@ class QuantizedLinear(nn.Module):
         else:
             self.bias = None
         self.register_buffer("layout_version", torch.tensor(LAYOUT_VERSION, dtype=torch.int32, device=device))
+        self._packed_view = None  # (qweight, scales, their QuantizedWeight): `quantized_weight`, once per buffers
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -98,10 +99,15 @@ class QuantizedLinear(nn.Module):
         return self.scales.view(torch.float16)
 
     def quantized_weight(self) -> QuantizedWeight:
-        """The packed weight as the ops layer sees it (views of this module's buffers)."""
-        return QuantizedWeight(self.weight_format, (self.out_features, self.in_features), self.group_size,
-                               (self.qweight,),
-                               self.scales_fp16, self.weight_dtype, PACK_TILE)
+        """The packed weight as the ops layer sees it (views of this module's buffers; made again only when
+        the buffers are replaced, e.g. by `.to()`: an eager decode step is bound by the host)."""
+        view = self._packed_view
+        if view is not None and view[0] is self.qweight and view[1] is self.scales:
+            return view[2]
+        qw = QuantizedWeight(self.weight_format, (self.out_features, self.in_features), self.group_size,
+                             (self.qweight,), self.scales_fp16, self.weight_dtype, PACK_TILE)
+        self._packed_view = (self.qweight, self.scales, qw)
+        return qw
 
     def dequantize_weight(self) -> torch.Tensor:
         """The float weight [out_features, in_features] this module represents, in the original dtype."""

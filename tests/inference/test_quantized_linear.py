@@ -58,6 +58,30 @@ def test_state_dict_round_trip_and_casts():
     assert q.qweight.device.type == "cpu"
 
 
+def test_packed_view_follows_the_buffers():
+    """`quantized_weight` is made once per buffers (an eager decode step is bound by the host) and always
+    shows the current ones: after load_state_dict (in place), an in-place scale change, a deepcopy, and
+    buffers replaced outright."""
+    import copy
+
+    q = QuantizedLinear.from_linear(_linear(seed=1), weight="int8")
+    other = QuantizedLinear.from_linear(_linear(seed=2), weight="int8")
+    assert q.quantized_weight() is q.quantized_weight()
+    q.load_state_dict(other.state_dict())
+    assert torch.equal(q.dequantize_weight(), other.dequantize_weight())
+    twin = copy.deepcopy(q)
+    q.scales.copy_((q.scales_fp16 * 2).view(torch.int16))
+    assert torch.equal(q.dequantize_weight(), 2 * other.dequantize_weight())
+    assert torch.equal(twin.dequantize_weight(), other.dequantize_weight())
+    twin.scales_fp16.mul_(4)
+    assert torch.equal(twin.dequantize_weight(), 4 * other.dequantize_weight())
+    q.qweight = other.qweight.clone()
+    q.scales = other.scales.clone()
+    assert torch.equal(q.dequantize_weight(), other.dequantize_weight())
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(q(x), other(x))
+
+
 def test_conv1d_weight_is_transposed():
     transformers = pytest.importorskip("transformers")
     from transformers.pytorch_utils import Conv1D

@@ -321,6 +321,73 @@ def test_graph_bench_refuses_graph_capture(monkeypatch):
     assert not calls
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="launch plans keep compiled kernels: CUDA only")
+@pytest.mark.parametrize("fmt", ["fp6", "int8", "int4"])
+def test_launch_plans_match_the_reference(wt, fmt, monkeypatch):
+    """After its first autotuned call, a (shape, M, dtype, alignment) class launches its kept plan
+    (`wq_matmul`'s Note: launch plans): with another weight of the same shape, another x, bias or none, fp16
+    and bf16; an x whose rows start 2 bytes off 16-byte alignment is a class of its own. The autotuner
+    is made to fail once the plan exists, so a passing second call went through the plan."""
+    n, k = 200, 384
+    qws = [_weight(n, k, fmt, None, seed) for seed in (11, 12)]
+    gen = torch.Generator().manual_seed(13)
+    for dtype in DTYPES:
+        bias = _randn(n, gen=gen, dtype=dtype)
+        for m in (1, 5):
+            for b in (None, bias):
+                wide = _randn(m, k + 1, gen=gen, dtype=dtype)
+                for x in (_randn(m, k, gen=gen, dtype=dtype), wide[:, 1:]):
+                    _check(wt.wq_matmul(x, qws[0], b), x, qws[0], b)
+                    assert wt._plan_key(x, qws[0], b, wt.REDUCE) in wt._plans
+                    config = wt.last_config()
+                    with monkeypatch.context() as patch:
+                        patch.setattr(wt._tuned_kernel, "run", _refuse)
+                        for qw in qws:
+                            x2 = _randn(*x.shape, gen=gen, dtype=dtype)
+                            _check(wt.wq_matmul(x2, qw, b), x2, qw, b)
+                    assert wt.last_config() == config
+    assert all(int(c.abs().sum()) == 0 for c in wt._counters.values())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="quantized_matmul runs the reference on CPU")
+def test_quantized_matmul_takes_a_strided_bias(wt):
+    from lightspeed.ops.wquant import quantized_matmul
+
+    qw = _weight(96, 256, "int8", None, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    bias = _randn(192, gen=gen, dtype=torch.float16)[::2]
+    x = _randn(2, 256, gen=gen, dtype=torch.float16)
+    for _ in range(2):  # the second call through the launch plan
+        _check(quantized_matmul(x, qw, bias), x, qw, bias)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the autotuner ran although a launch plan exists")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_launch_plan_replays_in_a_cuda_graph(wt):
+    """A warmed-up call (plan kept) captured in a CUDA graph and replayed with new inputs copied in."""
+    qw = _weight(256, 512, "fp6", None, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    x = _randn(3, 512, gen=gen, dtype=torch.float16)
+    wt.wq_matmul(x, qw)
+    assert wt._plan_key(x, qw, None, wt.REDUCE) in wt._plans
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        wt.wq_matmul(x, qw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = wt.wq_matmul(x, qw)
+    for _ in range(3):
+        x.copy_(_randn(3, 512, gen=gen, dtype=torch.float16))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(y, x, qw)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
 def test_graph_bench_matches_event_timing():
     """The autotuner's timer (`tuning.graph_bench`: graphs of n x (L2 flush, call) minus n x flush) agrees

@@ -68,7 +68,9 @@ def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tens
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*lead, n))
-    y = wq_matmul(x2, qweight, bias.to(x.dtype) if bias is not None else None)
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    y = wq_matmul(x2, qweight, bias)
     return y.reshape(*lead, n)
 
 

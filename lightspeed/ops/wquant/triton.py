@@ -68,6 +68,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime.driver import driver
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.ops.wquant.dequant import (
@@ -469,6 +471,7 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     if ws is None or ws.numel() < numel:
         ws = torch.empty(max(numel, 1), device=device, dtype=torch.float32)
         _workspaces[device] = ws
+        _plans.clear()  # they hold the old buffer: let it go
     return ws
 
 
@@ -479,6 +482,7 @@ def _counter(device: torch.device, numel: int) -> torch.Tensor:
     if cnt is None or cnt.numel() < numel:
         cnt = torch.zeros(max(numel, 1024), device=device, dtype=torch.int32)
         _counters[device] = cnt
+        _plans.clear()
     return cnt
 
 
@@ -488,6 +492,45 @@ _last_config: dict = {}
 def last_config() -> dict:
     """The config (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of the latest `wq_matmul` call."""
     return dict(_last_config)
+
+
+class _Plan:
+    """A decode call's launch, kept after its first run (`wq_matmul`'s Note: launch plans): the compiled
+    kernel, grid, the launch arguments by position, and the config it ran with."""
+
+    __slots__ = ("kernel", "grid", "args", "config")
+
+    def __init__(self, kernel, grid, args, config):
+        self.kernel, self.grid, self.args, self.config = kernel, grid, args, config
+
+    def launch(self, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty((x.shape[0], qw.shape[0]), device=x.device, dtype=x.dtype)
+        args = self.args.copy()
+        w = qw.planes[0].data_ptr()
+        s = qw.scales.data_ptr()
+        args[:6] = (x.data_ptr(), w, w, s, s if bias is None else bias.data_ptr(), out.data_ptr())
+        kernel, (g0, g1, g2) = self.kernel, self.grid
+        device = driver.active.get_current_device()
+        stream = driver.active.get_current_stream(device)
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(self.grid, stream, *args), knobs.runtime.launch_enter_hook,
+                   knobs.runtime.launch_exit_hook, *args)
+        return out
+
+
+_plans: dict = {}
+_MAX_PLANS = 4096  # (shape, M, dtype, alignment) classes; cleared when full
+
+
+def _plan_key(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, red: int) -> tuple:
+    """What a plan's compiled kernel and arguments depend on besides the tensors' addresses: the shapes, M,
+    dtypes, x's row stride and the 16-byte alignment of every pointer (triton specializes on these), the
+    format and group size. Pointers are passed per call."""
+    w, s = qw.planes[0], qw.scales
+    return (driver.active.get_current_device(), x.dtype, x.shape[0], x.stride(0), x.data_ptr() % 16,
+            qw.format, qw.shape, qw.group_size, qw.tile, w.shape, w.dtype, w.is_contiguous(), w.data_ptr() % 16,
+            s.dtype, s.is_contiguous(), s.data_ptr() % 16,
+            None if bias is None else (bias.dtype, bias.shape, bias.stride(), bias.data_ptr() % 16), red)
 
 
 def autotune_timings() -> dict | None:
@@ -504,13 +547,28 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     y: [M, N] in x's dtype. M >= DEQUANT_MIN_M[format] (without `config`): `dequantize_weight` + torch.matmul.
     `config` (BLOCK_N, SPLIT_K, ONE_DOT, num_warps, num_stages) skips the autotuner;
     `reduce` ("fixup" | "kernel") overrides the split-K reduction. Callers validate shapes and dtypes
-    (see `lightspeed.ops.wquant.quantized_matmul`); the planes must be contiguous as packed."""
+    (see `lightspeed.ops.wquant.quantized_matmul`); the planes must be contiguous as packed.
+
+    Note: launch plans. An eager decode step is bound by the host: through triton's autotuner and launcher
+    a call took 100-140 us of CPU on the H200's host against 23 us for F.linear (BENCHMARKS.md), which made
+    transformers' eager generate 2-4x slower with quantized layers than in fp16. So the first autotuned call
+    of each `_plan_key` class keeps its compiled kernel, grid and arguments (`_Plan`), and later calls of the
+    class launch it directly with the tensors' addresses: no autotuner lookup, argument binding,
+    specialization or per-pointer driver query. Not for `config=` / `reduce=` calls, the interpreter, the
+    dequantize-once path or the two-kernel reduction."""
+    global _last_config
+    planned = config is None and reduce is None and _tuned_kernel is not None and REDUCE == 1
+    if planned:
+        key = _plan_key(x, qw, bias, REDUCE)
+        plan = _plans.get(key)
+        if plan is not None:
+            _last_config = plan.config
+            return plan.launch(x, qw, bias)
     M, K = x.shape
     N = qw.shape[0]
     check_planes(qw)
     if config is None and M >= DEQUANT_MIN_M[qw.format]:  # prefill: dequantize once, then dense cuBLAS products
-        _last_config.clear()
-        _last_config.update(PATH="dequant+matmul")
+        _last_config = {"PATH": "dequant+matmul"}
         return dense_matmul(x, qw, bias)
     per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
     packed = qw.planes[0]
@@ -548,19 +606,23 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
             return (min(triton.cdiv(N, m["BLOCK_N"]) * n_tiles, m["STREAM"] * sms), 1, 1)
         return (triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"], m_blocks)
 
-    kernel[grid](x, w, w2, scales, b, out, ws, cnt, M, N, x.stride(0),
-                 FP6_FP16_SCALE if qw.format == "fp6" else 1.0, K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg,
-                 FORMAT=FORMAT_ID[qw.format], PER_GROUP=per_group, HAS_BIAS=has_bias,
-                 X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, REDUCE=red,
-                 INTERPRETED=INTERPRET, ROWS=ROW_GROUP, **meta)
+    pos = (x, w, w2, scales, b, out, ws, cnt, M, N, x.stride(0), FP6_FP16_SCALE if qw.format == "fp6" else 1.0)
+    consts = dict(K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg, FORMAT=FORMAT_ID[qw.format], PER_GROUP=per_group,
+                  HAS_BIAS=has_bias, X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, REDUCE=red,
+                  INTERPRETED=INTERPRET, ROWS=ROW_GROUP)
+    compiled = kernel[grid](*pos, **consts, **meta)
     if meta:
         chosen = {"BLOCK_N": meta["BLOCK_N"], "SPLIT_K": meta["SPLIT_K"], "ONE_DOT": meta["ONE_DOT"],
                   "STREAM": meta["STREAM"],
                   "num_warps": meta.get("num_warps", 4), "num_stages": meta.get("num_stages", 3)}
     else:
         chosen = config_dict(kernel.best_config)
-    _last_config.clear()
-    _last_config.update(BLOCK_M=block_m, **chosen)
+    _last_config = {"BLOCK_M": block_m, **chosen}
+    if planned and scales is qw.scales and (bias is None or bias.is_contiguous()):
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        named = {**dict(zip(_wq_matmul_kernel.arg_names, pos)), **consts, **kernel.best_config.kwargs}
+        _plans[key] = _Plan(compiled, grid(chosen), [named[a] for a in _wq_matmul_kernel.arg_names], _last_config)
     split_k = chosen["SPLIT_K"]
     if split_k > 1 and red == 0 and not chosen["STREAM"]:
         numel = M * N

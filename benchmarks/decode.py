@@ -1,0 +1,234 @@
+"""End-to-end decoding with `lightspeed.init_inference`: a transformers Llama model with the layer
+shapes of a named size (random weights, no download) in fp16 vs the same model with its linear layers
+in FP6 / INT8 / INT4 (`quant={"weight": ...}`), milliseconds per generated token.
+
+Claim (issue 6): weight-only quantized layers make decoding faster than fp16. The kernel table is
+`fp6_gemm.py`; this measures what a model's decode step gets from it, attention, norms and the fp16
+output head included. Per format: weight memory, ms per token with the decode step replayed from a
+CUDA graph (GPU time: batch B, one new token per sequence, a static KV cache holding `--context`
+tokens), ms per token of the model's own eager `generate` (Python launch overhead included), and
+the first decode step's logits against the fp16 model's (relative L2 error, top-1 agreement).
+
+    python benchmarks/decode.py --size llama2-7b                 # fp16, fp6, int8, int4 (GPU)
+    python benchmarks/decode.py --size llama2-70b --layers 20     # the first 20 of 80 layers
+    python benchmarks/decode.py --smoke                           # tiny model on CPU (reference path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import inspect
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lightspeed  # noqa: E402
+
+# transformers LlamaConfig fields of the public checkpoints' shapes (their config.json files)
+SIZES = {
+    "tiny": dict(hidden_size=256, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=2, vocab_size=1000),
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                      num_hidden_layers=32, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      num_hidden_layers=32, vocab_size=128256, rope_theta=500000.0),
+    "llama2-13b": dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=40,
+                       num_hidden_layers=40, vocab_size=32000),
+    "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                       num_hidden_layers=80, vocab_size=32000),
+}
+FORMATS = ["fp16", "fp6", "int8", "int4"]
+
+
+def build_model(size: str, layers: int | None, device: torch.device, seed: int = 0):
+    import transformers
+
+    fields = dict(SIZES[size])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    cfg = transformers.LlamaConfig(max_position_embeddings=4096, **fields)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.to(torch.float16).eval()
+
+
+def _cache_kwarg(model) -> str:
+    """The forward's KV-cache argument: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _static_cache(model, max_len: int, batch: int):
+    import transformers
+
+    params = inspect.signature(transformers.StaticCache.__init__).parameters
+    kw = {"config": model.config, "max_cache_len": max_len}
+    if "max_batch_size" in params:  # older transformers allocate at construction
+        kw.update(max_batch_size=batch, device=next(model.parameters()).device, dtype=torch.float16)
+    return transformers.StaticCache(**kw)
+
+
+def _forward(model, ids, pos, cache, key):
+    kw = {key: cache, "use_cache": True, "position_ids": pos}
+    if "cache_position" in inspect.signature(model.model.forward).parameters:
+        kw["cache_position"] = pos[0]
+    return model(ids, **kw).logits[:, -1]
+
+
+class DecodeStep:
+    """One decode step (batch B, one token each) on a static cache prefilled with `context` tokens; the
+    inputs live in fixed buffers so the step can be captured in a CUDA graph."""
+
+    def __init__(self, model, batch: int, context: int, seed: int = 1):
+        self.model = model
+        self.key = _cache_kwarg(model)
+        device = next(model.parameters()).device
+        g = torch.Generator().manual_seed(seed)
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (batch, context), generator=g).to(device)
+        # transformers' static cache writes at its own device-side counter, which every step (a graph replay
+        # too) advances: room for every step this object runs (attention covers the whole static length, so
+        # a step costs the same wherever it writes)
+        self.cache = _static_cache(model, context + self.MAX_STEPS, batch)
+        self.steps = 0
+        pos = torch.arange(context, device=device)[None].expand(batch, -1)
+        with torch.no_grad():
+            _forward(model, prompt, pos, self.cache, self.key)
+        self.ids = torch.randint(0, vocab, (batch, 1), generator=g).to(device)
+        self.pos = torch.full((batch, 1), context, device=device, dtype=torch.long)
+        self.graph = None
+
+    MAX_STEPS = 256
+
+    def _count(self, n: int = 1) -> None:
+        self.steps += n
+        if self.steps > self.MAX_STEPS:
+            raise RuntimeError(f"DecodeStep: more than {self.MAX_STEPS} steps on one static cache")
+
+    def __call__(self) -> torch.Tensor:
+        self._count()
+        with torch.no_grad():
+            return _forward(self.model, self.ids, self.pos, self.cache, self.key)
+
+    def capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # warm-up on the side stream (autotuning happened before)
+                self()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self()
+
+    def graph_ms(self, reps: int = 50) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._count(1 + 3 * reps)
+        self.graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(3):
+            start.record()
+            for _ in range(reps):
+                self.graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / reps)
+        return min(times)
+
+
+def generate_ms(model, batch: int, context: int, new_tokens: int, seed: int = 2) -> float:
+    """ms per token of the model's own greedy `generate` (eager): (time for 1 + new_tokens) - (time for 1),
+    over new_tokens."""
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    prompt = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(device)
+
+    def run(n):
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        sync()
+        return time.perf_counter() - t0
+
+    run(2)
+    t1 = min(run(1) for _ in range(2))
+    tn = min(run(1 + new_tokens) for _ in range(2))
+    return (tn - t1) * 1e3 / new_tokens
+
+
+def weight_gib(model) -> float:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="llama2-7b", choices=sorted(SIZES))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the size's own count)")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512, help="tokens in the KV cache before the timed step")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens per eager generate timing")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager generate timing")
+    ap.add_argument("--smoke", action="store_true", help="the tiny size, short context (CPU: reference path)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.size, args.context, args.new_tokens = "tiny", 16, 4
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for f in formats:
+        if f not in FORMATS:
+            ap.error(f"--formats: unknown format {f!r} (known: {', '.join(FORMATS)})")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    base = build_model(args.size, args.layers, device)
+    layers = base.config.num_hidden_layers
+    print(f"# {args.size} shapes, {layers} layers, batch {args.batch}, context {args.context}, "
+          f"{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}")
+    ref_logits, rows = None, []
+    for fmt in formats:
+        if fmt == "fp16":
+            model = base
+        else:
+            model = copy.deepcopy(base)
+            lightspeed.init_inference(model, dtype=torch.float16, quant={"weight": fmt}, device=device)
+        step = DecodeStep(model, args.batch, args.context)
+        logits = step().float()  # the first call autotunes every layer shape for this M
+        if fmt == "fp16":
+            ref_logits = logits
+        err = agree = float("nan")
+        if ref_logits is not None:
+            err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+            agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+        graph_ms = float("nan")
+        if gpu:
+            step.capture()
+            graph_ms = step.graph_ms()
+        eager_ms = float("nan") if args.no_eager else generate_ms(model, args.batch, args.context, args.new_tokens)
+        rows.append((fmt, weight_gib(model), graph_ms, eager_ms, err, agree))
+        print(f"  {fmt}: graph {graph_ms:.3f} ms/token, eager {eager_ms:.2f} ms/token", flush=True)
+        del step
+        if model is not base:
+            del model
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+    base_row = next((r for r in rows if r[0] == "fp16"), None)
+    print(f"\n{'format':<8}{'weights GiB':>12}{'graph ms/tok':>14}{'x fp16':>8}{'eager ms/tok':>14}{'x fp16':>8}"
+          f"{'logits err':>12}{'top-1 agree':>13}")
+    for fmt, gib, g_ms, e_ms, err, agree in rows:
+        gx = base_row[2] / g_ms if base_row else float("nan")
+        ex = base_row[3] / e_ms if base_row else float("nan")
+        print(f"{fmt:<8}{gib:>12.2f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{err:>12.2e}{agree:>13.3f}")
+
+
+if __name__ == "__main__":
+    main()

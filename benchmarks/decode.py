@@ -7,7 +7,9 @@ Claim (issue 6): weight-only quantized layers make decoding faster than fp16. Th
 output head included. Per format: weight memory, ms per token with the decode step replayed from a
 CUDA graph (GPU time: batch B, one new token per sequence, a static KV cache holding `--context`
 tokens), ms per token of the model's own eager `generate` (Python launch overhead included), and
-the first decode step's logits against the fp16 model's (relative L2 error, top-1 agreement).
+the first decode step's logits against the fp16 model's (relative L2 error, top-1 agreement; random
+layers amplify any perturbation, so these are no measure of quantization quality) and, per quantized
+layer of one step, the kernel's output against F.linear with its dequantized weight (max over layers).
 
     python benchmarks/decode.py --size llama2-7b                 # fp16, fp6, int8, int4 (GPU)
     python benchmarks/decode.py --size llama2-70b --layers 20     # the first 20 of 80 layers
@@ -165,6 +167,28 @@ def generate_ms(model, batch: int, context: int, new_tokens: int, seed: int = 2)
     return (tn - t1) * 1e3 / new_tokens
 
 
+def layer_errors(model, step: "DecodeStep") -> float:
+    """Max over the QuantizedLinear layers of one decode step of |y - F.linear(x, dequantized W, b)| /
+    max |y_ref| on the step's own activations: the kernels against their reference at the model's shapes
+    (the logits columns compound 32+ random layers, which amplify any perturbation)."""
+    from lightspeed.inference import QuantizedLinear
+
+    errs = []
+
+    def hook(module, inputs, output):
+        ref = torch.nn.functional.linear(inputs[0].float(), module.dequantize_weight().float(),
+                                         None if module.bias is None else module.bias.float())
+        errs.append(((output.float() - ref).abs().max() / ref.abs().max()).item())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, QuantizedLinear)]
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    return max(errs) if errs else float("nan")
+
+
 def weight_gib(model) -> float:
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors) / 2**30
@@ -208,12 +232,13 @@ def main() -> None:
         if ref_logits is not None:
             err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
             agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+        kernel_err = layer_errors(model, step) if fmt != "fp16" else float("nan")
         graph_ms = float("nan")
         if gpu:
             step.capture()
             graph_ms = step.graph_ms()
         eager_ms = float("nan") if args.no_eager else generate_ms(model, args.batch, args.context, args.new_tokens)
-        rows.append((fmt, weight_gib(model), graph_ms, eager_ms, err, agree))
+        rows.append((fmt, weight_gib(model), graph_ms, eager_ms, err, agree, kernel_err))
         print(f"  {fmt}: graph {graph_ms:.3f} ms/token, eager {eager_ms:.2f} ms/token", flush=True)
         del step
         if model is not base:
@@ -223,11 +248,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     base_row = next((r for r in rows if r[0] == "fp16"), None)
     print(f"\n{'format':<8}{'weights GiB':>12}{'graph ms/tok':>14}{'x fp16':>8}{'eager ms/tok':>14}{'x fp16':>8}"
-          f"{'logits err':>12}{'top-1 agree':>13}")
-    for fmt, gib, g_ms, e_ms, err, agree in rows:
+          f"{'logits err':>12}{'top-1 agree':>13}{'layer err':>11}")
+    for fmt, gib, g_ms, e_ms, err, agree, kerr in rows:
         gx = base_row[2] / g_ms if base_row else float("nan")
         ex = base_row[3] / e_ms if base_row else float("nan")
-        print(f"{fmt:<8}{gib:>12.2f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{err:>12.2e}{agree:>13.3f}")
+        print(f"{fmt:<8}{gib:>12.2f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{err:>12.2e}{agree:>13.3f}"
+              f"{kerr:>11.1e}")
 
 
 if __name__ == "__main__":

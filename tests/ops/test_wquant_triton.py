@@ -51,6 +51,13 @@ def wt():
 
 
 @pytest.fixture(scope="module")
+def launch(wt):
+    from lightspeed.ops.wquant import launch as module
+
+    return module
+
+
+@pytest.fixture(scope="module")
 def wdq(wt):
     from lightspeed.ops.wquant import dequant
 
@@ -93,7 +100,7 @@ def _cfg(block_n=16, split_k=1):
 @kernel_test
 @pytest.mark.parametrize("fmt", ["fp6", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_odd_n_odd_k_bias_split_k(wt, fmt, dtype):
+def test_kernel_odd_n_odd_k_bias_split_k(wt, launch, fmt, dtype):
     """N = 37 (partial N block), K = 200 (padded to 256: 2 K-tiles, the second partly padding), split-K
     3 (one split gets no tile) and 2 through the in-kernel fixup and the two-kernel reduction."""
     n, k = 37, 200
@@ -105,12 +112,12 @@ def test_kernel_odd_n_odd_k_bias_split_k(wt, fmt, dtype):
         _check(wt.wq_matmul(x, qw, bias, config=_cfg(16, split_k), reduce=reduce), x, qw, bias)
         assert wt.last_config()["SPLIT_K"] == split_k
     # the fixup leaves every arrival counter at zero for the next call
-    assert all(int(c.abs().sum()) == 0 for c in wt._counters.values())
+    assert all(int(c.abs().sum()) == 0 for c in launch.counters.values())
 
 
 @kernel_test
 @pytest.mark.parametrize("fmt,group_size", [("fp6", None), ("int8", None), ("int4", None), ("int4", 48)])
-def test_kernel_stream_k(wt, fmt, group_size):
+def test_kernel_stream_k(wt, launch, fmt, group_size):
     """Stream-K: N = 200 (7 blocks of 32, the last partial) x K = 700 (6 K-tiles, padding) = 42 units cut
     into P ranges; P = 5 (ranges of 8-9 units: some blocks inside one range, others split in two),
     13 (2-3 programs per block) and 42 (one unit per program: 6 per block, every block through the
@@ -127,7 +134,7 @@ def test_kernel_stream_k(wt, fmt, group_size):
         b = None if b is None else b.to(dtype)
         _check(wt.wq_matmul(x, qw, b, config={**_cfg(32), "STREAM": stream}), x, qw, b)
         assert wt.last_config()["STREAM"] == stream
-    assert all(int(c.abs().sum()) == 0 for c in wt._counters.values())
+    assert all(int(c.abs().sum()) == 0 for c in launch.counters.values())
     with pytest.raises(ValueError, match="STREAM needs M <= 16"):
         wt.wq_matmul(_randn(17, k, gen=gen, dtype=torch.float16), qw, config={**_cfg(32), "STREAM": 2})
 
@@ -321,11 +328,97 @@ def test_graph_bench_refuses_graph_capture(monkeypatch):
     assert not calls
 
 
+class _FakeCompiled:
+    """Stands in for triton's CompiledKernel: records launches instead of running them."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        self.launches.append(((g0, g1, g2), stream, args))
+
+
+class _FakeTuned:
+    """Stands in for the autotuned kernel: `kernel[grid](...)` returns the fake compiled kernel."""
+
+    def __init__(self, compiled, config):
+        self.compiled, self.best_config, self.calls = compiled, config, 0
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.calls += 1
+            return self.compiled
+
+        return call
+
+
+@kernel_test
+def test_launch_plan_plumbing(wt, launch, monkeypatch):
+    """The plan's bookkeeping without a GPU (a fake autotuned kernel and launcher): the first call keeps a
+    plan with the chosen config's grid and every kernel parameter in order; later calls of the class skip
+    the autotuner and pass the new tensors' addresses in the first six places; another M is another class;
+    `config=` calls never use plans; growing a scratch buffer drops them."""
+    from types import SimpleNamespace
+
+    from lightspeed.ops.wquant import tuning
+
+    compiled = _FakeCompiled()
+    config = tuning.make_config(64, 4, 4, 3)
+    tuned = _FakeTuned(compiled, config)
+    fake_driver = SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0,
+                                                         get_current_stream=lambda device: 1234))
+    monkeypatch.setattr(wt, "_tuned_kernel", tuned)
+    monkeypatch.setattr(wt, "REDUCE", 1)
+    monkeypatch.setattr(launch, "driver", fake_driver)
+    for name in ("plans", "workspaces", "counters"):  # fresh state: this test's buffers grow as it says
+        monkeypatch.setattr(launch, name, {})
+    monkeypatch.setattr(wt, "plans", launch.plans)
+    n, k = 200, 384
+    qws = [_weight(n, k, "fp6", None, seed) for seed in (41, 42)]
+    gen = torch.Generator().manual_seed(43)
+    bias = _randn(n, gen=gen, dtype=torch.float16)
+    x = _randn(3, k, gen=gen, dtype=torch.float16)
+    wt.wq_matmul(x, qws[0], bias)
+    assert tuned.calls == 1 and not compiled.launches
+    (key, plan), = launch.plans.items()
+    assert key == launch.plan_key(x, qws[0], bias, 1)
+    assert plan.grid == (triton_cdiv(n, 64), 4, 1) and plan.config["SPLIT_K"] == 4
+    names = wt._wq_matmul_kernel.arg_names
+    assert len(plan.args) == len(names)
+    assert plan.args[names.index("K")] == k and plan.args[names.index("BLOCK_N")] == 64
+    assert plan.args[names.index("M")] == 3 and plan.args[names.index("HAS_BIAS")] is True
+    for qw in qws:
+        x2 = _randn(3, k, gen=gen, dtype=torch.float16)
+        y = wt.wq_matmul(x2, qw, bias)
+        grid, stream, args = compiled.launches[-1]
+        assert tuned.calls == 1 and grid == plan.grid and stream == 1234
+        w, s = qw.planes[0].data_ptr(), qw.scales.data_ptr()
+        assert list(args[:6]) == [x2.data_ptr(), w, w, s, bias.data_ptr(), y.data_ptr()]
+        assert list(args[6:]) == plan.args[6:] and y.shape == (3, n) and y.dtype == torch.float16
+        assert wt.last_config() == plan.config
+    x4 = _randn(4, k, gen=gen, dtype=torch.float16)
+    wt.wq_matmul(x4, qws[0], bias)  # M = 4: its own class (its larger workspace dropped M = 3's plan)
+    assert tuned.calls == 2 and list(launch.plans) == [launch.plan_key(x4, qws[0], bias, 1)]
+    wt.wq_matmul(x, qws[0], bias, config=_cfg(16, 1))
+    assert tuned.calls == 2 and len(compiled.launches) == 2 and len(launch.plans) == 1
+    launch.workspace(x.device, launch.workspace(x.device, 1).numel() + 1)
+    assert not launch.plans
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="launch plans keep compiled kernels: CUDA only")
 @pytest.mark.parametrize("fmt", ["fp6", "int8", "int4"])
-def test_launch_plans_match_the_reference(wt, fmt, monkeypatch):
+def test_launch_plans_match_the_reference(wt, launch, fmt, monkeypatch):
     """After its first autotuned call, a (shape, M, dtype, alignment) class launches its kept plan
-    (`wq_matmul`'s Note: launch plans): with another weight of the same shape, another x, bias or none, fp16
+    (`launch.py`'s Note: launch plans): with another weight of the same shape, another x, bias or none, fp16
     and bf16; an x whose rows start 2 bytes off 16-byte alignment is a class of its own. The autotuner
     is made to fail once the plan exists, so a passing second call went through the plan."""
     n, k = 200, 384
@@ -338,7 +431,7 @@ def test_launch_plans_match_the_reference(wt, fmt, monkeypatch):
                 wide = _randn(m, k + 1, gen=gen, dtype=dtype)
                 for x in (_randn(m, k, gen=gen, dtype=dtype), wide[:, 1:]):
                     _check(wt.wq_matmul(x, qws[0], b), x, qws[0], b)
-                    assert wt._plan_key(x, qws[0], b, wt.REDUCE) in wt._plans
+                    assert launch.plan_key(x, qws[0], b, wt.REDUCE) in launch.plans
                     config = wt.last_config()
                     with monkeypatch.context() as patch:
                         patch.setattr(wt._tuned_kernel, "run", _refuse)
@@ -346,7 +439,7 @@ def test_launch_plans_match_the_reference(wt, fmt, monkeypatch):
                             x2 = _randn(*x.shape, gen=gen, dtype=dtype)
                             _check(wt.wq_matmul(x2, qw, b), x2, qw, b)
                     assert wt.last_config() == config
-    assert all(int(c.abs().sum()) == 0 for c in wt._counters.values())
+    assert all(int(c.abs().sum()) == 0 for c in launch.counters.values())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="quantized_matmul runs the reference on CPU")
@@ -366,13 +459,13 @@ def _refuse(*args, **kwargs):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
-def test_launch_plan_replays_in_a_cuda_graph(wt):
+def test_launch_plan_replays_in_a_cuda_graph(wt, launch):
     """A warmed-up call (plan kept) captured in a CUDA graph and replayed with new inputs copied in."""
     qw = _weight(256, 512, "fp6", None, seed=21)
     gen = torch.Generator().manual_seed(22)
     x = _randn(3, 512, gen=gen, dtype=torch.float16)
     wt.wq_matmul(x, qw)
-    assert wt._plan_key(x, qw, None, wt.REDUCE) in wt._plans
+    assert launch.plan_key(x, qw, None, wt.REDUCE) in launch.plans
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

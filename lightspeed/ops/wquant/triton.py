@@ -1,7 +1,8 @@
 """Triton kernels for `y = x @ dequant(W).T` with a packed FP6 / INT8 / INT4 weight (tile-interleaved,
 tile-major layout in `reference.py`). With `dequant.py` (the code -> weight tile bit tricks and the
-prefill path's one-pass dequantizer), `tuning.py` (its autotune config space) and `ptx.py` (the inline
-dequant routines), the only modules of ops/wquant that import triton; import them lazily.
+prefill path's one-pass dequantizer), `tuning.py` (its autotune config space), `ptx.py` (the inline
+dequant routines) and `launch.py` (scratch buffers, launch plans), the only modules of ops/wquant that
+import triton; import them lazily.
 
 One kernel serves every M. A program owns a [BLOCK_M, BLOCK_N] output tile and a contiguous share of
 the K-tiles (T = 128 values each). The weight is stored tile-major (`reference.py`): the rows of a
@@ -68,8 +69,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
-from triton.runtime.driver import driver
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.ops.wquant.dequant import (
@@ -84,6 +83,7 @@ from lightspeed.ops.wquant.dequant import (
     pick_field,
     unit_bytes,
 )
+from lightspeed.ops.wquant.launch import Plan, counter, keep, plan_key, plans, workspace
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight
 from lightspeed.ops.wquant.tuning import (
     CONFIGS,
@@ -460,77 +460,12 @@ def _stream_slots(N: int, block_n: int, programs: int) -> int:
     return triton.cdiv(N, block_n) + programs
 
 
-_workspaces: dict = {}
-_counters: dict = {}
-
-
-def _workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """A grow-only fp32 scratch buffer per device for split-K partials (kernels overwrite, never
-    accumulate into it, so it needs no zeroing)."""
-    ws = _workspaces.get(device)
-    if ws is None or ws.numel() < numel:
-        ws = torch.empty(max(numel, 1), device=device, dtype=torch.float32)
-        _workspaces[device] = ws
-        _plans.clear()  # they hold the old buffer: let it go
-    return ws
-
-
-def _counter(device: torch.device, numel: int) -> torch.Tensor:
-    """A grow-only int32 buffer of zeros per device: the split-K arrival counters (each output tile's
-    last program resets its counter, so it is zero between calls)."""
-    cnt = _counters.get(device)
-    if cnt is None or cnt.numel() < numel:
-        cnt = torch.zeros(max(numel, 1024), device=device, dtype=torch.int32)
-        _counters[device] = cnt
-        _plans.clear()
-    return cnt
-
-
 _last_config: dict = {}
 
 
 def last_config() -> dict:
     """The config (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of the latest `wq_matmul` call."""
     return dict(_last_config)
-
-
-class _Plan:
-    """A decode call's launch, kept after its first run (`wq_matmul`'s Note: launch plans): the compiled
-    kernel, grid, the launch arguments by position, and the config it ran with."""
-
-    __slots__ = ("kernel", "grid", "args", "config")
-
-    def __init__(self, kernel, grid, args, config):
-        self.kernel, self.grid, self.args, self.config = kernel, grid, args, config
-
-    def launch(self, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.empty((x.shape[0], qw.shape[0]), device=x.device, dtype=x.dtype)
-        args = self.args.copy()
-        w = qw.planes[0].data_ptr()
-        s = qw.scales.data_ptr()
-        args[:6] = (x.data_ptr(), w, w, s, s if bias is None else bias.data_ptr(), out.data_ptr())
-        kernel, (g0, g1, g2) = self.kernel, self.grid
-        device = driver.active.get_current_device()
-        stream = driver.active.get_current_stream(device)
-        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(self.grid, stream, *args), knobs.runtime.launch_enter_hook,
-                   knobs.runtime.launch_exit_hook, *args)
-        return out
-
-
-_plans: dict = {}
-_MAX_PLANS = 4096  # (shape, M, dtype, alignment) classes; cleared when full
-
-
-def _plan_key(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, red: int) -> tuple:
-    """What a plan's compiled kernel and arguments depend on besides the tensors' addresses: the shapes, M,
-    dtypes, x's row stride and the 16-byte alignment of every pointer (triton specializes on these), the
-    format and group size. Pointers are passed per call."""
-    w, s = qw.planes[0], qw.scales
-    return (driver.active.get_current_device(), x.dtype, x.shape[0], x.stride(0), x.data_ptr() % 16,
-            qw.format, qw.shape, qw.group_size, qw.tile, w.shape, w.dtype, w.is_contiguous(), w.data_ptr() % 16,
-            s.dtype, s.is_contiguous(), s.data_ptr() % 16,
-            None if bias is None else (bias.dtype, bias.shape, bias.stride(), bias.data_ptr() % 16), red)
 
 
 def autotune_timings() -> dict | None:
@@ -549,18 +484,14 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     `reduce` ("fixup" | "kernel") overrides the split-K reduction. Callers validate shapes and dtypes
     (see `lightspeed.ops.wquant.quantized_matmul`); the planes must be contiguous as packed.
 
-    Note: launch plans. An eager decode step is bound by the host: through triton's autotuner and launcher
-    a call took 100-140 us of CPU on the H200's host against 23 us for F.linear (BENCHMARKS.md), which made
-    transformers' eager generate 2-4x slower with quantized layers than in fp16. So the first autotuned call
-    of each `_plan_key` class keeps its compiled kernel, grid and arguments (`_Plan`), and later calls of the
-    class launch it directly with the tensors' addresses: no autotuner lookup, argument binding,
-    specialization or per-pointer driver query. Not for `config=` / `reduce=` calls, the interpreter, the
+    Later calls of a (shapes, M, dtypes, alignment) class launch the compiled kernel of its first autotuned
+    call directly (`launch.py`'s Note: launch plans); not `config=` / `reduce=` calls, the interpreter, the
     dequantize-once path or the two-kernel reduction."""
     global _last_config
     planned = config is None and reduce is None and _tuned_kernel is not None and REDUCE == 1
     if planned:
-        key = _plan_key(x, qw, bias, REDUCE)
-        plan = _plans.get(key)
+        key = plan_key(x, qw, bias, REDUCE)
+        plan = plans.get(key)
         if plan is not None:
             _last_config = plan.config
             return plan.launch(x, qw, bias)
@@ -587,7 +518,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
         kernel, meta = _tuned_kernel, {}
         # room for any candidate: the largest split-K, or stream-K (BLOCK_N 128) at the most programs per SM
         stream_numel = _stream_slots(N, 128, max(STREAMS) * sms) * block_m * 128 if M <= MAX_STREAM_M else 0
-        ws = _workspace(x.device, max(max_split_k(M) * M * N, stream_numel))
+        ws = workspace(x.device, max(max_split_k(M) * M * N, stream_numel))
     else:
         cfg = {"ONE_DOT": 1, "STREAM": 0, **(dict(config) if config is not None else heuristic_config(M, K))}
         if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:
@@ -596,10 +527,10 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
             raise ValueError(f"STREAM needs M <= {MAX_STREAM_M} (got M={M})")
         kernel, meta = _wq_matmul_kernel, cfg
         if cfg["STREAM"]:
-            ws = _workspace(x.device, _stream_slots(N, cfg["BLOCK_N"], cfg["STREAM"] * sms) * block_m * cfg["BLOCK_N"])
+            ws = workspace(x.device, _stream_slots(N, cfg["BLOCK_N"], cfg["STREAM"] * sms) * block_m * cfg["BLOCK_N"])
         else:
-            ws = _workspace(x.device, cfg["SPLIT_K"] * M * N) if cfg["SPLIT_K"] > 1 else out
-    cnt = _counter(x.device, triton.cdiv(N, 16) * m_blocks)  # >= programs of any BLOCK_N >= 16
+            ws = workspace(x.device, cfg["SPLIT_K"] * M * N) if cfg["SPLIT_K"] > 1 else out
+    cnt = counter(x.device, triton.cdiv(N, 16) * m_blocks)  # >= programs of any BLOCK_N >= 16
 
     def grid(m):
         if m["STREAM"]:  # stream-K: STREAM programs per SM, each >= 1 unit
@@ -619,10 +550,8 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
         chosen = config_dict(kernel.best_config)
     _last_config = {"BLOCK_M": block_m, **chosen}
     if planned and scales is qw.scales and (bias is None or bias.is_contiguous()):
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
         named = {**dict(zip(_wq_matmul_kernel.arg_names, pos)), **consts, **kernel.best_config.kwargs}
-        _plans[key] = _Plan(compiled, grid(chosen), [named[a] for a in _wq_matmul_kernel.arg_names], _last_config)
+        keep(key, Plan(compiled, grid(chosen), [named[a] for a in _wq_matmul_kernel.arg_names], _last_config))
     split_k = chosen["SPLIT_K"]
     if split_k > 1 and red == 0 and not chosen["STREAM"]:
         numel = M * N

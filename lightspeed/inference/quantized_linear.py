@@ -101,7 +101,7 @@ class QuantizedLinear(nn.Module):
     def quantized_weight(self) -> QuantizedWeight:
         """The packed weight as the ops layer sees it (views of this module's buffers; made again only when
         the buffers are replaced, e.g. by `.to()`: an eager decode step is bound by the host)."""
-        view = self._packed_view
+        view = getattr(self, "_packed_view", None)  # modules pickled by older versions lack it
         if view is not None and view[0] is self.qweight and view[1] is self.scales:
             return view[2]
         qw = QuantizedWeight(self.weight_format, (self.out_features, self.in_features), self.group_size,

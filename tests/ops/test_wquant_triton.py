@@ -375,6 +375,7 @@ def test_launch_plan_plumbing(wt, launch, monkeypatch):
     monkeypatch.setattr(wt, "_tuned_kernel", tuned)
     monkeypatch.setattr(wt, "REDUCE", 1)
     monkeypatch.setattr(launch, "driver", fake_driver)
+    monkeypatch.setattr(wt, "num_sms", lambda: 1)  # stream-K's room as under the interpreter: M sizes the buffer
     for name in ("plans", "workspaces", "counters"):  # fresh state: this test's buffers grow as it says
         monkeypatch.setattr(launch, name, {})
     monkeypatch.setattr(wt, "plans", launch.plans)
@@ -458,6 +459,40 @@ def _refuse(*args, **kwargs):
     raise AssertionError("the autotuner ran although a launch plan exists")
 
 
+def _refuse_tuning(*args, **kwargs):
+    raise AssertionError("the autotuner tuned again inside a tuned M bucket")
+
+
+def test_tune_m_buckets_prefill_lengths():
+    pytest.importorskip("triton")
+    from lightspeed.ops.wquant.tuning import tune_m
+
+    got = [tune_m(m) for m in (1, 2, 17, 63, 64, 65, 100, 128, 129, 511, 512, 513)]
+    assert got == [1, 2, 17, 63, 64, 128, 128, 128, 256, 512, 512, 1024]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the autotuner runs on CUDA only")
+def test_prefill_lengths_share_a_tuning(wt, monkeypatch):
+    """Above 64 rows the autotune key holds M's power-of-two bucket (`tuning.tune_m`): a prompt of a new
+    length inside a tuned bucket runs without timing the candidates again (neither the timer nor the disk
+    cache is asked), matches the reference, and the next bucket tunes once."""
+    qw = _weight(200, 384, "fp6", None, seed=51)
+    gen = torch.Generator().manual_seed(52)
+    x = _randn(70, 384, gen=gen, dtype=torch.float16)
+    _check(wt.wq_matmul(x, qw), x, qw)
+    keys = set(wt._tuned_kernel.cache)
+    with monkeypatch.context() as patch:
+        patch.setattr(wt._tuned_kernel, "_bench", _refuse_tuning)
+        patch.setattr(wt._tuned_kernel, "check_disk_cache", _refuse_tuning)
+        for m in (65, 100, 128):
+            x = _randn(m, 384, gen=gen, dtype=torch.float16)
+            _check(wt.wq_matmul(x, qw), x, qw)
+    assert set(wt._tuned_kernel.cache) == keys
+    x = _randn(129, 384, gen=gen, dtype=torch.float16)
+    _check(wt.wq_matmul(x, qw), x, qw)
+    assert len(set(wt._tuned_kernel.cache) - keys) == 1
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 def test_launch_plan_replays_in_a_cuda_graph(wt, launch):
     """A warmed-up call (plan kept) captured in a CUDA graph and replayed with new inputs copied in."""
@@ -501,3 +536,22 @@ def test_graph_bench_matches_event_timing():
     ref = sorted(times)[5]
     assert 0.85 * ref < ms < 1.15 * ref, (ms, ref)
     assert tuning.graph_bench(lambda: dst.copy_(src), quantiles=(0.5, 0.2, 0.8)) == [pytest.approx(ms, rel=0.15)] * 3
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("fmt", ["fp6", "int4"])
+def test_quantized_matmul_on_another_gpu_than_the_current(fmt):
+    """Triton launches on the current device: `quantized_matmul` switches to x's device, so tensors on
+    cuda:1 while cuda:0 is current give the reference's result (twice: the second through the plan)."""
+    from lightspeed.ops.wquant import quantized_matmul
+
+    qw = _weight(96, 256, fmt, None, seed=61).to("cuda:1")
+    gen = torch.Generator().manual_seed(62)
+    bias = torch.randn(96, generator=gen).to("cuda:1", torch.float16)
+    with torch.cuda.device(0):
+        for m in (1, 3, 3):
+            x = torch.randn(m, 256, generator=gen).to("cuda:1", torch.float16)
+            y = quantized_matmul(x, qw, bias)
+            torch.cuda.synchronize(1)
+            assert y.device == x.device
+            _check(y, x, qw, bias)

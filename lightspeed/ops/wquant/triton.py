@@ -97,6 +97,7 @@ from lightspeed.ops.wquant.tuning import (
     max_split_k,
     num_sms,
     prune_configs,
+    tune_m,
 )
 
 logger = get_logger(__name__)
@@ -217,9 +218,9 @@ def _sub_dot(acc, part, x_ptr, s_ptr, offs_mc, offs_nc, kst, i: tl.constexpr, st
     return acc, part
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M_KEY"])
 def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
-                      M, N, stride_xm, out_scale,
+                      M, N, stride_xm, out_scale, M_KEY,
                       K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr,
                       SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       X_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -228,6 +229,7 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias). K is a constexpr (one compile per layer width),
     so plane strides and tile counts are constants. STREAM = 0: grid (N blocks, SPLIT_K, M blocks)
     (`_split_k_body`); STREAM > 0: stream-K over a grid of STREAM programs per SM (`_stream_k_body`).
+    M_KEY (unused in the body; not specialized on) is the autotune key's M, `tuning.tune_m(M)`.
     Autotuned with `tuning.graph_bench` (timer v2). This source is part of triton's autotune disk-cache key:
     a timer change whose cached picks should be re-tuned bumps the version here."""
     if STREAM:
@@ -430,7 +432,8 @@ else:
     _tuned_kernel = triton.autotune(configs=CONFIGS,
                                     # per M: the best split differs between M = 1 and 2..16 (int4 8192 x 8192
                                     # on the H200: 14 vs 19 us with M = 1's config at M = 2)
-                                    key=["M", "BLOCK_M", "N", "K", "GROUP", "FORMAT", "REDUCE"],
+                                    # M_KEY: M up to 64, then bucketed (`tune_m`): prefill lengths share tunings
+                                    key=["M_KEY", "BLOCK_M", "N", "K", "GROUP", "FORMAT", "REDUCE"],
                                     prune_configs_by={"early_config_prune": prune_configs}, cache_results=True,
                                     do_bench=graph_bench)(_wq_matmul_kernel)
 
@@ -537,7 +540,8 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
             return (min(triton.cdiv(N, m["BLOCK_N"]) * n_tiles, m["STREAM"] * sms), 1, 1)
         return (triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"], m_blocks)
 
-    pos = (x, w, w2, scales, b, out, ws, cnt, M, N, x.stride(0), FP6_FP16_SCALE if qw.format == "fp6" else 1.0)
+    pos = (x, w, w2, scales, b, out, ws, cnt, M, N, x.stride(0), FP6_FP16_SCALE if qw.format == "fp6" else 1.0,
+           tune_m(M))
     consts = dict(K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg, FORMAT=FORMAT_ID[qw.format], PER_GROUP=per_group,
                   HAS_BIAS=has_bias, X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, REDUCE=red,
                   INTERPRETED=INTERPRET, ROWS=ROW_GROUP)

@@ -10,10 +10,14 @@ tokens), ms per token of the model's own eager `generate` (Python launch overhea
 the first decode step's logits against the fp16 model's (relative L2 error, top-1 agreement; random
 layers amplify any perturbation, so these are no measure of quantization quality) and, per quantized
 layer of one step, the kernel's output against F.linear with its dequantized weight (max over layers).
+`--compile` adds the decode step compiled by torch.compile (inductor, fullgraph: each quantized layer is
+one `lightspeed::quantized_matmul` node) and replayed from a CUDA graph, and its logits against the
+same model's eager step.
 
     python benchmarks/decode.py --size llama2-7b                 # fp16, fp6, int8, int4 (GPU)
     python benchmarks/decode.py --size llama2-70b --layers 20     # the first 20 of 80 layers
     python benchmarks/decode.py --smoke                           # tiny model on CPU (reference path)
+    python benchmarks/decode.py --no-eager --compile              # + torch.compile'd decode steps
 """
 
 from __future__ import annotations
@@ -75,19 +79,19 @@ def _static_cache(model, max_len: int, batch: int):
     return transformers.StaticCache(**kw)
 
 
-def _forward(model, ids, pos, cache, key):
+def _forward(model, ids, pos, cache, key, fn=None):
     kw = {key: cache, "use_cache": True, "position_ids": pos}
     if "cache_position" in inspect.signature(model.model.forward).parameters:
         kw["cache_position"] = pos[0]
-    return model(ids, **kw).logits[:, -1]
+    return (fn or model)(ids, **kw).logits[:, -1]
 
 
 class DecodeStep:
     """One decode step (batch B, one token each) on a static cache prefilled with `context` tokens; the
     inputs live in fixed buffers so the step can be captured in a CUDA graph."""
 
-    def __init__(self, model, batch: int, context: int, seed: int = 1):
-        self.model = model
+    def __init__(self, model, batch: int, context: int, seed: int = 1, compiled=None):
+        self.model, self.compiled = model, compiled  # compiled: the step's forward (the prefill runs eager)
         self.key = _cache_kwarg(model)
         device = next(model.parameters()).device
         g = torch.Generator().manual_seed(seed)
@@ -115,7 +119,7 @@ class DecodeStep:
     def __call__(self) -> torch.Tensor:
         self._count()
         with torch.no_grad():
-            return _forward(self.model, self.ids, self.pos, self.cache, self.key)
+            return _forward(self.model, self.ids, self.pos, self.cache, self.key, self.compiled)
 
     def capture(self) -> None:
         stream = torch.cuda.Stream()
@@ -189,6 +193,23 @@ def layer_errors(model, step: "DecodeStep") -> float:
     return max(errs) if errs else float("nan")
 
 
+def compiled_step(model, batch: int, context: int, eager_logits: torch.Tensor, gpu: bool):
+    """(ms per token of the compiled step in a CUDA graph (nan on CPU), its first logits' relative L2
+    error against the eager step's `eager_logits` (same model, same inputs), seconds spent compiling)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True)
+    step = DecodeStep(model, batch, context, compiled=compiled)
+    t0 = time.perf_counter()
+    logits = step().float()
+    compile_s = time.perf_counter() - t0
+    err = ((logits - eager_logits).norm() / eager_logits.norm()).item()
+    ms = float("nan")
+    if gpu:
+        step.capture()
+        ms = step.graph_ms()
+    return ms, err, compile_s
+
+
 def weight_gib(model) -> float:
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors) / 2**30
@@ -204,6 +225,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens per eager generate timing")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager generate timing")
     ap.add_argument("--smoke", action="store_true", help="the tiny size, short context (CPU: reference path)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also a decode step compiled by torch.compile (inductor, fullgraph) in a CUDA graph")
     args = ap.parse_args()
     if args.smoke:
         args.size, args.context, args.new_tokens = "tiny", 16, 4
@@ -238,8 +261,13 @@ def main() -> None:
             step.capture()
             graph_ms = step.graph_ms()
         eager_ms = float("nan") if args.no_eager else generate_ms(model, args.batch, args.context, args.new_tokens)
-        rows.append((fmt, weight_gib(model), graph_ms, eager_ms, err, agree, kernel_err))
-        print(f"  {fmt}: graph {graph_ms:.3f} ms/token, eager {eager_ms:.2f} ms/token", flush=True)
+        comp_ms = comp_err = float("nan")
+        if args.compile:
+            comp_ms, comp_err, compile_s = compiled_step(model, args.batch, args.context, logits, gpu)
+            print(f"  {fmt}: compiled in {compile_s:.0f} s", flush=True)
+        rows.append((fmt, weight_gib(model), graph_ms, eager_ms, comp_ms, err, agree, kernel_err, comp_err))
+        print(f"  {fmt}: graph {graph_ms:.3f} ms/token, eager {eager_ms:.2f} ms/token, compiled {comp_ms:.3f}",
+              flush=True)
         del step
         if model is not base:
             del model
@@ -248,12 +276,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     base_row = next((r for r in rows if r[0] == "fp16"), None)
     print(f"\n{'format':<8}{'weights GiB':>12}{'graph ms/tok':>14}{'x fp16':>8}{'eager ms/tok':>14}{'x fp16':>8}"
-          f"{'logits err':>12}{'top-1 agree':>13}{'layer err':>11}")
-    for fmt, gib, g_ms, e_ms, err, agree, kerr in rows:
-        gx = base_row[2] / g_ms if base_row else float("nan")
-        ex = base_row[3] / e_ms if base_row else float("nan")
-        print(f"{fmt:<8}{gib:>12.2f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{err:>12.2e}{agree:>13.3f}"
-              f"{kerr:>11.1e}")
+          f"{'compiled ms/tok':>17}{'x fp16':>8}{'logits err':>12}{'top-1 agree':>13}{'layer err':>11}"
+          f"{'compiled err':>14}")
+    for fmt, gib, g_ms, e_ms, c_ms, err, agree, kerr, cerr in rows:
+        gx, ex, cx = ((base_row[i] / ms if base_row else float("nan")) for i, ms in ((2, g_ms), (3, e_ms), (4, c_ms)))
+        print(f"{fmt:<8}{gib:>12.2f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{c_ms:>17.3f}{cx:>8.2f}"
+              f"{err:>12.2e}{agree:>13.3f}{kerr:>11.1e}{cerr:>14.2e}")
 
 
 if __name__ == "__main__":

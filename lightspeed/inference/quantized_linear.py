@@ -101,13 +101,18 @@ class QuantizedLinear(nn.Module):
     def quantized_weight(self) -> QuantizedWeight:
         """The packed weight as the ops layer sees it (views of this module's buffers; made again only when
         the buffers are replaced, e.g. by `.to()`: an eager decode step is bound by the host)."""
+        if torch.compiler.is_compiling():  # a fresh view: keeping one would be a traced side effect (a recompile)
+            return self._new_view()
         view = getattr(self, "_packed_view", None)  # modules pickled by older versions lack it
         if view is not None and view[0] is self.qweight and view[1] is self.scales:
             return view[2]
-        qw = QuantizedWeight(self.weight_format, (self.out_features, self.in_features), self.group_size,
-                             (self.qweight,), self.scales_fp16, self.weight_dtype, PACK_TILE)
+        qw = self._new_view()
         self._packed_view = (self.qweight, self.scales, qw)
         return qw
+
+    def _new_view(self) -> QuantizedWeight:
+        return QuantizedWeight(self.weight_format, (self.out_features, self.in_features), self.group_size,
+                               (self.qweight,), self.scales_fp16, self.weight_dtype, PACK_TILE)
 
     def dequantize_weight(self) -> torch.Tensor:
         """The float weight [out_features, in_features] this module represents, in the original dtype."""

@@ -41,11 +41,7 @@ def triton_available() -> bool:
     return True
 
 
-def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ dequant(W).T (+ bias). x: [..., K] (fp16/bf16 for the kernel; fp32 runs the reference),
-    W: packed [N, K]; y: [..., N] in x's dtype, accumulated in fp32. CUDA -> Triton kernel (from 1024
-    rows of x on: the weight dequantized once by Triton, then torch.matmul), CPU -> reference. Raises
-    ValueError for a wrong K, dtype or device."""
+def _check_args(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
     n, k = qweight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features but the quantized weight expects K={k}")
@@ -55,6 +51,26 @@ def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tens
         raise ValueError(f"x is on {x.device} but the quantized weight is on {qweight.device}")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         raise ValueError(f"bias must have shape ({n},) on {x.device} (got {tuple(bias.shape)} on {bias.device})")
+
+
+def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(W).T (+ bias). x: [..., K] (fp16/bf16 for the kernel; fp32 runs the reference),
+    W: packed [N, K]; y: [..., N] in x's dtype, accumulated in fp32. CUDA -> Triton kernel (from 512
+    rows of x on, 1024 for int4: the weight dequantized once by Triton, then torch.matmul), CPU ->
+    reference. Raises ValueError for a wrong K, dtype or device.
+
+    Under torch.compile it is one opaque operator, `torch.ops.lightspeed.quantized_matmul` (Note:
+    torch.compile)."""
+    _check_args(x, qweight, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.lightspeed.quantized_matmul(x, list(qweight.planes), qweight.scales, bias, qweight.format,
+                                                     qweight.shape[0], qweight.shape[1], qweight.group_size,
+                                                     qweight.dtype, qweight.tile)
+    return _matmul(x, qweight, bias)
+
+
+def _matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = qweight.shape
     if x.device.type != "cuda":
         return reference_matmul(x, qweight, bias)
     if x.dtype not in _KERNEL_DTYPES:
@@ -70,8 +86,28 @@ def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tens
         return x.new_empty((*lead, n))
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
-    y = wq_matmul(x2, qweight, bias)
-    return y.reshape(*lead, n)
+    if x.device.index != torch.cuda.current_device():  # triton launches on the current device
+        with torch.cuda.device(x.device):
+            return wq_matmul(x2, qweight, bias).reshape(*lead, n)
+    return wq_matmul(x2, qweight, bias).reshape(*lead, n)
+
+
+# Note: torch.compile. Dynamo cannot trace the kernel launch (the autotuner, launch plans and their
+# data_ptr() calls), so while compiling `quantized_matmul` emits this custom operator instead: one graph
+# node whose fake implementation gives the output's shape and dtype, and whose eager implementation is
+# the same dispatch as outside torch.compile (Triton on CUDA, the reference on CPU). Outside
+# torch.compile the operator is skipped: the dispatcher's per-call cost matters to an eager decode step.
+@torch.library.custom_op("lightspeed::quantized_matmul", mutates_args=())
+def _quantized_matmul_op(x: torch.Tensor, planes: list[torch.Tensor], scales: torch.Tensor,
+                         bias: torch.Tensor | None, weight_format: str, n: int, k: int, group_size: int | None,
+                         dtype: torch.dtype, tile: int) -> torch.Tensor:
+    qweight = QuantizedWeight(weight_format, (n, k), group_size, tuple(planes), scales, dtype, tile)
+    return _matmul(x, qweight, bias)
+
+
+@_quantized_matmul_op.register_fake
+def _quantized_matmul_fake(x, planes, scales, bias, weight_format, n, k, group_size, dtype, tile):
+    return x.new_empty((*x.shape[:-1], n))
 
 
 __all__ = [

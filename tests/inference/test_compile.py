@@ -1,0 +1,124 @@
+"""QuantizedLinear under torch.compile: `quantized_matmul` becomes one custom operator
+(`torch.ops.lightspeed.quantized_matmul`, the Note in lightspeed/ops/wquant/__init__.py) so dynamo
+traces a model of quantized layers in one graph, and the compiled model computes what the eager one
+does (CPU: the reference; CUDA: the Triton kernel, inductor, and a CUDA graph of the compiled step)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightspeed.inference import QuantizedLinear
+from lightspeed.ops.wquant import quantize
+
+CASES = [("fp6", None), ("int8", None), ("int4", None), ("int4", 32), ("int8", 64)]
+OP = torch.ops.lightspeed.quantized_matmul.default
+
+
+class _MLP(nn.Module):
+    def __init__(self, fmt, group_size, dtype, device, k=192, hidden=160, n=72):
+        super().__init__()
+        torch.manual_seed(0)
+        up, down = nn.Linear(k, hidden).to(device, dtype), nn.Linear(hidden, n, bias=False).to(device, dtype)
+        self.up = QuantizedLinear.from_linear(up, weight=fmt, group_size=group_size)
+        self.down = QuantizedLinear.from_linear(down, weight=fmt, group_size=group_size and 32)
+
+    def forward(self, x):
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+def _targets(gm):
+    return [node.target for node in gm.graph.nodes if node.op == "call_function"]
+
+
+@pytest.mark.parametrize("fmt,group_size", CASES)
+def test_quantized_layers_compile_to_one_graph(fmt, group_size):
+    """fullgraph=True (no graph break), each layer one operator node, outputs equal to eager for several
+    M (a static then a dynamic-shape graph) and leading dims, and no recompile for a repeated shape."""
+    model = _MLP(fmt, group_size, torch.float32, "cpu")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(3, 192), (2, 5, 192), (1, 192), (17, 192), (30, 192)]
+    with torch.no_grad():
+        for rep in range(2):
+            for shape in shapes:
+                x = torch.randn(*shape, generator=gen)
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+            if rep == 0:
+                first = len(graphs)
+    # (3, K) static, 3-D, M = 1 (specialized), then one dynamic-M graph; the second round compiles nothing
+    assert 1 <= first <= 4 and len(graphs) == first
+    for gm in graphs:
+        assert sum(t in (OP, OP.overloadpacket) for t in _targets(gm)) == 2
+
+
+@pytest.mark.parametrize("fmt,group_size", CASES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_operator_passes_opcheck(fmt, group_size, bias):
+    """torch.library.opcheck: schema, fake (meta) implementation against the real one, autograd
+    registration and AOT dispatch."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 40, 192
+    qw = quantize(torch.randn(n, k, generator=gen), fmt, group_size)
+    x = torch.randn(2, 3, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    args = (x, list(qw.planes), qw.scales, b, qw.format, n, k, qw.group_size, qw.dtype, qw.tile)
+    torch.library.opcheck(OP, args)
+    torch.testing.assert_close(OP(*args), nn.functional.linear(x, qw_dequant(qw), b))
+
+
+def qw_dequant(qw):
+    from lightspeed.ops.wquant import dequantize
+
+    return dequantize(qw, dtype=torch.float32)
+
+
+def test_compile_still_validates_inputs():
+    model = _MLP("int8", None, torch.float32, "cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(ValueError, match="expects K=192"):
+        compiled(torch.randn(2, 100))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor + Triton kernel on CUDA")
+@pytest.mark.parametrize("fmt,group_size,dtype", [("fp6", None, torch.float16), ("int8", None, torch.bfloat16),
+                                                  ("int4", 32, torch.float16)])
+def test_inductor_and_cuda_graph_on_cuda(fmt, group_size, dtype):
+    """Inductor (fullgraph) around the Triton kernel matches the eager model for M = 1, 5, 40, 130; the
+    compiled step captured in a CUDA graph and replayed with new inputs matches too."""
+    model = _MLP(fmt, group_size, dtype, "cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    with torch.no_grad():
+        for m in (1, 5, 40, 130):
+            x = torch.randn(m, 192, generator=gen).to("cuda", dtype)
+            ref = model(x).float()
+            torch.testing.assert_close(compiled(x).float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+        x = torch.randn(4, 192, generator=gen).to("cuda", dtype)
+        compiled(x)  # warm: tuned, planned, compiled for this shape
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            compiled(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = compiled(x)
+        for _ in range(2):
+            x.copy_(torch.randn(4, 192, generator=gen).to("cuda", dtype))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = model(x).float()
+            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())

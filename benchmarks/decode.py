@@ -6,10 +6,11 @@ Claim (issue 6): weight-only quantized layers make decoding faster than fp16. Th
 `fp6_gemm.py`; this measures what a model's decode step gets from it, attention, norms and the fp16
 output head included. Per format: weight memory, ms per token with the decode step replayed from a
 CUDA graph (GPU time: batch B, one new token per sequence, a static KV cache holding `--context`
-tokens), ms per token of the model's own eager `generate` (Python launch overhead included), and
-the first decode step's logits against the fp16 model's (relative L2 error, top-1 agreement; random
-layers amplify any perturbation, so these are no measure of quantization quality) and, per quantized
-layer of one step, the kernel's output against F.linear with its dequantized weight (max over layers).
+tokens), ms per token of the model's own eager `generate` (Python launch overhead included), peak GPU
+memory while building the model and prefilling the cache, and the first decode step's logits against
+the fp16 model's (relative L2 error, top-1 agreement; random layers amplify any perturbation, so these
+are no measure of quantization quality) and, per quantized layer of one step, the kernel's output
+against F.linear with its dequantized weight (max over layers).
 `--compile` adds the decode step compiled by torch.compile (inductor, fullgraph: each quantized layer is
 one `lightspeed::quantized_matmul` node) and replayed from a CUDA graph, and its logits against the
 same model's eager step.
@@ -18,6 +19,8 @@ same model's eager step.
     python benchmarks/decode.py --size llama2-70b --layers 20     # the first 20 of 80 layers
     python benchmarks/decode.py --smoke                           # tiny model on CPU (reference path)
     python benchmarks/decode.py --no-eager --compile              # + torch.compile'd decode steps
+    python benchmarks/decode.py --size llama2-70b --tied-layers --formats fp16,fp6,int4 --no-eager
+                                     # all 80 layers: one set of CPU weights, every layer its own on the GPU
 """
 
 from __future__ import annotations
@@ -62,6 +65,45 @@ def build_model(size: str, layers: int | None, device: torch.device, seed: int =
     with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg)
     return model.to(torch.float16).eval()
+
+
+def build_tied_model(size: str, layers: int | None):
+    """A model whose decoder layers all share the first layer's CPU weights (host memory of one layer):
+    the random weights of a 70B-shaped model without 138 GB of host memory. `init_inference` quantizes
+    layer by layer, so every layer still gets its own quantized copy on the GPU; `untie` gives the fp16
+    baseline its own copies there."""
+    import transformers
+
+    fields = dict(SIZES[size])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    one = build_model(size, 1, torch.device("cpu"))
+    cfg = transformers.LlamaConfig(max_position_embeddings=4096, **fields)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model.model.embed_tokens, model.model.norm, model.lm_head = one.model.embed_tokens, one.model.norm, one.lm_head
+    model.model.rotary_emb = one.model.rotary_emb
+    first = one.model.layers[0]
+    for layer in model.model.layers:
+        for name, param in first.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            layer.get_submodule(owner)._parameters[leaf] = param
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"build_tied_model: tensors left on meta: {left[:4]}")
+    return model.to(torch.float16).eval()
+
+
+def untie(model) -> None:
+    """Give every decoder layer its own copy of the (shared) weights, on their device."""
+    seen = set()
+    for layer in model.model.layers:
+        for name, param in list(layer.named_parameters(remove_duplicate=False)):
+            if id(param) in seen:
+                owner, _, leaf = name.rpartition(".")
+                layer.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(param.detach().clone(),
+                                                                                requires_grad=False)
+            seen.add(id(param))
 
 
 def _cache_kwarg(model) -> str:
@@ -225,6 +267,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens per eager generate timing")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager generate timing")
     ap.add_argument("--smoke", action="store_true", help="the tiny size, short context (CPU: reference path)")
+    ap.add_argument("--tied-layers", action="store_true",
+                    help="build the model on the CPU with one layer's weights shared by all (see build_tied_model)")
     ap.add_argument("--compile", action="store_true",
                     help="also a decode step compiled by torch.compile (inductor, fullgraph) in a CUDA graph")
     args = ap.parse_args()
@@ -236,18 +280,32 @@ def main() -> None:
             ap.error(f"--formats: unknown format {f!r} (known: {', '.join(FORMATS)})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
-    base = build_model(args.size, args.layers, device)
+    base = build_tied_model(args.size, args.layers) if args.tied_layers else build_model(args.size, args.layers, device)
     layers = base.config.num_hidden_layers
     print(f"# {args.size} shapes, {layers} layers, batch {args.batch}, context {args.context}, "
           f"{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}")
     ref_logits, rows = None, []
     for fmt in formats:
-        if fmt == "fp16":
-            model = base
-        else:
-            model = copy.deepcopy(base)
-            lightspeed.init_inference(model, dtype=torch.float16, quant={"weight": fmt}, device=device)
-        step = DecodeStep(model, args.batch, args.context)
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            if fmt == "fp16" and not args.tied_layers:
+                model = base
+            else:
+                model = copy.deepcopy(base)  # keeps the tied layers tied: init_inference unties them
+                lightspeed.init_inference(model, dtype=torch.float16, quant=None if fmt == "fp16" else {"weight": fmt},
+                                          device=device)
+                if fmt == "fp16":
+                    untie(model)
+            step = DecodeStep(model, args.batch, args.context)
+        except torch.OutOfMemoryError as err:
+            print(f"  {fmt}: out of GPU memory ({str(err).splitlines()[0]})", flush=True)
+            model = step = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
+        print(f"  {fmt}: peak GPU memory {peak_gib:.1f} GiB (build + prefill)", flush=True)
         logits = step().float()  # the first call autotunes every layer shape for this M
         if fmt == "fp16":
             ref_logits = logits
@@ -265,7 +323,7 @@ def main() -> None:
         if args.compile:
             comp_ms, comp_err, compile_s = compiled_step(model, args.batch, args.context, logits, gpu)
             print(f"  {fmt}: compiled in {compile_s:.0f} s", flush=True)
-        rows.append((fmt, weight_gib(model), graph_ms, eager_ms, comp_ms, err, agree, kernel_err, comp_err))
+        rows.append((fmt, weight_gib(model), peak_gib, graph_ms, eager_ms, comp_ms, err, agree, kernel_err, comp_err))
         print(f"  {fmt}: graph {graph_ms:.3f} ms/token, eager {eager_ms:.2f} ms/token, compiled {comp_ms:.3f}",
               flush=True)
         del step
@@ -275,12 +333,12 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
     base_row = next((r for r in rows if r[0] == "fp16"), None)
-    print(f"\n{'format':<8}{'weights GiB':>12}{'graph ms/tok':>14}{'x fp16':>8}{'eager ms/tok':>14}{'x fp16':>8}"
-          f"{'compiled ms/tok':>17}{'x fp16':>8}{'logits err':>12}{'top-1 agree':>13}{'layer err':>11}"
+    print(f"\n{'format':<8}{'weights GiB':>12}{'peak GiB':>10}{'graph ms/tok':>14}{'x fp16':>8}{'eager ms/tok':>14}"
+          f"{'x fp16':>8}{'compiled ms/tok':>17}{'x fp16':>8}{'logits err':>12}{'top-1 agree':>13}{'layer err':>11}"
           f"{'compiled err':>14}")
-    for fmt, gib, g_ms, e_ms, c_ms, err, agree, kerr, cerr in rows:
-        gx, ex, cx = ((base_row[i] / ms if base_row else float("nan")) for i, ms in ((2, g_ms), (3, e_ms), (4, c_ms)))
-        print(f"{fmt:<8}{gib:>12.2f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{c_ms:>17.3f}{cx:>8.2f}"
+    for fmt, gib, peak, g_ms, e_ms, c_ms, err, agree, kerr, cerr in rows:
+        gx, ex, cx = ((base_row[i] / ms if base_row else float("nan")) for i, ms in ((3, g_ms), (4, e_ms), (5, c_ms)))
+        print(f"{fmt:<8}{gib:>12.2f}{peak:>10.1f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{c_ms:>17.3f}{cx:>8.2f}"
               f"{err:>12.2e}{agree:>13.3f}{kerr:>11.1e}{cerr:>14.2e}")
 
 

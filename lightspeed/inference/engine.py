@@ -73,11 +73,12 @@ def _matches(name: str, patterns) -> bool:
 
 
 def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | None = None, include=(),
-                     exclude=()) -> list[str]:
+                     exclude=(), device=None, dtype: torch.dtype | None = None) -> list[str]:
     """Swap nn.Linear / Conv1D submodules of `model` for QuantizedLinear in place; returns the swapped
-    names. Skipped: lm_head and layers whose weight is tied to an embedding (unless named in
-    `include`), names matching `exclude` (fnmatch patterns), layers whose in_features cannot be packed
-    (logged)."""
+    names. Each layer's weight is moved to `device` and cast to `dtype` (None: as it is) one layer at a
+    time, then quantized there. Skipped: lm_head and layers whose weight is tied to an embedding (unless
+    named in `include`), names matching `exclude` (fnmatch patterns), layers whose in_features cannot
+    be packed (logged)."""
     tied = _tied_output_ids(model)
     swaps = []
     for name, module in model.named_modules():
@@ -100,7 +101,8 @@ def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | No
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantizedLinear.from_linear(module, weight=weight, group_size=group_size))
+        setattr(parent, child, QuantizedLinear.from_linear(module, weight=weight, group_size=group_size,
+                                                           device=device, dtype=dtype))
     return [name for name, _ in swaps]
 
 
@@ -111,7 +113,11 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     GPU, else CPU) and, with `quant={"weight": "fp6"|"int8"|"int4", "group_size": None|int,
     "include": [...], "exclude": [...]}`, swap its linear layers for QuantizedLinear. `config` may hold
     the same keys (DeepSpeed's dict form); keyword arguments win. Returns the model itself, so its own
-    `generate` works. Tensor parallelism and kernel injection raise NotImplementedError."""
+    `generate` works. Tensor parallelism and kernel injection raise NotImplementedError.
+
+    With `quant`, the linear layers are quantized on their way to `device`, one at a time, before the
+    rest of the model moves: the device never holds the whole model in `dtype` (a 70B model's 138 GB
+    of fp16 weights need not fit on the GPU that holds its 52 GB of FP6 ones)."""
     kwargs = {"dtype": dtype, "quant": quant, "tensor_parallel": tensor_parallel, "mp_size": mp_size,
               "replace_with_kernel_inject": replace_with_kernel_inject, "device": device}
     if config is not None:
@@ -134,12 +140,16 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     q = _check_quant(kwargs["quant"]) if kwargs["quant"] is not None else None
     target_device = torch.device(kwargs["device"]) if kwargs["device"] is not None else default_device()
 
-    model = model.to(device=target_device, dtype=target_dtype)
-    model.eval()
     if q is not None and q["enabled"]:
-        before = sum(p.numel() * p.element_size() for p in model.parameters())
-        names = quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"])
+        size = torch.empty((), dtype=target_dtype).element_size()
+        before = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in model.parameters())
+        names = quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"],
+                                 device=target_device, dtype=target_dtype)
+        model = model.to(device=target_device, dtype=target_dtype)
         after = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         logger.info("init_inference: %d linear layers -> %s (group_size=%s); weights %.1f MiB -> %.1f MiB",
                     len(names), q["weight"], q["group_size"], before / 2**20, after / 2**20)
+    else:
+        model = model.to(device=target_device, dtype=target_dtype)
+    model.eval()
     return model

@@ -70,15 +70,19 @@ class QuantizedLinear(nn.Module):
                                       error_msgs)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, weight: str = "fp6", group_size: int | None = None) -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Module, weight: str = "fp6", group_size: int | None = None, *,
+                    device=None, dtype: torch.dtype | None = None) -> "QuantizedLinear":
         """Quantize an nn.Linear (weight [out, in]) or a transformers Conv1D (weight [in, out]) on its
-        device, in its dtype."""
+        device, in its dtype; or first moved to `device` and cast to `dtype` (only this layer's weight
+        makes that trip: `init_inference` quantizes a model on its way to the GPU layer by layer). The
+        linear itself is left as it was."""
         if isinstance(linear, nn.Linear):
             w = linear.weight.detach()
         elif is_conv1d(linear):
             w = linear.weight.detach().t()
         else:
             raise ValueError(f"from_linear needs an nn.Linear or transformers Conv1D (got {type(linear).__name__})")
+        w = w.to(device=device, dtype=dtype)
         out_features, in_features = w.shape
         qw = quantize(w, weight, group_size)
         module = cls(in_features, out_features, bias=linear.bias is not None, weight=weight, group_size=group_size,

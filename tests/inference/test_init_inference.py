@@ -83,3 +83,45 @@ def test_argument_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match) as info:
         init_inference(torch.nn.Linear(64, 8), device="cpu", **kwargs)
     assert "\n" not in str(info.value)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_quantized_on_their_way_match_cast_then_quantize(name, device):
+    """init_inference moves and casts each linear layer on its own, then quantizes it there: the packed
+    buffers equal those of casting and moving the whole model first (the order before), and the fp32
+    model handed in is left fp32 on the CPU in its swapped-out layers."""
+    from lightspeed.inference.engine import quantize_linears
+
+    torch.manual_seed(0)
+    base = MODELS[name][0]()
+    old = copy.deepcopy(base).to(device=device, dtype=torch.bfloat16)
+    quantize_linears(old, "fp6")
+    new = init_inference(copy.deepcopy(base), dtype=torch.bfloat16, quant={"weight": "fp6"}, device=device)
+    old_state, new_state = old.state_dict(), new.state_dict()
+    assert list(old_state) == list(new_state)
+    for key, value in old_state.items():
+        assert new_state[key].device.type == device and new_state[key].dtype == value.dtype, key
+        assert torch.equal(new_state[key], value), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory")
+def test_gpu_never_holds_the_whole_unquantized_model():
+    """96 fp32 CPU layers of 1024 x 1024 (192 MiB in fp16) quantized onto the GPU: the peak of GPU memory
+    stays under the quantized model plus half the fp16 model (one layer's cast and quantizer
+    temporaries at a time; casting the whole model first would hold all 192 MiB)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(96)])
+    fp16_bytes = 96 * 1024 * 1024 * 2
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = init_inference(model, dtype=torch.float16, quant={"weight": "fp6"}, device="cuda")
+    torch.cuda.synchronize()
+    final = torch.cuda.memory_allocated() - start
+    peak = torch.cuda.max_memory_allocated() - start
+    assert all(isinstance(m, QuantizedLinear) for m in model)
+    assert final < 0.4 * fp16_bytes and peak < final + 0.5 * fp16_bytes, (final, peak)

@@ -319,3 +319,20 @@ def test_bad_input_raises_one_line_value_error(call, match):
     with pytest.raises(ValueError, match=match) as info:
         call()
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("fmt,group_size", [("fp6", None), ("int8", None), ("int4", None), ("int4", 32), ("fp6", 64)])
+def test_quantize_in_row_chunks_is_bit_identical(fmt, group_size, monkeypatch):
+    """`quantize` works through the rows in chunks of QUANT_CHUNK values (its int64 packing
+    temporaries): chunks of 1, 3 and 7 rows of a 37-row weight (a partial last chunk, chunks across the
+    32-row storage groups) give the same bytes and scales as one chunk."""
+    from lightspeed.ops.wquant import reference
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(37, 192, generator=gen).to(torch.bfloat16)
+    whole = quantize(w, fmt, group_size)
+    for rows in (1, 3, 7):
+        monkeypatch.setattr(reference, "QUANT_CHUNK", rows * 192 + 5)
+        part = quantize(w, fmt, group_size)
+        assert torch.equal(part.planes[0], whole.planes[0]) and torch.equal(part.scales, whole.scales)
+        assert part.dtype == whole.dtype == torch.bfloat16

@@ -466,22 +466,34 @@ def quantize(weight: torch.Tensor, fmt: str = "fp6", group_size: int | None = No
         got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(f"weight must be float16, bfloat16 or float32 (got {got})")
     check_quant_args(fmt, weight.shape, group_size)
-    w32 = weight.detach().float()
-    if not torch.isfinite(w32).all():
+    n, k = weight.shape
+    if not torch.isfinite(weight).all():
         raise ValueError("weight contains NaN or inf; refusing to quantize it")
-    n, k = w32.shape
+    step = max(1, QUANT_CHUNK // k)  # rows are independent: quantize and pack them in chunks
+    parts = [_quantize_rows(weight[i:i + step].detach(), fmt, group_size) for i in range(0, n, step)]
+    scales = torch.cat([scales for scales, _ in parts])
+    rows = tuple(torch.cat([planes[j] for _, planes in parts]) for j in range(len(parts[0][1])))
+    return QuantizedWeight(fmt, (n, k), group_size, (tile_major(rows, fmt, n, k),), scales, weight.dtype, PACK_TILE)
+
+
+# values per row chunk of `quantize`: its packing works in int64 temporaries (tens of bytes a value), so a
+# whole 8192 x 28672 layer at once took ~15 GiB of GPU memory beyond the weights (BENCHMARKS.md, 70B run)
+QUANT_CHUNK = 1 << 24
+
+
+def _quantize_rows(weight: torch.Tensor, fmt: str, group_size: int | None) -> tuple[torch.Tensor, tuple]:
+    """(fp16 scales [rows, groups], the row-major planes of `_row_specs`) of a block of whole rows."""
+    w32 = weight.float()
+    k = w32.shape[1]
     scales = _scales(w32, QMAX[fmt], group_size)
     v = w32 / _expand(scales, k)
     if fmt == "fp6":
-        rows = pack_fp6(fp6_encode(v))
-    else:
-        qmax = INT_MAX[fmt]
-        q = torch.round(v).clamp(-qmax, qmax).to(torch.int8)
-        if fmt == "int8":
-            rows = (pack_bytes(q),)
-        else:
-            rows = (pack_nibbles((q + 8).to(torch.uint8), pad=8),)  # pad code 8 is q = 0
-    return QuantizedWeight(fmt, (n, k), group_size, (tile_major(rows, fmt, n, k),), scales, weight.dtype, PACK_TILE)
+        return scales, pack_fp6(fp6_encode(v))
+    qmax = INT_MAX[fmt]
+    q = torch.round(v).clamp(-qmax, qmax).to(torch.int8)
+    if fmt == "int8":
+        return scales, (pack_bytes(q),)
+    return scales, (pack_nibbles((q + 8).to(torch.uint8), pad=8),)  # pad code 8 is q = 0
 
 
 def unpack_codes(qw: QuantizedWeight) -> torch.Tensor:

@@ -113,7 +113,7 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     GPU, else CPU) and, with `quant={"weight": "fp6"|"int8"|"int4", "group_size": None|int,
     "include": [...], "exclude": [...]}`, swap its linear layers for QuantizedLinear. `config` may hold
     the same keys (DeepSpeed's dict form); keyword arguments win. Returns the model itself, so its own
-    `generate` works. Tensor parallelism and kernel injection raise NotImplementedError.
+    `generate` works; `.module` (DeepSpeed's engine attribute) is the model too. Tensor parallelism and kernel injection raise NotImplementedError.
 
     With `quant`, the linear layers are quantized on their way to `device`, one at a time, before the
     rest of the model moves: the device never holds the whole model in `dtype` (a 70B model's 138 GB
@@ -152,4 +152,9 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     else:
         model = model.to(device=target_device, dtype=target_dtype)
     model.eval()
+    if not hasattr(model, "module"):
+        # DeepSpeed returns an engine whose `.module` is the model, and scripts call `engine.module(...)` /
+        # `engine.module.generate(...)`; here that is the model itself, kept in the instance dict so it is
+        # not registered as its own submodule (no cycle in modules(), state_dict or .to())
+        model.__dict__["module"] = model
     return model

@@ -125,3 +125,24 @@ def test_gpu_never_holds_the_whole_unquantized_model():
     peak = torch.cuda.max_memory_allocated() - start
     assert all(isinstance(m, QuantizedLinear) for m in model)
     assert final < 0.4 * fp16_bytes and peak < final + 0.5 * fp16_bytes, (final, peak)
+
+
+def test_engine_module_is_the_model():
+    """DeepSpeed scripts use `engine.module`: it is the returned model, not a registered submodule (the
+    module tree, state_dict and copies are those of the model alone)."""
+    torch.manual_seed(0)
+    base = _llama()
+    names = [n for n, _ in base.named_modules()]
+    keys = list(base.state_dict())
+    engine = init_inference(base, dtype=torch.float32, device="cpu")
+    assert engine.module is engine
+    assert [n for n, _ in engine.named_modules()] == names and list(engine.state_dict()) == keys
+    twin = copy.deepcopy(engine)
+    assert twin.module is twin
+    ids = torch.tensor([[1, 2, 3]])
+    out = engine.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                                 pad_token_id=0)
+    assert out.shape == (1, 5)
+    wrapped = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    wrapped.module = torch.nn.Linear(4, 4)  # a model with its own `module` keeps it
+    assert init_inference(wrapped, dtype=torch.float32, device="cpu").module is wrapped[1]

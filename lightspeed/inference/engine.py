@@ -35,7 +35,39 @@ def _tp_size(value) -> int:
     return int(size or 1)
 
 
+# DeepSpeedInferenceConfig fields that only configure DeepSpeed's injected kernels (or a checkpoint load):
+# without kernel injection they do nothing there either, so any value is taken and logged
+_KERNEL_ONLY = ("triangular_masking", "tm", "return_tuple", "max_out_tokens", "max_tokens", "min_out_tokens",
+                "min_tokens", "replace_method", "transposed_mode", "tp_grain_size", "use_triton", "triton_autotune",
+                "training_mp_size")
+# fields this engine does not implement, with DeepSpeed's default: any other value raises NotImplementedError
+_NOT_IMPLEMENTED = {"enable_cuda_graph": False, "checkpoint": None, "base_dir": "", "checkpoint_config": {},
+                    "ckpt_config": {}, "save_mp_checkpoint_path": None, "injection_policy": None,
+                    "injection_dict": None, "injection_policy_tuple": None, "zero": {}, "moe": {}, "ep_size": 1,
+                    "mpu": None, "set_empty_params": False}
+_ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_parallel"}
+
+
+def _is_default(value, default) -> bool:
+    return value == default or (value is None or value is False or value in ({}, "")) and not default
+
+
+def _check_deepspeed_keys(extra: dict) -> None:
+    for key, value in extra.items():
+        if key in _KERNEL_ONLY:
+            logger.info("init_inference: %s=%r configures DeepSpeed's injected kernels; no effect here", key, value)
+        elif key in _NOT_IMPLEMENTED:
+            if not _is_default(value, _NOT_IMPLEMENTED[key]):
+                raise NotImplementedError(f"init_inference: {key}={value!r} is not implemented (DeepSpeed default "
+                                          f"{_NOT_IMPLEMENTED[key]!r})")
+        else:
+            raise ValueError(f"init_inference: unknown argument {key!r}")
+
+
 def _resolve_dtype(dtype) -> torch.dtype:
+    if dtype is torch.int8 or (isinstance(dtype, str) and dtype.lower() in ("int8", "torch.int8")):
+        raise ValueError("init_inference: dtype=int8 (DeepSpeed's int8 kernel injection) is not implemented; for "
+                         "INT8 weights pass quant={'weight': 'int8'} with dtype float16 or bfloat16")
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"init_inference: dtype must be float16, bfloat16 or float32 (got {dtype})")
@@ -108,11 +140,15 @@ def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | No
 
 def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.float16, quant: dict | None = None,
                    tensor_parallel=None, mp_size: int = 1, replace_with_kernel_inject: bool = False,
-                   device=None) -> nn.Module:
+                   device=None, **deepspeed_kwargs) -> nn.Module:
     """Prepare `model` for generation: cast it to `dtype`, move it to `device` (default: this rank's
     GPU, else CPU) and, with `quant={"weight": "fp6"|"int8"|"int4", "group_size": None|int,
     "include": [...], "exclude": [...]}`, swap its linear layers for QuantizedLinear. `config` may hold
-    the same keys (DeepSpeed's dict form); keyword arguments win. Returns the model itself, so its own
+    the same keys (DeepSpeed's dict form); keyword arguments win. Other DeepSpeedInferenceConfig fields
+    are taken by name: those that only configure DeepSpeed's injected kernels (max_out_tokens,
+    triangular_masking, return_tuple, ...) are logged and have no effect, as without kernel injection in
+    DeepSpeed; the unimplemented ones (enable_cuda_graph, checkpoint, injection_policy, zero, moe, ...)
+    raise NotImplementedError naming the key unless they hold DeepSpeed's default. Returns the model itself, so its own
     `generate` works; `.module` (DeepSpeed's engine attribute) is the model too. Tensor parallelism and kernel injection raise NotImplementedError.
 
     With `quant`, the linear layers are quantized on their way to `device`, one at a time, before the
@@ -120,16 +156,22 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     of fp16 weights need not fit on the GPU that holds its 52 GB of FP6 ones)."""
     kwargs = {"dtype": dtype, "quant": quant, "tensor_parallel": tensor_parallel, "mp_size": mp_size,
               "replace_with_kernel_inject": replace_with_kernel_inject, "device": device}
+    extra = {_ALIASES.get(key, key): value for key, value in deepspeed_kwargs.items()}
+    for key in [k for k in extra if k in kwargs]:  # an alias (tp=, kernel_inject=) of a named argument
+        kwargs[key] = extra.pop(key)
     if config is not None:
         if not isinstance(config, dict):
             raise ValueError(f"init_inference: config must be a dict (got {type(config).__name__})")
         for key, value in config.items():
+            key = _ALIASES.get(key, key)
             if key not in kwargs:
-                raise ValueError(f"init_inference: unknown argument {key!r} (known: {', '.join(kwargs)})")
+                extra.setdefault(key, value)
+                continue
             defaults = {"dtype": torch.float16, "quant": None, "tensor_parallel": None, "mp_size": 1,
                         "replace_with_kernel_inject": False, "device": None}
             if kwargs[key] is defaults[key] or kwargs[key] == defaults[key]:
                 kwargs[key] = value
+    _check_deepspeed_keys(extra)
     if _tp_size(kwargs["tensor_parallel"]) > 1:
         raise NotImplementedError("init_inference: tensor_parallel (tp_size > 1) is not implemented")
     if int(kwargs["mp_size"] or 1) > 1:

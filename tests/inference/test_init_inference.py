@@ -73,8 +73,17 @@ def test_include_exclude_and_config_dict():
     ({"quant": {"weight": "fp6", "bits": 6}}, ValueError, "unknown quant key 'bits'"),
     ({"quant": {"weight": "nf4"}}, ValueError, "quant\\['weight'\\]"),
     ({"quant": {"weight": "int4", "group_size": 20}}, ValueError, "group_size"),
-    ({"dtype": torch.int8}, ValueError, "dtype"),
-    ({"config": {"checkpoint": "x"}}, ValueError, "unknown argument 'checkpoint'"),
+    ({"dtype": torch.int8}, ValueError, "quant=\\{'weight': 'int8'\\}"),
+    ({"dtype": "bfloat"}, ValueError, "dtype"),
+    ({"config": {"checkpoint": "x"}}, NotImplementedError, "checkpoint='x' is not implemented"),
+    ({"checkpoint": "ckpt.json"}, NotImplementedError, "checkpoint"),
+    ({"enable_cuda_graph": True}, NotImplementedError, "enable_cuda_graph"),
+    ({"config": {"zero": {"stage": 3}}}, NotImplementedError, "zero"),
+    ({"injection_policy": {"Block": ("attn.c_proj",)}}, NotImplementedError, "injection_policy"),
+    ({"kernel_inject": True}, NotImplementedError, "replace_with_kernel_inject"),
+    ({"tp": {"tp_size": 2}}, NotImplementedError, "tensor_parallel"),
+    ({"max_new_tokens": 5}, ValueError, "unknown argument 'max_new_tokens'"),
+    ({"config": {"bogus": 1}}, ValueError, "unknown argument 'bogus'"),
     ({"tensor_parallel": {"tp_size": 2}}, NotImplementedError, "tensor_parallel"),
     ({"mp_size": 2}, NotImplementedError, "mp_size"),
     ({"replace_with_kernel_inject": True}, NotImplementedError, "replace_with_kernel_inject"),
@@ -146,3 +155,17 @@ def test_engine_module_is_the_model():
     wrapped = torch.nn.Sequential(torch.nn.Linear(4, 4))
     wrapped.module = torch.nn.Linear(4, 4)  # a model with its own `module` keeps it
     assert init_inference(wrapped, dtype=torch.float32, device="cpu").module is wrapped[1]
+
+
+def test_deepspeed_arguments_that_change_nothing_here_are_taken():
+    """A DeepSpeed call's kernel-only settings (any value) and the unimplemented ones at DeepSpeed's
+    defaults, as keywords or in the config dict, run like the plain call."""
+    torch.manual_seed(0)
+    base = _llama()
+    plain = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+    ds = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"},
+                        max_out_tokens=2048, replace_method="auto", checkpoint=None, enable_cuda_graph=False,
+                        tp={"tp_size": 1}, config={"triangular_masking": True, "return_tuple": True, "moe": False,
+                                                   "zero": {}, "min_tokens": 1, "kernel_inject": False})
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    torch.testing.assert_close(ds(ids).logits, plain(ids).logits, rtol=0, atol=0)

@@ -49,7 +49,8 @@ _ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_paralle
 
 
 def _is_default(value, default) -> bool:
-    return value == default or (value is None or value is False or value in ({}, "")) and not default
+    empty = value is None or value is False or value in ({}, "")
+    return value == default or (empty and not default)
 
 
 def _check_deepspeed_keys(extra: dict) -> None:
@@ -144,12 +145,14 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     """Prepare `model` for generation: cast it to `dtype`, move it to `device` (default: this rank's
     GPU, else CPU) and, with `quant={"weight": "fp6"|"int8"|"int4", "group_size": None|int,
     "include": [...], "exclude": [...]}`, swap its linear layers for QuantizedLinear. `config` may hold
-    the same keys (DeepSpeed's dict form); keyword arguments win. Other DeepSpeedInferenceConfig fields
-    are taken by name: those that only configure DeepSpeed's injected kernels (max_out_tokens,
-    triangular_masking, return_tuple, ...) are logged and have no effect, as without kernel injection in
-    DeepSpeed; the unimplemented ones (enable_cuda_graph, checkpoint, injection_policy, zero, moe, ...)
-    raise NotImplementedError naming the key unless they hold DeepSpeed's default. Returns the model itself, so its own
-    `generate` works; `.module` (DeepSpeed's engine attribute) is the model too. Tensor parallelism and kernel injection raise NotImplementedError.
+    the same keys (DeepSpeed's dict form); keyword arguments win. Returns the model itself, so its own
+    `generate` works; `.module` (DeepSpeed's engine attribute) is the model too.
+
+    Other DeepSpeedInferenceConfig fields are taken by name: those that only configure DeepSpeed's
+    injected kernels (max_out_tokens, triangular_masking, return_tuple, ...) are logged and have no
+    effect, as without kernel injection in DeepSpeed; tensor parallelism, kernel injection and the other
+    unimplemented ones (enable_cuda_graph, checkpoint, injection_policy, zero, moe, ...) raise
+    NotImplementedError naming the key unless they hold DeepSpeed's default.
 
     With `quant`, the linear layers are quantized on their way to `device`, one at a time, before the
     rest of the model moves: the device never holds the whole model in `dtype` (a 70B model's 138 GB

@@ -5,6 +5,7 @@ CPU. Imports only torch and the layers below ops/."""
 
 from __future__ import annotations
 
+import contextlib
 
 import torch
 
@@ -86,10 +87,9 @@ def _matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
         return x.new_empty((*lead, n))
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
-    if x.device.index != torch.cuda.current_device():  # triton launches on the current device
-        with torch.cuda.device(x.device):
-            return wq_matmul(x2, qweight, bias).reshape(*lead, n)
-    return wq_matmul(x2, qweight, bias).reshape(*lead, n)
+    on_current = x.device.index == torch.cuda.current_device()  # triton launches on the current device
+    with contextlib.nullcontext() if on_current else torch.cuda.device(x.device):
+        return wq_matmul(x2, qweight, bias).reshape(*lead, n)
 
 
 # Note: torch.compile. Dynamo cannot trace the kernel launch (the autotuner, launch plans and their

@@ -292,7 +292,7 @@ def main() -> None:
             if fmt == "fp16" and not args.tied_layers:
                 model = base
             else:
-                model = copy.deepcopy(base)  # keeps the tied layers tied: init_inference unties them
+                model = copy.deepcopy(base)  # tied stays tied: quantizing gives each layer its own copy, untie fp16
                 lightspeed.init_inference(model, dtype=torch.float16, quant=None if fmt == "fp16" else {"weight": fmt},
                                           device=device)
                 if fmt == "fp16":

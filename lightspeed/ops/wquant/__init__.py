@@ -60,10 +60,12 @@ def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tens
     rows of x on, 1024 for int4: the weight dequantized once by Triton, then torch.matmul), CPU ->
     reference. Raises ValueError for a wrong K, dtype or device.
 
-    Under torch.compile it is one opaque operator, `torch.ops.lightspeed.quantized_matmul` (Note:
-    torch.compile)."""
+    Under torch.compile, and when x or bias needs a gradient, it runs as the operator
+    `torch.ops.lightspeed.quantized_matmul` (Note: torch.compile), whose backward gives x and bias their
+    gradients (the packed weight is frozen: no gradient)."""
     _check_args(x, qweight, bias)
-    if torch.compiler.is_compiling():
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    if needs_grad or torch.compiler.is_compiling():  # the operator carries the backward formula
         return torch.ops.lightspeed.quantized_matmul(x, list(qweight.planes), qweight.scales, bias, qweight.format,
                                                      qweight.shape[0], qweight.shape[1], qweight.group_size,
                                                      qweight.dtype, qweight.tile)
@@ -108,6 +110,33 @@ def _quantized_matmul_op(x: torch.Tensor, planes: list[torch.Tensor], scales: to
 @_quantized_matmul_op.register_fake
 def _quantized_matmul_fake(x, planes, scales, bias, weight_format, n, k, group_size, dtype, tile):
     return x.new_empty((*x.shape[:-1], n))
+
+
+# Backward: the kernel's output has no autograd graph, so without this formula an x that needs a gradient
+# (adapters trained on a frozen quantized model) would silently get none from CUDA. grad_x = grad_y @ W
+# with the weight dequantized by the reference (traceable, so compiled backward graphs take it too), in
+# x's dtype as F.linear's backward would; grad_bias = the sum of grad_y over the leading dims.
+def _setup_backward(ctx, inputs, output):
+    x, planes, scales, bias, weight_format, n, k, group_size, dtype, tile = inputs
+    ctx.save_for_backward(scales, *planes)
+    ctx.weight = (weight_format, n, k, group_size, dtype, tile)
+    ctx.x_dtype = x.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, grad):
+    scales, *planes = ctx.saved_tensors
+    weight_format, n, k, group_size, dtype, tile = ctx.weight
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        qweight = QuantizedWeight(weight_format, (n, k), group_size, tuple(planes), scales, dtype, tile)
+        grad_x = grad.to(ctx.x_dtype) @ dequantize(qweight, dtype=ctx.x_dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+        grad_bias = grad.reshape(-1, n).sum(0).to(ctx.bias_dtype)
+    return grad_x, [None] * len(planes), None, grad_bias, None, None, None, None, None, None
+
+
+_quantized_matmul_op.register_autograd(_backward, setup_context=_setup_backward)
 
 
 __all__ = [

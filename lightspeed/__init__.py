@@ -26,6 +26,10 @@ def init_inference(*args, **kwargs):
 
 def __getattr__(name: str):
     # lazy, so `import lightspeed.ops...` needs neither pydantic nor the config package
+    if name == "OnDevice":
+        from lightspeed._utils.init_on_device import OnDevice
+
+        return OnDevice
     if name == "ConfigError":
         from lightspeed.config.errors import ConfigError
 
@@ -33,4 +37,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'lightspeed' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "initialize", "init_distributed", "init_inference", "__version__"]
+__all__ = ["ConfigError", "OnDevice", "initialize", "init_distributed", "init_inference", "__version__"]

@@ -14,7 +14,8 @@ _LOGGER_NAME = "lightspeed"
 _warned: set[str] = set()
 
 
-def _current_rank() -> int:
+def current_rank() -> int:
+    """This process's global rank: torch.distributed's when a group is up, else the launcher's environment, else 0."""
     # torch.distributed is only looked up, never imported here: comm/ is its one importer, and if it
     # was never imported no process group can be initialized.
     dist = sys.modules.get("torch.distributed")
@@ -33,7 +34,7 @@ class _RankFilter(logging.Filter):
     all_ranks = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        rank = _current_rank()
+        rank = current_rank()
         record.rank = rank
         return self.all_ranks or rank == 0
 

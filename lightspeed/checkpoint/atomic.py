@@ -108,12 +108,19 @@ def _weights_only_reason(err: Exception) -> str:
     return line[:200] or "it holds objects that weights_only loading does not allow"
 
 
-def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+def safe_torch_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(path, map_location, weights_only=True)``; every failure (missing, unreadable,
     truncated or corrupt file, a pickle that needs arbitrary globals) becomes a one-line
-    ``CheckpointError`` naming the file."""
+    ``CheckpointError`` naming the file. `mmap=True` maps the tensors' bytes instead of reading them
+    (files in torch's zip format; a legacy-format file is read whole)."""
     shown = os.fspath(path)
     try:
+        if mmap:
+            try:
+                return torch.load(shown, map_location=map_location, weights_only=True, mmap=True)
+            except RuntimeError as err:
+                if "mmap" not in str(err):
+                    raise
         return torch.load(shown, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{shown}: checkpoint file not found") from None

@@ -1,7 +1,8 @@
 """`init_inference`: DeepSpeed's `deepspeed.init_inference(model, dtype=..., ...)` shape, limited to
-casting, device placement and weight-only quantization (nn.Linear and transformers' Conv1D swapped
-for `QuantizedLinear`). Owns the argument checks and the module swap; must not change the model's
-own forward or generate (no kernel injection, no tensor parallelism).
+casting, device placement, loading a checkpoint (checkpoint.py) and weight-only quantization
+(nn.Linear and transformers' Conv1D swapped for `QuantizedLinear`). Owns the argument checks and the
+module swap; must not change the model's own forward or generate (no kernel injection, no tensor
+parallelism).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import fnmatch
 import torch
 from torch import nn
 
-from lightspeed._utils.logging import get_logger
-
 from lightspeed._utils.device import default_device
+from lightspeed._utils.logging import current_rank, get_logger
+from lightspeed.inference.checkpoint import load_checkpoint, resolve_checkpoint_files, save_inference_checkpoint
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
 from lightspeed.ops.wquant.reference import FORMATS, check_quant_args
 
@@ -41,11 +42,10 @@ _KERNEL_ONLY = ("triangular_masking", "tm", "return_tuple", "max_out_tokens", "m
                 "min_tokens", "replace_method", "transposed_mode", "tp_grain_size", "use_triton", "triton_autotune",
                 "training_mp_size")
 # fields this engine does not implement, with DeepSpeed's default: any other value raises NotImplementedError
-_NOT_IMPLEMENTED = {"enable_cuda_graph": False, "checkpoint": None, "base_dir": "", "checkpoint_config": {},
-                    "ckpt_config": {}, "save_mp_checkpoint_path": None, "injection_policy": None,
+_NOT_IMPLEMENTED = {"enable_cuda_graph": False, "injection_policy": None,
                     "injection_dict": None, "injection_policy_tuple": None, "zero": {}, "moe": {}, "ep_size": 1,
                     "mpu": None, "set_empty_params": False}
-_ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_parallel"}
+_ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_parallel", "ckpt_config": "checkpoint_config"}
 
 
 def _is_default(value, default) -> bool:
@@ -105,15 +105,12 @@ def _matches(name: str, patterns) -> bool:
     return any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | None = None, include=(),
-                     exclude=(), device=None, dtype: torch.dtype | None = None) -> list[str]:
-    """Swap nn.Linear / Conv1D submodules of `model` for QuantizedLinear in place; returns the swapped
-    names. Each layer's weight is moved to `device` and cast to `dtype` (None: as it is) one layer at a
-    time, then quantized there. Skipped: lm_head and layers whose weight is tied to an embedding (unless
-    named in `include`), names matching `exclude` (fnmatch patterns), layers whose in_features cannot
-    be packed (logged)."""
+def select_linears(model: nn.Module, weight: str = "fp6", group_size: int | None = None, include=(),
+                   exclude=()) -> list[tuple[str, nn.Module]]:
+    """The nn.Linear / Conv1D submodules `quantize_linears` swaps, by name (see there; shapes only, so a
+    model on the meta device works too)."""
     tied = _tied_output_ids(model)
-    swaps = []
+    chosen = []
     for name, module in model.named_modules():
         if not (isinstance(module, nn.Linear) or is_conv1d(module)) or isinstance(module, QuantizedLinear):
             continue
@@ -130,7 +127,18 @@ def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | No
         except ValueError as err:
             logger.warning("init_inference: keeping %s unquantized: %s", name, err)
             continue
-        swaps.append((name, module))
+        chosen.append((name, module))
+    return chosen
+
+
+def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | None = None, include=(),
+                     exclude=(), device=None, dtype: torch.dtype | None = None) -> list[str]:
+    """Swap nn.Linear / Conv1D submodules of `model` for QuantizedLinear in place; returns the swapped
+    names. Each layer's weight is moved to `device` and cast to `dtype` (None: as it is) one layer at a
+    time, then quantized there. Skipped: lm_head and layers whose weight is tied to an embedding (unless
+    named in `include`), names matching `exclude` (fnmatch patterns), layers whose in_features cannot
+    be packed (logged)."""
+    swaps = select_linears(model, weight, group_size, include, exclude)
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -139,26 +147,63 @@ def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | No
     return [name for name, _ in swaps]
 
 
+_DEFAULTS = {"dtype": torch.float16, "quant": None, "tensor_parallel": None, "mp_size": 1,
+             "replace_with_kernel_inject": False, "device": None, "checkpoint": None, "base_dir": "",
+             "save_mp_checkpoint_path": None, "checkpoint_config": None}
+_CHECKPOINT_CONFIG_KEYS = {"checkpoint_dir": "checkpoint", "base_dir": "base_dir",
+                           "save_mp_checkpoint_path": "save_mp_checkpoint_path"}
+
+
+def _merge_checkpoint_config(kwargs: dict) -> None:
+    """DeepSpeed's `checkpoint_config` / `ckpt_config` dict: checkpoint_dir, base_dir,
+    save_mp_checkpoint_path; the top-level arguments win."""
+    cfg = kwargs.pop("checkpoint_config")
+    if not cfg:
+        return
+    if not isinstance(cfg, dict):
+        raise ValueError(f"init_inference: checkpoint_config must be a dict (got {type(cfg).__name__})")
+    for key, value in cfg.items():
+        if key not in _CHECKPOINT_CONFIG_KEYS:
+            raise ValueError(f"init_inference: unknown checkpoint_config key {key!r} "
+                             f"(known: {', '.join(_CHECKPOINT_CONFIG_KEYS)})")
+        target = _CHECKPOINT_CONFIG_KEYS[key]
+        if value is not None and _is_default(kwargs[target], _DEFAULTS[target]):
+            kwargs[target] = value
+
+
 def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.float16, quant: dict | None = None,
                    tensor_parallel=None, mp_size: int = 1, replace_with_kernel_inject: bool = False,
-                   device=None, **deepspeed_kwargs) -> nn.Module:
+                   device=None, checkpoint=None, base_dir: str = "", save_mp_checkpoint_path=None,
+                   checkpoint_config: dict | None = None, **deepspeed_kwargs) -> nn.Module:
     """Prepare `model` for generation: cast it to `dtype`, move it to `device` (default: this rank's
     GPU, else CPU) and, with `quant={"weight": "fp6"|"int8"|"int4", "group_size": None|int,
     "include": [...], "exclude": [...]}`, swap its linear layers for QuantizedLinear. `config` may hold
     the same keys (DeepSpeed's dict form); keyword arguments win. Returns the model itself, so its own
     `generate` works; `.module` (DeepSpeed's engine attribute) is the model too.
 
+    `checkpoint` loads the weights from files, one tensor at a time, into a model built on the meta
+    device (`with lightspeed.OnDevice(dtype, device="meta"): model = ...`) or a real one: a Hugging Face
+    model directory (safetensors or .bin, sharded or not), DeepSpeed's checkpoint JSON (a dict or a path:
+    `{"type": "ds_model", "checkpoints": [files], "version": 1.0}`, relative names under `base_dir`), one
+    file or a list of files. Layers to quantize are quantized as they arrive, so neither the host nor
+    the device holds the model in float. `save_mp_checkpoint_path` writes the prepared model (cast,
+    quantized) as sharded safetensors that `checkpoint=` loads back without quantizing again.
+    `checkpoint_config` / `ckpt_config` (checkpoint_dir, base_dir, save_mp_checkpoint_path) is
+    DeepSpeed's grouped form of the same.
+
     Other DeepSpeedInferenceConfig fields are taken by name: those that only configure DeepSpeed's
     injected kernels (max_out_tokens, triangular_masking, return_tuple, ...) are logged and have no
     effect, as without kernel injection in DeepSpeed; tensor parallelism, kernel injection and the other
-    unimplemented ones (enable_cuda_graph, checkpoint, injection_policy, zero, moe, ...) raise
-    NotImplementedError naming the key unless they hold DeepSpeed's default.
+    unimplemented ones (enable_cuda_graph, injection_policy, zero, moe, ...) raise NotImplementedError
+    naming the key unless they hold DeepSpeed's default.
 
     With `quant`, the linear layers are quantized on their way to `device`, one at a time, before the
     rest of the model moves: the device never holds the whole model in `dtype` (a 70B model's 138 GB
     of fp16 weights need not fit on the GPU that holds its 52 GB of FP6 ones)."""
     kwargs = {"dtype": dtype, "quant": quant, "tensor_parallel": tensor_parallel, "mp_size": mp_size,
-              "replace_with_kernel_inject": replace_with_kernel_inject, "device": device}
+              "replace_with_kernel_inject": replace_with_kernel_inject, "device": device,
+              "checkpoint": checkpoint, "base_dir": base_dir, "save_mp_checkpoint_path": save_mp_checkpoint_path,
+              "checkpoint_config": checkpoint_config}
     extra = {_ALIASES.get(key, key): value for key, value in deepspeed_kwargs.items()}
     for key in [k for k in extra if k in kwargs]:  # an alias (tp=, kernel_inject=) of a named argument
         kwargs[key] = extra.pop(key)
@@ -169,12 +214,10 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
             key = _ALIASES.get(key, key)
             if key not in kwargs:
                 extra.setdefault(key, value)
-                continue
-            defaults = {"dtype": torch.float16, "quant": None, "tensor_parallel": None, "mp_size": 1,
-                        "replace_with_kernel_inject": False, "device": None}
-            if kwargs[key] is defaults[key] or kwargs[key] == defaults[key]:
+            elif kwargs[key] is _DEFAULTS[key] or kwargs[key] == _DEFAULTS[key]:
                 kwargs[key] = value
     _check_deepspeed_keys(extra)
+    _merge_checkpoint_config(kwargs)
     if _tp_size(kwargs["tensor_parallel"]) > 1:
         raise NotImplementedError("init_inference: tensor_parallel (tp_size > 1) is not implemented")
     if int(kwargs["mp_size"] or 1) > 1:
@@ -184,22 +227,37 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     target_dtype = _resolve_dtype(kwargs["dtype"])
     q = _check_quant(kwargs["quant"]) if kwargs["quant"] is not None else None
     target_device = torch.device(kwargs["device"]) if kwargs["device"] is not None else default_device()
+    files = resolve_checkpoint_files(kwargs["checkpoint"], kwargs["base_dir"] or "") \
+        if kwargs["checkpoint"] is not None else None
+    if files is None:
+        on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if on_meta:
+            raise ValueError(f"init_inference: the model has {len(on_meta)} tensor(s) on the meta device (e.g. "
+                             f"{on_meta[0]}): pass checkpoint= to load them")
 
-    if q is not None and q["enabled"]:
+    quantizing = q is not None and q["enabled"]
+    if quantizing:
         size = torch.empty((), dtype=target_dtype).element_size()
         before = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in model.parameters())
+    if files is not None:
+        chosen = select_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"]) if quantizing else []
+        names = load_checkpoint(model, files, quantize={name: (q["weight"], q["group_size"]) for name, _ in chosen},
+                                device=target_device, dtype=target_dtype)
+        logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
+    elif quantizing:
         names = quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"],
                                  device=target_device, dtype=target_dtype)
-        model = model.to(device=target_device, dtype=target_dtype)
+    model = model.to(device=target_device, dtype=target_dtype)
+    if quantizing:
         after = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         logger.info("init_inference: %d linear layers -> %s (group_size=%s); weights %.1f MiB -> %.1f MiB",
                     len(names), q["weight"], q["group_size"], before / 2**20, after / 2**20)
-    else:
-        model = model.to(device=target_device, dtype=target_dtype)
     model.eval()
     if not hasattr(model, "module"):
         # DeepSpeed returns an engine whose `.module` is the model, and scripts call `engine.module(...)` /
         # `engine.module.generate(...)`; here that is the model itself, kept in the instance dict so it is
         # not registered as its own submodule (no cycle in modules(), state_dict or .to())
         model.__dict__["module"] = model
+    if kwargs["save_mp_checkpoint_path"] and current_rank() == 0:
+        save_inference_checkpoint(model, kwargs["save_mp_checkpoint_path"])
     return model

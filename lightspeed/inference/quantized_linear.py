@@ -82,14 +82,21 @@ class QuantizedLinear(nn.Module):
             w = linear.weight.detach().t()
         else:
             raise ValueError(f"from_linear needs an nn.Linear or transformers Conv1D (got {type(linear).__name__})")
-        w = w.to(device=device, dtype=dtype)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls.from_float(w.to(device=device, dtype=dtype), bias, weight=weight, group_size=group_size)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, weight: str = "fp6",
+                   group_size: int | None = None) -> "QuantizedLinear":
+        """Quantize the float weight `w` [out_features, in_features] on its device; the module computes
+        in w's dtype (the bias is copied into it)."""
         out_features, in_features = w.shape
         qw = quantize(w, weight, group_size)
-        module = cls(in_features, out_features, bias=linear.bias is not None, weight=weight, group_size=group_size,
+        module = cls(in_features, out_features, bias=bias is not None, weight=weight, group_size=group_size,
                      dtype=w.dtype, device=w.device)
         module._load_packed(qw)
-        if linear.bias is not None:
-            module.bias.copy_(linear.bias.detach())
+        if bias is not None:
+            module.bias.copy_(bias)
         return module
 
     def _load_packed(self, qw: QuantizedWeight) -> None:

@@ -1,0 +1,441 @@
+"""Inference checkpoints: read a model's weights from checkpoint files one tensor at a time, and write
+a prepared (cast, quantized) model back so that it loads without re-quantizing.
+
+Owns: finding the files (a Hugging Face model directory, sharded or not, safetensors or torch `.bin`;
+DeepSpeed's checkpoint JSON `{"type": "ds_model", "checkpoints": [...], "version": 1.0}`; a file or a
+list of files), matching their keys to the model's, and the streaming load. Must not decide which
+layers are quantized (engine.py passes that in).
+
+Note: [the streaming load] Each tensor is read from the files (safetensors maps the file; torch files
+are opened with mmap), moved to the device, cast, and for a layer to quantize quantized there, before
+the next is read: neither the host nor the device ever holds the whole model in float. Parameters
+shared by several modules (a tied lm_head) get one tensor, loaded from whichever of their names the
+checkpoint holds. A model built on the meta device (`lightspeed.OnDevice`) gets every parameter from
+the checkpoint; a tensor still on meta afterwards is an error naming it.
+
+Note: [the saved form] `save_inference_checkpoint` writes the model's state dict as sharded
+safetensors (`model-00001-of-0000N.safetensors`, Hugging Face's names), the index
+`model.safetensors.index.json`, and DeepSpeed's `ds_inference_config.json` last (each file atomically;
+the JSON names every shard, so a crash mid-save never leaves a JSON naming a missing file). Quantized
+layers are stored packed, with their format and group size in every shard's metadata
+(`lightspeed.quant`) and the packed-layout version in each layer's buffers.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from lightspeed._utils.logging import get_logger
+from lightspeed.checkpoint.atomic import atomic_write_bytes, safe_torch_load
+from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
+from lightspeed.ops.wquant.reference import FORMATS
+
+logger = get_logger(__name__)
+
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
+DS_CONFIG_NAME = "ds_inference_config.json"
+QUANT_METADATA_KEY = "lightspeed.quant"
+DEFAULT_SHARD_BYTES = 2 * 2**30
+_DS_TYPES = ("ds_model", "bloom")
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: checkpoint file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: is not a readable JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object (got {type(data).__name__})")
+    return data
+
+
+def _existing(path: str) -> str:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: checkpoint file not found")
+    return path
+
+
+def _ds_json_files(data: Mapping, base_dir: str, json_dir: str | None, where: str) -> list[str]:
+    """Files named by DeepSpeed's checkpoint JSON. Relative names are joined to `base_dir` (the
+    argument, else the JSON's own "base_dir"); with neither, to the working directory as in DeepSpeed,
+    or to the JSON's directory where the file is there instead (what a saved directory needs)."""
+    if "checkpoints" not in data:
+        raise CheckpointError(f"{where}: a DeepSpeed checkpoint JSON needs a 'checkpoints' list of files")
+    kind = str(data.get("type", "ds_model"))
+    if kind.lower() not in _DS_TYPES:
+        raise NotImplementedError(f"init_inference: checkpoint['type']={kind!r} is not implemented (this loader reads "
+                                  f"{' / '.join(_DS_TYPES)}: a model's own state-dict files)")
+    names = data["checkpoints"]
+    if isinstance(names, dict):
+        raise NotImplementedError("init_inference: checkpoint['checkpoints'] as {'tp': ..., 'non_tp': ...} (DeepSpeed's "
+                                  "tensor-parallel shards of injected kernels) is not implemented")
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{where}: 'checkpoints' must be a non-empty list of file names")
+    base = base_dir or str(data.get("base_dir") or "")
+    files = []
+    for name in names:
+        if base or os.path.isabs(name):
+            files.append(_existing(os.path.join(base, name)))
+        elif os.path.isfile(name) or json_dir is None:
+            files.append(_existing(name))
+        else:
+            files.append(_existing(os.path.join(json_dir, name)))
+    return files
+
+
+def _index_files(path: str) -> list[str]:
+    data = _read_json(path)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{path}: an index needs a non-empty 'weight_map'")
+    directory = os.path.dirname(path)
+    return [_existing(os.path.join(directory, name)) for name in sorted(set(weight_map.values()))]
+
+
+def resolve_checkpoint_files(checkpoint, base_dir: str = "") -> list[str]:
+    """The files a `checkpoint` argument names: DeepSpeed's JSON (a dict, or a path to one), a Hugging
+    Face index JSON, a model directory, one file, or a list of files (relative names joined to
+    `base_dir`)."""
+    base_dir = os.fspath(base_dir or "")
+    if isinstance(checkpoint, Mapping):
+        return _ds_json_files(checkpoint, base_dir, None, "checkpoint")
+    if isinstance(checkpoint, (list, tuple)):
+        if not checkpoint:
+            raise CheckpointError("checkpoint: an empty list of files")
+        return [_existing(os.path.join(base_dir, os.fspath(f))) for f in checkpoint]
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise ValueError(f"init_inference: checkpoint must be a path, a list of files or DeepSpeed's checkpoint "
+                         f"dict (got {type(checkpoint).__name__})")
+    path = os.path.join(base_dir, os.fspath(checkpoint))
+    if os.path.isdir(path):
+        for name in (DS_CONFIG_NAME, *INDEX_NAMES):
+            if os.path.isfile(os.path.join(path, name)):
+                return resolve_checkpoint_files(os.path.join(path, name))
+        for name in SINGLE_NAMES:
+            if os.path.isfile(os.path.join(path, name)):
+                return [os.path.join(path, name)]
+        found = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+        if not found:
+            raise CheckpointError(f"{path}: no checkpoint files in this directory (looked for {DS_CONFIG_NAME}, "
+                                  f"{', '.join(INDEX_NAMES + SINGLE_NAMES)}, *.safetensors)")
+        return found
+    if path.endswith(".json"):
+        data = _read_json(path)
+        if "weight_map" in data:
+            return _index_files(path)
+        return _ds_json_files(data, base_dir if base_dir else "", os.path.dirname(path), path)
+    return [_existing(path)]
+
+
+class CheckpointReader:
+    """Tensors of several checkpoint files by key, read one at a time on the CPU (safetensors through
+    its mapped file, torch files loaded with mmap and weights_only). `quant` holds the quantized
+    layers recorded in safetensors metadata: {layer name: (format, group_size)}."""
+
+    def __init__(self, files: Iterable[str]):
+        from safetensors import SafetensorError, safe_open
+
+        self._error = SafetensorError
+        self._where: dict[str, tuple[str, object]] = {}
+        self.quant: dict[str, tuple[str, int | None]] = {}
+        for path in files:
+            if path.endswith(".safetensors"):
+                try:
+                    handle = safe_open(path, framework="pt", device="cpu")
+                    keys, metadata = list(handle.keys()), handle.metadata() or {}
+                except (SafetensorError, OSError) as err:
+                    raise CheckpointError(f"{path}: is not a readable safetensors file ({err})") from None
+                self._read_quant_metadata(path, metadata)
+            else:
+                handle = self._torch_state_dict(path)
+                keys = list(handle)
+            for key in keys:
+                if key in self._where:
+                    raise CheckpointError(f"{path}: tensor {key!r} is also in {self._where[key][0]}")
+                self._where[key] = (path, handle)
+
+    @staticmethod
+    def _torch_state_dict(path: str) -> dict:
+        data = safe_torch_load(path, map_location="cpu", mmap=True)
+        for nested in ("module", "state_dict", "model"):  # DeepSpeed / Lightning / other trainers' wrappers
+            if isinstance(data, dict) and isinstance(data.get(nested), dict) and not any(
+                    isinstance(v, torch.Tensor) for v in data.values()):
+                data = data[nested]
+        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in data.items()):
+            raise CheckpointError(f"{path}: expected a state dict (names to tensors)")
+        return data
+
+    def _read_quant_metadata(self, path: str, metadata: Mapping[str, str]) -> None:
+        text = metadata.get(QUANT_METADATA_KEY)
+        if text is None:
+            return
+        try:
+            entries = json.loads(text)
+            for name, entry in entries.items():
+                fmt, group = entry["weight"], entry.get("group_size")
+                if fmt not in FORMATS or not (group is None or isinstance(group, int)):
+                    raise ValueError(f"layer {name!r}: {entry!r}")
+                self.quant[name] = (fmt, group)
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            raise CheckpointError(f"{path}: bad {QUANT_METADATA_KEY} metadata ({err})") from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, key: str) -> torch.Tensor:
+        path, handle = self._where[key]
+        if isinstance(handle, dict):
+            return handle[key]
+        try:
+            return handle.get_tensor(key)
+        except (self._error, OSError) as err:
+            raise CheckpointError(f"{path}: tensor {key!r} cannot be read ({err})") from None
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+def _key_mapping(expected: Iterable[str], found: Iterable[str], prefix: str):
+    """The map model key -> checkpoint key with the most hits among: as is, the base-model prefix
+    (Hugging Face's `base_model_prefix`) taken off, or put on (a base model from a model-with-head
+    checkpoint, or the other way)."""
+    found = set(found)
+    expected = list(expected)
+    candidates = [lambda k: k]
+    if prefix:
+        head = prefix + "."
+        candidates += [lambda k: k[len(head):] if k.startswith(head) else k, lambda k: head + k]
+    return max(candidates, key=lambda f: sum(f(k) in found for k in expected))
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, QuantizedLinear):
+        return module.out_features, module.in_features
+    if is_conv1d(module):
+        return module.weight.shape[1], module.weight.shape[0]
+    return module.weight.shape[0], module.weight.shape[1]
+
+
+def _check_shape(key: str, tensor: torch.Tensor, shape) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, the model's is {tuple(shape)}")
+
+
+class _Loader:
+    def __init__(self, model: nn.Module, reader: CheckpointReader, device: torch.device, dtype: torch.dtype):
+        self.model, self.reader, self.device, self.dtype = model, reader, device, dtype
+        expected = list(model.state_dict(keep_vars=True))
+        self.ckpt_key = _key_mapping(expected, reader.keys(), getattr(model, "base_model_prefix", "") or "")
+        self.used: set[str] = set()
+
+    def read(self, key: str, like: torch.Tensor | None = None, shape=None) -> torch.Tensor | None:
+        ckey = self.ckpt_key(key)
+        if ckey not in self.reader:
+            return None
+        tensor = self.reader.get(ckey)
+        self.used.add(ckey)
+        if shape is not None:
+            _check_shape(ckey, tensor, shape)
+        elif like is not None:
+            _check_shape(ckey, tensor, like.shape)
+        floating = tensor.is_floating_point() and (like is None or like.is_floating_point())
+        dtype = self.dtype if floating else (like.dtype if like is not None else tensor.dtype)
+        return tensor.to(device=self.device).to(dtype=dtype)
+
+    def saved_format(self, name: str) -> tuple[str, int | None] | None:
+        if self.ckpt_key(name + ".qweight") not in self.reader:
+            return None
+        saved = self.reader.quant.get(self.ckpt_key(name + ".qweight")[:-len(".qweight")])
+        if saved is None:
+            raise CheckpointError(f"checkpoint holds the packed layer {name!r} but no {QUANT_METADATA_KEY} metadata "
+                                  "saying its format")
+        return saved
+
+    def packed_layer(self, name: str, module: nn.Module, fmt: str, group_size: int | None) -> QuantizedLinear:
+        """A QuantizedLinear from the packed buffers the checkpoint holds (no re-quantization)."""
+        out_features, in_features = _linear_dims(module)
+        bias_key = self.ckpt_key(name + ".bias")
+        layer = QuantizedLinear(in_features, out_features, bias=bias_key in self.reader, weight=fmt,
+                                group_size=group_size, dtype=self.dtype, device=self.device)
+        state = {}
+        for buffer_name, buffer in layer.state_dict().items():
+            tensor = self.read(f"{name}.{buffer_name}", like=buffer)
+            if tensor is None:
+                raise CheckpointError(f"checkpoint lacks {self.ckpt_key(f'{name}.{buffer_name}')!r} of the packed "
+                                      f"layer {name!r}")
+            state[buffer_name] = tensor
+        layer.load_state_dict(state)  # checks the packed-layout version
+        return layer
+
+    def quantized_layer(self, name: str, module: nn.Module, fmt: str, group_size: int | None) -> QuantizedLinear | None:
+        """Quantize the layer's float weight as the checkpoint holds it; None when it holds none."""
+        out_features, in_features = _linear_dims(module)
+        shape = (in_features, out_features) if is_conv1d(module) else (out_features, in_features)
+        weight = self.read(f"{name}.weight", shape=shape)
+        if weight is None:
+            return None
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            loaded = self.read(f"{name}.bias", like=bias)
+            if loaded is None and bias.is_meta:
+                raise CheckpointError(f"checkpoint lacks {self.ckpt_key(name + '.bias')!r}")
+            bias = loaded if loaded is not None else bias.detach().to(device=self.device, dtype=self.dtype)
+        return QuantizedLinear.from_float(weight.t() if is_conv1d(module) else weight, bias, weight=fmt,
+                                          group_size=group_size)
+
+
+def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+
+
+def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str, tuple[str, int | None]],
+                    device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Fill `model` (built on the meta device or real) from checkpoint `files` in place, one tensor at a
+    time, on `device` in `dtype` (floating-point tensors). Layers named in `quantize` ({name: (format,
+    group_size)}) become QuantizedLinear, from the packed form when the checkpoint holds one, else
+    quantized on the device from the float weight. Returns the names of the quantized layers."""
+    reader = CheckpointReader(files)
+    loader = _Loader(model, reader, device, dtype)
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if not (isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)):
+            continue
+        saved = loader.saved_format(name)
+        wanted = quantize.get(name)
+        if isinstance(module, QuantizedLinear):
+            wanted = (module.weight_format, module.group_size)
+        if saved is not None:
+            if wanted is not None and tuple(wanted) != tuple(saved):
+                raise ValueError(f"init_inference: layer {name!r} is saved as {saved[0]} (group_size={saved[1]}) "
+                                 f"but {wanted[0]} (group_size={wanted[1]}) is asked for; load it from the float "
+                                 f"weights to quantize it again")
+            layer = loader.packed_layer(name, module, *saved)
+        elif wanted is not None:
+            layer = loader.quantized_layer(name, module, *wanted)
+            if layer is None:
+                if isinstance(module, QuantizedLinear) or module.weight.is_meta:
+                    raise CheckpointError(f"checkpoint lacks {loader.ckpt_key(name + '.weight')!r}")
+                logger.warning("init_inference: %s is not in the checkpoint; quantizing the weights it has", name)
+                layer = QuantizedLinear.from_linear(module, *wanted, device=device, dtype=dtype)
+        else:
+            continue
+        _swap(model, name, layer)
+        swapped.append(name)
+    _load_remaining(model, loader)
+    unused = [k for k in reader.keys() if k not in loader.used]
+    if unused:
+        logger.info("init_inference: %d checkpoint tensors the model does not use, e.g. %s", len(unused),
+                    ", ".join(unused[:3]))
+    return swapped
+
+
+def _load_remaining(model: nn.Module, loader: _Loader) -> None:
+    """Every other parameter and persistent buffer; shared tensors once, under any of their names."""
+    slots: dict[int, list[tuple[nn.Module, str, str, bool]]] = {}
+    for mname, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            continue
+        for pname, p in module._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((module, pname, f"{mname}.{pname}" if mname else pname, True))
+        for bname, b in module._buffers.items():
+            if b is not None and bname not in module._non_persistent_buffers_set:
+                slots.setdefault(id(b), []).append((module, bname, f"{mname}.{bname}" if mname else bname, False))
+    missing = []
+    for group in slots.values():
+        module, attr, _, is_param = group[0]
+        old = (module._parameters if is_param else module._buffers)[attr]
+        tensor = None
+        for _, _, full, _ in group:
+            tensor = loader.read(full, like=old)
+            if tensor is not None:
+                break
+        if tensor is None:
+            if old.is_meta:
+                missing.append(loader.ckpt_key(group[0][2]))
+            continue
+        new = nn.Parameter(tensor, requires_grad=old.requires_grad) if is_param else tensor
+        for owner, name, _, _ in group:
+            (owner._parameters if is_param else owner._buffers)[name] = new
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) the model built on the meta device needs: "
+                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    still_meta = [f"{m}.{n}" if m else n for m, module in model.named_modules()
+                  for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
+    if still_meta:
+        raise CheckpointError(f"{', '.join(still_meta[:5])} stayed on the meta device: a non-persistent buffer is in no "
+                              "checkpoint; build the model under lightspeed.OnDevice('meta'), which keeps buffers real")
+
+
+# ---------------------------------------------------------------------------------------------- save
+
+def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor once (safetensors refuses aliases), first name kept."""
+    seen, out = set(), {}
+    for key, tensor in model.state_dict().items():
+        ident = (tensor.device, tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor),
+                 tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if ident not in seen:
+            seen.add(ident)
+            out[key] = tensor
+    return out
+
+
+def save_inference_checkpoint(model: nn.Module, directory: str | os.PathLike,
+                              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Write `model` as it is (cast, quantized) to `directory`: sharded safetensors, the index and
+    DeepSpeed's `ds_inference_config.json` (see the Note of this module). Host memory holds one shard
+    at a time. Returns the shard file names. `init_inference(model_on_meta, checkpoint=directory)`
+    loads it back without re-quantizing."""
+    from safetensors.torch import save as safetensors_bytes
+
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    state = _unique_state(model)
+    quant = {name: {"weight": m.weight_format, "group_size": m.group_size}
+             for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    metadata = {"format": "pt", QUANT_METADATA_KEY: json.dumps(quant)}
+    for name, keys in zip(names, shards):
+        cpu = {key: state[key].detach().to("cpu").contiguous() for key in keys}
+        atomic_write_bytes(os.path.join(directory, name), safetensors_bytes(cpu, metadata=metadata))
+        del cpu
+    weight_map = {key: name for name, keys in zip(names, shards) for key in keys}
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    atomic_write_bytes(os.path.join(directory, INDEX_NAMES[0]), json.dumps(index, indent=2).encode())
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    ds_config = {"type": "ds_model", "checkpoints": names, "version": 1.0,
+                 "dtype": str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "mixed",
+                 "lightspeed_quant": quant}
+    atomic_write_bytes(os.path.join(directory, DS_CONFIG_NAME), json.dumps(ds_config, indent=2).encode())
+    logger.info("init_inference: saved %.1f MiB in %d file(s) to %s", total / 2**20, len(names), directory)
+    return names

@@ -65,28 +65,72 @@ def _check_deepspeed_keys(extra: dict) -> None:
             raise ValueError(f"init_inference: unknown argument {key!r}")
 
 
+def _is_int8(dtype) -> bool:
+    return dtype is torch.int8 or (isinstance(dtype, str) and dtype.lower() in ("int8", "torch.int8"))
+
+
 def _resolve_dtype(dtype) -> torch.dtype:
-    if dtype is torch.int8 or (isinstance(dtype, str) and dtype.lower() in ("int8", "torch.int8")):
-        raise ValueError("init_inference: dtype=int8 (DeepSpeed's int8 kernel injection) is not implemented; for "
-                         "INT8 weights pass quant={'weight': 'int8'} with dtype float16 or bfloat16")
+    if _is_int8(dtype):  # DeepSpeed's int8 inference: int8 weights, fp16 activations (see init_inference)
+        return torch.float16
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"init_inference: dtype must be float16, bfloat16 or float32 (got {dtype})")
+            raise ValueError(f"init_inference: dtype must be float16, bfloat16, float32 or int8 (got {dtype})")
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
-    raise ValueError(f"init_inference: dtype must be float16, bfloat16 or float32 (got {dtype!r})")
+    raise ValueError(f"init_inference: dtype must be float16, bfloat16, float32 or int8 (got {dtype!r})")
+
+
+# DeepSpeed's QuantizationConfig (deepspeed/inference/config.py): {"enabled", "weight": {"enabled",
+# "num_bits", "q_type", "q_groups", "quantized_initialization", "post_init_quant"}, "activation": {...},
+# "qkv": {...}}; its weights are symmetric INT8 (num_bits 8) or INT4 (4)
+_DS_BITS = {8: "int8", 4: "int4"}
+_DS_WEIGHT_KEYS = ("enabled", "num_bits", "q_type", "q_groups", "quantized_initialization", "post_init_quant")
+
+
+def _deepspeed_weight(weight: dict) -> tuple[bool, str]:
+    """(enabled, format) of DeepSpeed's `quant['weight']` dict."""
+    for key in weight:
+        if key not in _DS_WEIGHT_KEYS:
+            raise ValueError(f"init_inference: unknown quant['weight'] key {key!r} (DeepSpeed's: "
+                             f"{', '.join(_DS_WEIGHT_KEYS)})")
+    bits = weight.get("num_bits", 8)
+    if bits not in _DS_BITS:
+        raise ValueError(f"init_inference: quant['weight']['num_bits'] must be 8 or 4 (got {bits!r}); for FP6 "
+                         "weights pass quant={'weight': 'fp6'}")
+    if str(weight.get("q_type", "symmetric")).lower() not in ("symmetric", "sym", "quanttypeenum.sym"):
+        raise NotImplementedError(f"init_inference: quant['weight']['q_type']={weight['q_type']!r} is not "
+                                  "implemented (weights are quantized symmetrically)")
+    for key in ("quantized_initialization", "post_init_quant"):
+        if weight.get(key):
+            raise NotImplementedError(f"init_inference: quant['weight'][{key!r}] (DeepSpeed's ZeRO-Inference "
+                                      "group-wise quantization) is not implemented; use quant={'weight': "
+                                      "'int8'|'int4', 'group_size': ...}")
+    if weight.get("q_groups", 1) != 1:
+        logger.info("init_inference: quant['weight']['q_groups']=%r: scales are per output channel here (finer "
+                    "than DeepSpeed's groups of rows)", weight["q_groups"])
+    return bool(weight.get("enabled", True)), _DS_BITS[bits]
 
 
 def _check_quant(quant: dict) -> dict:
     if not isinstance(quant, dict):
         raise ValueError(f"init_inference: quant must be a dict like {{'weight': 'fp6'}} (got {type(quant).__name__})")
+    quant = dict(quant)
+    for key in ("activation", "qkv"):  # DeepSpeed's injected kernels' settings: no effect without them
+        if key in quant:
+            logger.info("init_inference: quant[%r] configures DeepSpeed's injected kernels; no effect here", key)
+            quant.pop(key)
     for key in quant:
         if key not in _QUANT_KEYS:
-            raise ValueError(f"init_inference: unknown quant key {key!r} (known: {', '.join(_QUANT_KEYS)})")
+            raise ValueError(f"init_inference: unknown quant key {key!r} (known: {', '.join(_QUANT_KEYS)}, and "
+                             "DeepSpeed's activation, qkv)")
     q = {"enabled": True, "weight": "fp6", "group_size": None, "include": (), "exclude": (), **quant}
+    if isinstance(q["weight"], dict):
+        enabled, q["weight"] = _deepspeed_weight(q["weight"])
+        q["enabled"] = bool(q["enabled"]) and enabled
     if q["weight"] not in FORMATS:
-        raise ValueError(f"init_inference: quant['weight'] must be one of {FORMATS} (got {q['weight']!r})")
+        raise ValueError(f"init_inference: quant['weight'] must be one of {FORMATS} or DeepSpeed's "
+                         f"{{'num_bits': 8|4, ...}} (got {q['weight']!r})")
     if q["group_size"] is not None:
         check_quant_args(q["weight"], (1, 16 * q["group_size"]) if isinstance(q["group_size"], int) else (1, 16),
                          q["group_size"])  # the group size alone; each layer's K is checked at the swap
@@ -94,6 +138,18 @@ def _check_quant(quant: dict) -> dict:
         if isinstance(q[key], str):
             q[key] = (q[key],)
     return q
+
+
+def _int8_quant(quant: dict | None) -> dict:
+    """`quant` for dtype=int8: INT8 weights unless `quant` names another format (an error: two answers)."""
+    q = _check_quant(quant if quant is not None else {"weight": "int8"})
+    explicit = quant is not None and "weight" in quant
+    if explicit and q["weight"] != "int8":
+        raise ValueError(f"init_inference: dtype=int8 asks for INT8 weights, quant['weight'] for {q['weight']}; "
+                         "pass one of them")
+    if not q["enabled"]:
+        raise ValueError("init_inference: dtype=int8 needs quantization, but quant says enabled=False")
+    return {**q, "weight": "int8"}
 
 
 def _tied_output_ids(model: nn.Module) -> set[int]:
@@ -191,6 +247,12 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     `checkpoint_config` / `ckpt_config` (checkpoint_dir, base_dir, save_mp_checkpoint_path) is
     DeepSpeed's grouped form of the same.
 
+    DeepSpeed's forms work too: `dtype=torch.int8` is INT8 weights with fp16 activations (DeepSpeed's
+    int8 inference), and `quant={"weight": {"num_bits": 8|4, "q_type": "symmetric", "q_groups": n},
+    "activation": ..., "qkv": ...}` maps num_bits to INT8 / INT4 (per-channel scales, finer than
+    q_groups; activation and qkv configure DeepSpeed's kernels and are logged). Unlike DeepSpeed, which
+    quantizes only with dtype=int8 and kernel injection, `quant` is honoured with any dtype.
+
     Other DeepSpeedInferenceConfig fields are taken by name: those that only configure DeepSpeed's
     injected kernels (max_out_tokens, triangular_masking, return_tuple, ...) are logged and have no
     effect, as without kernel injection in DeepSpeed; tensor parallelism, kernel injection and the other
@@ -225,7 +287,11 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     if kwargs["replace_with_kernel_inject"]:
         raise NotImplementedError("init_inference: replace_with_kernel_inject=True is not implemented")
     target_dtype = _resolve_dtype(kwargs["dtype"])
-    q = _check_quant(kwargs["quant"]) if kwargs["quant"] is not None else None
+    if _is_int8(kwargs["dtype"]):
+        q = _int8_quant(kwargs["quant"])
+        logger.info("init_inference: dtype=int8: INT8 weights (per-channel symmetric), fp16 activations")
+    else:
+        q = _check_quant(kwargs["quant"]) if kwargs["quant"] is not None else None
     target_device = torch.device(kwargs["device"]) if kwargs["device"] is not None else default_device()
     files = resolve_checkpoint_files(kwargs["checkpoint"], kwargs["base_dir"] or "") \
         if kwargs["checkpoint"] is not None else None

@@ -73,7 +73,12 @@ def test_include_exclude_and_config_dict():
     ({"quant": {"weight": "fp6", "bits": 6}}, ValueError, "unknown quant key 'bits'"),
     ({"quant": {"weight": "nf4"}}, ValueError, "quant\\['weight'\\]"),
     ({"quant": {"weight": "int4", "group_size": 20}}, ValueError, "group_size"),
-    ({"dtype": torch.int8}, ValueError, "quant=\\{'weight': 'int8'\\}"),
+    ({"dtype": torch.int8, "quant": {"weight": "fp6"}}, ValueError, "dtype=int8 asks for INT8 weights.*fp6"),
+    ({"dtype": "int8", "quant": {"enabled": False}}, ValueError, "enabled=False"),
+    ({"quant": {"weight": {"num_bits": 6}}}, ValueError, "quant\\['weight'\\]\\['num_bits'\\] must be 8 or 4"),
+    ({"quant": {"weight": {"num_bits": 8, "q_type": "asymmetric"}}}, NotImplementedError, "q_type"),
+    ({"quant": {"weight": {"post_init_quant": {"fc": {"num_bits": 4}}}}}, NotImplementedError, "post_init_quant"),
+    ({"quant": {"weight": {"bits": 8}}}, ValueError, "unknown quant\\['weight'\\] key 'bits'"),
     ({"dtype": "bfloat"}, ValueError, "dtype"),
     ({"config": {"checkpoint": "no/such/x.pt"}}, ValueError, "no/such/x.pt: checkpoint file not found"),
     ({"checkpoint": "no_such_ckpt.json"}, ValueError, "no_such_ckpt.json: checkpoint file not found"),
@@ -177,3 +182,27 @@ def test_deepspeed_arguments_that_change_nothing_here_are_taken():
                                                    "zero": {}, "min_tokens": 1, "kernel_inject": False})
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     torch.testing.assert_close(ds(ids).logits, plain(ids).logits, rtol=0, atol=0)
+
+
+def test_deepspeed_quant_forms():
+    """DeepSpeed's `dtype=torch.int8` (int8 weights, fp16 activations) and its `quant` dict
+    ({"weight": {"num_bits", "q_groups", ...}, "activation": ..., "qkv": ...}) give the same model as
+    lightspeed's own form."""
+    torch.manual_seed(0)
+    base = _llama()
+
+    def build(**kwargs):
+        return init_inference(copy.deepcopy(base), device="cpu", **kwargs).state_dict()
+
+    def same(a, b):
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    plain8 = build(dtype=torch.float16, quant={"weight": "int8"})
+    same(build(dtype=torch.int8), plain8)
+    same(build(config={"dtype": "int8", "quant": {"weight": {"num_bits": 8}, "activation": {"enabled": True}}}), plain8)
+    same(build(dtype=torch.float16, quant={"enabled": True, "weight": {"num_bits": 4, "q_groups": 2,
+                                                                         "q_type": "symmetric"},
+                                            "qkv": {"enabled": True}}),
+         build(dtype=torch.float16, quant={"weight": "int4"}))
+    off = init_inference(copy.deepcopy(base), device="cpu", quant={"weight": {"enabled": False, "num_bits": 8}})
+    assert not any(isinstance(m, QuantizedLinear) for m in off.modules())

@@ -81,6 +81,19 @@ def test_operator_passes_opcheck(fmt, group_size, bias):
     torch.library.opcheck(OP, grad_args)
 
 
+@pytest.mark.parametrize("fmt,group_size", CASES)
+def test_grad_input_operator_passes_opcheck(fmt, group_size):
+    """The backward's operator (grad @ dequantized W): opcheck, and its value on the CPU."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 40, 192
+    qw = quantize(torch.randn(n, k, generator=gen), fmt, group_size)
+    grad = torch.randn(2, 3, n, generator=gen)
+    args = (grad, list(qw.planes), qw.scales, qw.format, n, k, qw.group_size, qw.dtype, qw.tile)
+    grad_op = torch.ops.lightspeed.quantized_matmul_grad_input.default
+    torch.library.opcheck(grad_op, args)
+    torch.testing.assert_close(grad_op(*args), grad @ qw_dequant(qw))
+
+
 def _grads(fn, x, bias, grad):
     x = x.detach().clone().requires_grad_(True)
     bias.grad = None

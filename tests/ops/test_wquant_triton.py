@@ -181,6 +181,25 @@ def test_large_m_runs_dequantize_then_matmul(wt, wdq, monkeypatch):
 
 
 @kernel_test
+@pytest.mark.parametrize("fmt,group_size,dtype", [("fp6", None, torch.float16), ("int8", None, torch.bfloat16),
+                                                   ("int4", 32, torch.float16)])
+def test_dense_grad_input_matches_reference(wdq, fmt, group_size, dtype, monkeypatch):
+    """grad @ W (the input gradient the quantized operator's backward needs) by the Triton dequantizer:
+    whole, and in row chunks [0, 32) [32, 64) [64, 72) summed in fp32, against the reference weight."""
+    qw = _weight(72, 192 if group_size else 200, fmt, group_size, seed=41)
+    gen = torch.Generator().manual_seed(42)
+    grad = _randn(11, 72, gen=gen, dtype=dtype)
+    ref = grad.float() @ dequantize(qw, torch.float32)
+    rtol, atol = TOL[dtype]
+    for chunk in (None, 32 * qw.shape[1]):
+        if chunk is not None:
+            monkeypatch.setattr(wdq, "DEQUANT_CHUNK_ELEMS", chunk)
+        got = wdq.dense_grad_input(grad, qw)
+        assert got.dtype == dtype and got.shape == (11, qw.shape[1])
+        torch.testing.assert_close(got.float(), ref, rtol=rtol, atol=atol * ref.abs().max().item())
+
+
+@kernel_test
 @pytest.mark.parametrize("fmt", ["fp6", "int4"])
 def test_kernel_both_product_forms(wt, fmt):
     """ONE_DOT 1 (the four field tiles joined into one K-tile product) and 0 (one product per field), which

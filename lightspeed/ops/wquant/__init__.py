@@ -113,9 +113,9 @@ def _quantized_matmul_fake(x, planes, scales, bias, weight_format, n, k, group_s
 
 
 # Backward: the kernel's output has no autograd graph, so without this formula an x that needs a gradient
-# (adapters trained on a frozen quantized model) would silently get none from CUDA. grad_x = grad_y @ W
-# with the weight dequantized by the reference (traceable, so compiled backward graphs take it too), in
-# x's dtype as F.linear's backward would; grad_bias = the sum of grad_y over the leading dims.
+# (adapters trained on a frozen quantized model) would silently get none from CUDA. grad_x = grad_y @ W in
+# x's dtype, as F.linear's backward would, through the operator below (one graph node for compiled
+# backward graphs too); grad_bias = the sum of grad_y over the leading dims.
 def _setup_backward(ctx, inputs, output):
     x, planes, scales, bias, weight_format, n, k, group_size, dtype, tile = inputs
     ctx.save_for_backward(scales, *planes)
@@ -129,11 +129,33 @@ def _backward(ctx, grad):
     weight_format, n, k, group_size, dtype, tile = ctx.weight
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        qweight = QuantizedWeight(weight_format, (n, k), group_size, tuple(planes), scales, dtype, tile)
-        grad_x = grad.to(ctx.x_dtype) @ dequantize(qweight, dtype=ctx.x_dtype)
+        grad_x = torch.ops.lightspeed.quantized_matmul_grad_input(grad.to(ctx.x_dtype), list(planes), scales,
+                                                                  weight_format, n, k, group_size, dtype, tile)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
         grad_bias = grad.reshape(-1, n).sum(0).to(ctx.bias_dtype)
     return grad_x, [None] * len(planes), None, grad_bias, None, None, None, None, None, None
+
+
+@torch.library.custom_op("lightspeed::quantized_matmul_grad_input", mutates_args=())
+def _grad_input_op(grad: torch.Tensor, planes: list[torch.Tensor], scales: torch.Tensor, weight_format: str,
+                   n: int, k: int, group_size: int | None, dtype: torch.dtype, tile: int) -> torch.Tensor:
+    """grad @ dequant(W): [..., N] -> [..., K] in grad's dtype. CUDA fp16/bf16: the Triton dequantizer in
+    row chunks + cuBLAS (`dequant.dense_grad_input`); otherwise the reference dequantization."""
+    qweight = QuantizedWeight(weight_format, (n, k), group_size, tuple(planes), scales, dtype, tile)
+    lead = grad.shape[:-1]
+    grad2 = grad.reshape(-1, n)
+    if grad.device.type != "cuda" or grad.dtype not in _KERNEL_DTYPES:
+        return (grad2 @ dequantize(qweight, dtype=grad.dtype)).reshape(*lead, k)
+    from .dequant import dense_grad_input  # lazy: imports triton
+
+    on_current = grad.device.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if on_current else torch.cuda.device(grad.device):
+        return dense_grad_input(grad2, qweight).reshape(*lead, k)
+
+
+@_grad_input_op.register_fake
+def _grad_input_fake(grad, planes, scales, weight_format, n, k, group_size, dtype, tile):
+    return grad.new_empty((*grad.shape[:-1], k))
 
 
 _quantized_matmul_op.register_autograd(_backward, setup_context=_setup_backward)

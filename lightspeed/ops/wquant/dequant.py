@@ -194,11 +194,16 @@ def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype, rows: tuple[int, 
     return out
 
 
+def _row_step(K: int) -> int:
+    """Rows of W per dequantized chunk: about DEQUANT_CHUNK_ELEMS values, a multiple of ROW_GROUP."""
+    return max(ROW_GROUP, DEQUANT_CHUNK_ELEMS // K // ROW_GROUP * ROW_GROUP)
+
+
 def dense_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) through the dense weight, dequantized in row chunks of about DEQUANT_CHUNK_ELEMS
     values so the transient copy stays bounded (128 MB in fp16) whatever the layer's size."""
     N, K = qw.shape
-    step = max(ROW_GROUP, DEQUANT_CHUNK_ELEMS // K // ROW_GROUP * ROW_GROUP)
+    step = _row_step(K)
     if step >= N:
         w = dequantize_weight(qw, x.dtype)
         return torch.matmul(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
@@ -208,6 +213,20 @@ def dense_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
         w = dequantize_weight(qw, x.dtype, (n0, n1))
         out[:, n0:n1] = torch.matmul(x, w.t()) if bias is None else torch.addmm(bias[n0:n1], x, w.t())
     return out
+
+
+def dense_grad_input(grad: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """grad @ W ([R, N] -> [R, K], grad's dtype: the input gradient of y = x @ W.T) through the dense
+    weight, dequantized in row chunks as in `dense_matmul`; chunks' products summed in fp32."""
+    N, K = qw.shape
+    step = _row_step(K)
+    if step >= N:
+        return torch.matmul(grad, dequantize_weight(qw, grad.dtype))
+    out = torch.zeros((grad.shape[0], K), device=grad.device, dtype=torch.float32)
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        out += torch.matmul(grad[:, n0:n1], dequantize_weight(qw, grad.dtype, (n0, n1)))
+    return out.to(grad.dtype)
 
 
 def packed_units(qw: QuantizedWeight) -> torch.Tensor:

@@ -13,7 +13,37 @@ import torch
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 
-class OnDevice:
+class ParameterRegistrationContext:
+    """Base of the construction contexts (`OnDevice`, `zero.Init`): while entered (and `enabled`), every
+    parameter registered on any module passes through `_on_register(module, name, param)`, which
+    returns a replacement or None (keep it)."""
+
+    enabled = True
+    _handle = None
+
+    def __enter__(self):
+        if self.enabled:
+            self._enter()
+            self._handle = register_module_parameter_registration_hook(self._on_register)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+            self._exit(*exc)
+
+    def _enter(self) -> None:
+        pass
+
+    def _exit(self, *exc) -> None:
+        pass
+
+    def _on_register(self, module: torch.nn.Module, name: str, param):
+        raise NotImplementedError
+
+
+class OnDevice(ParameterRegistrationContext):
     """Context manager: parameters registered on modules built inside are made on `device` ("meta":
     shape and dtype only) in `dtype` (floating-point parameters; None keeps the constructed dtype).
     `enabled=False` makes it do nothing, as in DeepSpeed."""
@@ -26,25 +56,17 @@ class OnDevice:
         except (RuntimeError, TypeError) as err:
             raise ValueError(f"OnDevice(device=...): not a device: {device!r} ({err})") from None
         self.dtype, self.enabled = dtype, enabled
-        self._handle = None
         self._device_context = None
 
-    def __enter__(self) -> "OnDevice":
-        if not self.enabled:
-            return self
-        self._handle = register_module_parameter_registration_hook(self._on_register)
+    def _enter(self) -> None:
         if self.device.type != "meta":  # constructors then allocate there directly (no CPU copy first)
             self._device_context = self.device
             self._device_context.__enter__()
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def _exit(self, *exc) -> None:
         if self._device_context is not None:
             self._device_context.__exit__(*exc)
             self._device_context = None
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
 
     def _on_register(self, module: torch.nn.Module, name: str, param):
         if param is None:

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from lightspeed._utils.init_on_device import ParameterRegistrationContext
 from lightspeed._utils.logging import get_logger, warn_once
 
 logger = get_logger(__name__)
@@ -58,7 +58,7 @@ def seed_from_global_rng() -> int:
     return int(torch.randint(0, 2**62, (), generator=g))
 
 
-class Init:
+class Init(ParameterRegistrationContext):
     """Context manager: models constructed inside hold meta parameters; the stage-3 strategy built by
     `lightspeed.initialize` materializes them shard by shard (see the Note of this module).
 
@@ -79,20 +79,10 @@ class Init:
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"zero.Init(dtype=...): expected a floating-point torch dtype (got {dtype!r})")
         self.module, self.enabled, self.seed = module, enabled, seed
-        self._handle = None
         self._record: InitRecord | None = None
 
-    def __enter__(self) -> "Init":
-        if not self.enabled:
-            return self
+    def _enter(self) -> None:
         self._record = InitRecord(self.seed if self.seed is not None else seed_from_global_rng())
-        self._handle = register_module_parameter_registration_hook(self._on_register)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
 
     def _on_register(self, module: torch.nn.Module, name: str, param):
         if param is None:

@@ -31,6 +31,7 @@ from lightspeed.checkpoint.errors import CheckpointError
 __all__ = [
     "LATEST_FILENAME",
     "atomic_write_bytes",
+    "atomic_write_via",
     "atomic_torch_save",
     "safe_torch_load",
     "write_latest",
@@ -66,11 +67,15 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _temp_name(path: str) -> str:
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
+
+
 def _atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> None:
     path = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(path)
     _fault_point("begin", path)
-    tmp = os.path.join(directory, f".{name}{_TEMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
+    tmp = _temp_name(path)
     # os.open with 0o666 lets the umask decide the final mode, as a plain open() would.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -78,16 +83,45 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) ->
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        _fault_point("temp_written", path)
-        os.replace(tmp, path)
+        _commit(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _discard(tmp)
         raise
     _fault_point("replaced", path)
-    fsync_dir(directory)
+    fsync_dir(os.path.dirname(path))
+
+
+def _commit(tmp: str, path: str) -> None:
+    _fault_point("temp_written", path)
+    os.replace(tmp, path)
+
+
+def _discard(tmp: str) -> None:
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+
+
+def atomic_write_via(path: str | os.PathLike, write_to: Callable[[str], Any]) -> None:
+    """`write_to(temp_path)` writes the file (for writers that take a file name, e.g. safetensors'
+    `save_file`), then it is fsynced and renamed over ``path``, as ``atomic_write_bytes`` does."""
+    path = os.path.abspath(os.fspath(path))
+    _fault_point("begin", path)
+    tmp = _temp_name(path)
+    try:
+        write_to(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _commit(tmp, path)
+    except BaseException:
+        _discard(tmp)
+        raise
+    _fault_point("replaced", path)
+    fsync_dir(os.path.dirname(path))
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.checkpoint.atomic import atomic_write_bytes, safe_torch_load
+from lightspeed.checkpoint.atomic import atomic_write_bytes, atomic_write_via, safe_torch_load
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
 from lightspeed.ops.wquant.reference import FORMATS
@@ -406,7 +406,7 @@ def save_inference_checkpoint(model: nn.Module, directory: str | os.PathLike,
     DeepSpeed's `ds_inference_config.json` (see the Note of this module). Host memory holds one shard
     at a time. Returns the shard file names. `init_inference(model_on_meta, checkpoint=directory)`
     loads it back without re-quantizing."""
-    from safetensors.torch import save as safetensors_bytes
+    from safetensors.torch import save_file
 
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
@@ -426,7 +426,7 @@ def save_inference_checkpoint(model: nn.Module, directory: str | os.PathLike,
     metadata = {"format": "pt", QUANT_METADATA_KEY: json.dumps(quant)}
     for name, keys in zip(names, shards):
         cpu = {key: state[key].detach().to("cpu").contiguous() for key in keys}
-        atomic_write_bytes(os.path.join(directory, name), safetensors_bytes(cpu, metadata=metadata))
+        atomic_write_via(os.path.join(directory, name), lambda tmp: save_file(cpu, tmp, metadata=metadata))
         del cpu
     weight_map = {key: name for name, keys in zip(names, shards) for key in keys}
     total = sum(t.numel() * t.element_size() for t in state.values())

@@ -19,6 +19,7 @@ from lightspeed.checkpoint import atomic
 from lightspeed.checkpoint.atomic import (
     atomic_torch_save,
     atomic_write_bytes,
+    atomic_write_via,
     read_latest,
     remove_stale_temps,
     safe_torch_load,
@@ -71,6 +72,24 @@ def test_failed_serialization_keeps_old_file(tmp_path):
         atomic_torch_save({"v": 2, "bad": lambda: None}, target)  # lambdas cannot be pickled
     assert safe_torch_load(target) == {"v": 1}
     assert temps(tmp_path) == []
+
+
+def test_atomic_write_via_a_path_writer(tmp_path, monkeypatch):
+    """A writer that needs a file name (safetensors' save_file) writes the temp file; a failing one
+    leaves the old file and no temp; the fault points come in order."""
+    target = tmp_path / "t.bin"
+    seen = []
+    monkeypatch.setattr(atomic, "_fault_hook", lambda point, path: seen.append(point))
+    atomic_write_via(target, lambda tmp: Path(tmp).write_bytes(b"first"))
+    assert target.read_bytes() == b"first" and seen == ["begin", "temp_written", "replaced"]
+
+    def fails(tmp):
+        Path(tmp).write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_via(target, fails)
+    assert target.read_bytes() == b"first" and temps(tmp_path) == []
 
 
 # ------------------------------------------------------------------------------------- crash tests

@@ -278,3 +278,20 @@ def test_gpu_peak_while_loading_a_checkpoint(tmp_path):
     assert final < 0.4 * fp16_bytes and peak < final + 0.4 * fp16_bytes, (final, peak)
     ref = init_inference(model, dtype=torch.float16, quant={"weight": "fp6"}, device="cuda")
     _assert_same_state(ref, got)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_checkpoint_onto_the_second_gpu(tmp_path):
+    """device='cuda:1' while cuda:0 is current: every tensor lands on cuda:1, the buffers equal those of
+    quantizing the loaded model there, and so do the logits."""
+    base = _real("llama")
+    base.save_pretrained(tmp_path)
+    with torch.cuda.device(0):
+        got = init_inference(_meta("llama"), dtype=torch.float16, device="cuda:1", quant={"weight": "fp6"},
+                             checkpoint=str(tmp_path))
+        assert {t.device for t in [*got.parameters(), *got.buffers()]} == {torch.device("cuda", 1)}
+        ref = init_inference(copy.deepcopy(base), dtype=torch.float16, device="cuda:1", quant={"weight": "fp6"})
+        _assert_same_state(ref, got)
+        with torch.no_grad():
+            ids = _ids().to("cuda:1")
+            torch.testing.assert_close(got(ids).logits, ref(ids).logits)

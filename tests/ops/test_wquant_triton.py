@@ -574,3 +574,17 @@ def test_quantized_matmul_on_another_gpu_than_the_current(fmt):
             torch.cuda.synchronize(1)
             assert y.device == x.device
             _check(y, x, qw, bias)
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_grad_input_on_another_gpu_than_the_current():
+    """The backward's operator (Triton dequantizer + cuBLAS) on cuda:1 while cuda:0 is current."""
+    qw = _weight(96, 256, "fp6", None, seed=63).to("cuda:1")
+    grad = torch.randn(5, 96, generator=torch.Generator().manual_seed(64)).to("cuda:1", torch.float16)
+    args = (grad, list(qw.planes), qw.scales, qw.format, 96, 256, qw.group_size, qw.dtype, qw.tile)
+    with torch.cuda.device(0):
+        got = torch.ops.lightspeed.quantized_matmul_grad_input(*args)
+        torch.cuda.synchronize(1)
+    ref = grad.float() @ dequantize(qw, torch.float32)
+    assert got.device == grad.device
+    torch.testing.assert_close(got.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())

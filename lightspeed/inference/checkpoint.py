@@ -26,7 +26,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -285,67 +285,98 @@ class _Loader:
         layer.load_state_dict(state)  # checks the packed-layout version
         return layer
 
-    def quantized_layer(self, name: str, module: nn.Module, fmt: str, group_size: int | None) -> QuantizedLinear | None:
-        """Quantize the layer's float weight as the checkpoint holds it; None when it holds none."""
+    def float_layer(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None,
+                    cut: Callable | None) -> nn.Module | None:
+        """The layer from the float weight the checkpoint holds: `cut(weight, bias)` (a tensor-parallel
+        slice) first if given, then quantized to `wanted` (format, group_size), or else an nn.Linear.
+        None when the checkpoint holds no weight for it."""
         out_features, in_features = _linear_dims(module)
         shape = (in_features, out_features) if is_conv1d(module) else (out_features, in_features)
         weight = self.read(f"{name}.weight", shape=shape)
         if weight is None:
             return None
+        weight = weight.t() if is_conv1d(module) else weight
         bias = getattr(module, "bias", None)
         if bias is not None:
             loaded = self.read(f"{name}.bias", like=bias)
             if loaded is None and bias.is_meta:
                 raise CheckpointError(f"checkpoint lacks {self.ckpt_key(name + '.bias')!r}")
             bias = loaded if loaded is not None else bias.detach().to(device=self.device, dtype=self.dtype)
-        return QuantizedLinear.from_float(weight.t() if is_conv1d(module) else weight, bias, weight=fmt,
-                                          group_size=group_size)
+        return build_linear(weight, bias, wanted, cut)
 
 
-def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
+def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, wanted: tuple[str, int | None] | None,
+                 cut: Callable | None) -> nn.Module:
+    """A layer from a float weight [N, K] (and bias) on their device: `cut(weight, bias)` first if given
+    (a tensor-parallel slice), then QuantizedLinear in `wanted` (format, group_size), or else nn.Linear."""
+    if cut is not None:
+        weight, bias = cut(weight, bias)
+        weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()
+    if wanted is not None:
+        return QuantizedLinear.from_float(weight, bias, weight=wanted[0], group_size=wanted[1])
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+def replace_submodule(model: nn.Module, name: str, layer: nn.Module) -> None:
+    """Put `layer` where the submodule `name` of `model` is."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
 
 
 def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str, tuple[str, int | None]],
-                    device: torch.device, dtype: torch.dtype) -> list[str]:
+                    device: torch.device, dtype: torch.dtype,
+                    shards: Mapping[str, Callable] | None = None) -> list[str]:
     """Fill `model` (built on the meta device or real) from checkpoint `files` in place, one tensor at a
     time, on `device` in `dtype` (floating-point tensors). Layers named in `quantize` ({name: (format,
     group_size)}) become QuantizedLinear, from the packed form when the checkpoint holds one, else
-    quantized on the device from the float weight. Returns the names of the quantized layers."""
+    quantized on the device from the float weight. Layers named in `shards` ({name: cut(weight, bias) ->
+    (weight, bias)}, tensor parallelism) keep only their slice, taken before quantizing. Returns the
+    names of the quantized layers."""
     reader = CheckpointReader(files)
     loader = _Loader(model, reader, device, dtype)
-    swapped = []
+    shards = shards or {}
+    quantized = []
     for name, module in list(model.named_modules()):
         if not (isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)):
             continue
         saved = loader.saved_format(name)
         wanted = quantize.get(name)
+        cut = shards.get(name)
         if isinstance(module, QuantizedLinear):
             wanted = (module.weight_format, module.group_size)
         if saved is not None:
+            if cut is not None:
+                raise ValueError(f"init_inference: layer {name!r} is saved packed ({saved[0]}), which cannot be split "
+                                 "for tensor parallelism; load the float checkpoint")
             if wanted is not None and tuple(wanted) != tuple(saved):
                 raise ValueError(f"init_inference: layer {name!r} is saved as {saved[0]} (group_size={saved[1]}) "
                                  f"but {wanted[0]} (group_size={wanted[1]}) is asked for; load it from the float "
                                  f"weights to quantize it again")
             layer = loader.packed_layer(name, module, *saved)
-        elif wanted is not None:
-            layer = loader.quantized_layer(name, module, *wanted)
+        elif wanted is not None or cut is not None:
+            layer = loader.float_layer(name, module, wanted, cut)
             if layer is None:
                 if isinstance(module, QuantizedLinear) or module.weight.is_meta:
                     raise CheckpointError(f"checkpoint lacks {loader.ckpt_key(name + '.weight')!r}")
-                logger.warning("init_inference: %s is not in the checkpoint; quantizing the weights it has", name)
-                layer = QuantizedLinear.from_linear(module, *wanted, device=device, dtype=dtype)
+                logger.warning("init_inference: %s is not in the checkpoint; using the weights the model has", name)
+                weight = module.weight.detach().to(device=device, dtype=dtype)
+                bias = None if module.bias is None else module.bias.detach().to(device=device, dtype=dtype)
+                layer = build_linear(weight.t() if is_conv1d(module) else weight, bias, wanted, cut)
         else:
             continue
-        _swap(model, name, layer)
-        swapped.append(name)
+        replace_submodule(model, name, layer)
+        if isinstance(layer, QuantizedLinear):
+            quantized.append(name)
     _load_remaining(model, loader)
     unused = [k for k in reader.keys() if k not in loader.used]
     if unused:
         logger.info("init_inference: %d checkpoint tensors the model does not use, e.g. %s", len(unused),
                     ", ".join(unused[:3]))
-    return swapped
+    return quantized
 
 
 def _load_remaining(model: nn.Module, loader: _Loader) -> None:

@@ -14,8 +14,11 @@ from torch import nn
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import current_rank, get_logger
-from lightspeed.inference.checkpoint import load_checkpoint, resolve_checkpoint_files, save_inference_checkpoint
+from lightspeed.inference.checkpoint import (load_checkpoint, replace_submodule, resolve_checkpoint_files,
+                                            save_inference_checkpoint)
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
+from lightspeed.inference.tensor_parallel import COLWISE, ROWWISE, attach_all_reduce, build_plan, shard, shard_linear, \
+    tp_settings
 from lightspeed.ops.wquant.reference import FORMATS, check_quant_args
 
 logger = get_logger(__name__)
@@ -25,27 +28,16 @@ _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float1
            "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
 
-def _tp_size(value) -> int:
-    if value is None:
-        return 1
-    if isinstance(value, dict):
-        return int(value.get("tp_size", 1) or 1) if value.get("enabled", True) else 1
-    if isinstance(value, int):
-        return value
-    size = getattr(value, "tp_size", 1)
-    return int(size or 1)
-
-
 # DeepSpeedInferenceConfig fields that only configure DeepSpeed's injected kernels (or a checkpoint load):
 # without kernel injection they do nothing there either, so any value is taken and logged
 _KERNEL_ONLY = ("triangular_masking", "tm", "return_tuple", "max_out_tokens", "max_tokens", "min_out_tokens",
                 "min_tokens", "replace_method", "transposed_mode", "tp_grain_size", "use_triton", "triton_autotune",
                 "training_mp_size")
 # fields this engine does not implement, with DeepSpeed's default: any other value raises NotImplementedError
-_NOT_IMPLEMENTED = {"enable_cuda_graph": False, "injection_policy": None,
-                    "injection_dict": None, "injection_policy_tuple": None, "zero": {}, "moe": {}, "ep_size": 1,
+_NOT_IMPLEMENTED = {"enable_cuda_graph": False, "injection_policy_tuple": None, "zero": {}, "moe": {}, "ep_size": 1,
                     "mpu": None, "set_empty_params": False}
-_ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_parallel", "ckpt_config": "checkpoint_config"}
+_ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_parallel", "ckpt_config": "checkpoint_config",
+            "injection_dict": "injection_policy"}
 
 
 def _is_default(value, default) -> bool:
@@ -196,16 +188,14 @@ def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | No
     be packed (logged)."""
     swaps = select_linears(model, weight, group_size, include, exclude)
     for name, module in swaps:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantizedLinear.from_linear(module, weight=weight, group_size=group_size,
-                                                           device=device, dtype=dtype))
+        layer = QuantizedLinear.from_linear(module, weight=weight, group_size=group_size, device=device, dtype=dtype)
+        replace_submodule(model, name, layer)
     return [name for name, _ in swaps]
 
 
 _DEFAULTS = {"dtype": torch.float16, "quant": None, "tensor_parallel": None, "mp_size": 1,
              "replace_with_kernel_inject": False, "device": None, "checkpoint": None, "base_dir": "",
-             "save_mp_checkpoint_path": None, "checkpoint_config": None}
+             "save_mp_checkpoint_path": None, "checkpoint_config": None, "injection_policy": None}
 _CHECKPOINT_CONFIG_KEYS = {"checkpoint_dir": "checkpoint", "base_dir": "base_dir",
                            "save_mp_checkpoint_path": "save_mp_checkpoint_path"}
 
@@ -227,10 +217,66 @@ def _merge_checkpoint_config(kwargs: dict) -> None:
             kwargs[target] = value
 
 
+class _TensorParallel:
+    """The tensor-parallel setup of one init_inference call (tensor_parallel.py's plan and group)."""
+
+    def __init__(self, model: nn.Module, kwargs: dict):
+        tp_size, group = tp_settings(kwargs["tensor_parallel"])
+        mp = int(kwargs["mp_size"] or 1)
+        if mp > 1 and tp_size > 1 and mp != tp_size:
+            raise ValueError(f"init_inference: mp_size={mp} and tensor_parallel tp_size={tp_size} disagree")
+        self.size = max(tp_size, mp)  # mp_size: DeepSpeed's older name of tp_size
+        self.plan: dict[str, str] = {}
+        self.rank, self.comm = 0, None
+        if self.size == 1:
+            if kwargs["injection_policy"]:
+                logger.info("init_inference: injection_policy has no effect without tensor parallelism")
+            return
+        if kwargs["save_mp_checkpoint_path"]:
+            raise NotImplementedError("init_inference: save_mp_checkpoint_path with tensor parallelism (per-rank "
+                                      "shards) is not implemented; save with tp_size 1")
+        from lightspeed.comm.collectives import Communicator  # lazy: only tensor parallelism communicates
+
+        self.comm = Communicator(group)
+        if self.comm.world_size != self.size:
+            raise ValueError(f"init_inference: tensor_parallel tp_size={self.size} needs torch.distributed with "
+                             f"{self.size} ranks in the group (found {self.comm.world_size}); start the script with "
+                             f"`lightspeed --num_gpus {self.size}` or torchrun")
+        self.rank = self.comm.rank
+        self.plan = build_plan(model, self.size, kwargs["injection_policy"])
+        logger.info("init_inference: tensor parallelism over %d ranks: %d column- and %d row-parallel layers",
+                    self.size, sum(s == COLWISE for s in self.plan.values()),
+                    sum(s == ROWWISE for s in self.plan.values()))
+
+    def cuts(self) -> dict:
+        return {name: (lambda w, b, style=style: shard(w, b, style, self.rank, self.size))
+                for name, style in self.plan.items()}
+
+    def shard_in_place(self, model: nn.Module) -> None:
+        for name, style in self.plan.items():
+            replace_submodule(model, name, shard_linear(model.get_submodule(name), style, self.rank, self.size))
+
+
+def _split_quantizable(chosen, q: dict, tp: _TensorParallel) -> dict:
+    """{name: (format, group_size)} of the chosen layers, less row-parallel ones whose K / tp the format
+    cannot pack (logged, as the swap does for whole layers)."""
+    out = {}
+    for name, module in chosen:
+        if tp.plan.get(name) == ROWWISE:
+            n, k = module.weight.shape
+            try:
+                check_quant_args(q["weight"], (n, k // tp.size), q["group_size"])
+            except ValueError as err:
+                logger.warning("init_inference: keeping %s unquantized: its slice of K: %s", name, err)
+                continue
+        out[name] = (q["weight"], q["group_size"])
+    return out
+
+
 def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.float16, quant: dict | None = None,
                    tensor_parallel=None, mp_size: int = 1, replace_with_kernel_inject: bool = False,
                    device=None, checkpoint=None, base_dir: str = "", save_mp_checkpoint_path=None,
-                   checkpoint_config: dict | None = None, **deepspeed_kwargs) -> nn.Module:
+                   checkpoint_config: dict | None = None, injection_policy=None, **deepspeed_kwargs) -> nn.Module:
     """Prepare `model` for generation: cast it to `dtype`, move it to `device` (default: this rank's
     GPU, else CPU) and, with `quant={"weight": "fp6"|"int8"|"int4", "group_size": None|int,
     "include": [...], "exclude": [...]}`, swap its linear layers for QuantizedLinear. `config` may hold
@@ -265,7 +311,7 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     kwargs = {"dtype": dtype, "quant": quant, "tensor_parallel": tensor_parallel, "mp_size": mp_size,
               "replace_with_kernel_inject": replace_with_kernel_inject, "device": device,
               "checkpoint": checkpoint, "base_dir": base_dir, "save_mp_checkpoint_path": save_mp_checkpoint_path,
-              "checkpoint_config": checkpoint_config}
+              "checkpoint_config": checkpoint_config, "injection_policy": injection_policy}
     extra = {_ALIASES.get(key, key): value for key, value in deepspeed_kwargs.items()}
     for key in [k for k in extra if k in kwargs]:  # an alias (tp=, kernel_inject=) of a named argument
         kwargs[key] = extra.pop(key)
@@ -280,10 +326,6 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
                 kwargs[key] = value
     _check_deepspeed_keys(extra)
     _merge_checkpoint_config(kwargs)
-    if _tp_size(kwargs["tensor_parallel"]) > 1:
-        raise NotImplementedError("init_inference: tensor_parallel (tp_size > 1) is not implemented")
-    if int(kwargs["mp_size"] or 1) > 1:
-        raise NotImplementedError("init_inference: mp_size > 1 (tensor parallelism) is not implemented")
     if kwargs["replace_with_kernel_inject"]:
         raise NotImplementedError("init_inference: replace_with_kernel_inject=True is not implemented")
     target_dtype = _resolve_dtype(kwargs["dtype"])
@@ -301,19 +343,25 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
             raise ValueError(f"init_inference: the model has {len(on_meta)} tensor(s) on the meta device (e.g. "
                              f"{on_meta[0]}): pass checkpoint= to load them")
 
+    tp = _TensorParallel(model, kwargs)
+
     quantizing = q is not None and q["enabled"]
     if quantizing:
         size = torch.empty((), dtype=target_dtype).element_size()
         before = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in model.parameters())
     if files is not None:
         chosen = select_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"]) if quantizing else []
-        names = load_checkpoint(model, files, quantize={name: (q["weight"], q["group_size"]) for name, _ in chosen},
-                                device=target_device, dtype=target_dtype)
+        names = load_checkpoint(model, files, quantize=_split_quantizable(chosen, q, tp) if quantizing else {},
+                                device=target_device, dtype=target_dtype, shards=tp.cuts())
         logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
-    elif quantizing:
-        names = quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"],
-                                 device=target_device, dtype=target_dtype)
+    else:
+        tp.shard_in_place(model)
+        if quantizing:
+            names = quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"],
+                                     device=target_device, dtype=target_dtype)
     model = model.to(device=target_device, dtype=target_dtype)
+    if tp.comm is not None:
+        attach_all_reduce(model, tp.plan, tp.comm)
     if quantizing:
         after = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         logger.info("init_inference: %d linear layers -> %s (group_size=%s); weights %.1f MiB -> %.1f MiB",

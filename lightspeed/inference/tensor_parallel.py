@@ -1,0 +1,172 @@
+"""Tensor parallelism for `init_inference` (DeepSpeed's AutoTP, without kernel injection): each rank of the
+tensor-parallel group keeps a slice of every planned linear layer, so a model too large for one GPU
+runs on several and each decode step reads 1/tp of the weights per GPU.
+
+Owns: the plan (which linear layers are split, and how), the slicing of one weight, and the all-reduce
+after a row-parallel layer. Must not: change any other module (embeddings, norms and the output head
+stay whole on every rank) or issue collectives except through comm/.
+
+Note: [the plan] "colwise" layers keep rows r*N/tp .. (r+1)*N/tp of the weight [N, K] (and of the bias):
+their output is this rank's slice of the features (its attention heads, its MLP columns). "rowwise"
+layers keep columns r*K/tp .. of the weight, read that slice of their input (which the colwise layers
+before them produced), and their outputs are summed over the group; the bias is kept on rank 0 only
+(zeros elsewhere), so the sum adds it once. The plan comes from `injection_policy` (DeepSpeed's form:
+{block class or its name: (names of the row-parallel linears in the block)}, every other nn.Linear in
+the block column-parallel), else from the Hugging Face config's `base_model_tp_plan` ({"layers.*.
+self_attn.q_proj": "colwise", ...}: "colwise" / "rowwise" entries; others raise). Attention modules
+need no change when they infer their head count from the tensors (transformers' Llama-family models
+reshape with -1 heads); the head counts in the config must divide by tp (checked), so no head is split.
+Quantization happens after slicing: a row-parallel slice gets its own per-channel scales (over K/tp).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+_HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+
+
+def tp_settings(value) -> tuple[int, object]:
+    """(tp_size, tp_group) from DeepSpeed's `tensor_parallel` (a dict {"tp_size", "tp_group", "enabled"},
+    an object with those attributes, or an int)."""
+    if value is None:
+        return 1, None
+    if isinstance(value, Mapping):
+        if not value.get("enabled", True):
+            return 1, None
+        unknown = set(value) - {"enabled", "tp_size", "tp_group", "mpu"}
+        if unknown:
+            raise ValueError(f"init_inference: unknown tensor_parallel key {sorted(unknown)[0]!r} "
+                             "(known: enabled, tp_size, tp_group, mpu)")
+        if value.get("mpu") is not None:
+            raise NotImplementedError("init_inference: tensor_parallel['mpu'] is not implemented; pass tp_group")
+        return int(value.get("tp_size", 1) or 1), value.get("tp_group")
+    if isinstance(value, int):
+        return value, None
+    return int(getattr(value, "tp_size", 1) or 1), getattr(value, "tp_group", None)
+
+
+def _policy_plan(model: nn.Module, policy: Mapping) -> dict[str, str]:
+    plan = {}
+    for block_type, rowwise in policy.items():
+        if isinstance(rowwise, str):
+            rowwise = (rowwise,)
+        matched = False
+        for name, module in model.named_modules():
+            if not (module.__class__ is block_type or type(module).__name__ == block_type):
+                continue
+            matched = True
+            for child_name, child in module.named_modules():
+                if isinstance(child, nn.Linear) and child_name:
+                    full = f"{name}.{child_name}" if name else child_name
+                    plan[full] = ROWWISE if child_name in rowwise else COLWISE
+            children = dict(module.named_modules())
+            for row in rowwise:
+                if not isinstance(children.get(row), nn.Linear):
+                    raise ValueError(f"init_inference: injection_policy names {row!r}, which is no nn.Linear in "
+                                     f"{type(module).__name__} {name!r}")
+        if not matched:
+            raise ValueError(f"init_inference: injection_policy's {getattr(block_type, '__name__', block_type)!r} "
+                             "is not in the model")
+    return plan
+
+
+def _config_plan(model: nn.Module) -> dict[str, str]:
+    config = getattr(model, "config", None)
+    patterns = getattr(config, "base_model_tp_plan", None) or {}
+    if not patterns:
+        raise NotImplementedError(f"init_inference: tensor parallelism for {type(model).__name__} needs a plan: its "
+                                  "config has no base_model_tp_plan; pass injection_policy={BlockClass: "
+                                  "('row_parallel_linear', ...)}")
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    plan = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        local = name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else name
+        for pattern, style in patterns.items():
+            if fnmatch.fnmatchcase(local, pattern) or fnmatch.fnmatchcase(name, pattern):
+                if style not in (COLWISE, ROWWISE):
+                    raise NotImplementedError(f"init_inference: tensor parallelism style {style!r} (the model's "
+                                              f"base_model_tp_plan for {pattern!r}) is not implemented")
+                plan[name] = style
+                break
+    for pattern, style in patterns.items():  # a styled module that is not an nn.Linear (fused experts, ...)
+        if style not in (COLWISE, ROWWISE) and any(fnmatch.fnmatchcase(n, pattern) for n, _ in model.named_modules()):
+            raise NotImplementedError(f"init_inference: tensor parallelism style {style!r} (the model's "
+                                      f"base_model_tp_plan for {pattern!r}) is not implemented")
+    return plan
+
+
+def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[str, str]:
+    """{linear layer name: "colwise" | "rowwise"} (see the Note), checked for tp_size."""
+    plan = _policy_plan(model, injection_policy) if injection_policy else _config_plan(model)
+    if not plan:
+        raise ValueError("init_inference: the tensor-parallel plan matches no nn.Linear of the model")
+    config = getattr(model, "config", None)
+    for key in _HEAD_KEYS:
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp_size:
+            raise ValueError(f"init_inference: config.{key}={heads} does not divide by tp_size={tp_size}")
+    for name, style in plan.items():
+        weight = model.get_submodule(name).weight
+        size = weight.shape[0] if style == COLWISE else weight.shape[1]
+        if size % tp_size:
+            raise ValueError(f"init_inference: {name} ({style}) has {size} "
+                             f"{'output' if style == COLWISE else 'input'} features, which do not divide by "
+                             f"tp_size={tp_size}")
+    return plan
+
+
+def shard(weight: torch.Tensor, bias: torch.Tensor | None, style: str, rank: int, tp_size: int):
+    """This rank's (weight, bias) of a linear layer, weight [N, K] (see the Note)."""
+    if style == COLWISE:
+        n = weight.shape[0] // tp_size
+        return weight[rank * n:(rank + 1) * n], None if bias is None else bias[rank * n:(rank + 1) * n]
+    k = weight.shape[1] // tp_size
+    local = weight[:, rank * k:(rank + 1) * k]
+    if bias is not None and rank != 0:
+        bias = torch.zeros_like(bias)
+    return local, bias
+
+
+def shard_linear(module: nn.Linear, style: str, rank: int, tp_size: int) -> nn.Linear:
+    """A new nn.Linear holding this rank's slice of `module` (same device and dtype)."""
+    weight, bias = shard(module.weight.detach(), None if module.bias is None else module.bias.detach(), style,
+                         rank, tp_size)
+    local = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    local.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        local.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    return local
+
+
+class _AllReduce:
+    """Forward hook of a row-parallel layer: its output summed over the tensor-parallel group, in place."""
+
+    def __init__(self, comm):  # a lightspeed.comm Communicator on the tensor-parallel group
+        self.comm = comm
+
+    def __call__(self, module, inputs, output):
+        self.comm.all_reduce(output)
+        return output
+
+
+def attach_all_reduce(model: nn.Module, plan: Mapping[str, str], comm) -> int:
+    """Hook every row-parallel layer (after any quantization swap: the hooks go on the final modules)."""
+    count = 0
+    for name, style in plan.items():
+        if style == ROWWISE:
+            module = model.get_submodule(name)
+            if not (isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)):
+                raise TypeError(f"{name}: expected a linear layer, found {type(module).__name__}")
+            module.register_forward_hook(_AllReduce(comm))
+            count += 1
+    return count

@@ -1,0 +1,190 @@
+"""init_inference with tensor parallelism on real gloo processes (world sizes 1, 2, 4) against the
+single-process model: logits, greedy generation, the slices each rank keeps (whole and quantized), the
+checkpoint path (each rank quantizes its slice as it loads), DeepSpeed's injection_policy form, and the
+plan's checks. One world runs several scenarios to keep the process start-ups few."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightspeed.testing.run_world import run_world
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+
+VOCAB = 96
+
+
+def _cfg(kv_heads=4):
+    return transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                                    num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=64)
+
+
+def _model(kv_heads=4):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(_cfg(kv_heads)).eval()
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
+def _run(model):
+    ids = _ids()
+    with torch.no_grad():
+        logits = model(ids).logits
+    out = model.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=6, do_sample=False,
+                         pad_token_id=0)
+    return logits, out
+
+
+def _layer0(model):
+    layer = model.model.layers[0]
+    return {"q.q_proj": layer.self_attn.q_proj, "o.o_proj": layer.self_attn.o_proj, "down.down_proj": layer.mlp.down_proj}
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block with biases on both linears: the row-parallel bias must be added once."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _blocks():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(Block(), Block()).eval()
+
+
+def _block_input():
+    return torch.randn(3, 16, generator=torch.Generator().manual_seed(4))
+
+
+def _weights(model):
+    """Layer 0's q_proj (colwise), o_proj and down_proj (rowwise) weights as this rank holds them (float)."""
+    out = {}
+    for name, module in _layer0(model).items():
+        out[name] = module.dequantize_weight().float() if hasattr(module, "dequantize_weight") else \
+            module.weight.detach().float()
+    return out
+
+
+def _scenarios(world, ckpt_dir):
+    from lightspeed import OnDevice
+    from lightspeed.inference import init_inference
+
+    tp = {"tp_size": world}
+    res = {}
+    plain = init_inference(_model(), dtype=torch.float32, device="cpu", tensor_parallel=tp)
+    res["plain"] = (*_run(plain), _weights(plain))
+    blocks = init_inference(_blocks(), dtype=torch.float32, device="cpu", tensor_parallel=tp,
+                            injection_policy={Block: ("down",)})
+    with torch.no_grad():
+        res["blocks"] = blocks(_block_input())
+    int8 = init_inference(_model(), dtype=torch.float32, device="cpu", tensor_parallel=tp, quant={"weight": "int8"})
+    res["int8"] = (*_run(int8), _weights(int8))
+    with OnDevice(dtype=torch.float32, device="meta"):
+        meta = transformers.LlamaForCausalLM(_cfg()).eval()
+    loaded = init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp, quant={"weight": "int8"},
+                            checkpoint=ckpt_dir)
+    res["loaded"] = _run(loaded)[0]
+    policy = {transformers.models.llama.modeling_llama.LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}
+    by_policy = init_inference(_model(), dtype=torch.float32, device="cpu", mp_size=world, injection_policy=policy)
+    res["policy"] = _run(by_policy)[0]
+    if world > 1:
+        for kwargs, exc in (({"model": _model(kv_heads=world // 2)}, ValueError),
+                            ({"model": transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                                n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32))},
+                             NotImplementedError)):
+            try:
+                init_inference(kwargs["model"], dtype=torch.float32, device="cpu", tensor_parallel=tp)
+            except exc as err:
+                res.setdefault("errors", []).append(str(err))
+    return res
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from lightspeed.inference import init_inference
+
+    ckpt = tmp_path_factory.mktemp("llama")
+    _model().save_pretrained(ckpt, max_shard_size="60KB")
+    base = _model()
+    plain = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu")
+    int8 = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+    with torch.no_grad():
+        blocks = _blocks()(_block_input())
+    return {"ckpt": str(ckpt), "plain": _run(plain), "int8": _run(int8)[0], "blocks": blocks,
+            "full": {name: m.weight.detach().float() for name, m in _layer0(base).items()}}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_tensor_parallel_matches_one_process(world, reference):
+    from lightspeed.ops.wquant import dequantize, quantize
+
+    results = run_world(_scenarios, world, world, reference["ckpt"])
+    ref_logits, ref_tokens = reference["plain"]
+    for rank, res in enumerate(results):
+        logits, tokens, weights = res["plain"]
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(tokens, ref_tokens)
+        assert torch.equal(logits, results[0]["plain"][0])  # every rank gets the same sums
+        assert torch.equal(res["policy"], logits)  # injection_policy: the same plan as the config's
+        torch.testing.assert_close(res["blocks"], reference["blocks"], rtol=1e-5, atol=1e-5)  # biases added once
+        # each rank's slices: q_proj rows, o_proj / down_proj columns
+        full = reference["full"]
+        rows = full["q.q_proj"].shape[0] // world
+        assert torch.equal(weights["q.q_proj"], full["q.q_proj"][rank * rows:(rank + 1) * rows])
+        for name in ("o.o_proj", "down.down_proj"):
+            cols = full[name].shape[1] // world
+            assert torch.equal(weights[name], full[name][:, rank * cols:(rank + 1) * cols])
+        # INT8: colwise slices quantize row by row as the whole layer does; rowwise slices get their own
+        # per-channel scales over K / world
+        q_logits, q_tokens, q_weights = res["int8"]
+        whole_q = dequantize(quantize(full["q.q_proj"], "int8"), torch.float32)
+        assert torch.equal(q_weights["q.q_proj"], whole_q[rank * rows:(rank + 1) * rows])
+        for name in ("o.o_proj", "down.down_proj"):
+            cols = full[name].shape[1] // world
+            piece = full[name][:, rank * cols:(rank + 1) * cols].contiguous()
+            assert torch.equal(q_weights[name], dequantize(quantize(piece, "int8"), torch.float32))
+        rel = ((q_logits - reference["int8"]).norm() / reference["int8"].norm()).item()
+        assert rel < (1e-6 if world == 1 else 0.02), rel
+        assert torch.equal(res["loaded"], q_logits)  # from the checkpoint, sliced as it loads
+        if world > 1:
+            assert "num_key_value_heads" in res["errors"][0] and "base_model_tp_plan" in res["errors"][1]
+
+
+def _gpu_scenario(world, fmt):
+    from lightspeed.inference import init_inference
+
+    torch.cuda.set_device(int(torch.distributed.get_rank()))
+    quant = None if fmt is None else {"weight": fmt}
+    model = init_inference(_model(), dtype=torch.float16, tensor_parallel={"tp_size": world}, quant=quant)
+    assert model.model.layers[0].mlp.down_proj.in_features == 128 // world
+    with torch.no_grad():
+        return model(_ids().cuda()).logits.float().cpu()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("fmt", [None, "fp6"])
+def test_tensor_parallel_on_two_gpus_with_nccl(fmt):
+    """NCCL, fp16, the Triton kernels on each rank's GPU: logits against the one-GPU model's (fp16: its
+    rounding; FP6: plus the row-parallel slices' own scales)."""
+    from lightspeed.inference import init_inference
+
+    quant = None if fmt is None else {"weight": fmt}
+    one = init_inference(_model(), dtype=torch.float16, device="cuda:0", quant=quant)
+    with torch.no_grad():
+        ref = one(_ids().cuda()).logits.float().cpu()
+    results = run_world(_gpu_scenario, 2, 2, fmt, backend="nccl", env={"LIGHTSPEED_ACCELERATOR": "cuda"})
+    assert torch.equal(results[0], results[1])
+    rel = ((results[0] - ref).norm() / ref.norm()).item()
+    assert rel < (5e-3 if fmt is None else 0.05), rel

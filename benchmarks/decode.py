@@ -21,6 +21,8 @@ same model's eager step.
     python benchmarks/decode.py --no-eager --compile              # + torch.compile'd decode steps
     python benchmarks/decode.py --size llama2-70b --tied-layers --formats fp16,fp6,int4 --no-eager
                                      # all 80 layers: one set of CPU weights, every layer its own on the GPU
+    python benchmarks/decode.py --size llama2-70b --layers 20 --tp 2 --no-eager
+                                     # tensor parallelism over 2 GPUs (relaunches itself under torchrun, NCCL)
 """
 
 from __future__ import annotations
@@ -271,7 +273,14 @@ def main() -> None:
                     help="build the model on the CPU with one layer's weights shared by all (see build_tied_model)")
     ap.add_argument("--compile", action="store_true",
                     help="also a decode step compiled by torch.compile (inductor, fullgraph) in a CUDA graph")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (init_inference tensor_parallel)")
     args = ap.parse_args()
+    if args.tp > 1:
+        if args.compile or args.tied_layers or args.smoke:
+            ap.error("--tp: without --compile, --tied-layers and --smoke")
+        if "LOCAL_RANK" not in os.environ:  # relaunch as tp processes, one GPU each
+            os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                      f"--nproc_per_node={args.tp}", os.path.abspath(__file__), *sys.argv[1:]])
     if args.smoke:
         args.size, args.context, args.new_tokens = "tiny", 16, 4
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -279,22 +288,37 @@ def main() -> None:
         if f not in FORMATS:
             ap.error(f"--formats: unknown format {f!r} (known: {', '.join(FORMATS)})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank = 0
+    if args.tp > 1:
+        import torch.distributed as dist
+
+        rank = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+        if dist.get_world_size() != args.tp:
+            raise SystemExit(f"--tp {args.tp}: the process group has {dist.get_world_size()} ranks")
+    global print
+    if rank != 0:
+        print = lambda *a, **k: None  # noqa: E731  (one report: rank 0's)
     gpu = device.type == "cuda"
+    tp_kwargs = {"tensor_parallel": {"tp_size": args.tp}} if args.tp > 1 else {}
     base = build_tied_model(args.size, args.layers) if args.tied_layers else build_model(args.size, args.layers, device)
     layers = base.config.num_hidden_layers
     print(f"# {args.size} shapes, {layers} layers, batch {args.batch}, context {args.context}, "
-          f"{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}")
+          f"{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}"
+          + (f", tensor parallel over {args.tp} GPUs" if args.tp > 1 else ""))
     ref_logits, rows = None, []
     for fmt in formats:
         if gpu:
             torch.cuda.reset_peak_memory_stats()
         try:
-            if fmt == "fp16" and not args.tied_layers:
+            if fmt == "fp16" and not args.tied_layers and args.tp == 1:
                 model = base
             else:
                 model = copy.deepcopy(base)  # tied stays tied: quantizing gives each layer its own copy, untie fp16
                 lightspeed.init_inference(model, dtype=torch.float16, quant=None if fmt == "fp16" else {"weight": fmt},
-                                          device=device)
+                                          device=device, **tp_kwargs)
                 if fmt == "fp16":
                     untie(model)
             step = DecodeStep(model, args.batch, args.context)
@@ -313,7 +337,8 @@ def main() -> None:
         if ref_logits is not None:
             err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
             agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-        kernel_err = layer_errors(model, step) if fmt != "fp16" else float("nan")
+        # (under tensor parallelism a row-parallel layer's hooked output is the group's sum: not compared)
+        kernel_err = layer_errors(model, step) if fmt != "fp16" and args.tp == 1 else float("nan")
         graph_ms = float("nan")
         if gpu:
             step.capture()
@@ -336,6 +361,8 @@ def main() -> None:
     print(f"\n{'format':<8}{'weights GiB':>12}{'peak GiB':>10}{'graph ms/tok':>14}{'x fp16':>8}{'eager ms/tok':>14}"
           f"{'x fp16':>8}{'compiled ms/tok':>17}{'x fp16':>8}{'logits err':>12}{'top-1 agree':>13}{'layer err':>11}"
           f"{'compiled err':>14}")
+    if args.tp > 1:
+        print("(weights and peak memory: per GPU)")
     for fmt, gib, peak, g_ms, e_ms, c_ms, err, agree, kerr, cerr in rows:
         gx, ex, cx = ((base_row[i] / ms if base_row else float("nan")) for i, ms in ((3, g_ms), (4, e_ms), (5, c_ms)))
         print(f"{fmt:<8}{gib:>12.2f}{peak:>10.1f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{c_ms:>17.3f}{cx:>8.2f}"

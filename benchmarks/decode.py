@@ -367,6 +367,8 @@ def main() -> None:
         gx, ex, cx = ((base_row[i] / ms if base_row else float("nan")) for i, ms in ((3, g_ms), (4, e_ms), (5, c_ms)))
         print(f"{fmt:<8}{gib:>12.2f}{peak:>10.1f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{c_ms:>17.3f}{cx:>8.2f}"
               f"{err:>12.2e}{agree:>13.3f}{kerr:>11.1e}{cerr:>14.2e}")
+    if args.tp > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """`init_inference`: DeepSpeed's `deepspeed.init_inference(model, dtype=..., ...)` shape, limited to
 casting, device placement, loading a checkpoint (checkpoint.py) and weight-only quantization
 (nn.Linear and transformers' Conv1D swapped for `QuantizedLinear`). Owns the argument checks and the
-module swap; must not change the model's own forward or generate (no kernel injection, no tensor
-parallelism).
+module swap; must not change the model's own forward or generate (no kernel injection; tensor
+parallelism only splits linear layers and all-reduces, tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -299,11 +299,16 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     q_groups; activation and qkv configure DeepSpeed's kernels and are logged). Unlike DeepSpeed, which
     quantizes only with dtype=int8 and kernel injection, `quant` is honoured with any dtype.
 
+    `tensor_parallel={"tp_size": n}` (or `mp_size=n`; torch.distributed initialized with n ranks, or
+    `tp_group`) splits the model's linear layers over the ranks, DeepSpeed's AutoTP without kernel
+    injection: the plan is `injection_policy` ({block class: (names of its row-parallel linears)}) or
+    the Hugging Face config's `base_model_tp_plan` (tensor_parallel.py).
+
     Other DeepSpeedInferenceConfig fields are taken by name: those that only configure DeepSpeed's
     injected kernels (max_out_tokens, triangular_masking, return_tuple, ...) are logged and have no
-    effect, as without kernel injection in DeepSpeed; tensor parallelism, kernel injection and the other
-    unimplemented ones (enable_cuda_graph, injection_policy, zero, moe, ...) raise NotImplementedError
-    naming the key unless they hold DeepSpeed's default.
+    effect, as without kernel injection in DeepSpeed; kernel injection and the other unimplemented ones
+    (enable_cuda_graph, injection_policy_tuple, zero, moe, ...) raise NotImplementedError naming the key
+    unless they hold DeepSpeed's default.
 
     With `quant`, the linear layers are quantized on their way to `device`, one at a time, before the
     rest of the model moves: the device never holds the whole model in `dtype` (a 70B model's 138 GB

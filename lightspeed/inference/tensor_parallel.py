@@ -64,7 +64,7 @@ def _policy_plan(model: nn.Module, policy: Mapping) -> dict[str, str]:
                 continue
             matched = True
             for child_name, child in module.named_modules():
-                if isinstance(child, nn.Linear) and child_name:
+                if isinstance(child, (nn.Linear, QuantizedLinear)) and child_name:
                     full = f"{name}.{child_name}" if name else child_name
                     plan[full] = ROWWISE if child_name in rowwise else COLWISE
             children = dict(module.named_modules())
@@ -88,7 +88,7 @@ def _config_plan(model: nn.Module) -> dict[str, str]:
     prefix = getattr(model, "base_model_prefix", "") or ""
     plan = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, QuantizedLinear)):
             continue
         local = name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else name
         for pattern, style in patterns.items():
@@ -110,6 +110,10 @@ def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[st
     plan = _policy_plan(model, injection_policy) if injection_policy else _config_plan(model)
     if not plan:
         raise ValueError("init_inference: the tensor-parallel plan matches no nn.Linear of the model")
+    packed = [name for name in plan if isinstance(model.get_submodule(name), QuantizedLinear)]
+    if packed:
+        raise ValueError(f"init_inference: {packed[0]} is quantized already; a packed layer cannot be split for "
+                         "tensor parallelism: pass the float model and quant= (slices are quantized after the split)")
     config = getattr(model, "config", None)
     for key in _HEAD_KEYS:
         heads = getattr(config, key, None)

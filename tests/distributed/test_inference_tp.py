@@ -79,7 +79,7 @@ def _weights(model):
 
 def _scenarios(world, ckpt_dir):
     from lightspeed import OnDevice
-    from lightspeed.inference import init_inference
+    from lightspeed.inference import QuantizedLinear, init_inference
 
     tp = {"tp_size": world}
     res = {}
@@ -100,7 +100,10 @@ def _scenarios(world, ckpt_dir):
     by_policy = init_inference(_model(), dtype=torch.float32, device="cpu", mp_size=world, injection_policy=policy)
     res["policy"] = _run(by_policy)[0]
     if world > 1:
+        packed = _model()
+        packed.model.layers[1].mlp.up_proj = QuantizedLinear.from_linear(packed.model.layers[1].mlp.up_proj, "int8")
         for kwargs, exc in (({"model": _model(kv_heads=world // 2)}, ValueError),
+                            ({"model": packed}, ValueError),
                             ({"model": transformers.GPT2LMHeadModel(transformers.GPT2Config(
                                 n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32))},
                              NotImplementedError)):
@@ -159,7 +162,8 @@ def test_tensor_parallel_matches_one_process(world, reference):
         assert rel < (1e-6 if world == 1 else 0.02), rel
         assert torch.equal(res["loaded"], q_logits)  # from the checkpoint, sliced as it loads
         if world > 1:
-            assert "num_key_value_heads" in res["errors"][0] and "base_model_tp_plan" in res["errors"][1]
+            heads, packed, plan = res["errors"]
+            assert "num_key_value_heads" in heads and "quantized already" in packed and "base_model_tp_plan" in plan
 
 
 def _gpu_scenario(world, fmt):

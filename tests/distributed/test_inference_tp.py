@@ -1,7 +1,7 @@
 """init_inference with tensor parallelism on real gloo processes (world sizes 1, 2, 4) against the
 single-process model: logits, greedy generation, the slices each rank keeps (whole and quantized), the
-checkpoint path (each rank quantizes its slice as it loads), DeepSpeed's injection_policy form, and the
-plan's checks. One world runs several scenarios to keep the process start-ups few."""
+checkpoint path (each rank quantizes its slice as it loads), DeepSpeed's injection_policy form, a row-parallel
+bias, torch.compile over the all-reduce hooks, and the plan's checks. One world runs several scenarios to keep the process start-ups few."""
 
 from __future__ import annotations
 
@@ -99,6 +99,9 @@ def _scenarios(world, ckpt_dir):
     policy = {transformers.models.llama.modeling_llama.LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}
     by_policy = init_inference(_model(), dtype=torch.float32, device="cpu", mp_size=world, injection_policy=policy)
     res["policy"] = _run(by_policy)[0]
+    if world == 2:  # the all-reduce hooks trace under torch.compile (dynamo's functional collectives)
+        with torch.no_grad():
+            res["compiled"] = torch.compile(int8, backend="aot_eager", fullgraph=True)(_ids()).logits
     if world > 1:
         packed = _model()
         packed.model.layers[1].mlp.up_proj = QuantizedLinear.from_linear(packed.model.layers[1].mlp.up_proj, "int8")
@@ -161,6 +164,8 @@ def test_tensor_parallel_matches_one_process(world, reference):
         rel = ((q_logits - reference["int8"]).norm() / reference["int8"].norm()).item()
         assert rel < (1e-6 if world == 1 else 0.02), rel
         assert torch.equal(res["loaded"], q_logits)  # from the checkpoint, sliced as it loads
+        if world == 2:
+            torch.testing.assert_close(res["compiled"], q_logits, rtol=1e-5, atol=1e-5)
         if world > 1:
             heads, packed, plan = res["errors"]
             assert "num_key_value_heads" in heads and "quantized already" in packed and "base_model_tp_plan" in plan

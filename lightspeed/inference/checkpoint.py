@@ -26,7 +26,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.atomic import atomic_write_bytes, atomic_write_via, safe_torch_load
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
+from lightspeed.inference.tensor_parallel import Slice
 from lightspeed.ops.wquant.reference import FORMATS
 
 logger = get_logger(__name__)
@@ -201,12 +202,19 @@ class CheckpointReader:
     def keys(self) -> list[str]:
         return list(self._where)
 
-    def get(self, key: str) -> torch.Tensor:
+    def shape(self, key: str) -> tuple[int, ...]:
         path, handle = self._where[key]
         if isinstance(handle, dict):
-            return handle[key]
+            return tuple(handle[key].shape)
+        return tuple(handle.get_slice(key).get_shape())
+
+    def get(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor, or only `index` of it (safetensors reads just those bytes)."""
+        path, handle = self._where[key]
+        if isinstance(handle, dict):
+            return handle[key] if index is None else handle[key][index]
         try:
-            return handle.get_tensor(key)
+            return handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
         except (self._error, OSError) as err:
             raise CheckpointError(f"{path}: tensor {key!r} cannot be read ({err})") from None
 
@@ -234,11 +242,6 @@ def _linear_dims(module: nn.Module) -> tuple[int, int]:
     return module.weight.shape[0], module.weight.shape[1]
 
 
-def _check_shape(key: str, tensor: torch.Tensor, shape) -> None:
-    if tuple(tensor.shape) != tuple(shape):
-        raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, the model's is {tuple(shape)}")
-
-
 class _Loader:
     def __init__(self, model: nn.Module, reader: CheckpointReader, device: torch.device, dtype: torch.dtype):
         self.model, self.reader, self.device, self.dtype = model, reader, device, dtype
@@ -246,16 +249,18 @@ class _Loader:
         self.ckpt_key = _key_mapping(expected, reader.keys(), getattr(model, "base_model_prefix", "") or "")
         self.used: set[str] = set()
 
-    def read(self, key: str, like: torch.Tensor | None = None, shape=None) -> torch.Tensor | None:
+    def read(self, key: str, like: torch.Tensor | None = None, shape=None, index=None) -> torch.Tensor | None:
+        """The checkpoint's tensor for model key `key` on the device in the dtype (None when absent), its
+        shape checked against `shape` or `like`'s; `index`: only that part of it is read."""
         ckey = self.ckpt_key(key)
         if ckey not in self.reader:
             return None
-        tensor = self.reader.get(ckey)
+        expected = shape if shape is not None else like.shape if like is not None else None
+        if expected is not None and self.reader.shape(ckey) != tuple(expected):
+            raise CheckpointError(f"checkpoint tensor {ckey!r} has shape {self.reader.shape(ckey)}, the model's is "
+                                  f"{tuple(expected)}")
+        tensor = self.reader.get(ckey, index)
         self.used.add(ckey)
-        if shape is not None:
-            _check_shape(ckey, tensor, shape)
-        elif like is not None:
-            _check_shape(ckey, tensor, like.shape)
         floating = tensor.is_floating_point() and (like is None or like.is_floating_point())
         dtype = self.dtype if floating else (like.dtype if like is not None else tensor.dtype)
         return tensor.to(device=self.device).to(dtype=dtype)
@@ -286,32 +291,37 @@ class _Loader:
         return layer
 
     def float_layer(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None,
-                    cut: Callable | None) -> nn.Module | None:
-        """The layer from the float weight the checkpoint holds: `cut(weight, bias)` (a tensor-parallel
-        slice) first if given, then quantized to `wanted` (format, group_size), or else an nn.Linear.
-        None when the checkpoint holds no weight for it."""
+                    part: Slice | None) -> nn.Module | None:
+        """The layer from the float weight the checkpoint holds: only this rank's `part` of it if given
+        (tensor parallelism: only those bytes are read), then quantized to `wanted` (format, group_size),
+        or else an nn.Linear. None when the checkpoint holds no weight for it."""
         out_features, in_features = _linear_dims(module)
-        shape = (in_features, out_features) if is_conv1d(module) else (out_features, in_features)
-        weight = self.read(f"{name}.weight", shape=shape)
+        conv1d = is_conv1d(module)
+        index = None
+        if part is not None:
+            rows, cols = part.index((out_features, in_features))
+            index = (cols, rows) if conv1d else (rows, cols)  # Conv1D stores [in, out]
+        weight = self.read(f"{name}.weight", shape=(in_features, out_features) if conv1d else
+                           (out_features, in_features), index=index)
         if weight is None:
             return None
-        weight = weight.t() if is_conv1d(module) else weight
         bias = getattr(module, "bias", None)
         if bias is not None:
             loaded = self.read(f"{name}.bias", like=bias)
             if loaded is None and bias.is_meta:
                 raise CheckpointError(f"checkpoint lacks {self.ckpt_key(name + '.bias')!r}")
             bias = loaded if loaded is not None else bias.detach().to(device=self.device, dtype=self.dtype)
-        return build_linear(weight, bias, wanted, cut)
+            bias = part.bias(bias) if part is not None else bias
+        return build_linear(weight.t() if conv1d else weight, bias, wanted)
 
 
 def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, wanted: tuple[str, int | None] | None,
-                 cut: Callable | None) -> nn.Module:
-    """A layer from a float weight [N, K] (and bias) on their device: `cut(weight, bias)` first if given
-    (a tensor-parallel slice), then QuantizedLinear in `wanted` (format, group_size), or else nn.Linear."""
-    if cut is not None:
-        weight, bias = cut(weight, bias)
-        weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()
+                 part: Slice | None = None) -> nn.Module:
+    """A layer from a float weight [N, K] (and bias) on their device: this rank's `part` of it first if
+    given (tensor parallelism), then QuantizedLinear in `wanted` (format, group_size), or else nn.Linear."""
+    if part is not None:
+        weight, bias = part.weight(weight), part.bias(bias)
+    weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()
     if wanted is not None:
         return QuantizedLinear.from_float(weight, bias, weight=wanted[0], group_size=wanted[1])
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -329,12 +339,12 @@ def replace_submodule(model: nn.Module, name: str, layer: nn.Module) -> None:
 
 def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str, tuple[str, int | None]],
                     device: torch.device, dtype: torch.dtype,
-                    shards: Mapping[str, Callable] | None = None) -> list[str]:
+                    shards: Mapping[str, Slice] | None = None) -> list[str]:
     """Fill `model` (built on the meta device or real) from checkpoint `files` in place, one tensor at a
     time, on `device` in `dtype` (floating-point tensors). Layers named in `quantize` ({name: (format,
     group_size)}) become QuantizedLinear, from the packed form when the checkpoint holds one, else
-    quantized on the device from the float weight. Layers named in `shards` ({name: cut(weight, bias) ->
-    (weight, bias)}, tensor parallelism) keep only their slice, taken before quantizing. Returns the
+    quantized on the device from the float weight. Layers named in `shards` ({name: Slice}, tensor
+    parallelism) keep only this rank's part, read alone and quantized after the cut. Returns the
     names of the quantized layers."""
     reader = CheckpointReader(files)
     loader = _Loader(model, reader, device, dtype)
@@ -345,11 +355,11 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
             continue
         saved = loader.saved_format(name)
         wanted = quantize.get(name)
-        cut = shards.get(name)
+        part = shards.get(name)
         if isinstance(module, QuantizedLinear):
             wanted = (module.weight_format, module.group_size)
         if saved is not None:
-            if cut is not None:
+            if part is not None:
                 raise ValueError(f"init_inference: layer {name!r} is saved packed ({saved[0]}), which cannot be split "
                                  "for tensor parallelism; load the float checkpoint")
             if wanted is not None and tuple(wanted) != tuple(saved):
@@ -357,15 +367,15 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
                                  f"but {wanted[0]} (group_size={wanted[1]}) is asked for; load it from the float "
                                  f"weights to quantize it again")
             layer = loader.packed_layer(name, module, *saved)
-        elif wanted is not None or cut is not None:
-            layer = loader.float_layer(name, module, wanted, cut)
+        elif wanted is not None or part is not None:
+            layer = loader.float_layer(name, module, wanted, part)
             if layer is None:
                 if isinstance(module, QuantizedLinear) or module.weight.is_meta:
                     raise CheckpointError(f"checkpoint lacks {loader.ckpt_key(name + '.weight')!r}")
                 logger.warning("init_inference: %s is not in the checkpoint; using the weights the model has", name)
                 weight = module.weight.detach().to(device=device, dtype=dtype)
                 bias = None if module.bias is None else module.bias.detach().to(device=device, dtype=dtype)
-                layer = build_linear(weight.t() if is_conv1d(module) else weight, bias, wanted, cut)
+                layer = build_linear(weight.t() if is_conv1d(module) else weight, bias, wanted, part)
         else:
             continue
         replace_submodule(model, name, layer)

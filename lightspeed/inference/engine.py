@@ -17,7 +17,7 @@ from lightspeed._utils.logging import current_rank, get_logger
 from lightspeed.inference.checkpoint import (load_checkpoint, replace_submodule, resolve_checkpoint_files,
                                             save_inference_checkpoint)
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
-from lightspeed.inference.tensor_parallel import COLWISE, ROWWISE, attach_all_reduce, build_plan, shard, shard_linear, \
+from lightspeed.inference.tensor_parallel import COLWISE, ROWWISE, Slice, attach_all_reduce, build_plan, shard_linear, \
     tp_settings
 from lightspeed.ops.wquant.reference import FORMATS, check_quant_args
 
@@ -248,9 +248,8 @@ class _TensorParallel:
                     self.size, sum(s == COLWISE for s in self.plan.values()),
                     sum(s == ROWWISE for s in self.plan.values()))
 
-    def cuts(self) -> dict:
-        return {name: (lambda w, b, style=style: shard(w, b, style, self.rank, self.size))
-                for name, style in self.plan.items()}
+    def slices(self) -> dict[str, Slice]:
+        return {name: Slice(style, self.rank, self.size) for name, style in self.plan.items()}
 
     def shard_in_place(self, model: nn.Module) -> None:
         for name, style in self.plan.items():
@@ -357,7 +356,7 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     if files is not None:
         chosen = select_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"]) if quantizing else []
         names = load_checkpoint(model, files, quantize=_split_quantizable(chosen, q, tp) if quantizing else {},
-                                device=target_device, dtype=target_dtype, shards=tp.cuts())
+                                device=target_device, dtype=target_dtype, shards=tp.slices())
         logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
     else:
         tp.shard_in_place(model)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -129,22 +130,37 @@ def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[st
     return plan
 
 
-def shard(weight: torch.Tensor, bias: torch.Tensor | None, style: str, rank: int, tp_size: int):
-    """This rank's (weight, bias) of a linear layer, weight [N, K] (see the Note)."""
-    if style == COLWISE:
-        n = weight.shape[0] // tp_size
-        return weight[rank * n:(rank + 1) * n], None if bias is None else bias[rank * n:(rank + 1) * n]
-    k = weight.shape[1] // tp_size
-    local = weight[:, rank * k:(rank + 1) * k]
-    if bias is not None and rank != 0:
-        bias = torch.zeros_like(bias)
-    return local, bias
+@dataclass(frozen=True)
+class Slice:
+    """This rank's part of one linear layer (see the Note): `index` into its weight [N, K], `bias`."""
+
+    style: str
+    rank: int
+    size: int
+
+    def index(self, shape) -> tuple[slice, slice]:
+        if self.style == COLWISE:
+            n = shape[0] // self.size
+            return slice(self.rank * n, (self.rank + 1) * n), slice(None)
+        k = shape[1] // self.size
+        return slice(None), slice(self.rank * k, (self.rank + 1) * k)
+
+    def weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight[self.index(weight.shape)]
+
+    def bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        if bias is None:
+            return None
+        if self.style == COLWISE:
+            n = bias.shape[0] // self.size
+            return bias[self.rank * n:(self.rank + 1) * n]
+        return bias if self.rank == 0 else torch.zeros_like(bias)
 
 
 def shard_linear(module: nn.Linear, style: str, rank: int, tp_size: int) -> nn.Linear:
     """A new nn.Linear holding this rank's slice of `module` (same device and dtype)."""
-    weight, bias = shard(module.weight.detach(), None if module.bias is None else module.bias.detach(), style,
-                         rank, tp_size)
+    part = Slice(style, rank, tp_size)
+    weight, bias = part.weight(module.weight.detach()), part.bias(None if module.bias is None else module.bias.detach())
     local = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     local.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
     if bias is not None:

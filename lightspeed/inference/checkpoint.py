@@ -34,7 +34,7 @@ from torch import nn
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.atomic import atomic_write_bytes, atomic_write_via, safe_torch_load
 from lightspeed.checkpoint.errors import CheckpointError
-from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
+from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_from_float
 from lightspeed.inference.tensor_parallel import Slice
 from lightspeed.ops.wquant.reference import FORMATS
 
@@ -317,18 +317,11 @@ class _Loader:
 
 def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, wanted: tuple[str, int | None] | None,
                  part: Slice | None = None) -> nn.Module:
-    """A layer from a float weight [N, K] (and bias) on their device: this rank's `part` of it first if
-    given (tensor parallelism), then QuantizedLinear in `wanted` (format, group_size), or else nn.Linear."""
+    """`linear_from_float` of this rank's `part` of a float weight [N, K] (tensor parallelism) if given,
+    else of all of it."""
     if part is not None:
         weight, bias = part.weight(weight), part.bias(bias)
-    weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()
-    if wanted is not None:
-        return QuantizedLinear.from_float(weight, bias, weight=wanted[0], group_size=wanted[1])
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    layer.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias, requires_grad=False)
-    return layer
+    return linear_from_float(weight, bias, wanted)
 
 
 def replace_submodule(model: nn.Module, name: str, layer: nn.Module) -> None:

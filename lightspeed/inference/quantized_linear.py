@@ -135,3 +135,18 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weight={self.weight_format}, group_size={self.group_size}")
+
+
+def linear_from_float(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      quant: tuple[str, int | None] | None = None) -> nn.Module:
+    """A layer computing x @ weight.T + bias for a float weight [N, K] on its device: an nn.Linear
+    holding the tensors as they are (made contiguous), or a QuantizedLinear when `quant` is (format,
+    group_size). No gradients: inference layers."""
+    weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()
+    if quant is not None:
+        return QuantizedLinear.from_float(weight, bias, weight=quant[0], group_size=quant[1])
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
+from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_from_float
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
@@ -70,7 +70,7 @@ def _policy_plan(model: nn.Module, policy: Mapping) -> dict[str, str]:
                     plan[full] = ROWWISE if child_name in rowwise else COLWISE
             children = dict(module.named_modules())
             for row in rowwise:
-                if not isinstance(children.get(row), nn.Linear):
+                if not isinstance(children.get(row), (nn.Linear, QuantizedLinear)):
                     raise ValueError(f"init_inference: injection_policy names {row!r}, which is no nn.Linear in "
                                      f"{type(module).__name__} {name!r}")
         if not matched:
@@ -160,12 +160,8 @@ class Slice:
 def shard_linear(module: nn.Linear, style: str, rank: int, tp_size: int) -> nn.Linear:
     """A new nn.Linear holding this rank's slice of `module` (same device and dtype)."""
     part = Slice(style, rank, tp_size)
-    weight, bias = part.weight(module.weight.detach()), part.bias(None if module.bias is None else module.bias.detach())
-    local = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    local.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    if bias is not None:
-        local.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
-    return local
+    return linear_from_float(part.weight(module.weight.detach()),
+                             part.bias(None if module.bias is None else module.bias.detach()))
 
 
 class _AllReduce:

@@ -27,6 +27,7 @@ import glob
 import json
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ logger = get_logger(__name__)
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
 DS_CONFIG_NAME = "ds_inference_config.json"
+TP_RANKS_KEY = "lightspeed_tp_ranks"
 QUANT_METADATA_KEY = "lightspeed.quant"
 DEFAULT_SHARD_BYTES = 2 * 2**30
 _DS_TYPES = ("ds_model", "bloom")
@@ -69,7 +71,14 @@ def _existing(path: str) -> str:
     return path
 
 
-def _ds_json_files(data: Mapping, base_dir: str, json_dir: str | None, where: str) -> list[str]:
+@dataclass(frozen=True)
+class SplitFiles:
+    """A checkpoint saved under tensor parallelism: each rank's own files (already its slices)."""
+
+    ranks: list[list[str]]
+
+
+def _ds_json_files(data: Mapping, base_dir: str, json_dir: str | None, where: str) -> list[str] | SplitFiles:
     """Files named by DeepSpeed's checkpoint JSON. Relative names are joined to `base_dir` (the
     argument, else the JSON's own "base_dir"); with neither, to the working directory as in DeepSpeed,
     or to the JSON's directory where the file is there instead (what a saved directory needs)."""
@@ -80,6 +89,12 @@ def _ds_json_files(data: Mapping, base_dir: str, json_dir: str | None, where: st
         raise NotImplementedError(f"init_inference: checkpoint['type']={kind!r} is not implemented (this loader reads "
                                   f"{' / '.join(_DS_TYPES)}: a model's own state-dict files)")
     names = data["checkpoints"]
+    if isinstance(names, dict) and set(names) == {TP_RANKS_KEY}:  # saved split for tensor parallelism
+        ranks = names[TP_RANKS_KEY]
+        if not isinstance(ranks, list) or not ranks:
+            raise CheckpointError(f"{where}: '{TP_RANKS_KEY}' must be a list of file lists, one per rank")
+        return SplitFiles([_ds_json_files({**data, "checkpoints": files}, base_dir, json_dir, where)
+                           for files in ranks])
     if isinstance(names, dict):
         raise NotImplementedError("init_inference: checkpoint['checkpoints'] as {'tp': ..., 'non_tp': ...} (DeepSpeed's "
                                   "tensor-parallel shards of injected kernels) is not implemented")
@@ -108,10 +123,10 @@ def _index_files(path: str) -> list[str]:
     return [_existing(os.path.join(directory, name)) for name in sorted(set(weight_map.values()))]
 
 
-def resolve_checkpoint_files(checkpoint, base_dir: str = "") -> list[str]:
+def resolve_checkpoint_files(checkpoint, base_dir: str = "") -> list[str] | SplitFiles:
     """The files a `checkpoint` argument names: DeepSpeed's JSON (a dict, or a path to one), a Hugging
     Face index JSON, a model directory, one file, or a list of files (relative names joined to
-    `base_dir`)."""
+    `base_dir`); `SplitFiles` for a checkpoint saved under tensor parallelism."""
     base_dir = os.fspath(base_dir or "")
     if isinstance(checkpoint, Mapping):
         return _ds_json_files(checkpoint, base_dir, None, "checkpoint")
@@ -466,10 +481,27 @@ def save_inference_checkpoint(model: nn.Module, directory: str | os.PathLike,
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     atomic_write_bytes(os.path.join(directory, INDEX_NAMES[0]), json.dumps(index, indent=2).encode())
-    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    ds_config = {"type": "ds_model", "checkpoints": names, "version": 1.0,
-                 "dtype": str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "mixed",
+    ds_config = {"type": "ds_model", "checkpoints": names, "version": 1.0, "dtype": _dtype_name(state),
                  "lightspeed_quant": quant}
     atomic_write_bytes(os.path.join(directory, DS_CONFIG_NAME), json.dumps(ds_config, indent=2).encode())
     logger.info("init_inference: saved %.1f MiB in %d file(s) to %s", total / 2**20, len(names), directory)
     return names
+
+
+def _dtype_name(state: Mapping[str, torch.Tensor]) -> str:
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "mixed"
+
+
+def rank_dir(rank: int) -> str:
+    return f"tp_{rank:02d}"
+
+
+def write_split_config(directory: str | os.PathLike, rank_names: list[list[str]], model: nn.Module) -> None:
+    """The top-level `ds_inference_config.json` of a checkpoint saved under tensor parallelism: each
+    rank's files (under `tp_<rank>/`), written once every rank's files are in place."""
+    ds_config = {"type": "ds_model", "version": 1.0, "parallelization": "tp", "tp_size": len(rank_names),
+                 "checkpoints": {TP_RANKS_KEY: [[f"{rank_dir(r)}/{n}" for n in names]
+                                                for r, names in enumerate(rank_names)]},
+                 "dtype": _dtype_name(model.state_dict())}
+    atomic_write_bytes(os.path.join(os.fspath(directory), DS_CONFIG_NAME), json.dumps(ds_config, indent=2).encode())

@@ -8,14 +8,15 @@ parallelism only splits linear layers and all-reduces, tensor_parallel.py).
 from __future__ import annotations
 
 import fnmatch
+import os
 
 import torch
 from torch import nn
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import current_rank, get_logger
-from lightspeed.inference.checkpoint import (load_checkpoint, replace_submodule, resolve_checkpoint_files,
-                                            save_inference_checkpoint)
+from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_dir, replace_submodule,
+                                            resolve_checkpoint_files, save_inference_checkpoint, write_split_config)
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
 from lightspeed.inference.tensor_parallel import COLWISE, ROWWISE, Slice, attach_all_reduce, build_plan, shard_linear, \
     tp_settings
@@ -232,9 +233,6 @@ class _TensorParallel:
             if kwargs["injection_policy"]:
                 logger.info("init_inference: injection_policy has no effect without tensor parallelism")
             return
-        if kwargs["save_mp_checkpoint_path"]:
-            raise NotImplementedError("init_inference: save_mp_checkpoint_path with tensor parallelism (per-rank "
-                                      "shards) is not implemented; save with tp_size 1")
         from lightspeed.comm.collectives import Communicator  # lazy: only tensor parallelism communicates
 
         self.comm = Communicator(group)
@@ -301,7 +299,8 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     `tensor_parallel={"tp_size": n}` (or `mp_size=n`; torch.distributed initialized with n ranks, or
     `tp_group`) splits the model's linear layers over the ranks, DeepSpeed's AutoTP without kernel
     injection: the plan is `injection_policy` ({block class: (names of its row-parallel linears)}) or
-    the Hugging Face config's `base_model_tp_plan` (tensor_parallel.py).
+    the Hugging Face config's `base_model_tp_plan` (tensor_parallel.py). With it,
+    `save_mp_checkpoint_path` saves each rank's slices, which load back at the same tp_size.
 
     Other DeepSpeedInferenceConfig fields are taken by name: those that only configure DeepSpeed's
     injected kernels (max_out_tokens, triangular_masking, return_tuple, ...) are logged and have no
@@ -348,6 +347,13 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
                              f"{on_meta[0]}): pass checkpoint= to load them")
 
     tp = _TensorParallel(model, kwargs)
+    presplit = isinstance(files, SplitFiles)
+    if presplit:  # saved under tensor parallelism: this rank's files hold its slices, layers packed as saved
+        if len(files.ranks) != tp.size:
+            raise ValueError(f"init_inference: the checkpoint was saved split over {len(files.ranks)} ranks; load it "
+                             f"with tensor_parallel tp_size={len(files.ranks)} (this call: {tp.size})")
+        files = files.ranks[tp.rank]
+        tp.shard_in_place(model)  # the model's linear layers take the slices' shapes (on meta: no memory)
 
     quantizing = q is not None and q["enabled"]
     if quantizing:
@@ -355,8 +361,10 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
         before = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in model.parameters())
     if files is not None:
         chosen = select_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"]) if quantizing else []
-        names = load_checkpoint(model, files, quantize=_split_quantizable(chosen, q, tp) if quantizing else {},
-                                device=target_device, dtype=target_dtype, shards=tp.slices())
+        wanted = {} if not quantizing else {n: (q["weight"], q["group_size"]) for n, _ in chosen} if presplit \
+            else _split_quantizable(chosen, q, tp)
+        names = load_checkpoint(model, files, quantize=wanted,
+                                device=target_device, dtype=target_dtype, shards=None if presplit else tp.slices())
         logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
     else:
         tp.shard_in_place(model)
@@ -376,6 +384,20 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
         # `engine.module.generate(...)`; here that is the model itself, kept in the instance dict so it is
         # not registered as its own submodule (no cycle in modules(), state_dict or .to())
         model.__dict__["module"] = model
-    if kwargs["save_mp_checkpoint_path"] and current_rank() == 0:
-        save_inference_checkpoint(model, kwargs["save_mp_checkpoint_path"])
+    if kwargs["save_mp_checkpoint_path"]:
+        _save(model, kwargs["save_mp_checkpoint_path"], tp)
     return model
+
+
+def _save(model: nn.Module, path, tp: _TensorParallel) -> None:
+    """`save_mp_checkpoint_path`: the prepared model; under tensor parallelism each rank's slices in
+    `tp_<rank>/`, then rank 0 writes the JSON naming every rank's files (after all are in place)."""
+    if tp.comm is None:
+        if current_rank() == 0:
+            save_inference_checkpoint(model, path)
+        return
+    names = save_inference_checkpoint(model, os.path.join(os.fspath(path), rank_dir(tp.rank)))
+    every = tp.comm.all_gather_object(names)
+    if tp.rank == 0:
+        write_split_config(path, every, model)
+    tp.comm.barrier()

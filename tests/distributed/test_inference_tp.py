@@ -99,6 +99,20 @@ def _scenarios(world, ckpt_dir):
     policy = {transformers.models.llama.modeling_llama.LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}
     by_policy = init_inference(_model(), dtype=torch.float32, device="cpu", mp_size=world, injection_policy=policy)
     res["policy"] = _run(by_policy)[0]
+    # saved split (each rank its packed slices), loaded back without quantizing again
+    saved = f"{ckpt_dir}_tp{world}"
+    init_inference(_model(), dtype=torch.float32, device="cpu", tensor_parallel=tp, quant={"weight": "int8"},
+                   save_mp_checkpoint_path=saved)
+    import lightspeed.inference.quantized_linear as ql
+
+    keep, ql.quantize = ql.quantize, None  # any quantize call would fail
+    try:
+        with OnDevice(dtype=torch.float32, device="meta"):
+            meta = transformers.LlamaForCausalLM(_cfg()).eval()
+        res["reloaded"] = _run(init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp,
+                                              checkpoint=saved))[0]
+    finally:
+        ql.quantize = keep
     if world == 2:  # the all-reduce hooks trace under torch.compile (dynamo's functional collectives)
         with torch.no_grad():
             res["compiled"] = torch.compile(int8, backend="aot_eager", fullgraph=True)(_ids()).logits
@@ -164,6 +178,7 @@ def test_tensor_parallel_matches_one_process(world, reference):
         rel = ((q_logits - reference["int8"]).norm() / reference["int8"].norm()).item()
         assert rel < (1e-6 if world == 1 else 0.02), rel
         assert torch.equal(res["loaded"], q_logits)  # from the checkpoint, sliced as it loads
+        assert torch.equal(res["reloaded"], q_logits)  # saved split and packed, loaded as saved
         if world == 2:
             torch.testing.assert_close(res["compiled"], q_logits, rtol=1e-5, atol=1e-5)
         if world > 1:
@@ -197,3 +212,15 @@ def test_tensor_parallel_on_two_gpus_with_nccl(fmt):
     assert torch.equal(results[0], results[1])
     rel = ((results[0] - ref).norm() / ref.norm()).item()
     assert rel < (5e-3 if fmt is None else 0.05), rel
+
+
+def test_split_checkpoint_needs_its_tp_size(reference):
+    """A checkpoint saved over 2 ranks names each rank's files; one process cannot load it."""
+    from lightspeed import OnDevice
+    from lightspeed.inference import init_inference
+
+    run_world(_scenarios, 2, 2, reference["ckpt"])  # writes <ckpt>_tp2 (cheap next to the checks above)
+    with OnDevice(dtype=torch.float32, device="meta"):
+        meta = transformers.LlamaForCausalLM(_cfg()).eval()
+    with pytest.raises(ValueError, match="saved split over 2 ranks; load it with tensor_parallel tp_size=2"):
+        init_inference(meta, dtype=torch.float32, device="cpu", checkpoint=reference["ckpt"] + "_tp2")

@@ -224,3 +224,40 @@ def test_split_checkpoint_needs_its_tp_size(reference):
         meta = transformers.LlamaForCausalLM(_cfg()).eval()
     with pytest.raises(ValueError, match="saved split over 2 ranks; load it with tensor_parallel tp_size=2"):
         init_inference(meta, dtype=torch.float32, device="cpu", checkpoint=reference["ckpt"] + "_tp2")
+
+
+FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3")  # q/k/v biases, row-parallel biases (Phi), head_dim set
+
+
+def _family(name):
+    torch.manual_seed(0)
+    common = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64)
+    cls, cfg = {"qwen2": ("Qwen2ForCausalLM", "Qwen2Config"), "phi": ("PhiForCausalLM", "PhiConfig"),
+                "mistral": ("MistralForCausalLM", "MistralConfig"), "gemma": ("GemmaForCausalLM", "GemmaConfig"),
+                "qwen3": ("Qwen3ForCausalLM", "Qwen3Config")}[name]
+    extra = {"head_dim": 8} if name in ("gemma", "qwen3") else {}
+    return getattr(transformers, cls)(getattr(transformers, cfg)(**common, **extra)).eval()
+
+
+def _families(world):
+    from lightspeed.inference import init_inference
+
+    out = {}
+    for name in FAMILIES:
+        model = init_inference(_family(name), dtype=torch.float32, device="cpu", tensor_parallel={"tp_size": world})
+        with torch.no_grad():
+            out[name] = model(_ids()).logits
+    return out
+
+
+def test_tensor_parallel_across_model_families():
+    """The config's base_model_tp_plan of other transformers families, split over 2 ranks, against one
+    process."""
+    from lightspeed.inference import init_inference
+
+    got = run_world(_families, 2, 2)[0]
+    for name in FAMILIES:
+        with torch.no_grad():
+            ref = init_inference(_family(name), dtype=torch.float32, device="cpu")(_ids()).logits
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=name)

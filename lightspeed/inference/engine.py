@@ -359,18 +359,7 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     if quantizing:
         size = torch.empty((), dtype=target_dtype).element_size()
         before = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in model.parameters())
-    if files is not None:
-        chosen = select_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"]) if quantizing else []
-        wanted = {} if not quantizing else {n: (q["weight"], q["group_size"]) for n, _ in chosen} if presplit \
-            else _split_quantizable(chosen, q, tp)
-        names = load_checkpoint(model, files, quantize=wanted,
-                                device=target_device, dtype=target_dtype, shards=None if presplit else tp.slices())
-        logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
-    else:
-        tp.shard_in_place(model)
-        if quantizing:
-            names = quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"],
-                                     device=target_device, dtype=target_dtype)
+    names = _place_linears(model, files, q if quantizing else None, tp, presplit, target_device, target_dtype)
     model = model.to(device=target_device, dtype=target_dtype)
     if tp.comm is not None:
         attach_all_reduce(model, tp.plan, tp.comm)
@@ -387,6 +376,27 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     if kwargs["save_mp_checkpoint_path"]:
         _save(model, kwargs["save_mp_checkpoint_path"], tp)
     return model
+
+
+def _place_linears(model: nn.Module, files: list[str] | None, q: dict | None, tp: _TensorParallel, presplit: bool,
+                   device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Split (tensor parallelism), load (`files`) and quantize (`q`) the linear layers, one at a time on
+    their way to `device`; returns the names of the quantized ones."""
+    if files is None:
+        tp.shard_in_place(model)
+        if q is None:
+            return []
+        return quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"], device=device,
+                                dtype=dtype)
+    chosen = select_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"]) if q else []
+    if presplit:  # the model's layers have the slices' shapes already
+        wanted = {name: (q["weight"], q["group_size"]) for name, _ in chosen}
+    else:
+        wanted = _split_quantizable(chosen, q, tp) if q else {}
+    names = load_checkpoint(model, files, quantize=wanted, device=device, dtype=dtype,
+                            shards=None if presplit else tp.slices())
+    logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
+    return names
 
 
 def _save(model: nn.Module, path, tp: _TensorParallel) -> None:

@@ -96,6 +96,12 @@ def _scenarios(world, ckpt_dir):
     loaded = init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp, quant={"weight": "int8"},
                             checkpoint=ckpt_dir)
     res["loaded"] = _run(loaded)[0]
+    with OnDevice(dtype=torch.float32, device="meta"):
+        meta = transformers.LlamaForCausalLM(_cfg()).eval()
+    bin_loaded = init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp, quant={"weight": "int8"},
+                                checkpoint=ckpt_dir + "_bin")  # torch .bin files: slices of the mapped tensors
+    with torch.no_grad():
+        res["bin_loaded"] = bin_loaded(_ids()).logits
     policy = {transformers.models.llama.modeling_llama.LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}
     by_policy = init_inference(_model(), dtype=torch.float32, device="cpu", mp_size=world, injection_policy=policy)
     res["policy"] = _run(by_policy)[0]
@@ -137,6 +143,7 @@ def reference(tmp_path_factory):
 
     ckpt = tmp_path_factory.mktemp("llama")
     _model().save_pretrained(ckpt, max_shard_size="60KB")
+    _model().save_pretrained(str(ckpt) + "_bin", max_shard_size="60KB", safe_serialization=False)
     base = _model()
     plain = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu")
     int8 = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
@@ -178,6 +185,7 @@ def test_tensor_parallel_matches_one_process(world, reference):
         rel = ((q_logits - reference["int8"]).norm() / reference["int8"].norm()).item()
         assert rel < (1e-6 if world == 1 else 0.02), rel
         assert torch.equal(res["loaded"], q_logits)  # from the checkpoint, sliced as it loads
+        assert torch.equal(res["bin_loaded"], q_logits)
         assert torch.equal(res["reloaded"], q_logits)  # saved split and packed, loaded as saved
         if world == 2:
             torch.testing.assert_close(res["compiled"], q_logits, rtol=1e-5, atol=1e-5)

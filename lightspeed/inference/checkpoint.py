@@ -357,7 +357,7 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
     reader = CheckpointReader(files)
     loader = _Loader(model, reader, device, dtype)
     shards = shards or {}
-    quantized = []
+    quantized, built = [], set()
     for name, module in list(model.named_modules()):
         if not (isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)):
             continue
@@ -387,9 +387,10 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
         else:
             continue
         replace_submodule(model, name, layer)
+        built.add(id(layer))
         if isinstance(layer, QuantizedLinear):
             quantized.append(name)
-    _load_remaining(model, loader)
+    _load_remaining(model, loader, built)
     unused = [k for k in reader.keys() if k not in loader.used]
     if unused:
         logger.info("init_inference: %d checkpoint tensors the model does not use, e.g. %s", len(unused),
@@ -397,11 +398,12 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
     return quantized
 
 
-def _load_remaining(model: nn.Module, loader: _Loader) -> None:
-    """Every other parameter and persistent buffer; shared tensors once, under any of their names."""
+def _load_remaining(model: nn.Module, loader: _Loader, built: set[int]) -> None:
+    """Every other parameter and persistent buffer (not those of the layers in `built`, ids of the
+    modules made from the checkpoint already); shared tensors once, under any of their names."""
     slots: dict[int, list[tuple[nn.Module, str, str, bool]]] = {}
     for mname, module in model.named_modules():
-        if isinstance(module, QuantizedLinear):
+        if id(module) in built:
             continue
         for pname, p in module._parameters.items():
             if p is not None:

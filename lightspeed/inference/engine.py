@@ -18,7 +18,7 @@ from lightspeed._utils.logging import current_rank, get_logger
 from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_dir, replace_submodule,
                                             resolve_checkpoint_files, save_inference_checkpoint, write_split_config)
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
-from lightspeed.inference.tensor_parallel import COLWISE, ROWWISE, Slice, attach_all_reduce, build_plan, shard_linear, \
+from lightspeed.inference.tensor_parallel import COLWISE, ROW_STYLES, Slice, attach_all_reduce, build_plan, shard_linear, \
     tp_settings
 from lightspeed.ops.wquant.reference import FORMATS, check_quant_args
 
@@ -244,7 +244,7 @@ class _TensorParallel:
         self.plan = build_plan(model, self.size, kwargs["injection_policy"])
         logger.info("init_inference: tensor parallelism over %d ranks: %d column- and %d row-parallel layers",
                     self.size, sum(s == COLWISE for s in self.plan.values()),
-                    sum(s == ROWWISE for s in self.plan.values()))
+                    sum(s in ROW_STYLES for s in self.plan.values()))
 
     def slices(self) -> dict[str, Slice]:
         return {name: Slice(style, self.rank, self.size) for name, style in self.plan.items()}
@@ -259,7 +259,7 @@ def _split_quantizable(chosen, q: dict, tp: _TensorParallel) -> dict:
     cannot pack (logged, as the swap does for whole layers)."""
     out = {}
     for name, module in chosen:
-        if tp.plan.get(name) == ROWWISE:
+        if tp.plan.get(name) in ROW_STYLES:
             n, k = module.weight.shape
             try:
                 check_quant_args(q["weight"], (n, k // tp.size), q["group_size"])

@@ -3,7 +3,7 @@ tensor-parallel group keeps a slice of every planned linear layer, so a model to
 runs on several and each decode step reads 1/tp of the weights per GPU.
 
 Owns: the plan (which linear layers are split, and how), the slicing of one weight, and the all-reduce
-after a row-parallel layer. Must not: change any other module (embeddings, norms and the output head
+after a row-parallel layer. Must not: change any other module (embeddings, norms and a tied output head
 stay whole on every rank) or issue collectives except through comm/.
 
 Note: [the plan] "colwise" layers keep rows r*N/tp .. (r+1)*N/tp of the weight [N, K] (and of the bias):
@@ -17,6 +17,12 @@ self_attn.q_proj": "colwise", ...}: "colwise" / "rowwise" entries; others raise)
 need no change when they infer their head count from the tensors (transformers' Llama-family models
 reshape with -1 heads); the head counts in the config must divide by tp (checked), so no head is split.
 Quantization happens after slicing: a row-parallel slice gets its own per-channel scales (over K/tp).
+
+Note: [the output head] An untied output head (`lm_head`, as `get_output_embeddings()` names it) is
+split by columns too, as DeepSpeed's AutoTP does (LmHeadLinearAllreduce): its input, the final norm's
+output, is whole on every rank, so a pre-hook takes this rank's slice of it and the logits are summed
+over the group. Each GPU then holds and reads 1/tp of the head (32000 x 8192 fp16 is 0.5 GB a token
+for Llama-2-70B). A head tied to the input embedding stays whole (splitting it would untie it).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from torch import nn
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_from_float
 
 COLWISE, ROWWISE = "colwise", "rowwise"
+HEAD = "rowwise_head"  # the output head: rowwise on a full input, which it slices itself (see the Note)
+ROW_STYLES = (ROWWISE, HEAD)
 _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
 
 
@@ -115,6 +123,9 @@ def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[st
     if packed:
         raise ValueError(f"init_inference: {packed[0]} is quantized already; a packed layer cannot be split for "
                          "tensor parallelism: pass the float model and quant= (slices are quantized after the split)")
+    head = _output_head(model)
+    if head is not None and head not in plan and model.get_submodule(head).weight.shape[1] % tp_size == 0:
+        plan[head] = HEAD
     config = getattr(model, "config", None)
     for key in _HEAD_KEYS:
         heads = getattr(config, key, None)
@@ -128,6 +139,17 @@ def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[st
                              f"{'output' if style == COLWISE else 'input'} features, which do not divide by "
                              f"tp_size={tp_size}")
     return plan
+
+
+def _output_head(model: nn.Module) -> str | None:
+    """The name of the model's untied nn.Linear output head, if it has one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        return None
+    if any(isinstance(m, nn.Embedding) and m.weight is head.weight for m in model.modules()):
+        return None
+    return next((name for name, m in model.named_modules() if m is head), None)
 
 
 @dataclass(frozen=True)
@@ -164,6 +186,18 @@ def shard_linear(module: nn.Linear, style: str, rank: int, tp_size: int) -> nn.L
                              part.bias(None if module.bias is None else module.bias.detach()))
 
 
+class _SliceInput:
+    """Forward pre-hook of the split output head: this rank's slice of the (whole) last input dim."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def __call__(self, module, args):
+        x = args[0]
+        k = x.shape[-1] // self.size
+        return (x[..., self.rank * k:(self.rank + 1) * k], *args[1:])
+
+
 class _AllReduce:
     """Forward hook of a row-parallel layer: its output summed over the tensor-parallel group, in place."""
 
@@ -179,10 +213,12 @@ def attach_all_reduce(model: nn.Module, plan: Mapping[str, str], comm) -> int:
     """Hook every row-parallel layer (after any quantization swap: the hooks go on the final modules)."""
     count = 0
     for name, style in plan.items():
-        if style == ROWWISE:
+        if style in ROW_STYLES:
             module = model.get_submodule(name)
             if not (isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)):
                 raise TypeError(f"{name}: expected a linear layer, found {type(module).__name__}")
+            if style == HEAD:
+                module.register_forward_pre_hook(_SliceInput(comm.rank, comm.world_size))
             module.register_forward_hook(_AllReduce(comm))
             count += 1
     return count

@@ -98,6 +98,12 @@ def _scenarios(world, ckpt_dir):
     res["loaded"] = _run(loaded)[0]
     with OnDevice(dtype=torch.float32, device="meta"):
         meta = transformers.LlamaForCausalLM(_cfg()).eval()
+    loaded_plain = init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp, checkpoint=ckpt_dir)
+    with torch.no_grad():
+        res["loaded_plain"] = loaded_plain(_ids()).logits
+    res["head_in"] = plain.lm_head.in_features  # the untied output head is split too
+    with OnDevice(dtype=torch.float32, device="meta"):
+        meta = transformers.LlamaForCausalLM(_cfg()).eval()
     bin_loaded = init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp, quant={"weight": "int8"},
                                 checkpoint=ckpt_dir + "_bin")  # torch .bin files: slices of the mapped tensors
     with torch.no_grad():
@@ -186,6 +192,8 @@ def test_tensor_parallel_matches_one_process(world, reference):
         assert rel < (1e-6 if world == 1 else 0.02), rel
         assert torch.equal(res["loaded"], q_logits)  # from the checkpoint, sliced as it loads
         assert torch.equal(res["bin_loaded"], q_logits)
+        assert torch.equal(res["loaded_plain"], logits)  # float slices from the checkpoint
+        assert res["head_in"] == 64 // world
         assert torch.equal(res["reloaded"], q_logits)  # saved split and packed, loaded as saved
         if world == 2:
             torch.testing.assert_close(res["compiled"], q_logits, rtol=1e-5, atol=1e-5)

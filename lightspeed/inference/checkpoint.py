@@ -15,7 +15,8 @@ the checkpoint; a tensor still on meta afterwards is an error naming it.
 
 Note: [the saved form] `save_inference_checkpoint` writes the model's state dict as sharded
 safetensors (`model-00001-of-0000N.safetensors`, Hugging Face's names), the index
-`model.safetensors.index.json`, and DeepSpeed's `ds_inference_config.json` last (each file atomically;
+`model.safetensors.index.json`, a Hugging Face model's config.json / generation_config.json, and
+DeepSpeed's `ds_inference_config.json` last (each file atomically;
 the JSON names every shard, so a crash mid-save never leaves a JSON naming a missing file). Quantized
 layers are stored packed, with their format and group size in every shard's metadata
 (`lightspeed.quant`) and the packed-layout version in each layer's buffers.
@@ -483,11 +484,21 @@ def save_inference_checkpoint(model: nn.Module, directory: str | os.PathLike,
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     atomic_write_bytes(os.path.join(directory, INDEX_NAMES[0]), json.dumps(index, indent=2).encode())
+    _write_model_config(model, directory)
     ds_config = {"type": "ds_model", "checkpoints": names, "version": 1.0, "dtype": _dtype_name(state),
                  "lightspeed_quant": quant}
     atomic_write_bytes(os.path.join(directory, DS_CONFIG_NAME), json.dumps(ds_config, indent=2).encode())
     logger.info("init_inference: saved %.1f MiB in %d file(s) to %s", total / 2**20, len(names), directory)
     return names
+
+
+def _write_model_config(model: nn.Module, directory: str) -> None:
+    """A Hugging Face model's config.json (and generation_config.json) beside its weights, so the saved
+    directory is a model directory (`AutoConfig.from_pretrained` works on it)."""
+    for attr, name in (("config", "config.json"), ("generation_config", "generation_config.json")):
+        to_json = getattr(getattr(model, attr, None), "to_json_string", None)
+        if callable(to_json):
+            atomic_write_bytes(os.path.join(directory, name), to_json().encode())
 
 
 def _dtype_name(state: Mapping[str, torch.Tensor]) -> str:
@@ -506,4 +517,5 @@ def write_split_config(directory: str | os.PathLike, rank_names: list[list[str]]
                  "checkpoints": {TP_RANKS_KEY: [[f"{rank_dir(r)}/{n}" for n in names]
                                                 for r, names in enumerate(rank_names)]},
                  "dtype": _dtype_name(model.state_dict())}
+    _write_model_config(model, os.fspath(directory))
     atomic_write_bytes(os.path.join(os.fspath(directory), DS_CONFIG_NAME), json.dumps(ds_config, indent=2).encode())

@@ -117,6 +117,7 @@ def test_saved_quantized_model_loads_back_without_requantizing(tmp_path, fmt, gr
                            checkpoint=str(tmp_path / "hf"), save_mp_checkpoint_path=str(tmp_path / "q"))
     names = os.listdir(tmp_path / "q")
     assert DS_CONFIG_NAME in names and "model.safetensors.index.json" in names
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "q").n_layer == 2  # a model directory: config.json
     assert not [n for n in names if ".tmp." in n]
 
     import lightspeed.inference.quantized_linear as ql

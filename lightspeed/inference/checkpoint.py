@@ -260,7 +260,7 @@ def _linear_dims(module: nn.Module) -> tuple[int, int]:
 
 class _Loader:
     def __init__(self, model: nn.Module, reader: CheckpointReader, device: torch.device, dtype: torch.dtype):
-        self.model, self.reader, self.device, self.dtype = model, reader, device, dtype
+        self.reader, self.device, self.dtype = reader, device, dtype
         expected = list(model.state_dict(keep_vars=True))
         self.ckpt_key = _key_mapping(expected, reader.keys(), getattr(model, "base_model_prefix", "") or "")
         self.used: set[str] = set()

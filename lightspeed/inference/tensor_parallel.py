@@ -39,6 +39,7 @@ from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, li
 COLWISE, ROWWISE = "colwise", "rowwise"
 HEAD = "rowwise_head"  # the output head: rowwise on a full input, which it slices itself (see the Note)
 ROW_STYLES = (ROWWISE, HEAD)
+_WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce")  # plan styles that keep a module whole (norms)
 _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
 
 
@@ -97,20 +98,16 @@ def _config_plan(model: nn.Module) -> dict[str, str]:
     prefix = getattr(model, "base_model_prefix", "") or ""
     plan = {}
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, QuantizedLinear)):
-            continue
         local = name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else name
-        for pattern, style in patterns.items():
-            if fnmatch.fnmatchcase(local, pattern) or fnmatch.fnmatchcase(name, pattern):
-                if style not in (COLWISE, ROWWISE):
-                    raise NotImplementedError(f"init_inference: tensor parallelism style {style!r} (the model's "
-                                              f"base_model_tp_plan for {pattern!r}) is not implemented")
-                plan[name] = style
-                break
-    for pattern, style in patterns.items():  # a styled module that is not an nn.Linear (fused experts, ...)
-        if style not in (COLWISE, ROWWISE) and any(fnmatch.fnmatchcase(n, pattern) for n, _ in model.named_modules()):
+        style = next((st for pattern, st in patterns.items()
+                      if fnmatch.fnmatchcase(local, pattern) or fnmatch.fnmatchcase(name, pattern)), None)
+        if style is None or style in _WHOLE_STYLES:
+            continue
+        if style not in (COLWISE, ROWWISE):  # fused experts, gathered outputs, ...
             raise NotImplementedError(f"init_inference: tensor parallelism style {style!r} (the model's "
-                                      f"base_model_tp_plan for {pattern!r}) is not implemented")
+                                      f"base_model_tp_plan, for {name}) is not implemented")
+        if isinstance(module, (nn.Linear, QuantizedLinear)):
+            plan[name] = style
     return plan
 
 
@@ -209,9 +206,8 @@ class _AllReduce:
         return output
 
 
-def attach_all_reduce(model: nn.Module, plan: Mapping[str, str], comm) -> int:
+def attach_all_reduce(model: nn.Module, plan: Mapping[str, str], comm) -> None:
     """Hook every row-parallel layer (after any quantization swap: the hooks go on the final modules)."""
-    count = 0
     for name, style in plan.items():
         if style in ROW_STYLES:
             module = model.get_submodule(name)
@@ -220,5 +216,3 @@ def attach_all_reduce(model: nn.Module, plan: Mapping[str, str], comm) -> int:
             if style == HEAD:
                 module.register_forward_pre_hook(_SliceInput(comm.rank, comm.world_size))
             module.register_forward_hook(_AllReduce(comm))
-            count += 1
-    return count

@@ -1,0 +1,40 @@
+"""The tensor-parallel plan in one process: the config's base_model_tp_plan mapped to module names (with
+the base-model prefix), the untied output head added, styles this engine does not implement refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightspeed.inference.tensor_parallel import COLWISE, HEAD, ROWWISE, build_plan
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+              num_key_value_heads=4, vocab_size=96)
+
+
+def test_llama_plan_names_every_split_layer():
+    torch.manual_seed(0)
+    plan = build_plan(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)), 2)
+    layer = "model.layers.0."
+    assert plan == {layer + "self_attn.q_proj": COLWISE, layer + "self_attn.k_proj": COLWISE,
+                    layer + "self_attn.v_proj": COLWISE, layer + "self_attn.o_proj": ROWWISE,
+                    layer + "mlp.gate_proj": COLWISE, layer + "mlp.up_proj": COLWISE,
+                    layer + "mlp.down_proj": ROWWISE, "lm_head": HEAD}
+
+
+def test_unimplemented_plan_styles_are_refused():
+    """Mixtral's fused experts ('moe_tp_experts' on a module that is no nn.Linear) raise, naming the
+    style and the module, instead of staying whole beside split attention."""
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**COMMON, num_local_experts=2))
+    with pytest.raises(NotImplementedError, match="'moe_tp_experts'.*model.layers.0.mlp.experts"):
+        build_plan(model, 2)
+
+
+def test_replicated_styles_keep_modules_whole():
+    """Qwen3's per-head q/k norms are 'replicated_with_grad_allreduce': whole on every rank, not refused."""
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=8))
+    plan = build_plan(model, 2)
+    assert "model.layers.0.self_attn.q_norm" not in plan and plan["model.layers.0.self_attn.o_proj"] == ROWWISE

@@ -11,6 +11,9 @@ memory while building the model and prefilling the cache, and the first decode s
 the fp16 model's (relative L2 error, top-1 agreement; random layers amplify any perturbation, so these
 are no measure of quantization quality) and, per quantized layer of one step, the kernel's output
 against F.linear with its dequantized weight (max over layers).
+`--cuda-graph` adds the model's own `generate` with `enable_cuda_graph` (each decode step replayed from a
+CUDA graph captured at its second call; the capture is inside the timing), ms per token, and whether its
+tokens equal eager `generate`'s with the same static KV cache.
 `--compile` adds the decode step compiled by torch.compile (inductor, fullgraph: each quantized layer is
 one `lightspeed::quantized_matmul` node) and replayed from a CUDA graph, and its logits against the
 same model's eager step.
@@ -19,6 +22,7 @@ same model's eager step.
     python benchmarks/decode.py --size llama2-70b --layers 20     # the first 20 of 80 layers
     python benchmarks/decode.py --smoke                           # tiny model on CPU (reference path)
     python benchmarks/decode.py --no-eager --compile              # + torch.compile'd decode steps
+    python benchmarks/decode.py --cuda-graph                      # + generate with enable_cuda_graph
     python benchmarks/decode.py --size llama2-70b --tied-layers --formats fp16,fp6,int4 --no-eager
                                      # all 80 layers: one set of CPU weights, every layer its own on the GPU
     python benchmarks/decode.py --size llama2-70b --layers 20 --tp 2 --no-eager
@@ -215,6 +219,35 @@ def generate_ms(model, batch: int, context: int, new_tokens: int, seed: int = 2)
     return (tn - t1) * 1e3 / new_tokens
 
 
+def graphed_generate(model, device, batch: int, context: int, new_tokens: int) -> tuple[float, bool, int]:
+    """(ms per token of `generate` with the forward graphed as `init_inference(enable_cuda_graph=True)`
+    does it, whether its tokens equal eager generate's with a static cache, graphs captured); the model
+    is left as it was."""
+    from lightspeed.inference import cuda_graph
+
+    config = model.generation_config
+    saved = dict(config.to_dict())
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(device)
+
+    def tokens():
+        with torch.no_grad():
+            return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                  cache_implementation="static")
+
+    want = tokens()
+    runner = cuda_graph.install(model, device)
+    try:
+        same = bool(torch.equal(tokens(), want))
+        ms = generate_ms(model, batch, context, new_tokens)
+    finally:
+        del model.forward  # the instance attribute install set: the class's forward again
+        for key in ("cache_implementation", "disable_compile"):
+            setattr(config, key, saved.get(key))
+    return ms, same, runner.captures
+
+
 def layer_errors(model, step: "DecodeStep") -> float:
     """Max over the QuantizedLinear layers of one decode step of |y - F.linear(x, dequantized W, b)| /
     max |y_ref| on the step's own activations: the kernels against their reference at the model's shapes
@@ -273,6 +306,8 @@ def main() -> None:
                     help="build the model on the CPU with one layer's weights shared by all (see build_tied_model)")
     ap.add_argument("--compile", action="store_true",
                     help="also a decode step compiled by torch.compile (inductor, fullgraph) in a CUDA graph")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also generate with enable_cuda_graph (GPU): ms per token and tokens against eager")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (init_inference tensor_parallel)")
     args = ap.parse_args()
     if args.tp > 1:
@@ -348,7 +383,14 @@ def main() -> None:
         if args.compile:
             comp_ms, comp_err, compile_s = compiled_step(model, args.batch, args.context, logits, gpu)
             print(f"  {fmt}: compiled in {compile_s:.0f} s", flush=True)
-        rows.append((fmt, weight_gib(model), peak_gib, graph_ms, eager_ms, comp_ms, err, agree, kernel_err, comp_err))
+        cg_ms, cg_same = float("nan"), "-"
+        if args.cuda_graph and gpu:
+            cg_ms, same, captures = graphed_generate(model, device, args.batch, args.context, args.new_tokens)
+            cg_same = "yes" if same else "NO"
+            print(f"  {fmt}: generate with enable_cuda_graph {cg_ms:.2f} ms/token ({captures} graphs captured), "
+                  f"tokens equal eager's: {cg_same}", flush=True)
+        rows.append((fmt, weight_gib(model), peak_gib, graph_ms, eager_ms, cg_ms, cg_same, comp_ms, err, agree,
+                     kernel_err, comp_err))
         print(f"  {fmt}: graph {graph_ms:.3f} ms/token, eager {eager_ms:.2f} ms/token, compiled {comp_ms:.3f}",
               flush=True)
         del step
@@ -359,14 +401,15 @@ def main() -> None:
             torch.cuda.empty_cache()
     base_row = next((r for r in rows if r[0] == "fp16"), None)
     print(f"\n{'format':<8}{'weights GiB':>12}{'peak GiB':>10}{'graph ms/tok':>14}{'x fp16':>8}{'eager ms/tok':>14}"
-          f"{'x fp16':>8}{'compiled ms/tok':>17}{'x fp16':>8}{'logits err':>12}{'top-1 agree':>13}{'layer err':>11}"
-          f"{'compiled err':>14}")
+          f"{'x fp16':>8}{'cuda_graph ms/tok':>19}{'x fp16 eager':>14}{'same':>6}{'compiled ms/tok':>17}{'x fp16':>8}"
+          f"{'logits err':>12}{'top-1 agree':>13}{'layer err':>11}{'compiled err':>14}")
     if args.tp > 1:
         print("(weights and peak memory: per GPU)")
-    for fmt, gib, peak, g_ms, e_ms, c_ms, err, agree, kerr, cerr in rows:
-        gx, ex, cx = ((base_row[i] / ms if base_row else float("nan")) for i, ms in ((3, g_ms), (4, e_ms), (5, c_ms)))
-        print(f"{fmt:<8}{gib:>12.2f}{peak:>10.1f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{c_ms:>17.3f}{cx:>8.2f}"
-              f"{err:>12.2e}{agree:>13.3f}{kerr:>11.1e}{cerr:>14.2e}")
+    for fmt, gib, peak, g_ms, e_ms, cg_ms, cg_same, c_ms, err, agree, kerr, cerr in rows:
+        gx, ex, cgx, cx = ((base_row[i] / ms if base_row else float("nan"))
+                           for i, ms in ((3, g_ms), (4, e_ms), (4, cg_ms), (7, c_ms)))
+        print(f"{fmt:<8}{gib:>12.2f}{peak:>10.1f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{cg_ms:>19.2f}{cgx:>14.2f}"
+              f"{cg_same:>6}{c_ms:>17.3f}{cx:>8.2f}{err:>12.2e}{agree:>13.3f}{kerr:>11.1e}{cerr:>14.2e}")
     if args.tp > 1:
         torch.distributed.destroy_process_group()
 

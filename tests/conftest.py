@@ -1,8 +1,22 @@
 """Test-session settings. Without a GPU, Triton kernels run under the interpreter: triton reads
 TRITON_INTERPRET when it is imported, so it is set here, before any test module imports it."""
+import logging
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def ls_caplog(caplog):
+    """caplog that sees lightspeed's warnings (its logger does not propagate to the root logger)."""
+    logger = logging.getLogger("lightspeed")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING, logger="lightspeed")
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import current_rank, get_logger
+from lightspeed.inference import cuda_graph
 from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_dir, replace_submodule,
                                             resolve_checkpoint_files, save_inference_checkpoint, write_split_config)
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
@@ -35,7 +36,7 @@ _KERNEL_ONLY = ("triangular_masking", "tm", "return_tuple", "max_out_tokens", "m
                 "min_tokens", "replace_method", "transposed_mode", "tp_grain_size", "use_triton", "triton_autotune",
                 "training_mp_size")
 # fields this engine does not implement, with DeepSpeed's default: any other value raises NotImplementedError
-_NOT_IMPLEMENTED = {"enable_cuda_graph": False, "injection_policy_tuple": None, "zero": {}, "moe": {}, "ep_size": 1,
+_NOT_IMPLEMENTED = {"injection_policy_tuple": None, "zero": {}, "moe": {}, "ep_size": 1,
                     "mpu": None, "set_empty_params": False}
 _ALIASES = {"kernel_inject": "replace_with_kernel_inject", "tp": "tensor_parallel", "ckpt_config": "checkpoint_config",
             "injection_dict": "injection_policy"}
@@ -196,7 +197,8 @@ def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | No
 
 _DEFAULTS = {"dtype": torch.float16, "quant": None, "tensor_parallel": None, "mp_size": 1,
              "replace_with_kernel_inject": False, "device": None, "checkpoint": None, "base_dir": "",
-             "save_mp_checkpoint_path": None, "checkpoint_config": None, "injection_policy": None}
+             "save_mp_checkpoint_path": None, "checkpoint_config": None, "injection_policy": None,
+             "enable_cuda_graph": False}
 _CHECKPOINT_CONFIG_KEYS = {"checkpoint_dir": "checkpoint", "base_dir": "base_dir",
                            "save_mp_checkpoint_path": "save_mp_checkpoint_path"}
 
@@ -273,7 +275,8 @@ def _split_quantizable(chosen, q: dict, tp: _TensorParallel) -> dict:
 def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.float16, quant: dict | None = None,
                    tensor_parallel=None, mp_size: int = 1, replace_with_kernel_inject: bool = False,
                    device=None, checkpoint=None, base_dir: str = "", save_mp_checkpoint_path=None,
-                   checkpoint_config: dict | None = None, injection_policy=None, **deepspeed_kwargs) -> nn.Module:
+                   checkpoint_config: dict | None = None, injection_policy=None, enable_cuda_graph: bool = False,
+                   **deepspeed_kwargs) -> nn.Module:
     """Prepare `model` for generation: cast it to `dtype`, move it to `device` (default: this rank's
     GPU, else CPU) and, with `quant={"weight": "fp6"|"int8"|"int4", "group_size": None|int,
     "include": [...], "exclude": [...]}`, swap its linear layers for QuantizedLinear. `config` may hold
@@ -302,11 +305,16 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     the Hugging Face config's `base_model_tp_plan` (tensor_parallel.py). With it,
     `save_mp_checkpoint_path` saves each rank's slices, which load back at the same tp_size.
 
+    `enable_cuda_graph=True` (CUDA only) replays the model's forward from CUDA graphs, one per input
+    signature, captured at its second call; the model's own `generate` then replays its decode steps
+    (a static KV cache is made its default). What a graph cannot replay runs eagerly with a warning
+    (cuda_graph.py).
+
     Other DeepSpeedInferenceConfig fields are taken by name: those that only configure DeepSpeed's
     injected kernels (max_out_tokens, triangular_masking, return_tuple, ...) are logged and have no
     effect, as without kernel injection in DeepSpeed; kernel injection and the other unimplemented ones
-    (enable_cuda_graph, injection_policy_tuple, zero, moe, ...) raise NotImplementedError naming the key
-    unless they hold DeepSpeed's default.
+    (injection_policy_tuple, zero, moe, ...) raise NotImplementedError naming the key unless they hold
+    DeepSpeed's default.
 
     With `quant`, the linear layers are quantized on their way to `device`, one at a time, before the
     rest of the model moves: the device never holds the whole model in `dtype` (a 70B model's 138 GB
@@ -314,7 +322,8 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     kwargs = {"dtype": dtype, "quant": quant, "tensor_parallel": tensor_parallel, "mp_size": mp_size,
               "replace_with_kernel_inject": replace_with_kernel_inject, "device": device,
               "checkpoint": checkpoint, "base_dir": base_dir, "save_mp_checkpoint_path": save_mp_checkpoint_path,
-              "checkpoint_config": checkpoint_config, "injection_policy": injection_policy}
+              "checkpoint_config": checkpoint_config, "injection_policy": injection_policy,
+              "enable_cuda_graph": enable_cuda_graph}
     extra = {_ALIASES.get(key, key): value for key, value in deepspeed_kwargs.items()}
     for key in [k for k in extra if k in kwargs]:  # an alias (tp=, kernel_inject=) of a named argument
         kwargs[key] = extra.pop(key)
@@ -338,6 +347,10 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     else:
         q = _check_quant(kwargs["quant"]) if kwargs["quant"] is not None else None
     target_device = torch.device(kwargs["device"]) if kwargs["device"] is not None else default_device()
+    if not isinstance(kwargs["enable_cuda_graph"], bool):
+        raise ValueError(f"init_inference: enable_cuda_graph must be true or false (got {kwargs['enable_cuda_graph']!r})")
+    if kwargs["enable_cuda_graph"] and target_device.type != "cuda":
+        raise ValueError(f"init_inference: enable_cuda_graph=True needs a CUDA device (this call: {target_device})")
     files = resolve_checkpoint_files(kwargs["checkpoint"], kwargs["base_dir"] or "") \
         if kwargs["checkpoint"] is not None else None
     if files is None:
@@ -375,6 +388,8 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
         model.__dict__["module"] = model
     if kwargs["save_mp_checkpoint_path"]:
         _save(model, kwargs["save_mp_checkpoint_path"], tp)
+    if kwargs["enable_cuda_graph"]:
+        cuda_graph.install(model, target_device)
     return model
 
 

@@ -1,0 +1,303 @@
+"""`init_inference(enable_cuda_graph=True)`: the model's forward replayed from CUDA graphs.
+
+DeepSpeed's engine captures its forward at the first call and replays that one graph for every later
+call whatever the inputs, and the model's own `generate` (which calls the model, not the engine) never
+uses it. Here the model's `forward` itself is replaced, so `model(...)`, `engine.module(...)` and
+`model.generate(...)` all go through it, and every distinct call signature gets its own graph:
+
+- the signature is the arguments' structure, each tensor's shape / dtype / device, plain values
+  (`use_cache=True`, `logits_to_keep=1`) and the identity of any other object (a KV cache);
+- a signature's first call runs eagerly: it is the warm-up (autotuning, the cache's lazy allocation), and
+  a one-off prefill is never captured; the second call captures and replays; later calls replay;
+- tensor arguments are copied into the graph's input buffers on every call (read, never written back);
+  output tensors are copied out of the graph's buffers, so a result stays valid after the next call.
+
+What a graph cannot replay is found and run eagerly, with a warning, never replayed wrong: the forward
+may only change its argument objects' tensors in place (transformers' StaticCache). If capturing it
+changed their Python state (a DynamicCache concatenates new tensors, a sliding-window cache layer counts
+in a Python int), the captured graph is replayed once (capture ran the Python, the replay runs the GPU
+work: together one call) and the signature runs eagerly from then on. If an argument object's state was
+changed between calls (its tensors replaced), the signature is captured again. Calls with autograd
+recording, or with a tensor that is not on the model's GPU, run eagerly (logged once).
+
+Graphs share one memory pool: they never run at the same time, and outputs are copied out at once.
+Argument objects are held by weak reference, so a graph never keeps a dead KV cache alive.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import types
+import weakref
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lightspeed._utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_GRAPHS = 16  # captured signatures kept (least recently used dropped)
+_MAX_SEEN = 256  # signatures seen once, waiting for their second call
+_DEPTH = 4  # how deep an argument object's attributes are compared
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_PLAIN_TYPES = frozenset(_PLAIN)
+_TENSOR_OR_PLAIN = (torch.Tensor, *_PLAIN)
+_OPAQUE = (torch.nn.Module, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+           functools.partial, weakref.ref)
+
+
+class _Ref:
+    """An argument object in a signature: equal only to the same live object (weakly held when it can be)."""
+
+    __slots__ = ("_ref", "_id")
+
+    def __init__(self, obj):
+        self._id = id(obj)
+        try:
+            self._ref = weakref.ref(obj)
+        except TypeError:  # no weak references to it: hold it
+            self._ref = lambda: obj
+
+    @property
+    def alive(self) -> bool:
+        return self._ref() is not None
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Ref) and self._id == other._id and self._ref() is other._ref() is not None
+
+    def __hash__(self) -> int:
+        return self._id
+
+
+def _key(leaf):
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+    if isinstance(leaf, _PLAIN):
+        return (type(leaf), leaf)
+    return _Ref(leaf)
+
+
+def _state(obj, depth: int, out: list, path: tuple | None, seen: set) -> None:
+    """Append what a graph depends on in `obj`: each tensor's address and shape, and plain values, walking
+    attributes, lists and dicts `depth` levels down (with `path`: (place in `obj`, item) pairs)."""
+    if isinstance(obj, torch.Tensor):
+        item = (obj.data_ptr(), obj.shape)
+    elif isinstance(obj, _PLAIN):
+        item = obj
+    elif depth == 0 or id(obj) in seen or isinstance(obj, _OPAQUE) or not isinstance(obj, (list, tuple, dict)) \
+            and not hasattr(obj, "__dict__"):
+        item = ("object", id(obj))
+    else:
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            items = enumerate(obj)
+        else:
+            items = (obj if isinstance(obj, dict) else vars(obj)).items()
+        depth -= 1
+        if path is None:  # the check before every replay: leaves inline
+            for _name, child in items:
+                kind = type(child)
+                if kind in _PLAIN_TYPES:
+                    out.append(child)
+                elif isinstance(child, torch.Tensor):
+                    out.append((child.data_ptr(), child.shape))
+                else:
+                    _state(child, depth, out, None, seen)
+        else:
+            dotted = not isinstance(obj, (list, tuple, dict))
+            for name, child in items:
+                _state(child, depth, out, path + (f".{name}" if dotted else f"[{name!r}]",), seen)
+        return
+    out.append(item if path is None else (path, item))
+
+
+def argument_state(objects: dict, paths: bool = False) -> list:
+    """The state of the argument objects ({argument name: object}) a captured graph depends on."""
+    out: list = []
+    for name, obj in objects.items():
+        _state(obj, _DEPTH, out, (str(name),) if paths else None, set())
+    return out
+
+
+def _changed(before: list, after: list) -> str:
+    """The first place where two `argument_state(..., paths=True)` lists differ, as text."""
+    b, a = dict(before), dict(after)
+    for path in [*b, *(p for p in a if p not in b)]:
+        if b.get(path, "absent") != a.get(path, "absent"):
+            return "".join(path)
+    return "?"
+
+
+def _argument_name(path) -> str:
+    """`args[0]`, `cache`, `cache.layers`... for a leaf's path in the flattened ((args), {kwargs})."""
+    top, first, *rest = path
+    name = f"args[{first.idx}]" if top.idx == 0 else str(first.key)
+    return name + pytree.keystr(tuple(rest))
+
+
+class _Graph:
+    __slots__ = ("graph", "inputs", "out_spec", "out_leaves", "state")
+
+
+class GraphedForward:
+    """The replacement for a model's `forward` (see the module docstring). `clear()` drops every graph."""
+
+    def __init__(self, forward, device: torch.device, needs_grad: bool):
+        self.forward = forward
+        self.device = device
+        self.needs_grad = needs_grad  # a parameter requires grad: calls with autograd on run eagerly
+        self.graphs: collections.OrderedDict = collections.OrderedDict()
+        self.seen: collections.OrderedDict = collections.OrderedDict()
+        self.eager: dict = {}  # signatures that cannot be replayed -> why
+        self.pool = None
+        self.captures = 0
+        self._warned: set = set()
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.seen.clear()
+        self.eager.clear()
+
+    def _warn_once(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("enable_cuda_graph: %s", reason)
+
+    def __call__(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if any(t.device != self.device for t in tensors):
+            self._warn_once(f"a tensor argument is not on {self.device}; such calls run without a graph")
+            return self.forward(*args, **kwargs)
+        if torch.is_grad_enabled() and (self.needs_grad or any(t.requires_grad for t in tensors)):
+            self._warn_once("autograd is recording (call under torch.no_grad() or torch.inference_mode()); "
+                            "such calls run without a graph")
+            return self.forward(*args, **kwargs)
+        sig = (spec, tuple(_key(x) for x in leaves))
+        if sig in self.eager:
+            return self.forward(*args, **kwargs)
+        entry = self.graphs.get(sig)
+        if entry is not None:
+            self.graphs.move_to_end(sig)
+            if argument_state(self._objects(leaves)) == entry.state:
+                return self._replay(entry, leaves)
+            logger.info("enable_cuda_graph: an argument object's tensors changed since the capture; capturing again")
+        elif sig not in self.seen:  # first call of this signature: eager, the warm-up
+            self._forget_dead()
+            self.seen[sig] = None
+            if len(self.seen) > _MAX_SEEN:
+                self.seen.popitem(last=False)
+            return self.forward(*args, **kwargs)
+        return self._capture(sig, spec, leaves, (args, kwargs))
+
+    @staticmethod
+    def _objects(leaves, named_from=None) -> dict:
+        """The argument objects (leaves that are neither tensors nor plain values), by leaf index, or by
+        argument name when `named_from` is the call's (args, kwargs)."""
+        if named_from is not None:
+            with_path, _ = pytree.tree_flatten_with_path(named_from)
+            return {_argument_name(path): leaf for path, leaf in with_path if not isinstance(leaf, _TENSOR_OR_PLAIN)}
+        return {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, _TENSOR_OR_PLAIN)}
+
+    def _forget_dead(self) -> None:
+        for table in (self.graphs, self.seen, self.eager):
+            for sig in [s for s in table if not all(k.alive for k in s[1] if isinstance(k, _Ref))]:
+                del table[sig]
+
+    def _capture(self, sig, spec, leaves, call):
+        self.seen.pop(sig, None)
+        self.graphs.pop(sig, None)
+        objects = self._objects(leaves, named_from=call)
+        before = argument_state(objects, paths=True)
+        with torch.inference_mode(False):  # input buffers usable inside and outside inference mode
+            inputs = [torch.empty_like(x).copy_(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        args, kwargs = pytree.tree_unflatten(inputs, spec)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):
+                out = self.forward(*args, **kwargs)
+        except Exception as err:
+            raise RuntimeError(f"enable_cuda_graph: the forward could not be captured in a CUDA graph ({err}); "
+                               f"pass enable_cuda_graph=False") from err
+        self.captures += 1
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        entry = _Graph()
+        entry.graph, entry.out_spec = graph, out_spec
+        # argument objects come back as the call's own (held by index: a graph keeps no cache alive)
+        position = {id(x): i for i, x in enumerate(leaves) if not isinstance(x, _TENSOR_OR_PLAIN)}
+        entry.out_leaves = [_Argument(position[id(x)]) if id(x) in position else x for x in out_leaves]
+        entry.inputs = [(i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        after = argument_state(objects, paths=True)
+        new = [x for x in out_leaves if not isinstance(x, _TENSOR_OR_PLAIN) and id(x) not in position]
+        if after != before or new:
+            if new:
+                why = (f"the forward returns a new {type(new[0]).__name__} each call, which a graph would hand "
+                       f"out again (use_cache=False, or a cache passed in)")
+            else:
+                why = (f"the forward changes {_changed(before, after)} (Python state a graph cannot replay: a "
+                       f"DynamicCache or a sliding-window cache layer?; generate with a static cache)")
+            self.eager[sig] = why
+            self._warn_once(f"{why}; calls like it run without a graph")
+            return self._outputs(entry, leaves)  # capture ran the Python, the replay runs the GPU work: one call
+        entry.state = [item for _path, item in after]
+        self.graphs[sig] = entry
+        if len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+            self._warn_once(f"more than {MAX_GRAPHS} input signatures; the least recently used graphs are dropped")
+        logger.info("enable_cuda_graph: captured graph %d (%s)", self.captures,
+                    ", ".join(str(tuple(x.shape)) for x in leaves if isinstance(x, torch.Tensor)))
+        return self._outputs(entry, leaves)
+
+    @staticmethod
+    def _replay(entry: _Graph, leaves):
+        for i, buffer in entry.inputs:
+            buffer.copy_(leaves[i])
+        return GraphedForward._outputs(entry, leaves)
+
+    @staticmethod
+    def _outputs(entry: _Graph, leaves):
+        entry.graph.replay()
+        out = [x.clone() if isinstance(x, torch.Tensor) else leaves[x.index] if isinstance(x, _Argument) else x
+               for x in entry.out_leaves]
+        return pytree.tree_unflatten(out, entry.out_spec)
+
+
+class _Argument:
+    """An output that is one of the call's argument objects (the KV cache generate passes in)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def install(model: torch.nn.Module, device: torch.device) -> GraphedForward:
+    """Replace `model.forward` by a GraphedForward (the runner, holding the original, is `model.forward.graphs`).
+    A Hugging Face generation config is set to a static KV cache (when it names none) and to no
+    auto-compile, so the model's own `generate` replays its decode steps."""
+    if hasattr(model.forward, "graphs"):
+        raise ValueError("init_inference: enable_cuda_graph: the model's forward is graphed already")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    needs_grad = any(p.requires_grad for p in model.parameters())
+    runner = GraphedForward(model.forward, device, needs_grad)
+
+    @functools.wraps(model.forward)  # keeps the signature generate inspects
+    @torch.compiler.disable
+    def forward(*args, **kwargs):
+        return runner(*args, **kwargs)
+
+    forward.graphs = runner
+    model.forward = forward
+    config = getattr(model, "generation_config", None)
+    if config is not None:
+        if getattr(config, "cache_implementation", None) is None:
+            config.cache_implementation = "static"
+            logger.info("enable_cuda_graph: generation_config.cache_implementation = 'static'")
+        if hasattr(config, "disable_compile"):
+            config.disable_compile = True  # transformers would otherwise torch.compile the graphed forward
+    return runner

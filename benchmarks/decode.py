@@ -230,13 +230,13 @@ def graphed_generate(model, device, batch: int, context: int, new_tokens: int) -
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(device)
 
-    def tokens():
+    def tokens(**kw):
         with torch.no_grad():
             return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                  cache_implementation="static")
+                                  cache_implementation="static", **kw)
 
-    want = tokens()
+    want = tokens(disable_compile=True)  # transformers would compile the forward for a static cache
     runner = cuda_graph.install(model, device)
     try:
         same = bool(torch.equal(tokens(), want))

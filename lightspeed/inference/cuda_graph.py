@@ -20,7 +20,8 @@ work: together one call) and the signature runs eagerly from then on. If an argu
 changed between calls (its tensors replaced), the signature is captured again. Calls with autograd
 recording, or with a tensor that is not on the model's GPU, run eagerly (logged once).
 
-Graphs share one memory pool: they never run at the same time, and outputs are copied out at once.
+Graphs share one memory pool (a MemPool this object owns): they never run at the same time, and outputs
+are copied out at once.
 Argument objects are held by weak reference, so a graph never keeps a dead KV cache alive.
 """
 
@@ -214,11 +215,13 @@ class GraphedForward:
         with torch.inference_mode(False):  # input buffers usable inside and outside inference mode
             inputs = [torch.empty_like(x).copy_(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(inputs, spec)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.device(self.device):
+                if self.pool is None:  # owned here: it outlives any one graph (a handle dies with the last)
+                    self.pool = torch.cuda.MemPool()
+                capture = torch.cuda.graph(graph, pool=self.pool.id)
+            with torch.cuda.device(self.device), capture:
                 out = self.forward(*args, **kwargs)
         except Exception as err:
             raise RuntimeError(f"enable_cuda_graph: the forward could not be captured in a CUDA graph ({err}); "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightspeed.ops.wquant import QuantizedWeight, dequantize, quantize, quantized_matmul
+from lightspeed.ops.wquant import QuantizedWeight, dequantize, quantize, quantized_matmul, reserve_scratch
 from lightspeed.ops.wquant.reference import LAYOUT_VERSION, PACK_TILE, check_quant_args, plane_specs
 
 
@@ -58,6 +58,18 @@ class QuantizedLinear(nn.Module):
             self.bias = None
         self.register_buffer("layout_version", torch.tensor(LAYOUT_VERSION, dtype=torch.int32, device=device))
         self._packed_view = None  # (qweight, scales, their QuantizedWeight): `quantized_weight`, once per buffers
+        self._reserve_scratch()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._reserve_scratch()  # `.to("cuda")` and the like
+        return self
+
+    def _reserve_scratch(self) -> None:
+        """On a GPU, size the kernel's shared split-K buffers for this layer now, not in its first call,
+        which may run inside a CUDA graph capture or torch.compile's CUDA-graph warm-up."""
+        if self.qweight.is_cuda:
+            reserve_scratch(self.qweight.device, self.weight_format, self.out_features)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

@@ -12,6 +12,7 @@ It keeps what matters of a graph's semantics:
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -95,6 +96,6 @@ def use_fake_graphs(monkeypatch) -> None:
     """Route torch.cuda's graph API to the fakes for the test."""
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "MemPool", lambda: types.SimpleNamespace(id=(0, 1)))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: _capturing[0])

@@ -175,3 +175,61 @@ def test_inductor_and_cuda_graph_on_cuda(fmt, group_size, dtype):
             torch.cuda.synchronize()
             ref = model(x).float()
             torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA graphs (cudagraph trees) on CUDA")
+@pytest.mark.parametrize("fmt", ["fp6", "int4"])
+def test_reduce_overhead_on_cuda(fmt):
+    """mode="reduce-overhead" runs each new shape's first call (where the kernel autotunes) in a warm-up
+    whose memory pool must hold nothing afterwards but the outputs: the split-K scratch buffers are sized
+    when the layers reach the GPU, and launch plans keep no tensors of the call that made them. Shapes no
+    other test uses, so the kernel's first call at them is inside the compiled warm-up."""
+    model = _MLP(fmt, None, torch.float16, "cuda", k=200, hidden=176, n=88)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for m in (3, 3, 3, 7, 7, 7):
+            x = torch.randn(m, 200, generator=gen).to("cuda", torch.float16)
+            ref = model(x).float()
+            torch.testing.assert_close(compiled(x).float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers compiles generate's forward on CUDA only")
+@pytest.mark.parametrize("fmt", ["fp6", "int8"])
+def test_generate_with_a_static_cache_on_cuda(fmt):
+    """transformers (>= 4.5x) compiles the forward with mode="reduce-overhead" when generate uses a static
+    cache on a GPU: a quantized model takes that path, and its logits follow the eager model's."""
+    transformers = pytest.importorskip("transformers")
+    from lightspeed.inference import init_inference
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=96, intermediate_size=224, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=120, max_position_embeddings=128)
+    model = init_inference(transformers.LlamaForCausalLM(cfg).eval(), dtype=torch.float16, quant={"weight": fmt})
+    ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(5)).cuda()
+    torch._dynamo.reset()
+
+    def logits(**kw):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+                             cache_implementation="static", **kw)
+        return torch.stack(out.logits).float()
+
+    want = logits(disable_compile=True)
+    got = logits()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel's scratch buffers are CUDA's")
+def test_scratch_buffers_do_not_grow_after_a_layer_is_placed():
+    from lightspeed.ops.wquant import launch
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_linear(nn.Linear(256, 20000).to("cuda", torch.float16), weight="int4")
+    device = layer.qweight.device
+    ws, cnt = launch.workspaces[device], launch.counters[device]
+    with torch.no_grad():
+        for m in (1, 5, 16, 40, 64, 200, 1000):
+            layer(torch.randn(m, 256, device="cuda", dtype=torch.float16))
+    assert launch.workspaces[device] is ws and launch.counters[device] is cnt

@@ -94,6 +94,14 @@ def _matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
         return wq_matmul(x2, qweight, bias).reshape(*lead, n)
 
 
+def reserve_scratch(device: torch.device, weight_format: str, n: int) -> None:
+    """Size the kernel's per-device scratch buffers for a layer of `n` outputs on `device` (a CUDA device)
+    ahead of its first call (triton.py `reserve_scratch`)."""
+    from .triton import reserve_scratch
+
+    reserve_scratch(device, weight_format, n)
+
+
 # Note: torch.compile. Dynamo cannot trace the kernel launch (the autotuner, launch plans and their
 # data_ptr() calls), so while compiling `quantized_matmul` emits this custom operator instead: one graph
 # node whose fake implementation gives the output's shape and dtype, and whose eager implementation is

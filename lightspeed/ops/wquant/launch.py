@@ -83,6 +83,7 @@ class Plan:
 
 
 def keep(key: tuple, plan: Plan) -> None:
+    plan.args[:6] = [None] * 6  # set per call: holding the first call's x and y would keep them alive
     if len(plans) >= MAX_PLANS:
         plans.clear()
     plans[key] = plan

@@ -64,6 +64,8 @@ bf16 dot is wrong in triton 3.6) and the K loop is a while loop (no `range` over
 
 from __future__ import annotations
 
+import functools
+
 import os
 
 import torch
@@ -466,6 +468,33 @@ def _stream_slots(N: int, block_n: int, programs: int) -> int:
 _last_config: dict = {}
 
 
+def _scratch(M: int, N: int, sms: int) -> tuple[int, int]:
+    """(fp32 workspace, int32 counters) that any autotuned candidate at M rows needs for N outputs: the
+    largest split-K's partials, or stream-K's slots (BLOCK_N 128 at the most programs per SM), and a
+    counter per program of any BLOCK_N >= 16."""
+    block_m = block_m_for(M)
+    stream = _stream_slots(N, 128, max(STREAMS) * sms) * block_m * 128 if M <= MAX_STREAM_M else 0
+    split = max_split_k(M) * M * N if max_split_k(M) > 1 else 0  # SPLIT_K 1 writes y directly
+    return max(split, stream, 1), triton.cdiv(N, 16) * triton.cdiv(M, block_m)
+
+
+@functools.lru_cache(maxsize=None)
+def scratch_numel(fmt: str, N: int, sms: int) -> tuple[int, int]:
+    """`_scratch` at its largest over every M the kernel takes (below DEQUANT_MIN_M[fmt])."""
+    sizes = [_scratch(M, N, sms) for M in range(1, DEQUANT_MIN_M[fmt])]
+    return max(w for w, _ in sizes), max(c for _, c in sizes)
+
+
+def reserve_scratch(device: torch.device, fmt: str, N: int) -> None:
+    """Grow the device's split-K scratch buffers now to what a layer of N outputs can ask for, so that no
+    call grows them: a layer's first call may run inside a CUDA graph capture or torch.compile's CUDA-graph
+    warm-up, whose memory pool must not end up holding buffers that outlive the call."""
+    with torch.cuda.device(device):
+        ws, cnt = scratch_numel(fmt, N, num_sms())
+    workspace(device, ws)
+    counter(device, cnt)
+
+
 def last_config() -> dict:
     """The config (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of the latest `wq_matmul` call."""
     return dict(_last_config)
@@ -519,9 +548,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     n_tiles = triton.cdiv(K, qw.tile)
     if config is None and _tuned_kernel is not None:
         kernel, meta = _tuned_kernel, {}
-        # room for any candidate: the largest split-K, or stream-K (BLOCK_N 128) at the most programs per SM
-        stream_numel = _stream_slots(N, 128, max(STREAMS) * sms) * block_m * 128 if M <= MAX_STREAM_M else 0
-        ws = workspace(x.device, max(max_split_k(M) * M * N, stream_numel))
+        ws = workspace(x.device, _scratch(M, N, sms)[0])
     else:
         cfg = {"ONE_DOT": 1, "STREAM": 0, **(dict(config) if config is not None else heuristic_config(M, K))}
         if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:
@@ -533,7 +560,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
             ws = workspace(x.device, _stream_slots(N, cfg["BLOCK_N"], cfg["STREAM"] * sms) * block_m * cfg["BLOCK_N"])
         else:
             ws = workspace(x.device, cfg["SPLIT_K"] * M * N) if cfg["SPLIT_K"] > 1 else out
-    cnt = counter(x.device, triton.cdiv(N, 16) * m_blocks)  # >= programs of any BLOCK_N >= 16
+    cnt = counter(x.device, _scratch(M, N, sms)[1])
 
     def grid(m):
         if m["STREAM"]:  # stream-K: STREAM programs per SM, each >= 1 unit

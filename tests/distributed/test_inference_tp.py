@@ -210,14 +210,24 @@ def _gpu_scenario(world, fmt):
     model = init_inference(_model(), dtype=torch.float16, tensor_parallel={"tp_size": world}, quant=quant)
     assert model.model.layers[0].mlp.down_proj.in_features == 128 // world
     with torch.no_grad():
-        return model(_ids().cuda()).logits.float().cpu()
+        logits = model(_ids().cuda()).logits.float().cpu()
+    # generate with enable_cuda_graph: the all-reduces are captured in each rank's graphs
+    graphed = init_inference(_model(), dtype=torch.float16, tensor_parallel={"tp_size": world}, quant=quant,
+                             enable_cuda_graph=True)
+    ids = _ids().cuda()
+    kw = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0,
+          "cache_implementation": "static"}
+    want = model.generate(ids, disable_compile=True, **kw)
+    got = graphed.generate(ids, **kw)
+    return logits, torch.equal(want, got), graphed.forward.graphs.captures
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("fmt", [None, "fp6"])
 def test_tensor_parallel_on_two_gpus_with_nccl(fmt):
     """NCCL, fp16, the Triton kernels on each rank's GPU: logits against the one-GPU model's (fp16: its
-    rounding; FP6: plus the row-parallel slices' own scales)."""
+    rounding; FP6: plus the row-parallel slices' own scales); generate with enable_cuda_graph gives each
+    rank the tokens of the same model without graphs."""
     from lightspeed.inference import init_inference
 
     quant = None if fmt is None else {"weight": fmt}
@@ -225,8 +235,10 @@ def test_tensor_parallel_on_two_gpus_with_nccl(fmt):
     with torch.no_grad():
         ref = one(_ids().cuda()).logits.float().cpu()
     results = run_world(_gpu_scenario, 2, 2, fmt, backend="nccl", env={"LIGHTSPEED_ACCELERATOR": "cuda"})
-    assert torch.equal(results[0], results[1])
-    rel = ((results[0] - ref).norm() / ref.norm()).item()
+    (logits, same0, captures0), (logits1, same1, captures1) = results
+    assert same0 and same1 and captures0 == captures1 == 1  # enable_cuda_graph under tensor parallelism
+    assert torch.equal(logits, logits1)
+    rel = ((logits - ref).norm() / ref.norm()).item()
     assert rel < (5e-3 if fmt is None else 0.05), rel
 
 

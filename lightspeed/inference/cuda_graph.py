@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import types
 import weakref
 
@@ -154,6 +155,7 @@ class GraphedForward:
         self.eager: dict = {}  # signatures that cannot be replayed -> why
         self.pool = None
         self.captures = 0
+        self.restore: dict = {}  # generation-config values install changed
         self._warned: set = set()
 
     def clear(self) -> None:
@@ -278,10 +280,53 @@ class _Argument:
         self.index = index
 
 
+class _KeptStaticCaches:
+    """transformers (5.x) makes a new StaticCache for every `generate` call, so each call's decode step
+    would be a new signature, captured again. Wrapping the model's `generate` and `_prepare_static_cache`,
+    this keeps the cache per (implementation, batch) and hands it back reset when the next call's fits in
+    it: the decode steps of later calls replay the graphs of the first. Only for calls that pass no cache
+    of their own and do not return theirs (`return_dict_in_generate`), and not for encoder-decoders."""
+
+    def __init__(self, model):
+        self.model = model
+        self.prepare = model._prepare_static_cache
+        self.params = inspect.signature(self.prepare)
+        self.kept: dict = {}
+        self.reuse = False  # set for the length of a `generate` call that may reuse
+
+    def generate(self, generate):
+        @functools.wraps(generate)
+        def wrapped(*args, **kwargs):
+            config = kwargs.get("generation_config") or self.model.generation_config
+            own = any(kwargs.get(k) is not None for k in ("cache", "past_key_values"))
+            returned = kwargs.get("return_dict_in_generate", getattr(config, "return_dict_in_generate", False))
+            self.reuse = not own and not returned
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.reuse = False
+        return wrapped
+
+    def prepare_static_cache(self, *args, **kwargs):
+        if not self.reuse:
+            return self.prepare(*args, **kwargs)
+        bound = self.params.bind(*args, **kwargs).arguments
+        key = (bound.get("cache_implementation"), bound.get("batch_size"))
+        length = bound.get("max_cache_len")
+        kept = self.kept.get(key)
+        if kept is not None and length is not None and length <= kept[0]:
+            kept[1].reset()
+            return kept[1]
+        cache = self.prepare(*args, **kwargs)
+        self.kept = {key: (max(length or 0, kept[0] if kept else 0), cache)}  # one at a time: the cache is big
+        return cache
+
+
 def install(model: torch.nn.Module, device: torch.device) -> GraphedForward:
     """Replace `model.forward` by a GraphedForward (the runner, holding the original, is `model.forward.graphs`).
     A Hugging Face generation config is set to a static KV cache (when it names none) and to no
-    auto-compile, so the model's own `generate` replays its decode steps."""
+    auto-compile, so the model's own `generate` replays its decode steps; its static cache is kept from
+    one `generate` call to the next (`_KeptStaticCaches`)."""
     if hasattr(model.forward, "graphs"):
         raise ValueError("init_inference: enable_cuda_graph: the model's forward is graphed already")
     if device.type == "cuda" and device.index is None:
@@ -297,10 +342,27 @@ def install(model: torch.nn.Module, device: torch.device) -> GraphedForward:
     forward.graphs = runner
     model.forward = forward
     config = getattr(model, "generation_config", None)
+    runner.restore = {}
     if config is not None:
+        runner.restore = {key: getattr(config, key) for key in ("cache_implementation", "disable_compile")
+                          if hasattr(config, key)}
         if getattr(config, "cache_implementation", None) is None:
             config.cache_implementation = "static"
             logger.info("enable_cuda_graph: generation_config.cache_implementation = 'static'")
         if hasattr(config, "disable_compile"):
             config.disable_compile = True  # transformers would otherwise torch.compile the graphed forward
+    if hasattr(model, "generate") and hasattr(model, "_prepare_static_cache") \
+            and not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        caches = _KeptStaticCaches(model)
+        model.generate = caches.generate(model.generate)
+        model._prepare_static_cache = caches.prepare_static_cache
     return runner
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Undo `install`: the class's forward, generate and cache preparation, the generation config as it was."""
+    runner = model.forward.graphs
+    for name in ("forward", "generate", "_prepare_static_cache"):
+        model.__dict__.pop(name, None)
+    for key, value in runner.restore.items():
+        setattr(model.generation_config, key, value)

@@ -80,6 +80,35 @@ def test_generate_replays_decode_steps_and_matches_eager(fake, quant):
     assert torch.equal(got_ids, want_ids) and runner.captures == 2
 
 
+def test_generate_keeps_its_static_cache_between_calls(fake):
+    """Later generate calls get the first call's cache back, reset, so their decode steps replay the
+    first call's graph (and a prompt length seen again is captured too); a longer call gets a new cache;
+    a call returning its cache never shares it."""
+    model = _llama()
+    eager = copy.deepcopy(model)
+    runner = cuda_graph.install(model, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+
+    def tokens(m, ids, n, **kw):
+        return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, **kw)
+
+    # captures: the decode step; + the prefill (same cache, prompt length seen again); none (a shorter call
+    # fits the cache); a new cache's decode step; its prefill (the shorter call reuses it)
+    for n, captures in ((6, 1), (6, 2), (4, 2), (9, 3), (6, 4)):
+        ids = torch.randint(0, VOCAB, (2, 5), generator=gen)
+        assert torch.equal(tokens(model, ids, n), tokens(eager, ids, n, cache_implementation="static"))
+        assert runner.captures == captures, n
+    out = tokens(model, ids, 6, return_dict_in_generate=True)
+    kept = out.cache if "cache" in out else out.past_key_values
+    before = [layer.keys.clone() for layer in kept.layers]
+    tokens(model, ids, 6)
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before, kept.layers))  # not reset, not written
+    cuda_graph.uninstall(model)
+    assert "forward" not in vars(model) and "generate" not in vars(model)
+    assert model.generation_config.cache_implementation is None
+
+
 def test_generate_with_a_dynamic_cache_runs_eagerly_with_a_warning(fake, ls_caplog):
     model = _llama()
     graphed = copy.deepcopy(model)

@@ -222,7 +222,8 @@ class GraphedForward:
             with torch.cuda.device(self.device):
                 if self.pool is None:  # owned here: it outlives any one graph (a handle dies with the last)
                     self.pool = torch.cuda.MemPool()
-                capture = torch.cuda.graph(graph, pool=self.pool.id)
+                # thread_local: other threads' CUDA calls (NCCL's watchdog polling its events) must not void it
+                capture = torch.cuda.graph(graph, pool=self.pool.id, capture_error_mode="thread_local")
             with torch.cuda.device(self.device), capture:
                 out = self.forward(*args, **kwargs)
         except Exception as err:

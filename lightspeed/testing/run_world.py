@@ -41,12 +41,14 @@ def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, ar
     try:
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
         try:
-            out = fn(*args, **kwargs)
-        finally:
-            dist.destroy_process_group()
-        # plain pickle bytes: tensors travel by value, not as shared-memory handles that die with the child
-        results.put((rank, "ok", pickle.dumps(out)))
-    except BaseException:  # report every failure, including SystemExit, to the parent
+            # plain pickle bytes: tensors travel by value, not as shared-memory handles that die with the child
+            report = (rank, "ok", pickle.dumps(fn(*args, **kwargs)))
+        except BaseException:  # report every failure, including SystemExit, to the parent
+            report = (rank, "error", traceback.format_exc())
+        # before the teardown: with NCCL, destroy_process_group can block on a peer that failed mid-collective
+        results.put(report)
+        dist.destroy_process_group()
+    except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
 

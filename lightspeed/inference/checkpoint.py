@@ -36,7 +36,7 @@ from torch import nn
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.atomic import atomic_write_bytes, atomic_write_via, safe_torch_load
 from lightspeed.checkpoint.errors import CheckpointError
-from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_from_float
+from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims, linear_from_float
 from lightspeed.inference.tensor_parallel import Slice
 from lightspeed.ops.wquant.reference import FORMATS
 
@@ -250,14 +250,6 @@ def _key_mapping(expected: Iterable[str], found: Iterable[str], prefix: str):
     return max(candidates, key=lambda f: sum(f(k) in found for k in expected))
 
 
-def _linear_dims(module: nn.Module) -> tuple[int, int]:
-    if isinstance(module, QuantizedLinear):
-        return module.out_features, module.in_features
-    if is_conv1d(module):
-        return module.weight.shape[1], module.weight.shape[0]
-    return module.weight.shape[0], module.weight.shape[1]
-
-
 class _Loader:
     def __init__(self, model: nn.Module, reader: CheckpointReader, device: torch.device, dtype: torch.dtype):
         self.reader, self.device, self.dtype = reader, device, dtype
@@ -292,7 +284,7 @@ class _Loader:
 
     def packed_layer(self, name: str, module: nn.Module, fmt: str, group_size: int | None) -> QuantizedLinear:
         """A QuantizedLinear from the packed buffers the checkpoint holds (no re-quantization)."""
-        out_features, in_features = _linear_dims(module)
+        out_features, in_features = linear_dims(module)
         bias_key = self.ckpt_key(name + ".bias")
         layer = QuantizedLinear(in_features, out_features, bias=bias_key in self.reader, weight=fmt,
                                 group_size=group_size, dtype=self.dtype, device=self.device)
@@ -311,14 +303,15 @@ class _Loader:
         """The layer from the float weight the checkpoint holds: only this rank's `part` of it if given
         (tensor parallelism: only those bytes are read), then quantized to `wanted` (format, group_size),
         or else an nn.Linear. None when the checkpoint holds no weight for it."""
-        out_features, in_features = _linear_dims(module)
+        out_features, in_features = linear_dims(module)
         conv1d = is_conv1d(module)
-        index = None
-        if part is not None:
-            rows, cols = part.index((out_features, in_features))
-            index = (cols, rows) if conv1d else (rows, cols)  # Conv1D stores [in, out]
-        weight = self.read(f"{name}.weight", shape=(in_features, out_features) if conv1d else
-                           (out_features, in_features), index=index)
+        shape = (in_features, out_features) if conv1d else (out_features, in_features)
+        if part is None:
+            weight = self.read(f"{name}.weight", shape=shape)
+        else:  # each index of the part read alone (a fused q|k|v layer has three), joined along the outputs
+            pieces = [self.read(f"{name}.weight", shape=shape, index=(cols, rows) if conv1d else (rows, cols))
+                      for rows, cols in part.indices((out_features, in_features))]  # Conv1D stores [in, out]
+            weight = None if pieces[0] is None else torch.cat(pieces, dim=1 if conv1d else 0)
         if weight is None:
             return None
         bias = getattr(module, "bias", None)

@@ -18,9 +18,9 @@ from lightspeed._utils.logging import current_rank, get_logger
 from lightspeed.inference import cuda_graph
 from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_dir, replace_submodule,
                                             resolve_checkpoint_files, save_inference_checkpoint, write_split_config)
-from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d
-from lightspeed.inference.tensor_parallel import COLWISE, ROW_STYLES, Slice, attach_all_reduce, build_plan, shard_linear, \
-    tp_settings
+from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims
+from lightspeed.inference.tensor_parallel import COL_STYLES, ROW_STYLES, Slice, attach_all_reduce, build_plan, \
+    per_rank_attributes, shard_linear, tp_settings
 from lightspeed.ops.wquant.reference import FORMATS, check_quant_args
 
 logger = get_logger(__name__)
@@ -245,7 +245,7 @@ class _TensorParallel:
         self.rank = self.comm.rank
         self.plan = build_plan(model, self.size, kwargs["injection_policy"])
         logger.info("init_inference: tensor parallelism over %d ranks: %d column- and %d row-parallel layers",
-                    self.size, sum(s == COLWISE for s in self.plan.values()),
+                    self.size, sum(s in COL_STYLES for s in self.plan.values()),
                     sum(s in ROW_STYLES for s in self.plan.values()))
 
     def slices(self) -> dict[str, Slice]:
@@ -262,7 +262,7 @@ def _split_quantizable(chosen, q: dict, tp: _TensorParallel) -> dict:
     out = {}
     for name, module in chosen:
         if tp.plan.get(name) in ROW_STYLES:
-            n, k = module.weight.shape
+            n, k = linear_dims(module)
             try:
                 check_quant_args(q["weight"], (n, k // tp.size), q["group_size"])
             except ValueError as err:
@@ -376,6 +376,9 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     model = model.to(device=target_device, dtype=target_dtype)
     if tp.comm is not None:
         attach_all_reduce(model, tp.plan, tp.comm)
+        changed = per_rank_attributes(model, tp.plan, tp.size)
+        if changed:
+            logger.info("init_inference: per-rank head counts: %s (/%d)", ", ".join(changed), tp.size)
     if quantizing:
         after = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         logger.info("init_inference: %d linear layers -> %s (group_size=%s); weights %.1f MiB -> %.1f MiB",

@@ -27,6 +27,20 @@ def is_conv1d(module: nn.Module) -> bool:
                                                                                        torch.Tensor)
 
 
+def linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(out_features, in_features) of an nn.Linear, a transformers Conv1D (weight [in, out]) or a
+    QuantizedLinear."""
+    if isinstance(module, QuantizedLinear):
+        return module.out_features, module.in_features
+    if is_conv1d(module):
+        return module.weight.shape[1], module.weight.shape[0]
+    return module.weight.shape[0], module.weight.shape[1]
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)
+
+
 def _plane_shapes(fmt: str, n: int, k: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """Buffer name, shape and dtype of the packed weight (tile-major, K padded to the pack tile and N to
     the storage row group; see reference.py)."""

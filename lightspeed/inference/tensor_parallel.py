@@ -2,9 +2,10 @@
 tensor-parallel group keeps a slice of every planned linear layer, so a model too large for one GPU
 runs on several and each decode step reads 1/tp of the weights per GPU.
 
-Owns: the plan (which linear layers are split, and how), the slicing of one weight, and the all-reduce
-after a row-parallel layer. Must not: change any other module (embeddings, norms and a tied output head
-stay whole on every rank) or issue collectives except through comm/.
+Owns: the plan (which linear layers are split, and how), the slicing of one weight, the all-reduce
+after a row-parallel layer, and the per-rank head counts of attention modules that keep them as
+attributes. Must not: change any other module (embeddings, norms and a tied output head stay whole on
+every rank) or issue collectives except through comm/.
 
 Note: [the plan] "colwise" layers keep rows r*N/tp .. (r+1)*N/tp of the weight [N, K] (and of the bias):
 their output is this rank's slice of the features (its attention heads, its MLP columns). "rowwise"
@@ -17,6 +18,13 @@ self_attn.q_proj": "colwise", ...}: "colwise" / "rowwise" entries; others raise)
 need no change when they infer their head count from the tensors (transformers' Llama-family models
 reshape with -1 heads); the head counts in the config must divide by tp (checked), so no head is split.
 Quantization happens after slicing: a row-parallel slice gets its own per-channel scales (over K/tp).
+transformers' Conv1D layers (GPT-2, weight [in, out]) are planned like nn.Linear and become nn.Linear
+slices. A fused [q | k | v] layer of known layout ("colwise_qkv": GPT-2's c_attn) keeps this rank's rows
+of each third, so the rank holds whole heads of q, k and v. Models whose config has no
+base_model_tp_plan use `BUILTIN_PLANS` (GPT-2) or `injection_policy`. An attention module that keeps
+its head counts as attributes (GPT-2's split_size, GPT-J's num_attention_heads, older transformers'
+num_heads / hidden_size) has them divided by tp after the split (`per_rank_attributes`), as DeepSpeed's
+AutoTP does: the module then reshapes its slice of the heads.
 
 Note: [the output head] An untied output head (`lm_head`, as `get_output_embeddings()` names it) is
 split by columns too, as DeepSpeed's AutoTP does (LmHeadLinearAllreduce): its input, the final norm's
@@ -34,13 +42,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_from_float
+from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, is_linear, linear_dims, linear_from_float
 
 COLWISE, ROWWISE = "colwise", "rowwise"
+COLWISE_QKV = "colwise_qkv"  # a fused [q | k | v] layer: colwise within each third (see the Note)
 HEAD = "rowwise_head"  # the output head: rowwise on a full input, which it slices itself (see the Note)
 ROW_STYLES = (ROWWISE, HEAD)
-_WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce")  # plan styles that keep a module whole (norms)
+COL_STYLES = (COLWISE, COLWISE_QKV)
+# plan styles that keep a module whole: norms, and embeddings (a whole embedding gives what a vocab-split
+# one all-reduced would; DeepSpeed's AutoTP keeps them whole too)
+_WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise")
 _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+# plans for transformers models whose config has no base_model_tp_plan (names under the base model)
+BUILTIN_PLANS = {"gpt2": {"h.*.attn.c_attn": COLWISE_QKV, "h.*.attn.c_proj": ROWWISE, "h.*.mlp.c_fc": COLWISE,
+                          "h.*.mlp.c_proj": ROWWISE}}
+_FUSED_QKV = {"c_attn": 3}  # fused q|k|v layers of known layout (GPT-2: three equal thirds), by name
+# per-rank attribute of an attention module whose column-parallel layers are split (see the Note)
+_ATTENTION_ATTRS = ("split_size", "num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
+                    "n_heads", "all_head_size", "embed_dim", "hidden_size")
+_HEAD_COUNTS = ("split_size", "num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads")
 
 
 def tp_settings(value) -> tuple[int, object]:
@@ -74,13 +94,13 @@ def _policy_plan(model: nn.Module, policy: Mapping) -> dict[str, str]:
                 continue
             matched = True
             for child_name, child in module.named_modules():
-                if isinstance(child, (nn.Linear, QuantizedLinear)) and child_name:
+                if is_linear(child) and child_name:
                     full = f"{name}.{child_name}" if name else child_name
-                    plan[full] = ROWWISE if child_name in rowwise else COLWISE
+                    plan[full] = ROWWISE if child_name in rowwise else _column_style(full)
             children = dict(module.named_modules())
             for row in rowwise:
-                if not isinstance(children.get(row), (nn.Linear, QuantizedLinear)):
-                    raise ValueError(f"init_inference: injection_policy names {row!r}, which is no nn.Linear in "
+                if not is_linear(children.get(row)):
+                    raise ValueError(f"init_inference: injection_policy names {row!r}, which is no linear layer in "
                                      f"{type(module).__name__} {name!r}")
         if not matched:
             raise ValueError(f"init_inference: injection_policy's {getattr(block_type, '__name__', block_type)!r} "
@@ -88,9 +108,13 @@ def _policy_plan(model: nn.Module, policy: Mapping) -> dict[str, str]:
     return plan
 
 
+def _column_style(name: str) -> str:
+    return COLWISE_QKV if name.rpartition(".")[2] in _FUSED_QKV else COLWISE
+
+
 def _config_plan(model: nn.Module) -> dict[str, str]:
     config = getattr(model, "config", None)
-    patterns = getattr(config, "base_model_tp_plan", None) or {}
+    patterns = getattr(config, "base_model_tp_plan", None) or BUILTIN_PLANS.get(getattr(config, "model_type", None))
     if not patterns:
         raise NotImplementedError(f"init_inference: tensor parallelism for {type(model).__name__} needs a plan: its "
                                   "config has no base_model_tp_plan; pass injection_policy={BlockClass: "
@@ -103,10 +127,10 @@ def _config_plan(model: nn.Module) -> dict[str, str]:
                       if fnmatch.fnmatchcase(local, pattern) or fnmatch.fnmatchcase(name, pattern)), None)
         if style is None or style in _WHOLE_STYLES:
             continue
-        if style not in (COLWISE, ROWWISE):  # fused experts, gathered outputs, ...
+        if style not in (*COL_STYLES, ROWWISE):  # fused experts, gathered outputs, ...
             raise NotImplementedError(f"init_inference: tensor parallelism style {style!r} (the model's "
                                       f"base_model_tp_plan, for {name}) is not implemented")
-        if isinstance(module, (nn.Linear, QuantizedLinear)):
+        if is_linear(module):
             plan[name] = style
     return plan
 
@@ -129,12 +153,16 @@ def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[st
         if isinstance(heads, int) and heads % tp_size:
             raise ValueError(f"init_inference: config.{key}={heads} does not divide by tp_size={tp_size}")
     for name, style in plan.items():
-        weight = model.get_submodule(name).weight
-        size = weight.shape[0] if style == COLWISE else weight.shape[1]
-        if size % tp_size:
+        n, k = linear_dims(model.get_submodule(name))
+        parts = _FUSED_QKV[name.rpartition(".")[2]] if style == COLWISE_QKV else 1
+        size = n if style in COL_STYLES else k
+        if size % (tp_size * parts):
             raise ValueError(f"init_inference: {name} ({style}) has {size} "
-                             f"{'output' if style == COLWISE else 'input'} features, which do not divide by "
-                             f"tp_size={tp_size}")
+                             f"{'output' if style in COL_STYLES else 'input'} features, which do not divide by "
+                             f"{'3 x ' if parts == 3 else ''}tp_size={tp_size}")
+        if style == COLWISE_QKV and hasattr(model.get_submodule(name.rpartition(".")[0]), "q_attn"):
+            raise NotImplementedError(f"init_inference: tensor parallelism of the cross-attention {name} (q_attn "
+                                      "beside a fused k|v layer) is not implemented")
     return plan
 
 
@@ -151,36 +179,64 @@ def _output_head(model: nn.Module) -> str | None:
 
 @dataclass(frozen=True)
 class Slice:
-    """This rank's part of one linear layer (see the Note): `index` into its weight [N, K], `bias`."""
+    """This rank's part of one linear layer (see the Note): `indices` into its weight [N, K] (one per
+    third of a fused q|k|v layer), `weight`, `bias`."""
 
     style: str
     rank: int
     size: int
 
-    def index(self, shape) -> tuple[slice, slice]:
-        if self.style == COLWISE:
-            n = shape[0] // self.size
-            return slice(self.rank * n, (self.rank + 1) * n), slice(None)
+    def indices(self, shape) -> list[tuple[slice, slice]]:
+        if self.style in COL_STYLES:
+            parts = 3 if self.style == COLWISE_QKV else 1
+            third = shape[0] // parts
+            n = third // self.size
+            return [(slice(p * third + self.rank * n, p * third + (self.rank + 1) * n), slice(None))
+                    for p in range(parts)]
         k = shape[1] // self.size
-        return slice(None), slice(self.rank * k, (self.rank + 1) * k)
+        return [(slice(None), slice(self.rank * k, (self.rank + 1) * k))]
 
     def weight(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight[self.index(weight.shape)]
+        pieces = [weight[index] for index in self.indices(weight.shape)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
         if bias is None:
             return None
-        if self.style == COLWISE:
-            n = bias.shape[0] // self.size
-            return bias[self.rank * n:(self.rank + 1) * n]
+        if self.style in COL_STYLES:
+            pieces = [bias[rows] for rows, _ in self.indices((bias.shape[0], 1))]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return bias if self.rank == 0 else torch.zeros_like(bias)
 
 
-def shard_linear(module: nn.Linear, style: str, rank: int, tp_size: int) -> nn.Linear:
-    """A new nn.Linear holding this rank's slice of `module` (same device and dtype)."""
+def shard_linear(module: nn.Module, style: str, rank: int, tp_size: int) -> nn.Linear:
+    """A new nn.Linear holding this rank's slice of `module` (an nn.Linear or a Conv1D; same device and
+    dtype)."""
     part = Slice(style, rank, tp_size)
-    return linear_from_float(part.weight(module.weight.detach()),
+    weight = module.weight.detach()
+    return linear_from_float(part.weight(weight.t() if is_conv1d(module) else weight),
                              part.bias(None if module.bias is None else module.bias.detach()))
+
+
+def per_rank_attributes(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> list[str]:
+    """Divide by tp_size the head-count attributes (`_ATTENTION_ATTRS`) of each module whose column-parallel
+    layers were split and which keeps a head count (an attention module); returns "module.attribute" of
+    each one changed. Raises when one does not divide."""
+    changed = []
+    parents = {name.rpartition(".")[0] for name, style in plan.items() if style in COL_STYLES}
+    for parent in sorted(parents):
+        module = model.get_submodule(parent)
+        if not any(isinstance(getattr(module, a, None), int) for a in _HEAD_COUNTS):
+            continue
+        for attr in _ATTENTION_ATTRS:
+            value = getattr(module, attr, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if value % tp_size:
+                raise ValueError(f"init_inference: {parent}.{attr}={value} does not divide by tp_size={tp_size}")
+            setattr(module, attr, value // tp_size)
+            changed.append(f"{parent}.{attr}")
+    return changed
 
 
 class _SliceInput:
@@ -211,7 +267,7 @@ def attach_all_reduce(model: nn.Module, plan: Mapping[str, str], comm) -> None:
     for name, style in plan.items():
         if style in ROW_STYLES:
             module = model.get_submodule(name)
-            if not (isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)):
+            if not is_linear(module):
                 raise TypeError(f"{name}: expected a linear layer, found {type(module).__name__}")
             if style == HEAD:
                 module.register_forward_pre_hook(_SliceInput(comm.rank, comm.world_size))

@@ -133,9 +133,9 @@ def _scenarios(world, ckpt_dir):
         packed.model.layers[1].mlp.up_proj = QuantizedLinear.from_linear(packed.model.layers[1].mlp.up_proj, "int8")
         for kwargs, exc in (({"model": _model(kv_heads=world // 2)}, ValueError),
                             ({"model": packed}, ValueError),
-                            ({"model": transformers.GPT2LMHeadModel(transformers.GPT2Config(
-                                n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32))},
-                             NotImplementedError)):
+                            ({"model": transformers.OPTForCausalLM(transformers.OPTConfig(
+                                num_hidden_layers=1, hidden_size=32, ffn_dim=64, num_attention_heads=4,
+                                vocab_size=VOCAB, word_embed_proj_dim=32))}, NotImplementedError)):
             try:
                 init_inference(kwargs["model"], dtype=torch.float32, device="cpu", tensor_parallel=tp)
             except exc as err:
@@ -265,11 +265,20 @@ def test_split_checkpoint_needs_its_tp_size(reference):
         init_inference(meta, dtype=torch.float32, device="cpu", checkpoint=reference["ckpt"] + "_tp2")
 
 
-FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3")  # q/k/v biases, row-parallel biases (Phi), head_dim set
+# q/k/v biases, row-parallel biases (Phi), head_dim set; GPT-NeoX: a fused per-head q|k|v layer and an
+# embedding style in its plan; GPT-J: head counts kept as attributes (divided per rank)
+FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3", "gpt_neox", "gptj")
 
 
 def _family(name):
     torch.manual_seed(0)
+    if name == "gpt_neox":
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8, vocab_size=VOCAB,
+            max_position_embeddings=64)).eval()
+    if name == "gptj":
+        return transformers.GPTJForCausalLM(transformers.GPTJConfig(
+            n_layer=2, n_embd=64, n_head=8, rotary_dim=4, vocab_size=VOCAB, n_positions=64)).eval()
     common = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64)
     cls, cfg = {"qwen2": ("Qwen2ForCausalLM", "Qwen2Config"), "phi": ("PhiForCausalLM", "PhiConfig"),
@@ -300,3 +309,70 @@ def test_tensor_parallel_across_model_families():
         with torch.no_grad():
             ref = init_inference(_family(name), dtype=torch.float32, device="cpu")(_ids()).logits
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _gpt2_scenarios(world, ckpt_dir):
+    """GPT-2 (Conv1D layers, a fused q|k|v c_attn, head counts as attributes): the built-in plan, DeepSpeed's
+    injection_policy form, INT8, and a checkpoint load reading only this rank's thirds of c_attn."""
+    from lightspeed import OnDevice
+    from lightspeed.inference import init_inference
+
+    tp = {"tp_size": world}
+    res = {}
+    plain = init_inference(_gpt2(), dtype=torch.float32, device="cpu", tensor_parallel=tp)
+    res["plain"] = _run(plain)
+    attn = plain.transformer.h[0].attn
+    weight = attn.c_attn.weight.detach()  # a Conv1D [in, out] when whole (world 1), an nn.Linear slice [out, in]
+    res["attn"] = (attn.split_size, weight.t() if world == 1 else weight.clone(), attn.c_attn.bias.detach().clone())
+    policy = {transformers.models.gpt2.modeling_gpt2.GPT2Block: ("attn.c_proj", "mlp.c_proj")}
+    res["policy"] = _run(init_inference(_gpt2(), dtype=torch.float32, device="cpu", mp_size=world,
+                                        injection_policy=policy))[0]
+    saved = f"{ckpt_dir}_int8_tp{world}"  # each rank's packed slices (c_attn's thirds), loaded back as saved
+    res["int8"] = _run(init_inference(_gpt2(), dtype=torch.float32, device="cpu", tensor_parallel=tp,
+                                      quant={"weight": "int8"}, save_mp_checkpoint_path=saved))[0]
+    for name, source in (("loaded", ckpt_dir), ("reloaded", saved)):
+        with OnDevice(dtype=torch.float32, device="meta"):
+            meta = transformers.GPT2LMHeadModel(_gpt2().config).eval()
+        res[name] = _run(init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp,
+                                        checkpoint=source))[0]
+    return res
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference(tmp_path_factory):
+    from lightspeed.inference import init_inference
+
+    ckpt = tmp_path_factory.mktemp("gpt2")
+    _gpt2().save_pretrained(ckpt)
+    base = _gpt2()
+    int8 = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+    attn = base.transformer.h[0].attn
+    return {"ckpt": str(ckpt), "plain": _run(base), "int8": _run(int8)[0],
+            "c_attn": (attn.c_attn.weight.detach().t(), attn.c_attn.bias.detach())}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gpt2_tensor_parallel_matches_one_process(world, gpt2_reference):
+    results = run_world(_gpt2_scenarios, world, world, gpt2_reference["ckpt"])
+    ref_logits, ref_tokens = gpt2_reference["plain"]
+    weight, bias = gpt2_reference["c_attn"]  # [3 x 64, 64]: q | k | v
+    rows = 64 // world
+    for rank, res in enumerate(results):
+        logits, tokens = res["plain"]
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(tokens, ref_tokens)
+        split_size, w, b = res["attn"]
+        assert split_size == 64 // world
+        want = [slice(p * 64 + rank * rows, p * 64 + (rank + 1) * rows) for p in range(3)]  # its rows of q, k, v
+        assert torch.equal(w, torch.cat([weight[r] for r in want])) and torch.equal(b, torch.cat([bias[r] for r in want]))
+        assert torch.equal(res["policy"], logits)
+        assert torch.equal(res["loaded"], logits)
+        assert torch.equal(res["reloaded"], res["int8"])
+        rel = ((res["int8"] - gpt2_reference["int8"]).norm() / gpt2_reference["int8"].norm()).item()
+        assert rel < (1e-6 if world == 1 else 0.02), rel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightspeed.inference.tensor_parallel import COLWISE, HEAD, ROWWISE, build_plan
+from lightspeed.inference.tensor_parallel import COLWISE, COLWISE_QKV, HEAD, ROWWISE, build_plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,3 +38,35 @@ def test_replicated_styles_keep_modules_whole():
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=8))
     plan = build_plan(model, 2)
     assert "model.layers.0.self_attn.q_norm" not in plan and plan["model.layers.0.self_attn.o_proj"] == ROWWISE
+
+
+def test_gpt2_plan_splits_the_fused_qkv_by_thirds():
+    """GPT-2's config has no base_model_tp_plan: the built-in one, with c_attn's fused q|k|v; the same
+    from DeepSpeed's injection_policy form; the tied head stays whole."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=96))
+    block = "transformer.h.0."
+    want = {block + "attn.c_attn": COLWISE_QKV, block + "attn.c_proj": ROWWISE, block + "mlp.c_fc": COLWISE,
+            block + "mlp.c_proj": ROWWISE}
+    assert build_plan(model, 2) == want
+    policy = {transformers.models.gpt2.modeling_gpt2.GPT2Block: ("attn.c_proj", "mlp.c_proj")}
+    assert build_plan(model, 4, policy) == want
+    with pytest.raises(ValueError, match="config.num_attention_heads=4 does not divide by tp_size=8"):
+        build_plan(model, 8)
+
+
+def test_embedding_styles_keep_the_embedding_whole():
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=8, vocab_size=96))
+    plan = build_plan(model, 2)
+    assert "gpt_neox.embed_in" not in plan and plan["gpt_neox.layers.0.attention.query_key_value"] == COLWISE
+
+
+def test_a_model_without_a_plan_is_refused():
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(num_hidden_layers=1, hidden_size=32, ffn_dim=64,
+                                                               num_attention_heads=4, vocab_size=96,
+                                                               word_embed_proj_dim=32))
+    with pytest.raises(NotImplementedError, match="OPTForCausalLM needs a plan"):
+        build_plan(model, 2)

@@ -4,6 +4,7 @@ written the way a DeepSpeed inference script is: build the model on the meta dev
 
     python examples/generate_quantized.py --model /path/to/Llama-2-7b-hf --quant fp6 --prompt "The capital of"
     torchrun --nproc-per-node 2 examples/generate_quantized.py --model /path/to/model --tp 2
+    python examples/generate_quantized.py --model /path/to/model --cuda-graph   # decode steps from CUDA graphs
     python examples/generate_quantized.py --model /path/to/model --save /path/to/model-fp6   # quantize once
     python examples/generate_quantized.py --model /path/to/model-fp6                          # reload, no quantizing
     python examples/generate_quantized.py                  # no --model: a tiny random Llama, saved to a temp dir
@@ -37,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun / lightspeed)")
     p.add_argument("--save", help="also save the quantized model here (loads back without quantizing)")
     p.add_argument("--device", default=None, help="default: this rank's GPU, else the CPU")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="init_inference(enable_cuda_graph=True): generate replays its decode steps (GPU only)")
     return p.parse_args(argv)
 
 
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace, model_dir: str) -> None:
     model = lightspeed.init_inference(
         model, dtype=dtype, checkpoint=model_dir, device=args.device,
         quant=None if args.quant == "none" else {"weight": args.quant, "group_size": args.group_size},
-        tensor_parallel={"tp_size": args.tp}, save_mp_checkpoint_path=args.save)
+        tensor_parallel={"tp_size": args.tp}, save_mp_checkpoint_path=args.save, enable_cuda_graph=args.cuda_graph)
     device = next(model.parameters()).device
     say(f"loaded {model_dir} on {device} in {time.perf_counter() - start:.1f} s"
         + (f" (saved to {args.save})" if args.save else ""))
@@ -94,13 +97,20 @@ def run(args: argparse.Namespace, model_dir: str) -> None:
     if args.save and tokenizer is not None and rank == 0:
         tokenizer.save_pretrained(args.save)  # the saved directory is then a whole model directory
     ids = ids.to(device)
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                         do_sample=False, pad_token_id=getattr(config, "pad_token_id", None) or 0)
-    seconds = time.perf_counter() - start
+    def generate():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                             do_sample=False, pad_token_id=getattr(config, "pad_token_id", None) or 0)
+        return out, time.perf_counter() - start
+
+    out, seconds = generate()
+    if args.cuda_graph:  # the first call captured the decode step; a second call replays it from the start
+        say(f"first call (graphs captured) {seconds:.2f} s")
+        out, seconds = generate()
     new = out[0, ids.shape[1]:]
     say(tokenizer.decode(out[0], skip_special_tokens=True) if tokenizer is not None else f"tokens: {out[0].tolist()}")
-    say(f"{len(new)} new tokens in {seconds:.2f} s ({len(new) / seconds:.1f} tokens/s, eager generate)")
+    say(f"{len(new)} new tokens in {seconds:.2f} s ({len(new) / seconds:.1f} tokens/s, "
+        f"{'generate with CUDA graphs' if args.cuda_graph else 'eager generate'})")
     if args.tp > 1:
         torch.distributed.destroy_process_group()
 

@@ -27,3 +27,9 @@ def test_example_generates_and_reloads(tmp_path, capsys, quant):
                              "--dtype", "float32", "--device", "cpu"])
     again = capsys.readouterr().out
     assert _tokens(first) == _tokens(again) and len(_tokens(first).split(",")) == 8 + 6
+
+
+def test_example_cuda_graph_needs_a_gpu():
+    with pytest.raises(ValueError, match="enable_cuda_graph=True needs a CUDA device"):
+        generate_quantized.main(["--quant", "int8", "--max-new-tokens", "2", "--dtype", "float32", "--device", "cpu",
+                                 "--cuda-graph"])

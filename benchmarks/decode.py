@@ -12,8 +12,8 @@ the fp16 model's (relative L2 error, top-1 agreement; random layers amplify any 
 are no measure of quantization quality) and, per quantized layer of one step, the kernel's output
 against F.linear with its dequantized weight (max over layers).
 `--cuda-graph` adds the model's own `generate` with `enable_cuda_graph` (each decode step replayed from a
-CUDA graph captured at its second call; the capture is inside the timing), ms per token, and whether its
-tokens equal eager `generate`'s with the same static KV cache.
+CUDA graph; graphs are captured in warm-up calls, so the timing is the steady state of repeated calls),
+ms per token, and whether its tokens equal eager `generate`'s with the same static KV cache.
 `--compile` adds the decode step compiled by torch.compile (inductor, fullgraph: each quantized layer is
 one `lightspeed::quantized_matmul` node) and replayed from a CUDA graph, and its logits against the
 same model's eager step.

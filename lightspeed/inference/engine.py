@@ -1,8 +1,9 @@
 """`init_inference`: DeepSpeed's `deepspeed.init_inference(model, dtype=..., ...)` shape, limited to
 casting, device placement, loading a checkpoint (checkpoint.py) and weight-only quantization
-(nn.Linear and transformers' Conv1D swapped for `QuantizedLinear`). Owns the argument checks and the
-module swap; must not change the model's own forward or generate (no kernel injection; tensor
-parallelism only splits linear layers and all-reduces, tensor_parallel.py).
+(nn.Linear and transformers' Conv1D swapped for `QuantizedLinear`), tensor parallelism
+(tensor_parallel.py) and CUDA graphs (cuda_graph.py). Owns the argument checks and the module swap; must
+not change what the model's own forward or generate compute (no kernel injection; tensor parallelism only
+splits linear layers and all-reduces; enable_cuda_graph replays the same forward).
 """
 
 from __future__ import annotations

@@ -65,7 +65,6 @@ bf16 dot is wrong in triton 3.6) and the K loop is a while loop (no `range` over
 from __future__ import annotations
 
 import functools
-
 import os
 
 import torch
@@ -546,9 +545,10 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     red = REDUCE if reduce is None else _REDUCE_MODES[reduce]
     sms = 1 if INTERPRET else num_sms()  # the interpreter: STREAM programs in all
     n_tiles = triton.cdiv(K, qw.tile)
+    ws_numel, cnt_numel = _scratch(M, N, sms)
     if config is None and _tuned_kernel is not None:
         kernel, meta = _tuned_kernel, {}
-        ws = workspace(x.device, _scratch(M, N, sms)[0])
+        ws = workspace(x.device, ws_numel)
     else:
         cfg = {"ONE_DOT": 1, "STREAM": 0, **(dict(config) if config is not None else heuristic_config(M, K))}
         if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:
@@ -560,7 +560,7 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
             ws = workspace(x.device, _stream_slots(N, cfg["BLOCK_N"], cfg["STREAM"] * sms) * block_m * cfg["BLOCK_N"])
         else:
             ws = workspace(x.device, cfg["SPLIT_K"] * M * N) if cfg["SPLIT_K"] > 1 else out
-    cnt = counter(x.device, _scratch(M, N, sms)[1])
+    cnt = counter(x.device, cnt_numel)
 
     def grid(m):
         if m["STREAM"]:  # stream-K: STREAM programs per SM, each >= 1 unit

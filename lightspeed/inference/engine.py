@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import time
 
 import torch
 from torch import nn
@@ -311,6 +312,9 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     (a static KV cache is made its default). What a graph cannot replay runs eagerly with a warning
     (cuda_graph.py).
 
+    The returned model also has DeepSpeed's engine methods `profile_model_time()` and `model_times()`
+    (ms per forward call, the device synchronized around each).
+
     Other DeepSpeedInferenceConfig fields are taken by name: those that only configure DeepSpeed's
     injected kernels (max_out_tokens, triangular_masking, return_tuple, ...) are logged and have no
     effect, as without kernel injection in DeepSpeed; kernel injection and the other unimplemented ones
@@ -390,11 +394,56 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
         # `engine.module.generate(...)`; here that is the model itself, kept in the instance dict so it is
         # not registered as its own submodule (no cycle in modules(), state_dict or .to())
         model.__dict__["module"] = model
+    _ModelTimes.attach(model)
     if kwargs["save_mp_checkpoint_path"]:
         _save(model, kwargs["save_mp_checkpoint_path"], tp)
     if kwargs["enable_cuda_graph"]:
         cuda_graph.install(model, target_device)
     return model
+
+
+class _ModelTimes:
+    """DeepSpeed's InferenceEngine.profile_model_time() / model_times() on the returned model (benchmark
+    scripts call `pipe.model.profile_model_time()` then `pipe.model.model_times()`): after the first,
+    every call of the model (generate's steps too) is timed, with the device synchronized before and
+    after, in ms; the second returns the times since the last call and starts a new list."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.times, self.enabled, self.start = model, [], False, 0.0
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> None:
+        if not hasattr(model, "profile_model_time") and not hasattr(model, "model_times"):
+            timer = cls(model)
+            model.__dict__["profile_model_time"] = timer.profile_model_time
+            model.__dict__["model_times"] = timer.model_times
+
+    def profile_model_time(self, use_cuda_events: bool = True) -> None:
+        """Start timing each forward (`use_cuda_events` is DeepSpeed's timer choice; both time the same
+        synchronized interval here)."""
+        if not self.enabled:
+            self.model.register_forward_pre_hook(self._pre)
+            self.model.register_forward_hook(self._post)
+            self.enabled = True
+
+    def model_times(self) -> list[float]:
+        if not self.enabled:
+            raise RuntimeError("model_times: model profiling is not enabled; call profile_model_time() first")
+        times, self.times = self.times, []
+        return times
+
+    def _sync(self) -> None:
+        tensor = next(self.model.parameters(), None)
+        if tensor is not None and tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+
+    def _pre(self, module, args) -> None:
+        self._sync()
+        self.start = time.perf_counter()
+
+    def _post(self, module, args, output) -> None:
+        self._sync()
+        self.times.append((time.perf_counter() - self.start) * 1e3)
 
 
 def _place_linears(model: nn.Module, files: list[str] | None, q: dict | None, tp: _TensorParallel, presplit: bool,

@@ -208,3 +208,22 @@ def test_deepspeed_quant_forms():
          build(dtype=torch.float16, quant={"weight": "int4"}))
     off = init_inference(copy.deepcopy(base), device="cpu", quant={"weight": {"enabled": False, "num_bits": 8}})
     assert not any(isinstance(m, QuantizedLinear) for m in off.modules())
+
+
+def test_profile_model_time_and_model_times():
+    """DeepSpeed's engine methods on the returned model: each call of the model, generate's steps
+    included, timed in ms once profiling is on; model_times() hands them over and starts again."""
+    model = init_inference(MODELS["llama"][0](), dtype=torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="call profile_model_time\\(\\) first"):
+        model.model_times()
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():
+        model(ids)  # not timed yet
+        model.profile_model_time()
+        model.profile_model_time(use_cuda_events=False)  # once is enough: no second set of hooks
+        model(ids)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    times = model.model_times()
+    assert len(times) == 1 + 3 and all(t > 0 for t in times)
+    assert model.model_times() == []

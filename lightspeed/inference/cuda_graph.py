@@ -347,9 +347,13 @@ def install(model: torch.nn.Module, device: torch.device) -> GraphedForward:
     if config is not None:
         runner.restore = {key: getattr(config, key) for key in ("cache_implementation", "disable_compile")
                           if hasattr(config, key)}
-        if getattr(config, "cache_implementation", None) is None:
+        static = getattr(model, "_can_compile_fullgraph", None) or getattr(model, "_supports_static_cache", None)
+        if getattr(config, "cache_implementation", None) is None and static:
             config.cache_implementation = "static"
             logger.info("enable_cuda_graph: generation_config.cache_implementation = 'static'")
+        elif not static:
+            logger.warning("enable_cuda_graph: %s does not support a static KV cache; generate's decode steps "
+                           "will run without graphs", type(model).__name__)
         if hasattr(config, "disable_compile"):
             config.disable_compile = True  # transformers would otherwise torch.compile the graphed forward
     if hasattr(model, "generate") and hasattr(model, "_prepare_static_cache") \

@@ -133,6 +133,17 @@ def test_install_keeps_the_signature_and_sets_the_generation_config():
         cuda_graph.install(model, torch.device("cpu"))
 
 
+def test_a_model_without_static_cache_support_keeps_its_cache(ls_caplog):
+    class NoStatic(transformers.LlamaForCausalLM):
+        _can_compile_fullgraph = False
+        _supports_static_cache = False
+
+    model = NoStatic(_llama().config).eval()
+    cuda_graph.install(model, torch.device("cpu"))
+    assert model.generation_config.cache_implementation is None
+    assert "NoStatic does not support a static KV cache" in ls_caplog.text
+
+
 # --- direct calls ---
 
 class _Scale(torch.nn.Module):

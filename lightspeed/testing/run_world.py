@@ -3,15 +3,18 @@
 Used by the dist tests: `run_world(fn, 4, *args)` returns `[fn(*args) on rank 0, ..., on rank 3]`.
 Children come from a forkserver that has already imported torch, so each starts in a fraction of a
 second and never inherits the test runner's threads. A child that raises makes `run_world` raise with
-that rank's traceback; a child that hangs is killed at `timeout` seconds.
+that rank's traceback; a child that hangs is killed at `timeout` seconds, and the error holds the
+stacks its threads were in shortly before.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -30,7 +33,12 @@ def _context():
 
 
 def _child(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, kwargs: dict,
-           results, env: dict[str, str]) -> None:
+           results, env: dict[str, str], stacks: tuple[str, float]) -> None:
+    # a rank still running shortly before the parent gives up writes its threads' stacks where the parent
+    # reads them into its error (the child's stderr is the forkserver's, not the test's)
+    path, after = stacks
+    stack_file = open(path, "w")  # noqa: SIM115 (open for the life of the process: faulthandler writes to it)
+    faulthandler.dump_traceback_later(after, exit=False, file=stack_file)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), LIGHTSPEED_ACCELERATOR=os.environ.get("LIGHTSPEED_ACCELERATOR", "cpu"))
@@ -62,8 +70,11 @@ def run_world(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", 
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, kwargs, results, env or {}),
-                         daemon=True) for r in range(world_size)]
+    stack_dir = tempfile.TemporaryDirectory(prefix="run_world_")
+    stack_path = [os.path.join(stack_dir.name, f"rank{r}.txt") for r in range(world_size)]
+    dump_after = max(timeout - 3, timeout / 2)
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, backend, fn, args, kwargs, results, env or {},
+                                              (stack_path[r], dump_after)), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
@@ -72,8 +83,9 @@ def run_world(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", 
         while len(outputs) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WorldError(f"run_world: ranks {sorted(set(range(world_size)) - set(outputs))} did not finish "
-                                 f"within {timeout:.0f} s")
+                missing = sorted(set(range(world_size)) - set(outputs))
+                raise WorldError(f"run_world: ranks {missing} did not finish within {timeout:.0f} s"
+                                 + "".join(_stacks(r, stack_path[r]) for r in missing))
             try:
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
@@ -90,4 +102,15 @@ def run_world(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", 
             if p.is_alive():
                 p.kill()
                 p.join()
+        stack_dir.cleanup()
     return [outputs[r] for r in range(world_size)]
+
+
+def _stacks(rank: int, path: str) -> str:
+    """What a hanging rank's faulthandler wrote (its threads' stacks), for the error message."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        text = ""
+    return f"\nrank {rank} stacks{' (none written)' if not text else ''}:\n{text[-4000:]}"

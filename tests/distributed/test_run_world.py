@@ -34,3 +34,13 @@ def test_a_failing_rank_is_reported_while_its_peer_waits():
     with pytest.raises(WorldError, match="rank 1 raised:(.|\n)*rank 1 gives up"):
         run_world(_rank1_fails, 2, timeout=120)
     assert time.monotonic() - start < 60
+
+
+def _rank1_hangs():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+
+
+def test_a_hanging_rank_reports_where_it_hangs():
+    with pytest.raises(WorldError, match="ranks \\[1\\] did not finish within 8 s(.|\n)*rank 1 stacks(.|\n)*_rank1_hangs"):
+        run_world(_rank1_hangs, 2, timeout=8)

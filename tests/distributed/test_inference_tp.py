@@ -240,7 +240,8 @@ def test_tensor_parallel_on_two_gpus_with_nccl(fmt):
     one = init_inference(_model(), dtype=torch.float16, device="cuda:0", quant=quant)
     with torch.no_grad():
         ref = one(_ids().cuda()).logits.float().cpu()
-    results = run_world(_gpu_scenario, 2, 2, fmt, backend="nccl", env={"LIGHTSPEED_ACCELERATOR": "cuda"})
+    results = run_world(_gpu_scenario, 2, 2, fmt, backend="nccl", env={"LIGHTSPEED_ACCELERATOR": "cuda"},
+                          timeout=200)  # under the module's 240 s pytest limit: a hang reports its stacks
     assert torch.equal(results[0], results[1])
     rel = ((results[0] - ref).norm() / ref.norm()).item()
     assert rel < (5e-3 if fmt is None else 0.05), rel
@@ -249,7 +250,8 @@ def test_tensor_parallel_on_two_gpus_with_nccl(fmt):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("fmt", [None, "fp6"])
 def test_enable_cuda_graph_with_tensor_parallelism_on_two_gpus(fmt):
-    results = run_world(_gpu_graph_scenario, 2, 2, fmt, backend="nccl", env={"LIGHTSPEED_ACCELERATOR": "cuda"})
+    results = run_world(_gpu_graph_scenario, 2, 2, fmt, backend="nccl", env={"LIGHTSPEED_ACCELERATOR": "cuda"},
+                          timeout=200)  # under the module's 240 s pytest limit: a hang reports its stacks
     assert results == [(True, 1), (True, 1)]
 
 

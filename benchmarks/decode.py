@@ -1,5 +1,6 @@
-"""End-to-end decoding with `lightspeed.init_inference`: a transformers Llama model with the layer
-shapes of a named size (random weights, no download) in fp16 vs the same model with its linear layers
+"""End-to-end decoding with `lightspeed.init_inference`: a transformers Llama model (Mistral for
+`mistral-7b`, every layer a sliding window) with the layer shapes of a named size (random weights, no
+download) in fp16 vs the same model with its linear layers
 in FP6 / INT8 / INT4 (`quant={"weight": ...}`), milliseconds per generated token.
 
 Claim (issue 6): weight-only quantized layers make decoding faster than fp16. The kernel table is
@@ -56,20 +57,30 @@ SIZES = {
                        num_hidden_layers=40, vocab_size=32000),
     "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
                        num_hidden_layers=80, vocab_size=32000),
+    # every layer a sliding window (4096 tokens): its static cache counts tokens in Python (enable_cuda_graph)
+    "mistral-7b": dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, num_hidden_layers=32, vocab_size=32000, sliding_window=4096),
 }
 FORMATS = ["fp16", "fp6", "int8", "int4"]
 
 
-def build_model(size: str, layers: int | None, device: torch.device, seed: int = 0):
+def _config(size: str, layers: int | None):
+    """(config, model class) of a size: Llama unless its fields name another family."""
     import transformers
 
     fields = dict(SIZES[size])
     if layers is not None:
         fields["num_hidden_layers"] = layers
-    cfg = transformers.LlamaConfig(max_position_embeddings=4096, **fields)
+    family = {"llama": "Llama", "mistral": "Mistral"}[fields.pop("family", "llama")]
+    cfg = getattr(transformers, f"{family}Config")(max_position_embeddings=4096, **fields)
+    return cfg, getattr(transformers, f"{family}ForCausalLM")
+
+
+def build_model(size: str, layers: int | None, device: torch.device, seed: int = 0):
+    cfg, cls = _config(size, layers)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(cfg)
+        model = cls(cfg)
     return model.to(torch.float16).eval()
 
 
@@ -78,15 +89,10 @@ def build_tied_model(size: str, layers: int | None):
     the random weights of a 70B-shaped model without 138 GB of host memory. `init_inference` quantizes
     layer by layer, so every layer still gets its own quantized copy on the GPU; `untie` gives the fp16
     baseline its own copies there."""
-    import transformers
-
-    fields = dict(SIZES[size])
-    if layers is not None:
-        fields["num_hidden_layers"] = layers
     one = build_model(size, 1, torch.device("cpu"))
-    cfg = transformers.LlamaConfig(max_position_embeddings=4096, **fields)
+    cfg, cls = _config(size, layers)
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
+        model = cls(cfg)
     model.model.embed_tokens, model.model.norm, model.lm_head = one.model.embed_tokens, one.model.norm, one.lm_head
     model.model.rotary_emb = one.model.rotary_emb
     first = one.model.layers[0]

@@ -14,11 +14,17 @@ uses it. Here the model's `forward` itself is replaced, so `model(...)`, `engine
 
 What a graph cannot replay is found and run eagerly, with a warning, never replayed wrong: the forward
 may only change its argument objects' tensors in place (transformers' StaticCache). If capturing it
-changed their Python state (a DynamicCache concatenates new tensors, a sliding-window cache layer counts
-in a Python int), the captured graph is replayed once (capture ran the Python, the replay runs the GPU
-work: together one call) and the signature runs eagerly from then on. If an argument object's state was
-changed between calls (its tensors replaced), the signature is captured again. Calls with autograd
-recording, or with a tensor that is not on the model's GPU, run eagerly (logged once).
+changed their Python state (a DynamicCache concatenates new tensors), the captured graph is replayed once
+(capture ran the Python, the replay runs the GPU work: together one call) and the signature runs eagerly
+from then on. If an argument object's state was changed between calls (its tensors replaced), the
+signature is captured again. Calls with autograd recording, or with a tensor that is not on the model's
+GPU, run eagerly (logged once).
+
+One Python state is replayed: transformers' static sliding-window cache layers (Mistral, Gemma 2/3,
+Phi-3...) count their tokens in a Python int that leaves the GPU work unchanged while the window has room
+(`_is_window_layer`). The runner advances the count after each replay, as the capture did; a call whose
+window is full runs eagerly, and the next generate call (the kept cache, reset) replays again. A forward
+that reads the count otherwise (a prompt's attention mask made inside the forward) runs eagerly.
 
 Graphs share one memory pool (a MemPool this object owns): they never run at the same time, and outputs
 are copied out at once.
@@ -28,6 +34,7 @@ Argument objects are held by weak reference, so a graph never keeps a dead KV ca
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import types
@@ -48,6 +55,10 @@ _PLAIN_TYPES = frozenset(_PLAIN)
 _TENSOR_OR_PLAIN = (torch.Tensor, *_PLAIN)
 _OPAQUE = (torch.nn.Module, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
            functools.partial, weakref.ref)
+_WINDOW_COUNT = "cumulative_length_int"  # a sliding-window cache layer's Python token count
+# its methods whose use of the count leaves a graph valid while the window has room (`_is_window_layer`)
+_WINDOW_SAFE = frozenset({"update", "get_mask_sizes", "lazy_initialization", "get_max_length"})
+_window_types: dict = {}
 
 
 class _Ref:
@@ -81,9 +92,10 @@ def _key(leaf):
     return _Ref(leaf)
 
 
-def _state(obj, depth: int, out: list, path: tuple | None, seen: set) -> None:
+def _state(obj, depth: int, out: list, path: tuple | None, seen: set, windows: list) -> None:
     """Append what a graph depends on in `obj`: each tensor's address and shape, and plain values, walking
-    attributes, lists and dicts `depth` levels down (with `path`: (place in `obj`, item) pairs)."""
+    attributes, lists and dicts `depth` levels down (with `path`: (place in `obj`, item) pairs). Sliding-window
+    layers' token counts are left out, their layers appended to `windows` (`_is_window_layer`)."""
     if isinstance(obj, torch.Tensor):
         item = (obj.data_ptr(), obj.shape)
     elif isinstance(obj, _PLAIN):
@@ -95,8 +107,13 @@ def _state(obj, depth: int, out: list, path: tuple | None, seen: set) -> None:
         seen.add(id(obj))
         if isinstance(obj, (list, tuple)):
             items = enumerate(obj)
+        elif isinstance(obj, dict):
+            items = obj.items()
+        elif _is_window_layer(obj):
+            windows.append(obj)
+            items = [(name, child) for name, child in vars(obj).items() if name != _WINDOW_COUNT]
         else:
-            items = (obj if isinstance(obj, dict) else vars(obj)).items()
+            items = vars(obj).items()
         depth -= 1
         if path is None:  # the check before every replay: leaves inline
             for _name, child in items:
@@ -106,21 +123,47 @@ def _state(obj, depth: int, out: list, path: tuple | None, seen: set) -> None:
                 elif isinstance(child, torch.Tensor):
                     out.append((child.data_ptr(), child.shape))
                 else:
-                    _state(child, depth, out, None, seen)
+                    _state(child, depth, out, None, seen, windows)
         else:
             dotted = not isinstance(obj, (list, tuple, dict))
             for name, child in items:
-                _state(child, depth, out, path + (f".{name}" if dotted else f"[{name!r}]",), seen)
+                _state(child, depth, out, path + (f".{name}" if dotted else f"[{name!r}]",), seen, windows)
         return
     out.append(item if path is None else (path, item))
 
 
-def argument_state(objects: dict, paths: bool = False) -> list:
-    """The state of the argument objects ({argument name: object}) a captured graph depends on."""
+def argument_state(objects: dict, paths: bool = False) -> tuple[list, list]:
+    """(state, windows): the state of the argument objects ({argument name: object}) a captured graph depends
+    on, and the sliding-window cache layers among them (whose token counts the state leaves out)."""
     out: list = []
+    windows: list = []
     for name, obj in objects.items():
-        _state(obj, _DEPTH, out, (str(name),) if paths else None, set())
-    return out
+        _state(obj, _DEPTH, out, (str(name),) if paths else None, set(), windows)
+    return out, windows
+
+
+def _is_window_layer(obj) -> bool:
+    """transformers' StaticSlidingWindowLayer (5.x) counts the tokens it holds in a Python int,
+    `cumulative_length_int`, which every forward advances. While the window has room for a call's tokens
+    (count + tokens <= max_cache_len) the layer's GPU work and the attention mask's sizes are the same
+    whatever the count (it writes at its tensor count, masks the whole window from offset 0), so a graph
+    captured there replays at any count with room, and the runner advances the int as the capture did.
+    Only `update` and `get_mask_sizes` may use the count meanwhile: a forward that calls another of the
+    layer's methods (`get_seq_length()`, for a mask made inside the forward or positions when none are
+    passed) would bake the count into the graph, and runs eagerly (`_watch_counts`)."""
+    kind = type(obj)
+    known = _window_types.get(kind)
+    if known is None:
+        known = _window_types[kind] = any(c.__name__ == "StaticSlidingWindowLayer"
+                                          and c.__module__.startswith("transformers.") for c in kind.__mro__)
+    return known and isinstance(getattr(obj, _WINDOW_COUNT, None), int) \
+        and isinstance(getattr(obj, "max_cache_len", None), int)
+
+
+def _room(windows: list, steps: list) -> bool:
+    """Whether every window layer has room for the tokens its captured call added (`_is_window_layer`)."""
+    return len(windows) == len(steps) and all(
+        getattr(w, _WINDOW_COUNT) + d <= w.max_cache_len for w, d in zip(windows, steps))
 
 
 def _changed(before: list, after: list) -> str:
@@ -140,7 +183,7 @@ def _argument_name(path) -> str:
 
 
 class _Graph:
-    __slots__ = ("graph", "inputs", "out_spec", "out_leaves", "state")
+    __slots__ = ("graph", "inputs", "out_spec", "out_leaves", "state", "steps")
 
 
 class GraphedForward:
@@ -153,6 +196,7 @@ class GraphedForward:
         self.graphs: collections.OrderedDict = collections.OrderedDict()
         self.seen: collections.OrderedDict = collections.OrderedDict()
         self.eager: dict = {}  # signatures that cannot be replayed -> why
+        self.full: dict = {}  # those of them captured with a full sliding window -> the tokens the call added
         self.pool = None
         self.captures = 0
         self.restore: dict = {}  # generation-config values install changed
@@ -162,6 +206,7 @@ class GraphedForward:
         self.graphs.clear()
         self.seen.clear()
         self.eager.clear()
+        self.full.clear()
 
     def _warn_once(self, reason: str) -> None:
         if reason not in self._warned:
@@ -180,12 +225,24 @@ class GraphedForward:
             return self.forward(*args, **kwargs)
         sig = (spec, tuple(_key(x) for x in leaves))
         if sig in self.eager:
-            return self.forward(*args, **kwargs)
+            steps = self.full.get(sig)
+            if steps is None or not _room(argument_state(self._objects(leaves))[1], steps):
+                return self.forward(*args, **kwargs)
+            del self.eager[sig], self.full[sig]  # the windows have room again (a reset cache): capture again
+            return self._capture(sig, spec, leaves, (args, kwargs))
         entry = self.graphs.get(sig)
         if entry is not None:
             self.graphs.move_to_end(sig)
-            if argument_state(self._objects(leaves)) == entry.state:
-                return self._replay(entry, leaves)
+            state, windows = argument_state(self._objects(leaves))
+            if state == entry.state:
+                if _room(windows, entry.steps):
+                    out = self._replay(entry, leaves)
+                    for window, step in zip(windows, entry.steps):  # the Python the graph does not run
+                        setattr(window, _WINDOW_COUNT, getattr(window, _WINDOW_COUNT) + step)
+                    return out
+                self._warn_once("a sliding-window cache layer's window is full; calls run without a graph until "
+                                "it has room again (the next generate call)")
+                return self.forward(*args, **kwargs)
             logger.info("enable_cuda_graph: an argument object's tensors changed since the capture; capturing again")
         elif sig not in self.seen:  # first call of this signature: eager, the warm-up
             self._forget_dead()
@@ -205,7 +262,7 @@ class GraphedForward:
         return {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, _TENSOR_OR_PLAIN)}
 
     def _forget_dead(self) -> None:
-        for table in (self.graphs, self.seen, self.eager):
+        for table in (self.graphs, self.seen, self.eager, self.full):
             for sig in [s for s in table if not all(k.alive for k in s[1] if isinstance(k, _Ref))]:
                 del table[sig]
 
@@ -213,7 +270,9 @@ class GraphedForward:
         self.seen.pop(sig, None)
         self.graphs.pop(sig, None)
         objects = self._objects(leaves, named_from=call)
-        before = argument_state(objects, paths=True)
+        before, windows = argument_state(objects, paths=True)
+        counts = [getattr(w, _WINDOW_COUNT) for w in windows]
+        reads: list = []
         with torch.inference_mode(False):  # input buffers usable inside and outside inference mode
             inputs = [torch.empty_like(x).copy_(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(inputs, spec)
@@ -224,7 +283,7 @@ class GraphedForward:
                     self.pool = torch.cuda.MemPool()
                 # thread_local: other threads' CUDA calls (NCCL's watchdog polling its events) must not void it
                 capture = torch.cuda.graph(graph, pool=self.pool.id, capture_error_mode="thread_local")
-            with torch.cuda.device(self.device), capture:
+            with torch.cuda.device(self.device), capture, _watch_counts(windows, reads):
                 out = self.forward(*args, **kwargs)
         except Exception as err:
             raise RuntimeError(f"enable_cuda_graph: the forward could not be captured in a CUDA graph ({err}); "
@@ -237,17 +296,25 @@ class GraphedForward:
         position = {id(x): i for i, x in enumerate(leaves) if not isinstance(x, _TENSOR_OR_PLAIN)}
         entry.out_leaves = [_Argument(position[id(x)]) if id(x) in position else x for x in out_leaves]
         entry.inputs = [(i, x) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
-        after = argument_state(objects, paths=True)
+        after, _ = argument_state(objects, paths=True)
+        entry.steps = [getattr(w, _WINDOW_COUNT) - count for w, count in zip(windows, counts)]
         new = [x for x in out_leaves if not isinstance(x, _TENSOR_OR_PLAIN) and id(x) not in position]
-        if after != before or new:
+        full = any(count + step > w.max_cache_len or step < 0 for w, count, step in zip(windows, counts, entry.steps))
+        if after != before or new or reads or full:
             if new:
                 why = (f"the forward returns a new {type(new[0]).__name__} each call, which a graph would hand "
                        f"out again (use_cache=False, or a cache passed in)")
-            else:
+            elif after != before:
                 why = (f"the forward changes {_changed(before, after)} (Python state a graph cannot replay: a "
-                       f"DynamicCache or a sliding-window cache layer?; generate with a static cache)")
+                       f"DynamicCache?; generate with a static cache)")
+            elif reads:
+                why = (f"the forward calls a sliding-window cache layer's {reads[0]}() (its token count, which a "
+                       f"graph would keep: a prompt's attention mask, positions when none are passed)")
+            else:
+                why = "a sliding-window cache layer's window is full"
+                self.full[sig] = entry.steps  # captured again once the windows have room
             self.eager[sig] = why
-            self._warn_once(f"{why}; calls like it run without a graph")
+            self._warn_once(f"{why}; calls like it run without a graph" + (" until it has room again" if full else ""))
             return self._outputs(entry, leaves)  # capture ran the Python, the replay runs the GPU work: one call
         entry.state = [item for _path, item in after]
         self.graphs[sig] = entry
@@ -270,6 +337,31 @@ class GraphedForward:
         out = [x.clone() if isinstance(x, torch.Tensor) else leaves[x.index] if isinstance(x, _Argument) else x
                for x in entry.out_leaves]
         return pytree.tree_unflatten(out, entry.out_spec)
+
+
+@contextlib.contextmanager
+def _watch_counts(windows: list, reads: list):
+    """Inside: a window layer's public methods other than `_WINDOW_SAFE` (get_seq_length, which hands its
+    token count to the forward; crop, reset...) append their names to `reads` when called."""
+    def watched(name, method):
+        def call(*args, **kwargs):
+            reads.append(name)
+            return method(*args, **kwargs)
+        return call
+
+    patched = []
+    for window in windows:
+        names = [n for n in dir(type(window)) if not n.startswith("_") and n not in _WINDOW_SAFE
+                 and callable(getattr(type(window), n, None)) and n not in vars(window)]
+        for name in names:
+            setattr(window, name, watched(name, getattr(window, name)))
+        patched.append((window, names))
+    try:
+        yield
+    finally:
+        for window, names in patched:
+            for name in names:
+                delattr(window, name)
 
 
 class _Argument:

@@ -122,6 +122,81 @@ def test_generate_with_a_dynamic_cache_runs_eagerly_with_a_warning(fake, ls_capl
         assert len(runner.eager) == 1 and "the forward changes cache.layers[0].keys" in ls_caplog.text
 
 
+def _sliding(family: str, window: int):
+    """A small Mistral (every layer a sliding window) or Gemma 2 (sliding and full layers alternating)."""
+    torch.manual_seed(0)
+    common = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, sliding_window=window)
+    if family == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(head_dim=16, **common)).eval()
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**common)).eval()
+
+
+def _cache_of(out):
+    return out.get("cache", out.get("past_key_values"))  # transformers >= 5.2x / before
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("window", [64, 8])
+def test_sliding_window_layers_replay_while_the_window_has_room(fake, ls_caplog, family, window):
+    """A sliding-window layer counts its tokens in a Python int, which the runner advances after each replay.
+    Window 64: every decode step after the warm-up replays. Window 8 (5 prompt + 9 new tokens): the steps
+    replay until the window is full, then run eagerly (a warning), and the next generate call (the kept
+    cache, reset) replays again. Tokens, every step's logits and the layers' counts equal eager generate's
+    with a static cache."""
+    model = _sliding(family, window)
+    eager = copy.deepcopy(model)
+    runner = cuda_graph.install(model, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+
+    def run(m, ids, **kw):
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_logits=True, **kw)
+        return out.sequences, torch.stack(out.logits), [getattr(x, "cumulative_length_int", None)
+                                                        for x in _cache_of(out).layers]
+
+    ids = torch.randint(0, VOCAB, (2, 5), generator=gen)
+    want_ids, want_logits, want_counts = run(eager, ids, cache_implementation="static")
+    got_ids, got_logits, got_counts = run(model, ids)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_logits, want_logits)
+    assert got_counts == want_counts and want_counts[0] == 13
+    (entry,) = runner.graphs.values()
+    assert runner.captures == 1 and entry.graph.replays == (7 if window == 64 else 2)  # the capture's own too
+    assert ("window is full" in ls_caplog.text) == (window == 8)
+    # the kept cache: its decode step is captured at the first call, its prompt at the second (when the
+    # prompt's attention mask is made inside the forward from a layer's count, as for this Mistral at
+    # window 64, the prompt runs eagerly from then on)
+    for captures in (2, 3, 3):
+        ids = torch.randint(0, VOCAB, (2, 5), generator=gen)
+        want = eager.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, do_sample=False,
+                              pad_token_id=0, cache_implementation="static")
+        assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9,
+                                          do_sample=False, pad_token_id=0), want)
+        assert runner.captures == captures
+    assert len(runner.graphs) + len(runner.eager) == 2
+    assert all("calls a sliding-window cache layer's get_seq_length()" in why for why in runner.eager.values())
+    (step,) = [e for e in runner.graphs.values() if e.inputs[0][1].shape == (2, 1)]
+    assert step.graph.replays == (7 + 8 + 8 if window == 64 else 2 + 3 + 3)  # later calls: every step with room
+
+
+def test_a_forward_reading_a_window_count_runs_eagerly(fake, ls_caplog):
+    """Called without position_ids, the model makes them from the cache's get_seq_length(): a sliding-window
+    layer's Python count, which a graph would keep. Such calls run eagerly, with a warning."""
+    model = _sliding("mistral", 64)
+    eager = copy.deepcopy(model)
+    runner = cuda_graph.install(model, torch.device("cpu"))
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.randint(0, VOCAB, (1, 1))
+            got = model(ids, past_key_values=caches[0]).logits
+            assert torch.equal(got, eager(ids, past_key_values=caches[1]).logits)
+    assert runner.captures == 1 and not runner.graphs and list(runner.eager)
+    assert "calls a sliding-window cache layer's get_seq_length()" in ls_caplog.text
+    assert caches[0].layers[0].cumulative_length_int == 4 and set(vars(caches[0].layers[0])) == set(
+        vars(caches[1].layers[0]))  # the watch is gone
+
+
 def test_install_keeps_the_signature_and_sets_the_generation_config():
     model = _llama()
     before = inspect.signature(model.forward)
@@ -283,6 +358,21 @@ def test_cuda_generate_matches_eager(quant):
     want_ids, want_logits = _generate(eager, ids, cache_implementation="static", disable_compile=True)
     got_ids, got_logits = _generate(graphed, ids)
     assert runner.captures == 1 and not runner.eager and len(runner.graphs) == 1
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=2e-3)
+
+
+@gpu
+@pytest.mark.parametrize("window", [64, 8])
+def test_cuda_sliding_window_generate_matches_eager(window):
+    model = _sliding("mistral", window)
+    eager = init_inference(copy.deepcopy(model), dtype=torch.float16, quant={"weight": "fp6"})
+    graphed = init_inference(model, dtype=torch.float16, quant={"weight": "fp6"}, enable_cuda_graph=True)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3)).cuda()
+    want_ids, want_logits = _generate(eager, ids, cache_implementation="static", disable_compile=True)
+    got_ids, got_logits = _generate(graphed, ids)
+    (entry,) = graphed.forward.graphs.graphs.values()
+    assert entry.graph.replays == (7 if window == 64 else 2) and not graphed.forward.graphs.eager
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=2e-3)
 

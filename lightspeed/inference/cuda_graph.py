@@ -26,8 +26,8 @@ Phi-3...) count their tokens in a Python int that leaves the GPU work unchanged 
 window is full runs eagerly, and the next generate call (the kept cache, reset) replays again. A forward
 that reads the count otherwise (a prompt's attention mask made inside the forward) runs eagerly.
 
-Graphs share one memory pool (a MemPool this object owns): they never run at the same time, and outputs
-are copied out at once.
+Graphs share one memory pool per device, with every other runner's (`_pool`): they never run at the same
+time, and outputs are copied out at once.
 Argument objects are held by weak reference, so a graph never keeps a dead KV cache alive.
 """
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import inspect
 import types
 import weakref
@@ -59,6 +60,7 @@ _WINDOW_COUNT = "cumulative_length_int"  # a sliding-window cache layer's Python
 # its methods whose use of the count leaves a graph valid while the window has room (`_is_window_layer`)
 _WINDOW_SAFE = frozenset({"update", "get_mask_sizes", "lazy_initialization", "get_max_length"})
 _window_types: dict = {}
+_POOLS: dict = {}  # device -> the graphs' MemPool (`_pool`)
 
 
 class _Ref:
@@ -190,7 +192,7 @@ class GraphedForward:
     """The replacement for a model's `forward` (see the module docstring). `clear()` drops every graph."""
 
     def __init__(self, forward, device: torch.device, needs_grad: bool):
-        self.forward = forward
+        self._forward = _weak(forward)  # the model holds this runner: no reference back (`_weak`)
         self.device = device
         self.needs_grad = needs_grad  # a parameter requires grad: calls with autograd on run eagerly
         self.graphs: collections.OrderedDict = collections.OrderedDict()
@@ -201,6 +203,10 @@ class GraphedForward:
         self.captures = 0
         self.restore: dict = {}  # generation-config values install changed
         self._warned: set = set()
+
+    def forward(self, *args, **kwargs):
+        """The model's own forward."""
+        return self._forward()(*args, **kwargs)
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -279,11 +285,11 @@ class GraphedForward:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.device(self.device):
-                if self.pool is None:  # owned here: it outlives any one graph (a handle dies with the last)
-                    self.pool = torch.cuda.MemPool()
+                if self.pool is None:
+                    self.pool = _pool(self.device)
                 # thread_local: other threads' CUDA calls (NCCL's watchdog polling its events) must not void it
                 capture = torch.cuda.graph(graph, pool=self.pool.id, capture_error_mode="thread_local")
-            with torch.cuda.device(self.device), capture, _watch_counts(windows, reads):
+            with torch.cuda.device(self.device), _no_gc(), capture, _watch_counts(windows, reads):
                 out = self.forward(*args, **kwargs)
         except Exception as err:
             raise RuntimeError(f"enable_cuda_graph: the forward could not be captured in a CUDA graph ({err}); "
@@ -364,6 +370,40 @@ def _watch_counts(windows: list, reads: list):
                 delattr(window, name)
 
 
+def _weak(method):
+    """A callable returning `method`; for a bound method, without holding its object: the runner and the
+    wrappers install puts on the model must not reference it back, so a dropped model is freed at once by
+    reference counting, not later by the garbage collector (which could run during a capture: `_no_gc`)."""
+    return weakref.WeakMethod(method) if inspect.ismethod(method) else (lambda: method)
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """The garbage collector off while inside. Freeing a dead model's CUDA graph during a capture invalidates
+    the capture ("operation not permitted when stream is capturing"); freeing a MemPool aborts the process."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _pool(device: torch.device):
+    """The device's graph memory pool: one MemPool per device for every runner, kept for the life of the
+    process (later captures reuse a dropped model's blocks). Not one per runner: a model in a reference
+    cycle of its own is freed by the garbage collector, which may run during some other capture (this
+    runner's runs with gc off, torch.compile's does not), and a MemPool's destructor there aborts the
+    process (torch 2.11: "captures_underway.empty() INTERNAL ASSERT FAILED", reproduced on the H200). Not a
+    graph_pool_handle: the allocator frees that pool with its last graph, and a later capture into the
+    same id asserts."""
+    pool = _POOLS.get(device)
+    if pool is None:
+        pool = _POOLS[device] = torch.cuda.MemPool()
+    return pool
+
+
 class _Argument:
     """An output that is one of the call's argument objects (the KV cache generate passes in)."""
 
@@ -381,28 +421,30 @@ class _KeptStaticCaches:
     of their own and do not return theirs (`return_dict_in_generate`), and not for encoder-decoders."""
 
     def __init__(self, model):
-        self.model = model
-        self.prepare = model._prepare_static_cache
-        self.params = inspect.signature(self.prepare)
+        self.model = weakref.ref(model)
+        self.prepare = _weak(model._prepare_static_cache)
+        self.params = inspect.signature(model._prepare_static_cache)
         self.kept: dict = {}
         self.reuse = False  # set for the length of a `generate` call that may reuse
 
     def generate(self, generate):
-        @functools.wraps(generate)
+        generate, name, doc = _weak(generate), generate.__name__, generate.__doc__
+
         def wrapped(*args, **kwargs):
-            config = kwargs.get("generation_config") or self.model.generation_config
+            config = kwargs.get("generation_config") or self.model().generation_config
             own = any(kwargs.get(k) is not None for k in ("cache", "past_key_values"))
             returned = kwargs.get("return_dict_in_generate", getattr(config, "return_dict_in_generate", False))
             self.reuse = not own and not returned
             try:
-                return generate(*args, **kwargs)
+                return generate()(*args, **kwargs)
             finally:
                 self.reuse = False
+        wrapped.__name__, wrapped.__doc__ = name, doc
         return wrapped
 
     def prepare_static_cache(self, *args, **kwargs):
         if not self.reuse:
-            return self.prepare(*args, **kwargs)
+            return self.prepare()(*args, **kwargs)
         bound = self.params.bind(*args, **kwargs).arguments
         key = (bound.get("cache_implementation"), bound.get("batch_size"))
         length = bound.get("max_cache_len")
@@ -410,7 +452,7 @@ class _KeptStaticCaches:
         if kept is not None and length is not None and length <= kept[0]:
             kept[1].reset()
             return kept[1]
-        cache = self.prepare(*args, **kwargs)
+        cache = self.prepare()(*args, **kwargs)
         self.kept = {key: (max(length or 0, kept[0] if kept else 0), cache)}  # one at a time: the cache is big
         return cache
 
@@ -427,11 +469,13 @@ def install(model: torch.nn.Module, device: torch.device) -> GraphedForward:
     needs_grad = any(p.requires_grad for p in model.parameters())
     runner = GraphedForward(model.forward, device, needs_grad)
 
-    @functools.wraps(model.forward)  # keeps the signature generate inspects
     @torch.compiler.disable
     def forward(*args, **kwargs):
         return runner(*args, **kwargs)
 
+    # what functools.wraps would copy, but not __wrapped__ (the bound forward: a reference cycle)
+    forward.__signature__ = inspect.signature(model.forward)  # generate inspects it for the arguments it passes
+    forward.__name__, forward.__doc__ = model.forward.__name__, model.forward.__doc__
     forward.graphs = runner
     model.forward = forward
     config = getattr(model, "generation_config", None)

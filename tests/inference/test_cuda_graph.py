@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -320,6 +321,32 @@ def test_dead_argument_objects_are_forgotten_and_graphs_are_bounded(fake, monkey
     assert len(runner.graphs) == 2 and "more than 2 input signatures" in ls_caplog.text
 
 
+def test_a_dropped_model_is_freed_at_once_and_captures_run_without_the_garbage_collector(fake):
+    """The runner and the wrappers install puts on the model hold no reference back to it, so a dropped
+    model (graphs, cache and all) is freed by reference counting. A collection during a capture would free
+    other dead models' graphs inside it, which invalidates a CUDA capture: captures run with gc off."""
+    enabled = []
+
+    def probe(module, args):
+        if torch.cuda.is_current_stream_capturing():
+            enabled.append(gc.isenabled())
+
+    model = _llama()
+    model.model.layers[0].register_forward_pre_hook(probe)
+    runner = cuda_graph.install(model, torch.device("cpu"))
+    ids = torch.randint(0, VOCAB, (2, 5))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert runner.captures == 2 and enabled == [False, False] and gc.isenabled()
+    refs = [weakref.ref(x) for x in (model, runner, model._prepare_static_cache.__self__)]
+    gc.disable()
+    try:
+        del model, runner
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()
+
+
 def test_autograd_or_other_devices_run_eagerly(fake, ls_caplog):
     model = _Scale()
     model.w.requires_grad_(True)
@@ -364,15 +391,18 @@ def test_cuda_generate_matches_eager(quant):
 
 @gpu
 @pytest.mark.parametrize("window", [64, 8])
-def test_cuda_sliding_window_generate_matches_eager(window):
+def test_cuda_sliding_window_generate_matches_eager(window, monkeypatch):
+    replays, outputs = [], cuda_graph.GraphedForward._outputs
+    monkeypatch.setattr(cuda_graph.GraphedForward, "_outputs",
+                        staticmethod(lambda entry, leaves: replays.append(1) or outputs(entry, leaves)))
     model = _sliding("mistral", window)
     eager = init_inference(copy.deepcopy(model), dtype=torch.float16, quant={"weight": "fp6"})
     graphed = init_inference(model, dtype=torch.float16, quant={"weight": "fp6"}, enable_cuda_graph=True)
     ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3)).cuda()
     want_ids, want_logits = _generate(eager, ids, cache_implementation="static", disable_compile=True)
     got_ids, got_logits = _generate(graphed, ids)
-    (entry,) = graphed.forward.graphs.graphs.values()
-    assert entry.graph.replays == (7 if window == 64 else 2) and not graphed.forward.graphs.eager
+    runner = graphed.forward.graphs
+    assert len(replays) == (7 if window == 64 else 2) and len(runner.graphs) == 1 and not runner.eager
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=2e-3)
 

@@ -372,8 +372,9 @@ def _watch_counts(windows: list, reads: list):
 
 def _weak(method):
     """A callable returning `method`; for a bound method, without holding its object: the runner and the
-    wrappers install puts on the model must not reference it back, so a dropped model is freed at once by
-    reference counting, not later by the garbage collector (which could run during a capture: `_no_gc`)."""
+    wrappers install puts on the model add no reference cycle, so a dropped model that has none of its own
+    is freed at once by reference counting, not later by the garbage collector, which may run during a
+    capture (`_no_gc`; `init_inference`'s model has one: its `.module` is itself)."""
     return weakref.WeakMethod(method) if inspect.ismethod(method) else (lambda: method)
 
 

@@ -202,13 +202,16 @@ def test_tensor_parallel_matches_one_process(world, reference):
             assert "num_key_value_heads" in heads and "quantized already" in packed and "base_model_tp_plan" in plan
 
 
-def _gpu_scenario(world, fmt):
+def _gpu_scenario(world, fmt, name):
     from lightspeed.inference import init_inference
 
     torch.cuda.set_device(int(torch.distributed.get_rank()))
     quant = None if fmt is None else {"weight": fmt}
-    model = init_inference(_model(), dtype=torch.float16, tensor_parallel={"tp_size": world}, quant=quant)
-    assert model.model.layers[0].mlp.down_proj.in_features == 128 // world
+    model = init_inference(_gpu_model(name), dtype=torch.float16, tensor_parallel={"tp_size": world}, quant=quant)
+    if name == "gpt2":
+        assert model.transformer.h[0].attn.c_attn.out_features == 3 * 64 // world
+    else:
+        assert model.model.layers[0].mlp.down_proj.in_features == 128 // world
     with torch.no_grad():
         return model(_ids().cuda()).logits.float().cpu()
 
@@ -229,18 +232,22 @@ def _gpu_graph_scenario(world, fmt):
     return torch.equal(want, graphed.generate(ids, **gen)), graphed.forward.graphs.captures
 
 
+def _gpu_model(name):
+    return _gpt2() if name == "gpt2" else _model()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("fmt", [None, "fp6"])
-def test_tensor_parallel_on_two_gpus_with_nccl(fmt):
+@pytest.mark.parametrize("fmt,name", [(None, "llama"), ("fp6", "llama"), (None, "gpt2")])
+def test_tensor_parallel_on_two_gpus_with_nccl(fmt, name):
     """NCCL, fp16, the Triton kernels on each rank's GPU: logits against the one-GPU model's (fp16: its
-    rounding; FP6: plus the row-parallel slices' own scales)."""
+    rounding; FP6: plus the row-parallel slices' own scales). GPT-2: Conv1D layers and the fused c_attn."""
     from lightspeed.inference import init_inference
 
     quant = None if fmt is None else {"weight": fmt}
-    one = init_inference(_model(), dtype=torch.float16, device="cuda:0", quant=quant)
+    one = init_inference(_gpu_model(name), dtype=torch.float16, device="cuda:0", quant=quant)
     with torch.no_grad():
         ref = one(_ids().cuda()).logits.float().cpu()
-    results = run_world(_gpu_scenario, 2, 2, fmt, backend="nccl", env={"LIGHTSPEED_ACCELERATOR": "cuda"},
+    results = run_world(_gpu_scenario, 2, 2, fmt, name, backend="nccl", env={"LIGHTSPEED_ACCELERATOR": "cuda"},
                           timeout=200)  # under the module's 240 s pytest limit: a hang reports its stacks
     assert torch.equal(results[0], results[1])
     rel = ((results[0] - ref).norm() / ref.norm()).item()

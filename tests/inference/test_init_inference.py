@@ -210,13 +210,17 @@ def test_deepspeed_quant_forms():
     assert not any(isinstance(m, QuantizedLinear) for m in off.modules())
 
 
-def test_profile_model_time_and_model_times():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_profile_model_time_and_model_times(device):
     """DeepSpeed's engine methods on the returned model: each call of the model, generate's steps
-    included, timed in ms once profiling is on; model_times() hands them over and starts again."""
-    model = init_inference(MODELS["llama"][0](), dtype=torch.float32, device="cpu")
+    included, timed in ms once profiling is on (the GPU synchronized around each); model_times() hands
+    them over and starts again."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    model = init_inference(MODELS["llama"][0](), dtype=dtype, device=device)
     with pytest.raises(RuntimeError, match="call profile_model_time\\(\\) first"):
         model.model_times()
-    ids = torch.randint(0, VOCAB, (1, 5))
+    ids = torch.randint(0, VOCAB, (1, 5), device=device)
     with torch.no_grad():
         model(ids)  # not timed yet
         model.profile_model_time()

@@ -21,7 +21,7 @@ from lightspeed.inference import cuda_graph
 from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_dir, replace_submodule,
                                             resolve_checkpoint_files, save_inference_checkpoint, write_split_config)
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims
-from lightspeed.inference.tensor_parallel import COL_STYLES, ROW_STYLES, Slice, attach_all_reduce, build_plan, \
+from lightspeed.inference.tensor_parallel import ROW_STYLES, Slice, attach_all_reduce, build_plan, is_colwise, \
     per_rank_attributes, shard_linear, tp_settings
 from lightspeed.ops.wquant.reference import FORMATS, check_quant_args
 
@@ -247,7 +247,7 @@ class _TensorParallel:
         self.rank = self.comm.rank
         self.plan = build_plan(model, self.size, kwargs["injection_policy"])
         logger.info("init_inference: tensor parallelism over %d ranks: %d column- and %d row-parallel layers",
-                    self.size, sum(s in COL_STYLES for s in self.plan.values()),
+                    self.size, sum(map(is_colwise, self.plan.values())),
                     sum(s in ROW_STYLES for s in self.plan.values()))
 
     def slices(self) -> dict[str, Slice]:

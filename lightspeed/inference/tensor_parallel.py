@@ -20,8 +20,11 @@ reshape with -1 heads); the head counts in the config must divide by tp (checked
 Quantization happens after slicing: a row-parallel slice gets its own per-channel scales (over K/tp).
 transformers' Conv1D layers (GPT-2, weight [in, out]) are planned like nn.Linear and become nn.Linear
 slices. A fused [q | k | v] layer of known layout ("colwise_qkv": GPT-2's c_attn) keeps this rank's rows
-of each third, so the rank holds whole heads of q, k and v. Models whose config has no
-base_model_tp_plan use `BUILTIN_PLANS` (GPT-2) or `injection_policy`. An attention module that keeps
+of each third, so the rank holds whole heads of q, k and v; a fused layer of other part sizes
+(`colwise_parts`: Phi-3's qkv_proj with grouped-query parts, its gate_up_proj) likewise keeps its rows of
+each part, and a module that cuts such an output by the config's head counts (Phi-3's attention) gets a
+view of the config with this rank's (`_RankConfig`). Models whose config has no base_model_tp_plan, or
+one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, Phi-3) or `injection_policy`. An attention module that keeps
 its head counts as attributes (GPT-2's split_size, GPT-J's num_attention_heads, older transformers'
 num_heads / hidden_size) has them divided by tp after the split (`per_rank_attributes`), as DeepSpeed's
 AutoTP does: the module then reshapes its slice of the heads.
@@ -46,16 +49,53 @@ from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, is
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 COLWISE_QKV = "colwise_qkv"  # a fused [q | k | v] layer: colwise within each third (see the Note)
+_PARTS = "colwise_parts:"  # + the row counts of a fused layer's parts (`colwise_parts`): colwise within each
 HEAD = "rowwise_head"  # the output head: rowwise on a full input, which it slices itself (see the Note)
 ROW_STYLES = (ROWWISE, HEAD)
-COL_STYLES = (COLWISE, COLWISE_QKV)
 # plan styles that keep a module whole: norms, and embeddings (a whole embedding gives what a vocab-split
 # one all-reduced would; DeepSpeed's AutoTP keeps them whole too)
 _WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise")
 _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
-# plans for transformers models whose config has no base_model_tp_plan (names under the base model)
+
+
+def colwise_parts(*rows: int) -> str:
+    """The style of a fused layer whose output rows are parts of these sizes (Phi-3's qkv_proj: q, k, v rows;
+    its gate_up_proj: two halves), each split colwise, so a rank keeps its rows of every part."""
+    return _PARTS + ",".join(str(int(r)) for r in rows)
+
+
+def is_colwise(style: str) -> bool:
+    return style in (COLWISE, COLWISE_QKV) or style.startswith(_PARTS)
+
+
+def part_rows(style: str, n: int) -> list[int]:
+    """The row counts of a column-parallel layer's parts (one part unless fused), for n output rows."""
+    if style == COLWISE_QKV:
+        return [n // 3] * 3
+    if style.startswith(_PARTS):
+        rows = [int(r) for r in style[len(_PARTS):].split(",")]
+        if sum(rows) != n:
+            raise ValueError(f"init_inference: a fused layer planned as parts {rows} has {n} output rows")
+        return rows
+    return [n]
+
+
+def _phi3_plan(config) -> dict[str, str]:
+    """Phi-3 (and Phi-3.5 / Phi-4-mini): fused qkv_proj [q | k | v] (grouped-query sizes) and gate_up_proj
+    [gate | up], split within each part as DeepSpeed's AutoTP does; not the config's plan, whose layers
+    gather their outputs on every rank."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {"layers.*.self_attn.qkv_proj": colwise_parts(q, kv, kv), "layers.*.self_attn.o_proj": ROWWISE,
+            "layers.*.mlp.gate_up_proj": colwise_parts(config.intermediate_size, config.intermediate_size),
+            "layers.*.mlp.down_proj": ROWWISE}
+
+
+# plans for transformers models whose config has no base_model_tp_plan, or one that gathers outputs (names
+# under the base model; a callable takes the config)
 BUILTIN_PLANS = {"gpt2": {"h.*.attn.c_attn": COLWISE_QKV, "h.*.attn.c_proj": ROWWISE, "h.*.mlp.c_fc": COLWISE,
-                          "h.*.mlp.c_proj": ROWWISE}}
+                          "h.*.mlp.c_proj": ROWWISE},
+                 "phi3": _phi3_plan}
 _FUSED_QKV = {"c_attn": 3}  # fused q|k|v layers of known layout (GPT-2: three equal thirds), by name
 # per-rank attribute of an attention module whose column-parallel layers are split (see the Note)
 _ATTENTION_ATTRS = ("split_size", "num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
@@ -114,7 +154,8 @@ def _column_style(name: str) -> str:
 
 def _config_plan(model: nn.Module) -> dict[str, str]:
     config = getattr(model, "config", None)
-    patterns = getattr(config, "base_model_tp_plan", None) or BUILTIN_PLANS.get(getattr(config, "model_type", None))
+    patterns = BUILTIN_PLANS.get(getattr(config, "model_type", None))
+    patterns = (patterns(config) if callable(patterns) else patterns) or getattr(config, "base_model_tp_plan", None)
     if not patterns:
         raise NotImplementedError(f"init_inference: tensor parallelism for {type(model).__name__} needs a plan: its "
                                   "config has no base_model_tp_plan; pass injection_policy={BlockClass: "
@@ -127,7 +168,7 @@ def _config_plan(model: nn.Module) -> dict[str, str]:
                       if fnmatch.fnmatchcase(local, pattern) or fnmatch.fnmatchcase(name, pattern)), None)
         if style is None or style in _WHOLE_STYLES:
             continue
-        if style not in (*COL_STYLES, ROWWISE):  # fused experts, gathered outputs, ...
+        if not (is_colwise(style) or style == ROWWISE):  # fused experts, gathered outputs, ...
             raise NotImplementedError(f"init_inference: tensor parallelism style {style!r} (the model's "
                                       f"base_model_tp_plan, for {name}) is not implemented")
         if is_linear(module):
@@ -154,12 +195,11 @@ def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[st
             raise ValueError(f"init_inference: config.{key}={heads} does not divide by tp_size={tp_size}")
     for name, style in plan.items():
         n, k = linear_dims(model.get_submodule(name))
-        parts = _FUSED_QKV[name.rpartition(".")[2]] if style == COLWISE_QKV else 1
-        size = n if style in COL_STYLES else k
-        if size % (tp_size * parts):
-            raise ValueError(f"init_inference: {name} ({style}) has {size} "
-                             f"{'output' if style in COL_STYLES else 'input'} features, which do not divide by "
-                             f"{'3 x ' if parts == 3 else ''}tp_size={tp_size}")
+        sizes = part_rows(style, n) if is_colwise(style) else [k]
+        if any(size % tp_size for size in sizes) or (style == COLWISE_QKV and n % 3):
+            what = f"parts of {sizes} rows" if len(sizes) > 1 else \
+                f"{sizes[0]} {'output' if is_colwise(style) else 'input'} features"
+            raise ValueError(f"init_inference: {name} ({style}) has {what}, which do not divide by tp_size={tp_size}")
         if style == COLWISE_QKV and hasattr(model.get_submodule(name.rpartition(".")[0]), "q_attn"):
             raise NotImplementedError(f"init_inference: tensor parallelism of the cross-attention {name} (q_attn "
                                       "beside a fused k|v layer) is not implemented")
@@ -187,12 +227,13 @@ class Slice:
     size: int
 
     def indices(self, shape) -> list[tuple[slice, slice]]:
-        if self.style in COL_STYLES:
-            parts = 3 if self.style == COLWISE_QKV else 1
-            third = shape[0] // parts
-            n = third // self.size
-            return [(slice(p * third + self.rank * n, p * third + (self.rank + 1) * n), slice(None))
-                    for p in range(parts)]
+        if is_colwise(self.style):
+            out, start = [], 0
+            for rows in part_rows(self.style, shape[0]):
+                n = rows // self.size
+                out.append((slice(start + self.rank * n, start + (self.rank + 1) * n), slice(None)))
+                start += rows
+            return out
         k = shape[1] // self.size
         return [(slice(None), slice(self.rank * k, (self.rank + 1) * k))]
 
@@ -203,7 +244,7 @@ class Slice:
     def bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
         if bias is None:
             return None
-        if self.style in COL_STYLES:
+        if is_colwise(self.style):
             pieces = [bias[rows] for rows, _ in self.indices((bias.shape[0], 1))]
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return bias if self.rank == 0 else torch.zeros_like(bias)
@@ -223,9 +264,17 @@ def per_rank_attributes(model: nn.Module, plan: Mapping[str, str], tp_size: int)
     layers were split and which keeps a head count (an attention module); returns "module.attribute" of
     each one changed. Raises when one does not divide."""
     changed = []
-    parents = {name.rpartition(".")[0] for name, style in plan.items() if style in COL_STYLES}
+    parents = {name.rpartition(".")[0] for name, style in plan.items() if is_colwise(style)}
+    fused = {name.rpartition(".")[0] for name, style in plan.items() if style.startswith(_PARTS)}
+    config = getattr(model, "config", None)
     for parent in sorted(parents):
         module = model.get_submodule(parent)
+        if parent in fused and config is not None and getattr(module, "config", None) is config:
+            # the module cuts its fused output by the config's head counts (Phi-3's attention): its view of
+            # the config gets this rank's
+            counts = {key: getattr(config, key) for key in _HEAD_KEYS if isinstance(getattr(config, key, None), int)}
+            module.config = _RankConfig(config, {key: value // tp_size for key, value in counts.items()})
+            changed.extend(f"{parent}.config.{key}" for key in counts)
         if not any(isinstance(getattr(module, a, None), int) for a in _HEAD_COUNTS):
             continue
         for attr in _ATTENTION_ATTRS:
@@ -237,6 +286,23 @@ def per_rank_attributes(model: nn.Module, plan: Mapping[str, str], tp_size: int)
             setattr(module, attr, value // tp_size)
             changed.append(f"{parent}.{attr}")
     return changed
+
+
+class _RankConfig:
+    """A module's view of the model's config with this rank's head counts; every other attribute is the
+    config's own (read and written through), so later changes to the config still reach the module."""
+
+    def __init__(self, config, counts: dict):
+        self.__dict__.update(_config=config, _counts=counts)
+
+    def __getattr__(self, name):
+        counts, config = self.__dict__.get("_counts"), self.__dict__.get("_config")
+        if counts is None or config is None:  # copy / unpickle: not set up yet
+            raise AttributeError(name)
+        return counts[name] if name in counts else getattr(config, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._config, name, value)
 
 
 class _SliceInput:

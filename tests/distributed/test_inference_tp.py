@@ -210,6 +210,8 @@ def _gpu_scenario(world, fmt, name):
     model = init_inference(_gpu_model(name), dtype=torch.float16, tensor_parallel={"tp_size": world}, quant=quant)
     if name == "gpt2":
         assert model.transformer.h[0].attn.c_attn.out_features == 3 * 64 // world
+    elif name == "phi3":
+        assert model.model.layers[0].self_attn.qkv_proj.out_features == 128 // world
     else:
         assert model.model.layers[0].mlp.down_proj.in_features == 128 // world
     with torch.no_grad():
@@ -233,14 +235,15 @@ def _gpu_graph_scenario(world, fmt):
 
 
 def _gpu_model(name):
-    return _gpt2() if name == "gpt2" else _model()
+    return {"gpt2": _gpt2, "phi3": _phi3}.get(name, _model)()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("fmt,name", [(None, "llama"), ("fp6", "llama"), (None, "gpt2")])
+@pytest.mark.parametrize("fmt,name", [(None, "llama"), ("fp6", "llama"), (None, "gpt2"), ("fp6", "phi3")])
 def test_tensor_parallel_on_two_gpus_with_nccl(fmt, name):
     """NCCL, fp16, the Triton kernels on each rank's GPU: logits against the one-GPU model's (fp16: its
-    rounding; FP6: plus the row-parallel slices' own scales). GPT-2: Conv1D layers and the fused c_attn."""
+    rounding; FP6: plus the row-parallel slices' own scales). GPT-2: Conv1D layers and the fused c_attn;
+    Phi-3: fused layers of unequal parts."""
     from lightspeed.inference import init_inference
 
     quant = None if fmt is None else {"weight": fmt}
@@ -384,4 +387,67 @@ def test_gpt2_tensor_parallel_matches_one_process(world, gpt2_reference):
         assert torch.equal(res["loaded"], logits)
         assert torch.equal(res["reloaded"], res["int8"])
         rel = ((res["int8"] - gpt2_reference["int8"]).norm() / gpt2_reference["int8"].norm()).item()
+        assert rel < (1e-6 if world == 1 else 0.02), rel
+
+
+def _phi3():
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                                  num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.Phi3ForCausalLM(cfg).eval()
+
+
+def _phi3_scenarios(world, ckpt_dir):
+    """Phi-3 (fused qkv_proj with grouped-query parts, fused gate_up_proj, head counts read from the config
+    in the forward): the built-in plan, INT8, and a checkpoint load reading only this rank's rows of each part."""
+    from lightspeed import OnDevice
+    from lightspeed.inference import init_inference
+
+    tp = {"tp_size": world}
+    plain = init_inference(_phi3(), dtype=torch.float32, device="cpu", tensor_parallel=tp)
+    layer = plain.model.layers[0]
+    res = {"plain": _run(plain), "qkv": layer.self_attn.qkv_proj.weight.detach().clone(),
+           "gate_up": layer.mlp.gate_up_proj.weight.detach().clone(),
+           "heads": (layer.self_attn.config.num_attention_heads, layer.self_attn.num_key_value_heads,
+                     plain.config.num_attention_heads)}
+    res["int8"] = _run(init_inference(_phi3(), dtype=torch.float32, device="cpu", tensor_parallel=tp,
+                                      quant={"weight": "int8"}))[0]
+    with OnDevice(dtype=torch.float32, device="meta"):
+        meta = transformers.Phi3ForCausalLM(_phi3().config).eval()
+    res["loaded"] = _run(init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp,
+                                        checkpoint=ckpt_dir))[0]
+    return res
+
+
+@pytest.fixture(scope="module")
+def phi3_reference(tmp_path_factory):
+    from lightspeed.inference import init_inference
+
+    ckpt = tmp_path_factory.mktemp("phi3")
+    _phi3().save_pretrained(ckpt)
+    base = _phi3()
+    int8 = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+    layer = base.model.layers[0]
+    return {"ckpt": str(ckpt), "plain": _run(base), "int8": _run(int8)[0],
+            "qkv": layer.self_attn.qkv_proj.weight.detach(), "gate_up": layer.mlp.gate_up_proj.weight.detach()}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_phi3_tensor_parallel_matches_one_process(world, phi3_reference):
+    results = run_world(_phi3_scenarios, world, world, phi3_reference["ckpt"])
+    ref_logits, ref_tokens = phi3_reference["plain"]
+    for rank, res in enumerate(results):
+        logits, tokens = res["plain"]
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(tokens, ref_tokens)
+        # its rows of q (64), k (32) and v (32); of gate (96) and up (96)
+        for key, parts in (("qkv", (64, 32, 32)), ("gate_up", (96, 96))):
+            starts = [sum(parts[:i]) for i in range(len(parts))]
+            want = [phi3_reference[key][s + rank * (p // world):s + (rank + 1) * (p // world)]
+                    for s, p in zip(starts, parts)]
+            assert torch.equal(res[key], torch.cat(want)), key
+        assert res["heads"] == (8 // world, 4 // world, 8)  # the attention's view; the model's config whole
+        assert torch.equal(res["loaded"], logits)
+        rel = ((res["int8"] - phi3_reference["int8"]).norm() / phi3_reference["int8"].norm()).item()
         assert rel < (1e-6 if world == 1 else 0.02), rel

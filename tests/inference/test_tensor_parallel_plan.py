@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightspeed.inference.tensor_parallel import COLWISE, COLWISE_QKV, HEAD, ROWWISE, build_plan
+from lightspeed.inference.tensor_parallel import COLWISE, COLWISE_QKV, HEAD, ROWWISE, Slice, build_plan, colwise_parts
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,6 +53,25 @@ def test_gpt2_plan_splits_the_fused_qkv_by_thirds():
     assert build_plan(model, 4, policy) == want
     with pytest.raises(ValueError, match="config.num_attention_heads=4 does not divide by tp_size=8"):
         build_plan(model, 8)
+
+
+def test_phi3_plan_splits_its_fused_layers_within_each_part():
+    """Phi-3's config plan gathers qkv_proj's and gate_up_proj's outputs on every rank; the built-in plan
+    splits them within their parts instead (q | k | v of grouped-query sizes, gate | up), as DeepSpeed's
+    AutoTP does. A part that does not divide is refused, naming the parts."""
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON, pad_token_id=0, eos_token_id=2))
+    layer = "model.layers.0."
+    assert build_plan(model, 2) == {layer + "self_attn.qkv_proj": colwise_parts(64, 32, 32),
+                                    layer + "self_attn.o_proj": ROWWISE, layer + "mlp.gate_up_proj":
+                                    colwise_parts(128, 128), layer + "mlp.down_proj": ROWWISE, "lm_head": HEAD}
+    rows = [r for r, _ in Slice(colwise_parts(64, 32, 32), 1, 4).indices((128, 64))]
+    assert rows == [slice(16, 32), slice(72, 80), slice(104, 112)]  # rank 1 of 4: its rows of q, k and v
+    odd = transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**COMMON, "intermediate_size": 90},
+                                                               pad_token_id=0, eos_token_id=2))
+    with pytest.raises(ValueError, match=r"gate_up_proj .* has parts of \[90, 90\] rows, which do not divide by "
+                                         r"tp_size=4"):
+        build_plan(odd, 4)
 
 
 def test_embedding_styles_keep_the_embedding_whole():

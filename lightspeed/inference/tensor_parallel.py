@@ -24,7 +24,7 @@ of each third, so the rank holds whole heads of q, k and v; a fused layer of oth
 (`colwise_parts`: Phi-3's qkv_proj with grouped-query parts, its gate_up_proj) likewise keeps its rows of
 each part, and a module that cuts such an output by the config's head counts (Phi-3's attention) gets a
 view of the config with this rank's (`_RankConfig`). Models whose config has no base_model_tp_plan, or
-one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, Phi-3) or `injection_policy`. An attention module that keeps
+one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, GPT-Neo, OPT, Phi-3) or `injection_policy`. An attention module that keeps
 its head counts as attributes (GPT-2's split_size, GPT-J's num_attention_heads, older transformers'
 num_heads / hidden_size) has them divided by tp after the split (`per_rank_attributes`), as DeepSpeed's
 AutoTP does: the module then reshapes its slice of the heads.
@@ -95,6 +95,12 @@ def _phi3_plan(config) -> dict[str, str]:
 # under the base model; a callable takes the config)
 BUILTIN_PLANS = {"gpt2": {"h.*.attn.c_attn": COLWISE_QKV, "h.*.attn.c_proj": ROWWISE, "h.*.mlp.c_fc": COLWISE,
                           "h.*.mlp.c_proj": ROWWISE},
+                 "gpt_neo": {"h.*.attn.attention.q_proj": COLWISE, "h.*.attn.attention.k_proj": COLWISE,
+                             "h.*.attn.attention.v_proj": COLWISE, "h.*.attn.attention.out_proj": ROWWISE,
+                             "h.*.mlp.c_fc": COLWISE, "h.*.mlp.c_proj": ROWWISE},
+                 "opt": {"decoder.layers.*.self_attn.q_proj": COLWISE, "decoder.layers.*.self_attn.k_proj": COLWISE,
+                         "decoder.layers.*.self_attn.v_proj": COLWISE, "decoder.layers.*.self_attn.out_proj": ROWWISE,
+                         "decoder.layers.*.fc1": COLWISE, "decoder.layers.*.fc2": ROWWISE},
                  "phi3": _phi3_plan}
 _FUSED_QKV = {"c_attn": 3}  # fused q|k|v layers of known layout (GPT-2: three equal thirds), by name
 # per-rank attribute of an attention module whose column-parallel layers are split (see the Note)

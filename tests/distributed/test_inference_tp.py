@@ -279,7 +279,7 @@ def test_split_checkpoint_needs_its_tp_size(reference):
 
 # q/k/v biases, row-parallel biases (Phi), head_dim set; GPT-NeoX: a fused per-head q|k|v layer and an
 # embedding style in its plan; GPT-J: head counts kept as attributes (divided per rank)
-FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3", "gpt_neox", "gptj")
+FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3", "gpt_neox", "gptj", "opt", "gpt_neo")
 
 
 def _family(name):
@@ -288,6 +288,16 @@ def _family(name):
         return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
             num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8, vocab_size=VOCAB,
             max_position_embeddings=64)).eval()
+    if name == "opt":  # project_in / project_out (word_embed_proj_dim) stay whole
+        return transformers.OPTForCausalLM(transformers.OPTConfig(
+            num_hidden_layers=2, hidden_size=64, ffn_dim=128, num_attention_heads=8, vocab_size=VOCAB,
+            max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)).eval()
+    if name == "gpt_neo":  # a local-attention layer after a global one
+        return transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+            num_layers=2, hidden_size=64, num_heads=8, vocab_size=VOCAB, max_position_embeddings=64,
+            attention_types=[[["global", "local"], 1]], window_size=4, intermediate_size=128, bos_token_id=1,
+            eos_token_id=2)).eval()
     if name == "gptj":
         return transformers.GPTJForCausalLM(transformers.GPTJConfig(
             n_layer=2, n_embd=64, n_head=8, rotary_dim=4, vocab_size=VOCAB, n_positions=64)).eval()
@@ -311,12 +321,15 @@ def _families(world):
     return out
 
 
-def test_tensor_parallel_across_model_families():
-    """The config's base_model_tp_plan of other transformers families, split over 2 ranks, against one
-    process."""
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_tensor_parallel_across_model_families(world):
+    """The config's base_model_tp_plan of other transformers families (OPT's and GPT-Neo's: the built-in
+    plans), split over the ranks, against one process."""
     from lightspeed.inference import init_inference
 
-    got = run_world(_families, 2, 2)[0]
+    results = run_world(_families, world, world)
+    assert all(all(torch.equal(res[name], results[0][name]) for name in FAMILIES) for res in results)
+    got = results[0]
     for name in FAMILIES:
         with torch.no_grad():
             ref = init_inference(_family(name), dtype=torch.float32, device="cpu")(_ids()).logits

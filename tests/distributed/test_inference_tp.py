@@ -133,9 +133,8 @@ def _scenarios(world, ckpt_dir):
         packed.model.layers[1].mlp.up_proj = QuantizedLinear.from_linear(packed.model.layers[1].mlp.up_proj, "int8")
         for kwargs, exc in (({"model": _model(kv_heads=world // 2)}, ValueError),
                             ({"model": packed}, ValueError),
-                            ({"model": transformers.OPTForCausalLM(transformers.OPTConfig(
-                                num_hidden_layers=1, hidden_size=32, ffn_dim=64, num_attention_heads=4,
-                                vocab_size=VOCAB, word_embed_proj_dim=32))}, NotImplementedError)):
+                            ({"model": transformers.BloomForCausalLM(transformers.BloomConfig(
+                                n_layer=1, hidden_size=32, n_head=4, vocab_size=VOCAB))}, NotImplementedError)):
             try:
                 init_inference(kwargs["model"], dtype=torch.float32, device="cpu", tensor_parallel=tp)
             except exc as err:

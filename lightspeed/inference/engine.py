@@ -381,7 +381,7 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     model = model.to(device=target_device, dtype=target_dtype)
     if tp.comm is not None:
         attach_all_reduce(model, tp.plan, tp.comm)
-        changed = per_rank_attributes(model, tp.plan, tp.size)
+        changed = per_rank_attributes(model, tp.plan, tp.size, tp.rank)
         if changed:
             logger.info("init_inference: per-rank head counts: %s (/%d)", ", ".join(changed), tp.size)
     if quantizing:

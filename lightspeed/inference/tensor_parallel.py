@@ -24,7 +24,8 @@ of each third, so the rank holds whole heads of q, k and v; a fused layer of oth
 (`colwise_parts`: Phi-3's qkv_proj with grouped-query parts, its gate_up_proj) likewise keeps its rows of
 each part, and a module that cuts such an output by the config's head counts (Phi-3's attention) gets a
 view of the config with this rank's (`_RankConfig`). Models whose config has no base_model_tp_plan, or
-one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, GPT-Neo, OPT, Phi-3) or `injection_policy`. An attention module that keeps
+one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, GPT-Neo, OPT, Phi-3, BLOOM) or `injection_policy`. BLOOM's
+ALiBi biases, built by the model for all heads, are cut to this rank's heads (`_RankAlibi`). An attention module that keeps
 its head counts as attributes (GPT-2's split_size, GPT-J's num_attention_heads, older transformers'
 num_heads / hidden_size) has them divided by tp after the split (`per_rank_attributes`), as DeepSpeed's
 AutoTP does: the module then reshapes its slice of the heads.
@@ -39,6 +40,7 @@ for Llama-2-70B). A head tied to the input embedding stays whole (splitting it w
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -101,7 +103,10 @@ BUILTIN_PLANS = {"gpt2": {"h.*.attn.c_attn": COLWISE_QKV, "h.*.attn.c_proj": ROW
                  "opt": {"decoder.layers.*.self_attn.q_proj": COLWISE, "decoder.layers.*.self_attn.k_proj": COLWISE,
                          "decoder.layers.*.self_attn.v_proj": COLWISE, "decoder.layers.*.self_attn.out_proj": ROWWISE,
                          "decoder.layers.*.fc1": COLWISE, "decoder.layers.*.fc2": ROWWISE},
-                 "phi3": _phi3_plan}
+                 "phi3": _phi3_plan,
+                 # query_key_value is [head, (q, k, v), head_dim]: a block of rows is whole heads
+                 "bloom": {"h.*.self_attention.query_key_value": COLWISE, "h.*.self_attention.dense": ROWWISE,
+                           "h.*.mlp.dense_h_to_4h": COLWISE, "h.*.mlp.dense_4h_to_h": ROWWISE}}
 _FUSED_QKV = {"c_attn": 3}  # fused q|k|v layers of known layout (GPT-2: three equal thirds), by name
 # per-rank attribute of an attention module whose column-parallel layers are split (see the Note)
 _ATTENTION_ATTRS = ("split_size", "num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
@@ -265,10 +270,11 @@ def shard_linear(module: nn.Module, style: str, rank: int, tp_size: int) -> nn.L
                              part.bias(None if module.bias is None else module.bias.detach()))
 
 
-def per_rank_attributes(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> list[str]:
+def per_rank_attributes(model: nn.Module, plan: Mapping[str, str], tp_size: int, rank: int = 0) -> list[str]:
     """Divide by tp_size the head-count attributes (`_ATTENTION_ATTRS`) of each module whose column-parallel
     layers were split and which keeps a head count (an attention module); returns "module.attribute" of
-    each one changed. Raises when one does not divide."""
+    each one changed. Raises when one does not divide. Such a module whose forward takes ALiBi biases for
+    all heads (BLOOM's attention) gets this rank's heads' (`_RankAlibi`)."""
     changed = []
     parents = {name.rpartition(".")[0] for name, style in plan.items() if is_colwise(style)}
     fused = {name.rpartition(".")[0] for name, style in plan.items() if style.startswith(_PARTS)}
@@ -291,7 +297,32 @@ def per_rank_attributes(model: nn.Module, plan: Mapping[str, str], tp_size: int)
                 raise ValueError(f"init_inference: {parent}.{attr}={value} does not divide by tp_size={tp_size}")
             setattr(module, attr, value // tp_size)
             changed.append(f"{parent}.{attr}")
+        params = list(inspect.signature(module.forward).parameters)
+        if tp_size > 1 and "alibi" in params and isinstance(getattr(module, "num_heads", None), int):
+            module.register_forward_pre_hook(_RankAlibi(rank, tp_size, params.index("alibi")), with_kwargs=True)
+            changed.append(f"{parent}.alibi")
     return changed
+
+
+class _RankAlibi:
+    """Forward pre-hook of an attention module that takes ALiBi biases for all heads (BLOOM's model builds
+    them as [batch x heads, 1, length]; a head's slope depends on its index): this rank's heads' rows,
+    heads rank*h .. (rank+1)*h - 1 of each batch row (h: the module's per-rank num_heads)."""
+
+    def __init__(self, rank: int, size: int, position: int):
+        self.rank, self.size, self.position = rank, size, position
+
+    def __call__(self, module, args, kwargs):
+        h = module.num_heads
+        positional = "alibi" not in kwargs
+        alibi = args[self.position] if positional else kwargs["alibi"]
+        alibi = alibi.view(-1, h * self.size, *alibi.shape[1:])[:, self.rank * h:(self.rank + 1) * h]
+        alibi = alibi.reshape(-1, *alibi.shape[2:])
+        if positional:
+            args = (*args[:self.position], alibi, *args[self.position + 1:])
+        else:
+            kwargs = {**kwargs, "alibi": alibi}
+        return args, kwargs
 
 
 class _RankConfig:

@@ -133,8 +133,9 @@ def _scenarios(world, ckpt_dir):
         packed.model.layers[1].mlp.up_proj = QuantizedLinear.from_linear(packed.model.layers[1].mlp.up_proj, "int8")
         for kwargs, exc in (({"model": _model(kv_heads=world // 2)}, ValueError),
                             ({"model": packed}, ValueError),
-                            ({"model": transformers.BloomForCausalLM(transformers.BloomConfig(
-                                n_layer=1, hidden_size=32, n_head=4, vocab_size=VOCAB))}, NotImplementedError)):
+                            ({"model": transformers.FalconForCausalLM(transformers.FalconConfig(
+                                num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB))},
+                             NotImplementedError)):
             try:
                 init_inference(kwargs["model"], dtype=torch.float32, device="cpu", tensor_parallel=tp)
             except exc as err:
@@ -278,7 +279,7 @@ def test_split_checkpoint_needs_its_tp_size(reference):
 
 # q/k/v biases, row-parallel biases (Phi), head_dim set; GPT-NeoX: a fused per-head q|k|v layer and an
 # embedding style in its plan; GPT-J: head counts kept as attributes (divided per rank)
-FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3", "gpt_neox", "gptj", "opt", "gpt_neo")
+FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3", "gpt_neox", "gptj", "opt", "gpt_neo", "bloom")
 
 
 def _family(name):
@@ -297,6 +298,10 @@ def _family(name):
             num_layers=2, hidden_size=64, num_heads=8, vocab_size=VOCAB, max_position_embeddings=64,
             attention_types=[[["global", "local"], 1]], window_size=4, intermediate_size=128, bos_token_id=1,
             eos_token_id=2)).eval()
+    if name == "bloom":  # ALiBi: each rank's heads get their own slopes
+        return transformers.BloomForCausalLM(transformers.BloomConfig(
+            n_layer=2, hidden_size=64, n_head=8, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)).eval()
     if name == "gptj":
         return transformers.GPTJForCausalLM(transformers.GPTJConfig(
             n_layer=2, n_embd=64, n_head=8, rotary_dim=4, vocab_size=VOCAB, n_positions=64)).eval()
@@ -312,27 +317,22 @@ def _family(name):
 def _families(world):
     from lightspeed.inference import init_inference
 
-    out = {}
-    for name in FAMILIES:
-        model = init_inference(_family(name), dtype=torch.float32, device="cpu", tensor_parallel={"tp_size": world})
-        with torch.no_grad():
-            out[name] = model(_ids()).logits
-    return out
+    return {name: _run(init_inference(_family(name), dtype=torch.float32, device="cpu",
+                                      tensor_parallel={"tp_size": world})) for name in FAMILIES}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_tensor_parallel_across_model_families(world):
-    """The config's base_model_tp_plan of other transformers families (OPT's and GPT-Neo's: the built-in
-    plans), split over the ranks, against one process."""
+    """The config's base_model_tp_plan of other transformers families (OPT's, GPT-Neo's and BLOOM's: the
+    built-in plans), split over the ranks, against one process."""
     from lightspeed.inference import init_inference
 
     results = run_world(_families, world, world)
-    assert all(all(torch.equal(res[name], results[0][name]) for name in FAMILIES) for res in results)
-    got = results[0]
-    for name in FAMILIES:
-        with torch.no_grad():
-            ref = init_inference(_family(name), dtype=torch.float32, device="cpu")(_ids()).logits
-        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=name)
+    for name in FAMILIES:  # logits of a forward without a mask; greedy tokens of generate with one
+        logits, tokens = _run(init_inference(_family(name), dtype=torch.float32, device="cpu"))
+        for got_logits, got_tokens in (res[name] for res in results):
+            torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5, msg=name)
+            assert torch.equal(got_tokens, tokens), name
 
 
 def _gpt2():

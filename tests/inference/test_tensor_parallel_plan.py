@@ -84,7 +84,7 @@ def test_embedding_styles_keep_the_embedding_whole():
 
 def test_a_model_without_a_plan_is_refused():
     torch.manual_seed(0)
-    model = transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=1, hidden_size=32, n_head=4,
-                                                                   vocab_size=96))
-    with pytest.raises(NotImplementedError, match="BloomForCausalLM needs a plan"):
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(num_hidden_layers=1, hidden_size=32,
+                                                                     num_attention_heads=4, vocab_size=96))
+    with pytest.raises(NotImplementedError, match="FalconForCausalLM needs a plan"):
         build_plan(model, 2)

@@ -368,16 +368,22 @@ def _gpt2_scenarios(world, ckpt_dir):
     return res
 
 
-@pytest.fixture(scope="module")
-def gpt2_reference(tmp_path_factory):
+def _saved_reference(tmp_path_factory, build):
+    """(the model, {its checkpoint directory, its one-process results: plain and INT8})."""
     from lightspeed.inference import init_inference
 
-    ckpt = tmp_path_factory.mktemp("gpt2")
-    _gpt2().save_pretrained(ckpt)
-    base = _gpt2()
+    ckpt = tmp_path_factory.mktemp(build.__name__.strip("_"))
+    build().save_pretrained(ckpt)
+    base = build()
     int8 = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+    return base, {"ckpt": str(ckpt), "plain": _run(base), "int8": _run(int8)[0]}
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference(tmp_path_factory):
+    base, reference = _saved_reference(tmp_path_factory, _gpt2)
     attn = base.transformer.h[0].attn
-    return {"ckpt": str(ckpt), "plain": _run(base), "int8": _run(int8)[0],
+    return {**reference,
             "c_attn": (attn.c_attn.weight.detach().t(), attn.c_attn.bias.detach())}
 
 
@@ -434,15 +440,10 @@ def _phi3_scenarios(world, ckpt_dir):
 
 @pytest.fixture(scope="module")
 def phi3_reference(tmp_path_factory):
-    from lightspeed.inference import init_inference
-
-    ckpt = tmp_path_factory.mktemp("phi3")
-    _phi3().save_pretrained(ckpt)
-    base = _phi3()
-    int8 = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+    base, reference = _saved_reference(tmp_path_factory, _phi3)
     layer = base.model.layers[0]
-    return {"ckpt": str(ckpt), "plain": _run(base), "int8": _run(int8)[0],
-            "qkv": layer.self_attn.qkv_proj.weight.detach(), "gate_up": layer.mlp.gate_up_proj.weight.detach()}
+    return {**reference, "qkv": layer.self_attn.qkv_proj.weight.detach(),
+            "gate_up": layer.mlp.gate_up_proj.weight.detach()}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

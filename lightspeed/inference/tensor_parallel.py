@@ -24,11 +24,11 @@ of each third, so the rank holds whole heads of q, k and v; a fused layer of oth
 (`colwise_parts`: Phi-3's qkv_proj with grouped-query parts, its gate_up_proj) likewise keeps its rows of
 each part, and a module that cuts such an output by the config's head counts (Phi-3's attention) gets a
 view of the config with this rank's (`_RankConfig`). Models whose config has no base_model_tp_plan, or
-one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, GPT-Neo, OPT, Phi-3, BLOOM) or `injection_policy`. BLOOM's
-ALiBi biases, built by the model for all heads, are cut to this rank's heads (`_RankAlibi`). An attention module that keeps
-its head counts as attributes (GPT-2's split_size, GPT-J's num_attention_heads, older transformers'
-num_heads / hidden_size) has them divided by tp after the split (`per_rank_attributes`), as DeepSpeed's
-AutoTP does: the module then reshapes its slice of the heads.
+one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, GPT-Neo, OPT, Phi-3, BLOOM) or
+`injection_policy`. BLOOM's ALiBi biases, built by the model for all heads, are cut to this rank's heads
+(`_RankAlibi`). An attention module that keeps its head counts as attributes (GPT-2's split_size, GPT-J's
+num_attention_heads, older transformers' num_heads / hidden_size) has them divided by tp after the split
+(`per_rank_attributes`), as DeepSpeed's AutoTP does: the module then reshapes its slice of the heads.
 
 Note: [the output head] An untied output head (`lm_head`, as `get_output_embeddings()` names it) is
 split by columns too, as DeepSpeed's AutoTP does (LmHeadLinearAllreduce): its input, the final norm's
@@ -51,7 +51,7 @@ from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, is
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 COLWISE_QKV = "colwise_qkv"  # a fused [q | k | v] layer: colwise within each third (see the Note)
-_PARTS = "colwise_parts:"  # + the row counts of a fused layer's parts (`colwise_parts`): colwise within each
+_PARTS = "colwise_parts:"  # + the row counts of a fused layer's parts (`colwise_parts`), each split colwise
 HEAD = "rowwise_head"  # the output head: rowwise on a full input, which it slices itself (see the Note)
 ROW_STYLES = (ROWWISE, HEAD)
 # plan styles that keep a module whole: norms, and embeddings (a whole embedding gives what a vocab-split

@@ -24,9 +24,9 @@ of each third, so the rank holds whole heads of q, k and v; a fused layer of oth
 (`colwise_parts`: Phi-3's qkv_proj with grouped-query parts, its gate_up_proj) likewise keeps its rows of
 each part, and a module that cuts such an output by the config's head counts (Phi-3's attention) gets a
 view of the config with this rank's (`_RankConfig`). Models whose config has no base_model_tp_plan, or
-one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, GPT-Neo, OPT, Phi-3, BLOOM) or
-`injection_policy`. BLOOM's ALiBi biases, built by the model for all heads, are cut to this rank's heads
-(`_RankAlibi`). An attention module that keeps its head counts as attributes (GPT-2's split_size, GPT-J's
+one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, GPT-Neo, OPT, Phi-3, BLOOM, Falcon) or
+`injection_policy`. ALiBi biases built by the model for all heads (BLOOM, Falcon-RW) are cut to this rank's
+heads (`_RankAlibi`). An attention module that keeps its head counts as attributes (GPT-2's split_size, GPT-J's
 num_attention_heads, older transformers' num_heads / hidden_size) has them divided by tp after the split
 (`per_rank_attributes`), as DeepSpeed's AutoTP does: the module then reshapes its slice of the heads.
 
@@ -57,7 +57,7 @@ ROW_STYLES = (ROWWISE, HEAD)
 # plan styles that keep a module whole: norms, and embeddings (a whole embedding gives what a vocab-split
 # one all-reduced would; DeepSpeed's AutoTP keeps them whole too)
 _WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise")
-_HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+_HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
 
 def colwise_parts(*rows: int) -> str:
@@ -93,6 +93,17 @@ def _phi3_plan(config) -> dict[str, str]:
             "layers.*.mlp.down_proj": ROWWISE}
 
 
+def _falcon_plan(config) -> dict[str, str]:
+    """Falcon: query_key_value's rows are whole k/v groups ([group, (q heads, k, v), head_dim], Falcon-40B /
+    180B's new_decoder_architecture) or whole heads ([head, (q, k, v), head_dim], multi_query=False), so a
+    block of rows is whole heads. Falcon-7B's multi-query layout ([q heads | one k | one v]) cannot be split."""
+    if config.multi_query and not config.new_decoder_architecture:
+        raise NotImplementedError("init_inference: tensor parallelism for Falcon with multi_query=True (one k/v head "
+                                  "shared by all heads, as Falcon-7B) is not implemented: its k and v cannot be split")
+    return {"h.*.self_attention.query_key_value": COLWISE, "h.*.self_attention.dense": ROWWISE,
+            "h.*.mlp.dense_h_to_4h": COLWISE, "h.*.mlp.dense_4h_to_h": ROWWISE}
+
+
 # plans for transformers models whose config has no base_model_tp_plan, or one that gathers outputs (names
 # under the base model; a callable takes the config)
 BUILTIN_PLANS = {"gpt2": {"h.*.attn.c_attn": COLWISE_QKV, "h.*.attn.c_proj": ROWWISE, "h.*.mlp.c_fc": COLWISE,
@@ -106,7 +117,8 @@ BUILTIN_PLANS = {"gpt2": {"h.*.attn.c_attn": COLWISE_QKV, "h.*.attn.c_proj": ROW
                  "phi3": _phi3_plan,
                  # query_key_value is [head, (q, k, v), head_dim]: a block of rows is whole heads
                  "bloom": {"h.*.self_attention.query_key_value": COLWISE, "h.*.self_attention.dense": ROWWISE,
-                           "h.*.mlp.dense_h_to_4h": COLWISE, "h.*.mlp.dense_4h_to_h": ROWWISE}}
+                           "h.*.mlp.dense_h_to_4h": COLWISE, "h.*.mlp.dense_4h_to_h": ROWWISE},
+                 "falcon": _falcon_plan}
 _FUSED_QKV = {"c_attn": 3}  # fused q|k|v layers of known layout (GPT-2: three equal thirds), by name
 # per-rank attribute of an attention module whose column-parallel layers are split (see the Note)
 _ATTENTION_ATTRS = ("split_size", "num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
@@ -299,30 +311,41 @@ def per_rank_attributes(model: nn.Module, plan: Mapping[str, str], tp_size: int,
             changed.append(f"{parent}.{attr}")
         params = list(inspect.signature(module.forward).parameters)
         if tp_size > 1 and "alibi" in params and isinstance(getattr(module, "num_heads", None), int):
-            module.register_forward_pre_hook(_RankAlibi(rank, tp_size, params.index("alibi")), with_kwargs=True)
+            module.register_forward_pre_hook(_RankAlibi(rank, tp_size, params), with_kwargs=True)
             changed.append(f"{parent}.alibi")
     return changed
 
 
 class _RankAlibi:
     """Forward pre-hook of an attention module that takes ALiBi biases for all heads (BLOOM's model builds
-    them as [batch x heads, 1, length]; a head's slope depends on its index): this rank's heads' rows,
-    heads rank*h .. (rank+1)*h - 1 of each batch row (h: the module's per-rank num_heads)."""
+    them as [batch x heads, 1, length], Falcon's as [batch, heads, 1, length]; a head's slope depends on its
+    index): this rank's heads' rows, heads rank*h .. (rank+1)*h - 1 of each batch row (h: the module's
+    per-rank num_heads). An attention mask with a row per head (Falcon folds the biases into it) is cut
+    the same way."""
 
-    def __init__(self, rank: int, size: int, position: int):
-        self.rank, self.size, self.position = rank, size, position
+    def __init__(self, rank: int, size: int, params: list[str]):
+        self.rank, self.size, self.params = rank, size, params
 
     def __call__(self, module, args, kwargs):
         h = module.num_heads
-        positional = "alibi" not in kwargs
-        alibi = args[self.position] if positional else kwargs["alibi"]
-        alibi = alibi.view(-1, h * self.size, *alibi.shape[1:])[:, self.rank * h:(self.rank + 1) * h]
-        alibi = alibi.reshape(-1, *alibi.shape[2:])
-        if positional:
-            args = (*args[:self.position], alibi, *args[self.position + 1:])
-        else:
-            kwargs = {**kwargs, "alibi": alibi}
-        return args, kwargs
+        full, rows = h * self.size, slice(self.rank * h, (self.rank + 1) * h)
+        args = list(args)
+        for name in ("alibi", "attention_mask"):
+            i = self.params.index(name) if name in self.params else len(args)
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if not isinstance(value, torch.Tensor):  # none (Falcon-40B: rotary embeddings instead)
+                continue
+            if value.dim() == 4 and value.shape[1] == full:  # [batch, heads, q or 1, length]
+                value = value[:, rows]
+            elif name == "alibi":  # [batch x heads, 1, length] (BLOOM)
+                value = value.view(-1, full, *value.shape[1:])[:, rows].reshape(-1, *value.shape[1:])
+            else:
+                continue
+            if i < len(args):
+                args[i] = value
+            else:
+                kwargs = {**kwargs, name: value}
+        return tuple(args), kwargs
 
 
 class _RankConfig:

@@ -133,9 +133,8 @@ def _scenarios(world, ckpt_dir):
         packed.model.layers[1].mlp.up_proj = QuantizedLinear.from_linear(packed.model.layers[1].mlp.up_proj, "int8")
         for kwargs, exc in (({"model": _model(kv_heads=world // 2)}, ValueError),
                             ({"model": packed}, ValueError),
-                            ({"model": transformers.FalconForCausalLM(transformers.FalconConfig(
-                                num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB))},
-                             NotImplementedError)):
+                            ({"model": transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
+                                n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB))}, NotImplementedError)):
             try:
                 init_inference(kwargs["model"], dtype=torch.float32, device="cpu", tensor_parallel=tp)
             except exc as err:
@@ -282,7 +281,8 @@ def test_split_checkpoint_needs_its_tp_size(reference):
 
 # q/k/v biases, row-parallel biases (Phi), head_dim set; GPT-NeoX: a fused per-head q|k|v layer and an
 # embedding style in its plan; GPT-J: head counts kept as attributes (divided per rank)
-FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3", "gpt_neox", "gptj", "opt", "gpt_neo", "bloom")
+FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3", "gpt_neox", "gptj", "opt", "gpt_neo", "bloom", "falcon",
+            "falcon_alibi")
 
 
 def _family(name):
@@ -305,6 +305,12 @@ def _family(name):
         return transformers.BloomForCausalLM(transformers.BloomConfig(
             n_layer=2, hidden_size=64, n_head=8, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)).eval()
+    if name.startswith("falcon"):  # 40B's grouped k/v layout, rotary; or one k/v per head and ALiBi (RW)
+        grouped = name == "falcon"
+        return transformers.FalconForCausalLM(transformers.FalconConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=4 if grouped else 8,
+            new_decoder_architecture=grouped, multi_query=False, alibi=not grouped, parallel_attn=grouped,
+            bias=not grouped, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
     if name == "gptj":
         return transformers.GPTJForCausalLM(transformers.GPTJConfig(
             n_layer=2, n_embd=64, n_head=8, rotary_dim=4, vocab_size=VOCAB, n_positions=64)).eval()
@@ -326,8 +332,8 @@ def _families(world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_tensor_parallel_across_model_families(world):
-    """The config's base_model_tp_plan of other transformers families (OPT's, GPT-Neo's and BLOOM's: the
-    built-in plans), split over the ranks, against one process."""
+    """The config's base_model_tp_plan of other transformers families (OPT's, GPT-Neo's, BLOOM's and
+    Falcon's: the built-in plans), split over the ranks, against one process."""
     from lightspeed.inference import init_inference
 
     results = run_world(_families, world, world)

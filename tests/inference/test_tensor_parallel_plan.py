@@ -84,7 +84,11 @@ def test_embedding_styles_keep_the_embedding_whole():
 
 def test_a_model_without_a_plan_is_refused():
     torch.manual_seed(0)
-    model = transformers.FalconForCausalLM(transformers.FalconConfig(num_hidden_layers=1, hidden_size=32,
-                                                                     num_attention_heads=4, vocab_size=96))
-    with pytest.raises(NotImplementedError, match="FalconForCausalLM needs a plan"):
+    model = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(n_layer=1, n_embd=32, n_head=4,
+                                                                             vocab_size=96))
+    with pytest.raises(NotImplementedError, match="GPTBigCodeForCausalLM needs a plan"):
         build_plan(model, 2)
+    falcon_7b_like = transformers.FalconForCausalLM(transformers.FalconConfig(  # multi-query: one k/v head
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=96))
+    with pytest.raises(NotImplementedError, match="Falcon with multi_query=True"):
+        build_plan(falcon_7b_like, 2)

@@ -211,8 +211,9 @@ def _gpu_scenario(world, fmt, name):
         assert model.transformer.h[0].attn.c_attn.out_features == 3 * 64 // world
     elif name == "phi3":
         assert model.model.layers[0].self_attn.qkv_proj.out_features == 128 // world
-    elif name == "bloom":
-        assert model.transformer.h[0].self_attention.query_key_value.out_features == 3 * 64 // world
+    elif name in ("bloom", "falcon"):  # q|k|v rows: 8 heads x 3; falcon: (8 q + 4 k + 4 v) heads, of 8 values
+        rows = {"bloom": 3 * 64, "falcon": 16 * 8}[name]
+        assert model.transformer.h[0].self_attention.query_key_value.out_features == rows // world
     else:
         assert model.model.layers[0].mlp.down_proj.in_features == 128 // world
     with torch.no_grad():
@@ -236,16 +237,16 @@ def _gpu_graph_scenario(world, fmt):
 
 
 def _gpu_model(name):
-    return _family(name) if name == "bloom" else {"gpt2": _gpt2, "phi3": _phi3}.get(name, _model)()
+    return _family(name) if name in ("bloom", "falcon") else {"gpt2": _gpt2, "phi3": _phi3}.get(name, _model)()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("fmt,name", [(None, "llama"), ("fp6", "llama"), (None, "gpt2"), ("fp6", "phi3"),
-                                      ("fp6", "bloom")])
+                                      ("fp6", "bloom"), ("fp6", "falcon")])
 def test_tensor_parallel_on_two_gpus_with_nccl(fmt, name):
     """NCCL, fp16, the Triton kernels on each rank's GPU: logits against the one-GPU model's (fp16: its
     rounding; FP6: plus the row-parallel slices' own scales). GPT-2: Conv1D layers and the fused c_attn;
-    Phi-3: fused layers of unequal parts; BLOOM: ALiBi."""
+    Phi-3: fused layers of unequal parts; BLOOM: ALiBi; Falcon: grouped k/v, parallel attention."""
     from lightspeed.inference import init_inference
 
     quant = None if fmt is None else {"weight": fmt}

@@ -119,7 +119,7 @@ BUILTIN_PLANS = {"gpt2": {"h.*.attn.c_attn": COLWISE_QKV, "h.*.attn.c_proj": ROW
                  "bloom": {"h.*.self_attention.query_key_value": COLWISE, "h.*.self_attention.dense": ROWWISE,
                            "h.*.mlp.dense_h_to_4h": COLWISE, "h.*.mlp.dense_4h_to_h": ROWWISE},
                  "falcon": _falcon_plan}
-_FUSED_QKV = {"c_attn": 3}  # fused q|k|v layers of known layout (GPT-2: three equal thirds), by name
+_FUSED_QKV = frozenset({"c_attn"})  # names of fused q|k|v layers of three equal thirds (GPT-2), `colwise_qkv`
 # per-rank attribute of an attention module whose column-parallel layers are split (see the Note)
 _ATTENTION_ATTRS = ("split_size", "num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
                     "n_heads", "all_head_size", "embed_dim", "hidden_size")

@@ -308,7 +308,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="llama2-7b", choices=sorted(SIZES))
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the size's own count)")
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="comma-separated; a format with '+inject' also fuses projections (replace_with_kernel_inject)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512, help="tokens in the KV cache before the timed step")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens per eager generate timing")
@@ -332,7 +333,7 @@ def main() -> None:
         args.size, args.context, args.new_tokens = "tiny", 16, 4
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     for f in formats:
-        if f not in FORMATS:
+        if f.removesuffix("+inject") not in FORMATS:
             ap.error(f"--formats: unknown format {f!r} (known: {', '.join(FORMATS)})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank = 0
@@ -356,29 +357,30 @@ def main() -> None:
           f"{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}"
           + (f", tensor parallel over {args.tp} GPUs" if args.tp > 1 else ""))
     ref_logits, rows = None, []
-    for fmt in formats:
+    for name in formats:
+        fmt, inject = name.removesuffix("+inject"), name.endswith("+inject")
         if gpu:
             torch.cuda.reset_peak_memory_stats()
         try:
-            if fmt == "fp16" and not args.tied_layers and args.tp == 1:
+            if fmt == "fp16" and not inject and not args.tied_layers and args.tp == 1:
                 model = base
             else:
                 model = copy.deepcopy(base)  # tied stays tied: quantizing gives each layer its own copy, untie fp16
                 lightspeed.init_inference(model, dtype=torch.float16, quant=None if fmt == "fp16" else {"weight": fmt},
-                                          device=device, **tp_kwargs)
+                                          device=device, replace_with_kernel_inject=inject, **tp_kwargs)
                 if fmt == "fp16":
                     untie(model)
             step = DecodeStep(model, args.batch, args.context)
         except torch.OutOfMemoryError as err:
-            print(f"  {fmt}: out of GPU memory ({str(err).splitlines()[0]})", flush=True)
+            print(f"  {name}: out of GPU memory ({str(err).splitlines()[0]})", flush=True)
             model = step = None
             gc.collect()
             torch.cuda.empty_cache()
             continue
         peak_gib = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
-        print(f"  {fmt}: peak GPU memory {peak_gib:.1f} GiB (build + prefill)", flush=True)
+        print(f"  {name}: peak GPU memory {peak_gib:.1f} GiB (build + prefill)", flush=True)
         logits = step().float()  # the first call autotunes every layer shape for this M
-        if fmt == "fp16":
+        if fmt == "fp16" and not inject:
             ref_logits = logits
         err = agree = float("nan")
         if ref_logits is not None:
@@ -394,15 +396,15 @@ def main() -> None:
         comp_ms = comp_err = float("nan")
         if args.compile:
             comp_ms, comp_err, compile_s = compiled_step(model, args.batch, args.context, logits, gpu)
-            print(f"  {fmt}: compiled in {compile_s:.0f} s", flush=True)
+            print(f"  {name}: compiled in {compile_s:.0f} s", flush=True)
         cg_ms, cg_same = float("nan"), "-"
         if args.cuda_graph and gpu:
             cg_ms, cg_same, captures = graphed_generate(model, device, args.batch, args.context, args.new_tokens)
-            print(f"  {fmt}: generate with enable_cuda_graph {cg_ms:.2f} ms/token ({captures} graphs captured), "
+            print(f"  {name}: generate with enable_cuda_graph {cg_ms:.2f} ms/token ({captures} graphs captured), "
                   f"tokens against eager's: {cg_same}", flush=True)
-        rows.append((fmt, weight_gib(model), peak_gib, graph_ms, eager_ms, cg_ms, cg_same, comp_ms, err, agree,
+        rows.append((name, weight_gib(model), peak_gib, graph_ms, eager_ms, cg_ms, cg_same, comp_ms, err, agree,
                      kernel_err, comp_err))
-        print(f"  {fmt}: graph {graph_ms:.3f} ms/token, eager {eager_ms:.2f} ms/token, compiled {comp_ms:.3f}",
+        print(f"  {name}: graph {graph_ms:.3f} ms/token, eager {eager_ms:.2f} ms/token, compiled {comp_ms:.3f}",
               flush=True)
         del step
         if model is not base:
@@ -411,7 +413,7 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
     base_row = next((r for r in rows if r[0] == "fp16"), None)
-    print(f"\n{'format':<8}{'weights GiB':>12}{'peak GiB':>10}{'graph ms/tok':>14}{'x fp16':>8}{'eager ms/tok':>14}"
+    print(f"\n{'format':<12}{'weights GiB':>12}{'peak GiB':>10}{'graph ms/tok':>14}{'x fp16':>8}{'eager ms/tok':>14}"
           f"{'x fp16':>8}{'cuda_graph ms/tok':>19}{'x fp16 eager':>14}{'tokens':>16}{'compiled ms/tok':>17}{'x fp16':>8}"
           f"{'logits err':>12}{'top-1 agree':>13}{'layer err':>11}{'compiled err':>14}")
     if args.tp > 1:
@@ -419,7 +421,7 @@ def main() -> None:
     for fmt, gib, peak, g_ms, e_ms, cg_ms, cg_same, c_ms, err, agree, kerr, cerr in rows:
         gx, ex, cgx, cx = ((base_row[i] / ms if base_row else float("nan"))
                            for i, ms in ((3, g_ms), (4, e_ms), (4, cg_ms), (7, c_ms)))
-        print(f"{fmt:<8}{gib:>12.2f}{peak:>10.1f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{cg_ms:>19.2f}{cgx:>14.2f}"
+        print(f"{fmt:<12}{gib:>12.2f}{peak:>10.1f}{g_ms:>14.3f}{gx:>8.2f}{e_ms:>14.2f}{ex:>8.2f}{cg_ms:>19.2f}{cgx:>14.2f}"
               f"{cg_same:>16}{c_ms:>17.3f}{cx:>8.2f}{err:>12.2e}{agree:>13.3f}{kerr:>11.1e}{cerr:>14.2e}")
     if args.tp > 1:
         torch.distributed.destroy_process_group()

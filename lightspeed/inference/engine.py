@@ -1,9 +1,10 @@
 """`init_inference`: DeepSpeed's `deepspeed.init_inference(model, dtype=..., ...)` shape, limited to
 casting, device placement, loading a checkpoint (checkpoint.py) and weight-only quantization
 (nn.Linear and transformers' Conv1D swapped for `QuantizedLinear`), tensor parallelism
-(tensor_parallel.py) and CUDA graphs (cuda_graph.py). Owns the argument checks and the module swap; must
-not change what the model's own forward or generate compute (no kernel injection; tensor parallelism only
-splits linear layers and all-reduces; enable_cuda_graph replays the same forward).
+(tensor_parallel.py), projection fusion for `replace_with_kernel_inject` (fusion.py) and CUDA graphs
+(cuda_graph.py). Owns the argument checks and the module swap; must not change what the model's own
+forward or generate compute (tensor parallelism only splits linear layers and all-reduces; fusion joins
+linear layers that read the same input; enable_cuda_graph replays the same forward).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lightspeed._utils.logging import current_rank, get_logger
 from lightspeed.inference import cuda_graph
 from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_dir, replace_submodule,
                                             resolve_checkpoint_files, save_inference_checkpoint, write_split_config)
+from lightspeed.inference.fusion import GROUPS, fuse_projections
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims
 from lightspeed.inference.tensor_parallel import ROW_STYLES, Slice, attach_all_reduce, build_plan, is_colwise, \
     per_rank_attributes, shard_linear, tp_settings
@@ -312,14 +314,20 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     (a static KV cache is made its default). What a graph cannot replay runs eagerly with a warning
     (cuda_graph.py).
 
+    `replace_with_kernel_inject=True` (`kernel_inject`) fuses the projections of a block that read the
+    same input, an attention's q/k/v and a gated MLP's gate/up (also BERT's query/key/value), into one
+    layer each (quantized or not; fusion.py), so a decode step runs one product per group. DeepSpeed
+    replaces whole blocks with its own kernels; here the model's own attention, norms and generate run
+    as they are, and outputs equal the unfused model's. Groups that cannot be joined stay (logged); the
+    fusion comes after `save_mp_checkpoint_path`, so saved files keep the model's own names.
+
     The returned model also has DeepSpeed's engine methods `profile_model_time()` and `model_times()`
     (ms per forward call, the device synchronized around each).
 
     Other DeepSpeedInferenceConfig fields are taken by name: those that only configure DeepSpeed's
     injected kernels (max_out_tokens, triangular_masking, return_tuple, ...) are logged and have no
-    effect, as without kernel injection in DeepSpeed; kernel injection and the other unimplemented ones
-    (injection_policy_tuple, zero, moe, ...) raise NotImplementedError naming the key unless they hold
-    DeepSpeed's default.
+    effect; the unimplemented ones (injection_policy_tuple, zero, moe, ...) raise NotImplementedError
+    naming the key unless they hold DeepSpeed's default.
 
     With `quant`, the linear layers are quantized on their way to `device`, one at a time, before the
     rest of the model moves: the device never holds the whole model in `dtype` (a 70B model's 138 GB
@@ -343,8 +351,9 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
                 kwargs[key] = value
     _check_deepspeed_keys(extra)
     _merge_checkpoint_config(kwargs)
-    if kwargs["replace_with_kernel_inject"]:
-        raise NotImplementedError("init_inference: replace_with_kernel_inject=True is not implemented")
+    if not isinstance(kwargs["replace_with_kernel_inject"], bool):
+        raise ValueError(f"init_inference: replace_with_kernel_inject must be true or false "
+                         f"(got {kwargs['replace_with_kernel_inject']!r})")
     target_dtype = _resolve_dtype(kwargs["dtype"])
     if _is_int8(kwargs["dtype"]):
         q = _int8_quant(kwargs["quant"])
@@ -397,9 +406,22 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     _ModelTimes.attach(model)
     if kwargs["save_mp_checkpoint_path"]:
         _save(model, kwargs["save_mp_checkpoint_path"], tp)
+    if kwargs["replace_with_kernel_inject"]:  # after the save: the checkpoint keeps the model's own names
+        _fuse(model)
     if kwargs["enable_cuda_graph"]:
         cuda_graph.install(model, target_device)
     return model
+
+
+def _fuse(model: nn.Module) -> None:
+    fused = fuse_projections(model)
+    if fused:
+        logger.info("init_inference: replace_with_kernel_inject: %d projection groups fused (e.g. %s)", len(fused),
+                    fused[0])
+    else:
+        logger.warning("init_inference: replace_with_kernel_inject: %s has no projection group to fuse (%s); "
+                       "it runs as without it", type(model).__name__,
+                       ", ".join("/".join(names) for names, _ in GROUPS))
 
 
 class _ModelTimes:

@@ -91,6 +91,10 @@ def _scenarios(world, ckpt_dir):
         res["blocks"] = blocks(_block_input())
     int8 = init_inference(_model(), dtype=torch.float32, device="cpu", tensor_parallel=tp, quant={"weight": "int8"})
     res["int8"] = (*_run(int8), _weights(int8))
+    for quant in (None, {"weight": "int8"}):  # each rank fuses its q/k/v and gate/up slices
+        fused = init_inference(_model(), dtype=torch.float32, device="cpu", tensor_parallel=tp, quant=quant,
+                               replace_with_kernel_inject=True)
+        res[f"fused_{bool(quant)}"] = (*_run(fused), fused.model.layers[0].self_attn.qkv_proj.layer.out_features)
     with OnDevice(dtype=torch.float32, device="meta"):
         meta = transformers.LlamaForCausalLM(_cfg()).eval()
     loaded = init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp, quant={"weight": "int8"},
@@ -189,6 +193,10 @@ def test_tensor_parallel_matches_one_process(world, reference):
             assert torch.equal(q_weights[name], dequantize(quantize(piece, "int8"), torch.float32))
         rel = ((q_logits - reference["int8"]).norm() / reference["int8"].norm()).item()
         assert rel < (1e-6 if world == 1 else 0.02), rel
+        for quant, (want_logits, want_tokens) in ((False, (logits, tokens)), (True, (q_logits, q_tokens))):
+            f_logits, f_tokens, f_rows = res[f"fused_{quant}"]  # replace_with_kernel_inject: q/k/v, gate/up fused
+            torch.testing.assert_close(f_logits, want_logits, rtol=1e-6, atol=1e-6)
+            assert torch.equal(f_tokens, want_tokens) and f_rows == (64 + 2 * 32) // world
         assert torch.equal(res["loaded"], q_logits)  # from the checkpoint, sliced as it loads
         assert torch.equal(res["bin_loaded"], q_logits)
         assert torch.equal(res["loaded_plain"], logits)  # float slices from the checkpoint

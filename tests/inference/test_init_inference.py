@@ -94,14 +94,14 @@ def test_include_exclude_and_config_dict():
     ({"config": {"enable_cuda_graph": "yes"}}, ValueError, "enable_cuda_graph must be true or false"),
     ({"config": {"zero": {"stage": 3}}}, NotImplementedError, "zero"),
     ({"injection_policy_tuple": ("attn.c_proj",)}, NotImplementedError, "injection_policy_tuple"),
-    ({"kernel_inject": True}, NotImplementedError, "replace_with_kernel_inject"),
+    ({"kernel_inject": "yes"}, ValueError, "replace_with_kernel_inject must be true or false"),
     ({"tp": {"tp_size": 2}}, ValueError, "tp_size=2 needs torch.distributed with 2 ranks"),
     ({"tp": {"tp_size": 2, "tp_grp": None}}, ValueError, "unknown tensor_parallel key 'tp_grp'"),
     ({"tp": {"tp_size": 2}, "mp_size": 4}, ValueError, "disagree"),
     ({"max_new_tokens": 5}, ValueError, "unknown argument 'max_new_tokens'"),
     ({"config": {"bogus": 1}}, ValueError, "unknown argument 'bogus'"),
     ({"mp_size": 2}, ValueError, "tp_size=2 needs torch.distributed"),
-    ({"replace_with_kernel_inject": True}, NotImplementedError, "replace_with_kernel_inject"),
+    ({"config": {"replace_with_kernel_inject": 1}}, ValueError, "replace_with_kernel_inject must be true or false"),
 ])
 def test_argument_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match) as info:

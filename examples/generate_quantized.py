@@ -5,6 +5,7 @@ written the way a DeepSpeed inference script is: build the model on the meta dev
     python examples/generate_quantized.py --model /path/to/Llama-2-7b-hf --quant fp6 --prompt "The capital of"
     torchrun --nproc-per-node 2 examples/generate_quantized.py --model /path/to/model --tp 2
     python examples/generate_quantized.py --model /path/to/model --cuda-graph   # decode steps from CUDA graphs
+    python examples/generate_quantized.py --model /path/to/model --cuda-graph --kernel-inject  # + q/k/v, gate/up fused
     python examples/generate_quantized.py --model /path/to/model --save /path/to/model-fp6   # quantize once
     python examples/generate_quantized.py --model /path/to/model-fp6                          # reload, no quantizing
     python examples/generate_quantized.py                  # no --model: a tiny random Llama, saved to a temp dir
@@ -40,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: this rank's GPU, else the CPU")
     p.add_argument("--cuda-graph", action="store_true",
                    help="init_inference(enable_cuda_graph=True): generate replays its decode steps (GPU only)")
+    p.add_argument("--kernel-inject", action="store_true",
+                   help="init_inference(replace_with_kernel_inject=True): q/k/v and gate/up fused into one product each")
     return p.parse_args(argv)
 
 
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace, model_dir: str) -> None:
     model = lightspeed.init_inference(
         model, dtype=dtype, checkpoint=model_dir, device=args.device,
         quant=None if args.quant == "none" else {"weight": args.quant, "group_size": args.group_size},
-        tensor_parallel={"tp_size": args.tp}, save_mp_checkpoint_path=args.save, enable_cuda_graph=args.cuda_graph)
+        tensor_parallel={"tp_size": args.tp}, save_mp_checkpoint_path=args.save, enable_cuda_graph=args.cuda_graph,
+        replace_with_kernel_inject=args.kernel_inject)
     device = next(model.parameters()).device
     say(f"loaded {model_dir} on {device} in {time.perf_counter() - start:.1f} s"
         + (f" (saved to {args.save})" if args.save else ""))

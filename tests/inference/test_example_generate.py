@@ -1,5 +1,5 @@
 """examples/generate_quantized.py runs as documented: the tiny random Llama, quantized while loading;
-saved with --save and loaded back from that directory, the same greedy tokens."""
+saved with --save and loaded back from that directory (also with --kernel-inject), the same greedy tokens."""
 from __future__ import annotations
 
 import sys
@@ -27,6 +27,9 @@ def test_example_generates_and_reloads(tmp_path, capsys, quant):
                              "--dtype", "float32", "--device", "cpu"])
     again = capsys.readouterr().out
     assert _tokens(first) == _tokens(again) and len(_tokens(first).split(",")) == 8 + 6
+    generate_quantized.main(["--model", str(tmp_path / "q"), "--quant", quant, "--max-new-tokens", "6",
+                             "--dtype", "float32", "--device", "cpu", "--kernel-inject"])  # q/k/v, gate/up fused
+    assert _tokens(capsys.readouterr().out) == _tokens(first)
 
 
 def test_example_cuda_graph_needs_a_gpu():

@@ -21,6 +21,7 @@ from lightspeed._utils.logging import current_rank, get_logger
 from lightspeed.inference import cuda_graph
 from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_dir, replace_submodule,
                                             resolve_checkpoint_files, save_inference_checkpoint, write_split_config)
+from lightspeed.inference.experts import experts_layout, quantize_experts
 from lightspeed.inference.fusion import GROUPS, fuse_projections
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims
 from lightspeed.inference.tensor_parallel import ROW_STYLES, Slice, attach_all_reduce, build_plan, is_colwise, \
@@ -284,7 +285,8 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
     """Prepare `model` for generation: cast it to `dtype`, move it to `device` (default: this rank's
     GPU, else CPU) and, with `quant={"weight": "fp6"|"int8"|"int4", "group_size": None|int,
     "include": [...], "exclude": [...]}`, swap its linear layers for QuantizedLinear. `config` may hold
-    the same keys (DeepSpeed's dict form); keyword arguments win. Returns the model itself, so its own
+    the same keys (DeepSpeed's dict form); keyword arguments win. The 3-D expert weights of transformers'
+    MoE models are quantized too, per expert (experts.py). Returns the model itself, so its own
     `generate` works; `.module` (DeepSpeed's engine attribute) is the model too.
 
     `checkpoint` loads the weights from files, one tensor at a time, into a model built on the meta
@@ -383,6 +385,12 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
         tp.shard_in_place(model)  # the model's linear layers take the slices' shapes (on meta: no memory)
 
     quantizing = q is not None and q["enabled"]
+    if quantizing and kwargs["save_mp_checkpoint_path"]:
+        moe = [n for n, m in model.named_modules() if isinstance(experts_layout(m), tuple)
+               and not _matches(n, q["exclude"])]
+        if moe:
+            raise NotImplementedError(f"init_inference: save_mp_checkpoint_path with quantized MoE experts ({moe[0]}) "
+                                      f"is not implemented: the saved files would not load back")
     if quantizing:
         size = torch.empty((), dtype=target_dtype).element_size()
         before = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in model.parameters())
@@ -476,17 +484,25 @@ def _place_linears(model: nn.Module, files: list[str] | None, q: dict | None, tp
         tp.shard_in_place(model)
         if q is None:
             return []
-        return quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"], device=device,
-                                dtype=dtype)
-    chosen = select_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"]) if q else []
-    if presplit:  # the model's layers have the slices' shapes already
-        wanted = {name: (q["weight"], q["group_size"]) for name, _ in chosen}
+        names = quantize_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"], device=device,
+                                 dtype=dtype)
     else:
-        wanted = _split_quantizable(chosen, q, tp) if q else {}
-    names = load_checkpoint(model, files, quantize=wanted, device=device, dtype=dtype,
-                            shards=None if presplit else tp.slices())
-    logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
-    return names
+        chosen = select_linears(model, q["weight"], q["group_size"], q["include"], q["exclude"]) if q else []
+        if presplit:  # the model's layers have the slices' shapes already
+            wanted = {name: (q["weight"], q["group_size"]) for name, _ in chosen}
+        else:
+            wanted = _split_quantizable(chosen, q, tp) if q else {}
+        names = load_checkpoint(model, files, quantize=wanted, device=device, dtype=dtype,
+                                shards=None if presplit else tp.slices())
+        logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
+        if q is None:
+            return names
+    # MoE experts (3-D weights, not nn.Linear): each expert's matrices quantized on their way to the device
+    experts = quantize_experts(model, q["weight"], q["group_size"], lambda name: not _matches(name, q["exclude"]),
+                               device=device, dtype=dtype)
+    if experts:
+        logger.info("init_inference: %d MoE experts modules -> %s (e.g. %s)", len(experts), q["weight"], experts[0])
+    return names + experts
 
 
 def _save(model: nn.Module, path, tp: _TensorParallel) -> None:

@@ -1,0 +1,114 @@
+"""Weight-only quantized mixture-of-experts layers: transformers 5 keeps a MoE block's experts as one
+module with two 3-D parameters, `gate_up_proj` [experts, 2 x intermediate, hidden] and `down_proj`
+[experts, hidden, intermediate] (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, Phi-MoE, GraniteMoE, Jamba,
+MiniMax, GLM-4-MoE, ...), not nn.Linear layers, so the linear-layer swap alone leaves most of a MoE
+model's weights in float. `QuantizedExperts` holds each expert's two matrices as QuantizedLinear
+layers and computes what the experts module's eager forward computes (transformers'
+`use_experts_implementation` default: a loop over the experts that got tokens).
+
+Owns the recognition of such modules (`experts_layout`) and the swap (`quantize_experts`).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from lightspeed._utils.logging import get_logger
+from lightspeed.inference.checkpoint import replace_submodule
+from lightspeed.inference.quantized_linear import QuantizedLinear
+from lightspeed.ops.wquant.reference import check_quant_args
+
+logger = get_logger(__name__)
+
+_FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+# transformers' `use_experts_implementation` flags, and the values the eager loop below reproduces
+_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+          "has_post_expert_norm": False}
+
+
+def experts_layout(module: nn.Module) -> tuple[int, int, int] | str | None:
+    """(experts, hidden, intermediate) of a transformers experts module whose weights `QuantizedExperts`
+    can hold, a reason string for one it cannot, None for any other module."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
+        return None
+    for flag, want in _FLAGS.items():
+        if getattr(module, flag, want) != want:
+            return f"{flag}={getattr(module, flag)!r} (the eager loop here has {flag}={want})"
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        params = []
+    if tuple(params[:3]) != _FORWARD_ARGS or not callable(getattr(module, "act_fn", None)):
+        return "its forward is not (hidden_states, top_k_index, top_k_weights) with an act_fn"
+    experts, two_inter, hidden = gate_up.shape
+    if down.dim() != 3 or two_inter % 2 or tuple(down.shape) != (experts, hidden, two_inter // 2):
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not match"
+    return experts, hidden, two_inter // 2
+
+
+class QuantizedExperts(nn.Module):
+    """A MoE block's experts, each expert's gate|up [2I, H] and down [H, I] matrices a QuantizedLinear
+    (`gate_up[e]`, `down[e]`). forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) ->
+    [T, H]: for every expert routed to, its tokens through act(gate) * up, then down, weighted, summed
+    into their rows, in the experts module's order (its eager loop)."""
+
+    def __init__(self, gate_up: list[QuantizedLinear], down: list[QuantizedLinear], act_fn: nn.Module):
+        super().__init__()
+        self.num_experts = len(gate_up)
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+        self.act_fn = act_fn
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            routed = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit[:, 0].tolist():
+            if e == self.num_experts:  # the slot transformers gives dropped (masked) routes
+                continue
+            slot, tokens = torch.where(routed[e])
+            gate, up = self.gate_up[e](hidden_states[tokens]).chunk(2, dim=-1)
+            y = self.down[e](self.act_fn(gate) * up) * top_k_weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        first = self.gate_up[0]
+        return (f"num_experts={self.num_experts}, hidden={first.in_features}, intermediate={first.out_features // 2}, "
+                f"weight={first.weight_format}, group_size={first.group_size}")
+
+
+def quantize_experts(model: nn.Module, weight: str, group_size: int | None, chosen, device=None,
+                     dtype: torch.dtype | None = None) -> list[str]:
+    """Swap every experts module of `model` that `chosen(name)` accepts for QuantizedExperts, one expert
+    matrix at a time moved to `device`, cast to `dtype` and quantized there; returns the swapped names.
+    Experts modules of other layouts, or whose widths the format cannot pack, stay (logged)."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        layout = experts_layout(module)
+        if layout is None or not chosen(name):
+            continue
+        if isinstance(layout, str):
+            logger.warning("init_inference: keeping the experts %s unquantized: %s", name, layout)
+            continue
+        experts, hidden, inter = layout
+        try:
+            check_quant_args(weight, (2 * inter, hidden), group_size)
+            check_quant_args(weight, (hidden, inter), group_size)
+        except ValueError as err:
+            logger.warning("init_inference: keeping the experts %s unquantized: %s", name, err)
+            continue
+        layers = ([], [])
+        for e in range(experts):
+            for parts, w in zip(layers, (module.gate_up_proj[e], module.down_proj[e])):
+                w = w.detach().to(device=device, dtype=dtype)
+                parts.append(QuantizedLinear.from_float(w, None, weight=weight, group_size=group_size))
+        replace_submodule(model, name, QuantizedExperts(*layers, module.act_fn))
+        swapped.append(name)
+    return swapped

@@ -1,0 +1,134 @@
+"""Quantized MoE experts (lightspeed/inference/experts.py): init_inference swaps transformers 5's experts
+modules (3-D gate_up_proj / down_proj) for QuantizedExperts, which computes what the experts module
+computes with its weights dequantized; other layouts and excluded names stay float; saving such a model
+is refused up front."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightspeed.inference import QuantizedLinear, init_inference
+from lightspeed.inference.experts import QuantizedExperts, experts_layout
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+QUANTS = [("fp6", None), ("int8", None), ("int4", 16)]
+
+
+def _moe(name):
+    torch.manual_seed(0)
+    t = transformers
+    common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                  max_position_embeddings=64)
+    if name == "mixtral":
+        cfg = t.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **common)
+    else:  # qwen2_moe: 5 experts of 48, top 2, and a shared expert (plain nn.Linear layers) beside them
+        cfg = t.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                               num_experts=5, num_experts_per_tok=2, **common)
+    return t.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _dequantized_copy(base, quantized):
+    """`base` with every weight the quantized model holds packed replaced by its dequantized value."""
+    ref = copy.deepcopy(base)
+    packed = dict(quantized.named_modules())
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            got = packed.get(name)
+            if isinstance(got, QuantizedLinear):
+                module.weight.copy_(got.dequantize_weight())
+            elif isinstance(got, QuantizedExperts):
+                module.gate_up_proj.copy_(torch.stack([layer.dequantize_weight() for layer in got.gate_up]))
+                module.down_proj.copy_(torch.stack([layer.dequantize_weight() for layer in got.down]))
+    return ref
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("fmt,group_size", QUANTS)
+def test_quantized_experts_compute_the_dequantized_model(name, fmt, group_size):
+    base = _moe(name)
+    q = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu",
+                       quant={"weight": fmt, "group_size": group_size})
+    experts = [m for m in q.modules() if isinstance(m, QuantizedExperts)]
+    assert len(experts) == 2 and all(len(e.gate_up) == {"mixtral": 4, "qwen2_moe": 5}[name] for e in experts)
+    assert not any(isinstance(experts_layout(m), tuple) for m in q.modules())  # none left in float
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(q, ids), _logits(_dequantized_copy(base, q), ids), rtol=1e-5, atol=1e-5)
+    # the float expert weights are gone: only packed codes, fp16-bit scales and the layout version are left
+    assert not any(key.endswith(("gate_up_proj", "down_proj")) for key in q.state_dict())
+    assert {t.dtype for e in experts for t in e.buffers()} == {torch.int8, torch.int16, torch.int32}
+    gen = {"attention_mask": torch.ones_like(ids[:1]), "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    fused = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", replace_with_kernel_inject=True,
+                           quant={"weight": fmt, "group_size": group_size})  # q/k/v (and the shared expert) fused
+    assert torch.equal(fused.generate(ids[:1], **gen), q.generate(ids[:1], **gen))
+
+
+def test_experts_module_directly_with_dropped_routes():
+    """Against the transformers module with the dequantized weights and its eager implementation (the
+    loop QuantizedExperts follows; its default grouped_mm gives no meaning to the dropped slot), called
+    directly: several tokens per expert, an expert no token chose, and routes to the dropped slot (index
+    num_experts) skipped."""
+    base = _moe("mixtral")
+    q = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+    mine, theirs = q.model.layers[0].mlp.experts, _dequantized_copy(base, q).model.layers[0].mlp.experts
+    theirs.config._experts_implementation = "eager"
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 64, generator=gen)
+    index = torch.tensor([[0, 2], [2, 0], [1, 4], [2, 4], [0, 1], [1, 2]])  # expert 3 unused; 4 = dropped
+    weights = torch.rand(6, 2, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(mine(x, index, weights), theirs(x, index, weights), rtol=1e-5, atol=1e-6)
+
+
+class _BiasedExperts(nn.Module):
+    """The layout of an experts module with biases (GPT-OSS-like flags): not what QuantizedExperts holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(2, 32, 16))
+        self.down_proj = nn.Parameter(torch.randn(2, 16, 16))
+        self.act_fn = nn.SiLU()
+        self.has_bias = True
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+def test_other_layouts_and_excluded_names_stay_float(ls_caplog):
+    model = nn.Sequential(_BiasedExperts())
+    init_inference(model, dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+    assert isinstance(model[0], _BiasedExperts) and "has_bias=True" in ls_caplog.text
+    q = init_inference(_moe("mixtral"), dtype=torch.float32, device="cpu",
+                       quant={"weight": "fp6", "exclude": ["*.experts"]})
+    assert not any(isinstance(m, QuantizedExperts) for m in q.modules())
+    assert isinstance(q.model.layers[0].self_attn.q_proj, QuantizedLinear)
+
+
+def test_saving_quantized_experts_is_refused_before_any_work(tmp_path):
+    model = _moe("mixtral")
+    with pytest.raises(NotImplementedError, match="save_mp_checkpoint_path with quantized MoE experts"):
+        init_inference(model, dtype=torch.float32, device="cpu", quant={"weight": "int4"},
+                       save_mp_checkpoint_path=tmp_path)
+    assert not any(isinstance(m, (QuantizedExperts, QuantizedLinear)) for m in model.modules())
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["fp6", "int4"])
+def test_cuda_quantized_experts(fmt):
+    """The Triton kernels at the experts' small per-expert M: logits against the dequantized fp16 model."""
+    base = _moe("mixtral")
+    q = init_inference(copy.deepcopy(base), dtype=torch.float16, quant={"weight": fmt})
+    ref = _dequantized_copy(base, q).to("cuda", torch.float16)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)).cuda()
+    a, b = _logits(q, ids).float(), _logits(ref, ids).float()
+    assert ((a - b).norm() / b.norm()).item() < 5e-3

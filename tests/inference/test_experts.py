@@ -73,20 +73,25 @@ def test_quantized_experts_compute_the_dequantized_model(name, fmt, group_size):
 
 
 def test_experts_module_directly_with_dropped_routes():
-    """Against the transformers module with the dequantized weights and its eager implementation (the
-    loop QuantizedExperts follows; its default grouped_mm gives no meaning to the dropped slot), called
-    directly: several tokens per expert, an expert no token chose, and routes to the dropped slot (index
-    num_experts) skipped."""
+    """Called directly, against the transformers module with the dequantized weights and its eager
+    implementation (the loop QuantizedExperts follows): several tokens per expert and an expert no token
+    chose. Routes to the dropped slot (index num_experts, which transformers >= 5.2x's loop skips) add
+    nothing: the same as routing them anywhere with weight 0."""
     base = _moe("mixtral")
     q = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
     mine, theirs = q.model.layers[0].mlp.experts, _dequantized_copy(base, q).model.layers[0].mlp.experts
-    theirs.config._experts_implementation = "eager"
+    theirs.config._experts_implementation = "eager"  # its default grouped_mm sums in another order
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 64, generator=gen)
-    index = torch.tensor([[0, 2], [2, 0], [1, 4], [2, 4], [0, 1], [1, 2]])  # expert 3 unused; 4 = dropped
+    index = torch.tensor([[0, 2], [2, 0], [1, 2], [2, 1], [0, 1], [1, 2]])  # expert 3 unused
     weights = torch.rand(6, 2, generator=gen)
     with torch.no_grad():
         torch.testing.assert_close(mine(x, index, weights), theirs(x, index, weights), rtol=1e-5, atol=1e-6)
+        dropped = index.clone()
+        dropped[2:4, 1] = 4
+        zeroed = weights.clone()
+        zeroed[2:4, 1] = 0
+        torch.testing.assert_close(mine(x, dropped, weights), mine(x, index, zeroed), rtol=1e-6, atol=1e-7)
 
 
 class _BiasedExperts(nn.Module):

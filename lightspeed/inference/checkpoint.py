@@ -36,6 +36,7 @@ from torch import nn
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.atomic import atomic_write_bytes, atomic_write_via, safe_torch_load
 from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.inference.experts import QuantizedExperts, experts_layout
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims, linear_from_float
 from lightspeed.inference.tensor_parallel import Slice
 from lightspeed.ops.wquant.reference import FORMATS
@@ -282,9 +283,11 @@ class _Loader:
                                   "saying its format")
         return saved
 
-    def packed_layer(self, name: str, module: nn.Module, fmt: str, group_size: int | None) -> QuantizedLinear:
-        """A QuantizedLinear from the packed buffers the checkpoint holds (no re-quantization)."""
-        out_features, in_features = linear_dims(module)
+    def packed_layer(self, name: str, module: nn.Module | tuple[int, int], fmt: str,
+                     group_size: int | None) -> QuantizedLinear:
+        """A QuantizedLinear from the packed buffers the checkpoint holds (no re-quantization); `module` the
+        layer it replaces, or its (out_features, in_features)."""
+        out_features, in_features = module if isinstance(module, tuple) else linear_dims(module)
         bias_key = self.ckpt_key(name + ".bias")
         layer = QuantizedLinear(in_features, out_features, bias=bias_key in self.reader, weight=fmt,
                                 group_size=group_size, dtype=self.dtype, device=self.device)
@@ -297,6 +300,22 @@ class _Loader:
             state[buffer_name] = tensor
         layer.load_state_dict(state)  # checks the packed-layout version
         return layer
+
+    def packed_experts(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None) -> nn.Module | None:
+        """QuantizedExperts from the packed per-expert layers the checkpoint holds for the experts module
+        `name` (saved by `save_mp_checkpoint_path`), None when it holds none."""
+        layout = experts_layout(module)
+        saved = self.saved_format(f"{name}.gate_up.0") if isinstance(layout, tuple) else None
+        if saved is None:
+            return None
+        if wanted is not None and tuple(wanted) != tuple(saved):
+            raise ValueError(f"init_inference: the experts {name!r} are saved as {saved[0]} (group_size={saved[1]}) "
+                             f"but {wanted[0]} (group_size={wanted[1]}) is asked for; load them from the float "
+                             f"weights to quantize them again")
+        experts, hidden, inter = layout
+        gate_up = [self.packed_layer(f"{name}.gate_up.{e}", (2 * inter, hidden), *saved) for e in range(experts)]
+        down = [self.packed_layer(f"{name}.down.{e}", (hidden, inter), *saved) for e in range(experts)]
+        return QuantizedExperts(gate_up, down, module.act_fn)
 
     def float_layer(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None,
                     part: Slice | None) -> nn.Module | None:
@@ -340,19 +359,28 @@ def replace_submodule(model: nn.Module, name: str, layer: nn.Module) -> None:
 
 
 def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str, tuple[str, int | None]],
-                    device: torch.device, dtype: torch.dtype,
-                    shards: Mapping[str, Slice] | None = None) -> list[str]:
+                    device: torch.device, dtype: torch.dtype, shards: Mapping[str, Slice] | None = None,
+                    quantize_experts: tuple[str, int | None] | None = None) -> list[str]:
     """Fill `model` (built on the meta device or real) from checkpoint `files` in place, one tensor at a
     time, on `device` in `dtype` (floating-point tensors). Layers named in `quantize` ({name: (format,
     group_size)}) become QuantizedLinear, from the packed form when the checkpoint holds one, else
     quantized on the device from the float weight. Layers named in `shards` ({name: Slice}, tensor
-    parallelism) keep only this rank's part, read alone and quantized after the cut. Returns the
-    names of the quantized layers."""
+    parallelism) keep only this rank's part, read alone and quantized after the cut. MoE experts
+    modules the checkpoint holds packed become QuantizedExperts as saved (`quantize_experts`: the
+    (format, group_size) asked for, which they must match); float ones load as parameters. Returns the
+    names of the quantized layers and experts modules."""
     reader = CheckpointReader(files)
     loader = _Loader(model, reader, device, dtype)
     shards = shards or {}
     quantized, built = [], set()
     for name, module in list(model.named_modules()):
+        if experts_layout(module) is not None:  # MoE experts saved packed: loaded as saved
+            layer = loader.packed_experts(name, module, quantize_experts)
+            if layer is not None:
+                replace_submodule(model, name, layer)
+                built.update(id(m) for m in layer.modules())
+                quantized.append(name)
+            continue
         if not (isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)):
             continue
         saved = loader.saved_format(name)

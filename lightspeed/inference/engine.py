@@ -21,7 +21,7 @@ from lightspeed._utils.logging import current_rank, get_logger
 from lightspeed.inference import cuda_graph
 from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_dir, replace_submodule,
                                             resolve_checkpoint_files, save_inference_checkpoint, write_split_config)
-from lightspeed.inference.experts import experts_layout, quantize_experts
+from lightspeed.inference.experts import quantize_experts
 from lightspeed.inference.fusion import GROUPS, fuse_projections
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims
 from lightspeed.inference.tensor_parallel import ROW_STYLES, Slice, attach_all_reduce, build_plan, is_colwise, \
@@ -385,12 +385,6 @@ def init_inference(model: nn.Module, config: dict | None = None, *, dtype=torch.
         tp.shard_in_place(model)  # the model's linear layers take the slices' shapes (on meta: no memory)
 
     quantizing = q is not None and q["enabled"]
-    if quantizing and kwargs["save_mp_checkpoint_path"]:
-        moe = [n for n, m in model.named_modules() if isinstance(experts_layout(m), tuple)
-               and not _matches(n, q["exclude"])]
-        if moe:
-            raise NotImplementedError(f"init_inference: save_mp_checkpoint_path with quantized MoE experts ({moe[0]}) "
-                                      f"is not implemented: the saved files would not load back")
     if quantizing:
         size = torch.empty((), dtype=target_dtype).element_size()
         before = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in model.parameters())
@@ -493,7 +487,8 @@ def _place_linears(model: nn.Module, files: list[str] | None, q: dict | None, tp
         else:
             wanted = _split_quantizable(chosen, q, tp) if q else {}
         names = load_checkpoint(model, files, quantize=wanted, device=device, dtype=dtype,
-                                shards=None if presplit else tp.slices())
+                                shards=None if presplit else tp.slices(),
+                                quantize_experts=(q["weight"], q["group_size"]) if q else None)
         logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
         if q is None:
             return names

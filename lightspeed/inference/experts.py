@@ -6,7 +6,8 @@ model's weights in float. `QuantizedExperts` holds each expert's two matrices as
 layers and computes what the experts module's eager forward computes (transformers'
 `use_experts_implementation` default: a loop over the experts that got tokens).
 
-Owns the recognition of such modules (`experts_layout`) and the swap (`quantize_experts`).
+Owns the recognition of such modules (`experts_layout`) and the swap (`quantize_experts`); checkpoint.py
+loads saved packed experts back into QuantizedExperts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 from torch import nn
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.inference.checkpoint import replace_submodule
 from lightspeed.inference.quantized_linear import QuantizedLinear
 from lightspeed.ops.wquant.reference import check_quant_args
 
@@ -89,6 +89,8 @@ def quantize_experts(model: nn.Module, weight: str, group_size: int | None, chos
     """Swap every experts module of `model` that `chosen(name)` accepts for QuantizedExperts, one expert
     matrix at a time moved to `device`, cast to `dtype` and quantized there; returns the swapped names.
     Experts modules of other layouts, or whose widths the format cannot pack, stay (logged)."""
+    from lightspeed.inference.checkpoint import replace_submodule  # checkpoint.py loads packed experts: no cycle
+
     swapped = []
     for name, module in list(model.named_modules()):
         layout = experts_layout(module)

@@ -1,7 +1,7 @@
 """Quantized MoE experts (lightspeed/inference/experts.py): init_inference swaps transformers 5's experts
 modules (3-D gate_up_proj / down_proj) for QuantizedExperts, which computes what the experts module
-computes with its weights dequantized; other layouts and excluded names stay float; saving such a model
-is refused up front."""
+computes with its weights dequantized; other layouts and excluded names stay float; a saved quantized
+model loads back as saved."""
 from __future__ import annotations
 
 import copy
@@ -118,13 +118,31 @@ def test_other_layouts_and_excluded_names_stay_float(ls_caplog):
     assert isinstance(q.model.layers[0].self_attn.q_proj, QuantizedLinear)
 
 
-def test_saving_quantized_experts_is_refused_before_any_work(tmp_path):
-    model = _moe("mixtral")
-    with pytest.raises(NotImplementedError, match="save_mp_checkpoint_path with quantized MoE experts"):
-        init_inference(model, dtype=torch.float32, device="cpu", quant={"weight": "int4"},
+def test_saved_quantized_experts_load_back_as_saved(tmp_path):
+    """save_mp_checkpoint_path writes each expert's packed layers; a model built on the meta device loads
+    them as saved (no quantization call), with the same logits; asking for another format is an error."""
+    from lightspeed import OnDevice
+    import lightspeed.inference.quantized_linear as ql
+
+    base = _moe("qwen2_moe")
+    q = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int4", "group_size": 16},
                        save_mp_checkpoint_path=tmp_path)
-    assert not any(isinstance(m, (QuantizedExperts, QuantizedLinear)) for m in model.modules())
-    assert not list(tmp_path.iterdir())
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def meta_model():
+        with OnDevice(dtype=torch.float32, device="meta"):
+            return transformers.AutoModelForCausalLM.from_config(base.config).eval()
+
+    keep, ql.quantize = ql.quantize, None  # any quantization call would fail
+    try:
+        loaded = init_inference(meta_model(), dtype=torch.float32, device="cpu", checkpoint=str(tmp_path))
+    finally:
+        ql.quantize = keep
+    assert isinstance(loaded.model.layers[1].mlp.experts, QuantizedExperts)
+    assert torch.equal(_logits(loaded, ids), _logits(q, ids))
+    with pytest.raises(ValueError, match="experts .* are saved as int4 .* but fp6"):  # linears excluded: they load
+        init_inference(meta_model(), dtype=torch.float32, device="cpu", checkpoint=str(tmp_path),  # as saved
+                       quant={"weight": "fp6", "exclude": ["*proj", "*gate"]})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -24,8 +24,11 @@ of each third, so the rank holds whole heads of q, k and v; a fused layer of oth
 (`colwise_parts`: Phi-3's qkv_proj with grouped-query parts, its gate_up_proj) likewise keeps its rows of
 each part, and a module that cuts such an output by the config's head counts (Phi-3's attention) gets a
 view of the config with this rank's (`_RankConfig`). Models whose config has no base_model_tp_plan, or
-one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, GPT-Neo, OPT, Phi-3, BLOOM, Falcon) or
-`injection_policy`. ALiBi biases built by the model for all heads (BLOOM, Falcon-RW) are cut to this rank's
+one that gathers outputs (Phi-3), use `BUILTIN_PLANS` (GPT-2, GPT-Neo, OPT, Phi-3, BLOOM, Falcon,
+GPT-BigCode) or `injection_policy` (whose column-parallel layers take the built-in plan's style where it
+has one: a fused layer's layout is the model's). A multi-query attention's fused [q heads | k | v] layer
+(Falcon-7B, StarCoder) keeps its q rows and the one k/v head whole on every rank (`colwise_parts(...,
+whole=...)`), its k/v head count staying 1. ALiBi biases built by the model for all heads (BLOOM, Falcon-RW) are cut to this rank's
 heads (`_RankAlibi`). An attention module that keeps its head counts as attributes (GPT-2's split_size, GPT-J's
 num_attention_heads, older transformers' num_heads / hidden_size) has them divided by tp after the split
 (`per_rank_attributes`), as DeepSpeed's AutoTP does: the module then reshapes its slice of the heads.
@@ -58,12 +61,15 @@ ROW_STYLES = (ROWWISE, HEAD)
 # one all-reduced would; DeepSpeed's AutoTP keeps them whole too)
 _WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise")
 _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads")
 
 
-def colwise_parts(*rows: int) -> str:
+def colwise_parts(*rows: int, whole: tuple[int, ...] = ()) -> str:
     """The style of a fused layer whose output rows are parts of these sizes (Phi-3's qkv_proj: q, k, v rows;
-    its gate_up_proj: two halves), each split colwise, so a rank keeps its rows of every part."""
-    return _PARTS + ",".join(str(int(r)) for r in rows)
+    its gate_up_proj: two halves), each split colwise, so a rank keeps its rows of every part; the parts
+    whose indices are in `whole` are kept whole on every rank (a multi-query attention's one k and one v
+    head, which all of a rank's query heads read)."""
+    return _PARTS + ",".join(f"{int(r)}{'r' if i in whole else ''}" for i, r in enumerate(rows))
 
 
 def is_colwise(style: str) -> bool:
@@ -75,11 +81,18 @@ def part_rows(style: str, n: int) -> list[int]:
     if style == COLWISE_QKV:
         return [n // 3] * 3
     if style.startswith(_PARTS):
-        rows = [int(r) for r in style[len(_PARTS):].split(",")]
+        rows = [int(r.rstrip("r")) for r in style[len(_PARTS):].split(",")]
         if sum(rows) != n:
             raise ValueError(f"init_inference: a fused layer planned as parts {rows} has {n} output rows")
         return rows
     return [n]
+
+
+def whole_parts(style: str) -> list[bool]:
+    """Which parts of a column-parallel layer every rank keeps whole (`colwise_parts(..., whole=...)`)."""
+    if style.startswith(_PARTS):
+        return [r.endswith("r") for r in style[len(_PARTS):].split(",")]
+    return [False] * (3 if style == COLWISE_QKV else 1)
 
 
 def _phi3_plan(config) -> dict[str, str]:
@@ -96,12 +109,25 @@ def _phi3_plan(config) -> dict[str, str]:
 def _falcon_plan(config) -> dict[str, str]:
     """Falcon: query_key_value's rows are whole k/v groups ([group, (q heads, k, v), head_dim], Falcon-40B /
     180B's new_decoder_architecture) or whole heads ([head, (q, k, v), head_dim], multi_query=False), so a
-    block of rows is whole heads. Falcon-7B's multi-query layout ([q heads | one k | one v]) cannot be split."""
+    block of rows is whole heads; the multi-query layout ([q heads | one k | one v], Falcon-7B) keeps its q
+    heads' rows and the k and v head whole on every rank."""
+    qkv = COLWISE
     if config.multi_query and not config.new_decoder_architecture:
-        raise NotImplementedError("init_inference: tensor parallelism for Falcon with multi_query=True (one k/v head "
-                                  "shared by all heads, as Falcon-7B) is not implemented: its k and v cannot be split")
-    return {"h.*.self_attention.query_key_value": COLWISE, "h.*.self_attention.dense": ROWWISE,
+        head_dim = config.hidden_size // config.num_attention_heads
+        qkv = colwise_parts(config.hidden_size, head_dim, head_dim, whole=(1, 2))
+    return {"h.*.self_attention.query_key_value": qkv, "h.*.self_attention.dense": ROWWISE,
             "h.*.mlp.dense_h_to_4h": COLWISE, "h.*.mlp.dense_4h_to_h": ROWWISE}
+
+
+def _bigcode_plan(config) -> dict[str, str]:
+    """GPT-BigCode (SantaCoder, StarCoder): c_attn is [head, (q, k, v), head_dim] (a block of rows is whole
+    heads), or with multi_query [q heads | one k | one v]: each rank keeps its q heads and the k and v head
+    whole, which all its q heads read (`_bigcode_attributes`)."""
+    attn = COLWISE
+    if config.multi_query:
+        head_dim = config.hidden_size // config.num_attention_heads
+        attn = colwise_parts(config.hidden_size, head_dim, head_dim, whole=(1, 2))
+    return {"h.*.attn.c_attn": attn, "h.*.attn.c_proj": ROWWISE, "h.*.mlp.c_fc": COLWISE, "h.*.mlp.c_proj": ROWWISE}
 
 
 # plans for transformers models whose config has no base_model_tp_plan, or one that gathers outputs (names
@@ -118,7 +144,7 @@ BUILTIN_PLANS = {"gpt2": {"h.*.attn.c_attn": COLWISE_QKV, "h.*.attn.c_proj": ROW
                  # query_key_value is [head, (q, k, v), head_dim]: a block of rows is whole heads
                  "bloom": {"h.*.self_attention.query_key_value": COLWISE, "h.*.self_attention.dense": ROWWISE,
                            "h.*.mlp.dense_h_to_4h": COLWISE, "h.*.mlp.dense_4h_to_h": ROWWISE},
-                 "falcon": _falcon_plan}
+                 "falcon": _falcon_plan, "gpt_bigcode": _bigcode_plan}
 _FUSED_QKV = frozenset({"c_attn"})  # names of fused q|k|v layers of three equal thirds (GPT-2), `colwise_qkv`
 # per-rank attribute of an attention module whose column-parallel layers are split (see the Note)
 _ATTENTION_ATTRS = ("split_size", "num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
@@ -175,14 +201,23 @@ def _column_style(name: str) -> str:
     return COLWISE_QKV if name.rpartition(".")[2] in _FUSED_QKV else COLWISE
 
 
-def _config_plan(model: nn.Module) -> dict[str, str]:
+def _builtin_patterns(model: nn.Module) -> dict[str, str] | None:
     config = getattr(model, "config", None)
     patterns = BUILTIN_PLANS.get(getattr(config, "model_type", None))
-    patterns = (patterns(config) if callable(patterns) else patterns) or getattr(config, "base_model_tp_plan", None)
+    return patterns(config) if callable(patterns) else patterns
+
+
+def _config_plan(model: nn.Module) -> dict[str, str]:
+    patterns = _builtin_patterns(model) or getattr(getattr(model, "config", None), "base_model_tp_plan", None)
     if not patterns:
         raise NotImplementedError(f"init_inference: tensor parallelism for {type(model).__name__} needs a plan: its "
                                   "config has no base_model_tp_plan; pass injection_policy={BlockClass: "
                                   "('row_parallel_linear', ...)}")
+    return _match(model, patterns)
+
+
+def _match(model: nn.Module, patterns: Mapping[str, str]) -> dict[str, str]:
+    """{linear layer name: style} of `patterns` ({name pattern under the base model or whole: style})."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     plan = {}
     for name, module in model.named_modules():
@@ -202,6 +237,12 @@ def _config_plan(model: nn.Module) -> dict[str, str]:
 def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[str, str]:
     """{linear layer name: "colwise" | "rowwise"} (see the Note), checked for tp_size."""
     plan = _policy_plan(model, injection_policy) if injection_policy else _config_plan(model)
+    if injection_policy and _builtin_patterns(model):
+        # a fused layer's row layout is the model's (GPT-BigCode's c_attn is not GPT-2's thirds): a policy's
+        # column-parallel layer takes the built-in plan's column style
+        known = _match(model, _builtin_patterns(model))
+        plan.update({name: known[name] for name, style in plan.items() if is_colwise(style)
+                     and is_colwise(known.get(name, ""))})
     if not plan:
         raise ValueError("init_inference: the tensor-parallel plan matches no nn.Linear of the model")
     packed = [name for name in plan if isinstance(model.get_submodule(name), QuantizedLinear)]
@@ -212,14 +253,17 @@ def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[st
     if head is not None and head not in plan and model.get_submodule(head).weight.shape[1] % tp_size == 0:
         plan[head] = HEAD
     config = getattr(model, "config", None)
+    kept_whole = any(any(whole_parts(style)) for style in plan.values() if is_colwise(style))
     for key in _HEAD_KEYS:
         heads = getattr(config, key, None)
-        if isinstance(heads, int) and heads % tp_size:
+        if isinstance(heads, int) and heads % tp_size and not (heads == 1 and kept_whole):  # multi-query: k/v whole
             raise ValueError(f"init_inference: config.{key}={heads} does not divide by tp_size={tp_size}")
     for name, style in plan.items():
         n, k = linear_dims(model.get_submodule(name))
         sizes = part_rows(style, n) if is_colwise(style) else [k]
-        if any(size % tp_size for size in sizes) or (style == COLWISE_QKV and n % 3):
+        split = [size for size, whole in zip(sizes, whole_parts(style) if is_colwise(style) else [False])
+                 if not whole]
+        if any(size % tp_size for size in split) or (style == COLWISE_QKV and n % 3):
             what = f"parts of {sizes} rows" if len(sizes) > 1 else \
                 f"{sizes[0]} {'output' if is_colwise(style) else 'input'} features"
             raise ValueError(f"init_inference: {name} ({style}) has {what}, which do not divide by tp_size={tp_size}")
@@ -252,9 +296,10 @@ class Slice:
     def indices(self, shape) -> list[tuple[slice, slice]]:
         if is_colwise(self.style):
             out, start = [], 0
-            for rows in part_rows(self.style, shape[0]):
+            for rows, whole in zip(part_rows(self.style, shape[0]), whole_parts(self.style)):
                 n = rows // self.size
-                out.append((slice(start + self.rank * n, start + (self.rank + 1) * n), slice(None)))
+                out.append((slice(start, start + rows) if whole else
+                            slice(start + self.rank * n, start + (self.rank + 1) * n), slice(None)))
                 start += rows
             return out
         k = shape[1] // self.size
@@ -290,30 +335,47 @@ def per_rank_attributes(model: nn.Module, plan: Mapping[str, str], tp_size: int,
     changed = []
     parents = {name.rpartition(".")[0] for name, style in plan.items() if is_colwise(style)}
     fused = {name.rpartition(".")[0] for name, style in plan.items() if style.startswith(_PARTS)}
+    # multi-query attentions: their one k/v head is kept whole on every rank, so its count stays 1
+    shared_kv = {name.rpartition(".")[0] for name, style in plan.items() if is_colwise(style) and any(whole_parts(style))}
     config = getattr(model, "config", None)
     for parent in sorted(parents):
         module = model.get_submodule(parent)
         if parent in fused and config is not None and getattr(module, "config", None) is config:
             # the module cuts its fused output by the config's head counts (Phi-3's attention): its view of
             # the config gets this rank's
-            counts = {key: getattr(config, key) for key in _HEAD_KEYS if isinstance(getattr(config, key, None), int)}
+            counts = {key: getattr(config, key) for key in _HEAD_KEYS if isinstance(getattr(config, key, None), int)
+                      and getattr(config, key) % tp_size == 0}  # (a multi-query model's one k/v head stays one)
             module.config = _RankConfig(config, {key: value // tp_size for key, value in counts.items()})
             changed.extend(f"{parent}.config.{key}" for key in counts)
         if not any(isinstance(getattr(module, a, None), int) for a in _HEAD_COUNTS):
             continue
         for attr in _ATTENTION_ATTRS:
             value = getattr(module, attr, None)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, int) or isinstance(value, bool) or (parent in shared_kv and value == 1
+                                                                         and attr in _KV_HEADS):
                 continue
             if value % tp_size:
                 raise ValueError(f"init_inference: {parent}.{attr}={value} does not divide by tp_size={tp_size}")
             setattr(module, attr, value // tp_size)
             changed.append(f"{parent}.{attr}")
+        if type(module).__name__ == "GPTBigCodeAttention":
+            changed.extend(f"{parent}.{attr}" for attr in _bigcode_attributes(module, tp_size))
         params = list(inspect.signature(module.forward).parameters)
         if tp_size > 1 and "alibi" in params and isinstance(getattr(module, "num_heads", None), int):
             module.register_forward_pre_hook(_RankAlibi(rank, tp_size, params), with_kwargs=True)
             changed.append(f"{parent}.alibi")
     return changed
+
+
+def _bigcode_attributes(module: nn.Module, tp_size: int) -> list[str]:
+    """GPT-BigCode's attention after the generic division (num_heads, embed_dim, split_size): with multi_query
+    its one k/v head stays, so each rank's num_heads q heads share it (num_key_value_groups); else its k/v
+    heads are its q heads."""
+    if not module.multi_query:
+        module.kv_heads //= tp_size
+        module.kv_dim = module.kv_heads * module.head_dim
+    module.num_key_value_groups = module.num_heads // module.kv_heads
+    return ["kv_heads", "kv_dim", "num_key_value_groups"] if not module.multi_query else ["num_key_value_groups"]
 
 
 class _RankAlibi:

@@ -137,8 +137,8 @@ def _scenarios(world, ckpt_dir):
         packed.model.layers[1].mlp.up_proj = QuantizedLinear.from_linear(packed.model.layers[1].mlp.up_proj, "int8")
         for kwargs, exc in (({"model": _model(kv_heads=world // 2)}, ValueError),
                             ({"model": packed}, ValueError),
-                            ({"model": transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
-                                n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB))}, NotImplementedError)):
+                            ({"model": transformers.MptForCausalLM(transformers.MptConfig(
+                                n_layers=1, d_model=32, n_heads=4, vocab_size=VOCAB))}, NotImplementedError)):
             try:
                 init_inference(kwargs["model"], dtype=torch.float32, device="cpu", tensor_parallel=tp)
             except exc as err:
@@ -291,7 +291,7 @@ def test_split_checkpoint_needs_its_tp_size(reference):
 # q/k/v biases, row-parallel biases (Phi), head_dim set; GPT-NeoX: a fused per-head q|k|v layer and an
 # embedding style in its plan; GPT-J: head counts kept as attributes (divided per rank)
 FAMILIES = ("qwen2", "phi", "mistral", "gemma", "qwen3", "gpt_neox", "gptj", "opt", "gpt_neo", "bloom", "falcon",
-            "falcon_alibi")
+            "falcon_alibi", "falcon_mq", "bigcode", "bigcode_mha")
 
 
 def _family(name):
@@ -314,12 +314,20 @@ def _family(name):
         return transformers.BloomForCausalLM(transformers.BloomConfig(
             n_layer=2, hidden_size=64, n_head=8, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)).eval()
+    if name == "falcon_mq":  # Falcon-7B's multi-query layout: one k/v head, kept whole on every rank
+        return transformers.FalconForCausalLM(transformers.FalconConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=8, multi_query=True, new_decoder_architecture=False,
+            parallel_attn=True, bias=False, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
     if name.startswith("falcon"):  # 40B's grouped k/v layout, rotary; or one k/v per head and ALiBi (RW)
         grouped = name == "falcon"
         return transformers.FalconForCausalLM(transformers.FalconConfig(
             num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_kv_heads=4 if grouped else 8,
             new_decoder_architecture=grouped, multi_query=False, alibi=not grouped, parallel_attn=grouped,
             bias=not grouped, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    if name.startswith("bigcode"):  # StarCoder's multi-query c_attn [q heads | k | v], or per-head q|k|v
+        return transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
+            n_layer=2, n_embd=64, n_head=8, multi_query=name == "bigcode", vocab_size=VOCAB, n_positions=64,
+            bos_token_id=1, eos_token_id=2)).eval()
     if name == "gptj":
         return transformers.GPTJForCausalLM(transformers.GPTJConfig(
             n_layer=2, n_embd=64, n_head=8, rotary_dim=4, vocab_size=VOCAB, n_positions=64)).eval()
@@ -335,19 +343,27 @@ def _family(name):
 def _families(world):
     from lightspeed.inference import init_inference
 
-    return {name: _run(init_inference(_family(name), dtype=torch.float32, device="cpu",
-                                      tensor_parallel={"tp_size": world})) for name in FAMILIES}
+    out = {name: _run(init_inference(_family(name), dtype=torch.float32, device="cpu",
+                                     tensor_parallel={"tp_size": world})) for name in FAMILIES}
+    # DeepSpeed's injection_policy on GPT-BigCode: its c_attn keeps the model's layout, not GPT-2's thirds
+    block = transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeBlock
+    out["bigcode_policy"] = _run(init_inference(_family("bigcode"), dtype=torch.float32, device="cpu",
+                                                tensor_parallel={"tp_size": world},
+                                                injection_policy={block: ("attn.c_proj", "mlp.c_proj")}))
+    return out
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_tensor_parallel_across_model_families(world):
-    """The config's base_model_tp_plan of other transformers families (OPT's, GPT-Neo's, BLOOM's and
-    Falcon's: the built-in plans), split over the ranks, against one process."""
+    """The config's base_model_tp_plan of other transformers families (OPT's, GPT-Neo's, BLOOM's,
+    Falcon's and GPT-BigCode's: the built-in plans; multi-query Falcon and BigCode keep their k/v head
+    whole), split over the ranks, against one process; BigCode also through injection_policy."""
     from lightspeed.inference import init_inference
 
     results = run_world(_families, world, world)
-    for name in FAMILIES:  # logits of a forward without a mask; greedy tokens of generate with one
-        logits, tokens = _run(init_inference(_family(name), dtype=torch.float32, device="cpu"))
+    for name in (*FAMILIES, "bigcode_policy"):  # logits of a forward without a mask; greedy tokens of generate
+        logits, tokens = _run(init_inference(_family(name.removesuffix("_policy")), dtype=torch.float32,
+                                             device="cpu"))
         for got_logits, got_tokens in (res[name] for res in results):
             torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5, msg=name)
             assert torch.equal(got_tokens, tokens), name

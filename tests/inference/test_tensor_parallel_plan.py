@@ -84,11 +84,19 @@ def test_embedding_styles_keep_the_embedding_whole():
 
 def test_a_model_without_a_plan_is_refused():
     torch.manual_seed(0)
-    model = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(n_layer=1, n_embd=32, n_head=4,
-                                                                             vocab_size=96))
-    with pytest.raises(NotImplementedError, match="GPTBigCodeForCausalLM needs a plan"):
+    model = transformers.MptForCausalLM(transformers.MptConfig(n_layers=1, d_model=32, n_heads=4, vocab_size=96))
+    with pytest.raises(NotImplementedError, match="MptForCausalLM needs a plan"):
         build_plan(model, 2)
-    falcon_7b_like = transformers.FalconForCausalLM(transformers.FalconConfig(  # multi-query: one k/v head
+
+
+def test_multi_query_layers_keep_their_kv_head_whole():
+    """Falcon-7B's and StarCoder's fused [q heads | k | v]: each rank keeps its q rows and all of k and v;
+    the one k/v head is no reason to refuse a tp_size (it is not split), the query heads still are."""
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(  # Falcon-7B's layout: 4 heads of 8
         num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=96))
-    with pytest.raises(NotImplementedError, match="Falcon with multi_query=True"):
-        build_plan(falcon_7b_like, 2)
+    style = build_plan(falcon, 2)["transformer.h.0.self_attention.query_key_value"]
+    assert style == colwise_parts(32, 8, 8, whole=(1, 2))
+    assert Slice(style, 1, 2).indices((48, 32)) == [(slice(16, 32), slice(None)), (slice(32, 40), slice(None)),
+                                                     (slice(40, 48), slice(None))]
+    with pytest.raises(ValueError, match="num_attention_heads=4 does not divide by tp_size=8"):
+        build_plan(falcon, 8)

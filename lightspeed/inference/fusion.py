@@ -15,9 +15,9 @@ The first part computes the fused product and keeps it with x; a later part call
 tensor object, unchanged since (its version counter), takes its slice of the kept output (a view: no
 copy), and the kept tensors are dropped once every part has taken its slice. A part called with
 another input computes the fused product again and takes its slice: still exact, only slower; the
-group logs a warning once. Under torch.compile nothing is kept (a traced side effect): each part
-computes the fused product of its input and slices it, and the identical operator calls are merged
-by AOT autograd's common-subexpression pass.
+group logs a warning once. dynamo traces the same logic (it cannot read version counters, so there the
+input is matched by identity alone, as for inference-mode tensors), so a compiled block holds one
+operator per group, and the kept state is back to empty when the traced forward ends.
 """
 
 from __future__ import annotations

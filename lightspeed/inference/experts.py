@@ -89,7 +89,7 @@ def quantize_experts(model: nn.Module, weight: str, group_size: int | None, chos
     """Swap every experts module of `model` that `chosen(name)` accepts for QuantizedExperts, one expert
     matrix at a time moved to `device`, cast to `dtype` and quantized there; returns the swapped names.
     Experts modules of other layouts, or whose widths the format cannot pack, stay (logged)."""
-    from lightspeed.inference.checkpoint import replace_submodule  # checkpoint.py loads packed experts: no cycle
+    from lightspeed.inference.checkpoint import replace_submodule  # lazy: checkpoint.py imports this module
 
     swapped = []
     for name, module in list(model.named_modules()):

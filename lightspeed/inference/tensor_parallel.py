@@ -106,15 +106,18 @@ def _phi3_plan(config) -> dict[str, str]:
             "layers.*.mlp.down_proj": ROWWISE}
 
 
+def _multi_query_qkv(config) -> str:
+    """The style of a multi-query [q heads | one k | one v] layer: q split, the k and v head kept whole."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    return colwise_parts(config.hidden_size, head_dim, head_dim, whole=(1, 2))
+
+
 def _falcon_plan(config) -> dict[str, str]:
     """Falcon: query_key_value's rows are whole k/v groups ([group, (q heads, k, v), head_dim], Falcon-40B /
     180B's new_decoder_architecture) or whole heads ([head, (q, k, v), head_dim], multi_query=False), so a
     block of rows is whole heads; the multi-query layout ([q heads | one k | one v], Falcon-7B) keeps its q
     heads' rows and the k and v head whole on every rank."""
-    qkv = COLWISE
-    if config.multi_query and not config.new_decoder_architecture:
-        head_dim = config.hidden_size // config.num_attention_heads
-        qkv = colwise_parts(config.hidden_size, head_dim, head_dim, whole=(1, 2))
+    qkv = _multi_query_qkv(config) if config.multi_query and not config.new_decoder_architecture else COLWISE
     return {"h.*.self_attention.query_key_value": qkv, "h.*.self_attention.dense": ROWWISE,
             "h.*.mlp.dense_h_to_4h": COLWISE, "h.*.mlp.dense_4h_to_h": ROWWISE}
 
@@ -123,10 +126,7 @@ def _bigcode_plan(config) -> dict[str, str]:
     """GPT-BigCode (SantaCoder, StarCoder): c_attn is [head, (q, k, v), head_dim] (a block of rows is whole
     heads), or with multi_query [q heads | one k | one v]: each rank keeps its q heads and the k and v head
     whole, which all its q heads read (`_bigcode_attributes`)."""
-    attn = COLWISE
-    if config.multi_query:
-        head_dim = config.hidden_size // config.num_attention_heads
-        attn = colwise_parts(config.hidden_size, head_dim, head_dim, whole=(1, 2))
+    attn = _multi_query_qkv(config) if config.multi_query else COLWISE
     return {"h.*.attn.c_attn": attn, "h.*.attn.c_proj": ROWWISE, "h.*.mlp.c_fc": COLWISE, "h.*.mlp.c_proj": ROWWISE}
 
 
@@ -237,10 +237,11 @@ def _match(model: nn.Module, patterns: Mapping[str, str]) -> dict[str, str]:
 def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[str, str]:
     """{linear layer name: "colwise" | "rowwise"} (see the Note), checked for tp_size."""
     plan = _policy_plan(model, injection_policy) if injection_policy else _config_plan(model)
-    if injection_policy and _builtin_patterns(model):
+    builtin = _builtin_patterns(model) if injection_policy else None
+    if builtin:
         # a fused layer's row layout is the model's (GPT-BigCode's c_attn is not GPT-2's thirds): a policy's
         # column-parallel layer takes the built-in plan's column style
-        known = _match(model, _builtin_patterns(model))
+        known = _match(model, builtin)
         plan.update({name: known[name] for name, style in plan.items() if is_colwise(style)
                      and is_colwise(known.get(name, ""))})
     if not plan:
@@ -371,11 +372,13 @@ def _bigcode_attributes(module: nn.Module, tp_size: int) -> list[str]:
     """GPT-BigCode's attention after the generic division (num_heads, embed_dim, split_size): with multi_query
     its one k/v head stays, so each rank's num_heads q heads share it (num_key_value_groups); else its k/v
     heads are its q heads."""
+    changed = []
     if not module.multi_query:
         module.kv_heads //= tp_size
         module.kv_dim = module.kv_heads * module.head_dim
+        changed = ["kv_heads", "kv_dim"]
     module.num_key_value_groups = module.num_heads // module.kv_heads
-    return ["kv_heads", "kv_dim", "num_key_value_groups"] if not module.multi_query else ["num_key_value_groups"]
+    return changed + ["num_key_value_groups"]
 
 
 class _RankAlibi:

@@ -473,6 +473,15 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor that is all of its storage: a view (an expert's slice of QuantizedExperts'
+    stacked buffers) is copied, as safetensors refuses tensors that share memory."""
+    tensor = tensor.contiguous()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
 def save_inference_checkpoint(model: nn.Module, directory: str | os.PathLike,
                               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
     """Write `model` as it is (cast, quantized) to `directory`: sharded safetensors, the index and
@@ -498,7 +507,7 @@ def save_inference_checkpoint(model: nn.Module, directory: str | os.PathLike,
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     metadata = {"format": "pt", QUANT_METADATA_KEY: json.dumps(quant)}
     for name, keys in zip(names, shards):
-        cpu = {key: state[key].detach().to("cpu").contiguous() for key in keys}
+        cpu = {key: _own_storage(state[key].detach().to("cpu")) for key in keys}
         atomic_write_via(os.path.join(directory, name), lambda tmp: save_file(cpu, tmp, metadata=metadata))
         del cpu
     weight_map = {key: name for name, keys in zip(names, shards) for key in keys}

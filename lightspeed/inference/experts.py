@@ -19,6 +19,7 @@ from torch import nn
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.inference.quantized_linear import QuantizedLinear
+from lightspeed.ops.wquant import MAX_GROUPED_ROWS, QuantizedWeight, grouped_quantized_matmul, reserve_grouped_scratch
 from lightspeed.ops.wquant.reference import check_quant_args
 
 logger = get_logger(__name__)
@@ -62,9 +63,41 @@ class QuantizedExperts(nn.Module):
         self.gate_up = nn.ModuleList(gate_up)
         self.down = nn.ModuleList(down)
         self.act_fn = act_fn
+        self._stacks = None
+        self._stack()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._stack()  # `.to("cuda")` and the like give every expert's buffers anew
+        return self
+
+    def _stack(self) -> None:
+        """Make each matrix kind's per-expert buffers views of one stacked tensor, `_stacks` = (gate|up,
+        down) QuantizedWeights over them, as the grouped kernel reads them (`grouped_quantized_matmul`).
+        The state dict keeps its per-expert names; a stack already in place is kept."""
+        if self._stacks is not None and all(
+                layer.qweight.data_ptr() == stack.planes[0][e].data_ptr()
+                and layer.scales.data_ptr() == stack.scales[e].data_ptr()
+                for stack, layers in zip(self._stacks, (self.gate_up, self.down)) for e, layer in enumerate(layers)):
+            return
+        stacks = []
+        for layers in (self.gate_up, self.down):
+            planes, scales = torch.stack([m.qweight for m in layers]), torch.stack([m.scales for m in layers])
+            for e, layer in enumerate(layers):
+                layer.qweight, layer.scales = planes[e], scales[e]
+            first = layers[0].quantized_weight()
+            stacks.append(QuantizedWeight(first.format, first.shape, first.group_size, (planes,),
+                                          scales.view(torch.float16), first.dtype, first.tile))
+        self._stacks = tuple(stacks)
+        if planes.is_cuda:  # split-K scratch for the grouped launches, before any CUDA-graph capture
+            for stack in self._stacks:
+                reserve_grouped_scratch(planes.device, stack.format, stack.shape[0], self.num_experts)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if (self._stacks is not None and top_k_index.numel() <= MAX_GROUPED_ROWS
+                and (not hidden_states.is_cuda or hidden_states.dtype in (torch.float16, torch.bfloat16))):
+            return self._grouped(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             routed = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -76,6 +109,32 @@ class QuantizedExperts(nn.Module):
             gate, up = self.gate_up[e](hidden_states[tokens]).chunk(2, dim=-1)
             y = self.down[e](self.act_fn(gate) * up) * top_k_weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+    def _grouped(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The eager loop's result without its host sync (a decode step's routes, at most MAX_GROUPED_ROWS):
+        the (token, slot) routes sorted by expert, both products as one grouped launch each, then each
+        token's routes summed in expert order, as the loop adds them. Routes to the dropped slot E sort
+        last, past offsets[E]: not computed, and zeroed."""
+        tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offsets = torch.cat([counts.new_zeros(1), counts[:-1].cumsum(0, dtype=torch.int32)])
+        x = hidden_states[order // k]
+        gate, up = grouped_quantized_matmul(x, self._stacks[0], offsets).chunk(2, dim=-1)
+        y = grouped_quantized_matmul(self.act_fn(gate) * up, self._stacks[1], offsets)
+        y = (y * top_k_weights.reshape(-1)[order, None]).to(hidden_states.dtype)
+        y = torch.where((torch.arange(flat.numel(), device=flat.device) < offsets[-1])[:, None], y, 0)
+        routed = torch.empty_like(y)
+        routed[order] = y  # back to (token, slot) order
+        routed = routed.view(tokens, k, -1).gather(
+            1, top_k_index.argsort(dim=1, stable=True)[:, :, None].expand(-1, -1, y.shape[-1]))
+        out = torch.zeros_like(hidden_states)
+        for slot in range(k):  # each token's experts in ascending order, as the eager loop adds them
+            out = out + routed[:, slot]
         return out
 
     def extra_repr(self) -> str:

@@ -99,6 +99,18 @@ def _cfg(block_n=16, split_k=1):
 
 @kernel_test
 @pytest.mark.parametrize("fmt", ["fp6", "int8", "int4"])
+def test_kernel_single_output(wt, fmt):
+    """N = 1 (Qwen2-MoE's shared-expert gate, a [1, hidden] linear): triton turns an integer argument of 1
+    into a constant, which the kernel's runtime 1.0 must not come from (it did: a compile error on the GPU)."""
+    qw = _weight(1, 64, fmt, None, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    for m in (1, 3):
+        x = _randn(m, 64, gen=gen, dtype=torch.float16)
+        _check(wt.wq_matmul(x, qw), x, qw)
+
+
+@kernel_test
+@pytest.mark.parametrize("fmt", ["fp6", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_odd_n_odd_k_bias_split_k(wt, launch, fmt, dtype):
     """N = 37 (partial N block), K = 200 (padded to 256: 2 K-tiles, the second partly padding), split-K

@@ -19,8 +19,11 @@ from .reference import (
     fp6_decode,
     fp6_encode,
     fp6_to_fp16_bits,
+    plane_specs,
     quantize,
+    reference_grouped_matmul,
     reference_matmul,
+    stack_weights,
 )
 
 logger = get_logger(__name__)
@@ -94,12 +97,59 @@ def _matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
         return wq_matmul(x2, qweight, bias).reshape(*lead, n)
 
 
+MAX_GROUPED_ROWS = 64  # the grouped kernel takes one M block: a decode step's routes (tokens x top-k)
+
+
+def grouped_quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, offsets: torch.Tensor) -> torch.Tensor:
+    """The experts' products of a mixture-of-experts layer: y [R, N] with y[r] = x[r] @ dequant(W_e).T for the
+    rows r in [offsets[e], offsets[e + 1]). `qweight` stacks E experts' [N, K] weights (planes [E, ...],
+    scales [E, N, groups]; `QuantizedWeight.expert`); x [R, K] has its rows sorted by expert; offsets [E + 1]
+    (integers, non-decreasing, on x's device) are read on the device, so a CUDA call neither syncs with
+    the host nor reads the weights of experts without rows. Rows outside [offsets[0], offsets[E]) are
+    not computed (their values are unspecified). CUDA: one Triton launch for fp16/bf16 x of at most
+    MAX_GROUPED_ROWS rows; CPU: the reference. Raises ValueError for anything else."""
+    planes, scales = qweight.planes, qweight.scales
+    n, k = qweight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [rows, {k}] (got {tuple(x.shape)})")
+    if scales.dim() != 3 or tuple(scales.shape[1:2]) != (n,) or len(planes) != 1:
+        raise ValueError(f"grouped_quantized_matmul: scales must be [experts, {n}, groups] (got {tuple(scales.shape)})")
+    experts = scales.shape[0]
+    (shape, dtype), = plane_specs(qweight.format, n, k, qweight.tile)
+    if tuple(planes[0].shape) != (experts, *shape) or planes[0].dtype != dtype or not planes[0].is_contiguous():
+        raise ValueError(f"grouped_quantized_matmul: the packed planes must be a contiguous {dtype} "
+                         f"{(experts, *shape)} (got {planes[0].dtype} {tuple(planes[0].shape)})")
+    if offsets.shape != (experts + 1,) or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != x.device:
+        raise ValueError(f"offsets must be {experts + 1} integers on {x.device} (got {offsets.dtype} "
+                         f"{tuple(offsets.shape)} on {offsets.device})")
+    if x.device != qweight.device:
+        raise ValueError(f"x is on {x.device} but the quantized weights are on {qweight.device}")
+    if x.device.type != "cuda":
+        return reference_grouped_matmul(x, qweight, offsets)
+    if x.dtype not in _KERNEL_DTYPES or x.shape[0] > MAX_GROUPED_ROWS:
+        raise ValueError(f"grouped_quantized_matmul on CUDA takes fp16/bf16 x of at most {MAX_GROUPED_ROWS} rows "
+                         f"(got {x.dtype}, {x.shape[0]} rows)")
+    from .triton import wq_grouped_matmul  # lazy: the only triton importer
+
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    with contextlib.nullcontext() if x.device.index == torch.cuda.current_device() else torch.cuda.device(x.device):
+        return wq_grouped_matmul(x, qweight, offsets.to(torch.int32))
+
+
 def reserve_scratch(device: torch.device, weight_format: str, n: int) -> None:
     """Size the kernel's per-device scratch buffers for a layer of `n` outputs on `device` (a CUDA device)
     ahead of its first call (triton.py `reserve_scratch`)."""
     from .triton import reserve_scratch
 
     reserve_scratch(device, weight_format, n)
+
+
+def reserve_grouped_scratch(device: torch.device, weight_format: str, n: int, experts: int) -> None:
+    """`reserve_scratch` for `grouped_quantized_matmul` over `experts` weights of `n` outputs."""
+    from .triton import reserve_grouped_scratch
+
+    reserve_grouped_scratch(device, weight_format, n, experts)
 
 
 # Note: torch.compile. Dynamo cannot trace the kernel launch (the autotuner, launch plans and their
@@ -171,14 +221,19 @@ _quantized_matmul_op.register_autograd(_backward, setup_context=_setup_backward)
 
 __all__ = [
     "FORMATS",
+    "MAX_GROUPED_ROWS",
     "QuantizedWeight",
     "dequantize",
     "fp6_code_values",
+    "grouped_quantized_matmul",
     "fp6_decode",
     "fp6_encode",
     "fp6_to_fp16_bits",
     "quantize",
     "quantized_matmul",
+    "reference_grouped_matmul",
     "reference_matmul",
+    "reserve_grouped_scratch",
+    "stack_weights",
     "triton_available",
 ]

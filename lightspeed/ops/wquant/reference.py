@@ -154,6 +154,11 @@ class QuantizedWeight:
         return QuantizedWeight(self.format, self.shape, self.group_size, tuple(p.to(device) for p in self.planes),
                                self.scales.to(device), self.dtype, self.tile)
 
+    def expert(self, e: int) -> "QuantizedWeight":
+        """Of a stack of experts' weights (planes [E, ...], scales [E, N, groups]): expert e's, as views."""
+        return QuantizedWeight(self.format, self.shape, self.group_size, tuple(p[e] for p in self.planes),
+                               self.scales[e], self.dtype, self.tile)
+
 
 def padded_n(n: int) -> int:
     """N rounded up to a multiple of the storage row group."""
@@ -514,6 +519,30 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype | None = torch.float32) -
     vals = fp6_decode(codes) if qw.format == "fp6" else codes.float()
     w = vals * _expand(qw.scales, qw.shape[1])
     return w.to(qw.dtype if dtype is None else dtype)
+
+
+def stack_weights(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One QuantizedWeight holding same-shaped weights (experts) stacked: planes [E, ...], scales [E, N,
+    groups], as `grouped_quantized_matmul` takes them (copies)."""
+    first = weights[0]
+    for w in weights[1:]:
+        if (w.format, w.shape, w.group_size, w.dtype, w.tile) != (first.format, first.shape, first.group_size,
+                                                                   first.dtype, first.tile):
+            raise ValueError("stack_weights: the weights differ in format, shape, group size, dtype or tile")
+    planes = tuple(torch.stack([w.planes[i] for w in weights]) for i in range(len(first.planes)))
+    return QuantizedWeight(first.format, first.shape, first.group_size, planes,
+                           torch.stack([w.scales for w in weights]), first.dtype, first.tile)
+
+
+def reference_grouped_matmul(x: torch.Tensor, qw: QuantizedWeight, offsets: torch.Tensor) -> torch.Tensor:
+    """y [R, N]: y[r] = x[r] @ dequant(W_e).T for r in [offsets[e], offsets[e + 1]) (`qw` stacks the experts'
+    weights, see `QuantizedWeight.expert`); other rows 0."""
+    y = x.new_zeros((x.shape[0], qw.shape[0]))
+    bounds = offsets.tolist()
+    for e in range(len(bounds) - 1):
+        if bounds[e + 1] > bounds[e]:
+            y[bounds[e]:bounds[e + 1]] = reference_matmul(x[bounds[e]:bounds[e + 1]], qw.expert(e))
+    return y
 
 
 def reference_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

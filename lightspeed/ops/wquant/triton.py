@@ -65,6 +65,7 @@ bf16 dot is wrong in triton 3.6) and the K loop is a while loop (no `range` over
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -90,7 +91,9 @@ from lightspeed.ops.wquant.tuning import (
     CONFIGS,
     MAX_SINGLE_BLOCK_M,
     MAX_STREAM_M,
+    SPLIT_KS,
     STREAMS,
+    TARGET_PROGRAMS_PER_SM,
     block_m_for,
     config_dict,
     graph_bench,
@@ -230,17 +233,46 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias). K is a constexpr (one compile per layer width),
     so plane strides and tile counts are constants. STREAM = 0: grid (N blocks, SPLIT_K, M blocks)
     (`_split_k_body`); STREAM > 0: stream-K over a grid of STREAM programs per SM (`_stream_k_body`).
-    M_KEY (unused in the body; not specialized on) is the autotune key's M, `tuning.tune_m(M)`.
+    M_KEY (not specialized on) is the autotune key's M, `tuning.tune_m(M)` >= 1, and the bodies' runtime 1.0.
     Autotuned with `tuning.graph_bench` (timer v2). This source is part of triton's autotune disk-cache key:
     a timer change whose cached picks should be re-tuned bumps the version here."""
     if STREAM:
-        _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale, K,
+        _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale,
+                       (M_KEY > 0).to(tl.float32), K,
                        TILE, SUB, GROUP, SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, INTERPRETED, ROWS,
                        BLOCK_N, ONE_DOT)
     else:
-        _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale, K,
-                      TILE, SUB, GROUP, SPG, FORMAT, PER_GROUP, HAS_BIAS, X_BF16, BLOCK_M, REDUCE, INTERPRETED,
-                      ROWS, BLOCK_N, SPLIT_K, ONE_DOT)
+        pid_m = tl.program_id(2)
+        _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, pid_m * BLOCK_M, M,
+                      pid_m * tl.num_programs(0), N, stride_xm, out_scale, (M_KEY > 0).to(tl.float32), K, TILE, SUB, GROUP, SPG, FORMAT, PER_GROUP,
+                      HAS_BIAS, X_BF16, BLOCK_M, REDUCE, INTERPRETED, ROWS, BLOCK_N, SPLIT_K, ONE_DOT)
+
+
+@triton.jit
+def _wq_grouped_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, off_ptr, R, N, stride_xm, out_scale,
+                       expert_units, expert_bytes, K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr,
+                       GROUP: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
+                       X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr):
+    """The experts' products of a mixture-of-experts layer in one launch: out[r] = x[r] @ dequant(W_e).T for
+    the rows r in [off[e], off[e + 1]) (x sorted by expert), W_e expert e's packed weight, expert_bytes
+    apart in the stacked planes (expert_units in w units; scales [E, N, groups]). Grid (N blocks, SPLIT_K,
+    E): program (n, s, e) is `_split_k_body`'s (n, s) over expert e's rows, with e's own counters; an expert with no rows
+    returns at once, so only the routed experts' weights are read. The offsets are read on the device:
+    no host sync, so a decode step with MoE layers can be captured in a CUDA graph."""
+    e = tl.program_id(2)
+    r0 = tl.load(off_ptr + e)
+    r1 = tl.load(off_ptr + e + 1)
+    if r1 > r0:
+        NG: tl.constexpr = K // GROUP
+        # the stride in w units too, not bytes // unit: triton then knows the 16-byte alignment of both
+        # pointers (a division loses it, and with it the vector loads)
+        _split_k_body(x_ptr, w_ptr + e.to(tl.int64) * expert_units, w2_ptr + e.to(tl.int64) * expert_bytes,
+                      s_ptr + e.to(tl.int64) * N * NG,
+                      s_ptr, out_ptr, ws_ptr, cnt_ptr, R, r0, r1, e * tl.num_programs(0), N, stride_xm, out_scale,
+                      (r1 > r0).to(tl.float32), K,
+                      TILE, SUB, GROUP, SPG, FORMAT, PER_GROUP, False, X_BF16, BLOCK_M, 1, INTERPRETED, ROWS, BLOCK_N,
+                      SPLIT_K, ONE_DOT)
 
 
 @triton.jit
@@ -258,29 +290,30 @@ def _row_offsets(offs_nc, N, ROWS: tl.constexpr, TILE: tl.constexpr, FORMAT: tl.
 
 
 @triton.jit
-def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale,
-                  K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
+def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, m_start, m_end, tile_base, N,
+                  stride_xm, out_scale, one, K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                   FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
                   BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr,
                   BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr):
-    """Program (n block, split, m block) sums its share of the K-tiles; split-K partials go through
-    ws [SPLIT_K, M, N] (the autotuner's pruning bounds SPLIT_K by `max_split_k(M)`, hence its size)."""
+    """Program (n block, split) sums its share of the K-tiles for the rows m_start.. (< m_end, at most
+    BLOCK_M) of x and y [M, N]; split-K partials go through ws [SPLIT_K, M, N] (the autotuner's pruning
+    bounds SPLIT_K by `max_split_k(M)`, hence its size), counted per output tile at cnt[tile_base + n].
+    one: a runtime 1.0, so that `acc += one * tile` cannot be folded into the tile's last dot (module
+    docstring); made from an argument triton never specializes (it turns integers equal to 1 into
+    constants: N = 1, a [1, hidden] gate, made a compile error of `(N > 0)`)."""
     NT: tl.constexpr = (K + TILE - 1) // TILE  # K-tiles (K padded to a multiple of TILE)
     NG: tl.constexpr = K // GROUP
     TPS: tl.constexpr = (NT + SPLIT_K - 1) // SPLIT_K
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
+    m_mask = offs_m < m_end
     n_mask = offs_n < N
-    offs_mc = tl.minimum(offs_m, M - 1)  # clamped rows: loads need no mask, extra rows are never stored
+    offs_mc = tl.minimum(offs_m, m_end - 1)  # clamped rows: loads need no mask, extra rows are never stored
     offs_nc = tl.minimum(offs_n, N - 1)
     row_a, row_b, tstr = _row_offsets(offs_nc, N, ROWS, TILE, FORMAT)  # tile-major storage (reference.py)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed (SWAP in the module docstring)
-    # a runtime 1.0: `acc += one * tile` cannot be folded into the tile's last dot (module docstring)
-    one = (N > 0).to(tl.float32)
     # per-channel scales and bias are read before the K loop: read after it, their DRAM latency would sit
     # between the last tile and the store, on every call's critical path
     if not PER_GROUP:
@@ -305,7 +338,7 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
         tl.store(ws_ptr + pid_k * M * N + out_offs, acc, mask=out_mask)
         if REDUCE == 1:  # the last split of this output tile to arrive sums all partials in split order
             tl.debug_barrier()  # every thread's partial is written before the release below
-            tile_id = pid_m * tl.num_programs(0) + pid_n
+            tile_id = tile_base + pid_n
             arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -318,7 +351,7 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
 
 
 @triton.jit
-def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale,
+def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale, one,
                    K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
                    FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
                    BLOCK_M: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -337,7 +370,6 @@ def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     offs_m = tl.arange(0, BLOCK_M)
     offs_mc = tl.minimum(offs_m, M - 1)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed
-    one = (N > 0).to(tl.float32)
     b_last = (u1 - 1) // NT
     if INTERPRETED:  # while loops: the interpreter cannot run `range` over computed bounds
         b = u0 // NT
@@ -494,6 +526,13 @@ def reserve_scratch(device: torch.device, fmt: str, N: int) -> None:
     counter(device, cnt)
 
 
+def reserve_grouped_scratch(device: torch.device, fmt: str, N: int, experts: int) -> None:
+    """`reserve_scratch` for `wq_grouped_matmul` over `experts` weights of N outputs: the same split-K
+    partials bound, and a counter per (expert, N block) at BLOCK_N >= 64."""
+    reserve_scratch(device, fmt, N)
+    counter(device, experts * triton.cdiv(N, 64))
+
+
 def last_config() -> dict:
     """The config (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of the latest `wq_matmul` call."""
     return dict(_last_config)
@@ -589,4 +628,48 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
         block = 1024
         _split_reduce_kernel[(triton.cdiv(numel, block),)](ws, b, out, numel, N, SPLIT_K=split_k, HAS_BIAS=has_bias,
                                                           BLOCK=block)
+    return out
+
+
+def grouped_config(R: int, N: int, K: int, experts: int, tile: int) -> dict:
+    """The grouped kernel's config (not autotuned: which experts get rows is known only on the device):
+    BLOCK_N 128 (64 for narrow N), 4 warps, 3 stages, one product per K-tile, and the split count (of
+    `tuning.SPLIT_KS`, >= 2 K-tiles per split, <= `max_split_k(R)`) whose grid is nearest to
+    `TARGET_PROGRAMS_PER_SM` programs per SM when min(experts, R) experts have rows (decode: each row
+    routed to its own expert, the most weight bytes a call can read)."""
+    if INTERPRET:
+        return heuristic_config(R, K)
+    block_n = 128 if N > 64 else 64
+    busy = triton.cdiv(N, block_n) * min(experts, R)
+    nt = triton.cdiv(K, tile)
+    splits = [sk for sk in SPLIT_KS if sk == 1 or (sk <= max_split_k(R) and nt >= 2 * sk)]
+    target = TARGET_PROGRAMS_PER_SM * num_sms()
+    split_k = min(splits, key=lambda sk: (abs(math.log2(busy * sk / target)), sk))
+    return {"BLOCK_N": block_n, "SPLIT_K": split_k, "ONE_DOT": 1, "STREAM": 0, "num_warps": 4, "num_stages": 3}
+
+
+def wq_grouped_matmul(x: torch.Tensor, qw: QuantizedWeight, offsets: torch.Tensor,
+                      config: dict | None = None) -> torch.Tensor:
+    """y [R, N] with y[r] = x[r] @ dequant(W_e).T for r in [offsets[e], offsets[e + 1]): `qw` stacks E
+    experts' [N, K] weights (planes [E, ...], scales [E, N, groups]); x [R <= 64, K] fp16/bf16, its rows
+    sorted by expert; offsets int32 [E + 1], non-decreasing, on the device. Rows outside [offsets[0],
+    offsets[E]) are not written. One launch, no host sync (`_wq_grouped_kernel`). Callers validate
+    (`lightspeed.ops.wquant.grouped_quantized_matmul`)."""
+    R, K = x.shape
+    experts, N = qw.scales.shape[0], qw.shape[0]
+    per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
+    cfg = dict(config) if config is not None else grouped_config(R, N, K, experts, qw.tile)
+    block_n, split_k = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
+    cfg.pop("STREAM", None)
+    out = torch.empty((R, N), device=x.device, dtype=x.dtype)
+    ws = workspace(x.device, split_k * R * N) if split_k > 1 else out
+    cnt = counter(x.device, experts * triton.cdiv(N, block_n))
+    packed = qw.planes[0]
+    units = packed.view(torch.int32 if qw.format == "int8" else torch.int16)
+    _wq_grouped_kernel[(triton.cdiv(N, block_n), split_k, experts)](
+        x, units, packed, qw.scales, out, ws, cnt, offsets, R, N, x.stride(0),
+        FP6_FP16_SCALE if qw.format == "fp6" else 1.0, units[0].numel(), packed[0].numel(), K=K, TILE=qw.tile, SUB=sub, GROUP=group,
+        SPG=spg, FORMAT=FORMAT_ID[qw.format], PER_GROUP=per_group, X_BF16=x.dtype == torch.bfloat16,
+        BLOCK_M=block_m_for(R), INTERPRETED=INTERPRET, ROWS=ROW_GROUP, BLOCK_N=block_n, SPLIT_K=split_k,
+        ONE_DOT=cfg.pop("ONE_DOT", 1), **cfg)
     return out

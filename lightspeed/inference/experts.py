@@ -114,27 +114,17 @@ class QuantizedExperts(nn.Module):
     def _grouped(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         """The eager loop's result without its host sync (a decode step's routes, at most MAX_GROUPED_ROWS):
-        the (token, slot) routes sorted by expert, both products as one grouped launch each, then each
-        token's routes summed in expert order, as the loop adds them. Routes to the dropped slot E sort
-        last, past offsets[E]: not computed, and zeroed."""
+        both products as one grouped launch each, in route order (routes to the dropped slot E give zero
+        rows), then each token's routes summed in expert order, as the loop adds them."""
         tokens, k = top_k_index.shape
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=flat.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offsets = torch.cat([counts.new_zeros(1), counts[:-1].cumsum(0, dtype=torch.int32)])
-        x = hidden_states[order // k]
-        gate, up = grouped_quantized_matmul(x, self._stacks[0], offsets).chunk(2, dim=-1)
-        y = grouped_quantized_matmul(self.act_fn(gate) * up, self._stacks[1], offsets)
-        y = (y * top_k_weights.reshape(-1)[order, None]).to(hidden_states.dtype)
-        y = torch.where((torch.arange(flat.numel(), device=flat.device) < offsets[-1])[:, None], y, 0)
-        routed = torch.empty_like(y)
-        routed[order] = y  # back to (token, slot) order
-        routed = routed.view(tokens, k, -1).gather(
-            1, top_k_index.argsort(dim=1, stable=True)[:, :, None].expand(-1, -1, y.shape[-1]))
+        gate, up = grouped_quantized_matmul(hidden_states, self._stacks[0], top_k_index).chunk(2, dim=-1)
+        y = grouped_quantized_matmul(self.act_fn(gate) * up, self._stacks[1], top_k_index.reshape(-1, 1))
+        y = (y * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype).view(tokens, k, -1)
+        if k > 1:  # each token's experts in ascending order, as the eager loop adds them
+            y = y.gather(1, top_k_index.argsort(dim=1, stable=True)[:, :, None].expand(-1, -1, y.shape[-1]))
         out = torch.zeros_like(hidden_states)
-        for slot in range(k):  # each token's experts in ascending order, as the eager loop adds them
-            out = out + routed[:, slot]
+        for slot in range(k):
+            out = out + y[:, slot]
         return out
 
     def extra_repr(self) -> str:

@@ -1,7 +1,8 @@
 """The grouped (mixture-of-experts) quantized matmul: `wq_grouped_matmul`'s Triton kernel (TRITON_INTERPRET=1
 on CPU, in a child pytest as in test_wquant_triton.py; in-process on CUDA) against the per-expert
-dequantize + fp32 matmul reference, with experts that get no rows, rows routed nowhere, odd N, padded K,
-split-K with per-expert counters, per-group scales; the dispatcher's checks."""
+dequantize + fp32 matmul reference, in route order: experts no route chose, routes to no expert, one
+expert for several routes, both slot modes (fewer routes than experts or not), odd N, padded K, split-K
+with per-expert counters, per-group scales; the dispatcher's checks."""
 from __future__ import annotations
 
 import os
@@ -43,76 +44,103 @@ def _experts(e, n, k, fmt, group_size, seed):
                           for _ in range(e)]).to(DEVICE)
 
 
-def _offsets(counts):
-    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-
-
-def _check(y, x, qw, offsets):
-    """Each expert's rows against its own reference product; rows past offsets[-1] are not compared."""
-    bounds = offsets.tolist()
-    for e in range(len(bounds) - 1):
-        rows = slice(bounds[e], bounds[e + 1])
-        if bounds[e + 1] == bounds[e]:
+def _check(y, x, qw, experts):
+    """Each route's row against its expert's reference product; routes to no expert are zero rows."""
+    per_x = experts.shape[1]
+    assert y.shape == (experts.numel(), qw.shape[0]) and y.dtype == x.dtype
+    for r, e in enumerate(experts.reshape(-1).tolist()):
+        if not 0 <= e < qw.scales.shape[0]:
+            assert int((y[r] != 0).sum()) == 0
             continue
-        ref = reference_matmul(x[rows], qw.expert(e))
+        ref = reference_matmul(x[r // per_x:r // per_x + 1], qw.expert(e))
         rtol, atol = TOL[x.dtype]
-        torch.testing.assert_close(y[rows].float(), ref.float(), rtol=rtol,
+        torch.testing.assert_close(y[r:r + 1].float(), ref.float(), rtol=rtol,
                                    atol=atol * max(ref.float().abs().max().item(), 1e-3) + 1e-6)
+
+
+def _routes(rows):
+    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+
+
+# (routes [tokens, top-k]) over 5 experts: fewer routes than experts (route slots: a repeated expert, a
+# route to no expert), then more (expert slots: 2 experts unused, every route of a token distinct)
+ROUTES = [[[3, 1]], [[4, 4], [5, 0]], [[2, 0], [0, 3], [3, 2], [6, 0]], [[1], [1], [1], [1], [1], [1]]]
 
 
 @kernel_test
 @pytest.mark.parametrize("fmt,group_size", [("fp6", None), ("int8", None), ("int4", None), ("int4", 48)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_grouped_kernel_matches_each_experts_reference(fmt, group_size, dtype):
-    """5 experts, N = 70 (a partial N block), K = 200 (2 K-tiles, padded; 240 with groups of 48): rows
-    (2, 0, 3, 0, 1) per expert and 2 rows routed nowhere (past offsets[E], as dropped routes), SPLIT_K 1
-    and 2 (per-expert counters, left at zero), then every row on one expert and one row in all."""
+    """5 experts of N = 70 (a partial N block) x K = 200 (2 K-tiles, padded; 240 = 5 groups of 48), the
+    routes above, SPLIT_K 1 and 2 (per-expert counters, left at zero)."""
     from lightspeed.ops.wquant import launch
     from lightspeed.ops.wquant import triton as wt
 
-    n, k = 70, 240 if group_size else 200  # 240 = 5 groups of 48
+    n, k = 70, 240 if group_size else 200
     qw = _experts(5, n, k, fmt, group_size, seed=3)
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(8, k, generator=gen).to(device=DEVICE, dtype=dtype)
-    for counts in ((2, 0, 3, 0, 1), (0, 0, 0, 6, 0), (1, 0, 0, 0, 0)):
-        offsets = _offsets(counts)
+    for rows in ROUTES:
+        experts = _routes(rows)
+        x = torch.randn(experts.shape[0], k, generator=gen).to(device=DEVICE, dtype=dtype)
         for split_k in (1, 2):
             cfg = {"BLOCK_N": 32, "SPLIT_K": split_k, "ONE_DOT": 1, "num_warps": 4, "num_stages": 2}
-            _check(wt.wq_grouped_matmul(x, qw, offsets, config=cfg), x, qw, offsets)
+            _check(wt.wq_grouped_matmul(x, qw, experts, config=cfg), x, qw, experts)
     assert all(int(c.abs().sum()) == 0 for c in launch.counters.values())
 
 
 @kernel_test
 def test_grouped_kernel_default_config_and_dispatcher():
     """The config `grouped_config` picks (the interpreter's fixed one on CPU), through the dispatcher on
-    CUDA, for every row count of one decode step's routes up to MAX_GROUPED_ROWS."""
+    CUDA, for route counts of a decode step up to MAX_GROUPED_ROWS (top-2 of 4 experts)."""
     from lightspeed.ops.wquant import triton as wt
 
     qw = _experts(4, 96, 256, "fp6", None, seed=5)
     gen = torch.Generator().manual_seed(6)
-    for rows in (1, 2, 16, 33, MAX_GROUPED_ROWS):
-        x = torch.randn(rows, 256, generator=gen).to(device=DEVICE, dtype=torch.float16)
-        counts = [rows // 4] * 3 + [rows - 3 * (rows // 4)]
-        offsets = _offsets(counts)
-        y = wt.wq_grouped_matmul(x, qw, offsets) if DEVICE == "cpu" else grouped_quantized_matmul(x, qw, offsets)
-        _check(y, x, qw, offsets)
+    for tokens in (1, 2, 16, MAX_GROUPED_ROWS // 2):
+        x = torch.randn(tokens, 256, generator=gen).to(device=DEVICE, dtype=torch.float16)
+        experts = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)]).to(DEVICE)
+        y = wt.wq_grouped_matmul(x, qw, experts) if DEVICE == "cpu" else grouped_quantized_matmul(x, qw, experts)
+        _check(y, x, qw, experts)
 
 
 def test_reference_and_checks():
-    """CPU dispatch = the reference (rows routed nowhere are zero there); malformed inputs are refused."""
+    """CPU dispatch = the reference; malformed inputs are refused."""
     qw = stack_weights([quantize(torch.randn(24, 64) * 0.05, "int8") for _ in range(3)])
-    x = torch.randn(5, 64, dtype=torch.float16)
-    offsets = torch.tensor([0, 2, 2, 4])
-    y = grouped_quantized_matmul(x, qw, offsets)
-    torch.testing.assert_close(y, reference_grouped_matmul(x, qw, offsets))
-    torch.testing.assert_close(y[:2], reference_matmul(x[:2], qw.expert(0)))
-    torch.testing.assert_close(y[2:4], reference_matmul(x[2:4], qw.expert(2)))
-    assert int(y[4].abs().sum()) == 0
-    with pytest.raises(ValueError, match="offsets must be 4 integers"):
-        grouped_quantized_matmul(x, qw, torch.tensor([0, 5]))
-    with pytest.raises(ValueError, match=r"x must be \[rows, 64\]"):
-        grouped_quantized_matmul(x[:, :32], qw, offsets)
+    x = torch.randn(2, 64, dtype=torch.float16)
+    experts = torch.tensor([[2, 0], [3, 2]])
+    y = grouped_quantized_matmul(x, qw, experts)
+    torch.testing.assert_close(y, reference_grouped_matmul(x, qw, experts))
+    torch.testing.assert_close(y[0:1], reference_matmul(x[0:1], qw.expert(2)))
+    torch.testing.assert_close(y[1:2], reference_matmul(x[0:1], qw.expert(0)))
+    torch.testing.assert_close(y[3:4], reference_matmul(x[1:2], qw.expert(2)))
+    assert int(y[2].abs().sum()) == 0  # expert 3 does not exist: a dropped route
+    with pytest.raises(ValueError, match=r"experts must be \[2, top_k\] integers"):
+        grouped_quantized_matmul(x, qw, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"experts must be \[2, top_k\] integers"):
+        grouped_quantized_matmul(x, qw, experts.float())
+    with pytest.raises(ValueError, match=r"x must be \[tokens, 64\]"):
+        grouped_quantized_matmul(x[:, :32], qw, experts)
     with pytest.raises(ValueError, match="scales must be"):
-        grouped_quantized_matmul(x, qw.expert(0), offsets)
+        grouped_quantized_matmul(x, qw.expert(0), experts)
     with pytest.raises(ValueError, match="differ in format"):
         stack_weights([quantize(torch.randn(24, 64), "int8"), quantize(torch.randn(24, 64), "int4")])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["int4", "fp6"])
+def test_cuda_grouped_kernel_block_n_128_configs_repeatedly(fmt):
+    """BLOCK_N 128 with 4 warps, 3 and 4 stages, the splits the heuristic picks from, 5 calls each: the
+    configs where a K-tile's wgmmas left in flight across the loop corrupt int4 (a runtime 1.0 that the
+    compiler could fold did that here: 16 of 40 int4 configs wrong on the H200)."""
+    from lightspeed.ops.wquant import triton as wt
+
+    qw = _experts(6, 1024, 2048, fmt, None, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    for rows in ([[1, 4]], [[0, 2], [3, 5], [2, 5], [1, 0]]):
+        experts = _routes(rows)
+        x = torch.randn(experts.shape[0], 2048, generator=gen).to(device=DEVICE, dtype=torch.float16)
+        for split_k in (1, 2, 6):
+            for stages in (3, 4):
+                cfg = {"BLOCK_N": 128, "SPLIT_K": split_k, "ONE_DOT": 1, "num_warps": 4, "num_stages": stages}
+                for _ in range(5):
+                    _check(wt.wq_grouped_matmul(x, qw, experts, config=cfg), x, qw, experts)

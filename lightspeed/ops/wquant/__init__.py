@@ -100,41 +100,42 @@ def _matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
 MAX_GROUPED_ROWS = 64  # the grouped kernel takes one M block: a decode step's routes (tokens x top-k)
 
 
-def grouped_quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, offsets: torch.Tensor) -> torch.Tensor:
-    """The experts' products of a mixture-of-experts layer: y [R, N] with y[r] = x[r] @ dequant(W_e).T for the
-    rows r in [offsets[e], offsets[e + 1]). `qweight` stacks E experts' [N, K] weights (planes [E, ...],
-    scales [E, N, groups]; `QuantizedWeight.expert`); x [R, K] has its rows sorted by expert; offsets [E + 1]
-    (integers, non-decreasing, on x's device) are read on the device, so a CUDA call neither syncs with
-    the host nor reads the weights of experts without rows. Rows outside [offsets[0], offsets[E]) are
-    not computed (their values are unspecified). CUDA: one Triton launch for fp16/bf16 x of at most
-    MAX_GROUPED_ROWS rows; CPU: the reference. Raises ValueError for anything else."""
+def grouped_quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, experts: torch.Tensor) -> torch.Tensor:
+    """The experts' products of a mixture-of-experts layer, in route order: y [T * k, N] with y[t * k + i] =
+    x[t] @ dequant(W_e).T for e = experts[t, i]; routes to no expert (e outside [0, E)) give zero rows.
+    `qweight` stacks E experts' [N, K] weights (planes [E, ...], scales [E, N, groups];
+    `QuantizedWeight.expert`); x [T, K]; experts [T, k] integers on x's device, read on the device, so a
+    CUDA call neither syncs with the host nor reads the weights of experts no route chose (each chosen
+    one's once). CUDA: one Triton launch for fp16/bf16 x, T * k <= MAX_GROUPED_ROWS; CPU: the reference.
+    Raises ValueError for anything else."""
     planes, scales = qweight.planes, qweight.scales
     n, k = qweight.shape
     if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [rows, {k}] (got {tuple(x.shape)})")
+        raise ValueError(f"x must be [tokens, {k}] (got {tuple(x.shape)})")
     if scales.dim() != 3 or tuple(scales.shape[1:2]) != (n,) or len(planes) != 1:
         raise ValueError(f"grouped_quantized_matmul: scales must be [experts, {n}, groups] (got {tuple(scales.shape)})")
-    experts = scales.shape[0]
+    num_experts = scales.shape[0]
     (shape, dtype), = plane_specs(qweight.format, n, k, qweight.tile)
-    if tuple(planes[0].shape) != (experts, *shape) or planes[0].dtype != dtype or not planes[0].is_contiguous():
+    if tuple(planes[0].shape) != (num_experts, *shape) or planes[0].dtype != dtype or not planes[0].is_contiguous():
         raise ValueError(f"grouped_quantized_matmul: the packed planes must be a contiguous {dtype} "
-                         f"{(experts, *shape)} (got {planes[0].dtype} {tuple(planes[0].shape)})")
-    if offsets.shape != (experts + 1,) or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != x.device:
-        raise ValueError(f"offsets must be {experts + 1} integers on {x.device} (got {offsets.dtype} "
-                         f"{tuple(offsets.shape)} on {offsets.device})")
+                         f"{(num_experts, *shape)} (got {planes[0].dtype} {tuple(planes[0].shape)})")
+    if (experts.dim() != 2 or experts.shape[0] != x.shape[0] or experts.is_floating_point()
+            or experts.is_complex() or experts.device != x.device):
+        raise ValueError(f"experts must be [{x.shape[0]}, top_k] integers on {x.device} (got {experts.dtype} "
+                         f"{tuple(experts.shape)} on {experts.device})")
     if x.device != qweight.device:
         raise ValueError(f"x is on {x.device} but the quantized weights are on {qweight.device}")
     if x.device.type != "cuda":
-        return reference_grouped_matmul(x, qweight, offsets)
-    if x.dtype not in _KERNEL_DTYPES or x.shape[0] > MAX_GROUPED_ROWS:
-        raise ValueError(f"grouped_quantized_matmul on CUDA takes fp16/bf16 x of at most {MAX_GROUPED_ROWS} rows "
-                         f"(got {x.dtype}, {x.shape[0]} rows)")
+        return reference_grouped_matmul(x, qweight, experts)
+    if x.dtype not in _KERNEL_DTYPES or experts.numel() > MAX_GROUPED_ROWS:
+        raise ValueError(f"grouped_quantized_matmul on CUDA takes fp16/bf16 x and at most {MAX_GROUPED_ROWS} routes "
+                         f"(got {x.dtype}, {experts.numel()} routes)")
     from .triton import wq_grouped_matmul  # lazy: the only triton importer
 
     if x.stride(-1) != 1:
         x = x.contiguous()
     with contextlib.nullcontext() if x.device.index == torch.cuda.current_device() else torch.cuda.device(x.device):
-        return wq_grouped_matmul(x, qweight, offsets.to(torch.int32))
+        return wq_grouped_matmul(x, qweight, experts.contiguous())
 
 
 def reserve_scratch(device: torch.device, weight_format: str, n: int) -> None:

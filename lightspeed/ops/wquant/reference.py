@@ -534,14 +534,16 @@ def stack_weights(weights: list[QuantizedWeight]) -> QuantizedWeight:
                            torch.stack([w.scales for w in weights]), first.dtype, first.tile)
 
 
-def reference_grouped_matmul(x: torch.Tensor, qw: QuantizedWeight, offsets: torch.Tensor) -> torch.Tensor:
-    """y [R, N]: y[r] = x[r] @ dequant(W_e).T for r in [offsets[e], offsets[e + 1]) (`qw` stacks the experts'
-    weights, see `QuantizedWeight.expert`); other rows 0."""
-    y = x.new_zeros((x.shape[0], qw.shape[0]))
-    bounds = offsets.tolist()
-    for e in range(len(bounds) - 1):
-        if bounds[e + 1] > bounds[e]:
-            y[bounds[e]:bounds[e + 1]] = reference_matmul(x[bounds[e]:bounds[e + 1]], qw.expert(e))
+def reference_grouped_matmul(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> torch.Tensor:
+    """y [T * k, N]: y[t * k + i] = x[t] @ dequant(W_e).T, e = experts[t, i] (`qw` stacks the experts' weights,
+    see `QuantizedWeight.expert`); zero rows for e outside [0, E)."""
+    per_x = experts.shape[1]
+    flat = experts.reshape(-1)
+    y = x.new_zeros((flat.numel(), qw.shape[0]))
+    for e in flat.unique().tolist():
+        if 0 <= e < qw.scales.shape[0]:
+            rows = (flat == e).nonzero()[:, 0]
+            y[rows] = reference_matmul(x[rows // per_x], qw.expert(e))
     return y
 
 

@@ -3,8 +3,10 @@ module with two 3-D parameters, `gate_up_proj` [experts, 2 x intermediate, hidde
 [experts, hidden, intermediate] (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, Phi-MoE, GraniteMoE, Jamba,
 MiniMax, GLM-4-MoE, ...), not nn.Linear layers, so the linear-layer swap alone leaves most of a MoE
 model's weights in float. `QuantizedExperts` holds each expert's two matrices as QuantizedLinear
-layers and computes what the experts module's eager forward computes (transformers'
-`use_experts_implementation` default: a loop over the experts that got tokens).
+layers (each kind's buffers views of one stack) and computes what the experts module's eager forward
+computes (transformers' `use_experts_implementation` default: a loop over the experts that got tokens):
+for a decode step's routes as two grouped launches that read the routes on the device (no host sync, so
+CUDA graphs capture it), above MAX_GROUPED_ROWS routes with that loop.
 
 Owns the recognition of such modules (`experts_layout`) and the swap (`quantize_experts`); checkpoint.py
 loads saved packed experts back into QuantizedExperts.
@@ -55,7 +57,8 @@ class QuantizedExperts(nn.Module):
     """A MoE block's experts, each expert's gate|up [2I, H] and down [H, I] matrices a QuantizedLinear
     (`gate_up[e]`, `down[e]`). forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) ->
     [T, H]: for every expert routed to, its tokens through act(gate) * up, then down, weighted, summed
-    into their rows, in the experts module's order (its eager loop)."""
+    into their rows in expert order, as the experts module's eager loop does (`_grouped` for up to
+    MAX_GROUPED_ROWS routes, fp16/bf16 on CUDA; the loop above that)."""
 
     def __init__(self, gate_up: list[QuantizedLinear], down: list[QuantizedLinear], act_fn: nn.Module):
         super().__init__()

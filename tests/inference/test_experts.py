@@ -111,10 +111,12 @@ def test_grouped_path_matches_the_expert_loop(k):
     stacks (the state dict keeps per-expert names; a checkpoint of them saves: test below)."""
     from lightspeed.ops.wquant import MAX_GROUPED_ROWS
 
-    q = init_inference(_moe("qwen2_moe"), dtype=torch.float32, device="cpu", quant={"weight": "int4", "group_size": 16})
+    q = init_inference(_moe("qwen2_moe"), dtype=torch.float32, device="cpu",
+                       quant={"weight": "int4", "group_size": 16})
     mine = q.model.layers[0].mlp.experts
     stack = mine._stacks[0].planes[0]
-    assert all(layer.qweight.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr() for layer in mine.gate_up)
+    assert all(layer.qweight.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+               for layer in mine.gate_up)
     gen = torch.Generator().manual_seed(7)
     for tokens in (1, 3, MAX_GROUPED_ROWS // k, MAX_GROUPED_ROWS // k + 1):
         x = torch.randn(tokens, 64, generator=gen)

@@ -43,6 +43,10 @@ order (`_stream_k_body`). It removes the wave quantization of split-K grids (H20
 M = 1..16: 49-52 us vs 51-57 split-K). Not above M = 16: fp6 at M = 32 with 8 warps gave wrong results
 on the H200 (tuning.MAX_STREAM_M).
 
+Grouped (`_wq_grouped_kernel`, a mixture-of-experts layer's experts): the same split-K body over a
+decode step's routes (<= 64 rows), one grid slot per chosen expert, reading each chosen expert's
+stacked weight once and storing the rows routed to it; the routes are read on the device.
+
 M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
 grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1, and from
 DEQUANT_MIN_M[format] rows on `wq_matmul` instead dequantizes the weight once (`dequant.py`, one
@@ -310,14 +314,15 @@ def _row_offsets(offs_nc, N, ROWS: tl.constexpr, TILE: tl.constexpr, FORMAT: tl.
 
 @triton.jit
 def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, offs_m, m_mask, offs_mc, tile_base,
-                  N, stride_xm, out_scale, one, K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, SPG: tl.constexpr,
-                  FORMAT: tl.constexpr, PER_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr,
-                  BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, INTERPRETED: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ONE_DOT: tl.constexpr):
+                  N, stride_xm, out_scale, one, K: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr,
+                  GROUP: tl.constexpr, SPG: tl.constexpr, FORMAT: tl.constexpr, PER_GROUP: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, REDUCE: tl.constexpr,
+                  INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                  ONE_DOT: tl.constexpr):
     """Program (n block, split) sums its share of the K-tiles for BLOCK_M rows: offs_m their rows of y [M, N]
     (stored where m_mask), offs_mc the rows of x they read (in range); split-K partials go through
-    ws [SPLIT_K, M, N] (the autotuner's pruning
-    bounds SPLIT_K by `max_split_k(M)`, hence its size), counted per output tile at cnt[tile_base + n].
+    ws [SPLIT_K, M, N] (the autotuner's pruning bounds SPLIT_K by `max_split_k(M)`, hence its size),
+    counted per output tile at cnt[tile_base + n].
     one: a runtime 1.0, so that `acc += one * tile` cannot be folded into the tile's last dot (module
     docstring); made from an argument triton never specializes (it turns integers equal to 1 into
     constants: N = 1, a [1, hidden] gate, made a compile error of `(N > 0)`)."""

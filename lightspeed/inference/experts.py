@@ -99,7 +99,8 @@ class QuantizedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if (self._stacks is not None and top_k_index.numel() <= MAX_GROUPED_ROWS
-                and (not hidden_states.is_cuda or hidden_states.dtype in (torch.float16, torch.bfloat16))):
+                and (not hidden_states.is_cuda or hidden_states.dtype in (torch.float16, torch.bfloat16))
+                and not (torch.is_grad_enabled() and hidden_states.requires_grad)):  # the loop has a backward
             return self._grouped(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():

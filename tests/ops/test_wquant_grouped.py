@@ -113,6 +113,21 @@ def test_reference_and_checks():
         grouped_quantized_matmul(x, qw.expert(0), experts)
     with pytest.raises(ValueError, match="differ in format"):
         stack_weights([quantize(torch.randn(24, 64), "int8"), quantize(torch.randn(24, 64), "int4")])
+    with pytest.raises(ValueError, match="no backward"):
+        grouped_quantized_matmul(x.float().requires_grad_(True), qw, experts)
+
+
+@pytest.mark.parametrize("fmt,group_size", [("fp6", None), ("int4", 32)])
+def test_grouped_operator_passes_opcheck(fmt, group_size):
+    """The torch.compile operator: schema, fake implementation against the real one (CPU), and its value."""
+    gen = torch.Generator().manual_seed(8)
+    qw = stack_weights([quantize(torch.randn(40, 64, generator=gen), fmt, group_size) for _ in range(3)])
+    x = torch.randn(3, 64, generator=gen)
+    experts = torch.tensor([[0, 2], [2, 1], [3, 0]])
+    op = torch.ops.lightspeed.grouped_quantized_matmul.default
+    args = (x, list(qw.planes), qw.scales, experts, qw.format, 40, 64, qw.group_size, qw.dtype, qw.tile)
+    torch.library.opcheck(op, args)
+    torch.testing.assert_close(op(*args), reference_grouped_matmul(x, qw, experts))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")

@@ -107,7 +107,8 @@ def grouped_quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, experts:
     `QuantizedWeight.expert`); x [T, K]; experts [T, k] integers on x's device, read on the device, so a
     CUDA call neither syncs with the host nor reads the weights of experts no route chose (each chosen
     one's once). CUDA: one Triton launch for fp16/bf16 x, T * k <= MAX_GROUPED_ROWS; CPU: the reference.
-    Raises ValueError for anything else."""
+    Under torch.compile, the operator `torch.ops.lightspeed.grouped_quantized_matmul`. No backward: an x
+    that needs a gradient is refused, as is anything else malformed (ValueError)."""
     planes, scales = qweight.planes, qweight.scales
     n, k = qweight.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -125,6 +126,16 @@ def grouped_quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, experts:
                          f"{tuple(experts.shape)} on {experts.device})")
     if x.device != qweight.device:
         raise ValueError(f"x is on {x.device} but the quantized weights are on {qweight.device}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("grouped_quantized_matmul has no backward: x must not require a gradient "
+                         "(QuantizedExperts runs its per-expert layers then)")
+    if torch.compiler.is_compiling():  # one graph node (Note: torch.compile)
+        return torch.ops.lightspeed.grouped_quantized_matmul(x, list(planes), scales, experts, qweight.format, n, k,
+                                                             qweight.group_size, qweight.dtype, qweight.tile)
+    return _grouped_matmul(x, qweight, experts)
+
+
+def _grouped_matmul(x: torch.Tensor, qweight: QuantizedWeight, experts: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cuda":
         return reference_grouped_matmul(x, qweight, experts)
     if x.dtype not in _KERNEL_DTYPES or experts.numel() > MAX_GROUPED_ROWS:
@@ -136,6 +147,20 @@ def grouped_quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, experts:
         x = x.contiguous()
     with contextlib.nullcontext() if x.device.index == torch.cuda.current_device() else torch.cuda.device(x.device):
         return wq_grouped_matmul(x, qweight, experts.contiguous())
+
+
+@torch.library.custom_op("lightspeed::grouped_quantized_matmul", mutates_args=())
+def _grouped_quantized_matmul_op(x: torch.Tensor, planes: list[torch.Tensor], scales: torch.Tensor,
+                                 experts: torch.Tensor, weight_format: str, n: int, k: int, group_size: int | None,
+                                 dtype: torch.dtype, tile: int) -> torch.Tensor:
+    """`grouped_quantized_matmul` as one operator for torch.compile (as `quantized_matmul`'s below)."""
+    return _grouped_matmul(x, QuantizedWeight(weight_format, (n, k), group_size, tuple(planes), scales, dtype, tile),
+                           experts)
+
+
+@_grouped_quantized_matmul_op.register_fake
+def _grouped_quantized_matmul_fake(x, planes, scales, experts, weight_format, n, k, group_size, dtype, tile):
+    return x.new_empty((experts.numel(), n))
 
 
 def reserve_scratch(device: torch.device, weight_format: str, n: int) -> None:

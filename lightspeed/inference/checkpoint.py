@@ -27,6 +27,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -251,11 +252,54 @@ def _key_mapping(expected: Iterable[str], found: Iterable[str], prefix: str):
     return max(candidates, key=lambda f: sum(f(k) in found for k in expected))
 
 
+def _transformers_conversions(model: nn.Module, keys: Iterable[str]) -> tuple[dict[str, str], dict[str, list]]:
+    """What transformers does to a checkpoint's keys when it loads one into `model` (its
+    `conversion_mapping`: renamings such as Mixtral's `block_sparse_moe.` -> `mlp.`, and converters
+    that merge per-expert matrices into a MoE block's 3-D parameters), found for `keys` with transformers'
+    own `rename_source_key`: (renamed: model key -> checkpoint key, per_expert: model key of a 3-D
+    experts parameter -> per source pattern (gate, up, ...) {expert: checkpoint key}). Converters other
+    than "stack the experts, then join the sources along the rows" are left out (the key stays missing,
+    a clear error at load). Empty for a model transformers has no mapping for, or a transformers
+    without this API."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+    except (ImportError, AttributeError, TypeError):  # not a transformers model, or another transformers
+        return {}, {}
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter) and _stacks_experts(t)]
+    renamed, per_expert = {}, {}
+    for key in keys:
+        target, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            if target != key:
+                renamed[target] = key
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+        if found is None:
+            continue
+        sources = per_expert.setdefault(target, [{} for _ in converter.source_patterns])
+        sources[converter.source_patterns.index(pattern)][int(found.group(1))] = key
+    return renamed, per_expert
+
+
+def _stacks_experts(converter) -> bool:
+    """A converter whose operations are MergeModulelist(dim=0), then (several sources) Concatenate(dim=1):
+    expert e's matrix is its sources' matrices of expert e joined along the rows."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    return ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+
+
 class _Loader:
     def __init__(self, model: nn.Module, reader: CheckpointReader, device: torch.device, dtype: torch.dtype):
         self.reader, self.device, self.dtype = reader, device, dtype
         expected = list(model.state_dict(keep_vars=True))
-        self.ckpt_key = _key_mapping(expected, reader.keys(), getattr(model, "base_model_prefix", "") or "")
+        self.renamed, self.per_expert = _transformers_conversions(model, reader.keys())
+        prefixed = _key_mapping(expected, [*reader.keys(), *self.renamed], getattr(model, "base_model_prefix", "") or "")
+        self.ckpt_key = lambda key: self.renamed.get(prefixed(key), prefixed(key))
         self.used: set[str] = set()
 
     def read(self, key: str, like: torch.Tensor | None = None, shape=None, index=None) -> torch.Tensor | None:
@@ -317,6 +361,50 @@ class _Loader:
         down = [self.packed_layer(f"{name}.down.{e}", (hidden, inter), *saved) for e in range(experts)]
         return QuantizedExperts(gate_up, down, module.act_fn)
 
+    def _expert_sources(self, key: str) -> list[dict[int, str]] | None:
+        """For the model's 3-D experts parameter `key`: per source (gate, up, ...) {expert: checkpoint key}
+        when the checkpoint keeps one matrix per expert, else None."""
+        return self.per_expert.get(self.ckpt_key(key))
+
+    def _expert_matrix(self, key: str, e: int, shape: tuple[int, int]) -> torch.Tensor:
+        """Expert e's [rows, cols] matrix of the 3-D experts parameter `key`: its sources' matrices of
+        expert e joined along the rows, each read alone, on the device in the dtype."""
+        sources = self._expert_sources(key)
+        rows = shape[0] // len(sources)
+        parts = []
+        for source in sources:
+            if e not in source:
+                raise CheckpointError(f"checkpoint lacks expert {e} of {key!r} (it has experts {sorted(source)})")
+            ckey = source[e]
+            if self.reader.shape(ckey) != (rows, shape[1]):
+                raise CheckpointError(f"checkpoint tensor {ckey!r} has shape {self.reader.shape(ckey)}, the model's "
+                                      f"is {(rows, shape[1])}")
+            self.used.add(ckey)
+            parts.append(self.reader.get(ckey).to(device=self.device, dtype=self.dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def float_experts(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None) -> nn.Module | None:
+        """The experts module `name` from a checkpoint of per-expert matrices (transformers' original
+        format, `_transformers_conversions`): QuantizedExperts quantized to `wanted` one expert matrix at
+        a time, or with `wanted` None the module itself with its 3-D parameters filled. None when the
+        checkpoint keeps no per-expert matrices for it."""
+        experts, hidden, inter = experts_layout(module)
+        shapes = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+        missing = [p for p in shapes if self._expert_sources(f"{name}.{p}") is None]
+        if len(missing) == len(shapes):
+            return None
+        if missing:
+            raise CheckpointError(f"checkpoint keeps {name}'s experts one matrix per expert but has none for "
+                                  f"{missing[0]}")
+        if wanted is None:
+            for param, shape in shapes.items():
+                stacked = torch.stack([self._expert_matrix(f"{name}.{param}", e, shape) for e in range(experts)])
+                setattr(module, param, nn.Parameter(stacked, requires_grad=False))
+            return module
+        layers = {param: [QuantizedLinear.from_float(self._expert_matrix(f"{name}.{param}", e, shape), None, *wanted)
+                          for e in range(experts)] for param, shape in shapes.items()}
+        return QuantizedExperts(layers["gate_up_proj"], layers["down_proj"], module.act_fn)
+
     def float_layer(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None,
                     part: Slice | None) -> nn.Module | None:
         """The layer from the float weight the checkpoint holds: only this rank's `part` of it if given
@@ -360,15 +448,19 @@ def replace_submodule(model: nn.Module, name: str, layer: nn.Module) -> None:
 
 def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str, tuple[str, int | None]],
                     device: torch.device, dtype: torch.dtype, shards: Mapping[str, Slice] | None = None,
-                    quantize_experts: tuple[str, int | None] | None = None) -> list[str]:
+                    quantize_experts: tuple[str, int | None] | None = None,
+                    experts_chosen=lambda name: True) -> list[str]:
     """Fill `model` (built on the meta device or real) from checkpoint `files` in place, one tensor at a
     time, on `device` in `dtype` (floating-point tensors). Layers named in `quantize` ({name: (format,
     group_size)}) become QuantizedLinear, from the packed form when the checkpoint holds one, else
     quantized on the device from the float weight. Layers named in `shards` ({name: Slice}, tensor
     parallelism) keep only this rank's part, read alone and quantized after the cut. MoE experts
     modules the checkpoint holds packed become QuantizedExperts as saved (`quantize_experts`: the
-    (format, group_size) asked for, which they must match); float ones load as parameters. Returns the
-    names of the quantized layers and experts modules."""
+    (format, group_size) asked for, which they must match); held as one matrix per expert (the
+    original format transformers converts at load: Mixtral's `block_sparse_moe.experts.N.w1`,
+    Qwen-MoE's `mlp.experts.N.gate_proj`, ...), those `experts_chosen(name)` accepts become QuantizedExperts
+    quantized to `quantize_experts` one expert matrix at a time, the others get their 3-D parameters;
+    3-D float ones load as parameters. Returns the names of the quantized layers and experts modules."""
     reader = CheckpointReader(files)
     loader = _Loader(model, reader, device, dtype)
     shards = shards or {}
@@ -376,7 +468,12 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
     for name, module in list(model.named_modules()):
         if experts_layout(module) is not None:  # MoE experts saved packed: loaded as saved
             layer = loader.packed_experts(name, module, quantize_experts)
-            if layer is not None:
+            if layer is None and isinstance(experts_layout(module), tuple):  # one matrix per expert in the files
+                wanted = quantize_experts if quantize_experts is not None and experts_chosen(name) else None
+                layer = loader.float_experts(name, module, wanted)
+            if layer is module:  # its own 3-D float parameters, filled
+                built.add(id(module))
+            elif layer is not None:
                 replace_submodule(model, name, layer)
                 built.update(id(m) for m in layer.modules())
                 quantized.append(name)

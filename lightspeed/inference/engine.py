@@ -488,7 +488,8 @@ def _place_linears(model: nn.Module, files: list[str] | None, q: dict | None, tp
             wanted = _split_quantizable(chosen, q, tp) if q else {}
         names = load_checkpoint(model, files, quantize=wanted, device=device, dtype=dtype,
                                 shards=None if presplit else tp.slices(),
-                                quantize_experts=(q["weight"], q["group_size"]) if q else None)
+                                quantize_experts=(q["weight"], q["group_size"]) if q else None,
+                                experts_chosen=lambda name: bool(q) and not _matches(name, q["exclude"]))
         logger.info("init_inference: loaded %d file(s); %d quantized layers", len(files), len(names))
         if q is None:
             return names

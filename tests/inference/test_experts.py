@@ -5,6 +5,7 @@ model loads back as saved."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -176,6 +177,56 @@ def test_other_layouts_and_excluded_names_stay_float(ls_caplog):
                        quant={"weight": "fp6", "exclude": ["*.experts"]})
     assert not any(isinstance(m, QuantizedExperts) for m in q.modules())
     assert isinstance(q.model.layers[0].self_attn.q_proj, QuantizedLinear)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_checkpoint_of_per_expert_matrices_loads(name, tmp_path, ls_caplog):
+    """A transformers checkpoint directory as on disk (save_pretrained writes the original per-expert
+    names: Mixtral's `block_sparse_moe.experts.N.w1/w3/w2` and router, Qwen-MoE's
+    `mlp.experts.N.gate_proj/up_proj/down_proj`), loaded by `checkpoint=` into a meta model: quantized,
+    the same logits as quantizing the model itself; float, the model's own logits; experts excluded from
+    quantization keep float 3-D weights. Every checkpoint tensor is used."""
+    from lightspeed import OnDevice
+
+    base = _moe(name)
+    base.save_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def meta_model():
+        with OnDevice(dtype=torch.float32, device="meta"):
+            return transformers.AutoModelForCausalLM.from_config(base.config).eval()
+
+    quant = {"weight": "int8"}
+    ls_caplog.set_level(logging.INFO, logger="lightspeed")  # the loader's note of unused checkpoint tensors
+    loaded = init_inference(meta_model(), dtype=torch.float32, device="cpu", checkpoint=str(tmp_path), quant=quant)
+    assert isinstance(loaded.model.layers[1].mlp.experts, QuantizedExperts)
+    assert "does not use" not in ls_caplog.text and "load_checkpoint" not in ls_caplog.text
+    want = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant=quant)
+    assert torch.equal(_logits(loaded, ids), _logits(want, ids))
+    plain = init_inference(meta_model(), dtype=torch.float32, device="cpu", checkpoint=str(tmp_path))
+    torch.testing.assert_close(_logits(plain, ids), _logits(base, ids), rtol=1e-6, atol=1e-6)
+    mixed = init_inference(meta_model(), dtype=torch.float32, device="cpu", checkpoint=str(tmp_path),
+                           quant={"weight": "int8", "exclude": ["*.experts"]})
+    experts = mixed.model.layers[0].mlp.experts
+    assert not isinstance(experts, QuantizedExperts)
+    torch.testing.assert_close(experts.down_proj, base.model.layers[0].mlp.experts.down_proj)
+
+
+def test_checkpoint_missing_an_expert_is_an_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from lightspeed import OnDevice
+    from lightspeed.checkpoint.errors import CheckpointError
+
+    base = _moe("mixtral")
+    base.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with OnDevice(dtype=torch.float32, device="meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(base.config).eval()
+    with pytest.raises(CheckpointError, match="lacks expert 3 of 'model.layers.1.mlp.experts.gate_up_proj'"):
+        init_inference(meta, dtype=torch.float32, device="cpu", checkpoint=str(tmp_path), quant={"weight": "int4"})
 
 
 def test_saved_quantized_experts_load_back_as_saved(tmp_path):

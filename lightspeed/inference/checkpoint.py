@@ -3,7 +3,7 @@ a prepared (cast, quantized) model back so that it loads without re-quantizing.
 
 Owns: finding the files (a Hugging Face model directory, sharded or not, safetensors or torch `.bin`;
 DeepSpeed's checkpoint JSON `{"type": "ds_model", "checkpoints": [...], "version": 1.0}`; a file or a
-list of files), matching their keys to the model's, and the streaming load. Must not decide which
+list of files) and the streaming load (the keys matched to the model's by `checkpoint_keys.py`). Must not decide which
 layers are quantized (engine.py passes that in).
 
 Note: [the streaming load] Each tensor is read from the files (safetensors maps the file; torch files
@@ -27,7 +27,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from torch import nn
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.atomic import atomic_write_bytes, atomic_write_via, safe_torch_load
 from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.inference.checkpoint_keys import key_mapping, transformers_conversions
 from lightspeed.inference.experts import QuantizedExperts, experts_layout
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims, linear_from_float
 from lightspeed.inference.tensor_parallel import Slice
@@ -239,71 +239,12 @@ class CheckpointReader:
 
 # ---------------------------------------------------------------------------------------------- load
 
-def _key_mapping(expected: Iterable[str], found: Iterable[str], prefix: str):
-    """The map model key -> checkpoint key with the most hits among: as is, the base-model prefix
-    (Hugging Face's `base_model_prefix`) taken off, or put on (a base model from a model-with-head
-    checkpoint, or the other way)."""
-    found = set(found)
-    expected = list(expected)
-    candidates = [lambda k: k]
-    if prefix:
-        head = prefix + "."
-        candidates += [lambda k: k[len(head):] if k.startswith(head) else k, lambda k: head + k]
-    return max(candidates, key=lambda f: sum(f(k) in found for k in expected))
-
-
-def _transformers_conversions(model: nn.Module, keys: Iterable[str]) -> tuple[dict[str, str], dict[str, list]]:
-    """What transformers does to a checkpoint's keys when it loads one into `model` (its
-    `conversion_mapping`: renamings such as Mixtral's `block_sparse_moe.` -> `mlp.`, and converters
-    that merge per-expert matrices into a MoE block's 3-D parameters), found for `keys` with transformers'
-    own `rename_source_key`: (renamed: model key -> checkpoint key, per_expert: model key of a 3-D
-    experts parameter -> per source pattern (gate, up, ...) {expert: checkpoint key}). Converters other
-    than "stack the experts, then join the sources along the rows" are left out (the key stays missing,
-    a clear error at load). Empty for a model transformers has no mapping for, or a transformers
-    without this API."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-        transforms = get_model_conversion_mapping(model)
-    except (ImportError, AttributeError, TypeError):  # not a transformers model, or another transformers
-        return {}, {}
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter) and _stacks_experts(t)]
-    renamed, per_expert = {}, {}
-    for key in keys:
-        try:
-            target, pattern = rename_source_key(key, renamings, converters)
-        except (TypeError, ValueError) as err:  # its internal API changed: keys are matched as they are
-            logger.warning("init_inference: transformers' checkpoint key conversion is not usable here (%s); "
-                           "checkpoint keys are matched as they are", err)
-            return {}, {}
-        if pattern is None:
-            if target != key:
-                renamed[target] = key
-            continue
-        converter = next(c for c in converters if pattern in c.source_patterns)
-        found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
-        if found is None:
-            continue
-        sources = per_expert.setdefault(target, [{} for _ in converter.source_patterns])
-        sources[converter.source_patterns.index(pattern)][int(found.group(1))] = key
-    return renamed, per_expert
-
-
-def _stacks_experts(converter) -> bool:
-    """A converter whose operations are MergeModulelist(dim=0), then (several sources) Concatenate(dim=1):
-    expert e's matrix is its sources' matrices of expert e joined along the rows."""
-    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
-    return ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
-
-
 class _Loader:
     def __init__(self, model: nn.Module, reader: CheckpointReader, device: torch.device, dtype: torch.dtype):
         self.reader, self.device, self.dtype = reader, device, dtype
         expected = list(model.state_dict(keep_vars=True))
-        self.renamed, self.per_expert = _transformers_conversions(model, reader.keys())
-        prefixed = _key_mapping(expected, [*reader.keys(), *self.renamed], getattr(model, "base_model_prefix", "") or "")
+        self.renamed, self.per_expert = transformers_conversions(model, reader.keys())
+        prefixed = key_mapping(expected, [*reader.keys(), *self.renamed], getattr(model, "base_model_prefix", "") or "")
         self.ckpt_key = lambda key: self.renamed.get(prefixed(key), prefixed(key))
         self.used: set[str] = set()
 
@@ -390,7 +331,7 @@ class _Loader:
 
     def float_experts(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None) -> nn.Module | None:
         """The experts module `name` from a checkpoint of per-expert matrices (transformers' original
-        format, `_transformers_conversions`): QuantizedExperts quantized to `wanted` one expert matrix at
+        format, `checkpoint_keys.transformers_conversions`): QuantizedExperts quantized to `wanted` one expert matrix at
         a time, or with `wanted` None the module itself with its 3-D parameters filled. None when the
         checkpoint keeps no per-expert matrices for it."""
         experts, hidden, inter = experts_layout(module)

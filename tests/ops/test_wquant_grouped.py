@@ -63,7 +63,7 @@ def test_grouped_kernel_matches_each_experts_reference(fmt, group_size, dtype):
     """5 experts of N = 70 (a partial N block) x K = 200 (2 K-tiles, padded; 240 = 5 groups of 48), the
     routes above, SPLIT_K 1 and 2 (per-expert counters, left at zero)."""
     from lightspeed.ops.wquant import launch
-    from lightspeed.ops.wquant import triton as wt
+    from lightspeed.ops.wquant import grouped as wt
 
     n, k = 70, 240 if group_size else 200
     qw = _experts(5, n, k, fmt, group_size, seed=3)
@@ -81,7 +81,7 @@ def test_grouped_kernel_matches_each_experts_reference(fmt, group_size, dtype):
 def test_grouped_kernel_default_config_and_dispatcher():
     """The config `grouped_config` picks (the interpreter's fixed one on CPU), through the dispatcher on
     CUDA, for route counts of a decode step up to MAX_GROUPED_ROWS (top-2 of 4 experts)."""
-    from lightspeed.ops.wquant import triton as wt
+    from lightspeed.ops.wquant import grouped as wt
 
     qw = _experts(4, 96, 256, "fp6", None, seed=5)
     gen = torch.Generator().manual_seed(6)
@@ -136,7 +136,7 @@ def test_cuda_grouped_kernel_block_n_128_configs_repeatedly(fmt):
     """BLOCK_N 128 with 4 warps, 3 and 4 stages, the splits the heuristic picks from, 5 calls each: the
     configs where a K-tile's wgmmas left in flight across the loop corrupt int4 (a runtime 1.0 that the
     compiler could fold did that here: 16 of 40 int4 configs wrong on the H200)."""
-    from lightspeed.ops.wquant import triton as wt
+    from lightspeed.ops.wquant import grouped as wt
 
     qw = _experts(6, 1024, 2048, fmt, None, seed=9)
     gen = torch.Generator().manual_seed(10)

@@ -1,7 +1,8 @@
 """Weight-only quantized matmul (FP6 e3m2, INT8, INT4): quantizers and packing in `reference.py`,
-Triton kernels in `triton.py` (imported only when a CUDA tensor needs them), and the dispatcher
-`quantized_matmul`, which validates inputs, runs Triton on CUDA and the plain-PyTorch reference on
-CPU. Imports only torch and the layers below ops/."""
+Triton kernels in `triton.py` and `grouped.py` (imported only when a CUDA tensor needs them), and the
+dispatchers `quantized_matmul` and `grouped_quantized_matmul` (a MoE layer's experts), which validate
+inputs, run Triton on CUDA and the plain-PyTorch reference on CPU. Imports only torch and the layers
+below ops/."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def _matmul(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None
     if x.dtype not in _KERNEL_DTYPES:
         _log_once(f"quantized_matmul: {x.dtype} activations run the dequantize+matmul reference (kernel: fp16/bf16)")
         return reference_matmul(x, qweight, bias)
-    from .triton import wq_matmul  # lazy: the only triton importer
+    from .triton import wq_matmul  # lazy: imports triton
 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -141,7 +142,7 @@ def _grouped_matmul(x: torch.Tensor, qweight: QuantizedWeight, experts: torch.Te
     if x.dtype not in _KERNEL_DTYPES or experts.numel() > MAX_GROUPED_ROWS:
         raise ValueError(f"grouped_quantized_matmul on CUDA takes fp16/bf16 x and at most {MAX_GROUPED_ROWS} routes "
                          f"(got {x.dtype}, {experts.numel()} routes)")
-    from .triton import wq_grouped_matmul  # lazy: the only triton importer
+    from .grouped import wq_grouped_matmul  # lazy: imports triton
 
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -173,7 +174,7 @@ def reserve_scratch(device: torch.device, weight_format: str, n: int) -> None:
 
 def reserve_grouped_scratch(device: torch.device, weight_format: str, n: int, experts: int) -> None:
     """`reserve_scratch` for `grouped_quantized_matmul` over `experts` weights of `n` outputs."""
-    from .triton import reserve_grouped_scratch
+    from .grouped import reserve_grouped_scratch
 
     reserve_grouped_scratch(device, weight_format, n, experts)
 

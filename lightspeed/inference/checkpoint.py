@@ -24,6 +24,7 @@ layers are stored packed, with their format and group size in every shard's meta
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -39,7 +40,7 @@ from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.inference.checkpoint_keys import key_mapping, transformers_conversions
 from lightspeed.inference.experts import QuantizedExperts, experts_layout
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims, linear_from_float
-from lightspeed.inference.tensor_parallel import Slice
+from lightspeed.inference.tensor_parallel import Slice, expert_indices
 from lightspeed.ops.wquant.reference import FORMATS
 
 logger = get_logger(__name__)
@@ -307,49 +308,76 @@ class _Loader:
         down = [self.packed_layer(f"{name}.down.{e}", (hidden, inter), *saved) for e in range(experts)]
         return QuantizedExperts(gate_up, down, module.act_fn)
 
-    def _expert_sources(self, key: str) -> list[dict[int, str]] | None:
-        """For the model's 3-D experts parameter `key`: per source (gate, up, ...) {expert: checkpoint key}
-        when the checkpoint keeps one matrix per expert, else None."""
-        return self.per_expert.get(self.ckpt_key(key))
+    def _expert_sources(self, key: str) -> tuple[list[dict[int, str]] | None, str | None]:
+        """Where the model's 3-D experts parameter `key` is in the checkpoint: (per source (gate, up, ...)
+        {expert: key}, None) when it keeps one matrix per expert, (None, its key) when it holds the 3-D
+        tensor, (None, None) when neither."""
+        sources = self.per_expert.get(self.ckpt_key(key))
+        if sources is not None:
+            return sources, None
+        return None, self.ckpt_key(key) if self.ckpt_key(key) in self.reader else None
 
-    def _expert_matrix(self, key: str, e: int, shape: tuple[int, int]) -> torch.Tensor:
-        """Expert e's [rows, cols] matrix of the 3-D experts parameter `key`: its sources' matrices of
-        expert e joined along the rows, each read alone, on the device in the dtype."""
-        sources = self._expert_sources(key)
-        rows = shape[0] // len(sources)
-        parts = []
-        for source in sources:
+    def _expert_matrix(self, key: str, e: int, shape: tuple[int, int], part: Slice | None) -> torch.Tensor:
+        """Expert e's matrix of the 3-D experts parameter `key` (whole: [rows, cols] = `shape`), or this rank's
+        `part` of it (tensor parallelism: `expert_indices`), each piece read alone, on the device in the
+        dtype. Per-expert sources are the whole matrix's row blocks (gate, up), joined along the rows."""
+        sources, whole_key = self._expert_sources(key)
+        rows, cols = shape
+        if whole_key is not None:
+            if self.reader.shape(whole_key)[1:] != tuple(shape):
+                raise CheckpointError(f"checkpoint tensor {whole_key!r} has shape {self.reader.shape(whole_key)}, the "
+                                      f"model's experts are {tuple(shape)} each")
+            sources, src_rows = [{e: whole_key}], rows
+        else:
+            src_rows = rows // len(sources)
+        if part is not None:
+            indices = expert_indices("down" if key.endswith("down_proj") else "gate_up", rows, cols, part.rank,
+                                     part.size)
+        else:
+            indices = [(slice(i * src_rows, (i + 1) * src_rows), slice(None)) for i in range(len(sources))]
+        pieces = []
+        for row_slice, col_slice in indices:
+            source = sources[row_slice.start // src_rows] if row_slice.start is not None else sources[0]
             if e not in source:
                 raise CheckpointError(f"checkpoint lacks expert {e} of {key!r} (it has experts {sorted(source)})")
             ckey = source[e]
-            if self.reader.shape(ckey) != (rows, shape[1]):
-                raise CheckpointError(f"checkpoint tensor {ckey!r} has shape {self.reader.shape(ckey)}, the model's "
-                                      f"is {(rows, shape[1])}")
+            offset = (row_slice.start // src_rows) * src_rows if row_slice.start is not None else 0
+            local = slice(row_slice.start - offset, row_slice.stop - offset) if row_slice.start is not None \
+                else slice(None)
+            if whole_key is not None:
+                piece = self.reader.get(ckey, (slice(e, e + 1), local, col_slice))[0]
+            else:
+                if self.reader.shape(ckey) != (src_rows, cols):
+                    raise CheckpointError(f"checkpoint tensor {ckey!r} has shape {self.reader.shape(ckey)}, the "
+                                          f"model's is {(src_rows, cols)}")
+                piece = self.reader.get(ckey, (local, col_slice))
             self.used.add(ckey)
-            parts.append(self.reader.get(ckey).to(device=self.device, dtype=self.dtype))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            pieces.append(piece.to(device=self.device, dtype=self.dtype))
+        return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
 
-    def float_experts(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None) -> nn.Module | None:
-        """The experts module `name` from a checkpoint of per-expert matrices (transformers' original
-        format, `checkpoint_keys.transformers_conversions`): QuantizedExperts quantized to `wanted` one expert matrix at
-        a time, or with `wanted` None the module itself with its 3-D parameters filled. None when the
-        checkpoint keeps no per-expert matrices for it."""
+    def float_experts(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None,
+                      part: Slice | None = None) -> nn.Module | None:
+        """The experts module `name` from the float weights the checkpoint holds, one matrix per expert
+        (transformers' original format, `checkpoint_keys.transformers_conversions`) or 3-D, each expert
+        matrix read alone (this rank's `part` of it under tensor parallelism): QuantizedExperts quantized to
+        `wanted` as they are read, or with `wanted` None the module itself with its 3-D parameters
+        filled. None when the checkpoint holds neither form."""
         experts, hidden, inter = experts_layout(module)
         shapes = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
-        missing = [p for p in shapes if self._expert_sources(f"{name}.{p}") is None]
+        missing = [p for p in shapes if self._expert_sources(f"{name}.{p}") == (None, None)]
         if len(missing) == len(shapes):
             return None
         if missing:
-            raise CheckpointError(f"checkpoint keeps {name}'s experts one matrix per expert but has none for "
-                                  f"{missing[0]}")
-        if wanted is None:
-            for param, shape in shapes.items():
-                stacked = torch.stack([self._expert_matrix(f"{name}.{param}", e, shape) for e in range(experts)])
+            raise CheckpointError(f"checkpoint holds {name}'s experts without {missing[0]}")
+        layers = {}
+        for param, shape in shapes.items():
+            matrix = functools.partial(self._expert_matrix, f"{name}.{param}", shape=shape, part=part)
+            if wanted is None:
+                stacked = torch.stack([matrix(e) for e in range(experts)])
                 setattr(module, param, nn.Parameter(stacked, requires_grad=False))
-            return module
-        layers = {param: [QuantizedLinear.from_float(self._expert_matrix(f"{name}.{param}", e, shape), None, *wanted)
-                          for e in range(experts)] for param, shape in shapes.items()}
-        return QuantizedExperts(layers["gate_up_proj"], layers["down_proj"], module.act_fn)
+            else:  # one expert matrix in float at a time
+                layers[param] = [QuantizedLinear.from_float(matrix(e), None, *wanted) for e in range(experts)]
+        return module if wanted is None else QuantizedExperts(layers["gate_up_proj"], layers["down_proj"], module.act_fn)
 
     def float_layer(self, name: str, module: nn.Module, wanted: tuple[str, int | None] | None,
                     part: Slice | None) -> nn.Module | None:
@@ -414,9 +442,13 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
     for name, module in list(model.named_modules()):
         if experts_layout(module) is not None:  # MoE experts saved packed: loaded as saved
             layer = loader.packed_experts(name, module, quantize_experts)
-            if layer is None and isinstance(experts_layout(module), tuple):  # one matrix per expert in the files
+            part = shards.get(name)
+            if layer is not None and part is not None:
+                raise ValueError(f"init_inference: the experts {name!r} are saved packed, which cannot be split for "
+                                 "tensor parallelism; load the float checkpoint")
+            if layer is None and isinstance(experts_layout(module), tuple):  # float: per expert, or 3-D
                 wanted = quantize_experts if quantize_experts is not None and experts_chosen(name) else None
-                layer = loader.float_experts(name, module, wanted)
+                layer = loader.float_experts(name, module, wanted, part)
             if layer is module:  # its own 3-D float parameters, filled
                 built.add(id(module))
             elif layer is not None:

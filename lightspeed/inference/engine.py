@@ -24,8 +24,8 @@ from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_d
 from lightspeed.inference.experts import quantize_experts
 from lightspeed.inference.fusion import GROUPS, fuse_projections
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims
-from lightspeed.inference.tensor_parallel import ROW_STYLES, Slice, attach_all_reduce, build_plan, is_colwise, \
-    per_rank_attributes, shard_linear, tp_settings
+from lightspeed.inference.tensor_parallel import EXPERTS, ROW_STYLES, Slice, attach_all_reduce, build_plan, \
+    is_colwise, per_rank_attributes, shard_experts, shard_linear, tp_settings
 from lightspeed.ops.wquant.reference import FORMATS, check_quant_args
 
 logger = get_logger(__name__)
@@ -249,16 +249,19 @@ class _TensorParallel:
                              f"`lightspeed --num_gpus {self.size}` or torchrun")
         self.rank = self.comm.rank
         self.plan = build_plan(model, self.size, kwargs["injection_policy"])
-        logger.info("init_inference: tensor parallelism over %d ranks: %d column- and %d row-parallel layers",
-                    self.size, sum(map(is_colwise, self.plan.values())),
-                    sum(s in ROW_STYLES for s in self.plan.values()))
+        logger.info("init_inference: tensor parallelism over %d ranks: %d column- and %d row-parallel layers, "
+                    "%d experts modules", self.size, sum(map(is_colwise, self.plan.values())),
+                    sum(s in ROW_STYLES for s in self.plan.values()), sum(s == EXPERTS for s in self.plan.values()))
 
     def slices(self) -> dict[str, Slice]:
         return {name: Slice(style, self.rank, self.size) for name, style in self.plan.items()}
 
     def shard_in_place(self, model: nn.Module) -> None:
         for name, style in self.plan.items():
-            replace_submodule(model, name, shard_linear(model.get_submodule(name), style, self.rank, self.size))
+            if style == EXPERTS:
+                shard_experts(model.get_submodule(name), self.rank, self.size)
+            else:
+                replace_submodule(model, name, shard_linear(model.get_submodule(name), style, self.rank, self.size))
 
 
 def _split_quantizable(chosen, q: dict, tp: _TensorParallel) -> dict:

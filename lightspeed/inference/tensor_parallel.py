@@ -33,6 +33,13 @@ heads (`_RankAlibi`). An attention module that keeps its head counts as attribut
 num_attention_heads, older transformers' num_heads / hidden_size) has them divided by tp after the split
 (`per_rank_attributes`), as DeepSpeed's AutoTP does: the module then reshapes its slice of the heads.
 
+Note: [MoE experts] A transformers MoE block's experts module (3-D gate_up_proj [E, 2I, H] and down_proj
+[E, H, I]; its plan style "moe_tp_experts") is split like an MLP inside every expert: each rank keeps
+its I/tp rows of the gate half and of the up half, and the same columns of down (`expert_indices`), so
+its experts' output is a partial sum, summed over the group by a hook on the experts module (the
+router and any shared expert stay whole on every rank). Quantization happens after the cut; a checkpoint
+with one matrix per expert is read in those slices.
+
 Note: [the output head] An untied output head (`lm_head`, as `get_output_embeddings()` names it) is
 split by columns too, as DeepSpeed's AutoTP does (LmHeadLinearAllreduce): its input, the final norm's
 output, is whole on every rank, so a pre-hook takes this rank's slice of it and the logits are summed
@@ -50,12 +57,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightspeed.inference.experts import QuantizedExperts, experts_layout
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, is_linear, linear_dims, linear_from_float
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 COLWISE_QKV = "colwise_qkv"  # a fused [q | k | v] layer: colwise within each third (see the Note)
 _PARTS = "colwise_parts:"  # + the row counts of a fused layer's parts (`colwise_parts`), each split colwise
 HEAD = "rowwise_head"  # the output head: rowwise on a full input, which it slices itself (see the Note)
+EXPERTS = "experts"  # a MoE block's experts module: each expert's intermediate features split (see the Note)
+_EXPERTS_STYLES = ("moe_tp_experts",)  # the base_model_tp_plan styles of a whole experts module
 ROW_STYLES = (ROWWISE, HEAD)
 # plan styles that keep a module whole: norms, and embeddings (a whole embedding gives what a vocab-split
 # one all-reduced would; DeepSpeed's AutoTP keeps them whole too)
@@ -226,6 +236,14 @@ def _match(model: nn.Module, patterns: Mapping[str, str]) -> dict[str, str]:
                       if fnmatch.fnmatchcase(local, pattern) or fnmatch.fnmatchcase(name, pattern)), None)
         if style is None or style in _WHOLE_STYLES:
             continue
+        if style in _EXPERTS_STYLES:
+            layout = experts_layout(module)
+            if isinstance(layout, str) or isinstance(module, QuantizedExperts):
+                raise NotImplementedError(f"init_inference: tensor parallelism of the experts {name}: "
+                                          f"{'quantized already' if layout is None else layout}")
+            if layout is not None:
+                plan[name] = EXPERTS
+            continue
         if not (is_colwise(style) or style == ROWWISE):  # fused experts, gathered outputs, ...
             raise NotImplementedError(f"init_inference: tensor parallelism style {style!r} (the model's "
                                       f"base_model_tp_plan, for {name}) is not implemented")
@@ -260,6 +278,12 @@ def build_plan(model: nn.Module, tp_size: int, injection_policy=None) -> dict[st
         if isinstance(heads, int) and heads % tp_size and not (heads == 1 and kept_whole):  # multi-query: k/v whole
             raise ValueError(f"init_inference: config.{key}={heads} does not divide by tp_size={tp_size}")
     for name, style in plan.items():
+        if style == EXPERTS:
+            inter = experts_layout(model.get_submodule(name))[2]
+            if inter % tp_size:
+                raise ValueError(f"init_inference: the experts {name} have {inter} intermediate features, which do "
+                                 f"not divide by tp_size={tp_size}")
+            continue
         n, k = linear_dims(model.get_submodule(name))
         sizes = part_rows(style, n) if is_colwise(style) else [k]
         split = [size for size, whole in zip(sizes, whole_parts(style) if is_colwise(style) else [False])
@@ -317,6 +341,27 @@ class Slice:
             pieces = [bias[rows] for rows, _ in self.indices((bias.shape[0], 1))]
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return bias if self.rank == 0 else torch.zeros_like(bias)
+
+
+def expert_indices(kind: str, rows: int, cols: int, rank: int, size: int) -> list[tuple[slice, slice]]:
+    """This rank's part of one expert's matrix (see the Note): "gate_up" [2I, H] keeps its rows of the gate
+    half and of the up half, "down" [H, I] its columns."""
+    if kind == "down":
+        k = cols // size
+        return [(slice(None), slice(rank * k, (rank + 1) * k))]
+    half = rows // 2
+    n = half // size
+    return [(slice(start + rank * n, start + (rank + 1) * n), slice(None)) for start in (0, half)]
+
+
+def shard_experts(module: nn.Module, rank: int, tp_size: int) -> nn.Module:
+    """The experts module with its 3-D parameters cut to this rank's part of every expert (in place)."""
+    for param, kind in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+        weight = getattr(module, param).detach()
+        pieces = [weight[(slice(None), *index)] for index in expert_indices(kind, *weight.shape[1:], rank, tp_size)]
+        setattr(module, param, nn.Parameter(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous(),
+                                            requires_grad=False))
+    return module
 
 
 def shard_linear(module: nn.Module, style: str, rank: int, tp_size: int) -> nn.Linear:
@@ -456,6 +501,8 @@ class _AllReduce:
 def attach_all_reduce(model: nn.Module, plan: Mapping[str, str], comm) -> None:
     """Hook every row-parallel layer (after any quantization swap: the hooks go on the final modules)."""
     for name, style in plan.items():
+        if style == EXPERTS:  # each rank's experts give partial sums of the block's output
+            model.get_submodule(name).register_forward_hook(_AllReduce(comm))
         if style in ROW_STYLES:
             module = model.get_submodule(name)
             if not is_linear(module):

@@ -1,7 +1,8 @@
 """init_inference with tensor parallelism on real gloo processes (world sizes 1, 2, 4) against the
 single-process model: logits, greedy generation, the slices each rank keeps (whole and quantized), the
 checkpoint path (each rank quantizes its slice as it loads), DeepSpeed's injection_policy form, a row-parallel
-bias, torch.compile over the all-reduce hooks, and the plan's checks. One world runs several scenarios to keep the process start-ups few."""
+bias, torch.compile over the all-reduce hooks, MoE experts (Mixtral, Qwen2-MoE) split inside every expert, and the
+plan's checks. One world runs several scenarios to keep the process start-ups few."""
 
 from __future__ import annotations
 
@@ -498,3 +499,72 @@ def test_phi3_tensor_parallel_matches_one_process(world, phi3_reference):
         assert torch.equal(res["loaded"], logits)
         rel = ((res["int8"] - phi3_reference["int8"]).norm() / phi3_reference["int8"].norm()).item()
         assert rel < (1e-6 if world == 1 else 0.02), rel
+
+
+MOE = ("mixtral", "qwen2_moe")
+
+
+def _moe(name):
+    """Mixtral (4 experts of 96) or Qwen2-MoE (5 experts of 48 and a shared expert of 80), 2 layers."""
+    torch.manual_seed(0)
+    common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, vocab_size=VOCAB,
+                  max_position_embeddings=64)
+    if name == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **common)
+    else:
+        cfg = transformers.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=48, num_experts=5,
+                                          shared_expert_intermediate_size=80, num_experts_per_tok=2, **common)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _moe_scenarios(world, ckpt_dirs):
+    from lightspeed import OnDevice
+    from lightspeed.inference import init_inference
+
+    tp, res = {"tp_size": world}, {}
+    for name in MOE:
+        plain = init_inference(_moe(name), dtype=torch.float32, device="cpu", tensor_parallel=tp)
+        res[name] = _run(plain)
+        res[name + "_down"] = plain.model.layers[0].mlp.experts.down_proj.detach().clone()
+        res[name + "_int8"] = _run(init_inference(_moe(name), dtype=torch.float32, device="cpu", tensor_parallel=tp,
+                                                  quant={"weight": "int8"}))[0]
+        with OnDevice(dtype=torch.float32, device="meta"):  # transformers' per-expert checkpoint, read in slices
+            meta = _moe(name)
+        res[name + "_loaded"] = _run(init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp,
+                                                    checkpoint=ckpt_dirs[name], quant={"weight": "int8"}))[0]
+    return res
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    from lightspeed.inference import init_inference
+
+    out = {}
+    for name in MOE:
+        ckpt = tmp_path_factory.mktemp(name)
+        base = _moe(name)
+        base.save_pretrained(ckpt)  # one matrix per expert, as on disk
+        int8 = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+        out[name] = {"ckpt": str(ckpt), "plain": _run(base), "int8": _run(int8)[0],
+                     "down": base.model.layers[0].mlp.experts.down_proj.detach()}
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_tensor_parallel_matches_one_process(world, moe_reference):
+    """MoE experts split over the ranks inside every expert (its gate, up rows and down columns; the
+    router and Qwen2-MoE's shared expert whole), their outputs summed: logits and greedy tokens of one
+    process; INT8 quantized after the cut; a transformers checkpoint of per-expert matrices read in
+    slices and quantized as read, equal to the in-place INT8."""
+    results = run_world(_moe_scenarios, world, world, {name: ref["ckpt"] for name, ref in moe_reference.items()})
+    for rank, res in enumerate(results):
+        for name in MOE:
+            ref = moe_reference[name]
+            logits, tokens = res[name]
+            torch.testing.assert_close(logits, ref["plain"][0], rtol=1e-5, atol=1e-5, msg=name)
+            assert torch.equal(tokens, ref["plain"][1]), name
+            inter = ref["down"].shape[2] // world
+            assert torch.equal(res[name + "_down"], ref["down"][:, :, rank * inter:(rank + 1) * inter]), name
+            assert torch.equal(res[name + "_loaded"], res[name + "_int8"]), name
+            rel = ((res[name + "_int8"] - ref["int8"]).norm() / ref["int8"].norm()).item()
+            assert rel < (1e-6 if world == 1 else 0.02), (name, rel)

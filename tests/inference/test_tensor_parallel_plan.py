@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightspeed.inference.tensor_parallel import COLWISE, COLWISE_QKV, HEAD, ROWWISE, Slice, build_plan, colwise_parts
+from lightspeed.inference.tensor_parallel import (
+    COLWISE,
+    COLWISE_QKV,
+    EXPERTS,
+    HEAD,
+    ROWWISE,
+    Slice,
+    build_plan,
+    colwise_parts,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,13 +32,20 @@ def test_llama_plan_names_every_split_layer():
                     layer + "mlp.down_proj": ROWWISE, "lm_head": HEAD}
 
 
-def test_unimplemented_plan_styles_are_refused():
-    """Mixtral's fused experts ('moe_tp_experts' on a module that is no nn.Linear) raise, naming the
-    style and the module, instead of staying whole beside split attention."""
+def test_moe_experts_are_planned_and_other_styles_refused():
+    """Mixtral's experts module ('moe_tp_experts') is planned whole as EXPERTS (split inside every expert);
+    an experts module of another layout, and a style not implemented, raise naming the module."""
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**COMMON, num_local_experts=2))
-    with pytest.raises(NotImplementedError, match="'moe_tp_experts'.*model.layers.0.mlp.experts"):
+    plan = build_plan(model, 2)
+    assert plan["model.layers.0.mlp.experts"] == EXPERTS and plan["model.layers.0.self_attn.o_proj"] == ROWWISE
+    model.model.layers[0].mlp.experts.has_bias = True
+    with pytest.raises(NotImplementedError, match="experts model.layers.0.mlp.experts: has_bias=True"):
         build_plan(model, 2)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+    llama.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.mlp.down_proj": "gather"}
+    with pytest.raises(NotImplementedError, match="'gather'.*model.layers.0.mlp.down_proj"):
+        build_plan(llama, 2)
 
 
 def test_replicated_styles_keep_modules_whole():

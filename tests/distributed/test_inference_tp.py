@@ -526,12 +526,15 @@ def _moe_scenarios(world, ckpt_dirs):
         plain = init_inference(_moe(name), dtype=torch.float32, device="cpu", tensor_parallel=tp)
         res[name] = _run(plain)
         res[name + "_down"] = plain.model.layers[0].mlp.experts.down_proj.detach().clone()
+        saved = f"{ckpt_dirs[name]}_int8_tp{world}"  # each rank's packed experts, loaded back as saved
         res[name + "_int8"] = _run(init_inference(_moe(name), dtype=torch.float32, device="cpu", tensor_parallel=tp,
-                                                  quant={"weight": "int8"}))[0]
-        with OnDevice(dtype=torch.float32, device="meta"):  # transformers' per-expert checkpoint, read in slices
-            meta = _moe(name)
-        res[name + "_loaded"] = _run(init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp,
-                                                    checkpoint=ckpt_dirs[name], quant={"weight": "int8"}))[0]
+                                                  quant={"weight": "int8"}, save_mp_checkpoint_path=saved))[0]
+        # transformers' per-expert checkpoint, read in slices and quantized; then the saved split one
+        for key, source, quant in (("_loaded", ckpt_dirs[name], {"weight": "int8"}), ("_reloaded", saved, None)):
+            with OnDevice(dtype=torch.float32, device="meta"):
+                meta = _moe(name)
+            res[name + key] = _run(init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp,
+                                                  checkpoint=source, quant=quant))[0]
     return res
 
 
@@ -555,7 +558,7 @@ def test_moe_tensor_parallel_matches_one_process(world, moe_reference):
     """MoE experts split over the ranks inside every expert (its gate, up rows and down columns; the
     router and Qwen2-MoE's shared expert whole), their outputs summed: logits and greedy tokens of one
     process; INT8 quantized after the cut; a transformers checkpoint of per-expert matrices read in
-    slices and quantized as read, equal to the in-place INT8."""
+    slices and quantized as read, and the INT8 model saved split, both equal to the in-place INT8."""
     results = run_world(_moe_scenarios, world, world, {name: ref["ckpt"] for name, ref in moe_reference.items()})
     for rank, res in enumerate(results):
         for name in MOE:
@@ -566,5 +569,6 @@ def test_moe_tensor_parallel_matches_one_process(world, moe_reference):
             inter = ref["down"].shape[2] // world
             assert torch.equal(res[name + "_down"], ref["down"][:, :, rank * inter:(rank + 1) * inter]), name
             assert torch.equal(res[name + "_loaded"], res[name + "_int8"]), name
+            assert torch.equal(res[name + "_reloaded"], res[name + "_int8"]), name
             rel = ((res[name + "_int8"] - ref["int8"]).norm() / ref["int8"].norm()).item()
             assert rel < (1e-6 if world == 1 else 0.02), (name, rel)

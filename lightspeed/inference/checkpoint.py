@@ -336,14 +336,12 @@ class _Loader:
         else:
             indices = [(slice(i * src_rows, (i + 1) * src_rows), slice(None)) for i in range(len(sources))]
         pieces = []
-        for row_slice, col_slice in indices:
-            source = sources[row_slice.start // src_rows] if row_slice.start is not None else sources[0]
-            if e not in source:
-                raise CheckpointError(f"checkpoint lacks expert {e} of {key!r} (it has experts {sorted(source)})")
-            ckey = source[e]
-            offset = (row_slice.start // src_rows) * src_rows if row_slice.start is not None else 0
-            local = slice(row_slice.start - offset, row_slice.stop - offset) if row_slice.start is not None \
-                else slice(None)
+        for row_slice, col_slice in indices:  # each within one source: a part's rows lie in one half
+            i = row_slice.start // src_rows
+            if e not in sources[i]:
+                raise CheckpointError(f"checkpoint lacks expert {e} of {key!r} (it has experts {sorted(sources[i])})")
+            ckey = sources[i][e]
+            local = slice(row_slice.start - i * src_rows, row_slice.stop - i * src_rows)
             if whole_key is not None:
                 piece = self.reader.get(ckey, (slice(e, e + 1), local, col_slice))[0]
             else:

@@ -348,7 +348,7 @@ def expert_indices(kind: str, rows: int, cols: int, rank: int, size: int) -> lis
     half and of the up half, "down" [H, I] its columns."""
     if kind == "down":
         k = cols // size
-        return [(slice(None), slice(rank * k, (rank + 1) * k))]
+        return [(slice(0, rows), slice(rank * k, (rank + 1) * k))]
     half = rows // 2
     n = half // size
     return [(slice(start + rank * n, start + (rank + 1) * n), slice(None)) for start in (0, half)]

@@ -530,7 +530,9 @@ def _moe_scenarios(world, ckpt_dirs):
         res[name + "_int8"] = _run(init_inference(_moe(name), dtype=torch.float32, device="cpu", tensor_parallel=tp,
                                                   quant={"weight": "int8"}, save_mp_checkpoint_path=saved))[0]
         # transformers' per-expert checkpoint, read in slices and quantized; then the saved split one
-        for key, source, quant in (("_loaded", ckpt_dirs[name], {"weight": "int8"}), ("_reloaded", saved, None)):
+        for key, source, quant in (("_loaded", ckpt_dirs[name], {"weight": "int8"}),
+                                   ("_loaded_3d", ckpt_dirs[name + "_3d"], {"weight": "int8"}),
+                                   ("_reloaded", saved, None)):
             with OnDevice(dtype=torch.float32, device="meta"):
                 meta = _moe(name)
             res[name + key] = _run(init_inference(meta, dtype=torch.float32, device="cpu", tensor_parallel=tp,
@@ -547,8 +549,10 @@ def moe_reference(tmp_path_factory):
         ckpt = tmp_path_factory.mktemp(name)
         base = _moe(name)
         base.save_pretrained(ckpt)  # one matrix per expert, as on disk
+        ckpt_3d = tmp_path_factory.mktemp(name + "_3d")  # lightspeed's float save: the 3-D parameters as they are
+        init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", save_mp_checkpoint_path=ckpt_3d)
         int8 = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant={"weight": "int8"})
-        out[name] = {"ckpt": str(ckpt), "plain": _run(base), "int8": _run(int8)[0],
+        out[name] = {"ckpt": str(ckpt), "ckpt_3d": str(ckpt_3d), "plain": _run(base), "int8": _run(int8)[0],
                      "down": base.model.layers[0].mlp.experts.down_proj.detach()}
     return out
 
@@ -557,9 +561,12 @@ def moe_reference(tmp_path_factory):
 def test_moe_tensor_parallel_matches_one_process(world, moe_reference):
     """MoE experts split over the ranks inside every expert (its gate, up rows and down columns; the
     router and Qwen2-MoE's shared expert whole), their outputs summed: logits and greedy tokens of one
-    process; INT8 quantized after the cut; a transformers checkpoint of per-expert matrices read in
-    slices and quantized as read, and the INT8 model saved split, both equal to the in-place INT8."""
-    results = run_world(_moe_scenarios, world, world, {name: ref["ckpt"] for name, ref in moe_reference.items()})
+    process; INT8 quantized after the cut; a transformers checkpoint of per-expert matrices and one of
+    3-D experts read in slices and quantized as read, and the INT8 model saved split, all equal to the
+    in-place INT8."""
+    dirs = {**{name: ref["ckpt"] for name, ref in moe_reference.items()},
+            **{name + "_3d": ref["ckpt_3d"] for name, ref in moe_reference.items()}}
+    results = run_world(_moe_scenarios, world, world, dirs)
     for rank, res in enumerate(results):
         for name in MOE:
             ref = moe_reference[name]
@@ -570,5 +577,6 @@ def test_moe_tensor_parallel_matches_one_process(world, moe_reference):
             assert torch.equal(res[name + "_down"], ref["down"][:, :, rank * inter:(rank + 1) * inter]), name
             assert torch.equal(res[name + "_loaded"], res[name + "_int8"]), name
             assert torch.equal(res[name + "_reloaded"], res[name + "_int8"]), name
+            assert torch.equal(res[name + "_loaded_3d"], res[name + "_int8"]), name
             rel = ((res[name + "_int8"] - ref["int8"]).norm() / ref["int8"].norm()).item()
             assert rel < (1e-6 if world == 1 else 0.02), (name, rel)

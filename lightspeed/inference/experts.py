@@ -98,9 +98,12 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if (self._stacks is not None and top_k_index.numel() <= MAX_GROUPED_ROWS
-                and (not hidden_states.is_cuda or hidden_states.dtype in (torch.float16, torch.bfloat16))
-                and not (torch.is_grad_enabled() and hidden_states.requires_grad)):  # the loop has a backward
+        cuda = hidden_states.is_cuda
+        if (self._stacks is not None and top_k_index.shape[1] <= MAX_GROUPED_ROWS
+                and (not cuda or hidden_states.dtype in (torch.float16, torch.bfloat16))
+                and not (torch.is_grad_enabled() and hidden_states.requires_grad)  # the loop has a backward
+                and (top_k_index.numel() <= MAX_GROUPED_ROWS or (cuda and torch.cuda.is_current_stream_capturing()))):
+            # more routes than one launch takes only while a CUDA graph captures: the loop's host sync would fail
             return self._grouped(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
@@ -117,10 +120,15 @@ class QuantizedExperts(nn.Module):
 
     def _grouped(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The eager loop's result without its host sync (a decode step's routes, at most MAX_GROUPED_ROWS):
-        both products as one grouped launch each, in route order (routes to the dropped slot E give zero
-        rows), then each token's routes summed in expert order, as the loop adds them."""
+        """The eager loop's result without its host sync (a decode step's routes; more only under CUDA-graph
+        capture, in chunks of MAX_GROUPED_ROWS routes): both products as one grouped launch each, in route
+        order (routes to the dropped slot E give zero rows), then each token's routes summed in expert
+        order, as the loop adds them."""
         tokens, k = top_k_index.shape
+        step = MAX_GROUPED_ROWS // k
+        if tokens > step:  # launches of at most MAX_GROUPED_ROWS routes (each reads its chosen experts again)
+            return torch.cat([self._grouped(hidden_states[i:i + step], top_k_index[i:i + step],
+                                            top_k_weights[i:i + step]) for i in range(0, tokens, step)])
         gate, up = grouped_quantized_matmul(hidden_states, self._stacks[0], top_k_index).chunk(2, dim=-1)
         y = grouped_quantized_matmul(self.act_fn(gate) * up, self._stacks[1], top_k_index.reshape(-1, 1))
         y = (y * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype).view(tokens, k, -1)

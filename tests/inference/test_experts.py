@@ -155,6 +155,23 @@ def test_grouped_experts_compile_to_one_graph():
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+def test_grouped_path_in_chunks_matches_the_expert_loop():
+    """More routes than one grouped launch takes (the path a CUDA-graph capture of a long prompt runs):
+    chunks of MAX_GROUPED_ROWS routes, against the loop."""
+    from lightspeed.ops.wquant import MAX_GROUPED_ROWS
+
+    q = init_inference(_moe("mixtral"), dtype=torch.float32, device="cpu", quant={"weight": "fp6"})
+    mine = q.model.layers[1].mlp.experts
+    gen = torch.Generator().manual_seed(11)
+    tokens = MAX_GROUPED_ROWS + 7  # two full chunks of 32 tokens x top-2, then 7
+    x = torch.randn(tokens, 64, generator=gen)
+    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(mine._grouped(x, index, weights), _eager_loop(mine, x, index, weights),
+                                   rtol=1e-5, atol=1e-6)
+
+
 class _BiasedExperts(nn.Module):
     """The layout of an experts module with biases (GPT-OSS-like flags): not what QuantizedExperts holds."""
 
@@ -290,3 +307,20 @@ def test_cuda_moe_generate_in_a_cuda_graph(name):
     assert runner.captures == 1 and not runner.eager
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_long_input_captures_in_chunks():
+    """A forward of more routes than one grouped launch takes (2 x 40 tokens x top-2), called again with
+    enable_cuda_graph: captured (the grouped path in chunks: the loop's host sync would fail the capture),
+    its logits those of the eager model (whose loop runs the same experts)."""
+    base = _moe("mixtral")
+    eager = init_inference(copy.deepcopy(base), dtype=torch.float16, quant={"weight": "fp6"})
+    graphed = init_inference(base, dtype=torch.float16, quant={"weight": "fp6"}, enable_cuda_graph=True)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, capture, replay
+            got = graphed(ids, use_cache=False).logits
+        want = eager(ids, use_cache=False).logits
+    assert graphed.forward.graphs.captures == 1 and not graphed.forward.graphs.eager
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3)

@@ -123,7 +123,7 @@ class QuantizedExperts(nn.Module):
         """The eager loop's result without its host sync (a decode step's routes; more only under CUDA-graph
         capture, in chunks of MAX_GROUPED_ROWS routes): both products as one grouped launch each, in route
         order (routes to the dropped slot E give zero rows), then each token's routes summed in expert
-        order, as the loop adds them."""
+        order, as the loop adds them (top-1 / top-2: one add, whose order does not matter)."""
         tokens, k = top_k_index.shape
         step = MAX_GROUPED_ROWS // k
         if tokens > step:  # launches of at most MAX_GROUPED_ROWS routes (each reads its chosen experts again)
@@ -132,8 +132,10 @@ class QuantizedExperts(nn.Module):
         gate, up = grouped_quantized_matmul(hidden_states, self._stacks[0], top_k_index).chunk(2, dim=-1)
         y = grouped_quantized_matmul(self.act_fn(gate) * up, self._stacks[1], top_k_index.reshape(-1, 1))
         y = (y * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype).view(tokens, k, -1)
-        if k > 1:  # each token's experts in ascending order, as the eager loop adds them
-            y = y.gather(1, top_k_index.argsort(dim=1, stable=True)[:, :, None].expand(-1, -1, y.shape[-1]))
+        if k <= 2:  # one rounded add, whose order does not matter (an eager step's host time is these ops')
+            return y[:, 0] + y[:, 1] if k == 2 else y[:, 0]
+        # each token's experts in ascending order, as the eager loop adds them
+        y = y.gather(1, top_k_index.argsort(dim=1, stable=True)[:, :, None].expand(-1, -1, y.shape[-1]))
         out = torch.zeros_like(hidden_states)
         for slot in range(k):
             out = out + y[:, slot]

@@ -104,7 +104,7 @@ def _eager_loop(module, x, index, weights):
         module._stacks = stacks
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [1, 2, 4])
 def test_grouped_path_matches_the_expert_loop(k):
     """Up to MAX_GROUPED_ROWS routes (a decode step) run through the grouped products: routes sorted by
     expert, each token's results summed in expert order, dropped routes zero; against the loop, for every
@@ -196,18 +196,20 @@ def test_other_layouts_and_excluded_names_stay_float(ls_caplog):
     assert isinstance(q.model.layers[0].self_attn.q_proj, QuantizedLinear)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_checkpoint_of_per_expert_matrices_loads(name, tmp_path, ls_caplog):
+def test_checkpoint_of_per_expert_matrices_loads(name, device, tmp_path, ls_caplog):
     """A transformers checkpoint directory as on disk (save_pretrained writes the original per-expert
     names: Mixtral's `block_sparse_moe.experts.N.w1/w3/w2` and router, Qwen-MoE's
     `mlp.experts.N.gate_proj/up_proj/down_proj`), loaded by `checkpoint=` into a meta model: quantized,
     the same logits as quantizing the model itself; float, the model's own logits; experts excluded from
-    quantization keep float 3-D weights. Every checkpoint tensor is used."""
+    quantization keep float 3-D weights. Every checkpoint tensor is used. CUDA: fp16, through the kernels."""
     from lightspeed import OnDevice
 
     base = _moe(name)
     base.save_pretrained(tmp_path)
-    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
+    dtype = torch.float16 if device == "cuda" else torch.float32
 
     def meta_model():
         with OnDevice(dtype=torch.float32, device="meta"):
@@ -215,18 +217,19 @@ def test_checkpoint_of_per_expert_matrices_loads(name, tmp_path, ls_caplog):
 
     quant = {"weight": "int8"}
     ls_caplog.set_level(logging.INFO, logger="lightspeed")  # the loader's note of unused checkpoint tensors
-    loaded = init_inference(meta_model(), dtype=torch.float32, device="cpu", checkpoint=str(tmp_path), quant=quant)
+    loaded = init_inference(meta_model(), dtype=dtype, device=device, checkpoint=str(tmp_path), quant=quant)
     assert isinstance(loaded.model.layers[1].mlp.experts, QuantizedExperts)
     assert "does not use" not in ls_caplog.text and "load_checkpoint" not in ls_caplog.text
-    want = init_inference(copy.deepcopy(base), dtype=torch.float32, device="cpu", quant=quant)
+    want = init_inference(copy.deepcopy(base), dtype=dtype, device=device, quant=quant)
     assert torch.equal(_logits(loaded, ids), _logits(want, ids))
-    plain = init_inference(meta_model(), dtype=torch.float32, device="cpu", checkpoint=str(tmp_path))
-    torch.testing.assert_close(_logits(plain, ids), _logits(base, ids), rtol=1e-6, atol=1e-6)
-    mixed = init_inference(meta_model(), dtype=torch.float32, device="cpu", checkpoint=str(tmp_path),
+    plain = init_inference(meta_model(), dtype=dtype, device=device, checkpoint=str(tmp_path))
+    own = init_inference(copy.deepcopy(base), dtype=dtype, device=device)
+    torch.testing.assert_close(_logits(plain, ids), _logits(own, ids), rtol=1e-6, atol=1e-6)
+    mixed = init_inference(meta_model(), dtype=dtype, device=device, checkpoint=str(tmp_path),
                            quant={"weight": "int8", "exclude": ["*.experts"]})
     experts = mixed.model.layers[0].mlp.experts
     assert not isinstance(experts, QuantizedExperts)
-    torch.testing.assert_close(experts.down_proj, base.model.layers[0].mlp.experts.down_proj)
+    torch.testing.assert_close(experts.down_proj, base.model.layers[0].mlp.experts.down_proj.to(device, dtype))
 
 
 def test_checkpoint_missing_an_expert_is_an_error(tmp_path):

@@ -5,6 +5,7 @@ experts or not), odd N, padded K, split-K with per-expert counters, per-group sc
 checks."""
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -111,6 +112,10 @@ def test_reference_and_checks():
         grouped_quantized_matmul(x[:, :32], qw, experts)
     with pytest.raises(ValueError, match="scales must be"):
         grouped_quantized_matmul(x, qw.expert(0), experts)
+    strided = copy.copy(qw)  # the kernel steps through scales as [experts, N, groups] contiguous
+    strided.scales = qw.scales.transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(ValueError, match="scales must be a contiguous"):
+        grouped_quantized_matmul(x, strided, experts)
     with pytest.raises(ValueError, match="differ in format"):
         stack_weights([quantize(torch.randn(24, 64), "int8"), quantize(torch.randn(24, 64), "int4")])
     with pytest.raises(ValueError, match="no backward"):
@@ -148,3 +153,172 @@ def test_cuda_grouped_kernel_block_n_128_configs_repeatedly(fmt):
                 cfg = {"BLOCK_N": 128, "SPLIT_K": split_k, "ONE_DOT": 1, "num_warps": 4, "num_stages": stages}
                 for _ in range(5):
                     _check(wt.wq_grouped_matmul(x, qw, experts, config=cfg), x, qw, experts)
+
+
+class _FakeCompiled:
+    """Stands in for triton's CompiledKernel: records launches instead of running them."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        self.launches.append(((g0, g1, g2), stream, args))
+
+
+class _FakeKernel:
+    """Stands in for `_wq_grouped_kernel`: `kernel[grid](...)` counts the call, returns the fake compiled one."""
+
+    def __init__(self, arg_names, compiled):
+        self.arg_names, self.compiled, self.calls = arg_names, compiled, []
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.calls.append(grid)
+            return self.compiled
+
+        return call
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_grouped_launch_plan_plumbing(split_k, monkeypatch):
+    """The grouped plan's bookkeeping without a GPU (fake kernel and launcher): the first call keeps a plan
+    with its grid and every kernel parameter in order; later calls of the class (other x, weights, routes)
+    skip the JIT launch and pass the new addresses (the workspace is y at SPLIT_K 1); other routes' shapes
+    are another class; `config=` calls never use plans; growing a scratch buffer drops them."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    from lightspeed.ops.wquant import grouped as wt
+    from lightspeed.ops.wquant import launch
+
+    compiled = _FakeCompiled()
+    kernel = _FakeKernel(wt._wq_grouped_kernel.arg_names, compiled)
+    fake_driver = SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0,
+                                                         get_current_stream=lambda device: 77))
+    monkeypatch.setattr(wt, "_wq_grouped_kernel", kernel)
+    monkeypatch.setattr(wt, "INTERPRET", False)
+    monkeypatch.setattr(wt, "driver", fake_driver)
+    monkeypatch.setattr(launch, "driver", fake_driver)
+    cfg = {"BLOCK_N": 64, "SPLIT_K": split_k, "ONE_DOT": 1, "STREAM": 0, "num_warps": 4, "num_stages": 4}
+    tunings = []
+    monkeypatch.setattr(wt, "_tune", lambda *a: tunings.append(a) or dict(cfg))
+    monkeypatch.setattr(wt, "_tuned", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for name in ("plans", "workspaces", "counters"):  # fresh state
+        monkeypatch.setattr(launch, name, {})
+    monkeypatch.setattr(wt, "plans", launch.plans)
+    names = wt._wq_grouped_kernel.arg_names
+    qws = [stack_weights([quantize(torch.randn(96, 128), "fp6") for _ in range(3)]) for _ in range(2)]
+    x = torch.randn(2, 128, dtype=torch.float16)
+    experts = torch.tensor([[2, 0], [1, 2]])
+    wt.wq_grouped_matmul(x, qws[0], experts)
+    assert len(kernel.calls) == 1 and not compiled.launches and len(tunings) == 1
+    (key, plan), = launch.plans.items()
+    assert key == wt.grouped_plan_key(x, qws[0], experts) and plan.grid == (2, split_k, 3)
+    assert len(plan.args) == len(names) and plan.config["SPLIT_K"] == split_k
+    assert plan.args[names.index("K")] == 128 and plan.args[names.index("R")] == 4
+    assert plan.args[names.index("ROUTE_SLOTS")] is False
+    for qw in qws:
+        x2, experts2 = torch.randn(2, 128, dtype=torch.float16), torch.tensor([[0, 1], [2, 0]])
+        y = wt.wq_grouped_matmul(x2, qw, experts2)
+        grid, stream, args = compiled.launches[-1]
+        assert len(kernel.calls) == 1 and grid == plan.grid and stream == 77
+        w = qw.planes[0].data_ptr()
+        assert list(args[:5]) == [x2.data_ptr(), w, w, qw.scales.data_ptr(), y.data_ptr()]
+        assert args[7] == experts2.data_ptr() and y.shape == (4, 96) and int(y.abs().sum()) == 0
+        ws = args[5]
+        assert (ws == y.data_ptr()) if split_k == 1 else (ws is launch.workspaces[x.device])
+        assert list(args[6:7]) + list(args[8:]) == plan.args[6:7] + plan.args[8:]
+    wt.wq_grouped_matmul(x[:1], qws[0], experts[:1])  # another route count: its own class, tuned
+    assert len(kernel.calls) == 2 and len(launch.plans) == 2 and len(tunings) == 2
+    wt.wq_grouped_matmul(x, qws[0], experts, config=dict(cfg))
+    assert len(kernel.calls) == 3 and len(launch.plans) == 2
+    launch.workspace(x.device, launch.workspace(x.device, 1).numel() + 1)
+    assert not launch.plans
+    wt.wq_grouped_matmul(x, qws[1], experts)  # a new plan from the kept tuning: no timing
+    assert len(kernel.calls) == 4 and len(tunings) == 2 and len(launch.plans) == 1
+
+
+def test_grouped_tuning_picks_the_fastest_candidate(monkeypatch):
+    """`_tune` times every candidate (fake timer), skips those that do not fit the GPU, returns the fastest;
+    candidates: each split gets >= 2 K-tiles, within `max_split_k(R)`, 3 and 4 stages."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from lightspeed.ops.wquant import grouped as wt
+
+    assert [(c["SPLIT_K"], c["num_stages"]) for c in wt.grouped_candidates(2, 4096, 1024, 128)] == [
+        (sk, st) for sk in (1, 2, 3, 4) for st in (3, 4)]  # 8 K-tiles: splits of >= 2
+    assert {c["SPLIT_K"] for c in wt.grouped_candidates(64, 4096, 14336, 128)} == {1, 2, 3, 4}  # max_split_k(64)
+    assert {c["BLOCK_N"] for c in wt.grouped_candidates(2, 48, 14336, 128)} == {64}
+    launched = []
+
+    def fake_bench(call):
+        call()
+        cfg = launched[-1]
+        if cfg["SPLIT_K"] == 4:
+            raise OutOfResources(1, 0, "shared memory")
+        return {1: 3.0, 2: 2.0, 3: 1.5}[cfg["SPLIT_K"]] + (0.1 if cfg["num_stages"] == 4 else 0.0)
+
+    monkeypatch.setattr(wt, "graph_bench", fake_bench)
+    monkeypatch.setattr(wt, "_launch", lambda x, qw, experts, cfg: launched.append(cfg))
+    monkeypatch.setattr(wt, "driver", type("D", (), {"active": type("A", (), {"get_current_device": lambda: 0})}))
+    qw = stack_weights([quantize(torch.randn(4096, 1024), "int4") for _ in range(2)])
+    best = wt._tune(torch.zeros(1, 1024, dtype=torch.float16), qw, torch.tensor([[0, 1]]))
+    assert len(launched) == 8 and best["SPLIT_K"] == 3 and best["num_stages"] == 3
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="launch plans keep compiled kernels: CUDA only")
+@pytest.mark.parametrize("fmt", ["fp6", "int8", "int4"])
+def test_cuda_grouped_launch_plans_match_the_reference(fmt, monkeypatch):
+    """After a class's first call, `wq_grouped_matmul` launches its kept plan: with the kernel's JIT launch
+    made to fail, calls with other x, routes and experts' weights of the same shapes still match the
+    reference (fp16 and bf16, route slots and expert slots)."""
+    from lightspeed.ops.wquant import grouped as wt
+
+    qws = [_experts(5, 200, 256, fmt, None, seed) for seed in (21, 22)]
+    gen = torch.Generator().manual_seed(23)
+    for dtype in (torch.float16, torch.bfloat16):
+        for rows in ([[3, 1]], [[2, 0], [0, 3], [3, 2], [1, 0]]):
+            experts = _routes(rows)
+            x = torch.randn(experts.shape[0], 256, generator=gen).to(device=DEVICE, dtype=dtype)
+            _check(wt.wq_grouped_matmul(x, qws[0], experts), x, qws[0], experts)
+            assert wt.grouped_plan_key(x, qws[0], experts) in wt.plans
+            with monkeypatch.context() as patch:
+                patch.setattr(wt, "_wq_grouped_kernel", None)  # a JIT launch would fail
+                for qw in qws:
+                    other = experts.flip(0).contiguous()
+                    x2 = torch.randn(experts.shape[0], 256, generator=gen).to(device=DEVICE, dtype=dtype)
+                    _check(wt.wq_grouped_matmul(x2, qw, other), x2, qw, other)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="tuning and CUDA graphs: CUDA only")
+def test_cuda_grouped_tunes_on_first_call_and_captures_an_untuned_class(monkeypatch):
+    """A class's first call times the candidates and keeps the fastest; a class first called inside a
+    CUDA-graph capture runs the untuned `grouped_config` (no timing there) and is right on replay."""
+    from lightspeed.ops.wquant import grouped as wt
+
+    monkeypatch.setattr(wt, "_tuned", {})
+    wt.plans.clear()  # a kept plan would skip the tuning
+    qw = _experts(4, 256, 1024, "int4", None, seed=31)
+    wt.reserve_grouped_scratch(torch.device(DEVICE), "int4", 256, 4)
+    gen = torch.Generator().manual_seed(32)
+    experts = _routes([[1, 3]])
+    x = torch.randn(1, 1024, generator=gen).to(device=DEVICE, dtype=torch.float16)
+    _check(wt.wq_grouped_matmul(x, qw, experts), x, qw, experts)
+    (cfg,) = wt._tuned.values()
+    assert cfg in wt.grouped_candidates(2, 256, 1024, qw.tile)
+    experts3 = _routes([[0, 2], [1, 3], [2, 0]])
+    x3 = torch.randn(3, 1024, generator=gen).to(device=DEVICE, dtype=torch.float16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y3 = wt.wq_grouped_matmul(x3, qw, experts3)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(y3, x3, qw, experts3)
+    assert len(wt._tuned) == 1

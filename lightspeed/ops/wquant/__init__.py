@@ -114,8 +114,10 @@ def grouped_quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, experts:
     n, k = qweight.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [tokens, {k}] (got {tuple(x.shape)})")
-    if scales.dim() != 3 or tuple(scales.shape[1:2]) != (n,) or len(planes) != 1:
-        raise ValueError(f"grouped_quantized_matmul: scales must be [experts, {n}, groups] (got {tuple(scales.shape)})")
+    groups = 1 if qweight.group_size is None else -(-k // qweight.group_size)
+    if scales.dim() != 3 or tuple(scales.shape[1:]) != (n, groups) or not scales.is_contiguous() or len(planes) != 1:
+        raise ValueError(f"grouped_quantized_matmul: scales must be a contiguous [experts, {n}, {groups}] "
+                         f"(got {tuple(scales.shape)}, strides {scales.stride()})")
     num_experts = scales.shape[0]
     (shape, dtype), = plane_specs(qweight.format, n, k, qweight.tile)
     if tuple(planes[0].shape) != (num_experts, *shape) or planes[0].dtype != dtype or not planes[0].is_contiguous():

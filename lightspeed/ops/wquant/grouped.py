@@ -12,18 +12,24 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.runtime.driver import driver
+from triton.runtime.errors import OutOfResources
+
+from lightspeed._utils.logging import get_logger
 from lightspeed.ops.wquant.dequant import FORMAT_ID, INTERPRET
-from lightspeed.ops.wquant.launch import counter, workspace
+from lightspeed.ops.wquant.launch import Plan, counter, keep, plans, workspace
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight
 from lightspeed.ops.wquant.triton import _split_k_body, group_layout, reserve_scratch
 from lightspeed.ops.wquant.tuning import (
-    SPLIT_KS,
     TARGET_PROGRAMS_PER_SM,
     block_m_for,
+    graph_bench,
     heuristic_config,
     max_split_k,
     num_sms,
 )
+
+logger = get_logger(__name__)
 
 
 @triton.jit
@@ -77,34 +83,146 @@ def reserve_grouped_scratch(device: torch.device, fmt: str, N: int, experts: int
 
 
 def grouped_config(R: int, N: int, K: int, experts: int, tile: int) -> dict:
-    """The grouped kernel's config (not autotuned: which experts get rows is known only on the device):
-    BLOCK_N 128 (64 for narrow N), 4 warps, 4 stages, one product per K-tile, and the split count (of
-    `tuning.SPLIT_KS`, >= 2 K-tiles per split, <= `max_split_k(R)`) whose grid is nearest to
-    `TARGET_PROGRAMS_PER_SM` programs per SM when min(experts, R) experts have rows (decode: each row
-    routed to its own expert, the most weight bytes a call can read)."""
+    """The grouped kernel's untuned config: the interpreter's, and the one a call made inside a CUDA-graph
+    capture before its class was tuned uses (`wq_grouped_matmul`): BLOCK_N 128 (64 for narrow N), 4
+    warps, 4 stages, one product per K-tile, and the split count (of `GROUPED_SPLIT_KS`, >= 2 K-tiles per
+    split, <= `max_split_k(R)`) whose grid is nearest to `TARGET_PROGRAMS_PER_SM` programs per SM when
+    min(experts, R) experts have rows."""
     if INTERPRET:
         return heuristic_config(R, K)
     block_n = 128 if N > 64 else 64
     busy = triton.cdiv(N, block_n) * min(experts, R)
-    nt = triton.cdiv(K, tile)
-    splits = [sk for sk in SPLIT_KS if sk == 1 or (sk <= max_split_k(R) and nt >= 2 * sk)]
     target = TARGET_PROGRAMS_PER_SM * num_sms()
-    split_k = min(splits, key=lambda sk: (abs(math.log2(busy * sk / target)), sk))
+    split_k = min(_splits(R, K, tile), key=lambda sk: (abs(math.log2(busy * sk / target)), sk))
     return {"BLOCK_N": block_n, "SPLIT_K": split_k, "ONE_DOT": 1, "STREAM": 0, "num_warps": 4, "num_stages": 4}
+
+
+# split counts the grouped kernel is tuned over: 3 too (H200, Mixtral's experts: the best split of each
+# (matrix, tokens, format) cell was 1, 2, 3, 4, 6 or 8; BENCHMARKS.md "MoE experts at decode")
+GROUPED_SPLIT_KS = (1, 2, 3, 4, 6, 8)
+
+
+def _splits(R: int, K: int, tile: int) -> list[int]:
+    nt = triton.cdiv(K, tile)
+    return [sk for sk in GROUPED_SPLIT_KS if sk == 1 or (sk <= max_split_k(R) and nt >= 2 * sk)]
+
+
+def grouped_candidates(R: int, N: int, K: int, tile: int) -> list[dict]:
+    """The configs `wq_grouped_matmul` times on a class's first call: BLOCK_N 128 (64 for narrow N), 4 warps,
+    one product per K-tile, every split of `GROUPED_SPLIT_KS` that gives each split >= 2 K-tiles and keeps
+    the workspace within `max_split_k(R)`, 3 and 4 stages (<= 12)."""
+    block_n = 128 if N > 64 else 64
+    return [{"BLOCK_N": block_n, "SPLIT_K": sk, "ONE_DOT": 1, "STREAM": 0, "num_warps": 4, "num_stages": st}
+            for sk in _splits(R, K, tile) for st in (3, 4)]
+
+
+_tuned: dict = {}  # tune key -> the fastest of `grouped_candidates` (config dict)
+
+
+def _tune_key(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> tuple:
+    return (driver.active.get_current_device(), x.dtype, tuple(experts.shape), qw.format, qw.shape, qw.group_size,
+            qw.tile, qw.scales.shape[0])
+
+
+def _tune(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> dict:
+    """The fastest candidate for this call's class, timed by `tuning.graph_bench` on this call's inputs
+    (which experts the routes hit is known only on the device, so this call's routes stand for the
+    class's). Candidates that do not fit the GPU (triton's OutOfResources) are skipped."""
+    K = x.shape[1]
+    R, N = experts.numel(), qw.shape[0]
+    timings = {}
+    for cfg in grouped_candidates(R, N, K, qw.tile):
+        try:
+            timings[tuple(cfg.items())] = graph_bench(lambda: _launch(x, qw, experts, dict(cfg)))
+        except OutOfResources:
+            continue
+    if not timings:
+        raise RuntimeError(f"grouped_quantized_matmul: no config fits this GPU for {R} routes of {N} x {K} "
+                           f"{qw.format} experts")
+    best = min(timings, key=timings.get)
+    logger.info("grouped_quantized_matmul: %d routes of %d x %d %s experts: %s (%.1f us)", R, N, K, qw.format,
+                dict(best), timings[best] * 1e3)
+    return dict(best)
+
+
+def grouped_plan_key(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> tuple:
+    """What a grouped launch plan depends on besides the tensors' addresses (as `launch.plan_key`): the
+    shapes, the routes' shape and dtype, x's row stride, the dtypes and the 16-byte alignment of every
+    pointer."""
+    w, s = qw.planes[0], qw.scales
+    return ("grouped", driver.active.get_current_device(), x.dtype, tuple(x.shape), x.stride(0), x.data_ptr() % 16,
+            qw.format, qw.shape, qw.group_size, qw.tile, tuple(w.shape), w.dtype, w.data_ptr() % 16, tuple(s.shape),
+            s.dtype, s.data_ptr() % 16, tuple(experts.shape), experts.dtype, experts.data_ptr() % 16)
+
+
+# the arguments each planned call sets: x, the w units, fp6's lo bytes, scales, out, (ws: out at SPLIT_K 1), idx
+_PER_CALL = (0, 1, 2, 3, 4, 7)
 
 
 def wq_grouped_matmul(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor,
                       config: dict | None = None) -> torch.Tensor:
     """y [T * k, N] with y[t * k + i] = x[t] @ dequant(W_e).T, e = experts[t, i]: `qw` stacks E experts' [N, K]
-    weights (planes [E, ...], scales [E, N, groups]); x [T, K] fp16/bf16; experts [T, k] integers on the
-    device, T * k <= 64. Routes to no expert (outside [0, E)) give zero rows. One launch, no host sync
-    (`_wq_grouped_kernel`). Callers validate (`lightspeed.ops.wquant.grouped_quantized_matmul`)."""
+    weights (planes [E, ...], scales [E, N, groups], contiguous); x [T, K] fp16/bf16 contiguous along K;
+    experts [T, k] contiguous integers on the device, T * k <= 64. Routes to no expert (outside [0, E)) give
+    zero rows. One launch, no host sync (`_wq_grouped_kernel`). Callers validate
+    (`lightspeed.ops.wquant.grouped_quantized_matmul`). Later calls of a `grouped_plan_key` class launch the
+    first call's compiled kernel directly (`launch.py`'s Note: launch plans), unless `config` is given.
+    Without `config` each (routes' shape, weight) class is tuned on its first call (`_tune`)."""
+    K = x.shape[1]
+    R = experts.numel()
+    num_experts, N = qw.scales.shape[0], qw.shape[0]
+    planned = config is None and not INTERPRET
+    if planned:
+        key = grouped_plan_key(x, qw, experts)
+        plan = plans.get(key)
+        if plan is not None:
+            out = torch.zeros((R, N), device=x.device, dtype=x.dtype)
+            args = plan.args.copy()
+            w = qw.planes[0].data_ptr()
+            args[0:5] = (x.data_ptr(), w, w, qw.scales.data_ptr(), out.data_ptr())
+            if plan.config["SPLIT_K"] == 1:
+                args[5] = args[4]
+            args[7] = experts.data_ptr()
+            plan.run(args)
+            return out
+    if config is not None:
+        cfg = dict(config)
+    elif INTERPRET:
+        cfg = grouped_config(R, N, K, num_experts, qw.tile)
+    else:
+        cfg = _tuned.get(_tune_key(x, qw, experts))
+        if cfg is None and torch.cuda.is_current_stream_capturing():  # timing cannot run inside a capture
+            cfg, planned = grouped_config(R, N, K, num_experts, qw.tile), False
+            _log_untuned(R, N, K, qw.format)
+        elif cfg is None:
+            cfg = _tuned[_tune_key(x, qw, experts)] = _tune(x, qw, experts)
+    out, compiled, grid, pos, consts = _launch(x, qw, experts, cfg)
+    if planned:
+        named = {**dict(zip(_wq_grouped_kernel.arg_names, pos)), **consts}
+        keep(key, Plan(compiled, grid, [named[a] for a in _wq_grouped_kernel.arg_names], dict(cfg)),
+             _PER_CALL + ((5,) if cfg["SPLIT_K"] == 1 else ()))
+    return out
+
+
+_untuned_logged: set = set()
+
+
+def _log_untuned(R: int, N: int, K: int, fmt: str) -> None:
+    if (R, N, K, fmt) not in _untuned_logged:
+        _untuned_logged.add((R, N, K, fmt))
+        logger.info("grouped_quantized_matmul: first call for %d routes of %d x %d %s experts inside a CUDA-graph "
+                    "capture: untuned config (a call with the same shapes before capturing tunes it)", R, N, K, fmt)
+
+
+def _launch(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor, cfg: dict):
+    """One launch of the grouped kernel with config `cfg`: (y, the compiled kernel, grid, positional
+    arguments, constexprs)."""
     T, K = x.shape
     per_x = experts.shape[1]
     R = T * per_x
     num_experts, N = qw.scales.shape[0], qw.shape[0]
     per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
-    cfg = dict(config) if config is not None else grouped_config(R, N, K, num_experts, qw.tile)
+    cfg = dict(cfg)
     block_n, split_k = cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     cfg.pop("STREAM", None)
     out = torch.zeros((R, N), device=x.device, dtype=x.dtype)  # rows of dropped routes stay zero
@@ -113,10 +231,11 @@ def wq_grouped_matmul(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tenso
     packed = qw.planes[0]
     units = packed.view(torch.int32 if qw.format == "int8" else torch.int16)
     route_slots = R < num_experts
-    _wq_grouped_kernel[(triton.cdiv(N, block_n), split_k, R if route_slots else num_experts)](
-        x, units, packed, qw.scales, out, ws, cnt, experts, R, N, x.stride(0),
-        FP6_FP16_SCALE if qw.format == "fp6" else 1.0, units[0].numel(), packed[0].numel(), num_experts, per_x, K=K,
-        TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg, FORMAT=FORMAT_ID[qw.format], PER_GROUP=per_group,
-        X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m_for(R), INTERPRETED=INTERPRET, ROWS=ROW_GROUP,
-        BLOCK_N=block_n, SPLIT_K=split_k, ONE_DOT=cfg.pop("ONE_DOT", 1), ROUTE_SLOTS=route_slots, **cfg)
-    return out
+    grid = (triton.cdiv(N, block_n), split_k, R if route_slots else num_experts)
+    pos = (x, units, packed, qw.scales, out, ws, cnt, experts, R, N, x.stride(0),
+           FP6_FP16_SCALE if qw.format == "fp6" else 1.0, units[0].numel(), packed[0].numel(), num_experts, per_x)
+    consts = dict(K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg, FORMAT=FORMAT_ID[qw.format], PER_GROUP=per_group,
+                  X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m_for(R), INTERPRETED=INTERPRET, ROWS=ROW_GROUP,
+                  BLOCK_N=block_n, SPLIT_K=split_k, ONE_DOT=cfg.pop("ONE_DOT", 1), ROUTE_SLOTS=route_slots)
+    compiled = _wq_grouped_kernel[grid](*pos, **consts, **cfg)
+    return out, compiled, grid, pos, consts

@@ -8,7 +8,9 @@ a call took 100-140 us of CPU on the H200's host against 23-25 us for F.linear (
 first autotuned call of each `plan_key` class keeps its compiled kernel, grid and arguments (`Plan`),
 and later calls of the class pass the tensors' addresses, as integers, straight to the compiled
 kernel's launcher: no autotuner lookup, argument binding, specialization, or driver query per pointer
-(27-28 us a call). A plan holds the scratch buffers it ran with, so growing one drops every plan.
+(27-28 us a call). A plan holds the scratch buffers it ran with, so growing one drops every plan. The
+grouped (MoE experts) kernel keeps plans the same way, in the same dict (`grouped.py`, keys tagged
+"grouped").
 """
 
 from __future__ import annotations
@@ -69,21 +71,29 @@ class Plan:
         self.kernel, self.grid, self.args, self.config = kernel, grid, args, config
 
     def launch(self, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """`wq_matmul`'s call: the first six arguments are this call's."""
         out = torch.empty((x.shape[0], qw.shape[0]), device=x.device, dtype=x.dtype)
         args = self.args.copy()
         w = qw.planes[0].data_ptr()  # the w units and fp6's lo bytes are views of one tensor
         s = qw.scales.data_ptr()
         args[:6] = (x.data_ptr(), w, w, s, s if bias is None else bias.data_ptr(), out.data_ptr())
+        self.run(args)
+        return out
+
+    def run(self, args: list) -> None:
+        """Launch the kept kernel on the current stream with `args` (the plan's, with this call's set)."""
         kernel, (g0, g1, g2) = self.kernel, self.grid
         stream = driver.active.get_current_stream(driver.active.get_current_device())
         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(self.grid, stream, *args), knobs.runtime.launch_enter_hook,
                    knobs.runtime.launch_exit_hook, *args)
-        return out
 
 
-def keep(key: tuple, plan: Plan) -> None:
-    plan.args[:6] = [None] * 6  # set per call: holding the first call's x and y would keep them alive
+def keep(key: tuple, plan: Plan, per_call=range(6)) -> None:
+    """Keep `plan` under `key`; the arguments at `per_call` are set by each call (holding the first call's
+    tensors there would keep them alive)."""
+    for i in per_call:
+        plan.args[i] = None
     if len(plans) >= MAX_PLANS:
         plans.clear()
     plans[key] = plan

@@ -263,7 +263,12 @@ class _Loader:
         self.used.add(ckey)
         floating = tensor.is_floating_point() and (like is None or like.is_floating_point())
         dtype = self.dtype if floating else (like.dtype if like is not None else tensor.dtype)
-        return tensor.to(device=self.device).to(dtype=dtype)
+        tensor = tensor.to(device=self.device).to(dtype=dtype)
+        if tensor.device.type == "cpu" and tensor.data_ptr() % 64:
+            # safetensors' CPU tensors may start off the 64 bytes torch's allocator aligns to; CPU BLAS then
+            # runs other code paths: slower, and other rounding than the same weights made in memory
+            tensor = tensor.clone()
+        return tensor
 
     def saved_format(self, name: str) -> tuple[str, int | None] | None:
         if self.ckpt_key(name + ".qweight") not in self.reader:

@@ -160,11 +160,32 @@ def _matches(name: str, patterns) -> bool:
     return any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _moe_router_ids(model: nn.Module) -> set[int]:
+    """ids of the linear layers that route a MoE block's tokens: those of a module with an `experts`
+    submodule, outside the experts, with one output per expert (the router: Mixtral's and Qwen-MoE's
+    `gate` in transformers 4, DBRX's and Granite-MoE's router `layer`) or a single one (Qwen-MoE's
+    `shared_expert_gate`). A shared expert's own layers have other widths and are quantized. vLLM, llama.cpp
+    and the AutoGPTQ / AWQ integrations keep routers in float: a small weight error picks other experts."""
+    ids = set()
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
+        count = len(experts) if isinstance(experts, nn.ModuleList) else getattr(experts, "num_experts", None)
+        for name, module in block.named_modules():
+            if name.split(".")[0] == "experts" or not isinstance(module, nn.Linear):
+                continue
+            if module.out_features == 1 or module.out_features == count:
+                ids.add(id(module))
+    return ids
+
+
 def select_linears(model: nn.Module, weight: str = "fp6", group_size: int | None = None, include=(),
                    exclude=()) -> list[tuple[str, nn.Module]]:
     """The nn.Linear / Conv1D submodules `quantize_linears` swaps, by name (see there; shapes only, so a
     model on the meta device works too)."""
     tied = _tied_output_ids(model)
+    routers = _moe_router_ids(model)
     chosen = []
     for name, module in model.named_modules():
         if not (isinstance(module, nn.Linear) or is_conv1d(module)) or isinstance(module, QuantizedLinear):
@@ -174,6 +195,9 @@ def select_linears(model: nn.Module, weight: str = "fp6", group_size: int | None
         forced = _matches(name, include)
         if not forced and (name.split(".")[-1] == "lm_head" or id(module.weight) in tied):
             logger.info("init_inference: keeping %s unquantized (output head / tied embedding)", name)
+            continue
+        if not forced and id(module) in routers:
+            logger.info("init_inference: keeping %s unquantized (MoE router; `include` it to quantize)", name)
             continue
         in_features = module.weight.shape[0] if is_conv1d(module) else module.weight.shape[1]
         out_features = module.weight.shape[1] if is_conv1d(module) else module.weight.shape[0]
@@ -190,9 +214,9 @@ def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | No
                      exclude=(), device=None, dtype: torch.dtype | None = None) -> list[str]:
     """Swap nn.Linear / Conv1D submodules of `model` for QuantizedLinear in place; returns the swapped
     names. Each layer's weight is moved to `device` and cast to `dtype` (None: as it is) one layer at a
-    time, then quantized there. Skipped: lm_head and layers whose weight is tied to an embedding (unless
-    named in `include`), names matching `exclude` (fnmatch patterns), layers whose in_features cannot
-    be packed (logged)."""
+    time, then quantized there. Skipped: lm_head, layers whose weight is tied to an embedding and MoE
+    routers (`_moe_router_ids`) unless named in `include`, names matching `exclude` (fnmatch patterns),
+    layers whose in_features cannot be packed (logged)."""
     swaps = select_linears(model, weight, group_size, include, exclude)
     for name, module in swaps:
         layer = QuantizedLinear.from_linear(module, weight=weight, group_size=group_size, device=device, dtype=dtype)

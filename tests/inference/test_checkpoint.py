@@ -87,6 +87,19 @@ def test_meta_model_from_checkpoint_equals_quantizing_the_loaded_model(tmp_path,
         assert torch.equal(ref(_ids()).logits, got(_ids()).logits)
 
 
+def test_float_tensors_loaded_on_cpu_are_aligned_and_give_the_same_logits(tmp_path):
+    """Loaded in their own dtype on the CPU, safetensors' tensors would keep the buffer they were read into,
+    which may start off 64-byte alignment (CPU BLAS then rounds differently from the same weights in
+    memory): every parameter starts on 64 bytes, and the logits equal the in-memory model's bit for bit."""
+    base = _real("llama")
+    base.save_pretrained(tmp_path, max_shard_size="40KB")
+    got = init_inference(_meta("llama", dtype=torch.float32), dtype=torch.float32, device="cpu",
+                         checkpoint=str(tmp_path))
+    assert all(p.data_ptr() % 64 == 0 for p in got.parameters())
+    with torch.no_grad():
+        assert torch.equal(base(_ids()).logits, got(_ids()).logits)
+
+
 def test_deepspeed_json_forms_and_a_real_model_is_overwritten(tmp_path):
     """DeepSpeed's dict, a JSON file with base_dir, a list of files, ckpt_config: all load the same
     weights; a model with real (different) weights gets the checkpoint's."""

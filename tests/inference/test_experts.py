@@ -196,6 +196,39 @@ def test_other_layouts_and_excluded_names_stay_float(ls_caplog):
     assert isinstance(q.model.layers[0].self_attn.q_proj, QuantizedLinear)
 
 
+class _ListMoe(nn.Module):
+    """transformers 4's MoE block layout: an nn.Linear router with one output per expert, a ModuleList of
+    per-expert MLPs, a shared expert and its one-output gate."""
+
+    def __init__(self, hidden=64, inter=96, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, inter), nn.Linear(inter, hidden))
+                                     for _ in range(experts))
+        self.shared_expert = nn.Sequential(nn.Linear(hidden, inter), nn.Linear(inter, hidden))
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+
+def test_moe_routers_stay_float_unless_included(ls_caplog):
+    """A MoE block's routing layers (one output per expert, or one) are kept float, logged, as vLLM and
+    llama.cpp keep them; the experts' and the shared expert's layers are quantized; `include` quantizes
+    a router."""
+    ls_caplog.set_level(logging.INFO, logger="lightspeed")
+    model = nn.Sequential(_ListMoe())
+    init_inference(model, dtype=torch.float32, device="cpu", quant={"weight": "int8"})
+    block = model[0]
+    assert type(block.gate) is nn.Linear and type(block.shared_expert_gate) is nn.Linear
+    assert "keeping 0.gate unquantized (MoE router" in ls_caplog.text
+    assert all(isinstance(m, QuantizedLinear) for e in block.experts for m in e)
+    assert all(isinstance(m, QuantizedLinear) for m in block.shared_expert)
+    model = nn.Sequential(_ListMoe())
+    init_inference(model, dtype=torch.float32, device="cpu", quant={"weight": "int8", "include": ["0.gate"]})
+    assert isinstance(model[0].gate, QuantizedLinear) and type(model[0].shared_expert_gate) is nn.Linear
+    q = init_inference(_moe("qwen2_moe"), dtype=torch.float32, device="cpu", quant={"weight": "fp6"})
+    mlp = q.model.layers[0].mlp
+    assert type(mlp.shared_expert_gate) is nn.Linear and isinstance(mlp.shared_expert.up_proj, QuantizedLinear)
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_checkpoint_of_per_expert_matrices_loads(name, device, tmp_path, ls_caplog):

@@ -20,3 +20,23 @@ def ls_caplog(caplog):
         yield caplog
     finally:
         logger.removeHandler(caplog.handler)
+
+
+class FakeCompiled:
+    """Stands in for triton's CompiledKernel in launch-plan tests: records launches instead of running them."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        self.launches.append(((g0, g1, g2), stream, args))
+
+
+@pytest.fixture
+def fake_compiled():
+    return FakeCompiled()

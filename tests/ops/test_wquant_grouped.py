@@ -155,21 +155,6 @@ def test_cuda_grouped_kernel_block_n_128_configs_repeatedly(fmt):
                     _check(wt.wq_grouped_matmul(x, qw, experts, config=cfg), x, qw, experts)
 
 
-class _FakeCompiled:
-    """Stands in for triton's CompiledKernel: records launches instead of running them."""
-
-    function, packed_metadata = "function", "metadata"
-
-    def __init__(self):
-        self.launches = []
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
-
-    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
-        self.launches.append(((g0, g1, g2), stream, args))
-
-
 class _FakeKernel:
     """Stands in for `_wq_grouped_kernel`: `kernel[grid](...)` counts the call, returns the fake compiled one."""
 
@@ -185,7 +170,7 @@ class _FakeKernel:
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_grouped_launch_plan_plumbing(split_k, monkeypatch):
+def test_grouped_launch_plan_plumbing(split_k, monkeypatch, fake_compiled):
     """The grouped plan's bookkeeping without a GPU (fake kernel and launcher): the first call keeps a plan
     with its grid and every kernel parameter in order; later calls of the class (other x, weights, routes)
     skip the JIT launch and pass the new addresses (the workspace is y at SPLIT_K 1); other routes' shapes
@@ -196,7 +181,7 @@ def test_grouped_launch_plan_plumbing(split_k, monkeypatch):
     from lightspeed.ops.wquant import grouped as wt
     from lightspeed.ops.wquant import launch
 
-    compiled = _FakeCompiled()
+    compiled = fake_compiled
     kernel = _FakeKernel(wt._wq_grouped_kernel.arg_names, compiled)
     fake_driver = SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0,
                                                          get_current_stream=lambda device: 77))

@@ -360,21 +360,6 @@ def test_graph_bench_refuses_graph_capture(monkeypatch):
     assert not calls
 
 
-class _FakeCompiled:
-    """Stands in for triton's CompiledKernel: records launches instead of running them."""
-
-    function, packed_metadata = "function", "metadata"
-
-    def __init__(self):
-        self.launches = []
-
-    def launch_metadata(self, grid, stream, *args):
-        return None
-
-    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
-        self.launches.append(((g0, g1, g2), stream, args))
-
-
 class _FakeTuned:
     """Stands in for the autotuned kernel: `kernel[grid](...)` returns the fake compiled kernel."""
 
@@ -390,7 +375,7 @@ class _FakeTuned:
 
 
 @kernel_test
-def test_launch_plan_plumbing(wt, launch, monkeypatch):
+def test_launch_plan_plumbing(wt, launch, monkeypatch, fake_compiled):
     """The plan's bookkeeping without a GPU (a fake autotuned kernel and launcher): the first call keeps a
     plan with the chosen config's grid and every kernel parameter in order; later calls of the class skip
     the autotuner and pass the new tensors' addresses in the first six places; another M is another class;
@@ -399,7 +384,7 @@ def test_launch_plan_plumbing(wt, launch, monkeypatch):
 
     from lightspeed.ops.wquant import tuning
 
-    compiled = _FakeCompiled()
+    compiled = fake_compiled
     config = tuning.make_config(64, 4, 4, 3)
     tuned = _FakeTuned(compiled, config)
     fake_driver = SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0,

@@ -11,7 +11,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
 from triton.runtime.driver import driver
 from triton.runtime.errors import OutOfResources
 

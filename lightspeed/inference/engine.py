@@ -19,8 +19,9 @@ from torch import nn
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import current_rank, get_logger
 from lightspeed.inference import cuda_graph
-from lightspeed.inference.checkpoint import (SplitFiles, load_checkpoint, rank_dir, replace_submodule,
-                                            resolve_checkpoint_files, save_inference_checkpoint, write_split_config)
+from lightspeed.inference.checkpoint import load_checkpoint, rank_dir, replace_submodule, save_inference_checkpoint, \
+    write_split_config
+from lightspeed.inference.checkpoint_files import SplitFiles, resolve_checkpoint_files
 from lightspeed.inference.experts import quantize_experts
 from lightspeed.inference.fusion import GROUPS, fuse_projections
 from lightspeed.inference.quantized_linear import QuantizedLinear, is_conv1d, linear_dims

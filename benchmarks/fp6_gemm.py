@@ -135,9 +135,9 @@ def _config_str(cfg: dict) -> str:
         return "-"
     if "PATH" in cfg:
         return cfg["PATH"]
-    one = {0: " dot/field", 1: " dot/tile"}.get(cfg.get("ONE_DOT"), "")
-    grid = f"stream{cfg['STREAM']}/SM" if cfg.get("STREAM") else f"SK{cfg['SPLIT_K']}"
-    return f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} {grid} w{cfg['num_warps']} s{cfg['num_stages']}{one}"
+    from lightspeed.ops.wquant.tuning import describe
+
+    return f"BM{cfg['BLOCK_M']} {describe(cfg)}"
 
 
 def _chosen_config(device) -> tuple[dict, dict | None]:
@@ -207,7 +207,6 @@ def run(shapes, ms, formats, device, check: bool, group_size, timing: str = "gra
                 cfg, timings = _chosen_config(device)
                 row["config"] = _config_str(cfg)
                 if configs_report and timings:
-                    timings = {c: (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
                     best = min(timings.values())
                     print(f"  autotune {k}x{n} M={m} {fmt}: " + "; ".join(
                         f"{c} {t * 1e3:.1f}us{' *' if t == best else ''}" for c, t in sorted(timings.items(),
@@ -286,8 +285,7 @@ def check_candidates(shapes, ms, formats, group_size, device) -> list[dict]:
                 x = torch.randn(m, k, generator=gen).to(device, torch.float16)
                 ref = x.float() @ wq.dequantize(qw).to(device).T
                 scale = ref.abs().max().item()
-                for c in tuning.candidate_configs(m, n, k, qw.tile, sms):
-                    cfg = tuning.config_dict(c)
+                for cfg in tuning.candidate_configs(m, n, k, qw.tile, sms):
                     err = max((wt.wq_matmul(x, qw, config=cfg).float() - ref).abs().max().item()
                               for _ in range(CHECK_CALLS))
                     rows.append(dict(K=k, N=n, M=m, fmt=fmt, config=_config_str({"BLOCK_M": tuning.block_m_for(m),

@@ -243,19 +243,46 @@ def test_grouped_tuning_picks_the_fastest_candidate(monkeypatch):
     assert {c["BLOCK_N"] for c in wt.grouped_candidates(2, 48, 14336, 128)} == {64}
     launched = []
 
-    def fake_bench(call):
-        call()
+    def fake_bench(call, copies):
+        assert copies == 1
+        call(0)
         cfg = launched[-1]
         if cfg["SPLIT_K"] == 4:
             raise OutOfResources(1, 0, "shared memory")
         return {1: 3.0, 2: 2.0, 3: 1.5}[cfg["SPLIT_K"]] + (0.1 if cfg["num_stages"] == 4 else 0.0)
 
-    monkeypatch.setattr(wt, "graph_bench", fake_bench)
+    monkeypatch.setattr(wt, "rotation_bench", fake_bench)
+    monkeypatch.setattr(wt, "rotated_routes", lambda experts, num_experts, nbytes: [experts])
+    monkeypatch.setattr(wt, "cached_pick", lambda kernel, key, candidates, tune: tune()[0])
+    monkeypatch.setattr(wt, "refuse_capture", lambda: None)  # CPU torch has no capture state to ask
     monkeypatch.setattr(wt, "_launch", lambda x, qw, experts, cfg: launched.append(cfg))
     monkeypatch.setattr(wt, "driver", type("D", (), {"active": type("A", (), {"get_current_device": lambda: 0})}))
     qw = stack_weights([quantize(torch.randn(4096, 1024), "int4") for _ in range(2)])
     best = wt._tune(torch.zeros(1, 1024, dtype=torch.float16), qw, torch.tensor([[0, 1]]))
     assert len(launched) == 8 and best["SPLIT_K"] == 3 and best["num_stages"] == 3
+
+
+def test_rotated_routes_send_each_copy_to_other_experts(monkeypatch):
+    """The routes the grouped tuner cycles over: the first is the call's own; each other maps the routed
+    experts one to one onto experts no earlier copy used (routes to no expert kept), as many copies as
+    `rotation_copies` asks and disjoint sets allow."""
+    pytest.importorskip("triton")
+    from lightspeed.ops.wquant import grouped as wt
+
+    experts = torch.tensor([[5, 2], [2, -1], [7, 5]], dtype=torch.int32)
+    for wanted, got in ((2, 2), (10, 3), (1, 1)):  # 9 experts: 3 disjoint sets of the 3 routed
+        monkeypatch.setattr(wt, "rotation_copies", lambda nbytes, wanted=wanted: wanted)
+        routes = wt.rotated_routes(experts, 9, 1000)
+        assert len(routes) == got and torch.equal(routes[0], experts)
+        seen = set()
+        for r in routes:
+            assert r.dtype == experts.dtype and r.shape == experts.shape and r[1, 1] == -1
+            used = set(r[r >= 0].tolist())
+            assert len(used) == 3 and not used & seen
+            seen |= used
+            assert (r[0, 1] == r[1, 0]) and (r[0, 0] == r[2, 1])  # one to one: equal experts stay equal
+    monkeypatch.setattr(wt, "rotation_copies", lambda nbytes: 4)
+    assert len(wt.rotated_routes(torch.tensor([[-1, 9]]), 9, 1000)) == 1
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="launch plans keep compiled kernels: CUDA only")

@@ -322,33 +322,40 @@ def test_kernel_extreme_codes_are_exact(wt):
 
 
 def test_autotune_candidates_are_few_valid_and_bounded():
-    """The autotuner's pruned list: <= 9 configs (x2: one product per K-tile or per field), each in the compiled config space, SPLIT_K within max_split_k(M) and K-tiles, 8 warps for
-    accumulators of M > 16 at BLOCK_N 128, stream-K only for M <= 16 and >= 2 units per program."""
+    """The tuner's candidates: <= 9 configs (x2: one product per K-tile or per field), distinct, SPLIT_K
+    within max_split_k(M) and K-tiles, 8 warps for accumulators of M > 16 at BLOCK_N 128, stream-K only for
+    M <= 16 and >= 2 units per program."""
     pytest.importorskip("triton")
     from lightspeed.ops.wquant import tuning as wt
 
-    space = {wt.config_key(c) for c in wt.CONFIGS}
-    for m, n, k in [(1, 8192, 8192), (16, 28672, 8192), (64, 8192, 28672), (200, 4096, 4096), (1, 48, 256)]:
+    for m, n, k in [(1, 8192, 8192), (16, 28672, 8192), (64, 8192, 28672), (200, 4096, 4096), (1, 48, 256),
+                    (12, 8192, 4096)]:
         cands = wt.candidate_configs(m, n, k, 128, 132)
-        assert 1 <= len(cands) <= 18
-        streams = [c for c in cands if c.kwargs["STREAM"]]
+        assert 1 <= len(cands) <= 20 and len({tuple(c.items()) for c in cands}) == len(cands)
+        streams = [c for c in cands if c["STREAM"]]
         assert bool(streams) == (m <= wt.MAX_STREAM_M and n > 64)
         for c in cands:
-            bn, sk, w, s = c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages
-            assert wt.config_key(c) in space
+            bn, sk, w, s = c["BLOCK_N"], c["SPLIT_K"], c["num_warps"], c["num_stages"]
+            assert set(c) == {"BLOCK_N", "SPLIT_K", "ONE_DOT", "STREAM", "num_warps", "num_stages"}
+            assert bn in wt.BLOCK_NS and s in (3, 4) and c["ONE_DOT"] in (0, 1)
+            assert sk in wt.SPLIT_KS or (sk, bn, c["ONE_DOT"]) == (3, 64, 1) and m in wt.BN64_SPLIT3_MS
             assert sk == 1 or (sk <= wt.max_split_k(m) and wt.num_k_tiles(k, 128) >= 2 * sk)
             assert w == (8 if m > 16 and bn == 128 else 4)
             assert not (n <= 64 and bn == 128)
         for c in streams:
-            assert c.kwargs["SPLIT_K"] == 1 and c.kwargs["STREAM"] * 132 * 2 <= -(-n // 128) * wt.num_k_tiles(k, 128)
-    splits = {c.kwargs["SPLIT_K"] for c in wt.candidate_configs(1, 8192, 8192, 128, 132)
-              if c.kwargs["BLOCK_N"] == 128 and not c.kwargs["STREAM"]}
+            assert c["SPLIT_K"] == 1 and c["STREAM"] * 132 * 2 <= -(-n // 128) * wt.num_k_tiles(k, 128)
+    splits = {c["SPLIT_K"] for c in wt.candidate_configs(1, 8192, 8192, 128, 132)
+              if c["BLOCK_N"] == 128 and not c["STREAM"]}
     # 64 N blocks: 384 programs (one wave of 3 per SM), 256 and 512 were the best on the H200
     assert splits == {4, 6, 8}
+    assert [(c["SPLIT_K"], c["num_stages"]) for c in wt.candidate_configs(16, 8192, 8192, 128, 132)
+            if c["BLOCK_N"] == 64 and c["SPLIT_K"] == 3] == [(3, 3), (3, 4)]
+    assert not [c for m in (8, 17) for c in wt.candidate_configs(m, 8192, 8192, 128, 132) if c["SPLIT_K"] == 3]
 
 
-def test_graph_bench_refuses_graph_capture(monkeypatch):
-    """Autotuning (which captures graphs of its own) inside a caller's CUDA-graph capture gets a clear error
+@pytest.mark.parametrize("timer", ["graph_bench", "rotation_bench"])
+def test_timers_refuse_graph_capture(monkeypatch, timer):
+    """Tuning (which captures graphs of its own) inside a caller's CUDA-graph capture gets a clear error
     naming the fix, before touching the device."""
     pytest.importorskip("triton")
     from lightspeed.ops.wquant import tuning
@@ -356,15 +363,77 @@ def test_graph_bench_refuses_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     calls = []
     with pytest.raises(RuntimeError, match="before capturing"):
-        tuning.graph_bench(lambda: calls.append(1))
+        if timer == "graph_bench":
+            tuning.graph_bench(lambda: calls.append(1))
+        else:
+            tuning.rotation_bench(lambda i: calls.append(i), 2)
     assert not calls
 
 
-class _FakeTuned:
-    """Stands in for the autotuned kernel: `kernel[grid](...)` returns the fake compiled kernel."""
+def test_pick_fastest_skips_what_does_not_compile_and_times_close_ones_twice():
+    """`pick_fastest`: configs that fail to compile (OutOfResources) are skipped; those within REFINE of the
+    fastest are timed again and ranked by their mean, so a lucky first timing does not decide; far ones
+    are timed once; nothing that compiles is an error naming the problem."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
 
-    def __init__(self, compiled, config):
-        self.compiled, self.best_config, self.calls = compiled, config, 0
+    from lightspeed.ops.wquant import tuning
+
+    times = {1: [1.00, 1.06], 2: [1.01, 1.01], 3: [1.5], 4: None}
+    calls = []
+
+    def bench(cfg):
+        calls.append(cfg["SPLIT_K"])
+        if times[cfg["SPLIT_K"]] is None:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return times[cfg["SPLIT_K"]][calls.count(cfg["SPLIT_K"]) - 1]
+
+    cands = [tuning.make_config(128, sk, 4, 3) for sk in (1, 2, 3, 4)]
+    best, timings = tuning.pick_fastest(cands, bench, "test")
+    assert best == cands[1] and sorted(calls) == [1, 1, 2, 2, 3, 4]
+    assert timings[tuple(cands[0].items())] == pytest.approx(1.03) and tuple(cands[3].items()) not in timings
+    with pytest.raises(RuntimeError, match="test: no kernel config fits"):
+        tuning.pick_fastest([cands[3]], bench, "test")
+
+
+def test_tuning_disk_cache_reuses_validates_and_rewrites(monkeypatch, tmp_path):
+    """`cached_pick`: a class tuned once is read back from the cache directory (no timing) by a later
+    process (the in-memory picks are gone: the file is all there is); another key or candidate list is
+    tuned afresh; a corrupt file or one naming a config outside the candidates is logged, tuned again and
+    replaced; the file is JSON, nothing unpickled."""
+    pytest.importorskip("triton")
+    import json
+
+    from triton.runtime.cache import FileCacheManager
+
+    from lightspeed.ops.wquant import tuning
+
+    monkeypatch.setattr(tuning, "_cache_file", lambda kernel, key, cands: (
+        FileCacheManager(str(abs(hash((repr(key), repr(cands)))))), "k.tuning.json"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    cands = [tuning.make_config(128, sk, 4, 3) for sk in (1, 2)]
+    tunings = []
+
+    def tune(pick=1):
+        tunings.append(pick)
+        return cands[pick], {tuple(c.items()): 1.0 for c in cands}
+
+    assert tuning.cached_pick(None, ("a",), cands, tune) == cands[1] and tunings == [1]
+    assert tuning.cached_pick(None, ("a",), cands, tune) == cands[1] and tunings == [1]
+    assert tuning.cached_pick(None, ("b",), cands, lambda: tune(0)) == cands[0] and tunings == [1, 0]
+    path, = [p for p in tmp_path.rglob("k.tuning.json") if json.loads(p.read_text())["config"] == cands[1]]
+    for bad in ("{not json", json.dumps({"config": tuning.make_config(64, 16, 4, 3)}), "[]"):
+        path.write_text(bad)
+        assert tuning.cached_pick(None, ("a",), cands, tune) == cands[1]
+        assert json.loads(path.read_text())["config"] == cands[1]
+    assert tunings == [1, 0, 1, 1, 1]
+
+
+class _FakeKernel:
+    """Stands in for the jitted kernel: `kernel[grid](...)` returns the fake compiled kernel."""
+
+    def __init__(self, compiled, arg_names):
+        self.compiled, self.arg_names, self.calls = compiled, arg_names, 0
 
     def __getitem__(self, grid):
         def call(*args, **kwargs):
@@ -376,22 +445,27 @@ class _FakeTuned:
 
 @kernel_test
 def test_launch_plan_plumbing(wt, launch, monkeypatch, fake_compiled):
-    """The plan's bookkeeping without a GPU (a fake autotuned kernel and launcher): the first call keeps a
-    plan with the chosen config's grid and every kernel parameter in order; later calls of the class skip
-    the autotuner and pass the new tensors' addresses in the first six places; another M is another class;
-    `config=` calls never use plans; growing a scratch buffer drops them."""
+    """The plan's bookkeeping without a GPU (a fake tuner, kernel and launcher): the first call tunes and
+    keeps a plan with the chosen config's grid and every kernel parameter in order; later calls of the
+    class skip the tuner and pass the new tensors' addresses in the first six places; another M is another
+    class; `config=` calls never use plans; growing a scratch buffer drops them."""
     from types import SimpleNamespace
 
     from lightspeed.ops.wquant import tuning
 
     compiled = fake_compiled
     config = tuning.make_config(64, 4, 4, 3)
-    tuned = _FakeTuned(compiled, config)
+    kernel = _FakeKernel(compiled, wt._wq_matmul_kernel.arg_names)
+    tunings = []
     fake_driver = SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0,
                                                          get_current_stream=lambda device: 1234))
-    monkeypatch.setattr(wt, "_tuned_kernel", tuned)
+    monkeypatch.setattr(wt, "_wq_matmul_kernel", kernel)
+    monkeypatch.setattr(wt, "_tune", lambda x, qw, bias, red: tunings.append(x.shape[0]) or dict(config))
+    monkeypatch.setattr(wt, "_tuned", {})
+    monkeypatch.setattr(wt, "INTERPRET", False)  # as on the GPU: tuned and planned
     monkeypatch.setattr(wt, "REDUCE", 1)
     monkeypatch.setattr(launch, "driver", fake_driver)
+    monkeypatch.setattr(wt, "driver", fake_driver)
     monkeypatch.setattr(wt, "num_sms", lambda: 1)  # stream-K's room as under the interpreter: M sizes the buffer
     for name in ("plans", "workspaces", "counters"):  # fresh state: this test's buffers grow as it says
         monkeypatch.setattr(launch, name, {})
@@ -402,7 +476,7 @@ def test_launch_plan_plumbing(wt, launch, monkeypatch, fake_compiled):
     bias = _randn(n, gen=gen, dtype=torch.float16)
     x = _randn(3, k, gen=gen, dtype=torch.float16)
     wt.wq_matmul(x, qws[0], bias)
-    assert tuned.calls == 1 and not compiled.launches
+    assert tunings == [3] and kernel.calls == 1 and not compiled.launches
     (key, plan), = launch.plans.items()
     assert key == launch.plan_key(x, qws[0], bias, 1)
     assert plan.grid == (triton_cdiv(n, 64), 4, 1) and plan.config["SPLIT_K"] == 4
@@ -414,16 +488,18 @@ def test_launch_plan_plumbing(wt, launch, monkeypatch, fake_compiled):
         x2 = _randn(3, k, gen=gen, dtype=torch.float16)
         y = wt.wq_matmul(x2, qw, bias)
         grid, stream, args = compiled.launches[-1]
-        assert tuned.calls == 1 and grid == plan.grid and stream == 1234
+        assert kernel.calls == 1 and grid == plan.grid and stream == 1234
         w, s = qw.planes[0].data_ptr(), qw.scales.data_ptr()
         assert list(args[:6]) == [x2.data_ptr(), w, w, s, bias.data_ptr(), y.data_ptr()]
         assert list(args[6:]) == plan.args[6:] and y.shape == (3, n) and y.dtype == torch.float16
         assert wt.last_config() == plan.config
     x4 = _randn(4, k, gen=gen, dtype=torch.float16)
     wt.wq_matmul(x4, qws[0], bias)  # M = 4: its own class (its larger workspace dropped M = 3's plan)
-    assert tuned.calls == 2 and list(launch.plans) == [launch.plan_key(x4, qws[0], bias, 1)]
+    assert tunings == [3, 4] and kernel.calls == 2 and list(launch.plans) == [launch.plan_key(x4, qws[0], bias, 1)]
+    wt.wq_matmul(x4, qws[1])  # another plan class (no bias), the same tuning class: not tuned again
+    assert tunings == [3, 4] and kernel.calls == 3 and len(launch.plans) == 2
     wt.wq_matmul(x, qws[0], bias, config=_cfg(16, 1))
-    assert tuned.calls == 2 and len(compiled.launches) == 2 and len(launch.plans) == 1
+    assert tunings == [3, 4] and kernel.calls == 4 and len(compiled.launches) == 2 and len(launch.plans) == 2
     launch.workspace(x.device, launch.workspace(x.device, 1).numel() + 1)
     assert not launch.plans
 
@@ -437,8 +513,8 @@ def triton_cdiv(a, b):
 def test_launch_plans_match_the_reference(wt, launch, fmt, monkeypatch):
     """After its first autotuned call, a (shape, M, dtype, alignment) class launches its kept plan
     (`launch.py`'s Note: launch plans): with another weight of the same shape, another x, bias or none, fp16
-    and bf16; an x whose rows start 2 bytes off 16-byte alignment is a class of its own. The autotuner
-    is made to fail once the plan exists, so a passing second call went through the plan."""
+    and bf16; an x whose rows start 2 bytes off 16-byte alignment is a class of its own. Launching the
+    kernel any other way fails once the plan exists, so a passing second call went through the plan."""
     n, k = 200, 384
     qws = [_weight(n, k, fmt, None, seed) for seed in (11, 12)]
     gen = torch.Generator().manual_seed(13)
@@ -452,7 +528,7 @@ def test_launch_plans_match_the_reference(wt, launch, fmt, monkeypatch):
                     assert launch.plan_key(x, qws[0], b, wt.REDUCE) in launch.plans
                     config = wt.last_config()
                     with monkeypatch.context() as patch:
-                        patch.setattr(wt._tuned_kernel, "run", _refuse)
+                        patch.setattr(wt, "_launch", _refuse)
                         for qw in qws:
                             x2 = _randn(*x.shape, gen=gen, dtype=dtype)
                             _check(wt.wq_matmul(x2, qw, b), x2, qw, b)
@@ -473,7 +549,7 @@ def test_quantized_matmul_takes_a_strided_bias(wt):
 
 
 def _refuse(*args, **kwargs):
-    raise AssertionError("the autotuner ran although a launch plan exists")
+    raise AssertionError("the kernel was launched without its plan although one exists")
 
 
 def _refuse_tuning(*args, **kwargs):
@@ -490,24 +566,23 @@ def test_tune_m_buckets_prefill_lengths():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the autotuner runs on CUDA only")
 def test_prefill_lengths_share_a_tuning(wt, monkeypatch):
-    """Above 64 rows the autotune key holds M's power-of-two bucket (`tuning.tune_m`): a prompt of a new
-    length inside a tuned bucket runs without timing the candidates again (neither the timer nor the disk
-    cache is asked), matches the reference, and the next bucket tunes once."""
+    """Above 64 rows the tune key holds M's power-of-two bucket (`tuning.tune_m`): a prompt of a new
+    length inside a tuned bucket runs without tuning again (neither the timer nor the disk cache is
+    asked), matches the reference, and the next bucket tunes once."""
     qw = _weight(200, 384, "fp6", None, seed=51)
     gen = torch.Generator().manual_seed(52)
     x = _randn(70, 384, gen=gen, dtype=torch.float16)
     _check(wt.wq_matmul(x, qw), x, qw)
-    keys = set(wt._tuned_kernel.cache)
+    keys = set(wt._tuned)
     with monkeypatch.context() as patch:
-        patch.setattr(wt._tuned_kernel, "_bench", _refuse_tuning)
-        patch.setattr(wt._tuned_kernel, "check_disk_cache", _refuse_tuning)
+        patch.setattr(wt, "_tune", _refuse_tuning)
         for m in (65, 100, 128):
             x = _randn(m, 384, gen=gen, dtype=torch.float16)
             _check(wt.wq_matmul(x, qw), x, qw)
-    assert set(wt._tuned_kernel.cache) == keys
+    assert set(wt._tuned) == keys
     x = _randn(129, 384, gen=gen, dtype=torch.float16)
     _check(wt.wq_matmul(x, qw), x, qw)
-    assert len(set(wt._tuned_kernel.cache) - keys) == 1
+    assert len(set(wt._tuned) - keys) == 1
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
@@ -534,25 +609,60 @@ def test_launch_plan_replays_in_a_cuda_graph(wt, launch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="times CUDA graphs")
-def test_graph_bench_matches_event_timing():
-    """The autotuner's timer (`tuning.graph_bench`: graphs of n x (L2 flush, call) minus n x flush) agrees
-    with events around single calls for a kernel long enough that launch gaps do not matter."""
+@pytest.mark.parametrize("timer", ["graph_bench", "rotation_bench"])
+def test_timers_match_event_timing(timer):
+    """The tuner's timers (`tuning.graph_bench`: graphs of n x (L2 flush, call) minus n x flush;
+    `tuning.rotation_bench`: a graph of calls back to back over copies) agree with events around single
+    calls for a kernel long enough that launch gaps do not matter."""
     from lightspeed.ops.wquant import tuning
 
-    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = tuning.graph_bench(lambda: dst.copy_(src))
+    src = [torch.empty(1 << 28, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    dst = torch.empty_like(src[0])
+    if timer == "graph_bench":
+        ms = tuning.graph_bench(lambda: dst.copy_(src[0]))
+    else:
+        ms = tuning.rotation_bench(lambda i: dst.copy_(src[i]), 2)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(11):
+    for i in range(11):
         start.record()
-        dst.copy_(src)
+        dst.copy_(src[i % 2])
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     ref = sorted(times)[5]
     assert 0.85 * ref < ms < 1.15 * ref, (ms, ref)
-    assert tuning.graph_bench(lambda: dst.copy_(src), quantiles=(0.5, 0.2, 0.8)) == [pytest.approx(ms, rel=0.15)] * 3
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="tunes on the GPU")
+def test_tuning_picks_the_fastest_it_timed(wt, monkeypatch, tmp_path):
+    """A class's first call times every candidate (the disk cache pointed at an empty directory) over
+    rotated weight copies, runs the fastest, and matches the reference; the copies are freed."""
+    from lightspeed.ops.wquant import tuning
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(wt, "_tuned", {})
+    rotations = []
+    monkeypatch.setattr(wt, "rotation_bench", lambda call, copies: rotations.append(copies)
+                        or tuning.rotation_bench(call, copies))
+    qw = _weight(4000, 4096, "int4", None, seed=71)  # 8 MB: < MAX_COPIES copies
+    gen = torch.Generator().manual_seed(72)
+    x = _randn(5, 4096, gen=gen, dtype=torch.float16)
+    wt.reserve_scratch(x.device, "int4", 4000)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = wt.wq_matmul(x, qw)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < qw.num_bytes  # y, no copy kept
+    _check(y, x, qw)  # (after: its reference's first cuBLAS call may allocate a workspace)
+    timings = wt.autotune_timings()
+    cands = wt.candidate_configs(5, 4000, 4096, qw.tile, wt.num_sms())
+    assert timings is not None and len(timings) == len(cands)
+    assert len(rotations) >= len(cands) and set(rotations) == {tuning.rotation_copies(qw.num_bytes)}
+    assert rotations[0] > 1
+    config = {k: v for k, v in wt.last_config().items() if k != "BLOCK_M"}
+    assert wt.describe(config) == min(timings, key=timings.get)
+    assert list(tmp_path.rglob("_wq_matmul_kernel.tuning.json"))
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -181,7 +181,7 @@ def reserve_grouped_scratch(device: torch.device, weight_format: str, n: int, ex
     reserve_grouped_scratch(device, weight_format, n, experts)
 
 
-# Note: torch.compile. Dynamo cannot trace the kernel launch (the autotuner, launch plans and their
+# Note: torch.compile. Dynamo cannot trace the kernel launch (the tuner, launch plans and their
 # data_ptr() calls), so while compiling `quantized_matmul` emits this custom operator instead: one graph
 # node whose fake implementation gives the output's shape and dtype, and whose eager implementation is
 # the same dispatch as outside torch.compile (Triton on CUDA, the reference on CPU). Outside

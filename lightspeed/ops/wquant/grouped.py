@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.driver import driver
-from triton.runtime.errors import OutOfResources
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.ops.wquant.dequant import FORMAT_ID, INTERPRET
@@ -20,12 +19,18 @@ from lightspeed.ops.wquant.launch import Plan, counter, keep, plans, workspace
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight
 from lightspeed.ops.wquant.triton import _split_k_body, group_layout, reserve_scratch
 from lightspeed.ops.wquant.tuning import (
+    MAX_COPIES,
     TARGET_PROGRAMS_PER_SM,
     block_m_for,
-    graph_bench,
+    cached_pick,
+    describe,
     heuristic_config,
     max_split_k,
     num_sms,
+    pick_fastest,
+    refuse_capture,
+    rotation_bench,
+    rotation_copies,
 )
 
 logger = get_logger(__name__)
@@ -123,25 +128,48 @@ def _tune_key(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> tu
             qw.tile, qw.scales.shape[0])
 
 
+def rotated_routes(experts: torch.Tensor, num_experts: int, bytes_per_expert: int) -> list[torch.Tensor]:
+    """The routes `rotation_bench` cycles over while tuning: `experts` and copies of it sending each
+    route to other experts, one to one, so that consecutive calls read other experts' weights (as other
+    layers' would) and none is in L2 (`tuning.rotation_copies`); as many as there are disjoint sets of
+    the routed experts' size (<= num_experts // routed) and MAX_COPIES. Routes to no expert are kept."""
+    valid = (experts >= 0) & (experts < num_experts)
+    routed = torch.unique(experts[valid]).tolist()  # host sync: tuning only
+    if not routed:
+        return [experts]
+    d = len(routed)
+    order = routed + [e for e in range(num_experts) if e not in set(routed)]
+    copies = min(rotation_copies(d * bytes_per_expert), num_experts // d, MAX_COPIES)
+    out = []
+    for i in range(copies):
+        table = torch.arange(num_experts, device=experts.device, dtype=experts.dtype)
+        table[routed] = torch.tensor(order[i * d:(i + 1) * d], device=experts.device, dtype=experts.dtype)
+        out.append(torch.where(valid, table[experts.clamp(0, num_experts - 1).long()], experts).contiguous())
+    return out
+
+
 def _tune(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> dict:
-    """The fastest candidate for this call's class, timed by `tuning.graph_bench` on this call's inputs
-    (which experts the routes hit is known only on the device, so this call's routes stand for the
-    class's). Candidates that do not fit the GPU (triton's OutOfResources) are skipped."""
+    """The fastest candidate for this call's class (`tuning.pick_fastest`), timed on this call's inputs with
+    its routes rotated over other experts (`rotated_routes`, `tuning.rotation_bench`; which experts the
+    routes hit is known only on the device, so this call's routes stand for the class's), or read from the
+    disk cache (`tuning.cached_pick`)."""
     K = x.shape[1]
     R, N = experts.numel(), qw.shape[0]
-    timings = {}
-    for cfg in grouped_candidates(R, N, K, qw.tile):
-        try:
-            timings[tuple(cfg.items())] = graph_bench(lambda: _launch(x, qw, experts, dict(cfg)))
-        except OutOfResources:
-            continue
-    if not timings:
-        raise RuntimeError(f"grouped_quantized_matmul: no config fits this GPU for {R} routes of {N} x {K} "
-                           f"{qw.format} experts")
-    best = min(timings, key=timings.get)
-    logger.info("grouped_quantized_matmul: %d routes of %d x %d %s experts: %s (%.1f us)", R, N, K, qw.format,
-                dict(best), timings[best] * 1e3)
-    return dict(best)
+    num_experts = qw.scales.shape[0]
+    what = f"grouped_quantized_matmul: {R} routes of {N} x {K} {qw.format} experts"
+
+    def tune() -> tuple[dict, dict]:
+        refuse_capture()  # `wq_grouped_matmul` does not tune inside a capture; a guard for other callers
+        routes = rotated_routes(experts, num_experts, qw.num_bytes // num_experts)
+
+        def bench(cfg):
+            return rotation_bench(lambda i: _launch(x, qw, routes[i], cfg), len(routes))
+
+        best, timings = pick_fastest(grouped_candidates(R, N, K, qw.tile), bench, what)
+        logger.info("%s: %s (%.1f us)", what, describe(best), timings[tuple(best.items())] * 1e3)
+        return best, timings
+
+    return cached_pick(_wq_grouped_kernel, _tune_key(x, qw, experts)[1:], grouped_candidates(R, N, K, qw.tile), tune)
 
 
 def grouped_plan_key(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> tuple:

@@ -1,6 +1,6 @@
 """Triton kernels for `y = x @ dequant(W).T` with a packed FP6 / INT8 / INT4 weight (tile-interleaved,
 tile-major layout in `reference.py`). With `dequant.py` (the code -> weight tile bit tricks and the
-prefill path's one-pass dequantizer), `tuning.py` (its autotune config space), `ptx.py` (the inline
+prefill path's one-pass dequantizer), `tuning.py` (its tuner: config space, timer, disk cache), `ptx.py` (the inline
 dequant routines), `launch.py` (scratch buffers, launch plans) and `grouped.py` (a MoE layer's expert
 products), the only modules of ops/wquant that import triton; import them lazily.
 
@@ -28,7 +28,7 @@ ONE_DOT (autotuned): 1 joins the four field tiles into one [BLOCK_N, T] operand 
 the field index lands on register bits of the wgmma operand layout, so nothing moves) and does one
 product per K-tile: 16 HGMMAs and one wait. 0 does one product per field; Triton then waits after each
 (4 waits per tile). Neither wins everywhere on the H200 (fp6 8192 x 28672: M = 1 per field 52 us, per
-tile 62; M = 16 per field 59, per tile 55), so the autotuner times both.
+tile 62; M = 16 per field 59, per tile 55), so the tuner times both.
 Each K-tile's products go to a fresh accumulator that is added to acc at the tile's end, which makes
 the tile's wgmmas complete inside the iteration: left in flight across the loop back-edge (Triton's
 default), int4 at BLOCK_N 128 / 4 warps gave wrong results on the H200 in most calls (the next tile's
@@ -60,7 +60,7 @@ bias and writes y, so the result is deterministic and one launch does it all (`R
 
 Note: TRITON_INTERPRET. triton.jit reads TRITON_INTERPRET when the kernels are *defined*, i.e. when
 this module is first imported; the CPU tests set it before importing. Under the interpreter the
-autotuner is bypassed (its GPU timing is meaningless and slow there): `heuristic_config` picks one
+tuner is bypassed (its GPU timing is meaningless and slow there): `heuristic_config` picks one
 valid config, as it also does when a caller passes `config=`; tl.dot runs in fp32 (the interpreter's
 bf16 dot is wrong in triton 3.6) and the K loop is a while loop (no `range` over a runtime bound).
 """
@@ -73,6 +73,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.driver import driver
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.ops.wquant.dequant import (
@@ -90,17 +91,22 @@ from lightspeed.ops.wquant.dequant import (
 from lightspeed.ops.wquant.launch import Plan, counter, keep, plan_key, plans, workspace
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight
 from lightspeed.ops.wquant.tuning import (
-    CONFIGS,
+    MAX_COPIES,
     MAX_SINGLE_BLOCK_M,
     MAX_STREAM_M,
     STREAMS,
     block_m_for,
-    config_dict,
+    cached_pick,
+    candidate_configs,
+    describe,
     graph_bench,
     heuristic_config,
     max_split_k,
     num_sms,
-    prune_configs,
+    pick_fastest,
+    refuse_capture,
+    rotation_bench,
+    rotation_copies,
     tune_m,
 )
 
@@ -233,9 +239,8 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     """out [M, N] = x [M, K] @ dequant(W [N, K]).T (+ bias). K is a constexpr (one compile per layer width),
     so plane strides and tile counts are constants. STREAM = 0: grid (N blocks, SPLIT_K, M blocks)
     (`_split_k_body`); STREAM > 0: stream-K over a grid of STREAM programs per SM (`_stream_k_body`).
-    M_KEY (not specialized on) is the autotune key's M, `tuning.tune_m(M)` >= 1, and the bodies' runtime 1.0.
-    Autotuned with `tuning.graph_bench` (timer v2). This source is part of triton's autotune disk-cache key:
-    a timer change whose cached picks should be re-tuned bumps the version here."""
+    M_KEY (not specialized on) is `tuning.tune_m(M)` >= 1, the source of the bodies' runtime 1.0. The
+    config is `wq_matmul`'s tuner's pick; this source is part of its disk cache's key (`tuning.cached_pick`)."""
     if STREAM:
         _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, stride_xm, out_scale,
                        (M_KEY > 0).to(tl.float32), K,
@@ -274,7 +279,7 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
                   ONE_DOT: tl.constexpr):
     """Program (n block, split) sums its share of the K-tiles for BLOCK_M rows: offs_m their rows of y [M, N]
     (stored where m_mask), offs_mc the rows of x they read (in range); split-K partials go through
-    ws [SPLIT_K, M, N] (the autotuner's pruning bounds SPLIT_K by `max_split_k(M)`, hence its size),
+    ws [SPLIT_K, M, N] (the tuner's candidates bound SPLIT_K by `max_split_k(M)`, hence its size),
     counted per output tile at cnt[tile_base + n].
     one: a runtime 1.0, so that `acc += one * tile` cannot be folded into the tile's last dot (module
     docstring); made from an argument triton never specializes (it turns integers equal to 1 into
@@ -434,18 +439,6 @@ def _split_reduce_kernel(ws_ptr, b_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-if INTERPRET:
-    _tuned_kernel = None
-else:
-    _tuned_kernel = triton.autotune(configs=CONFIGS,
-                                    # per M: the best split differs between M = 1 and 2..16 (int4 8192 x 8192
-                                    # on the H200: 14 vs 19 us with M = 1's config at M = 2)
-                                    # M_KEY: M up to 64, then bucketed (`tune_m`): prefill lengths share tunings
-                                    key=["M_KEY", "BLOCK_M", "N", "K", "GROUP", "FORMAT", "REDUCE"],
-                                    prune_configs_by={"early_config_prune": prune_configs}, cache_results=True,
-                                    do_bench=graph_bench)(_wq_matmul_kernel)
-
-
 def group_layout(fmt: str, K: int, group_size: int | None, tile: int) -> tuple[bool, int, int, int]:
     """(per_group, GROUP, SUB, SPG): the sub-tile width SUB (a field, tile/4 values; tile/8 for groups that
     are odd multiples of 16, which split each field in two) and SPG, how many consecutive sub-tiles share
@@ -472,6 +465,8 @@ def _stream_slots(N: int, block_n: int, programs: int) -> int:
 
 
 _last_config: dict = {}
+_tuned: dict = {}  # `_tune_key` -> the tuner's pick (config dict)
+_last_timings: dict | None = None
 
 
 def _scratch(M: int, N: int, sms: int) -> tuple[int, int]:
@@ -502,31 +497,123 @@ def reserve_scratch(device: torch.device, fmt: str, N: int) -> None:
 
 
 def last_config() -> dict:
-    """The config (BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) of the latest `wq_matmul` call."""
+    """The config (BLOCK_M, BLOCK_N, SPLIT_K, ONE_DOT, STREAM, num_warps, num_stages) of the latest
+    `wq_matmul` call."""
     return dict(_last_config)
 
 
 def autotune_timings() -> dict | None:
-    """{config string: ms} of the autotuner's latest tuning run (None before any, or when read from
-    the disk cache only the best is known)."""
-    if _tuned_kernel is None or not getattr(_tuned_kernel, "configs_timings", None):
+    """{config: ms} of the latest tuning this process ran (None before any; a pick read from the disk
+    cache is not timed)."""
+    if not _last_timings:
         return None
-    return {str(c): t for c, t in _tuned_kernel.configs_timings.items()}
+    return {describe(dict(k)): t for k, t in _last_timings.items()}
+
+
+def _tune_key(x: torch.Tensor, qw: QuantizedWeight, red: int) -> tuple:
+    """What a tuning is valid for: the device, M's bucket (`tune_m`), the weight's shape and format, x's
+    dtype and the split-K reduction (not the pointers: one pick serves every weight of the shape)."""
+    return (driver.active.get_current_device(), tune_m(x.shape[0]), qw.shape, qw.format, qw.group_size, qw.tile,
+            x.dtype, red)
+
+
+def _weight_copies(qw: QuantizedWeight) -> list[QuantizedWeight] | None:
+    """The weight and enough temporary copies for `rotation_bench` (`tuning.rotation_copies`: none for a
+    weight of >= 2 x L2 bytes, < 2 x L2 bytes of copies otherwise); None when it would take more than
+    MAX_COPIES, or when they do not fit in memory (logged)."""
+    count = rotation_copies(qw.num_bytes)
+    if count > MAX_COPIES:
+        return None
+    try:
+        return [qw] + [QuantizedWeight(qw.format, qw.shape, qw.group_size, tuple(p.clone() for p in qw.planes),
+                                       qw.scales.clone(), qw.dtype, qw.tile) for _ in range(count - 1)]
+    except torch.OutOfMemoryError:
+        logger.warning("quantized matmul: no memory for %d copies of a %s weight to tune with; timing one weight "
+                       "after an L2 flush", count - 1, tuple(qw.shape))
+        return None
+
+
+def _tune(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, red: int) -> dict:
+    """The fastest of `candidate_configs` for this call's class (`tuning.pick_fastest`), timed on this
+    call's x over rotated copies of its weight (`tuning.rotation_bench`; small weights, or copies that do
+    not fit in memory: on the weight alone after an L2 flush, `graph_bench`), or read from the disk cache
+    (`tuning.cached_pick`)."""
+    M, K = x.shape
+    N = qw.shape[0]
+    candidates = candidate_configs(M, N, K, qw.tile, num_sms())
+    ws_numel = _scratch(M, N, num_sms())[0]
+    what = f"quantized matmul {M} x {K} -> {N} ({qw.format})"
+
+    def tune() -> tuple[dict, dict]:
+        global _last_timings
+        refuse_capture()  # before allocating copies in a caller's graph pool
+        copies = _weight_copies(qw)
+        if copies is None:
+            def bench(cfg):
+                return graph_bench(lambda: _launch(x, qw, bias, cfg, red, ws_numel))
+        else:
+            def bench(cfg):
+                return rotation_bench(lambda i: _launch(x, copies[i], bias, cfg, red, ws_numel), len(copies))
+        best, _last_timings = pick_fastest(candidates, bench, what)
+        logger.info("%s: tuned %s (%.1f us of %d candidates)", what, describe(best),
+                    _last_timings[tuple(best.items())] * 1e3, len(candidates))
+        return best, _last_timings
+
+    return cached_pick(_wq_matmul_kernel, _tune_key(x, qw, red)[1:], candidates, tune)
+
+
+def _launch(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: dict, red: int, ws_numel: int):
+    """One call of the kernel with config `cfg` (and, for the two-kernel reduction, its reduce kernel):
+    (y, the compiled kernel, grid, positional arguments, constexprs). ws_numel: the split-K / stream-K
+    workspace to ask for (0: none, y stands in)."""
+    M, K = x.shape
+    N = qw.shape[0]
+    per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
+    packed = qw.planes[0]
+    w = packed_units(qw)  # int8: 32-bit words; 4-bit plane: half-words (layout Note)
+    scales = qw.scales.contiguous()
+    block_m = block_m_for(M)
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    has_bias = bias is not None
+    b = bias if has_bias else scales  # dummy pointer when HAS_BIAS is False
+    sms = 1 if INTERPRET else num_sms()  # the interpreter: STREAM programs in all
+    ws = workspace(x.device, ws_numel) if ws_numel else out
+    cnt = counter(x.device, _scratch(M, N, sms)[1])
+    block_n, split_k, stream = cfg["BLOCK_N"], cfg["SPLIT_K"], cfg["STREAM"]
+    if stream:  # stream-K: STREAM programs per SM, each >= 1 unit
+        grid = (min(triton.cdiv(N, block_n) * triton.cdiv(K, qw.tile), stream * sms), 1, 1)
+    else:
+        grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
+    pos = (x, w, packed, scales, b, out, ws, cnt, M, N, x.stride(0), FP6_FP16_SCALE if qw.format == "fp6" else 1.0,
+           tune_m(M))
+    consts = dict(K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg, FORMAT=FORMAT_ID[qw.format], PER_GROUP=per_group,
+                  HAS_BIAS=has_bias, X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, REDUCE=red,
+                  INTERPRETED=INTERPRET, ROWS=ROW_GROUP, BLOCK_N=block_n, SPLIT_K=split_k, ONE_DOT=cfg["ONE_DOT"],
+                  STREAM=stream)
+    compiled = _wq_matmul_kernel[grid](*pos, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split_k > 1 and red == 0 and not stream:
+        numel = M * N
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(numel, block),)](ws, b, out, numel, N, SPLIT_K=split_k, HAS_BIAS=has_bias,
+                                                          BLOCK=block)
+    return out, compiled, grid, pos, consts
 
 
 def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
               config: dict | None = None, reduce: str | None = None) -> torch.Tensor:
     """y = x @ dequant(W).T (+ bias). x: [M, K] fp16/bf16 contiguous along K, on the weight's device;
     y: [M, N] in x's dtype. M >= DEQUANT_MIN_M[format] (without `config`): `dequantize_weight` + torch.matmul.
-    `config` (BLOCK_N, SPLIT_K, ONE_DOT, num_warps, num_stages) skips the autotuner;
+    `config` (BLOCK_N, SPLIT_K, ONE_DOT, STREAM, num_warps, num_stages) skips the tuner;
     `reduce` ("fixup" | "kernel") overrides the split-K reduction. Callers validate shapes and dtypes
     (see `lightspeed.ops.wquant.quantized_matmul`); the planes must be contiguous as packed.
 
-    Later calls of a (shapes, M, dtypes, alignment) class launch the compiled kernel of its first autotuned
-    call directly (`launch.py`'s Note: launch plans); not `config=` / `reduce=` calls, the interpreter, the
+    On the GPU the first call of each `_tune_key` class picks its config (`_tune`), unless `config` is
+    given; a first call inside a CUDA-graph capture raises (make one before capturing). Later calls of a
+    (shapes, M, dtypes, alignment) class launch the compiled kernel of its first tuned call directly
+    (`launch.py`'s Note: launch plans); not `config=` / `reduce=` calls, the interpreter, the
     dequantize-once path or the two-kernel reduction."""
     global _last_config
-    planned = config is None and reduce is None and _tuned_kernel is not None and REDUCE == 1
+    planned = config is None and reduce is None and not INTERPRET and REDUCE == 1
     if planned:
         key = plan_key(x, qw, bias, REDUCE)
         plan = plans.get(key)
@@ -539,62 +626,31 @@ def wq_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = 
     if config is None and M >= DEQUANT_MIN_M[qw.format]:  # prefill: dequantize once, then dense cuBLAS products
         _last_config = {"PATH": "dequant+matmul"}
         return dense_matmul(x, qw, bias)
-    per_group, group, sub, spg = group_layout(qw.format, K, qw.group_size, qw.tile)
-    packed = qw.planes[0]
-    w = packed_units(qw)  # int8: 32-bit words; 4-bit plane: half-words (layout Note)
-    w2 = packed  # fp6 lo: bytes
-    scales = qw.scales.contiguous()
-    block_m = block_m_for(M)
-    m_blocks = triton.cdiv(M, block_m)
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    has_bias = bias is not None
-    b = bias if has_bias else scales  # dummy pointer when HAS_BIAS is False
     red = REDUCE if reduce is None else _REDUCE_MODES[reduce]
-    sms = 1 if INTERPRET else num_sms()  # the interpreter: STREAM programs in all
-    n_tiles = triton.cdiv(K, qw.tile)
-    ws_numel, cnt_numel = _scratch(M, N, sms)
-    if config is None and _tuned_kernel is not None:
-        kernel, meta = _tuned_kernel, {}
-        ws = workspace(x.device, ws_numel)
+    sms = 1 if INTERPRET else num_sms()
+    if config is None and not INTERPRET:
+        tkey = _tune_key(x, qw, red)
+        cfg = _tuned.get(tkey)
+        if cfg is None:
+            cfg = _tuned[tkey] = _tune(x, qw, bias, red)
+        ws_numel = _scratch(M, N, sms)[0]  # every candidate's: no growth between tunings
     else:
-        cfg = {"ONE_DOT": 1, "STREAM": 0, **(dict(config) if config is not None else heuristic_config(M, K))}
+        cfg = {"ONE_DOT": 1, "STREAM": 0, "num_warps": 4, "num_stages": 3,
+               **(dict(config) if config is not None else heuristic_config(M, K))}
         if cfg["SPLIT_K"] > 1 and M > MAX_SINGLE_BLOCK_M:
             raise ValueError(f"SPLIT_K > 1 needs M <= {MAX_SINGLE_BLOCK_M} (got M={M})")
         if cfg["STREAM"] and M > MAX_STREAM_M:  # tuning.MAX_STREAM_M: wrong results seen above
             raise ValueError(f"STREAM needs M <= {MAX_STREAM_M} (got M={M})")
-        kernel, meta = _wq_matmul_kernel, cfg
         if cfg["STREAM"]:
-            ws = workspace(x.device, _stream_slots(N, cfg["BLOCK_N"], cfg["STREAM"] * sms) * block_m * cfg["BLOCK_N"])
+            ws_numel = _stream_slots(N, cfg["BLOCK_N"], cfg["STREAM"] * sms) * block_m_for(M) * cfg["BLOCK_N"]
         else:
-            ws = workspace(x.device, cfg["SPLIT_K"] * M * N) if cfg["SPLIT_K"] > 1 else out
-    cnt = counter(x.device, cnt_numel)
-
-    def grid(m):
-        if m["STREAM"]:  # stream-K: STREAM programs per SM, each >= 1 unit
-            return (min(triton.cdiv(N, m["BLOCK_N"]) * n_tiles, m["STREAM"] * sms), 1, 1)
-        return (triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"], m_blocks)
-
-    pos = (x, w, w2, scales, b, out, ws, cnt, M, N, x.stride(0), FP6_FP16_SCALE if qw.format == "fp6" else 1.0,
-           tune_m(M))
-    consts = dict(K=K, TILE=qw.tile, SUB=sub, GROUP=group, SPG=spg, FORMAT=FORMAT_ID[qw.format], PER_GROUP=per_group,
-                  HAS_BIAS=has_bias, X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m, REDUCE=red,
-                  INTERPRETED=INTERPRET, ROWS=ROW_GROUP)
-    compiled = kernel[grid](*pos, **consts, **meta)
-    if meta:
-        chosen = {"BLOCK_N": meta["BLOCK_N"], "SPLIT_K": meta["SPLIT_K"], "ONE_DOT": meta["ONE_DOT"],
-                  "STREAM": meta["STREAM"],
-                  "num_warps": meta.get("num_warps", 4), "num_stages": meta.get("num_stages", 3)}
-    else:
-        chosen = config_dict(kernel.best_config)
-    _last_config = {"BLOCK_M": block_m, **chosen}
-    if planned and scales is qw.scales and (bias is None or bias.is_contiguous()):
-        named = {**dict(zip(_wq_matmul_kernel.arg_names, pos)), **consts, **kernel.best_config.kwargs}
-        keep(key, Plan(compiled, grid(chosen), [named[a] for a in _wq_matmul_kernel.arg_names], _last_config))
-    split_k = chosen["SPLIT_K"]
-    if split_k > 1 and red == 0 and not chosen["STREAM"]:
-        numel = M * N
-        block = 1024
-        _split_reduce_kernel[(triton.cdiv(numel, block),)](ws, b, out, numel, N, SPLIT_K=split_k, HAS_BIAS=has_bias,
-                                                          BLOCK=block)
+            ws_numel = cfg["SPLIT_K"] * M * N if cfg["SPLIT_K"] > 1 else 0
+    out, compiled, grid, pos, consts = _launch(x, qw, bias, cfg, red, ws_numel)
+    _last_config = {"BLOCK_M": block_m_for(M), **{k: cfg[k] for k in _CONFIG_KEYS}}
+    if planned and qw.scales.is_contiguous() and (bias is None or bias.is_contiguous()):
+        named = {**dict(zip(_wq_matmul_kernel.arg_names, pos)), **consts}
+        keep(key, Plan(compiled, grid, [named[a] for a in _wq_matmul_kernel.arg_names], _last_config))
     return out
 
+
+_CONFIG_KEYS = ("BLOCK_N", "SPLIT_K", "ONE_DOT", "STREAM", "num_warps", "num_stages")

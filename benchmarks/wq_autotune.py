@@ -10,7 +10,8 @@ For each (K x N, format, M) every tuning candidate (`tuning.candidate_configs`) 
   than L2), the baseline the picks are judged by;
 - "do_bench": `triton.testing.do_bench(warmup=5, rep=20)`, the first timer;
 - "graph_bench": `tuning.graph_bench`, timer v2;
-- "rotation": `tuning.rotation_bench` over the copies the tuner makes (`triton._weight_copies`), v3.
+- "rotation": `tuning.rotation_bench` over the copies the tuner makes (`triton._weight_copies`), v3
+  (v2 for weights that would need more than `tuning.MAX_COPIES` copies, as the tuner does).
 Each timer's pick is reported with its truth time as a ratio to the best truth time (1.000 = it picked
 the fastest), and so is the config the tuner itself chose (`pick_fastest`: with a second timing of the
 close candidates; a fresh process tunes afresh unless the tuning disk cache already holds the key).
@@ -62,8 +63,8 @@ def run_case(K: int, N: int, fmt: str, ms: list[int], verbose: bool, gen: torch.
             name = _config_str({**cfg, "BLOCK_M": tuning.block_m_for(M)})
             row = {"config": name, "do_bench": do_bench(call, warmup=5, rep=20, return_mode="median") * 1e3,
                    "graph_bench": tuning.graph_bench(call) * 1e3,
-                   "rotation": tuning.rotation_bench(lambda i, cfg=cfg: wt.wq_matmul(x, copies[i], config=dict(cfg)),
-                                                     len(copies)) * 1e3,
+                   "rotation": (tuning.graph_bench(call) if copies is None else tuning.rotation_bench(
+                       lambda i, cfg=cfg: wt.wq_matmul(x, copies[i], config=dict(cfg)), len(copies))) * 1e3,
                    "truth": bench_us(lambda i, cfg=cfg: wt.wq_matmul(x, qws[i], config=dict(cfg)), len(qws))}
             rows.append(row)
             if verbose:

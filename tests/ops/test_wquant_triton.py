@@ -429,6 +429,33 @@ def test_tuning_disk_cache_reuses_validates_and_rewrites(monkeypatch, tmp_path):
     assert tunings == [1, 0, 1, 1, 1]
 
 
+def test_tuning_disk_cache_unavailable_is_logged_not_fatal(monkeypatch, ls_caplog):
+    """A cache directory that cannot be made (or a file that cannot be written) costs the disk cache only:
+    the pick is tuned and returned, one warning says so."""
+    pytest.importorskip("triton")
+    from lightspeed.ops.wquant import tuning
+
+    class ReadOnly:
+        def get_file(self, name):
+            return None
+
+        def put(self, data, name):
+            raise PermissionError(13, "Permission denied", "/read-only/cache")
+
+    cands = [tuning.make_config(128, sk, 4, 3) for sk in (1, 2)]
+    monkeypatch.setattr(tuning, "_cache_warned", False)
+    monkeypatch.setattr(tuning, "_cache_file", lambda kernel, key, c: (ReadOnly(), "k.tuning.json"))
+    assert tuning.cached_pick(None, ("a",), cands, lambda: (cands[1], {})) == cands[1]
+
+    def unmakeable(kernel, key, c):
+        raise PermissionError(13, "Permission denied", "/read-only")
+
+    monkeypatch.setattr(tuning, "_cache_file", unmakeable)
+    assert tuning.cached_pick(None, ("b",), cands, lambda: (cands[0], {})) == cands[0]
+    warnings = [r for r in ls_caplog.records if "tuning disk cache is unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "Permission denied" in warnings[0].getMessage()
+
+
 class _FakeKernel:
     """Stands in for the jitted kernel: `kernel[grid](...)` returns the fake compiled kernel."""
 

@@ -256,9 +256,14 @@ def cached_pick(kernel, key: tuple, candidates: list[dict], tune: Callable[[], t
     """The tuned config for `key`: from triton's cache directory when a process on the same GPU, triton,
     kernel source and timer tuned it before, else `tune()` (-> (config, {candidate key: ms})), whose pick
     is then stored there (JSON, written atomically). A cached file that is unreadable or names a config
-    outside `candidates` is logged and tuned again."""
-    manager, name = _cache_file(kernel, key, candidates)
-    path = manager.get_file(name)
+    outside `candidates` is logged and tuned again; a cache directory that cannot be made or written
+    (read-only file system) is logged once, and the picks are kept for this process only."""
+    manager = path = None
+    try:
+        manager, name = _cache_file(kernel, key, candidates)
+        path = manager.get_file(name)
+    except (OSError, RuntimeError) as e:
+        _cache_unavailable(e)
     if path is not None:
         try:
             with open(path) as f:
@@ -270,9 +275,24 @@ def cached_pick(kernel, key: tuple, candidates: list[dict], tune: Callable[[], t
         logger.warning("quantized kernels: ignoring the tuning cache file %s (%s); tuning again", path,
                        cfg if isinstance(cfg, Exception) else "not one of the candidates")
     best, timings = tune()
-    record = {"config": best, "timings_ms": {json.dumps(dict(k)): t for k, t in timings.items()}}
-    manager.put(json.dumps(record), name)
+    if manager is not None:
+        record = {"config": best, "timings_ms": {json.dumps(dict(k)): t for k, t in timings.items()}}
+        try:
+            manager.put(json.dumps(record), name)
+        except (OSError, RuntimeError) as e:
+            _cache_unavailable(e)
     return best
+
+
+_cache_warned = False
+
+
+def _cache_unavailable(error: Exception) -> None:
+    global _cache_warned
+    if not _cache_warned:
+        _cache_warned = True
+        logger.warning("quantized kernels: the tuning disk cache is unavailable (%s); tunings are kept for this "
+                       "process only", error)
 
 
 def graph_bench(kernel_call) -> float:

@@ -157,6 +157,7 @@ def _tune(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> dict:
     R, N = experts.numel(), qw.shape[0]
     num_experts = qw.scales.shape[0]
     what = f"grouped_quantized_matmul: {R} routes of {N} x {K} {qw.format} experts"
+    candidates = grouped_candidates(R, N, K, qw.tile)
 
     def tune() -> tuple[dict, dict]:
         refuse_capture()  # `wq_grouped_matmul` does not tune inside a capture; a guard for other callers
@@ -165,11 +166,11 @@ def _tune(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> dict:
         def bench(cfg):
             return rotation_bench(lambda i: _launch(x, qw, routes[i], cfg), len(routes))
 
-        best, timings = pick_fastest(grouped_candidates(R, N, K, qw.tile), bench, what)
+        best, timings = pick_fastest(candidates, bench, what)
         logger.info("%s: %s (%.1f us)", what, describe(best), timings[tuple(best.items())] * 1e3)
         return best, timings
 
-    return cached_pick(_wq_grouped_kernel, _tune_key(x, qw, experts)[1:], grouped_candidates(R, N, K, qw.tile), tune)
+    return cached_pick(_wq_grouped_kernel, _tune_key(x, qw, experts)[1:], candidates, tune)
 
 
 def grouped_plan_key(x: torch.Tensor, qw: QuantizedWeight, experts: torch.Tensor) -> tuple:

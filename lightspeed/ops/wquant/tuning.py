@@ -1,4 +1,4 @@
-"""Autotuning of the weight-quantized kernels (`triton.py`, `grouped.py`): the config space, the <= 18
+"""Autotuning of the weight-quantized kernels (`triton.py`, `grouped.py`): the config space, the <= 20
 candidates timed per problem, the timer (`rotation_bench`; `graph_bench` where copies do not fit), the
 pick (`pick_fastest`) and its disk cache (`cached_pick`), the interpreter's fixed config, and the M
 blocking. Imports triton; like `triton.py`, import it lazily.

@@ -1,5 +1,5 @@
 """Weight-only quantized matmul (FP6 e3m2, INT8, INT4): quantizers and packing in `reference.py`,
-Triton kernels in `triton.py` and `grouped.py` (imported only when a CUDA tensor needs them), and the
+Triton kernels in `kernels.py` (launched by `triton.py`) and `grouped.py` (imported only when a CUDA tensor needs them), and the
 dispatchers `quantized_matmul` and `grouped_quantized_matmul` (a MoE layer's experts), which validate
 inputs, run Triton on CUDA and the plain-PyTorch reference on CPU. Imports only torch and the layers
 below ops/."""

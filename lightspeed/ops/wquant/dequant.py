@@ -1,5 +1,5 @@
 """The dequantization side of ops/wquant's Triton code: the bit tricks that turn packed FP6 / INT8 /
-INT4 codes into fp16/bf16 weight tiles (shared with the matmul kernels in `triton.py`) and the
+INT4 codes into fp16/bf16 weight tiles (shared with the matmul kernels in `kernels.py`) and the
 prefill path, which dequantizes a whole weight once (`dequantize_weight`, one program per storage
 chunk, bit-identical to `reference.dequantize`) for `dense_matmul`'s cuBLAS products. Imports
 triton: import lazily (see `triton.py`'s Note on TRITON_INTERPRET, which holds here too)."""

@@ -1,7 +1,7 @@
 """The experts' products of a mixture-of-experts layer (`grouped_quantized_matmul` in `__init__.py`): one
 Triton launch per matrix kind over the experts' stacked packed weights, in route order, the routes read
 on the device (no host sync, so a MoE decode step can be captured in a CUDA graph). The K loop, dequant,
-products and split-K reduction are `triton.py`'s `_split_k_body`, run per chosen expert over the routes'
+products and split-K reduction are `kernels.py`'s `_split_k_body`, run per chosen expert over the routes'
 rows. Imports triton; import lazily (`triton.py`'s Note on TRITON_INTERPRET holds here too)."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from triton.runtime.driver import driver
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.ops.wquant.dequant import FORMAT_ID, INTERPRET
+from lightspeed.ops.wquant.kernels import _split_k_body
 from lightspeed.ops.wquant.launch import Plan, counter, keep, plans, workspace
 from lightspeed.ops.wquant.reference import FP6_FP16_SCALE, ROW_GROUP, QuantizedWeight
-from lightspeed.ops.wquant.triton import _split_k_body, group_layout, reserve_scratch
+from lightspeed.ops.wquant.triton import group_layout, reserve_scratch
 from lightspeed.ops.wquant.tuning import (
     MAX_COPIES,
     TARGET_PROGRAMS_PER_SM,

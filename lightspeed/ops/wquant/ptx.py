@@ -1,4 +1,4 @@
-"""The inline-PTX dequant routines of the weight-quantized matmul kernel (`triton.py`, fp16 activations on
+"""The inline-PTX dequant routines of the weight-quantized matmul kernel (`kernels.py`, fp16 activations on
 the GPU): each takes packed 32-bit words and returns fp16x2 registers, two values per instruction. CI
 cannot run them; `reference.dequant_pairs_fp16` replays them op by op in torch and a test proves that
 replay bit-identical to the kernel's plain-Triton path. Imports triton (`tl.constexpr`); import lazily."""

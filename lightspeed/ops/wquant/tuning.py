@@ -41,12 +41,12 @@ def make_config(block_n, split_k, num_warps, num_stages, one_dot=1, stream=0) ->
             "num_stages": num_stages}
 
 
-BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (triton.py's module docstring)
+BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (kernels.py's module docstring)
 # 6: one wave of <= 3 programs per SM for 64 N blocks (8192- and 28672 x 8192-wide K x 8192 at BLOCK_N 128:
 # 384 programs; H200, session 15: int4 28672 x 8192 M = 4 / 16 35.7 / 36.8 -> 34.0 / 34.6 us)
 SPLIT_KS = (1, 2, 4, 6, 8, 16)
 _STAGES_WARPS = ((4, 3), (4, 4), (8, 3), (8, 4))  # 8 warps when M > 16 at BLOCK_N 128
-STREAMS = (2, 3)  # stream-K programs per SM (triton.py `_stream_k_body`), BLOCK_N 128, 4 stages
+STREAMS = (2, 3)  # stream-K programs per SM (kernels.py `_stream_k_body`), BLOCK_N 128, 4 stages
 MAX_STREAM_M = 16  # stream-K only up to here: fp6 at M = 32 (K 28672, 8 warps, one product per K-tile) gave
 # wrong results on the H200 with layouts 4-5 (all but one N block zero, every call). Not reproduced at layout 7
 # (0 of 6 calls wrong for 4 configs, BENCHMARKS.md session 8), but its cause was never found: the limit stays

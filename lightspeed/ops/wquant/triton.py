@@ -160,6 +160,8 @@ def _tune(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, red: 
     call's x over rotated copies of its weight (`tuning.rotation_bench`; small weights, or copies that do
     not fit in memory: on the weight alone after an L2 flush, `graph_bench`), or read from the disk cache
     (`tuning.cached_pick`)."""
+    global _last_timings
+    _last_timings = None  # `autotune_timings`: a pick read from the disk cache was not timed here
     M, K = x.shape
     N = qw.shape[0]
     candidates = candidate_configs(M, N, K, qw.tile, num_sms())

@@ -174,3 +174,23 @@ def test_timers_match_event_timing(timer):
         times.append(start.elapsed_time(end))
     ref = sorted(times)[5]
     assert 0.85 * ref < ms < 1.15 * ref, (ms, ref)
+
+
+def test_timings_are_none_after_a_pick_from_the_disk_cache(monkeypatch):
+    """`autotune_timings` reports the latest tuning this process timed: after a class whose pick came from
+    the disk cache it is None, not the previous class's timings."""
+    pytest.importorskip("triton")
+    from lightspeed.ops.wquant import quantize, tuning
+    from lightspeed.ops.wquant import triton as wt
+
+    from types import SimpleNamespace
+
+    cfg = tuning.make_config(128, 4, 4, 3)
+    monkeypatch.setattr(wt, "num_sms", lambda: 132)
+    monkeypatch.setattr(wt, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0)))
+    monkeypatch.setattr(wt, "_last_timings", {tuple(cfg.items()): 0.01})
+    assert wt.autotune_timings() == {tuning.describe(cfg): 0.01}
+    monkeypatch.setattr(wt, "cached_pick", lambda kernel, key, candidates, tune: dict(cfg))
+    qw = quantize(torch.randn(256, 512), "int4")
+    assert wt._tune(torch.zeros(2, 512, dtype=torch.float16), qw, None, 1) == cfg
+    assert wt.autotune_timings() is None

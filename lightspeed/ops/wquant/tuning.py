@@ -306,8 +306,7 @@ def graph_bench(kernel_call) -> float:
     refuse_capture()
     # the flush: a read of 2 x L2, which evicts the weight and leaves only clean lines, as the other
     # layers' weight reads before a decode step's matmul do (allocated per call: no memory kept after tuning)
-    flush = torch.zeros(2 * torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size // 4,
-                        device="cuda", dtype=torch.float32)
+    flush = torch.zeros(2 * l2_bytes() // 4, device="cuda", dtype=torch.float32)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

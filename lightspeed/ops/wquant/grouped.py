@@ -75,7 +75,7 @@ def _wq_grouped_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, id
         # pointers (a division loses it, and with it the vector loads)
         _split_k_body(x_ptr, w_ptr + e.to(tl.int64) * expert_units, w2_ptr + e.to(tl.int64) * expert_bytes,
                       s_ptr + e.to(tl.int64) * N * NG, s_ptr, out_ptr, ws_ptr, cnt_ptr, R, offs_m, idx == e,
-                      tl.minimum(offs_m, R - 1) // per_x, e * tl.num_programs(0), N, stride_xm, out_scale,
+                      tl.where(idx == e, offs_m // per_x, -1), e * tl.num_programs(0), N, stride_xm, out_scale,
                       one, K, TILE, SUB, GROUP, SPG, FORMAT, PER_GROUP, False, X_BF16, BLOCK_M, 1,
                       INTERPRETED, ROWS, BLOCK_N, SPLIT_K, ONE_DOT)
 

@@ -45,7 +45,11 @@ on the H200 (tuning.MAX_STREAM_M).
 Grouped (`grouped.py`, a mixture-of-experts layer's experts): the same split-K body over a decode
 step's routes (<= 64 rows), one grid slot per chosen expert.
 
-M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16); for M <= 64 there is one M block and the
+x rows: M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16). The padding rows' x loads are masked
+(`_x_sub`: row -1), so they send no request and read zeros; until session 19 they re-read row M - 1
+(clamped, no mask), and decode at M = 1..8 paid for 16 rows of x per K-tile from L2. Masked, on the H200:
+fp6 8192^2 M = 1 17.5 -> 16.5 us, int4 8192 x 28672 M = 4 36.4 -> 35.1 us (best candidate each); products
+in one dot per K-tile gained most (BN64 SK4 at M = 1: 24.5 -> 16.5 us). For M <= 64 there is one M block and the
 grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1 (from DEQUANT_MIN_M rows
 on, `wq_matmul` takes the prefill path instead: `triton.py`). Split-K partials go to an fp32
 workspace [SPLIT_K, M, N]; by default the last program of an N block to finish (an
@@ -128,12 +132,16 @@ def _cat_fields(v0, v1, v2, v3):
 @triton.jit
 def _x_sub(x_ptr, offs_mc, kst, stride_xm, K: tl.constexpr, TILE: tl.constexpr, WIDTH: tl.constexpr,
            INTERPRETED: tl.constexpr):
-    """x[:, kst:kst+WIDTH] ([BLOCK_M, WIDTH], zero past K), fp32 under the interpreter."""
+    """x[offs_mc, kst:kst+WIDTH] ([BLOCK_M, WIDTH], zero past K and on rows whose offs_mc is -1), fp32 under
+    the interpreter. A row of -1 needs no product (past M; in `grouped.py` another expert's route): its
+    load is masked, so it sends no request (module docstring: "x rows")."""
     offs_k = tl.max_contiguous(tl.multiple_of(kst + tl.arange(0, WIDTH), WIDTH), WIDTH)
+    rows = offs_mc >= 0
+    ptrs = x_ptr + tl.maximum(offs_mc, 0)[:, None] * stride_xm + offs_k[None, :]
     if K % TILE == 0:
-        x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :])
+        x = tl.load(ptrs, mask=rows[:, None], other=0.0)
     else:
-        x = tl.load(x_ptr + offs_mc[:, None] * stride_xm + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+        x = tl.load(ptrs, mask=rows[:, None] & (offs_k[None, :] < K), other=0.0)
     if INTERPRETED:  # the interpreter's bf16 tl.dot is wrong (triton 3.6); fp32 is exact for these operands
         x = x.to(tl.float32)
     return x
@@ -191,9 +199,9 @@ def _wq_matmul_kernel(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_p
     else:
         pid_m = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        # clamped rows: the x loads need no mask, rows past M are never stored
+        # rows past M: no x load (-1), never stored
         _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, offs_m, offs_m < M,
-                      tl.minimum(offs_m, M - 1), pid_m * tl.num_programs(0), N, stride_xm, out_scale,
+                      tl.where(offs_m < M, offs_m, -1), pid_m * tl.num_programs(0), N, stride_xm, out_scale,
                       (M_KEY > 0).to(tl.float32), K, TILE, SUB, GROUP, SPG, FORMAT, PER_GROUP,
                       HAS_BIAS, X_BF16, BLOCK_M, REDUCE, INTERPRETED, ROWS, BLOCK_N, SPLIT_K, ONE_DOT)
 
@@ -220,7 +228,7 @@ def _split_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, 
                   INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
                   ONE_DOT: tl.constexpr):
     """Program (n block, split) sums its share of the K-tiles for BLOCK_M rows: offs_m their rows of y [M, N]
-    (stored where m_mask), offs_mc the rows of x they read (in range); split-K partials go through
+    (stored where m_mask), offs_mc the rows of x they read (-1: none, `_x_sub`); split-K partials go through
     ws [SPLIT_K, M, N] (the tuner's candidates bound SPLIT_K by `max_split_k(M)`, hence its size),
     counted per output tile at cnt[tile_base + n].
     one: a runtime 1.0, so that `acc += one * tile` cannot be folded into the tile's last dot (module
@@ -290,7 +298,7 @@ def _stream_k_body(x_ptr, w_ptr, w2_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     u0 = (p.to(tl.int64) * U // P).to(tl.int32)
     u1 = ((p + 1).to(tl.int64) * U // P).to(tl.int32)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_mc = tl.minimum(offs_m, M - 1)
+    offs_mc = tl.where(offs_m < M, offs_m, -1)  # rows past M: no x load (`_x_sub`)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed
     b_last = (u1 - 1) // NT
     if INTERPRETED:  # while loops: the interpreter cannot run `range` over computed bounds

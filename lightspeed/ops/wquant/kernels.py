@@ -26,8 +26,9 @@ tile through STS + CTA barriers (2x slower per byte).
 ONE_DOT (autotuned): 1 joins the four field tiles into one [BLOCK_N, T] operand in K order (`_cat_fields`:
 the field index lands on register bits of the wgmma operand layout, so nothing moves) and does one
 product per K-tile: 16 HGMMAs and one wait. 0 does one product per field; Triton then waits after each
-(4 waits per tile). Neither wins everywhere on the H200 (fp6 8192 x 28672: M = 1 per field 52 us, per
-tile 62; M = 16 per field 59, per tile 55), so the tuner times both.
+(4 waits per tile). Neither wins everywhere on the H200, so the tuner times both (session 19, x padding
+rows masked, best of each: fp6 8192 x 28672 M = 1 per field 48.0 us, per tile 49.1; fp6 8192^2 M = 1 per
+field 17.6, per tile 16.5; int4 8192 x 28672 M = 4 per field 36.9, per tile 35.1).
 Each K-tile's products go to a fresh accumulator that is added to acc at the tile's end, which makes
 the tile's wgmmas complete inside the iteration: left in flight across the loop back-edge (Triton's
 default), int4 at BLOCK_N 128 / 4 warps gave wrong results on the H200 in most calls (the next tile's

@@ -26,12 +26,13 @@ from lightspeed.ops.wquant.tuning import (
     cached_pick,
     describe,
     heuristic_config,
-    max_split_k,
+    make_config,
     num_sms,
     pick_fastest,
     refuse_capture,
     rotation_bench,
     rotation_copies,
+    usable_splits,
 )
 
 logger = get_logger(__name__)
@@ -98,8 +99,9 @@ def grouped_config(R: int, N: int, K: int, experts: int, tile: int) -> dict:
     block_n = 128 if N > 64 else 64
     busy = triton.cdiv(N, block_n) * min(experts, R)
     target = TARGET_PROGRAMS_PER_SM * num_sms()
-    split_k = min(_splits(R, K, tile), key=lambda sk: (abs(math.log2(busy * sk / target)), sk))
-    return {"BLOCK_N": block_n, "SPLIT_K": split_k, "ONE_DOT": 1, "STREAM": 0, "num_warps": 4, "num_stages": 4}
+    splits = usable_splits(GROUPED_SPLIT_KS, R, triton.cdiv(K, tile))
+    split_k = min(splits, key=lambda sk: (abs(math.log2(busy * sk / target)), sk))
+    return make_config(block_n, split_k, 4, 4, 1)
 
 
 # split counts the grouped kernel is tuned over: 3 too (H200, Mixtral's experts: the best split of each
@@ -107,18 +109,13 @@ def grouped_config(R: int, N: int, K: int, experts: int, tile: int) -> dict:
 GROUPED_SPLIT_KS = (1, 2, 3, 4, 6, 8)
 
 
-def _splits(R: int, K: int, tile: int) -> list[int]:
-    nt = triton.cdiv(K, tile)
-    return [sk for sk in GROUPED_SPLIT_KS if sk == 1 or (sk <= max_split_k(R) and nt >= 2 * sk)]
-
-
 def grouped_candidates(R: int, N: int, K: int, tile: int) -> list[dict]:
     """The configs `wq_grouped_matmul` times on a class's first call: BLOCK_N 128 (64 for narrow N), 4 warps,
     one product per K-tile, every split of `GROUPED_SPLIT_KS` that gives each split >= 2 K-tiles and keeps
     the workspace within `max_split_k(R)`, 3 and 4 stages (<= 12)."""
     block_n = 128 if N > 64 else 64
-    return [{"BLOCK_N": block_n, "SPLIT_K": sk, "ONE_DOT": 1, "STREAM": 0, "num_warps": 4, "num_stages": st}
-            for sk in _splits(R, K, tile) for st in (3, 4)]
+    return [make_config(block_n, sk, 4, st, 1) for sk in usable_splits(GROUPED_SPLIT_KS, R, triton.cdiv(K, tile))
+            for st in (3, 4)]
 
 
 _tuned: dict = {}  # tune key -> the fastest of `grouped_candidates` (config dict)

@@ -45,7 +45,6 @@ BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (kernels.py's module 
 # 6: one wave of <= 3 programs per SM for 64 N blocks (8192- and 28672 x 8192-wide K x 8192 at BLOCK_N 128:
 # 384 programs; H200, session 15: int4 28672 x 8192 M = 4 / 16 35.7 / 36.8 -> 34.0 / 34.6 us)
 SPLIT_KS = (1, 2, 4, 6, 8, 16)
-_STAGES_WARPS = ((4, 3), (4, 4), (8, 3), (8, 4))  # 8 warps when M > 16 at BLOCK_N 128
 STREAMS = (2, 3)  # stream-K programs per SM (kernels.py `_stream_k_body`), BLOCK_N 128, 4 stages
 MAX_STREAM_M = 16  # stream-K only up to here: fp6 at M = 32 (K 28672, 8 warps, one product per K-tile) gave
 # wrong results on the H200 with layouts 4-5 (all but one N block zero, every call). Not reproduced at layout 7
@@ -69,7 +68,7 @@ def num_k_tiles(K: int, tile: int) -> int:
 
 
 def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[dict]:
-    """The configs the tuner times for one problem (<= 9, each for both product forms ONE_DOT 1 / 0):
+    """The configs the tuner times for one problem (<= 20; most for both product forms ONE_DOT 1 / 0):
     at BLOCK_N 128 the three SPLIT_Ks whose
     program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
     most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages;
@@ -81,7 +80,7 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[dict]
     nt = num_k_tiles(K, tile)
     m_blocks = -(-M // MAX_SINGLE_BLOCK_M) if M > MAX_SINGLE_BLOCK_M else 1
     target = TARGET_PROGRAMS_PER_SM * sms
-    splits = [sk for sk in SPLIT_KS if sk == 1 or (sk <= max_split_k(M) and nt >= 2 * sk)]
+    splits = usable_splits(SPLIT_KS, M, nt)
     out = []
     for bn in BLOCK_NS:
         if bn == 128 and N <= 64:
@@ -98,6 +97,12 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[dict]
         if bn == 64 and M in BN64_SPLIT3_MS and nt >= 6:
             out += [make_config(64, 3, 4, st, 1) for st in (3, 4)]
     return _dedup(out)
+
+
+def usable_splits(splits, M: int, nt: int) -> list[int]:
+    """The split counts of `splits` a problem of M rows and nt K-tiles can take: 1, and those that leave
+    every split >= 2 K-tiles within `max_split_k(M)` (the workspace bound)."""
+    return [sk for sk in splits if sk == 1 or (sk <= max_split_k(M) and nt >= 2 * sk)]
 
 
 def _dedup(configs: list[dict]) -> list[dict]:

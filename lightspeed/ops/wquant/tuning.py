@@ -49,10 +49,12 @@ STREAMS = (2, 3)  # stream-K programs per SM (kernels.py `_stream_k_body`), BLOC
 MAX_STREAM_M = 16  # stream-K only up to here: fp6 at M = 32 (K 28672, 8 warps, one product per K-tile) gave
 # wrong results on the H200 with layouts 4-5 (all but one N block zero, every call). Not reproduced at layout 7
 # (0 of 6 calls wrong for 4 configs, BENCHMARKS.md session 8), but its cause was never found: the limit stays
-# BLOCK_N 64 at SPLIT_K 3 (outside SPLIT_KS, one product per K-tile) is a candidate for these M: the fastest
+
+# BLOCK_N 64 at SPLIT_K 3 (outside SPLIT_KS, one product per K-tile) is a candidate for M <= 16: the fastest
 # config at M = 16 for fp6 8192 x 8192 and 8192 x 28672 on the H200 (16.8 / 50.9 us against the candidates'
-# 17.6 / 53.1; session 18's sweep, BENCHMARKS.md), 5-10 programs per SM
-BN64_SPLIT3_MS = range(9, 17)
+# 17.6 / 53.1; session 18's sweep, BENCHMARKS.md), 5-10 programs per SM; with the padding rows' x loads masked
+# (session 19) also at M = 2..8 on fp6 8192 x 8192 (16.45-16.59 us against 16.72-17.02, session 20)
+BN64_SPLIT3_MS = range(1, 17)
 TARGET_PROGRAMS_PER_SM = 3  # H200 sweep (2026-11-29): the best split gave 2-7 programs per SM
 
 
@@ -73,7 +75,7 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[dict]
     program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
     most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages;
     for M <= MAX_STREAM_M stream-K at BLOCK_N 128 with 2 and 3 programs per SM (4 stages) when every
-    program gets >= 2 units; for 8 < M <= 16 also BLOCK_N 64 at SPLIT_K 3 (`BN64_SPLIT3_MS`) with one product
+    program gets >= 2 units; for M <= 16 also BLOCK_N 64 at SPLIT_K 3 (`BN64_SPLIT3_MS`) with one product
     per K-tile and 3 and 4 stages.
     4 warps, 8 at BLOCK_N 128 when M > 16 (fp6 at M = 32 over 4 warps: 200 registers per thread, at M = 64
     a spill)."""

@@ -54,7 +54,7 @@ MAX_STREAM_M = 16  # stream-K only up to here: fp6 at M = 32 (K 28672, 8 warps, 
 # config at M = 16 for fp6 8192 x 8192 and 8192 x 28672 on the H200 (16.8 / 50.9 us against the candidates'
 # 17.6 / 53.1; session 18's sweep, BENCHMARKS.md), 5-10 programs per SM; with the padding rows' x loads masked
 # (session 19) also at M = 2..8 on fp6 8192 x 8192 (16.45-16.59 us against 16.72-17.02, session 20)
-BN64_SPLIT3_MS = range(1, 17)
+BN64_SPLIT3_MAX_M = 16
 TARGET_PROGRAMS_PER_SM = 3  # H200 sweep (2026-11-29): the best split gave 2-7 programs per SM
 
 
@@ -75,7 +75,7 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[dict]
     program counts are nearest TARGET_PROGRAMS_PER_SM * sms (log scale; every split >= 2 K-tiles, at
     most `max_split_k(M)`), each with 3 and 4 stages; at BLOCK_N 64 the nearest one with 3 stages;
     for M <= MAX_STREAM_M stream-K at BLOCK_N 128 with 2 and 3 programs per SM (4 stages) when every
-    program gets >= 2 units; for M <= 16 also BLOCK_N 64 at SPLIT_K 3 (`BN64_SPLIT3_MS`) with one product
+    program gets >= 2 units; for M <= 16 also BLOCK_N 64 at SPLIT_K 3 (`BN64_SPLIT3_MAX_M`) with one product
     per K-tile and 3 and 4 stages.
     4 warps, 8 at BLOCK_N 128 when M > 16 (fp6 at M = 32 over 4 warps: 200 registers per thread, at M = 64
     a spill)."""
@@ -96,7 +96,7 @@ def candidate_configs(M: int, N: int, K: int, tile: int, sms: int) -> list[dict]
         if bn == 128 and M <= MAX_STREAM_M:
             out += [make_config(bn, 1, warps, 4, od, st) for st in STREAMS if st * sms * 2 <= -(-N // bn) * nt
                     for od in one_dots]
-        if bn == 64 and M in BN64_SPLIT3_MS and nt >= 6:
+        if bn == 64 and M <= BN64_SPLIT3_MAX_M and nt >= 6:
             out += [make_config(64, 3, 4, st, 1) for st in (3, 4)]
     return _dedup(out)
 

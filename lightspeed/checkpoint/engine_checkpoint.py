@@ -25,7 +25,7 @@ import torch
 
 from lightspeed.checkpoint.atomic import atomic_torch_save, fsync_dir, read_latest, safe_torch_load, validate_tag, write_latest
 from lightspeed.checkpoint.errors import CheckpointError
-from lightspeed.checkpoint.rng import get_rng_state, set_rng_state
+from lightspeed.checkpoint.rng import get_rng_state
 from lightspeed.comm.collectives import Communicator
 
 MODEL_FILE = "model_states.pt"
@@ -94,9 +94,27 @@ def save(save_dir, tag: str, *, shared: dict[str, Any], strategy_state: dict[str
     return final
 
 
-def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True):
-    """Returns `(path, shared, strategy_state)` or None when there is nothing to load. Restores this
-    rank's RNG state when the checkpoint has one for it."""
+def strategy_files(path: Path) -> list[Path]:
+    """The optimizer-state files of a tag: the replicated one, or one per data-parallel rank of the run
+    that saved it (all of them: a run at another world size reads parts of each)."""
+    replicated = path / optim_file(None)
+    if replicated.exists():
+        return [replicated]
+    ranks = sorted(int(p.name[len("optim_states_rank"):-3]) for p in path.glob("optim_states_rank*.pt")
+                   if p.name[len("optim_states_rank"):-3].isdigit())
+    if not ranks:
+        raise CheckpointError(f"{path}: no optimizer state (neither {REPLICATED_OPTIM_FILE} nor "
+                              f"optim_states_rank<R>.pt)")
+    if ranks != list(range(len(ranks))):
+        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+        raise CheckpointError(f"{path}: optimizer-state file of data-parallel rank {missing[0]} is missing")
+    return [path / optim_file(r) for r in ranks]
+
+
+def load(load_dir, tag: str | None, *, dp_rank: int):
+    """Returns `(path, shared, rng_state)` or None when there is nothing to load. `rng_state` is this
+    rank's saved RNG state, or None when the run that saved had no rank of this number (another world
+    size); nothing is applied here: the engine applies it once everything has been read."""
     load_dir = Path(load_dir)
     if tag is None:
         tag = read_latest(load_dir)
@@ -109,18 +127,5 @@ def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True)
     shared = safe_torch_load(path / MODEL_FILE)
     if not isinstance(shared, dict) or "module" not in shared or "counters" not in shared:
         raise CheckpointError(f"{path / MODEL_FILE}: not a lightspeed model_states file")
-    strategy_state: dict[str, Any] = {}
-    if load_strategy:
-        replicated = path / optim_file(None)
-        own = path / optim_file(dp_rank)
-        if replicated.exists():
-            strategy_state = safe_torch_load(replicated)
-        elif own.exists():
-            strategy_state = safe_torch_load(own)
-        else:
-            raise CheckpointError(f"{path}: no optimizer state for data-parallel rank {dp_rank} "
-                                  f"(neither {REPLICATED_OPTIM_FILE} nor {optim_file(dp_rank)})")
     rng = path / rng_file(dp_rank)
-    if rng.exists():
-        set_rng_state(safe_torch_load(rng))
-    return path, shared, strategy_state
+    return path, shared, (safe_torch_load(rng) if rng.exists() else None)

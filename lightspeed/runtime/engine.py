@@ -19,6 +19,10 @@ from lightspeed._utils.sizes import human_bytes
 from lightspeed._utils.timers import Timers
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import atomic_torch_save
+from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.module_state import check_module_state
+from lightspeed.checkpoint.rng import set_rng_state
+from lightspeed.checkpoint.universal import LightspeedSource, apply_training_state, read_training_state
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.precision.policy import PrecisionPolicy
@@ -232,10 +236,12 @@ class LightspeedEngine(torch.nn.Module):
         """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         module_state = self.strategy.module_state_dict()
+        frozen: set[str] = set()
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             module_state = {k: v for k, v in module_state.items() if k not in frozen}
         shared = {
+            "excluded_frozen_parameters": sorted(frozen),
             "module": module_state,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
@@ -275,19 +281,35 @@ class LightspeedEngine(torch.nn.Module):
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
-        """Restore a checkpoint written by `save_checkpoint`; returns `(path, client_state)`, or
-        `(None, None)` when `load_dir` holds no `latest` file and no tag is given."""
-        loaded = engine_checkpoint.load(load_dir, tag, dp_rank=self.groups.dp_rank,
-                                        load_strategy=not load_module_only)
+        """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size and ZeRO
+        stage; returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file
+        and no tag is given. Everything is read and checked on every rank before anything changes: a
+        load that fails raises on every rank and leaves the engine as it was."""
+        try:
+            loaded = engine_checkpoint.load(load_dir, tag, dp_rank=self.groups.dp_rank)
+            read = None
+            if loaded is not None:
+                path, shared, rng = loaded
+                excluded = set(shared.get("excluded_frozen_parameters") or ())
+                expected = {k: v for k, v in self.strategy.module_shapes().items() if k not in excluded}
+                check_module_state(expected, shared["module"], strict=load_module_strict)
+                if not load_module_only:
+                    source = LightspeedSource(shared, engine_checkpoint.strategy_files(path))
+                    read = read_training_state(source, self.strategy.fragments(), self.optimizer,
+                                               load_optimizer_states=load_optimizer_states)
+            failed = None
+        except (CheckpointError, KeyError, ValueError, RuntimeError) as err:
+            failed = err
+        self._agree_or_raise(failed)
         if loaded is None:
             logger.warning("no checkpoint to load in %s (no 'latest' file and no tag given)", load_dir)
             return None, None
-        path, shared, strategy_state = loaded
-        self.strategy.load_module_state_dict(shared["module"], strict=load_module_strict)
+        self.strategy.load_module_state_dict(shared["module"], strict=False)  # checked above, before any change
         if load_module_only:
-            self.strategy.load_state_dict({}, load_optimizer_states=False)
+            self.strategy.masters_from_params()
             return path, shared.get("client_state", {})
-        self.strategy.load_state_dict(strategy_state, load_optimizer_states=load_optimizer_states)
+        apply_training_state(read, self.optimizer)
+        self.strategy.masters_loaded()
         if load_lr_scheduler_states and self.lr_scheduler is not None and shared.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
         if self.loss_scaler is not None and shared.get("loss_scaler") is not None:
@@ -297,4 +319,19 @@ class LightspeedEngine(torch.nn.Module):
         self.global_samples = counters["global_samples"]
         self.micro_steps = counters["micro_steps"]
         self.skipped_steps = counters["skipped_steps"]
+        if rng is not None:
+            set_rng_state(rng)
+        elif self.groups.dp_rank >= int(shared.get("dp_world_size") or 0):
+            logger.info("checkpoint %s was saved by %s ranks: ranks from %s on keep their RNG state", path,
+                        shared.get("dp_world_size"), shared.get("dp_world_size"))
         return path, shared.get("client_state", {})
+
+    def _agree_or_raise(self, failed: BaseException | None) -> None:
+        """Every rank learns whether any rank failed to read the checkpoint, and then all raise."""
+        flag = torch.tensor([0.0 if failed is None else float(self.groups.dp_rank + 1)], device=self.device)
+        self.comm.all_reduce(flag, op="max")
+        if failed is not None:
+            raise failed if isinstance(failed, CheckpointError) else CheckpointError(str(failed)) from failed
+        if flag.item() > 0:
+            raise CheckpointError(f"load_checkpoint: data-parallel rank {int(flag.item()) - 1} could not read the "
+                                  "checkpoint (its error is raised there); nothing was loaded")

@@ -12,7 +12,8 @@ import torch
 from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.reduce import ReduceOptions
-from lightspeed.zero.stage0 import Stage0Strategy, StepResult
+from lightspeed.zero.sharded_step import StepResult
+from lightspeed.zero.stage0 import Stage0Strategy
 from lightspeed.zero.stage12 import ShardedStrategy
 
 

@@ -12,26 +12,21 @@ on master weights. Must not: touch the loss scaler's state or the LR schedule (t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lightspeed.comm.collectives import Communicator
-from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
+from lightspeed.zero.fragments import Fragment, module_shapes, first_names, fragments_state_dict
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import fused_step
-from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
+from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
 
-
-@dataclass
-class StepResult:
-    applied: bool  # False when the step was skipped (fp16 overflow)
-    grad_norm: torch.Tensor | None  # global L2 norm of the unscaled gradients (0-dim tensor)
+__all__ = ["Stage0Strategy", "StepResult", "broadcast_unflattened", "group_trainable_params"]
 
 
 def broadcast_unflattened(comm: Communicator, module: torch.nn.Module) -> None:
@@ -79,7 +74,10 @@ class Stage0Strategy:
         self._lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = {}  # fused: master view -> lp view
         if optimizer is not None:
             self._bind_optimizer(optimizer)
-        self._opt_grads = dict(self._opt_params)  # fused step: {optimizer's tensor: its gradient view}
+        self._views = ShardViews(optimizer, self._fused, grads=[f.grad_flat for f in self.flats],
+                                 master_grads=self._master_grad_flats, opt_grads=dict(self._opt_params),
+                                 lowp_out=self._lowp_out,
+                                 device=self.flats[0].device if self.flats else torch.device("cpu"))
 
     # ---------------------------------------------------------------- set-up
     def _master_grad_flat(self, flat: FlatParams) -> torch.Tensor:
@@ -152,53 +150,41 @@ class Stage0Strategy:
         `loss_scale` None means no loss scaling (fp32 / bf16). `check_overflow` (default: when there is
         a loss scale) skips the step on inf/nan gradients, as fp16 and bf16.check_grad_overflow do."""
         self.buckets.wait()
-        if check_overflow if check_overflow is not None else loss_scale is not None:
-            flags = torch.stack([flat_has_inf_or_nan(f.grad_flat).reshape(()).float() for f in self.flats])
-            if bool(flags.any()):  # gradients are identical on every rank here, so every rank agrees
-                return StepResult(False, None)
-        for flat, master_grad in zip(self.flats, self._master_grad_flats):
-            if master_grad is not flat.grad_flat:
-                master_grad.copy_(flat.grad_flat)
-        grads = self._master_grad_flats
-        norm = squared_norm(grads).sqrt() / (loss_scale or 1.0)
-        coef = None
-        if (loss_scale or 1.0) != 1.0 or max_norm > 0:
-            coef = grad_coefficient(norm, loss_scale or 1.0, max_norm)
-            if not self._fused:
-                torch._foreach_mul_(grads, coef)
-        if self.optimizer is not None and self._fused:
-            self.optimizer.step(grads=self._opt_grads, grad_scale=coef, lowp_out=self._lowp_out)
-            return StepResult(True, norm)
-        if self.optimizer is not None:
-            for tensor, grad in self._opt_params:
-                tensor.grad = grad
-            self.optimizer.step()
-        for flat in self.flats:
-            flat.copy_master_to_params()
-        return StepResult(True, norm)
+        check = check_overflow if check_overflow is not None else loss_scale is not None
+        # gradients are identical on every rank here, so every rank reaches the same decision alone
+        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=None)
+        if result.applied and not self._views.optimizer_writes_lowp:
+            for flat in self.flats:
+                flat.copy_master_to_params()
+        return result
 
     def zero_grad(self) -> None:
         for flat in self.flats:
             flat.grad_flat.zero_()
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        return {"stage": 0,
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "master": [f.master_flat for f in self.flats if f.has_master]}
+    def fragments(self) -> list[Fragment]:
+        """Every trainable parameter whole, owned by its fp32 master view (or itself when fp32)."""
+        names = first_names(self.module)
+        return [Fragment(names[id(p)], tuple(p.shape), 0, p.numel(), flat.optimizer_view(p), 0)
+                for flat in self.flats for p in flat.params]
 
-    def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None:
-        masters = [f for f in self.flats if f.has_master]
-        saved = state.get("master") or []
-        if len(saved) == len(masters) and all(s.numel() == f.master_flat.numel() for s, f in zip(saved, masters)):
-            for s, f in zip(saved, masters):
-                f.master_flat.copy_(s)
-                f.copy_master_to_params()
-        else:  # no fp32 copy saved (e.g. an fp32 run loaded into bf16): masters follow the loaded params
-            for f in masters:
-                f.copy_params_to_master()
-        if load_optimizer_states and self.optimizer is not None and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+    def state_dict(self) -> dict[str, Any]:
+        return fragments_state_dict(self.fragments(), self.optimizer, stage=0, dp_world_size=self.comm.world_size,
+                                    dp_rank=self.comm.rank)
+
+    def masters_loaded(self) -> None:
+        """The fp32 masters were overwritten (a checkpoint): make the parameters follow them."""
+        for flat in self.flats:
+            flat.copy_master_to_params()
+
+    def masters_from_params(self) -> None:
+        """The parameters were overwritten (a module-only load): make the masters follow them."""
+        for flat in self.flats:
+            flat.copy_params_to_master()
+
+    def module_shapes(self) -> dict[str, tuple[int, ...]]:
+        return module_shapes(self.module)
 
     def module_state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()

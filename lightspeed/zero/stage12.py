@@ -29,16 +29,16 @@ from typing import Any
 import torch
 
 from lightspeed.comm.collectives import Communicator
-from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
-from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
+from lightspeed.zero.fragments import Fragment, module_shapes, first_names, fragments_state_dict, range_fragments
 from lightspeed.zero.partition import Range, owned_chunks
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
-from lightspeed.zero.stage0 import StepResult, broadcast_unflattened
+from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
+from lightspeed.zero.stage0 import broadcast_unflattened
 
 @dataclass
 class Shard:
@@ -111,8 +111,12 @@ class ShardedStrategy:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for s in self.shards for p in s.flat.params]
         # fused step: what the optimizer reads and writes besides the master shards, built once
         stepped = [s for s in self.shards if s.stepped]
-        self._fused_grads = {s.master: s.grad for s in stepped}
-        self._fused_lowp = {s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped}
+        self._views = ShardViews(
+            optimizer, self._fused, grads=[s.grad for s in self.shards],
+            master_grads=[s.master_grad for s in self.shards],
+            opt_grads={s.master: s.master_grad for s in stepped},
+            lowp_out={s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped},
+            device=self.shards[0].master.device if self.shards else torch.device("cpu"))
         for s in self.shards:
             if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
                 for p, g in zip(s.flat.params, s.flat.grad_views):
@@ -220,32 +224,13 @@ class ShardedStrategy:
     # ---------------------------------------------------------------- step
     def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
         self.buckets.wait()
-        if check_overflow if check_overflow is not None else loss_scale is not None:
-            flag = torch.stack([flat_has_inf_or_nan(s.grad).reshape(()).float() for s in self.shards]).amax()
-            self.comm.all_reduce(flag, op="max")
-            if bool(flag):
-                return StepResult(False, None)
-        for s in self.shards:
-            if s.master_grad is not s.grad:
-                s.master_grad.copy_(s.grad)
-        grads = [s.master_grad for s in self.shards]
-        sq = squared_norm(grads)
-        self.comm.all_reduce(sq)
-        scale = loss_scale or 1.0
-        norm = sq.sqrt() / scale
-        coef = grad_coefficient(norm, scale, max_norm) if scale != 1.0 or max_norm > 0 else None
-        if coef is not None and not self._fused:
-            torch._foreach_mul_(grads, coef)
-        if self.optimizer is not None and self._fused:
-            self.optimizer.step(grads=self._fused_grads, grad_scale=coef, lowp_out=self._fused_lowp)
-        elif self.optimizer is not None:
+        check = check_overflow if check_overflow is not None else loss_scale is not None
+        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        if result.applied:
             for s in self.shards:
-                s.master.grad = s.master_grad if s.stepped else None
-            self.optimizer.step()
-        for s in self.shards:
-            if s.stepped:
-                self._all_gather_params(s, copy=not (self._fused and self.optimizer is not None))
-        return StepResult(True, norm)
+                if s.stepped:
+                    self._all_gather_params(s, copy=not self._views.optimizer_writes_lowp)
+        return result
 
     def zero_grad(self) -> None:
         for s in self.shards:
@@ -254,32 +239,30 @@ class ShardedStrategy:
                 s.flat.grad_flat.zero_()
 
     # ---------------------------------------------------------------- state
-    def manifest(self) -> list[dict[str, Any]]:
-        """Where every element lives: per flat buffer, each parameter's name, shape and offset, the
-        buckets, and the world size whose chunks the shards hold."""
-        return [{"names": list(s.flat.names), "shapes": [list(sh) for sh in s.flat.layout.shapes],
-                 "offsets": list(s.flat.layout.offsets), "dtype": str(s.flat.dtype).replace("torch.", ""),
-                 "buckets": [[b.first, b.last, b.start, b.padded_numel] for b in s.flat.buckets],
-                 "world_size": self.comm.world_size} for s in self.shards]
+    def fragments(self) -> list[Fragment]:
+        """The parts of each parameter inside this rank's chunks, owned by the flat master shard."""
+        names = first_names(self.module)
+        out: list[Fragment] = []
+        for s in self.shards:
+            pieces = [(r, s.master, pos) for r, pos in s.chunks]
+            for i, p in enumerate(s.flat.params):
+                out.extend(range_fragments(names[id(p)], tuple(p.shape), s.flat.param_range(i), pieces))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "dp_rank": self.comm.rank, "manifest": self.manifest(),
-                "master": [s.master for s in self.shards],
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+        return fragments_state_dict(self.fragments(), self.optimizer, stage=self.stage,
+                                    dp_world_size=self.comm.world_size, dp_rank=self.comm.rank)
 
-    def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None:
-        if not state:  # module-only load: masters follow the loaded parameters
-            for s in self.shards:
-                self._copy_params_to_master(s)
-            return
-        if state.get("manifest") != self.manifest():
-            raise ValueError("checkpoint: its ZeRO shards were laid out differently (another world size, bucket "
-                             "size, stage or model); loading a checkpoint into another layout is not implemented yet")
-        for s, saved in zip(self.shards, state["master"]):
-            s.master.copy_(saved)
+    def masters_loaded(self) -> None:
+        for s in self.shards:
             self._all_gather_params(s)
-        if load_optimizer_states and self.optimizer is not None and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+
+    def masters_from_params(self) -> None:
+        for s in self.shards:
+            self._copy_params_to_master(s)
+
+    def module_shapes(self) -> dict[str, tuple[int, ...]]:
+        return module_shapes(self.module)
 
     def module_state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()

@@ -37,16 +37,15 @@ import torch
 from lightspeed._utils.device import Stream
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
-from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.precision.policy import PrecisionPolicy
-from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
 from lightspeed.zero.partition import Range
-from lightspeed.zero.stage0 import StepResult
+from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
 from lightspeed.zero.stage3.gathered import take_pending_external
 from lightspeed.zero.stage3.init import init_record, materialize_module, seed_from_global_rng
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.units import LeafRule, choose_units
+from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
 
@@ -83,6 +82,18 @@ class Stage3Options:
                    allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), leaf_rule=leaf_rule)
 
 
+def _gaps(whole: Range, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The sub-ranges of `whole` not covered by the sorted, disjoint `taken` ranges."""
+    out, pos = [], whole.start
+    for a, b in sorted(taken):
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+    if pos < whole.end:
+        out.append((pos, whole.end))
+    return out
+
+
 class Stage3Strategy:
     stage = 3
     state_is_replicated = False  # each rank holds its own slices: every rank writes its file
@@ -106,10 +117,14 @@ class Stage3Strategy:
         self.groups = self._build_groups(opt_index, stream)
         self._mark_persistent()
         self._opt_params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (optimizer's tensor, its grad)
+        self._opt_pieces: dict[int, list[tuple[Range, torch.Tensor, int]]] = {}  # id(group) -> its optimizer tensors
         self._lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = {}  # fused: master -> lp piece
         if optimizer is not None:
             self._bind_optimizer(optimizer, opt_index)
-        self._opt_grads = dict(self._opt_params)  # fused step: {optimizer's tensor: its gradient view}
+        trainable = self._trainable()
+        self._views = ShardViews(optimizer, self._fused, grads=[g.grad_shard for g in trainable],
+                                 master_grads=[g.master_grad_shard for g in trainable],
+                                 opt_grads=dict(self._opt_params), lowp_out=self._lowp_out, device=self.device)
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
                                        units=[u.module for u in self.units], unit_of=unit_of)
@@ -210,6 +225,7 @@ class Stage3Strategy:
                 if own.numel == 0:
                     continue
                 tensor = g.optimizer_shard[own.start:own.end]
+                self._opt_pieces.setdefault(id(g), []).append((own.shift(g.shard.start), tensor, 0))
                 self._opt_params.append((tensor, g.master_grad_shard[own.start:own.end]))
                 if g.master_shard is not None:
                     self._lowp_out[tensor] = [(0, g.lp_shard[own.start:own.end])]
@@ -241,35 +257,15 @@ class Stage3Strategy:
         optimizer on the fp32 shards and write the lp shards (gathered groups are then re-gathered on
         use)."""
         self.coordinator.wait_reduces()
-        groups = self._trainable()
-        if check_overflow if check_overflow is not None else loss_scale is not None:
-            flags = [flat_has_inf_or_nan(g.grad_shard).reshape(1) for g in groups]
-            flag = torch.cat(flags).max().reshape(1) if flags else torch.zeros(1, device=self.device)
-            self.comm.all_reduce(flag, op="max")
-            if bool(flag.item()):
-                return StepResult(False, None)
-        for g in groups:
-            if g.master_grad_shard is not g.grad_shard:
-                g.master_grad_shard.copy_(g.grad_shard)
-        grads = [g.master_grad_shard for g in groups]
-        sq = squared_norm(grads).to(self.device).reshape(1)
-        self.comm.all_reduce(sq)
-        scale = loss_scale or 1.0
-        norm = sq.reshape(()).sqrt() / scale
-        coef = grad_coefficient(norm, scale, max_norm) if scale != 1.0 or max_norm > 0 else None
-        if coef is not None and not self._fused:
-            torch._foreach_mul_(grads, coef)
-        if self.optimizer is not None and self._fused:
-            self.optimizer.step(grads=self._opt_grads, grad_scale=coef, lowp_out=self._lowp_out)
-        else:
-            if self.optimizer is not None:
-                for tensor, grad in self._opt_params:
-                    tensor.grad = grad
-                self.optimizer.step()
-            for g in groups:
+        check = check_overflow if check_overflow is not None else loss_scale is not None
+        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        if not result.applied:
+            return result
+        if not self._views.optimizer_writes_lowp:
+            for g in self._trainable():
                 g.copy_master_to_lp()
         self.coordinator.release_all(force=True)
-        return StepResult(True, norm)
+        return result
 
     def zero_grad(self) -> None:
         for g in self._trainable():
@@ -278,36 +274,35 @@ class Stage3Strategy:
                 p.grad = None
 
     # ---------------------------------------------------------------- state
-    def _layout(self) -> list[list]:
-        return [[g.name, g.layout.numel, g.layout.padded_numel, g.trainable] for g in self.groups]
+    def fragments(self) -> list[Fragment]:
+        """The parts of each trainable parameter in this rank's shard of its group, owned by the
+        optimizer's piece of that shard (the whole shard for parameters outside every optimizer group)."""
+        out: list[Fragment] = []
+        for g in self._trainable():
+            pieces = list(self._opt_pieces.get(id(g), []))
+            covered = sum(r.numel for r, _, _ in pieces)
+            if covered < g.shard.numel:  # elements no optimizer group steps: the shard itself owns them
+                stepped = [(r.start, r.end) for r, _, _ in pieces]
+                pieces = [(r, t, o) for r, t, o in pieces] + [
+                    (Range(a, b), g.optimizer_shard, a - g.shard.start)
+                    for a, b in _gaps(g.shard, stepped)]
+            for st in g.states:
+                out.extend(range_fragments(st.name, tuple(st.shape), st.range, pieces))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's fp32 master slices and optimizer state, with the layout they belong to."""
-        return {"stage": 3, "dp_world_size": self.comm.world_size, "dp_rank": self.comm.rank,
-                "layout": self._layout(),
-                "master": [g.master_shard for g in self.groups if g.master_shard is not None],
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+        """This rank's fp32 master slices and optimizer state, as fragments."""
+        return fragments_state_dict(self.fragments(), self.optimizer, stage=3, dp_world_size=self.comm.world_size,
+                                    dp_rank=self.comm.rank)
 
-    def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None:
-        masters = [g for g in self.groups if g.master_shard is not None]
-        same = (state.get("stage") == 3 and state.get("dp_world_size") == self.comm.world_size
-                and state.get("layout") == self._layout())
-        if state and not same and load_optimizer_states:
-            raise ValueError(f"ZeRO-3 checkpoint state was written by stage {state.get('stage')} at "
-                             f"dp_world_size {state.get('dp_world_size')}; this run is stage 3 at dp_world_size "
-                             f"{self.comm.world_size}{'' if state.get('stage') != 3 else ' (or its layout differs)'}. "
-                             "Re-slicing is not implemented: load at the same world size, or pass "
-                             "load_optimizer_states=False to load the module weights only")
-        saved = (state.get("master") or []) if same else []
-        if len(saved) == len(masters) and saved:
-            for s, g in zip(saved, masters):
-                g.master_shard.copy_(s)
-                g.copy_master_to_lp()
-        else:
-            for g in masters:
-                g.copy_lp_to_master()
-        if same and load_optimizer_states and self.optimizer is not None and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+    def masters_loaded(self) -> None:
+        for g in self.groups:
+            g.copy_master_to_lp()
+        self.coordinator.release_all(force=True)
+
+    def masters_from_params(self) -> None:
+        for g in self.groups:
+            g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
 
     def _gathered_values(self) -> dict[int, torch.Tensor]:
@@ -325,6 +320,9 @@ class Stage3Strategy:
             if was_released:
                 self.coordinator.release(g)
         return values
+
+    def module_shapes(self) -> dict[str, tuple[int, ...]]:
+        return module_shapes(self.module, lambda p: st.shape if (st := param_state(p)) is not None else None)
 
     def module_state_dict(self) -> dict[str, Any]:
         """The module's full state_dict on every rank (parameters gathered, as CPU tensors in the

@@ -1,0 +1,281 @@
+"""Loading a saved training state into any world size and ZeRO stage.
+
+Owns: `LightspeedSource`, lightspeed's own saved fragments seen through the `TrainingStateSource`
+protocol (`source.py`), and `read_training_state` / `apply_training_state`, which fill a strategy's
+fragments (fp32 masters and optimizer state) from any source, whoever wrote it. Must not: decide which
+files a tag holds or check their integrity (`engine_checkpoint.py` does), or touch counters, the LR
+schedule or the loss scaler (the engine does).
+
+Note (transactional load): reading and applying are two steps. `read_training_state` reads and checks
+everything this rank needs into new tensors (names, shapes, optimizer groups) and changes nothing; only
+when every rank has read without error does `apply_training_state` copy it in, so a failed load leaves
+the engine as it was. The price is one extra copy of this rank's shard of masters and optimizer state
+while loading.
+
+Note (re-slicing): a saved fragment covers elements [start, end) of one flattened parameter. To fill
+one of its own fragments a rank reads, from each saved file that holds an overlapping fragment, only the
+overlap (files are mapped with mmap, so untouched bytes are never read). No rank ever assembles more
+than the parameters it holds a part of, one at a time.
+
+Note (optimizer state): elementwise state (a tensor with one value per element, e.g. exp_avg) is
+re-sliced like the masters; scalar state (e.g. "step") is per optimizer param group, taken from the
+first saved tensor of that group, and handed to the optimizer as a Python number, so torch's
+optimizers (which keep "step" as a tensor) and lightspeed's (an int) each convert it their way in
+`load_state_dict`. Optimizer param groups are matched by index; their hyperparameters come from the
+checkpoint, as in torch's `Optimizer.load_state_dict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightspeed._utils.logging import get_logger
+from lightspeed.checkpoint.atomic import safe_torch_load
+from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.source import MASTER_KEY
+from lightspeed.zero.fragments import Fragment, owner_groups
+
+logger = get_logger(__name__)
+
+FORMAT = "fragments"
+
+
+@dataclass
+class _Saved:
+    """One saved fragment: which file, which owner tensor, and where."""
+
+    file: int
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    owner: int
+    offset: int
+
+
+def _scalar(value: Any) -> Any:
+    if torch.is_tensor(value):
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+class LightspeedSource:
+    """A lightspeed checkpoint tag (`shared`: its model_states; `files`: the paths of its optimizer-state
+    files) as a `TrainingStateSource`. Files are mapped lazily and checked as they are opened."""
+
+    def __init__(self, shared: dict[str, Any], files: list[Path]):
+        self.shared = shared
+        self.paths = list(files)
+        self.states: list[dict[str, Any]] = []
+        self.index: dict[str, list[_Saved]] = {}
+        self.order: list[str] = []
+        for i, path in enumerate(self.paths):
+            state = safe_torch_load(path, mmap=True)
+            if not isinstance(state, dict) or state.get("format") != FORMAT:
+                raise CheckpointError(f"{path}: not a lightspeed optimizer-state file of the fragments layout "
+                                      "(written by an older lightspeed, or not a checkpoint file)")
+            self.states.append(state)
+            for entry in state["fragments"]:
+                try:
+                    name, shape, start, end, owner, offset = entry
+                    saved = _Saved(i, str(name), tuple(int(s) for s in shape), int(start), int(end), int(owner),
+                                   int(offset))
+                    numel = state["owners"][saved.owner].numel()
+                except (TypeError, ValueError, IndexError, AttributeError) as err:
+                    raise CheckpointError(f"{path}: malformed fragment entry {entry!r} ({err})") from None
+                if not 0 <= saved.start < saved.end or saved.offset + saved.end - saved.start > numel:
+                    raise CheckpointError(f"{path}: fragment of {saved.name} lies outside its tensor")
+                if saved.name not in self.index:
+                    self.order.append(saved.name)
+                self.index.setdefault(saved.name, []).append(saved)
+        for name, pieces in self.index.items():
+            if len({p.shape for p in pieces}) != 1:
+                raise CheckpointError(f"{self.paths[0].parent}: parameter {name} saved with different shapes")
+            covered = sorted((p.start, p.end) for p in pieces)
+            pos = 0
+            for a, b in covered:
+                if a > pos:
+                    break
+                pos = max(pos, b)
+            numel = _numel(pieces[0].shape)
+            if pos < numel:
+                raise CheckpointError(f"{self.paths[0].parent}: parameter {name}: elements {pos}.. are in no saved "
+                                      f"file (a rank's optimizer-state file is missing?)")
+
+    # ------------------------------------------------------------------ TrainingStateSource
+    def param_names(self) -> list[str]:
+        return list(self.order)
+
+    def param_shape(self, name: str) -> torch.Size:
+        return torch.Size(self._pieces(name)[0].shape)
+
+    def state_keys(self) -> list[str]:
+        keys: list[str] = []
+        for state in self.states:
+            for owner_state in state["state"]:
+                for k, v in owner_state.items():
+                    if torch.is_tensor(v) and v.dim() > 0 and k not in keys:
+                        keys.append(k)
+        return keys
+
+    def read(self, name: str, key: str = MASTER_KEY) -> torch.Tensor:
+        shape = self.param_shape(name)
+        return self.read_range(name, key, 0, _numel(shape)).view(shape)
+
+    def module_state(self) -> dict[str, torch.Tensor]:
+        return dict(self.shared.get("module") or {})
+
+    def optimizer_groups(self) -> list[dict[str, Any]]:
+        hyper = self.states[0]["param_groups"] if self.states else []
+        groups = [{**{k: v for k, v in h.items()}, "names": [], "scalars": None} for h in hyper]
+        for name in self.order:
+            piece = self._pieces(name)[0]
+            gi = self.states[piece.file]["owner_groups"][piece.owner]
+            if 0 <= gi < len(groups):
+                groups[gi]["names"].append(name)
+        for state in self.states:
+            for gi, owner_state in zip(state["owner_groups"], state["state"]):
+                if 0 <= gi < len(groups) and groups[gi]["scalars"] is None and owner_state:
+                    groups[gi]["scalars"] = {k: _scalar(v) for k, v in owner_state.items()
+                                             if not torch.is_tensor(v) or v.dim() == 0}
+        for g in groups:
+            g["scalars"] = g["scalars"] or {}
+        return groups
+
+    def extra(self) -> dict[str, Any]:
+        shared = self.shared
+        return {"lr_scheduler": shared.get("lr_scheduler"), "loss_scaler": shared.get("loss_scaler"),
+                "counters": shared.get("counters"), "client_state": shared.get("client_state"),
+                "zero_stage": shared.get("zero_stage"), "dp_world_size": shared.get("dp_world_size"),
+                "source": "lightspeed"}
+
+    # ------------------------------------------------------------------ ranges
+    def _pieces(self, name: str) -> list[_Saved]:
+        try:
+            return self.index[name]
+        except KeyError:
+            raise KeyError(f"parameter {name} is not in the checkpoint") from None
+
+    def has_state(self, name: str, key: str) -> bool:
+        return all(key in self.states[p.file]["state"][p.owner] for p in self._pieces(name))
+
+    def read_range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of flattened parameter `name`'s `key` tensor, fp32, on the CPU."""
+        out = torch.empty(end - start, dtype=torch.float32)
+        filled = 0
+        for p in self._pieces(name):
+            a, b = max(start, p.start), min(end, p.end)
+            if a >= b:
+                continue
+            state = self.states[p.file]
+            tensor = state["owners"][p.owner] if key == MASTER_KEY else state["state"][p.owner].get(key)
+            if tensor is None:
+                raise KeyError(f"parameter {name} has no optimizer state {key!r} in {self.paths[p.file].name}")
+            src = tensor.reshape(-1)[p.offset + a - p.start:p.offset + b - p.start]
+            out[a - start:b - start].copy_(src)
+            filled += b - a
+        if filled < end - start:  # pieces do not overlap, so a shortfall means a gap
+            raise CheckpointError(f"parameter {name}: elements [{start}, {end}) are not all in the checkpoint")
+        return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@dataclass
+class TrainingState:
+    """What one rank read, ready to apply: a master piece per fragment and the optimizer's state dict."""
+
+    masters: list[tuple[Fragment, torch.Tensor]] = field(default_factory=list)
+    optimizer_state: dict[str, Any] | None = None
+
+
+def _read_piece(source, name: str, key: str, start: int, end: int) -> torch.Tensor:
+    if hasattr(source, "read_range"):
+        return source.read_range(name, key, start, end)
+    return source.read(name, key).reshape(-1)[start:end].to(torch.float32)
+
+
+def _has_state(source, name: str, key: str) -> bool:
+    if hasattr(source, "has_state"):
+        return source.has_state(name, key)
+    try:
+        source.read(name, key)
+    except KeyError:
+        return False
+    return True
+
+
+def read_training_state(source, fragments: list[Fragment], optimizer: torch.optim.Optimizer | None, *,
+                        load_optimizer_states: bool = True) -> TrainingState:
+    """Read (and check) everything `fragments` and `optimizer` need from `source`; change nothing."""
+    names = set(source.param_names())
+    out = TrainingState()
+    for f in fragments:
+        if f.name not in names:
+            raise CheckpointError(f"checkpoint has no fp32 value for parameter {f.name} (saved: "
+                                  f"{', '.join(sorted(names)[:6])}{', ...' if len(names) > 6 else ''})")
+        saved_shape = tuple(source.param_shape(f.name))
+        if saved_shape != tuple(f.shape):
+            raise CheckpointError(f"checkpoint: parameter {f.name} has shape {saved_shape}, the model's is "
+                                  f"{tuple(f.shape)}")
+        out.masters.append((f, _read_piece(source, f.name, MASTER_KEY, f.start, f.end)))
+    if load_optimizer_states and optimizer is not None:
+        out.optimizer_state = _optimizer_state(source, fragments, optimizer)
+    return out
+
+
+def _optimizer_state(source, fragments: list[Fragment], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A state dict in torch's `Optimizer.state_dict()` form for `optimizer`'s current tensors."""
+    saved_groups = source.optimizer_groups()
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint: the optimizer had {len(saved_groups)} param groups, this one has "
+                              f"{len(optimizer.param_groups)} (pass load_optimizer_states=False to load the "
+                              "weights only)")
+    keys = source.state_keys()
+    group_of = owner_groups(optimizer)
+    by_owner: dict[int, list[Fragment]] = {}
+    for f in fragments:
+        by_owner.setdefault(id(f.owner), []).append(f)
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    index = 0
+    for gi, group in enumerate(optimizer.param_groups):
+        hyper = {k: v for k, v in saved_groups[gi].items() if k not in ("names", "scalars")}
+        ids = []
+        for tensor in group["params"]:
+            ids.append(index)
+            frags = by_owner.get(id(tensor), [])
+            held = [f for f in frags if any(_has_state(source, f.name, k) for k in keys)]
+            if held and group_of.get(id(tensor)) == gi:
+                entry: dict[str, Any] = dict(saved_groups[gi]["scalars"])
+                for key in keys:
+                    buf = torch.zeros(tensor.numel(), dtype=torch.float32)
+                    for f in frags:
+                        if _has_state(source, f.name, key):
+                            buf[f.offset:f.offset + f.numel] = _read_piece(source, f.name, key, f.start, f.end)
+                    entry[key] = buf.view(tensor.shape)
+                state[index] = entry
+            index += 1
+        param_groups.append({**hyper, "params": ids})
+    return {"state": state, "param_groups": param_groups}
+
+
+def apply_training_state(state: TrainingState, optimizer: torch.optim.Optimizer | None) -> None:
+    """Copy what `read_training_state` read into the fragments' owners and the optimizer. The caller
+    then makes the low-precision parameters follow the masters (`strategy.masters_loaded()`)."""
+    with torch.no_grad():
+        for f, values in state.masters:
+            f.master_view().copy_(values)
+    if state.optimizer_state is not None and optimizer is not None:
+        optimizer.load_state_dict(state.optimizer_state)

@@ -312,8 +312,8 @@ def graph_bench(kernel_call) -> float:
     than L2: dirty lines the kernel's reads must write back, and no back-to-back launches) picked configs
     14% slower on average (worst 41%) than the fastest candidate in `benchmarks/fp6_gemm.py`'s timing
     on the H200; this timer's picks 1.1% (worst 6.9%), over 12 (shape, format, M) cells
-    (`benchmarks/wq_autotune.py`, BENCHMARKS.md). Timer v2; v3 (`rotation_bench`) replaced it where the
-    weight copies fit in memory (Note: the tuner's timer)."""
+    (`benchmarks/wq_autotune.py`; docs/benchmark-notes/quantized-gemm-tuning.md, 2026-11-30). Timer v2;
+    v3 (`rotation_bench`) replaced it where the weight copies fit in memory (Note: the tuner's timer)."""
     refuse_capture()
     # the flush: a read of 2 x L2, which evicts the weight and leaves only clean lines, as the other
     # layers' weight reads before a decode step's matmul do (allocated per call: no memory kept after tuning)

@@ -1,10 +1,10 @@
 """The project speaks of the software alone: no tracked text file names how its work was organised
-(numbered work periods, tracker numbers, the tools, leases and machine kinds a measurement was taken
+(numbered work periods, tracker numbers, the tools, loans and machine kinds a measurement was taken
 through). Measurements are cited by benchmark and date instead (BENCHMARKS.md, docs/benchmark-notes/).
 
 Each pattern below is written with a character class (`[s]`, `[d]`, ...) so that this file's own
 source does not match it. The words the patterns look for also have legitimate software senses (a
-process session, an HTTP session, a lock lease, "threads issue 2 loads"), so every pattern asks for the
+process session, an HTTP session, a lock's term, "threads issue 2 loads"), so every pattern asks for the
 form the work-organisation sense takes: a number after the word, or a fixed phrase."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ PATTERNS = [
     ("a numbered work period", r"\b[s]essions?[\s_-]*\d"),
     ("a tracker number", r"\b[i]ssues?\s*#\d+|\b[i]ssues?\s+\d+(?=[)\],:;.']|\s*$)"),
     ("the tool a machine was reached through", r"\b[d]evice[\s-](?:tool|time|kind)s?\b"),
-    ("a machine lease", r"\b[l]eases?\b"),
+    ("a machine on loan", r"\b[l]eases?\b"),
     ("a scratch path of the measuring machine", r"(?<![\w)\]])\.[d]evice/"),
     ("a lent machine kind", r"\b[n]vidia-h200-x\d+\b"),
 ]
@@ -36,7 +36,8 @@ _COMBINED = re.compile("|".join(f"(?:{p})" for _, p in PATTERNS), re.IGNORECASE 
 
 def _scanned(path: str) -> bool:
     """Text files of the project. Dotfiles at any level (.gitignore: tooling, not prose) and corpora
-    under a `data/` directory (the demo's Shakespeare has its own "lease of nature") are left out."""
+    under a `data/` directory (the demo's Shakespeare uses some of these words in their plain senses) are
+    left out."""
     p = Path(path)
     if p.name.startswith(".") or "data" in p.parts[:-1]:
         return False
@@ -93,7 +94,7 @@ _S, _I, _D = "sess" + "ion", "iss" + "ue", "dev" + "ice"
 @pytest.mark.parametrize("text", [
     f"measured in {_S} 19", f"{_S.title()} 20 (2026-11-30)", f"{_S}s 4-5", f"the {_S}-18 results",
     f"Claim ({_I} 6): faster", f"the fused step ({_I} 4), 2026", f"fixes {_I} #12", f"see {_I}#3",
-    f"one H200 ({_D} tool)", f"no {_D} time left", f"({_D} kind nvidia-h200-x2)", "same le" + "ase",
+    f"one H200 ({_D} tool)", f"no {_D} time left", f"({_D} kind " + "nvidia-h200-x" + "2)", "same le" + "ase",
     f"run from `.{_D}/s20/ab.py`", "the nvidia-h200-x" + "4 kind",
 ])
 def test_patterns_catch_the_work_organisation_forms(text):

@@ -3,7 +3,7 @@
 shapes of a named size (random weights, no download) in fp16 vs the same model with its linear layers
 (and MoE experts) in FP6 / INT8 / INT4 (`quant={"weight": ...}`), milliseconds per generated token.
 
-Claim (issue 6): weight-only quantized layers make decoding faster than fp16. The kernel table is
+Claim: weight-only quantized layers make decoding faster than fp16. The kernel table is
 `fp6_gemm.py`; this measures what a model's decode step gets from it, attention, norms and the fp16
 output head included. Per format: weight memory, ms per token with the decode step replayed from a
 CUDA graph (GPU time: batch B, one new token per sequence, a static KV cache holding `--context`

@@ -2,7 +2,7 @@
 4096 -> 14336 -> 4096, top 2, random weights and routes): transformers' fp16 experts module against
 lightspeed's QuantizedExperts (FP6 / INT8 / INT4), microseconds per call.
 
-Claim (issue 6): quantized experts make a MoE decode step faster than fp16, and, run as grouped launches
+Claim: quantized experts make a MoE decode step faster than fp16, and, run as grouped launches
 with no host sync (`grouped_quantized_matmul`), can be replayed from a CUDA graph, which the per-expert
 loop (it reads the routes back to the host) cannot. Rows per format:
 - `graph`: the call replayed from a CUDA graph (GPU time; the quantized experts' grouped path; fp16:

@@ -1,6 +1,6 @@
 """How much do FP6 / INT8 / INT4 weights cost a *trained* model? (CPU)
 
-Claim (issue 6): FP6 weight-only quantization keeps a trained model's quality close to 16-bit weights,
+Claim: FP6 weight-only quantization keeps a trained model's quality close to 16-bit weights,
 INT8 closer still, per-channel INT4 visibly worse (per-group INT4 in between). The logits comparisons
 elsewhere use randomly initialised models, whose near-flat logits say little about quality; here a
 byte-level GPT (`examples/gpt.py`) is trained on the demo's Shakespeare for a while with plain

@@ -3,7 +3,7 @@ that only streams the bytes (each program folds a contiguous share of 32-bit wor
 fastest over grid sizes, block widths, warps and pipeline depths, next to cuBLAS fp16's matmul of the
 same shape at M = 1 and M = 16, measured in the same run.
 
-Claim (issue 6): the goal "FP6 >= 2.2x fp16 cuBLAS" asks a kernel to finish in cuBLAS time / 2.2. This
+Claim: the goal "FP6 >= 2.2x fp16 cuBLAS" asks a kernel to finish in cuBLAS time / 2.2. This
 script measures how much of that budget reading the FP6 (or INT4) weight alone takes, fixed costs
 included (launch, the first DRAM round trips, the last programs' tail), which the "byte floor" of
 `fp6_gemm.py` (bytes over a 1 GiB copy's bandwidth) leaves out. What remains is what dequantization,

@@ -2,8 +2,9 @@
 linear layers of a block that read the same input (an attention's q/k/v projections, a gated MLP's
 gate/up projections) become one layer whose output rows are theirs stacked, so a decode step runs one
 product per group instead of two or three. Each product of a decode step reads its whole weight and
-pays a fixed cost per call (launch, pipeline ramp, split-K fixup: BENCHMARKS.md), which a 4096-wide
-layer's few megabytes do not amortize.
+pays a fixed cost per call (launch, pipeline ramp, split-K fixup;
+docs/benchmark-notes/quantized-gemm-fixed-cost.md, 2026-11-30), which a 4096-wide layer's few megabytes
+do not amortize.
 
 Owns the group table, the fused module (`FusedLinear`) and its per-projection stand-ins (`FusedPart`),
 which keep the original names and call signature, so the model's own forward is unchanged. Quantized

@@ -105,7 +105,8 @@ def grouped_config(R: int, N: int, K: int, experts: int, tile: int) -> dict:
 
 
 # split counts the grouped kernel is tuned over: 3 too (H200, Mixtral's experts: the best split of each
-# (matrix, tokens, format) cell was 1, 2, 3, 4, 6 or 8; BENCHMARKS.md "MoE experts at decode")
+# (matrix, tokens, format) cell was 1, 2, 3, 4, 6 or 8; docs/benchmark-notes/moe.md, "Tuned per class",
+# 2026-11-30)
 GROUPED_SPLIT_KS = (1, 2, 3, 4, 6, 8)
 
 

@@ -26,9 +26,10 @@ tile through STS + CTA barriers (2x slower per byte).
 ONE_DOT (autotuned): 1 joins the four field tiles into one [BLOCK_N, T] operand in K order (`_cat_fields`:
 the field index lands on register bits of the wgmma operand layout, so nothing moves) and does one
 product per K-tile: 16 HGMMAs and one wait. 0 does one product per field; Triton then waits after each
-(4 waits per tile). Neither wins everywhere on the H200, so the tuner times both (session 19, x padding
-rows masked, best of each: fp6 8192 x 28672 M = 1 per field 48.0 us, per tile 49.1; fp6 8192^2 M = 1 per
-field 17.6, per tile 16.5; int4 8192 x 28672 M = 4 per field 36.9, per tile 35.1).
+(4 waits per tile). Neither wins everywhere on the H200, so the tuner times both (x padding rows masked,
+best of each: fp6 8192 x 28672 M = 1 per field 48.0 us, per tile 49.1; fp6 8192^2 M = 1 per field 17.6,
+per tile 16.5; int4 8192 x 28672 M = 4 per field 36.9, per tile 35.1;
+docs/benchmark-notes/quantized-gemm-padding-rows.md, 2026-11-30).
 Each K-tile's products go to a fresh accumulator that is added to acc at the tile's end, which makes
 the tile's wgmmas complete inside the iteration: left in flight across the loop back-edge (Triton's
 default), int4 at BLOCK_N 128 / 4 warps gave wrong results on the H200 in most calls (the next tile's
@@ -47,14 +48,14 @@ Grouped (`grouped.py`, a mixture-of-experts layer's experts): the same split-K b
 step's routes (<= 64 rows), one grid slot per chosen expert.
 
 x rows: M is padded to 16/32/64 (BLOCK_M, tl.dot's minimum is 16). The padding rows' x loads are masked
-(`_x_sub`: row -1), so they send no request and read zeros; until session 19 they re-read row M - 1
+(`_x_sub`: row -1), so they send no request and read zeros; before f73c98b they re-read row M - 1
 (clamped, no mask), and decode at M = 1..8 paid for 16 rows of x per K-tile from L2. Masked, on the H200:
 fp6 8192^2 M = 1 17.5 -> 16.5 us, int4 8192 x 28672 M = 4 36.4 -> 35.1 us (best candidate each); products
-in one dot per K-tile gained most (BN64 SK4 at M = 1: 24.5 -> 16.5 us). For M <= 64 there is one M block and the
-grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with SPLIT_K = 1 (from DEQUANT_MIN_M rows
-on, `wq_matmul` takes the prefill path instead: `triton.py`). Split-K partials go to an fp32
-workspace [SPLIT_K, M, N]; by default the last program of an N block to finish (an
-acq_rel counter per output tile, reset by that program) sums them in the fixed split order, adds the
+in one dot per K-tile gained most (BN64 SK4 at M = 1: 24.5 -> 16.5 us; same notes, 2026-11-30). For
+M <= 64 there is one M block and the grid is (N blocks, SPLIT_K); above, M is tiled in blocks of 64 with
+SPLIT_K = 1 (from DEQUANT_MIN_M rows on, `wq_matmul` takes the prefill path instead: `triton.py`).
+Split-K partials go to an fp32 workspace [SPLIT_K, M, N]; by default the last program of an N block to
+finish (an acq_rel counter per output tile, reset by that program) sums them in the fixed split order, adds the
 bias and writes y, so the result is deterministic and one launch does it all (`REDUCE = 1`).
 `REDUCE = 0` (env LIGHTSPEED_WQ_REDUCE=kernel) uses a second tiny kernel instead.
 """

@@ -2,15 +2,15 @@
 stream-K (`workspace`, `counter`) and launch plans (`Plan`, `plan_key`, `keep`). Imports triton (its
 launcher's driver and hooks); like `triton.py`, import it lazily.
 
-Note: launch plans. An eager decode step is bound by the host: through triton's autotuner and launcher
-a call took 100-140 us of CPU on the H200's host against 23-25 us for F.linear (BENCHMARKS.md, session
-10), which made transformers' eager generate 2-4x slower with quantized layers than in fp16. So the
-first tuned call of each `plan_key` class keeps its compiled kernel, grid and arguments (`Plan`),
-and later calls of the class pass the tensors' addresses, as integers, straight to the compiled
-kernel's launcher: no tuner lookup, argument binding, specialization, or driver query per pointer
-(27-28 us a call). A plan holds the scratch buffers it ran with, so growing one drops every plan. The
-grouped (MoE experts) kernel keeps plans the same way, in the same dict (`grouped.py`, keys tagged
-"grouped").
+Note: launch plans. An eager decode step is bound by the host: through triton's autotuner and launcher a
+call took 100-140 us of CPU on the H200's host against 23-25 us for F.linear
+(docs/benchmark-notes/decode.md, "Launch plans", 2026-11-30), which made transformers' eager generate
+2-4x slower with quantized layers than in fp16. So the first tuned call of each `plan_key` class keeps
+its compiled kernel, grid and arguments (`Plan`), and later calls of the class pass the tensors'
+addresses, as integers, straight to the compiled kernel's launcher: no tuner lookup, argument binding,
+specialization, or driver query per pointer (27-28 us a call). A plan holds the scratch buffers it ran
+with, so growing one drops every plan. The grouped (MoE experts) kernel keeps plans the same way, in the
+same dict (`grouped.py`, keys tagged "grouped").
 """
 
 from __future__ import annotations

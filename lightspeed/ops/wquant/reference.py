@@ -482,7 +482,8 @@ def quantize(weight: torch.Tensor, fmt: str = "fp6", group_size: int | None = No
 
 
 # values per row chunk of `quantize`: its packing works in int64 temporaries (tens of bytes a value), so a
-# whole 8192 x 28672 layer at once took ~15 GiB of GPU memory beyond the weights (BENCHMARKS.md, 70B run)
+# whole 8192 x 28672 layer at once took ~15 GiB of GPU memory beyond the weights (BENCHMARKS.md, "Quantizer
+# memory", 2026-11-30)
 QUANT_CHUNK = 1 << 24
 
 

@@ -9,7 +9,8 @@ From DEQUANT_MIN_M[format] rows on `wq_matmul` dequantizes the weight once (`deq
 storage chunk, bit-identical to the reference dequantizer) and multiplies with cuBLAS: the kernel
 dequantizes each weight tile once per 64 rows, which from there on costs more than one dense copy of the
 weight (H200, 8192 x 8192 and 8192 x 28672, M = 128..4096: the crossover is M ~ 256-512 for int8
-(layout 5), 512 for fp6, 700-1000 for int4; BENCHMARKS.md).
+(layout 5), 512 for fp6, 700-1000 for int4; BENCHMARKS.md, "Prefill: the kernel or dequantize once",
+2026-11-29 and 2026-11-30).
 
 Note: TRITON_INTERPRET. triton.jit reads TRITON_INTERPRET when the kernels are *defined*, i.e. when
 `kernels.py` is first imported (by this module or `grouped.py`); the CPU tests set it before importing.
@@ -56,7 +57,8 @@ logger = get_logger(__name__)
 
 _REDUCE_MODES = {"fixup": 1, "kernel": 0}
 # from this M on (prefill), `wq_matmul` dequantizes the weight once and calls cuBLAS: the kernel
-# dequantizes every weight tile once per 64 rows of x (crossovers measured on the H200: BENCHMARKS.md)
+# dequantizes every weight tile once per 64 rows of x (crossovers measured on the H200: BENCHMARKS.md,
+# "Prefill: the kernel or dequantize once", 2026-11-30)
 DEQUANT_MIN_M = {"int8": 512, "fp6": 512, "int4": 1024}
 REDUCE = _REDUCE_MODES.get(os.environ.get("LIGHTSPEED_WQ_REDUCE", "fixup"), 1)
 

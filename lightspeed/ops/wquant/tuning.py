@@ -11,7 +11,8 @@ the experts' kernel other experts) that none is in L2. Timer v2 (`graph_bench`: 
 flush kernel before each call) ranked the candidates differently: on the H200 it favoured split-K 4 over
 stream-K by 1-2 us (int4 8192 x 28672, M = 4 / 8: its pick 3-4% slower than the fastest candidate in
 some processes), while two weights alternating back to back ranked them as fp6_gemm.py's benchmark
-(four rotated copies) does (BENCHMARKS.md, session 18). Weights that would need more than MAX_COPIES
+(four rotated copies) does (docs/benchmark-notes/quantized-gemm-tuning.md, "Timer v3",
+2026-11-30). Weights that would need more than MAX_COPIES
 copies are still timed by `graph_bench`. Candidates within `REFINE` of the fastest are
 timed a second time and ranked by the mean of both, because picks between candidates that close
 otherwise follow the noise."""
@@ -43,17 +44,20 @@ def make_config(block_n, split_k, num_warps, num_stages, one_dot=1, stream=0) ->
 
 BLOCK_NS = (64, 128)  # >= 64: the swapped product's wgmma (kernels.py's module docstring)
 # 6: one wave of <= 3 programs per SM for 64 N blocks (8192- and 28672 x 8192-wide K x 8192 at BLOCK_N 128:
-# 384 programs; H200, session 15: int4 28672 x 8192 M = 4 / 16 35.7 / 36.8 -> 34.0 / 34.6 us)
+# 384 programs; H200: int4 28672 x 8192 M = 4 / 16 35.7 / 36.8 -> 34.0 / 34.6 us,
+# docs/benchmark-notes/quantized-gemm-tuning.md, "Split-K 6", 2026-11-30)
 SPLIT_KS = (1, 2, 4, 6, 8, 16)
 STREAMS = (2, 3)  # stream-K programs per SM (kernels.py `_stream_k_body`), BLOCK_N 128, 4 stages
 MAX_STREAM_M = 16  # stream-K only up to here: fp6 at M = 32 (K 28672, 8 warps, one product per K-tile) gave
 # wrong results on the H200 with layouts 4-5 (all but one N block zero, every call). Not reproduced at layout 7
-# (0 of 6 calls wrong for 4 configs, BENCHMARKS.md session 8), but its cause was never found: the limit stays
+# (0 of 6 calls wrong for 4 configs; docs/benchmark-notes/quantized-gemm-correctness.md, 2026-11-30), but its
+# cause was never found: the limit stays
 
 # BLOCK_N 64 at SPLIT_K 3 (outside SPLIT_KS, one product per K-tile) is a candidate for M <= 16: the fastest
 # config at M = 16 for fp6 8192 x 8192 and 8192 x 28672 on the H200 (16.8 / 50.9 us against the candidates'
-# 17.6 / 53.1; session 18's sweep, BENCHMARKS.md), 5-10 programs per SM; with the padding rows' x loads masked
-# (session 19) also at M = 2..8 on fp6 8192 x 8192 (16.45-16.59 us against 16.72-17.02, session 20)
+# 17.6 / 53.1), 5-10 programs per SM; with the padding rows' x loads masked also at M = 2..8 on fp6 8192 x 8192
+# (16.45-16.59 us against 16.72-17.02; docs/benchmark-notes/quantized-gemm-tuning.md, "BLOCK_N 64 at split-K 3",
+# 2026-11-30)
 BN64_SPLIT3_MAX_M = 16
 TARGET_PROGRAMS_PER_SM = 3  # H200 sweep (2026-11-29): the best split gave 2-7 programs per SM
 
@@ -308,8 +312,8 @@ def graph_bench(kernel_call) -> float:
     than L2: dirty lines the kernel's reads must write back, and no back-to-back launches) picked configs
     14% slower on average (worst 41%) than the fastest candidate in `benchmarks/fp6_gemm.py`'s timing
     on the H200; this timer's picks 1.1% (worst 6.9%), over 12 (shape, format, M) cells
-    (`benchmarks/wq_autotune.py`, BENCHMARKS.md). Timer v2; v3 (`rotation_bench`) replaced it where the
-    weight copies fit in memory (Note: the tuner's timer)."""
+    (`benchmarks/wq_autotune.py`; docs/benchmark-notes/quantized-gemm-tuning.md, 2026-11-30). Timer v2;
+    v3 (`rotation_bench`) replaced it where the weight copies fit in memory (Note: the tuner's timer)."""
     refuse_capture()
     # the flush: a read of 2 x L2, which evicts the weight and leaves only clean lines, as the other
     # layers' weight reads before a decode step's matmul do (allocated per call: no memory kept after tuning)

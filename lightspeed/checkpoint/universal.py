@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from lightspeed._utils.logging import get_logger
+from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import safe_torch_load
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.source import MASTER_KEY
@@ -153,7 +154,7 @@ class LightspeedSource:
         return {"lr_scheduler": shared.get("lr_scheduler"), "loss_scaler": shared.get("loss_scaler"),
                 "counters": shared.get("counters"), "client_state": shared.get("client_state"),
                 "zero_stage": shared.get("zero_stage"), "dp_world_size": shared.get("dp_world_size"),
-                "source": "lightspeed"}
+                "excluded_frozen_parameters": shared.get("excluded_frozen_parameters"), "source": "lightspeed"}
 
     # ------------------------------------------------------------------ ranges
     def _pieces(self, name: str) -> list[_Saved]:
@@ -183,6 +184,16 @@ class LightspeedSource:
         if filled < end - start:  # pieces do not overlap, so a shortfall means a gap
             raise CheckpointError(f"parameter {name}: elements [{start}, {end}) are not all in the checkpoint")
         return out
+
+
+def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0):
+    """The checkpoint in `load_dir` (tag, or the one `latest` names) as `(path, source, rng_state)`, or None
+    when there is no `latest` and no tag. `rng_state` is `dp_rank`'s saved RNG state or None."""
+    loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank)
+    if loaded is None:
+        return None
+    path, shared, rng = loaded
+    return path, LightspeedSource(shared, engine_checkpoint.strategy_files(path)), rng
 
 
 def _numel(shape) -> int:

@@ -22,7 +22,7 @@ from lightspeed.checkpoint.atomic import atomic_torch_save
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.module_state import check_module_state
 from lightspeed.checkpoint.rng import set_rng_state
-from lightspeed.checkpoint.universal import LightspeedSource, apply_training_state, read_training_state
+from lightspeed.checkpoint.universal import apply_training_state, open_source, read_training_state
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.precision.policy import PrecisionPolicy
@@ -286,45 +286,47 @@ class LightspeedEngine(torch.nn.Module):
         and no tag is given. Everything is read and checked on every rank before anything changes: a
         load that fails raises on every rank and leaves the engine as it was."""
         try:
-            loaded = engine_checkpoint.load(load_dir, tag, dp_rank=self.groups.dp_rank)
+            opened = open_source(load_dir, tag, dp_rank=self.groups.dp_rank)
             read = None
-            if loaded is not None:
-                path, shared, rng = loaded
-                excluded = set(shared.get("excluded_frozen_parameters") or ())
+            if opened is not None:
+                path, source, rng = opened
+                extra, module_state = source.extra(), source.module_state()
+                excluded = set(extra.get("excluded_frozen_parameters") or ())
                 expected = {k: v for k, v in self.strategy.module_shapes().items() if k not in excluded}
-                check_module_state(expected, shared["module"], strict=load_module_strict)
+                check_module_state(expected, module_state, strict=load_module_strict)
                 if not load_module_only:
-                    source = LightspeedSource(shared, engine_checkpoint.strategy_files(path))
                     read = read_training_state(source, self.strategy.fragments(), self.optimizer,
                                                load_optimizer_states=load_optimizer_states)
             failed = None
         except (CheckpointError, KeyError, ValueError, RuntimeError) as err:
             failed = err
         self._agree_or_raise(failed)
-        if loaded is None:
+        if opened is None:
             logger.warning("no checkpoint to load in %s (no 'latest' file and no tag given)", load_dir)
             return None, None
-        self.strategy.load_module_state_dict(shared["module"], strict=False)  # checked above, before any change
+        client_state = extra.get("client_state") or {}
+        self.strategy.load_module_state_dict(module_state, strict=False)  # checked above, before any change
         if load_module_only:
             self.strategy.masters_from_params()
-            return path, shared.get("client_state", {})
+            return path, client_state
         apply_training_state(read, self.optimizer)
         self.strategy.masters_loaded()
-        if load_lr_scheduler_states and self.lr_scheduler is not None and shared.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
-        if self.loss_scaler is not None and shared.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(shared["loss_scaler"])
-        counters = shared["counters"]
-        self.global_steps = counters["global_steps"]
-        self.global_samples = counters["global_samples"]
-        self.micro_steps = counters["micro_steps"]
-        self.skipped_steps = counters["skipped_steps"]
+        if load_lr_scheduler_states and self.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if self.loss_scaler is not None and extra.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(extra["loss_scaler"])
+        counters = extra.get("counters") or {}
+        self.global_steps = int(counters.get("global_steps", 0))
+        self.global_samples = int(counters.get("global_samples", self.global_steps * self.train_batch_size()))
+        self.micro_steps = int(counters.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
+        self.skipped_steps = int(counters.get("skipped_steps", 0))
+        saved_world = int(extra.get("dp_world_size") or 0)
         if rng is not None:
             set_rng_state(rng)
-        elif self.groups.dp_rank >= int(shared.get("dp_world_size") or 0):
-            logger.info("checkpoint %s was saved by %s ranks: ranks from %s on keep their RNG state", path,
-                        shared.get("dp_world_size"), shared.get("dp_world_size"))
-        return path, shared.get("client_state", {})
+        elif self.groups.dp_rank >= saved_world:
+            logger.info("checkpoint %s was saved by %d ranks: ranks from %d on keep their own RNG state", path,
+                        saved_world, saved_world)
+        return path, client_state
 
     def _agree_or_raise(self, failed: BaseException | None) -> None:
         """Every rank learns whether any rank failed to read the checkpoint, and then all raise."""

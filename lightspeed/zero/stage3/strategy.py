@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from lightspeed._utils.device import Stream
-from lightspeed._utils.logging import get_logger
+from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.partition import Range
@@ -73,6 +73,7 @@ class Stage3Options:
                             gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                             reduce_dtype=policy.reduce_dtype)
         leaf = z.leaf_module
+        _note_unused_keys(z)
         leaf_rule = LeafRule(granularity_threshold=int(z.stage3_module_granularity_threshold),
                              classes=tuple(leaf.classes), names=tuple(leaf.names),
                              name_suffixes=tuple(leaf.name_suffixes))
@@ -80,6 +81,20 @@ class Stage3Options:
                    model_persistence_threshold=int(z.stage3_model_persistence_threshold),
                    gather_16bit_weights_on_model_save=bool(z.stage3_gather_16bit_weights_on_model_save),
                    allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), leaf_rule=leaf_rule)
+
+
+def _note_unused_keys(z) -> None:
+    """Stage 3 communicates one parameter group (a unit, see the Note above) at a time, with every
+    reduce-scatter overlapping the rest of backward: the stage 1/2 bucket keys have no effect. Said once
+    when a config sets them, never dropped silently."""
+    unused = [k for k in ("reduce_bucket_size", "allgather_bucket_size") if k in z.model_fields_set]
+    if "overlap_comm" in z.model_fields_set and z.overlap_comm is False:
+        unused.append("overlap_comm")
+    if unused:
+        warn_once("zero_optimization." + ", zero_optimization.".join(unused) + ": no effect at stage 3, which "
+                  "gathers and reduce-scatters one parameter group (a block of the model) at a time and always "
+                  "overlaps the reductions with backward; stage3_prefetch_bucket_size and "
+                  "stage3_max_live_parameters bound what is gathered", logger)
 
 
 def _gaps(whole: Range, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -246,9 +246,12 @@ def read_training_state(source, fragments: list[Fragment], optimizer: torch.opti
     return out
 
 
-def _optimizer_state(source, fragments: list[Fragment], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _optimizer_state(source, fragments: list[Fragment], optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
     """A state dict in torch's `Optimizer.state_dict()` form for `optimizer`'s current tensors."""
     saved_groups = source.optimizer_groups()
+    if not saved_groups:  # saved without an optimizer (e.g. converted from a model's weights): start fresh
+        logger.info("checkpoint holds no optimizer state: the optimizer starts from its initial state")
+        return None
     if len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointError(f"checkpoint: the optimizer had {len(saved_groups)} param groups, this one has "
                               f"{len(optimizer.param_groups)} (pass load_optimizer_states=False to load the "

@@ -26,7 +26,7 @@ import time
 from typing import Any, Sequence
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from lightspeed._utils.device import synchronize
 from lightspeed._utils.logging import get_logger
@@ -55,6 +55,23 @@ class _Record:
 
 
 _primed = False
+
+
+def _custom_mapping() -> dict:
+    """FlopCounterMode's registry holds the CUDA attention kernels but not the CPU one that
+    F.scaled_dot_product_attention dispatches to: it takes the same (q, k, v, ...) arguments, so
+    the flash kernel's formula from the registry counts it."""
+    cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    if cpu_flash is None or cpu_flash in flop_registry or flash not in flop_registry:
+        return {}
+    formula = flop_registry[flash]  # already takes tensors (shape-wrapped)
+
+    def cpu_flash_flops(*args, **kwargs):
+        return formula(*args, **kwargs)
+
+    cpu_flash_flops._get_raw = True  # FlopCounterMode's marker: do not shape-wrap it a second time
+    return {cpu_flash: cpu_flash_flops}
 
 
 def _prime_counter() -> None:
@@ -103,7 +120,7 @@ class FlopsProfiler:
     # ------------------------------------------------------------------ hooks
     def _enter(self, module: torch.nn.Module, record: _Record) -> None:
         if self._depth == 0:
-            self._counter = FlopCounterMode(display=False)
+            self._counter = FlopCounterMode(display=False, custom_mapping=_custom_mapping())
             self._counter.__enter__()
         self._depth += 1
         # parameters gathered just before this hook (ZeRO stage 3) have their full size now

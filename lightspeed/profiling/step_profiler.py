@@ -35,7 +35,8 @@ class StepProfiler:
         if not self.active:
             return
         cfg = self.config
-        if self.profiler.started and global_steps == cfg.profile_step + 1:
+        # >=: a checkpoint loaded after the start moves the step count past profile_step + 1
+        if self.profiler.started and global_steps >= cfg.profile_step + 1:
             text = self.profiler.profile_text(profile_step=global_steps, module_depth=cfg.module_depth,
                                               top_modules=cfg.top_modules, detailed=cfg.detailed,
                                               step_times_ms=dict(step_ms), run=self.run)

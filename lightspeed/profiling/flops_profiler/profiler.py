@@ -149,7 +149,7 @@ class FlopsProfiler:
             counter.__exit__(None, None, None)
 
     def start_profile(self, ignore_list: Sequence[type] | None = None) -> None:
-        """Reset the counts and hook every module (except those whose type is in `ignore_list`:
+        """Reset the counts and hook every module (except instances of the types in `ignore_list`:
         their work counts in their parent)."""
         logger.info("flops profiler started")
         _prime_counter()

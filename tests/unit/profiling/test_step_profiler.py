@@ -80,3 +80,15 @@ def test_disabled_and_other_ranks_do_nothing():
     other = StepProfiler(FlopsProfilerConfig(enabled=True, profile_step=0), torch.nn.Linear(2, 2), rank=1)
     assert not other.active and not other.profiler.started
     other.after_step(1, {})
+
+
+def test_profile_started_before_a_checkpoint_load_ends_at_the_next_step(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    out = tmp_path / "p.txt"
+    prof = StepProfiler(FlopsProfilerConfig(enabled=True, profile_step=0, output_file=str(out)), model, rank=0)
+    assert prof.profiler.started
+    model(torch.randn(4, 3))
+    prof.after_step(12, {})  # the engine resumed at step 11
+    assert not prof.profiler.started and "Profile Summary at step 12:" in out.read_text()
+    rows = {row.split(":")[0]: row.split(":", 1)[1].strip() for row in out.read_text().splitlines() if ":" in row}
+    assert rows["fwd flops per GPU"] == "48"  # 2 * 4 * 3 * 2

@@ -254,11 +254,13 @@ class FlopsProfiler:
             run.setdefault("data parallel size", self.ds_engine.dp_world_size)
             run.setdefault("batch size per GPU", self.ds_engine.train_micro_batch_size_per_gpu())
             run.setdefault("gradient accumulation steps", self.ds_engine.gradient_accumulation_steps())
+            run.setdefault("samples per step", self.ds_engine.train_batch_size())
         lines = ["", "-------------------------- Flops Profiler --------------------------",
                  f"Profile Summary at step {profile_step}:"]
         lines += [_LINE.format(f"{k}: ", v) for k, v in run.items()]
         lines += [_LINE.format("params per GPU: ", params_to_string(total_params)),
-                  _LINE.format(f"fwd MACs per GPU ({root.calls or 1} forward calls): ", macs_to_string(total_flops // 2)),
+                  _LINE.format(f"fwd MACs per GPU ({root.calls or 1} forward calls): ",
+                               macs_to_string(total_flops // 2)),
                   _LINE.format("fwd flops per GPU: ", number_to_string(total_flops))]
         times = step_times_ms or {}
         fwd = times["forward"] / 1e3 if "forward" in times else self._total_duration

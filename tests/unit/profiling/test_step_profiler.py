@@ -92,3 +92,17 @@ def test_profile_started_before_a_checkpoint_load_ends_at_the_next_step(tmp_path
     assert not prof.profiler.started and "Profile Summary at step 12:" in out.read_text()
     rows = {row.split(":")[0]: row.split(":", 1)[1].strip() for row in out.read_text().splitlines() if ":" in row}
     assert rows["fwd flops per GPU"] == "48"  # 2 * 4 * 3 * 2
+
+
+def test_user_profiler_with_ds_engine_prints_the_run(ls_caplog):
+    ls_caplog.set_level(logging.INFO, logger="lightspeed")
+    engine = _engine({"enabled": False})
+    prof = FlopsProfiler(engine.module, ds_engine=engine)
+    prof.start_profile()
+    _step(engine, 1)
+    prof.print_model_profile(profile_step=1, detailed=False)
+    prof.end_profile()
+    logged = "\n".join(r.getMessage() for r in ls_caplog.records)
+    rows = {row.split(":")[0]: row.split(":", 1)[1].strip() for row in logged.splitlines() if ":" in row}
+    assert rows["world size"] == "1" and rows["samples per step"] == str(MICRO * GAS)
+    assert rows["fwd flops per GPU"] == number_to_string(STEP_FLOPS).strip()

@@ -7,7 +7,9 @@ on the modules (all state lives in this object, keyed by module).
 
 Note: how flops reach modules. FlopCounterMode is entered when the outermost profiled module's
 forward starts and left when it returns, so only forward work is counted (DeepSpeed counts the
-forward too, even when the backward runs before the profile is printed). Each module's forward
+forward too, even when the backward runs before the profile is printed); forwards that run inside
+the backward (activation checkpointing's recompute) are left out, as `recompute_fwd_factor` accounts
+for them. Each module's forward
 pre-hook and post-hook read the counter's running total; the difference, summed over the module's
 calls, is its inclusive flop count. FlopCounterMode's own per-module table is keyed by names its
 module tracker derives from whichever module it saw first (the engine wrapping the model, or a
@@ -27,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.module_tracker import ModuleTracker
 
 from lightspeed._utils.device import synchronize
 from lightspeed._utils.logging import get_logger
@@ -55,6 +58,7 @@ class _Record:
 
 
 _primed = False
+_BACKWARD = ModuleTracker()  # only its `is_bw`: whether autograd's backward is running now
 
 
 def _custom_mapping() -> dict:
@@ -119,6 +123,8 @@ class FlopsProfiler:
 
     # ------------------------------------------------------------------ hooks
     def _enter(self, module: torch.nn.Module, record: _Record) -> None:
+        if self._depth == 0 and _BACKWARD.is_bw:
+            return  # activation checkpointing's recompute: recompute_fwd_factor accounts for it
         if self._depth == 0:
             self._counter = FlopCounterMode(display=False, custom_mapping=_custom_mapping())
             self._counter.__enter__()
@@ -132,7 +138,7 @@ class FlopsProfiler:
         record.stack.append((time.perf_counter(), self._counter.get_total_flops()))
 
     def _exit(self, record: _Record) -> None:
-        if not record.stack:  # the profile started inside this module's forward
+        if not record.stack:  # not counted: the profile started inside this call, or a recompute
             return
         synchronize(self._device)
         start_time, start_flops = record.stack.pop()

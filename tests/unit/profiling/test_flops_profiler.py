@@ -123,6 +123,27 @@ def test_profiler_counts_forward_only_and_every_forward():
         prof.get_total_flops()
 
 
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_recompute_is_not_forward(reentrant):
+    model = Checkpointed(reentrant)
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()  # the backward re-runs the block
+    assert prof.get_total_flops() == 2 * (2 * 4 * 8 * 8)
+    assert prof.module_stats().children[0].calls == 1
+    prof.end_profile()
+
+
 def test_submodule_called_alone_and_ignore_list():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     prof = FlopsProfiler(model)

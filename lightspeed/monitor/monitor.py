@@ -9,7 +9,8 @@ Note: the engine's events (DeepSpeed's names and x-axis; the x-axis is the globa
 
 - `Train/Samples/train_loss`: the mean loss of the accumulation window's micro-batches on rank 0, at
   the sample count before the step's batch (DeepSpeed writes it from backward, before the step
-  counts the batch);
+  counts the batch; *changed*: DeepSpeed's value is the sum of the losses it backpropagated, which
+  is this mean unless backward is called with scale_wrt_gas=False);
 - `Train/Samples/lr` (the first param group's) and, with fp16, `Train/Samples/loss_scale`, at the
   count after the step;
 - with `wall_clock_breakdown` (or `flops_profiler.enabled`, which turns the timers on), the step's

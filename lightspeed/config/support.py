@@ -10,7 +10,8 @@ gradient_clipping, prescale_gradients, gradient_predivide_factor, optimizer, sch
 auto_cast, not fp16_master_weights_and_grads), bf16, ZeRO stage 0, data_types.grad_accum_dtype,
 communication_data_type, checkpoint.tag_validation, memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
-precision mode by ``lightspeed.precision.policy``).
+precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
+monitors (``lightspeed.monitor``) and flops_profiler (``lightspeed.profiling``).
 ``aio`` is not listed: it only matters with NVMe offload, which is.
 """
 
@@ -131,11 +132,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("use_data_before_expert_parallelism"),
     _flag("disable_python_gc"),
     # Monitoring and profiling
-    _flag("flops_profiler.enabled"),
-    _flag("tensorboard.enabled"),
-    _flag("wandb.enabled"),
-    _flag("csv_monitor.enabled"),
-    _flag("comet.enabled"),
     _flag("trackio.enabled"),
     _flag("comms_logger.enabled"),
     # Training-efficiency research features

@@ -25,7 +25,9 @@ from lightspeed.checkpoint.rng import set_rng_state
 from lightspeed.checkpoint.universal import apply_training_state, open_source, read_training_state
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
+from lightspeed.monitor import MonitorMaster
 from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.dataloader import build_dataloader
 from lightspeed.runtime.strategy import ShardingStrategy
 
@@ -37,7 +39,8 @@ class LightspeedEngine(torch.nn.Module):
 
     def __init__(self, *, module: torch.nn.Module, config, groups: ParallelGroups, comm: Communicator,
                  device: torch.device, policy: PrecisionPolicy, strategy: ShardingStrategy,
-                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, loss_scaler: Any):
+                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, loss_scaler: Any,
+                 monitor: MonitorMaster, step_profiler: StepProfiler):
         super().__init__()
         self.module = module
         self.config = config
@@ -60,7 +63,11 @@ class LightspeedEngine(torch.nn.Module):
         self._loss_count = 0
         self._last_print = (time.perf_counter(), 0)
         self._memory_logged = False
-        self.timers = Timers(device, enabled=bool(config.wall_clock_breakdown))
+        self.monitor = monitor  # DeepSpeed's engine.monitor: write_events([(name, value, step)])
+        self.step_profiler = step_profiler
+        self.flops_profiler = step_profiler.profiler  # DeepSpeed's engine.flops_profiler (None when off)
+        # DeepSpeed's rule: the flops profiler turns the wall-clock breakdown on
+        self.timers = Timers(device, enabled=bool(config.wall_clock_breakdown or config.flops_profiler.enabled))
         self.comm.stats.reset()  # per-step volume counts training traffic, not initialize()'s broadcast
         self.training_dataloader = None
 
@@ -129,6 +136,7 @@ class LightspeedEngine(torch.nn.Module):
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
+        self.monitor.record_loss(detached, self.global_samples)
         self.timers.start("backward")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
@@ -163,6 +171,10 @@ class LightspeedEngine(torch.nn.Module):
             self.timers.stop("step")
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            step_ms = self.timers.step_ms()
+            self.monitor.after_step(global_samples=self.global_samples, lr=self.get_lr(), step_ms=step_ms,
+                                    loss_scale=self.loss_scale if self.loss_scaler is not None else None)
+            self.step_profiler.after_step(self.global_steps, step_ms)
             self._after_step()
         self.micro_steps += 1
 

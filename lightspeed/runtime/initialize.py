@@ -1,6 +1,7 @@
 """`initialize()`: DeepSpeed's entry point. Builds, in order: process groups, the validated config,
 the precision policy, the module on its device and dtype, the optimizer, the sharding strategy, the
-loss scaler, the LR scheduler and the data loader, and hands them to the engine."""
+loss scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader,
+and hands them to the engine."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
 from lightspeed.config.errors import ConfigError
+from lightspeed.monitor import MonitorMaster
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
+from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
 
@@ -105,9 +108,14 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     strategy.broadcast_from_rank0(model)
     loss_scaler = build_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
     lr_scheduler = _build_scheduler(lr_scheduler, cfg, optimizer)
+    monitor = MonitorMaster(cfg, rank=groups.world_rank)
+    step_profiler = StepProfiler(cfg.flops_profiler, model, rank=groups.world_rank, run={
+        "world size": groups.world_size, "data parallel size": groups.dp_world_size,
+        "batch size per GPU": cfg.train_micro_batch_size_per_gpu,
+        "gradient accumulation steps": cfg.gradient_accumulation_steps, "samples per step": cfg.train_batch_size})
     engine = LightspeedEngine(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
                               strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                              loss_scaler=loss_scaler)
+                              loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler)
     dataloader = None
     if training_data is not None:
         dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)

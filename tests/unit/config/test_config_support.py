@@ -36,11 +36,11 @@ def test_stage_message_and_all_named_at_once():
     with pytest.raises(NotImplementedError) as info:
         load({**BASE, "zero_optimization": {"stage": 2, "zero_quantized_weights": True,
                                             "offload_optimizer": {"device": "cpu"}},
-              "tensorboard": {"enabled": True}, "fp16": {"enabled": True, "auto_cast": True}}, world_size=1)  # fmt: skip
+              "trackio": {"enabled": True}, "fp16": {"enabled": True, "auto_cast": True}}, world_size=1)  # fmt: skip
     message = str(info.value)
     assert message.startswith("4 config settings are not implemented yet:")
     for line in ('zero_optimization.offload_optimizer.device="cpu"', "zero_optimization.zero_quantized_weights=true",
-                 "tensorboard.enabled=true", "fp16.auto_cast=true"):  # fmt: skip
+                 "trackio.enabled=true", "fp16.auto_cast=true"):  # fmt: skip
         assert f"  {line} is not implemented yet" in message
 
 
@@ -57,10 +57,7 @@ def test_stage_message_and_all_named_at_once():
         ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled=true"),
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 1}}, "fp16.fp16_master_weights_and_grads=true"),
         ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing (cpu_checkpointing=true)"),
-        ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled=true"),
-        ({"wandb": {"enabled": True}}, "wandb.enabled=true"),
-        ({"csv_monitor": {"enabled": True}}, "csv_monitor.enabled=true"),
-        ({"comet": {"enabled": True}}, "comet.enabled=true"),
+        ({"trackio": {"enabled": True}}, "trackio.enabled=true"),
         ({"comms_logger": {"enabled": True}}, "comms_logger.enabled=true"),
         ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}, "compression_training (weight_quantization)"),
         ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),
@@ -83,6 +80,11 @@ def test_registered_feature_is_named(config, expected):
 
 def test_default_config_has_no_unimplemented_features():
     assert features({}) == []
+
+
+@pytest.mark.parametrize("section", ["tensorboard", "csv_monitor", "wandb", "comet", "flops_profiler"])
+def test_monitors_and_flops_profiler_are_implemented(section):
+    assert features({section: {"enabled": True}}) == []
 
 
 def test_registry_is_one_list_of_entries_with_paths():

@@ -84,8 +84,8 @@ class LightspeedEngine(torch.nn.Module):
     def gradient_clipping(self) -> float:
         return float(self.config.gradient_clipping)
 
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
+    def steps_per_print(self) -> int | None:
+        return self.config.steps_per_print  # None: never
 
     def zero_optimization_partition_gradients(self) -> bool:
         return strategy_partitions_gradients(self.config)
@@ -225,7 +225,7 @@ class LightspeedEngine(torch.nn.Module):
             parts = [f"{dev}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(cats.items()))
                      for dev, cats in self.memory_breakdown().items()]
             logger.info("memory after first step (this rank): %s", "; ".join(parts))
-        if self.global_steps % self.steps_per_print() != 0:
+        if self.steps_per_print() is None or self.global_steps % self.steps_per_print() != 0:
             return
         now = time.perf_counter()
         then, samples_then = self._last_print

@@ -78,7 +78,8 @@ def _comm() -> dict:
 
 
 def _config(stage: int, **extra) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+           "steps_per_print": float("inf"),  # what accelerate writes: never log
            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     cfg.update(extra)
     return cfg

@@ -96,6 +96,14 @@ def test_config_load_refuses_hugging_face_auto_values():
         assert f'{path}: must be a concrete value (got "auto")' in text
 
 
+def test_steps_per_print_infinity_means_never():
+    for value in (float("inf"), None):  # accelerate's setting, and DeepSpeed's null
+        cfg = lightspeed.config.load({"train_micro_batch_size_per_gpu": 1, "steps_per_print": value}, world_size=1)
+        assert cfg.steps_per_print is None
+    with pytest.raises(ConfigError, match="steps_per_print: must be a positive integer"):
+        lightspeed.config.load({"train_micro_batch_size_per_gpu": 1, "steps_per_print": -float("inf")}, world_size=1)
+
+
 def test_deepspeed_config_reads_lightspeeds_config(tmp_path):
     from lightspeed.compat.deepspeed import DeepSpeedConfig
 
@@ -190,3 +198,28 @@ def test_missing_features_raise_naming_them(call, feature):
     with pytest.raises(NotImplementedError, match=feature):
         call(ds)
     assert ds.checkpointing.is_configured() is False
+
+
+def test_transformers_arange_guard_works_around_zero_init():
+    """transformers' prevent_arange_dtype_change swaps partition_parameters' constructor hook around
+    `from_pretrained`'s zero.Init; the names it reads exist, and the swap is undone."""
+    from lightspeed.compat import register_as_deepspeed, unregister_as_deepspeed
+    from lightspeed.compat.deepspeed.runtime.zero import partition_parameters as pp
+
+    register_as_deepspeed()
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        original = pp.zero_wrapper_for_fp_tensor_constructor
+        with prevent_arange_dtype_change():
+            assert pp.zero_wrapper_for_fp_tensor_constructor is not original
+            with lightspeed.zero.Init():
+                layer = torch.nn.Linear(2, 3)
+                steps = torch.arange(4, dtype=torch.float64)
+        assert pp.zero_wrapper_for_fp_tensor_constructor is original
+    finally:
+        unregister_as_deepspeed()
+    assert layer.weight.is_meta and steps.dtype == torch.float64
+    made = original(torch.ones, torch.float16, "cpu")(2)
+    assert made.dtype == torch.float16 and made.device.type == "cpu"
+    assert original(torch.arange, torch.float16)(3).dtype == torch.int64

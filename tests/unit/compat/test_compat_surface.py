@@ -151,7 +151,8 @@ MODULES = ["", ".comm", ".zero", ".accelerator", ".runtime", ".runtime.engine", 
            ".runtime.lr_schedules", ".runtime.dataloader", ".runtime.utils", ".runtime.zero",
            ".runtime.zero.partition_parameters", ".runtime.sequence_parallel.ulysses_sp", ".ops", ".ops.adam",
            ".ops.adagrad", ".ops.lion", ".utils", ".utils.groups", ".checkpoint", ".checkpoint.utils",
-           ".launcher.runner", ".checkpointing"]
+           ".launcher.runner", ".checkpointing", ".pipe", ".utils.zero_to_fp32", ".accelerator.real_accelerator",
+           ".comm.comm", ".runtime.activation_checkpointing.checkpointing"]
 
 
 @pytest.mark.parametrize("suffix", MODULES)
@@ -181,15 +182,20 @@ def test_names_transformers_and_accelerate_use():
 
 @pytest.mark.parametrize("call, feature", [
     (lambda ds: ds.tp_model_init(None, 2, torch.float16), "AutoTP training"),
-    (lambda ds: ds.PipelineModule, "pipeline parallelism"),
+    (lambda ds: ds.PipelineModule(layers=[]), "pipeline parallelism"),
+    (lambda ds: ds.pipe.LayerSpec(torch.nn.Linear, 2, 2), "pipeline parallelism"),
+    (lambda ds: ds.zero.MiCS_Init(), "MiCS"),
+    (lambda ds: ds.zero.TiledLinear(2, 2), "tiled linear"),
+    (lambda ds: ds.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint("dir"), "zero_to_fp32"),
+    (lambda ds: ds.checkpoint.DeepSpeedCheckpoint("dir"), "universal checkpoints"),
+    (lambda ds: ds.checkpointing.CheckpointFunction(), "activation checkpointing"),
     (lambda ds: ds.checkpointing.checkpoint(lambda x: x, torch.ones(1)), "activation checkpointing"),
     (lambda ds: ds.checkpointing.configure(None), "activation checkpointing"),
     (lambda ds: ds.utils.groups._get_sequence_parallel_group(), "sequence parallelism"),
     (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(),
      "Ulysses sequence parallelism"),
     (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter(None), "Ulysses"),
-    (lambda ds: ds.checkpoint.zero_to_fp32, "zero_to_fp32"),
-    (lambda ds: ds.utils.set_z3_leaf_modules, "leaf modules"),
+    (lambda ds: ds.utils.set_z3_leaf_modules(None, []), "leaf modules"),
     (lambda ds: ds.comm.log_summary(), "comms_logger"),
     (lambda ds: ds.accelerator.set_accelerator(None), "custom accelerators"),
 ])
@@ -198,6 +204,7 @@ def test_missing_features_raise_naming_them(call, feature):
     with pytest.raises(NotImplementedError, match=feature):
         call(ds)
     assert ds.checkpointing.is_configured() is False
+    assert hasattr(ds.utils, "set_z3_leaf_modules") and hasattr(ds, "PipelineModule")  # names exist, as DeepSpeed's
 
 
 def test_transformers_arange_guard_works_around_zero_init():

@@ -2,8 +2,9 @@
 
 Thin re-exports and adapters of lightspeed's own objects under DeepSpeed's names and signatures; no
 logic of its own. Submodules (`comm`, `zero`, `accelerator`, `runtime`, `ops`, `utils`, `checkpoint`,
-`checkpointing`, `launcher`) load on first use, so `import deepspeed` stays light. A DeepSpeed name
-whose feature lightspeed has not built raises NotImplementedError naming that feature.
+`checkpointing`, `launcher`, `pipe`) load on first use, so `import deepspeed` stays light. A DeepSpeed
+name whose feature lightspeed has not built exists and raises NotImplementedError naming that feature
+when called (`_missing.py`).
 """
 
 from __future__ import annotations

@@ -230,3 +230,11 @@ def test_transformers_arange_guard_works_around_zero_init():
     made = original(torch.ones, torch.float16, "cpu")(2)
     assert made.dtype == torch.float16 and made.device.type == "cpu"
     assert original(torch.arange, torch.float16)(3).dtype == torch.int64
+
+
+def test_report_shows_the_deepspeed_version_presented():
+    from lightspeed.launcher.report import format_report, gather
+
+    machine = gather()
+    assert machine.deepspeed_api == "0.18.2" and machine.deepspeed_installed is None
+    assert "DeepSpeed API          0.18.2" in format_report(machine)

@@ -210,12 +210,19 @@ def test_missing_features_raise_naming_them(call, feature):
 
 def test_transformers_arange_guard_works_around_zero_init():
     """transformers' prevent_arange_dtype_change swaps partition_parameters' constructor hook around
-    `from_pretrained`'s zero.Init; the names it reads exist, and the swap is undone."""
-    from lightspeed.compat import register_as_deepspeed, unregister_as_deepspeed
-    from lightspeed.compat.deepspeed.runtime.zero import partition_parameters as pp
+    `from_pretrained`'s zero.Init; the names it reads exist, and the swap is undone. (In a subprocess:
+    transformers reads is_deepspeed_available() when its DeepSpeed module is first imported.)"""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
 
-    register_as_deepspeed()
-    try:
+    code = textwrap.dedent("""
+        import torch
+        import lightspeed
+        lightspeed.register_as_deepspeed()
+        from deepspeed.runtime.zero import partition_parameters as pp
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
         original = pp.zero_wrapper_for_fp_tensor_constructor
@@ -225,12 +232,16 @@ def test_transformers_arange_guard_works_around_zero_init():
                 layer = torch.nn.Linear(2, 3)
                 steps = torch.arange(4, dtype=torch.float64)
         assert pp.zero_wrapper_for_fp_tensor_constructor is original
-    finally:
-        unregister_as_deepspeed()
-    assert layer.weight.is_meta and steps.dtype == torch.float64
-    made = original(torch.ones, torch.float16, "cpu")(2)
-    assert made.dtype == torch.float16 and made.device.type == "cpu"
-    assert original(torch.arange, torch.float16)(3).dtype == torch.int64
+        assert layer.weight.is_meta and steps.dtype == torch.float64
+        made = original(torch.ones, torch.float16, "cpu")(2)
+        assert made.dtype == torch.float16 and made.device.type == "cpu"
+        assert original(torch.arange, torch.float16)(3).dtype == torch.int64
+        print("OK")
+    """)
+    root = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
 
 
 def test_report_shows_the_deepspeed_version_presented():

@@ -8,11 +8,12 @@ dicts. This module must not read files or touch the environment: that is `loader
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Annotated, Any, Optional
 
-from pydantic import PrivateAttr
+from pydantic import BeforeValidator, PrivateAttr
 
-from lightspeed.config.base import Bool, Choice, Float, FreeDict, PosInt, Section
+from lightspeed.config.base import Bool, Choice, Float, FreeDict, PosInt, Section, as_int, expectation
 from lightspeed.config.efficiency import (
     CompressionTrainingConfig, CurriculumLearningConfig, DataEfficiencyConfig, EigenvalueConfig,
     ProgressiveLayerDropConfig, SparseAttentionConfig,
@@ -32,6 +33,19 @@ from lightspeed.config.zero import ZeroConfig, zero_problems
 CommDtype = Choice("fp16", "bf16", "fp32", normalize=str.lower)
 
 
+def _check_steps_per_print(value):
+    # accelerate writes float("inf") to silence DeepSpeed's step log; null means the same to DeepSpeed
+    if value is None or (isinstance(value, float) and math.isinf(value) and value > 0):
+        return None
+    number = as_int(value)
+    if number is None or number < 1:
+        raise expectation("must be a positive integer")
+    return number
+
+
+StepsPerPrint = Annotated[Optional[int], BeforeValidator(_check_steps_per_print)]
+
+
 class LightspeedConfig(Section):
     """A validated ds_config. Build it with `lightspeed.config.load`, which also resolves the batch
     triad and keeps the parsed input on `raw`."""
@@ -43,7 +57,8 @@ class LightspeedConfig(Section):
     managed_gradient_accumulation: Bool = True
 
     # Logging
-    steps_per_print: Optional[PosInt] = 10
+    steps_per_print: StepsPerPrint = 10
+    """Log every N steps; null or Infinity (accelerate's setting): never."""
     wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False
     dump_state: Bool = False
@@ -149,6 +164,12 @@ class LightspeedConfig(Section):
     def to_dict(self) -> dict[str, Any]:
         """Every key with defaults filled in, as JSON-ready values (for ``lightspeed config show``)."""
         return self.model_dump(mode="json")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`raw.get(key, default)`: a top-level key of the config as the caller wrote it. DeepSpeed's
+        `engine.config` is that dict, and callers read it so (the HF Trainer:
+        ``engine.config.get("zero_optimization", {}).get("stage")``)."""
+        return self._raw.get(key, default)
 
 
 def cross_problems(cfg: LightspeedConfig) -> list[str]:

@@ -1,0 +1,15 @@
+"""`deepspeed.checkpoint`: `utils.clone_tensors_for_torch_save`. DeepSpeed's offline converters
+(zero_to_fp32, ds_to_universal) are later lightspeed features."""
+
+import importlib
+
+from lightspeed.compat.deepspeed._missing import missing_class
+
+DeepSpeedCheckpoint = missing_class("deepspeed.checkpoint.DeepSpeedCheckpoint",
+                                    "reading DeepSpeed's checkpoint layout offline (universal checkpoints)")
+
+
+def __getattr__(name: str):
+    if name == "utils":
+        return importlib.import_module(f"{__name__}.utils")
+    raise AttributeError(f"module 'deepspeed.checkpoint' (lightspeed) has no attribute {name!r}")

@@ -1,0 +1,34 @@
+"""`deepspeed.runtime.zero.partition_parameters`: where DeepSpeed defines `Init`, `GatheredParameters`
+and `register_external_parameter` (lightspeed.zero's objects), and the two names transformers'
+`prevent_arange_dtype_change` swaps around `from_pretrained` under ZeRO-3.
+
+Note: the tensor-constructor hook
+    DeepSpeed's Init wraps torch's tensor constructors through `zero_wrapper_for_fp_tensor_constructor`,
+    casting floating tensors made inside to the config's dtype and device; transformers replaces that
+    hook for `torch.arange` (`_orig_torch_arange`) so RoPE buffers keep their dtype. lightspeed's Init
+    wraps no constructor (parameters become meta at registration, buffers stay as built), so nothing
+    here reads the hook: transformers' swap has nothing to undo, which is the outcome it wants. The
+    function is DeepSpeed's, for callers that use it directly.
+"""
+
+import torch
+
+from lightspeed.zero import GatheredParameters, Init, register_external_parameter
+
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, target_device=None):
+    """`fn` (a tensor constructor) wrapped so that tensors it makes land on `target_device` when no
+    device is given, and floating ones are cast to `target_fp_dtype` (DeepSpeed's semantics)."""
+
+    def wrapped_fn(*args, **kwargs) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = torch.device(target_device)
+        tensor = fn(*args, **kwargs)
+        return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
+
+    return wrapped_fn
+
+
+__all__ = ["GatheredParameters", "Init", "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]

@@ -108,6 +108,10 @@ def load_deepspeed_file(path: str | os.PathLike, mmap: bool = True) -> Any:
     global outside DeepSpeed's namespace and torch's weights-only allowlist."""
     shown = os.fspath(path)
     names = _globals_named(shown)
+    foreign = [name for name in names if not name.startswith(_NAMESPACE)]
+    if foreign:
+        raise CheckpointError(f"{shown}: refused to load: its pickle needs {', '.join(foreign[:3])}, which is "
+                              "neither a tensor, plain data nor a DeepSpeed class")
     stand_ins = [(_stand_in_for(name), name) for name in names if name.startswith(_NAMESPACE)]
     with torch.serialization.safe_globals(stand_ins):
         obj = safe_torch_load(shown, map_location="cpu", mmap=mmap)

@@ -24,6 +24,7 @@ Note: [what the consolidated state dict holds] (deepspeed.utils.zero_to_fp32's c
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -64,12 +65,15 @@ def open_checkpoint(checkpoint_dir: str | os.PathLike | TrainingStateSource,
         raise CheckpointError(f"{path}: checkpoint directory not found")
     if is_deepspeed_checkpoint(path):
         return DeepSpeedCheckpointSource(path, tag)
+    # Looked up by name: lightspeed's own reader lives in a sibling module that may not exist in this build.
     try:
-        from lightspeed.checkpoint.universal import open_source  # type: ignore[import-not-found]
-    except ImportError:
+        universal = importlib.import_module("lightspeed.checkpoint.universal")
+    except ModuleNotFoundError as err:
+        if err.name != "lightspeed.checkpoint.universal":
+            raise
         raise CheckpointError(f"{path}: holds no DeepSpeed checkpoint, and lightspeed's own checkpoint reader "
                               "(lightspeed.checkpoint.universal) is not available in this build") from None
-    return open_source(path, tag)
+    return universal.open_source(path, tag)
 
 
 @dataclass(frozen=True)

@@ -339,11 +339,20 @@ class DeepSpeedCheckpointSource:
                                       f"the file holds {flat.numel()} elements there")
             parts.append(flat.narrow(0, start, length))
         numel = param.shape.numel()
-        joined = torch.cat(parts) if len(parts) != 1 else parts[0]
-        if joined.numel() < numel:
-            raise CheckpointError(f"{self.path}: the files hold {joined.numel()} of {name}'s {numel} elements")
-        # A copy, in fp32: never a view of a memory-mapped file.
-        return joined[:numel].to(torch.float32, copy=True).view(param.shape)
+        held = sum(p.numel() for p in parts)
+        if held < numel:
+            raise CheckpointError(f"{self.path}: the files hold {held} of {name}'s {numel} elements")
+        # One copy, in fp32, of exactly the parameter: never a view of a memory-mapped file, and no
+        # second temporary the size of the parameter.
+        out = torch.empty(numel, dtype=torch.float32)
+        offset = 0
+        for part in parts:
+            take = min(part.numel(), numel - offset)
+            if take <= 0:
+                break
+            out[offset:offset + take].copy_(part[:take])
+            offset += take
+        return out.view(param.shape)
 
     def module_state(self) -> dict[str, torch.Tensor]:
         module = dict(self._model["module"])

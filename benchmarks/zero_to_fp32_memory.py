@@ -15,7 +15,8 @@ partitioned over `--world-size` ranks at `--stage`, Adam moments and a bf16 modu
 
 Memory is sampled from /proc/self/status every 10 ms in the converting process: RSS and its anonymous
 part (RssAnon: what the process itself allocated; RssFile is memory-mapped checkpoint pages, which the
-kernel can drop at any time), plus ru_maxrss at exit.
+kernel can drop at any time), plus the kernel's own high-water mark (VmHWM) at exit. (Not ru_maxrss:
+Linux carries it over exec from the parent, which wrote the checkpoint.)
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ MARK = "@@RESULT@@"
 
 # Runs in the measured process: a sampler thread, then one conversion (__MODULE__: the zero_to_fp32 module).
 CHILD = r"""
-import json, os, resource, sys, threading, time
+import json, os, sys, threading, time
 peak = {"rss": 0, "anon": 0}
 stop = False
 def status():
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(("VmRSS:", "RssAnon:")):
+            if line.startswith(("VmRSS:", "RssAnon:", "VmHWM:")):
                 key, value = line.split(":")
                 out[key] = int(value.split()[0]) * 1024
     return out
@@ -66,7 +67,7 @@ stop = True
 thread.join()
 print(__MARK__ + json.dumps({"seconds": seconds, "peak_rss": peak["rss"], "peak_anon": peak["anon"],
       "base_rss": base.get("VmRSS", 0), "base_anon": base.get("RssAnon", 0),
-      "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+      "hwm": status().get("VmHWM", 0)}))
 """
 
 
@@ -149,6 +150,7 @@ def main() -> None:
                     help="an interpreter that can import deepspeed (default: this one)")
     ap.add_argument("--workdir", default=None, help="where the checkpoint and outputs go (default: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="convert a committed fixture (no synthetic checkpoint)")
+    ap.add_argument("--reuse", action="store_true", help="reuse the checkpoint already in --workdir")
     args = ap.parse_args()
 
     work = args.workdir or tempfile.mkdtemp(prefix="z2f32_")
@@ -160,7 +162,16 @@ def main() -> None:
             ckpt, numel = FIXTURE, None
         else:
             ckpt = os.path.join(work, "ckpt")
-            numel = make_checkpoint(ckpt, args.size_gb, args.world_size, args.stage)
+            if args.reuse and os.path.isfile(os.path.join(ckpt, "latest")):
+                sys.path.insert(0, REPO)
+                from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource
+
+                src = DeepSpeedCheckpointSource(ckpt)
+                numel = sum(src.param_shape(n).numel() for n in src.param_names())
+                args.stage, args.world_size = src.zero_stage, src.world_size
+                del src
+            else:
+                numel = make_checkpoint(ckpt, args.size_gb, args.world_size, args.stage)
         runs = [("lightspeed", sys.executable, "lightspeed.checkpoint.zero_to_fp32", True)]
         if deepspeed_available(args.deepspeed_python):
             runs.append(("deepspeed", args.deepspeed_python, "deepspeed.utils.zero_to_fp32", False))
@@ -174,7 +185,7 @@ def main() -> None:
         size = f"{numel * 4 / 1e9:.2f} GB fp32 ({numel:,} params)" if numel else "fixture ws2_stage3_fp32"
         print(f"checkpoint: {size}, stage {args.stage if numel else 3}, world size {args.world_size if numel else 2}, "
               f"{'safetensors' if safe else 'pytorch_model.bin'}, max_shard_size {shard}")
-        print(f"{'converter':<12}{'seconds':>9}{'peak RSS GiB':>14}{'peak anon GiB':>15}{'maxrss GiB':>12}"
+        print(f"{'converter':<12}{'seconds':>9}{'peak RSS GiB':>14}{'peak anon GiB':>15}{'VmHWM GiB':>11}"
               f"{'start anon GiB':>16}")
         for name, r in results.items():
             if "error" in r:
@@ -182,7 +193,7 @@ def main() -> None:
                 continue
             g = 2**30
             print(f"{name:<12}{r['seconds']:>9.1f}{r['peak_rss'] / g:>14.3f}{r['peak_anon'] / g:>15.3f}"
-                  f"{r['maxrss'] / g:>12.3f}{r['base_anon'] / g:>16.3f}")
+                  f"{r['hwm'] / g:>11.3f}{r['base_anon'] / g:>16.3f}")
         if all("error" not in r for r in results.values()) and len(results) == 2 and safe:
             same = outputs_equal(os.path.join(work, "out_lightspeed"), os.path.join(work, "out_deepspeed"))
             print(f"outputs identical: {same}")

@@ -94,9 +94,11 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def consolidation_plan(source: TrainingStateSource, exclude_frozen_parameters: bool = False) -> list[Entry]:
-    """The consolidated state dict's entries, in order, from shapes alone (no parameter is read)."""
-    module = source.module_state()
+def consolidation_plan(source: TrainingStateSource, exclude_frozen_parameters: bool = False,
+                       module: dict[str, torch.Tensor] | None = None) -> list[Entry]:
+    """The consolidated state dict's entries, in order, from shapes alone (no parameter is read).
+    `module`: the source's ``module_state()``, when the caller already has it."""
+    module = source.module_state() if module is None else module
     extra = source.extra()
     trainable = source.param_names()
     entries: list[Entry] = []
@@ -230,11 +232,11 @@ def write_consolidated(source: TrainingStateSource, output_dir: str | os.PathLik
     ``model.safetensors`` (sharded past `max_shard_size`, with ``*.index.json``), floating tensors in
     `dtype`, each file atomically, the index last. Returns the paths written."""
     output_dir = os.fspath(output_dir)
-    entries = consolidation_plan(source, exclude_frozen_parameters)
+    module = source.module_state()
+    entries = consolidation_plan(source, exclude_frozen_parameters, module)
     weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     shards, total = split_shards(entries, max_shard_size, dtype, weights_name)
     os.makedirs(output_dir, exist_ok=True)
-    module = source.module_state()
     by_name = {e.name: e for e in entries}
     bar = _progress(len(entries), "Writing consolidated shards")
     written = []
@@ -276,8 +278,8 @@ def write_consolidated(source: TrainingStateSource, output_dir: str | os.PathLik
 def iter_consolidated(source: TrainingStateSource, exclude_frozen_parameters: bool = False
                       ) -> Iterator[tuple[Entry, Callable[[], torch.Tensor]]]:
     """(entry, read) pairs in the consolidated order; `read()` produces that tensor when called."""
-    entries = consolidation_plan(source, exclude_frozen_parameters)
     module = source.module_state()
+    entries = consolidation_plan(source, exclude_frozen_parameters, module)
     by_name = {e.name: e for e in entries}
     for e in entries:
         yield e, (lambda e=e: produce(source, e, module, by_name))

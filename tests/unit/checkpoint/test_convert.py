@@ -192,3 +192,27 @@ def test_consolidation_plan_order_is_deepspeeds():
         ("pos_scale", "buffer"), ("step_count", "buffer"), ("norm_scale", "frozen"), ("embed.weight", "param"),
         ("up.weight", "param"), ("down.weight", "param"), ("up.bias", "param"), ("down.bias", "param"),
         ("head.weight", "alias")]
+
+
+@pytest.mark.parametrize("case", ["ws2_stage2_fp32", "ws2_stage3_fp32"])
+def test_synthetic_writer_lays_out_partitions_as_deepspeed_does(case, tmp_path):
+    """lightspeed.testing.deepspeed_layout (the from_pretrained test's and the benchmark's checkpoints)
+    puts every master value where real DeepSpeed put it, group by group, rank by rank."""
+    from lightspeed.checkpoint.deepspeed_pickle import load_deepspeed_file
+
+    real = FIXTURES / case / "ckpt" / "global_step3"
+    stage = 3 if "stage3" in case else 2
+    model = load_deepspeed_file(real / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3
+                                        else "mp_rank_00_model_states.pt"))
+    src = DeepSpeedCheckpointSource(FIXTURES / case / "ckpt")
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    real_parts = [load_deepspeed_file(real / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer_state_dict"][key]
+                  for r in range(2)]
+    for g, shapes in enumerate(model["param_shapes"]):
+        masters = {n: src.read(n) for n in shapes}
+        tag_dir = write_zero_checkpoint(str(tmp_path / str(g)), stage=stage, world_size=2,
+                                        shapes=OrderedDict((n, torch.Size(s)) for n, s in shapes.items()),
+                                        masters=masters)
+        for r in range(2):
+            ours = load_deepspeed_file(os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+            assert torch.equal(ours["optimizer_state_dict"][key][0], real_parts[r][g]), (g, r)

@@ -61,6 +61,12 @@ _ENGINE_KEYS = frozenset({
 })
 
 
+# Pages of a memory-mapped file that were read stay resident (counted in RSS, though the kernel may drop
+# them) while the file is mapped; after this many bytes read the optimizer files are unmapped (and
+# mapped again when next needed), so a pass over a big checkpoint does not show its whole size as RSS.
+_REMAP_AFTER_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class _Param:
     shape: torch.Size
@@ -145,6 +151,7 @@ class DeepSpeedCheckpointSource:
         if not isinstance(self._model, dict) or "module" not in self._model:
             raise CheckpointError(f"{self._model_path}: is not a DeepSpeed model-states file (no 'module' entry)")
         self._optim_cache: dict[int, dict] = {}
+        self._bytes_since_map = 0
         self._params: dict[str, _Param] = {}
         self._groups: list[dict] = []
         self._loss_scaler: Any = None
@@ -340,6 +347,7 @@ class DeepSpeedCheckpointSource:
             parts.append(flat.narrow(0, start, length))
         numel = param.shape.numel()
         held = sum(p.numel() for p in parts)
+        self._bytes_since_map += sum(p.numel() * p.element_size() for p in parts)
         if held < numel:
             raise CheckpointError(f"{self.path}: the files hold {held} of {name}'s {numel} elements")
         # One copy, in fp32, of exactly the parameter: never a view of a memory-mapped file, and no
@@ -352,6 +360,10 @@ class DeepSpeedCheckpointSource:
                 break
             out[offset:offset + take].copy_(part[:take])
             offset += take
+        del parts
+        if self._bytes_since_map >= _REMAP_AFTER_BYTES and self._optim_files:
+            self._optim_cache.clear()  # nothing else holds the mapped tensors: `out` is a copy
+            self._bytes_since_map = 0
         return out.view(param.shape)
 
     def module_state(self) -> dict[str, torch.Tensor]:

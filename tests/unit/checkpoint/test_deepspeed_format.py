@@ -220,3 +220,16 @@ def test_stage0_match_takes_the_one_fitting_choice_and_refuses_several():
         stage0_layout(_stage0_model((4,)), "m.pt", None)
     hinted = stage0_layout(_stage0_model((4,)), "m.pt", ["a", "frozen"])
     assert list(hinted.params) == ["a", "frozen"] and hinted.frozen == ["b"]
+
+
+def test_reads_stay_right_when_files_are_unmapped_between_them(monkeypatch):
+    import lightspeed.checkpoint.deepspeed_format as fmt
+
+    monkeypatch.setattr(fmt, "_REMAP_AFTER_BYTES", 1)  # unmap after every read
+    for case in ("ws2_stage2_bf16", "ws2_stage3_fp32"):
+        src = DeepSpeedCheckpointSource(FIXTURES / case / "ckpt")
+        truth = torch.load(FIXTURES / case / "optimizer_state.pt", weights_only=True)
+        for name in src.param_names():
+            for key in ("fp32", "exp_avg"):
+                assert torch.equal(src.read(name, key), truth[name][key])
+                assert not src._optim_cache

@@ -125,9 +125,10 @@ def _hyperparameters(group: dict) -> dict:
 class DeepSpeedCheckpointSource:
     """A checkpoint DeepSpeed's engine saved, parameter by parameter in fp32 (see `TrainingStateSource`).
 
-    `checkpoint_dir` is the save dir (with ``latest``, or give `tag`) or one tag directory. `param_names`
-    (stage 0 only): the names of the parameters the optimizer held, in its order, e.g. ``[n for n, p in
-    model.named_parameters() if p.requires_grad]``, for when the file alone leaves that ambiguous.
+    `checkpoint_dir` is the save dir (with ``latest``, or give `tag`) or one tag directory. `param_names`:
+    the names of the parameters the optimizer held, in its order, e.g. ``[n for n, p in
+    model.named_parameters() if p.requires_grad]``; needed only at stage 0 when the file alone leaves that
+    ambiguous (ZeRO files name them, and given names must agree).
     Files are memory-mapped and each is opened when first needed.
     """
 
@@ -158,6 +159,11 @@ class DeepSpeedCheckpointSource:
         self._state_keys: list[str] = []
         if self._optim_files:
             self._read_zero_layout()
+            # ZeRO files name their parameters; names given anyway must agree with them.
+            if param_names is not None and set(param_names) != set(self._params):
+                diff = sorted(set(param_names) ^ set(self._params))[:3]
+                raise CheckpointError(f"{self.path}: param_names differ from the parameters the checkpoint names "
+                                      f"(e.g. {diff})")
         else:
             self._read_stage0_layout(param_names)
 

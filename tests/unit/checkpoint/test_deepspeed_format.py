@@ -233,3 +233,11 @@ def test_reads_stay_right_when_files_are_unmapped_between_them(monkeypatch):
             for key in ("fp32", "exp_avg"):
                 assert torch.equal(src.read(name, key), truth[name][key])
                 assert not src._optim_cache
+
+
+def test_param_names_given_for_a_zero_checkpoint_must_agree():
+    root = FIXTURES / "ws2_stage2_fp32" / "ckpt"
+    names = ["embed.weight", "up.weight", "up.bias", "down.weight", "down.bias"]
+    assert DeepSpeedCheckpointSource(root, param_names=names).param_names()
+    with pytest.raises(CheckpointError, match="param_names differ"):
+        DeepSpeedCheckpointSource(root, param_names=names + ["norm_scale"])

@@ -241,3 +241,36 @@ def test_param_names_given_for_a_zero_checkpoint_must_agree():
     assert DeepSpeedCheckpointSource(root, param_names=names).param_names()
     with pytest.raises(CheckpointError, match="param_names differ"):
         DeepSpeedCheckpointSource(root, param_names=names + ["norm_scale"])
+
+
+def test_deepspeed_classes_become_plain_data_without_deepspeed(tmp_path, monkeypatch):
+    """A DeepSpeed class the fixtures do not pickle (fp16's DynamicLossScaler, which this CPU cannot
+    train with): pickled under DeepSpeed's module path, read back as a dict of its fields."""
+    import sys
+    import types
+
+    from lightspeed.checkpoint.deepspeed_pickle import CLASS_KEY, load_deepspeed_file
+
+    path = "deepspeed.runtime.fp16.loss_scaler"
+    for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", path):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+
+    class DynamicLossScaler:
+        def __init__(self):
+            self.cur_scale, self.cur_iter, self.scale_window, self.dynamic = 256.0, 7, 2, True
+
+    DynamicLossScaler.__module__ = path
+    DynamicLossScaler.__qualname__ = "DynamicLossScaler"
+    sys.modules[path].DynamicLossScaler = DynamicLossScaler
+    tag_dir = _copy("ws2_stage2_fp32", tmp_path)
+    for rank in range(2):
+        f = tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        data = load_deepspeed_file(f, mmap=False)
+        data["optimizer_state_dict"]["loss_scaler"] = DynamicLossScaler()
+        data["optimizer_state_dict"]["dynamic_loss_scale"] = True
+        torch.save(data, f)
+    for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", path):
+        monkeypatch.delitem(sys.modules, name)
+    scaler = DeepSpeedCheckpointSource(tag_dir.parent).extra()["loss_scaler"]
+    assert scaler == {CLASS_KEY: f"{path}.DynamicLossScaler", "cur_scale": 256.0, "cur_iter": 7,
+                      "scale_window": 2, "dynamic": True, "dynamic_loss_scale": True}

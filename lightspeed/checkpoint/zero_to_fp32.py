@@ -23,6 +23,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.convert import OUTPUT_DTYPES, iter_consolidated, open_checkpoint, write_consolidated
 
 __all__ = [
+    "main",
     "get_fp32_state_dict_from_zero_checkpoint",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "convert_zero_checkpoint_to_state_dict",
@@ -120,3 +121,34 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     if chunk:
         model.load_state_dict(chunk, strict=False)
     return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    """DeepSpeed's ``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR`` command line, same arguments:
+    ``python -m lightspeed.checkpoint.zero_to_fp32``. (``lightspeed convert to-fp32`` is the same.)"""
+    import argparse
+    import logging
+
+    from lightspeed.checkpoint.errors import CheckpointError
+
+    parser = argparse.ArgumentParser(prog="zero_to_fp32", description="Consolidate a ZeRO checkpoint into fp32 weights.")
+    parser.add_argument("checkpoint_dir", help="the checkpoint folder, e.g. path/checkpoint-12")
+    parser.add_argument("output_dir", help="directory for the fp32 state dict files")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest shard, e.g. 5GB (default)")
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave out frozen parameters")
+    parser.add_argument("-d", "--debug", action="store_true", help="log at debug level")
+    args = parser.parse_args(argv)
+    if args.debug:
+        get_logger().setLevel(logging.DEBUG)
+    try:
+        convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
+                                                   args.safe_serialization, args.tag, args.exclude_frozen_parameters)
+    except (CheckpointError, ValueError, OSError) as err:
+        parser.exit(2, f"zero_to_fp32: error: {err}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -216,3 +216,17 @@ def test_synthetic_writer_lays_out_partitions_as_deepspeed_does(case, tmp_path):
         for r in range(2):
             ours = load_deepspeed_file(os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
             assert torch.equal(ours["optimizer_state_dict"][key][0], real_parts[r][g]), (g, r)
+
+
+def test_deepspeeds_command_line_arguments(tmp_path):
+    from lightspeed.checkpoint.zero_to_fp32 import main
+
+    case = FIXTURES / "ws2_stage3_bf16" / "ckpt"
+    assert main([str(case), str(tmp_path / "o"), "--safe_serialization", "-t", "global_step3",
+                 "--max_shard_size", "500B", "--exclude_frozen_parameters"]) == 0
+    got = _read_output(tmp_path / "o")
+    want = get_fp32_state_dict_from_zero_checkpoint(str(case), exclude_frozen_parameters=True)
+    assert set(got) == set(want) and "norm_scale" not in got
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "missing"), str(tmp_path / "o2")])
+    assert exit_info.value.code == 2

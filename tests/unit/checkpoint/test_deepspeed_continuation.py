@@ -1,6 +1,7 @@
 """A DeepSpeed checkpoint, read by DeepSpeedCheckpointSource into plain PyTorch (the model, AdamW with the
 read moments and step), continues with the losses DeepSpeed itself had after the save, on the same data.
-The first loss checks the masters, the later ones the optimizer state, groups and hyperparameters."""
+The first loss checks the masters, the later ones the optimizer state, groups, hyperparameters and (with
+WarmupLR) the scheduler's state."""
 
 from __future__ import annotations
 
@@ -23,17 +24,23 @@ def _fixture_module():
     return module
 
 
-def _fp32_cases_without_scheduler():
+def _fp32_cases():
     out = []
     for path in sorted(FIXTURES.iterdir()):
         if (path / "expected.json").is_file():
             exp = json.loads((path / "expected.json").read_text())
-            if exp["dtype"] == "fp32" and exp["scheduler"] is None:
+            if exp["dtype"] == "fp32":
                 out.append(path.name)
     return out
 
 
-@pytest.mark.parametrize("case", _fp32_cases_without_scheduler())
+def _warmup_lr(params: dict, last_batch_iteration: int) -> float:
+    """DeepSpeed's WarmupLR (linear) at an iteration."""
+    gamma = min(1.0, last_batch_iteration / params["warmup_num_steps"])
+    return params["warmup_min_lr"] + (params["warmup_max_lr"] - params["warmup_min_lr"]) * gamma
+
+
+@pytest.mark.parametrize("case", _fp32_cases())
 def test_plain_pytorch_continues_with_deepspeeds_losses(case):
     exp = json.loads((FIXTURES / case / "expected.json").read_text())
     src = DeepSpeedCheckpointSource(FIXTURES / case / "ckpt")
@@ -65,5 +72,11 @@ def test_plain_pytorch_continues_with_deepspeeds_losses(case):
             got.append(loss.item())
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (case, step)
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        if exp["scheduler"] == "WarmupLR":  # DeepSpeed steps the optimizer, then the scheduler
+            lr = _warmup_lr(exp["config"]["scheduler"]["params"],
+                            src.extra()["lr_scheduler"]["last_batch_iteration"] + step)
+            assert step > 0 or lr == pytest.approx(src.optimizer_groups()[0]["lr"])
+            for group in opt.param_groups:
+                group["lr"] = lr
         opt.step()
         opt.zero_grad()

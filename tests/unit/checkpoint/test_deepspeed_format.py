@@ -274,3 +274,22 @@ def test_deepspeed_classes_become_plain_data_without_deepspeed(tmp_path, monkeyp
     scaler = DeepSpeedCheckpointSource(tag_dir.parent).extra()["loss_scaler"]
     assert scaler == {CLASS_KEY: f"{path}.DynamicLossScaler", "cur_scale": 256.0, "cur_iter": 7,
                       "scale_window": 2, "dynamic": True, "dynamic_loss_scale": True}
+
+
+def test_stage0_fused_fp16_optimizer_layout():
+    """DeepSpeed's fused FP16_Optimizer (FusedAdam at stage 0): one flat fp32 tensor per param group,
+    the group's parameters end to end; its moments flat alike."""
+    from lightspeed.checkpoint.deepspeed_stage0 import stage0_layout
+
+    module = {"w": torch.zeros(2, 3, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float16),
+              "buf": torch.ones(1)}
+    flat = torch.arange(9, dtype=torch.float32)
+    opt = {"dynamic_loss_scale": True, "cur_scale": 256.0, "cur_iter": 5, "last_overflow_iter": -1,
+           "scale_factor": 2.0, "scale_window": 1000, "clip_grad": 1.0, "fp32_groups_flat": [flat],
+           "optimizer_state_dict": {"state": {0: {"step": 5, "exp_avg": flat * 2, "exp_avg_sq": flat * 3}},
+                                    "param_groups": [{"lr": 0.1, "params": [0]}]}}
+    layout = stage0_layout({"module": module, "buffer_names": ["buf"], "optimizer": opt}, "m.pt", None)
+    assert {n: p[1] for n, p in layout.params.items()} == {"w": ((0, 0, 0, 6),), "b": ((0, 0, 6, 3),)}
+    assert layout.groups == [{"lr": 0.1, "names": ["w", "b"], "scalars": {"step": 5}}]
+    assert layout.loss_scaler["cur_scale"] == 256.0 and layout.state_keys == ["exp_avg", "exp_avg_sq"]
+    assert torch.equal(layout.master(0, 0), flat) and torch.equal(layout.slot_states(0, 0)["exp_avg"], flat * 2)

@@ -30,7 +30,8 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -76,6 +77,20 @@ def open_checkpoint(checkpoint_dir: str | os.PathLike | TrainingStateSource,
     return universal.open_source(path, tag)
 
 
+@runtime_checkable
+class ModuleStateMeta(Protocol):
+    """A module state that can tell an entry's shape and dtype without producing it (e.g. a stage-3
+    frozen parameter saved in parts): the plan then reads nothing."""
+
+    def entry_meta(self, name: str) -> tuple[torch.Size, torch.dtype]: ...
+
+
+def _meta(module: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Size, torch.dtype]:
+    if isinstance(module, ModuleStateMeta):
+        return module.entry_meta(name)
+    return module[name].shape, module[name].dtype
+
+
 @dataclass(frozen=True)
 class Entry:
     """One name of the consolidated state dict. `kind`: "buffer", "frozen", "param" (an fp32 master read
@@ -95,7 +110,7 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
 
 
 def consolidation_plan(source: TrainingStateSource, exclude_frozen_parameters: bool = False,
-                       module: dict[str, torch.Tensor] | None = None) -> list[Entry]:
+                       module: Mapping[str, torch.Tensor] | None = None) -> list[Entry]:
     """The consolidated state dict's entries, in order, from shapes alone (no parameter is read).
     `module`: the source's ``module_state()``, when the caller already has it."""
     module = source.module_state() if module is None else module
@@ -108,13 +123,13 @@ def consolidation_plan(source: TrainingStateSource, exclude_frozen_parameters: b
         return _fallback_plan(source, module, trainable, exclude_frozen_parameters)
     for name in buffer_names:
         if name in module:
-            t = module[name]
-            entries.append(Entry(name, "buffer", t.shape, torch.float32 if t.is_floating_point() else t.dtype))
+            shape, dtype = _meta(module, name)
+            entries.append(Entry(name, "buffer", shape, torch.float32 if dtype.is_floating_point else dtype))
     if not exclude_frozen_parameters:
         for name in frozen_names:
             if name not in module:
                 raise CheckpointError(f"frozen parameter {name} is not in the checkpoint's module state")
-            entries.append(Entry(name, "frozen", module[name].shape, module[name].dtype))
+            entries.append(Entry(name, "frozen", *_meta(module, name)))
     for name in trainable:
         entries.append(Entry(name, "param", torch.Size(source.param_shape(name)), torch.float32))
     present = {e.name: e for e in entries}
@@ -147,7 +162,7 @@ def _fallback_plan(source, module, trainable, exclude_frozen_parameters) -> list
     return entries
 
 
-def produce(source: TrainingStateSource, entry: Entry, module: dict[str, torch.Tensor],
+def produce(source: TrainingStateSource, entry: Entry, module: Mapping[str, torch.Tensor],
             entries: dict[str, Entry]) -> torch.Tensor:
     """The consolidated tensor of one entry (read from the source now)."""
     if entry.kind == "alias":

@@ -33,6 +33,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Sequence
 
 import torch
@@ -120,6 +121,51 @@ def _number(value: Any) -> Any:
 
 def _hyperparameters(group: dict) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k not in ("params", "names")}
+
+
+class StitchedModuleState(Mapping):
+    """A stage-3 module state: entries as saved, but each frozen parameter (saved as one part per rank,
+    zero-padded to a multiple of the world size) stitched from its parts when looked up, and not kept,
+    so going through the entries holds one frozen parameter at a time. `entry_meta` gives an entry's
+    shape and dtype without stitching it."""
+
+    def __init__(self, saved: dict, frozen_shapes: dict, load_fragments: Callable[[], list[dict]]):
+        self._saved = saved
+        self._shapes = {n: torch.Size(s) for n, s in frozen_shapes.items()}
+        self._load_fragments = load_fragments
+        self._fragments: list[dict] | None = None
+        self._names = list(saved) + [n for n in self._shapes if n not in saved]
+
+    def entry_meta(self, name: str) -> tuple[torch.Size, torch.dtype]:
+        if name in self._shapes:
+            return self._shapes[name], self._parts()[0][name].dtype
+        return self._saved[name].shape, self._saved[name].dtype
+
+    def _parts(self) -> list[dict]:
+        if self._fragments is None:
+            self._fragments = self._load_fragments()
+        return self._fragments
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._shapes:
+            return self._saved[name]
+        shape = self._shapes[name]
+        parts = [f[name].reshape(-1) for f in self._parts()]
+        out = torch.empty(shape.numel(), dtype=parts[0].dtype)
+        offset = 0
+        for part in parts:
+            take = min(part.numel(), shape.numel() - offset)
+            if take <= 0:
+                break
+            out[offset:offset + take].copy_(part[:take])
+            offset += take
+        return out.view(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class DeepSpeedCheckpointSource:
@@ -372,18 +418,19 @@ class DeepSpeedCheckpointSource:
             self._bytes_since_map = 0
         return out.view(param.shape)
 
-    def module_state(self) -> dict[str, torch.Tensor]:
-        module = dict(self._model["module"])
-        fragments = self._model.get("frozen_param_fragments") or {}
-        if self.zero_stage == 3 and fragments:
-            # Each rank saved its part of every frozen parameter: stitch them back together.
-            all_fragments = [fragments] + [self._load(os.path.join(self.path, f)).get("frozen_param_fragments", {})
-                                           for f in self._zero3_model_files[1:]]
-            for name, shape in (self._model.get("frozen_param_shapes") or {}).items():
-                shape = torch.Size(shape)
-                full = torch.cat([f[name].reshape(-1) for f in all_fragments])[: shape.numel()]
-                module[name] = full.reshape(shape).clone()
-        return module
+    def module_state(self) -> Mapping[str, torch.Tensor]:
+        """The module's state dict as saved. At stage 3 a frozen parameter is saved in parts, one per
+        rank: it is stitched together each time it is looked up (see `StitchedModuleState`)."""
+        saved = self._model["module"]
+        shapes = self._model.get("frozen_param_shapes") or {}
+        if self.zero_stage == 3 and shapes and self._model.get("frozen_param_fragments"):
+            return StitchedModuleState(saved, shapes, self._frozen_fragments)
+        return dict(saved)
+
+    def _frozen_fragments(self) -> list[dict[str, torch.Tensor]]:
+        first = self._model.get("frozen_param_fragments") or {}
+        return [first] + [self._load(os.path.join(self.path, f)).get("frozen_param_fragments", {})
+                          for f in self._zero3_model_files[1:]]
 
     def optimizer_groups(self) -> list[dict[str, Any]]:
         return [dict(g, names=list(g["names"]), scalars=dict(g["scalars"])) for g in self._groups]

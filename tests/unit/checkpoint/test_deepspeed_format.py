@@ -293,3 +293,17 @@ def test_stage0_fused_fp16_optimizer_layout():
     assert layout.groups == [{"lr": 0.1, "names": ["w", "b"], "scalars": {"step": 5}}]
     assert layout.loss_scaler["cur_scale"] == 256.0 and layout.state_keys == ["exp_avg", "exp_avg_sq"]
     assert torch.equal(layout.master(0, 0), flat) and torch.equal(layout.slot_states(0, 0)["exp_avg"], flat * 2)
+
+
+def test_stage3_frozen_parameters_are_stitched_on_lookup_and_not_kept():
+    from lightspeed.checkpoint.deepspeed_format import StitchedModuleState
+
+    src = DeepSpeedCheckpointSource(FIXTURES / "ws2_stage3_bf16" / "ckpt")
+    module = src.module_state()
+    assert isinstance(module, StitchedModuleState)
+    assert module.entry_meta("norm_scale") == (torch.Size([6]), torch.bfloat16)
+    first, again = module["norm_scale"], module["norm_scale"]
+    assert first is not again and torch.equal(first, again)
+    want = torch.load(FIXTURES / "ws2_stage3_bf16" / "consolidated.pt", weights_only=True)["norm_scale"]
+    assert torch.equal(first, want)
+    assert module["up.weight"].numel() == 0  # a trainable parameter's placeholder, as stage 3 saves it

@@ -170,7 +170,9 @@ def produce(source: TrainingStateSource, entry: Entry, module: Mapping[str, torc
     if entry.kind == "param":
         return source.read(entry.name, MASTER_KEY)
     t = module[entry.name]
-    return t.to(entry.dtype).contiguous() if entry.dtype != t.dtype else t.contiguous()
+    # A copy: a saved tensor may be a view into a larger storage (DeepSpeed's flat buffers), which
+    # torch.save would write whole, or a page of a memory-mapped file.
+    return t.to(entry.dtype) if entry.dtype != t.dtype else t.clone(memory_format=torch.contiguous_format)
 
 
 def parse_size(size: int | str) -> int:

@@ -2,8 +2,8 @@
 
 ``lightspeed [launcher options] script.py [script args]`` starts a training script on this node or on
 every host of a hostfile, with the options of DeepSpeed's `deepspeed` command. Subcommands, named
-first: ``lightspeed demo``, ``lightspeed report``, ``lightspeed config check|show FILE``. (A script
-named like a subcommand is run as ``lightspeed ./report``.)
+first: ``lightspeed demo``, ``lightspeed report``, ``lightspeed config check|show FILE``, ``lightspeed convert
+to-fp32 CKPT_DIR OUT``. (A script named like a subcommand is run as ``lightspeed ./report``.)
 
 Must not import torch (or anything that does) while parsing, so `lightspeed --help` and argument
 errors stay instant; each command imports what it needs inside its function. Bad input is one line
@@ -24,7 +24,7 @@ from lightspeed.launcher.hostfile import DEFAULT_HOSTFILE, describe_slots
 
 # A subcommand gets its parsed arguments and the arguments meant for the script it runs; returns an exit status.
 Command = Callable[[argparse.Namespace, list[str]], int]
-SUBCOMMANDS = ("demo", "report", "config")
+SUBCOMMANDS = ("demo", "report", "config", "convert")
 LAUNCHER_CHOICES = ("pdsh", "ssh", "openmpi", "slurm", "local")
 
 
@@ -55,12 +55,13 @@ def build_launch_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="lightspeed", allow_abbrev=False,
         usage="lightspeed [launcher options] script.py [script args]\n"
-              "       lightspeed {demo,report,config} ...",
+              "       lightspeed {demo,report,config,convert} ...",
         description="Run a training script on this node's GPUs (or CPU processes), or on every host of a "
                     "hostfile, through torch.distributed's elastic agent. Options are DeepSpeed's.",
         epilog="subcommands: `lightspeed demo` trains a small GPT; `lightspeed report` shows versions, GPUs "
                "and which kernels can run here; `lightspeed config check|show FILE` validates or resolves "
-               "a ds_config. Each has --help.",
+               "a ds_config; `lightspeed convert to-fp32 CKPT OUT` consolidates a checkpoint into fp32 weights. "
+               "Each has --help.",
     )
     add = p.add_argument
     add("-H", "--hostfile", default=None,
@@ -178,8 +179,25 @@ def run_config(args: argparse.Namespace, script_args: list[str]) -> int:
     return (config_check if args.action == "check" else config_show)(args.file, args.world_size)
 
 
+def run_convert(args: argparse.Namespace, script_args: list[str]) -> int:
+    """`lightspeed convert to-fp32 CKPT_DIR OUT`: DeepSpeed's zero_to_fp32, streaming."""
+    from lightspeed.checkpoint.errors import CheckpointError
+    from lightspeed.checkpoint.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+    shard = None if args.max_shard_size.lower() in ("none", "0") else args.max_shard_size
+    try:
+        written = convert_zero_checkpoint_to_state_dict(
+            args.checkpoint_dir, args.output_dir, dtype=args.dtype, max_shard_size=shard,
+            safe_serialization=args.safetensors, tag=args.tag, exclude_frozen_parameters=args.exclude_frozen)
+    except (CheckpointError, ValueError, KeyError, OSError) as e:
+        return _error(str(e).strip("'\""))
+    for path in written:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The subcommands' parser (`demo`, `report`, `config`)."""
+    """The subcommands' parser (`demo`, `report`, `config`, `convert`)."""
     parser = _Parser(prog="lightspeed", description="Fast, memory-efficient training of large PyTorch models.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
@@ -212,6 +230,28 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("--world-size", "--world_size", dest="world_size", type=int, default=None,
                             help="data-parallel world size for the batch triad (default: $WORLD_SIZE, else 1)")
         action.set_defaults(func=run_config)
+
+    convert = commands.add_parser("convert", help="convert a checkpoint (DeepSpeed's or lightspeed's)",
+                                  description="Convert a training checkpoint into other forms.")
+    kinds = convert.add_subparsers(dest="kind", metavar="KIND", required=True, parser_class=_Parser)
+    to_fp32 = kinds.add_parser(
+        "to-fp32", help="consolidate into one set of weights (DeepSpeed's zero_to_fp32)",
+        description="Consolidate a checkpoint saved at any world size and ZeRO stage into the model's weights "
+        "(fp32 masters of the trained parameters, buffers, frozen parameters), as pytorch_model.bin or "
+        "model.safetensors, sharded with a Hugging Face index past --max-shard-size. Reads one parameter and "
+        "writes one shard at a time, so memory stays near one shard (safetensors: one tensor).")
+    to_fp32.add_argument("checkpoint_dir", help="the save dir (with `latest`), or one tag directory")
+    to_fp32.add_argument("output_dir", help="directory for the weights (created if missing)")
+    to_fp32.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: latest)")
+    to_fp32.add_argument("--safetensors", "--safe_serialization", dest="safetensors", action="store_true",
+                         help="write model.safetensors (default: pytorch_model.bin)")
+    to_fp32.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default="5GB",
+                         help='largest shard, e.g. 5GB, 500MB, 2GiB; "none" for one file (default: 5GB)')
+    to_fp32.add_argument("--exclude-frozen", "--exclude_frozen_parameters", dest="exclude_frozen",
+                         action="store_true", help="leave out frozen (not trained) parameters")
+    to_fp32.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                         help="dtype of the floating tensors written (default: fp32)")
+    to_fp32.set_defaults(func=run_convert)
     return parser
 
 

@@ -24,7 +24,6 @@ Note: [what the consolidated state dict holds] (deepspeed.utils.zero_to_fp32's c
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -66,15 +65,12 @@ def open_checkpoint(checkpoint_dir: str | os.PathLike | TrainingStateSource,
         raise CheckpointError(f"{path}: checkpoint directory not found")
     if is_deepspeed_checkpoint(path):
         return DeepSpeedCheckpointSource(path, tag)
-    # Looked up by name: lightspeed's own reader lives in a sibling module that may not exist in this build.
-    try:
-        universal = importlib.import_module("lightspeed.checkpoint.universal")
-    except ModuleNotFoundError as err:
-        if err.name != "lightspeed.checkpoint.universal":
-            raise
-        raise CheckpointError(f"{path}: holds no DeepSpeed checkpoint, and lightspeed's own checkpoint reader "
-                              "(lightspeed.checkpoint.universal) is not available in this build") from None
-    return universal.open_source(path, tag)
+    from lightspeed.checkpoint.universal import open_source  # after the DeepSpeed reader, which it imports
+
+    opened = open_source(path, tag)
+    if opened is None:
+        raise CheckpointError(f"{path}: no checkpoint to read (no 'latest' file and no tag given)")
+    return opened[1]
 
 
 @runtime_checkable

@@ -36,6 +36,7 @@ import torch
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import safe_torch_load
+from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource, is_deepspeed_checkpoint
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.source import MASTER_KEY
 from lightspeed.zero.fragments import Fragment, owner_groups
@@ -186,9 +187,15 @@ class LightspeedSource:
         return out
 
 
-def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0):
+def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_names=None):
     """The checkpoint in `load_dir` (tag, or the one `latest` names) as `(path, source, rng_state)`, or None
-    when there is no `latest` and no tag. `rng_state` is `dp_rank`'s saved RNG state or None."""
+    when there is no `latest` and no tag. lightspeed's layout gives a `LightspeedSource` and `dp_rank`'s saved
+    RNG state (or None); DeepSpeed's layout a `DeepSpeedCheckpointSource` (`param_names`: the module's
+    trainable parameter names in order, which DeepSpeed's stage-0 files do not record) and no RNG state,
+    which DeepSpeed's engine does not save."""
+    if is_deepspeed_checkpoint(load_dir):
+        source = DeepSpeedCheckpointSource(load_dir, tag, param_names=param_names)
+        return Path(source.path), source, None
     loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank)
     if loaded is None:
         return None

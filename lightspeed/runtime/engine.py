@@ -24,6 +24,7 @@ from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.module_state import check_module_state
 from lightspeed.checkpoint.rng import set_rng_state
 from lightspeed.checkpoint.universal import apply_training_state, open_source, read_training_state
+from lightspeed.zero.fragments import first_names
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.monitor import MonitorMaster
@@ -350,14 +351,22 @@ class LightspeedEngine(torch.nn.Module):
         and no tag is given. Everything is read and checked on every rank before anything changes: a
         load that fails raises on every rank and leaves the engine as it was."""
         try:
-            opened = open_source(load_dir, tag, dp_rank=self.groups.dp_rank)
+            trainable = [n for n, p in self.module.named_parameters() if p.requires_grad]
+            self._first_name = {n: first_names(self.module)[id(p)]
+                                for n, p in self.module.named_parameters(remove_duplicate=False)}
+            opened = open_source(load_dir, tag, dp_rank=self.groups.dp_rank, param_names=trainable)
             read = None
             if opened is not None:
                 path, source, rng = opened
-                extra, module_state = source.extra(), source.module_state()
+                source_params = set(source.param_names())
+                extra = source.extra()
+                module_state = self._module_state_to_load(source, load_module_only)
                 excluded = set(extra.get("excluded_frozen_parameters") or ())
+                excluded |= {k for k in self.strategy.module_shapes() if k not in module_state
+                             and self._first_name.get(k) in source_params}
                 expected = {k: v for k, v in self.strategy.module_shapes().items() if k not in excluded}
                 check_module_state(expected, module_state, strict=load_module_strict)
+                counters = self._saved_counters(extra.get("counters") or {})
                 if not load_module_only:
                     read = read_training_state(source, self.strategy.fragments(), self.optimizer,
                                                load_optimizer_states=load_optimizer_states)
@@ -379,11 +388,7 @@ class LightspeedEngine(torch.nn.Module):
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         if self.loss_scaler is not None and extra.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(extra["loss_scaler"])
-        counters = extra.get("counters") or {}
-        self.global_steps = int(counters.get("global_steps", 0))
-        self.global_samples = int(counters.get("global_samples", self.global_steps * self.train_batch_size()))
-        self.micro_steps = int(counters.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
-        self.skipped_steps = int(counters.get("skipped_steps", 0))
+        self.global_steps, self.global_samples, self.micro_steps, self.skipped_steps = counters
         saved_world = int(extra.get("dp_world_size") or 0)
         if rng is not None:
             set_rng_state(rng)
@@ -391,6 +396,34 @@ class LightspeedEngine(torch.nn.Module):
             logger.info("checkpoint %s was saved by %d ranks: ranks from %d on keep their own RNG state", path,
                         saved_world, saved_world)
         return path, client_state
+
+    def _module_state_to_load(self, source, load_module_only: bool) -> dict[str, Any]:
+        """The saved module state, less the parameters the source holds fp32 masters of whose saved entry
+        is an empty placeholder (a ZeRO-3 writer keeps them partitioned): those come from the masters, or,
+        for a module-only load, from the source's fp32 values one tensor at a time."""
+        saved = source.module_state()
+        masters = set(source.param_names())
+        out: dict[str, Any] = {}
+        for name in list(saved.keys()):
+            value = saved[name]
+            first = self._first_name.get(name)
+            if first in masters and torch.is_tensor(value) and value.numel() == 0:
+                if load_module_only and name == first:
+                    out[name] = source.read(name)
+                continue
+            out[name] = value
+        return out
+
+    def _saved_counters(self, saved: dict) -> tuple[int, int, int, int]:
+        """(global_steps, global_samples, micro_steps, skipped_steps) from a checkpoint's counters; what a
+        writer did not record (DeepSpeed keeps no micro-step count) follows from the steps taken."""
+        def get(key, default):
+            value = saved.get(key)
+            return int(default if value is None else value)
+
+        steps = get("global_steps", 0)
+        return (steps, get("global_samples", steps * self.train_batch_size()),
+                get("micro_steps", steps * self.gradient_accumulation_steps()), get("skipped_steps", 0))
 
     def _agree_or_raise(self, failed: BaseException | None) -> None:
         """Every rank learns whether any rank failed to read the checkpoint, and then all raise."""

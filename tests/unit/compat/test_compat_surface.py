@@ -187,7 +187,6 @@ def test_names_transformers_and_accelerate_use():
     (lambda ds: ds.pipe.LayerSpec(torch.nn.Linear, 2, 2), "pipeline parallelism"),
     (lambda ds: ds.zero.MiCS_Init(), "MiCS"),
     (lambda ds: ds.zero.TiledLinear(2, 2), "tiled linear"),
-    (lambda ds: ds.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint("dir"), "zero_to_fp32"),
     (lambda ds: ds.checkpoint.DeepSpeedCheckpoint("dir"), "universal checkpoints"),
     (lambda ds: ds.checkpointing.CheckpointFunction(), "activation checkpointing"),
     (lambda ds: ds.checkpointing.checkpoint(lambda x: x, torch.ones(1)), "activation checkpointing"),
@@ -206,6 +205,14 @@ def test_missing_features_raise_naming_them(call, feature):
         call(ds)
     assert ds.checkpointing.is_configured() is False
     assert hasattr(ds.utils, "set_z3_leaf_modules") and hasattr(ds, "PipelineModule")  # names exist, as DeepSpeed's
+
+
+def test_zero_to_fp32_is_lightspeeds_consolidation():
+    ds = importlib.import_module("lightspeed.compat.deepspeed")
+    from lightspeed.checkpoint import zero_to_fp32
+
+    assert ds.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint is \
+        zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint
 
 
 def test_transformers_arange_guard_works_around_zero_init():

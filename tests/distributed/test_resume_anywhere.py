@@ -149,3 +149,24 @@ def _failed_load_worker(save_dir: str, stage: int, damage: str):
                                            (1, "other_model"), (3, "other_model")])
 def test_failed_load_leaves_engine_unchanged(tmp_path, stage, damage):
     assert all(run_world(_failed_load_worker, 2, str(tmp_path), stage, damage))
+
+
+def _gathered_worker(save_dir: str, config: dict):
+    torch.manual_seed(0)
+    engine, *_ = lightspeed.initialize(model=TinyMLP(seed=5), config=config)
+    _train(engine, 0, 3)
+    engine.save_checkpoint(save_dir)
+    return {k: v.clone() for k, v in engine.strategy.module_state_dict().items()}
+
+
+@pytest.mark.parametrize("world, stage", [(2, 3), (4, 2), (1, 0)])
+def test_zero_to_fp32_equals_the_gathered_model(tmp_path, world, stage):
+    from lightspeed.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    gathered = run_world(_gathered_worker, world, str(tmp_path), _config(stage))[0]
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    assert set(consolidated) == set(gathered)
+    for name, value in gathered.items():
+        assert torch.equal(consolidated[name], value), name
+    without_frozen = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), exclude_frozen_parameters=True)
+    assert set(without_frozen) == set(gathered) - {"frozen"}

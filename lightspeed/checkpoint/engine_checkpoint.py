@@ -1,32 +1,43 @@
-"""Engine checkpoints on disk: the layout of `save_dir/<tag>/` and the protocol that makes a save
-atomic across ranks.
+"""Engine checkpoints on disk: the layout of `save_dir/<tag>/`, and save / load of an engine's state
+through the writer (checksums, atomic publish, optional background writing) and the tag reader.
 
 Layout of a tag directory:
     model_states.pt         rank 0: module state_dict, LR scheduler, loss scaler, counters, client_state
     optim_states.pt         rank 0, when the strategy's state is the same on every rank (stage 0)
     optim_states_rank<R>.pt every rank, when each holds its own part (sharded stages)
     rng_rank<R>.pt          every rank: its python / torch / CUDA (/ numpy) RNG states
+    checksums_rank<R>.json  every rank, written last: size and CRC-32s of each file that rank wrote
 
-Note (atomic save): every rank writes into `save_dir/.<tag>.tmp/`; after a barrier rank 0 swaps that
-directory in place of `save_dir/<tag>` (renames are atomic) and only then writes `latest`. A save
-killed at any point therefore leaves `latest` naming a complete checkpoint, and a tag that is being
-overwritten is either the old one or the new one, never a mix. Everything is loaded with
-`weights_only=True`: no code in a checkpoint runs.
+Note (atomic save, verified load): every rank writes into `save_dir/.<tag>.tmp/`; rank 0 publishes
+it as `save_dir/<tag>` once every rank's manifest is there, and only then writes `latest`
+(tag_dir.py and writer.py say how, and why a kill at any instant leaves `latest` naming a complete
+checkpoint, old or new). `load` reads and verifies every file it returns before it returns; a
+damaged, truncated or missing file is one `CheckpointError` naming the file (and the tensor), and
+nothing is applied to the caller's state: even the RNG state is handed back, not set. Everything
+is loaded with `weights_only=True`: no code in a checkpoint runs.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from lightspeed.checkpoint.atomic import atomic_torch_save, fsync_dir, read_latest, safe_torch_load, validate_tag, write_latest
+from lightspeed._utils.logging import get_logger
+from lightspeed.checkpoint import tag_dir
+from lightspeed.checkpoint.atomic import read_latest, validate_tag
 from lightspeed.checkpoint.errors import CheckpointError
-from lightspeed.checkpoint.rng import get_rng_state, set_rng_state
+from lightspeed.checkpoint.rng import get_rng_state
+from lightspeed.checkpoint.tag_reader import TagReader
+from lightspeed.checkpoint.writer import CheckpointWriter
 from lightspeed.comm.collectives import Communicator
+
+__all__ = ["MODEL_FILE", "REPLICATED_OPTIM_FILE", "LoadedCheckpoint", "save", "load", "optim_file", "rng_file",
+           "check_tag_agreement"]
+
+logger = get_logger(__name__)
 
 MODEL_FILE = "model_states.pt"
 REPLICATED_OPTIM_FILE = "optim_states.pt"
@@ -61,66 +72,87 @@ def rng_file(dp_rank: int) -> str:
     return f"rng_rank{dp_rank}.pt"
 
 
+def check_tag_agreement(tag: str, comm: Communicator, mode: str = "WARN") -> None:
+    """DeepSpeed's `checkpoint.tag_validation`: every rank must save the same tag. "IGNORE" skips the
+    check; "WARN" logs a mismatch; "FAIL" raises. Collective (one small all-reduce) unless IGNORE."""
+    mode = mode.upper()
+    if mode == "IGNORE" or comm.world_size == 1:
+        return
+    digest = zlib.crc32(tag.encode("utf-8"))
+    both = torch.tensor([digest, -digest], dtype=torch.int64)
+    comm.all_reduce(both, op="max")
+    if int(both[0]) == -int(both[1]):
+        return
+    message = (f"checkpoint tag {tag!r} is not the same on every rank; pass the same tag (e.g. from the step "
+               "count) on all ranks")
+    if mode == "FAIL":
+        raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
+    logger.warning(message)
+
+
 def save(save_dir, tag: str, *, shared: dict[str, Any], strategy_state: dict[str, Any], strategy_replicated: bool,
-         comm: Communicator, dp_rank: int, save_latest: bool = True) -> Path:
+         comm: Communicator, dp_rank: int, save_latest: bool = True, writer: CheckpointWriter | None = None,
+         tag_validation: str = "WARN") -> Path:
+    """Save this rank's part of the engine state as `save_dir/<tag>/` (collective). With a decoupled
+    `writer` the files are written in the background: the tag is complete once `writer.wait(comm)`
+    (or the next save) has returned."""
     tag = validate_tag(tag)
     _check_plain(shared.get("client_state", {}), "client_state")
-    save_dir = Path(save_dir)
-    final, tmp = save_dir / tag, save_dir / f".{tag}.tmp"
+    check_tag_agreement(tag, comm, tag_validation)
+    files: dict[str, Any] = {}
     if dp_rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    comm.barrier()
-    if dp_rank == 0:
-        atomic_torch_save(shared, tmp / MODEL_FILE)
+        files[MODEL_FILE] = shared
     if not strategy_replicated:
-        atomic_torch_save(strategy_state, tmp / optim_file(dp_rank))
+        files[optim_file(dp_rank)] = strategy_state
     elif dp_rank == 0:
-        atomic_torch_save(strategy_state, tmp / optim_file(None))
-    atomic_torch_save(get_rng_state(), tmp / rng_file(dp_rank))
-    comm.barrier()
-    if dp_rank == 0:
-        old = save_dir / f".{tag}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        fsync_dir(save_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            write_latest(save_dir, tag)
-    comm.barrier()
-    return final
+        files[optim_file(None)] = strategy_state
+    files[rng_file(dp_rank)] = get_rng_state()
+    writer = writer if writer is not None else CheckpointWriter()
+    return writer.save(save_dir, tag, files, comm=comm, dp_rank=dp_rank, num_ranks=comm.world_size,
+                       save_latest=save_latest)
 
 
-def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True):
-    """Returns `(path, shared, strategy_state)` or None when there is nothing to load. Restores this
-    rank's RNG state when the checkpoint has one for it."""
+class LoadedCheckpoint(NamedTuple):
+    """Everything `load` read, verified: nothing of it has been applied yet."""
+
+    path: Path
+    shared: dict[str, Any]
+    strategy_state: dict[str, Any]
+    rng_state: dict[str, Any] | None  # None when the checkpoint has none for this rank
+
+
+def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True) -> LoadedCheckpoint | None:
+    """Read and verify this rank's files of `load_dir/<tag>` (tag None: the one `latest` names).
+    Returns None when there is nothing to load (no tag given and no `latest`)."""
     load_dir = Path(load_dir)
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
             return None
     tag = validate_tag(tag)
-    path = load_dir / tag
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
-    shared = safe_torch_load(path / MODEL_FILE)
+    path = tag_dir.resolve(load_dir, tag)
+    if path.name != tag:
+        logger.warning("%s: a save of tag %s was interrupted while replacing it; loading the previous, complete "
+                       "one from %s", load_dir / tag, tag, path)
+    reader = TagReader(path, tag)
+    shared = reader.load(MODEL_FILE, writer_rank=0)
     if not isinstance(shared, dict) or "module" not in shared or "counters" not in shared:
         raise CheckpointError(f"{path / MODEL_FILE}: not a lightspeed model_states file")
     strategy_state: dict[str, Any] = {}
     if load_strategy:
-        replicated = path / optim_file(None)
-        own = path / optim_file(dp_rank)
-        if replicated.exists():
-            strategy_state = safe_torch_load(replicated)
-        elif own.exists():
-            strategy_state = safe_torch_load(own)
+        if reader.lists(optim_file(None), writer_rank=0):
+            strategy_state = reader.load(optim_file(None), writer_rank=0)
+        elif reader.lists(optim_file(dp_rank), writer_rank=dp_rank):
+            strategy_state = reader.load(optim_file(dp_rank), writer_rank=dp_rank)
         else:
             raise CheckpointError(f"{path}: no optimizer state for data-parallel rank {dp_rank} "
                                   f"(neither {REPLICATED_OPTIM_FILE} nor {optim_file(dp_rank)})")
-    rng = path / rng_file(dp_rank)
-    if rng.exists():
-        set_rng_state(safe_torch_load(rng))
-    return path, shared, strategy_state
+    rng_state = None
+    if reader.lists(rng_file(dp_rank), writer_rank=dp_rank):
+        rng_state = reader.load(rng_file(dp_rank), writer_rank=dp_rank)
+        if not isinstance(rng_state, dict):
+            raise CheckpointError(f"{path / rng_file(dp_rank)}: not a lightspeed RNG state file")
+    else:
+        logger.info("%s: no RNG state for data-parallel rank %d (saved by %s ranks); the generators keep their state",
+                    path, dp_rank, reader.num_ranks if reader.num_ranks is not None else "fewer")
+    return LoadedCheckpoint(path, shared, strategy_state, rng_state)

@@ -19,6 +19,8 @@ from lightspeed._utils.sizes import human_bytes
 from lightspeed._utils.timers import Timers
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import atomic_torch_save
+from lightspeed.checkpoint.rng import set_rng_state
+from lightspeed.checkpoint.writer import CheckpointWriter, options_from_config
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.precision.policy import PrecisionPolicy
@@ -59,6 +61,7 @@ class LightspeedEngine(torch.nn.Module):
         self.timers = Timers(device, enabled=bool(config.wall_clock_breakdown))
         self.comm.stats.reset()  # per-step volume counts training traffic, not initialize()'s broadcast
         self.training_dataloader = None
+        self._checkpoint_writer = CheckpointWriter(options_from_config(config.checkpoint))
 
     # ------------------------------------------------------------------ configuration accessors
     def train_batch_size(self) -> int:
@@ -247,8 +250,14 @@ class LightspeedEngine(torch.nn.Module):
         }
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=self.strategy.state_dict(),
                                strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
-                               dp_rank=self.groups.dp_rank, save_latest=save_latest)
+                               dp_rank=self.groups.dp_rank, save_latest=save_latest,
+                               writer=self._checkpoint_writer, tag_validation=self.config.checkpoint.tag_validation)
         return True
+
+    def wait_checkpoint(self) -> None:
+        """Wait for a background (`checkpoint.writer.decoupled`) save to be complete on every rank;
+        raises its error, if any rank's failed. Collective; returns at once when no save is pending."""
+        self._checkpoint_writer.wait(self.comm)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -277,15 +286,18 @@ class LightspeedEngine(torch.nn.Module):
                         load_module_only: bool = False):
         """Restore a checkpoint written by `save_checkpoint`; returns `(path, client_state)`, or
         `(None, None)` when `load_dir` holds no `latest` file and no tag is given."""
+        self.wait_checkpoint()
         loaded = engine_checkpoint.load(load_dir, tag, dp_rank=self.groups.dp_rank,
                                         load_strategy=not load_module_only)
         if loaded is None:
             logger.warning("no checkpoint to load in %s (no 'latest' file and no tag given)", load_dir)
             return None, None
-        path, shared, strategy_state = loaded
+        path, shared, strategy_state, rng_state = loaded
         self.strategy.load_module_state_dict(shared["module"], strict=load_module_strict)
         if load_module_only:
             self.strategy.load_state_dict({}, load_optimizer_states=False)
+            if rng_state is not None:
+                set_rng_state(rng_state)
             return path, shared.get("client_state", {})
         self.strategy.load_state_dict(strategy_state, load_optimizer_states=load_optimizer_states)
         if load_lr_scheduler_states and self.lr_scheduler is not None and shared.get("lr_scheduler") is not None:
@@ -297,4 +309,6 @@ class LightspeedEngine(torch.nn.Module):
         self.global_samples = counters["global_samples"]
         self.micro_steps = counters["micro_steps"]
         self.skipped_steps = counters["skipped_steps"]
+        if rng_state is not None:
+            set_rng_state(rng_state)
         return path, shared.get("client_state", {})

@@ -239,7 +239,7 @@ class CheckpointWriter:
         copies: dict[tuple[str, int], torch.UntypedStorage] = {}
         cuda = {"used": False}
 
-        def copy(t: torch.Tensor) -> torch.Tensor:
+        def copy_tensor(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
             key = (str(storage.device), storage.data_ptr())
             if key not in copies:
@@ -252,7 +252,7 @@ class CheckpointWriter:
 
         def walk(o: Any) -> Any:
             if torch.is_tensor(o):
-                return copy(o.detach())
+                return copy_tensor(o.detach())
             if isinstance(o, dict):
                 out = copy.copy(o)  # keeps the mapping type (OrderedDict, defaultdict, ...)
                 for k, v in o.items():

@@ -34,7 +34,7 @@ import os
 import shutil
 from pathlib import Path
 
-from lightspeed.checkpoint.atomic import _fault_point, fsync_dir, validate_tag, write_latest
+from lightspeed.checkpoint.atomic import LATEST_FILENAME, _TEMP_MARK, _fault_point, fsync_dir, validate_tag, write_latest
 from lightspeed.checkpoint.errors import CheckpointError
 
 __all__ = ["staging_dir", "old_dir", "prepare", "publish", "resolve"]
@@ -59,12 +59,16 @@ def _recover(save_dir: Path, tag: str) -> None:
 
 
 def prepare(save_dir: str | os.PathLike, tag: str) -> Path:
-    """Rank 0, before any rank writes: finish any publish of `tag` that a crash interrupted, and make
-    a fresh, empty staging directory. Returns the staging directory."""
+    """Rank 0, before any rank writes: finish any publish of `tag` that a crash interrupted, clear
+    temp files of an interrupted `latest` write, and make a fresh, empty staging directory. Returns
+    the staging directory."""
     tag = validate_tag(tag)
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     _recover(save_dir, tag)
+    for entry in os.scandir(save_dir):  # temp files of a `latest` write that a crash cut short
+        if entry.name.startswith(f".{LATEST_FILENAME}{_TEMP_MARK}") and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
     staging = staging_dir(save_dir, tag)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()

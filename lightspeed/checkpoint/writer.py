@@ -158,7 +158,7 @@ class CheckpointWriter:
         error = self._run_job(job)
         if error is not None:
             self._error = error
-            logger.error("background checkpoint save of tag %s failed on rank %d: %s", job.tag, job.dp_rank, error)
+            logger.error("background checkpoint save of tag %s failed: %s", job.tag, error)
 
     def _run_job(self, job: _Job) -> BaseException | None:
         staging = tag_dir.staging_dir(job.save_dir, job.tag)

@@ -19,7 +19,6 @@ is loaded with `weights_only=True`: no code in a checkpoint runs.
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,17 +73,16 @@ def rng_file(dp_rank: int) -> str:
 
 def check_tag_agreement(tag: str, comm: Communicator, mode: str = "WARN") -> None:
     """DeepSpeed's `checkpoint.tag_validation`: every rank must save the same tag. "IGNORE" skips the
-    check; "WARN" logs a mismatch; "FAIL" raises. Collective (one small all-reduce) unless IGNORE."""
+    check; "WARN" logs a mismatch; "FAIL" raises. Collective (one small object all-gather) unless IGNORE."""
     mode = mode.upper()
     if mode == "IGNORE" or comm.world_size == 1:
         return
-    digest = zlib.crc32(tag.encode("utf-8"))
-    both = torch.tensor([digest, -digest], dtype=torch.int64)
-    comm.all_reduce(both, op="max")
-    if int(both[0]) == -int(both[1]):
+    tags = comm.all_gather_object(tag)
+    if len(set(tags)) == 1:
         return
-    message = (f"checkpoint tag {tag!r} is not the same on every rank; pass the same tag (e.g. from the step "
-               "count) on all ranks")
+    shown = ", ".join(f"{t!r}" for t in sorted(set(tags))[:4])
+    message = (f"checkpoint tag {tag!r} is not the same on every rank (saw {shown}); pass the same tag (e.g. from "
+               "the step count) on all ranks")
     if mode == "FAIL":
         raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
     logger.warning(message)

@@ -72,7 +72,7 @@ class WriterOptions:
 
     decoupled: bool = False
     show_statistics: bool = False
-    commit_timeout_s: float = 1800.0
+    commit_timeout_s: float = 600.0
 
 
 @dataclass
@@ -214,17 +214,17 @@ class CheckpointWriter:
             pass  # the staging directory itself may be what failed; rank 0 then times out
 
     def _agree(self, comm: Communicator, job: _Job, error: BaseException | None) -> None:
-        flags = torch.zeros(comm.world_size, dtype=torch.int32)
-        flags[comm.rank] = 0 if error is None else 1
-        comm.all_reduce(flags)
-        failed = [r for r, f in enumerate(flags.tolist()) if f]
+        # An object all-gather, not a tensor all-reduce: it runs on gloo and NCCL alike (a CPU tensor
+        # cannot go through NCCL, and the writer does not know the device), and carries the reasons.
+        mine = None if error is None else f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        outcomes = comm.all_gather_object(mine)
+        failed = [r for r, reason in enumerate(outcomes) if reason is not None]
         if error is not None:
             if isinstance(error, CheckpointError):
                 raise error
-            raise CheckpointError(f"saving tag {job.tag} failed on rank {job.dp_rank}: "
-                                  f"{type(error).__name__}: {error}") from error
+            raise CheckpointError(f"saving tag {job.tag} failed on rank {job.dp_rank}: {mine}") from error
         if failed:
-            raise CheckpointError(f"saving tag {job.tag} failed on rank(s) {failed} (see their logs); "
+            raise CheckpointError(f"saving tag {job.tag} failed on rank(s) {failed} ({outcomes[failed[0]]}); "
                                   "`latest` was not moved to it")
 
     def _report(self, stats: SaveStats) -> None:

@@ -117,9 +117,7 @@ class CheckpointWriter:
         self.wait(comm)
         start = time.perf_counter()
         save_dir = Path(save_dir)
-        if dp_rank == 0:
-            tag_dir.prepare(save_dir, tag)
-        comm.barrier()  # the staging directory exists before any rank writes into it
+        self._prepare(save_dir, tag, comm, dp_rank)  # the staging directory exists before any rank writes
         stats = SaveStats(tag)
         if not self.options.decoupled:
             job = _Job(save_dir, tag, files, dp_rank, num_ranks, save_latest, None, stats)
@@ -128,13 +126,30 @@ class CheckpointWriter:
             stats.stall_s = time.perf_counter() - start
             self._report(stats)
             return save_dir / tag
-        snapshot, ready = self._snapshot(files)
-        job = _Job(save_dir, tag, snapshot, dp_rank, num_ranks, save_latest, ready, stats)
+        job = _Job(save_dir, tag, {}, dp_rank, num_ranks, save_latest, None, stats)
         self._pending, self._error = job, None
+        try:
+            job.files, job.ready = self._snapshot(files)
+        except Exception as err:  # e.g. out of pinned memory: an error of this save like any other,
+            self._error = err  # reported on every rank at the next save or wait, as the other ranks
+            self._mark_failed(tag_dir.staging_dir(save_dir, tag), dp_rank, err)  # have started theirs
+            logger.error("background checkpoint save of tag %s failed: %s", tag, err)
+            return save_dir / tag
         self._thread = threading.Thread(target=self._background, args=(job,), name=f"lightspeed-ckpt-{tag}")
         self._thread.start()
         stats.stall_s = time.perf_counter() - start
         return save_dir / tag
+
+    def _prepare(self, save_dir: Path, tag: str, comm: Communicator, dp_rank: int) -> None:
+        error = None
+        if dp_rank == 0:
+            try:
+                tag_dir.prepare(save_dir, tag)
+            except OSError as err:
+                error = f"cannot prepare {tag_dir.staging_dir(save_dir, tag)}: {err}"
+        outcomes = comm.all_gather_object(error)  # a barrier that also tells every rank if rank 0 failed
+        if outcomes[0] is not None:
+            raise CheckpointError(f"saving tag {tag}: rank 0 {outcomes[0]}")
 
     def wait(self, comm: Communicator) -> None:
         """Block until the previous background save is complete on every rank; raise (on every rank)
@@ -142,7 +157,8 @@ class CheckpointWriter:
         job = self._pending
         if job is None:
             return
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self._thread, self._pending = None, None
         error, self._error = self._error, None
         self._pool_return()

@@ -33,6 +33,9 @@ def _tags(root: Path, tag: str | None, every: bool) -> list[tuple[Path, str]]:
 
     if every:
         found = sorted((p, p.name) for p in root.iterdir() if not p.name.startswith(".") and _is_tag_dir(p))
+        # a tag whose overwrite was killed between its renames lives on as `.<tag>.old` (tag_dir's Note)
+        found += sorted((p, p.name[1:-4]) for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".old")
+                        and not (root / p.name[1:-4]).exists() and _is_tag_dir(p))
         if not found:
             raise CheckpointError(f"{root}: no tag directories with checksum manifests")
         return found

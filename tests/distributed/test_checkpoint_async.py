@@ -145,6 +145,26 @@ def _failing_worker(root: str):
         engine.save_checkpoint(root, tag=f"rank{rank}")
     except CheckpointError as err:
         report["tag_validation"] = str(err)
+    # a snapshot that fails on one rank (out of host memory, say) is reported like a writer error
+    if rank == 1:
+        engine._checkpoint_writer._snapshot = lambda files: (_ for _ in ()).throw(MemoryError("no pinned memory"))
+    engine.save_checkpoint(root, tag="snap")
+    try:
+        engine.wait_checkpoint()
+    except CheckpointError as err:
+        report["snapshot"] = str(err)
+    if rank == 1:
+        del engine._checkpoint_writer._snapshot
+    # rank 0 cannot even make the staging directory: every rank hears it at once
+    if rank == 0:
+        with open(os.path.join(root, "a_file"), "w") as f:
+            f.write("not a directory")
+    dist.barrier()
+    try:
+        engine.save_checkpoint(os.path.join(root, "a_file"), tag="x")
+    except CheckpointError as err:
+        report["prepare"] = str(err)
+    report["final_latest"] = read_latest(root)
     return report
 
 
@@ -162,6 +182,9 @@ def test_writer_errors_reach_every_rank(tmp_path):
         assert report["latest_after_failures"] == "good"
         assert report["latest"] == "recovered"
         assert "not the same on every rank" in report["tag_validation"]
+        assert "no pinned memory" in report["snapshot"], report
+        assert "rank 0 cannot prepare" in report["prepare"], report
+        assert report["final_latest"] == "recovered"
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
     assert verify_tag(tmp_path / "recovered", "recovered")[0] == []
 

@@ -236,8 +236,8 @@ class CheckpointWriter:
         outcomes = comm.all_gather_object(mine)
         failed = [r for r, reason in enumerate(outcomes) if reason is not None]
         if error is not None:
-            if isinstance(error, CheckpointError):
-                raise error
+            if isinstance(error, CheckpointError) or not isinstance(error, Exception):
+                raise error  # KeyboardInterrupt and friends stay what they are
             raise CheckpointError(f"saving tag {job.tag} failed on rank {job.dp_rank}: {mine}") from error
         if failed:
             raise CheckpointError(f"saving tag {job.tag} failed on rank(s) {failed} ({outcomes[failed[0]]}); "

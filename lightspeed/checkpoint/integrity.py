@@ -80,15 +80,18 @@ def _torch_computes_crc() -> bool:
 def _central_directory_crc(f, size: int) -> int:
     """CRC-32 of everything from the central directory's start to the end of the file."""
     with zipfile.ZipFile(f) as z:
-        infos = z.infolist()
-    start = _central_directory_start(f, size, infos)
+        start = getattr(z, "start_dir", None)  # where zipfile found the directory (zip64 included)
+    if not isinstance(start, int):
+        start = _central_directory_start(f, size)
+    if not 0 <= start <= size:
+        raise zipfile.BadZipFile(f"central directory offset {start} outside the file")
     f.seek(start)
     return zlib.crc32(f.read(size - start))
 
 
-def _central_directory_start(f, size: int, infos: list[zipfile.ZipInfo]) -> int:
+def _central_directory_start(f, size: int) -> int:
     # The end-of-central-directory record (and the zip64 one, which torch writes for large files)
-    # says where the directory starts; zipfile does not expose it, so read the record ourselves.
+    # says where the directory starts; read it ourselves where zipfile does not say.
     tail = min(size, 1 << 16)
     f.seek(size - tail)
     data = f.read(tail)

@@ -240,6 +240,9 @@ def test_verify_command_names_file_and_tensor(ckpt, capsys):
     assert cli_main(["checkpoint", "verify", str(ckpt / "z0")]) == 0  # a tag directory directly
     assert cli_main(["checkpoint", "verify", str(ckpt), "--tag", "nope"]) == 1
     assert "checkpoint directory not found" in capsys.readouterr().out
+    assert cli_main(["checkpoint", "verify", str(ckpt), "--tag", "z2", "--all"]) == 2
+    assert cli_main(["checkpoint", "verify", str(ckpt / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
 
 
 def test_checkpoint_without_manifests_loads_with_a_warning(ckpt, ls_caplog):

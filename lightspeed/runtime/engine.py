@@ -232,7 +232,8 @@ class LightspeedEngine(torch.nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`."""
+        """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
+        `checkpoint.writer.decoupled` from a host snapshot in the background (see `wait_checkpoint`)."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         module_state = self.strategy.module_state_dict()
         if exclude_frozen_parameters:

@@ -32,7 +32,10 @@ Note (completing a save without collectives in the writer thread):
     owned by the writer (pinned when it comes from CUDA, so the copy is asynchronous on the current
     stream and the job waits on an event), keeping views of one storage views of one copy, so the
     files load exactly as a synchronous save's. Buffers are reused by the next save of the same
-    sizes. Training may change the originals as soon as `save` returns.
+    sizes. Training may change the originals as soon as `save` returns. The thread does not hold the
+    training thread up: torch's file writer releases the GIL while it writes a record (during a 1 GiB
+    background torch.save, the training thread's longest wait was 0.14 s; torch 2.13, 2 busy CPU
+    cores, 2026-12-01), so what a background save costs training is CPU and disk bandwidth.
 """
 
 from __future__ import annotations

@@ -309,10 +309,12 @@ class _Stub:
 
     qualname = ""
 
-    def __init__(self, *args):
-        self.args = args
-        self.items: dict[Any, Any] = {}
-        self.state: Any = None
+    def __new__(cls, *args, **kwargs):  # REDUCE calls the class, NEWOBJ only its __new__: set up here
+        self = object.__new__(cls)
+        self.args = args + tuple(kwargs.values())
+        self.items = {}
+        self.state = None
+        return self
 
     def __setstate__(self, state):
         self.state = state

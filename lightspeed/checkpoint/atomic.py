@@ -130,8 +130,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj, path)``, atomically (see the Note in this module)."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
+    """``torch.save(obj, path)``, atomically (see the Note in this module). torch writes the temp file
+    by name: its C++ writer is about 3x faster than writing through a Python file object while it
+    computes the zip records' CRC-32s (1.1 against 0.38 GB/s, 2 CPU cores, 2026-12-01)."""
+    atomic_write_via(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _weights_only_reason(err: Exception) -> str:

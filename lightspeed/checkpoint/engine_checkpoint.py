@@ -1,32 +1,42 @@
-"""Engine checkpoints on disk: the layout of `save_dir/<tag>/` and the protocol that makes a save
-atomic across ranks.
+"""Engine checkpoints on disk: the layout of `save_dir/<tag>/`, and save / load of an engine's state
+through the writer (checksums, atomic publish, optional background writing) and the tag reader.
 
 Layout of a tag directory:
     model_states.pt         rank 0: module state_dict, LR scheduler, loss scaler, counters, client_state
     optim_states.pt         rank 0, when the strategy's state is the same on every rank (stage 0)
     optim_states_rank<R>.pt every rank, when each holds its own part (sharded stages)
     rng_rank<R>.pt          every rank: its python / torch / CUDA (/ numpy) RNG states
+    checksums_rank<R>.json  every rank, written last: size and CRC-32s of each file that rank wrote
 
-Note (atomic save): every rank writes into `save_dir/.<tag>.tmp/`; after a barrier rank 0 swaps that
-directory in place of `save_dir/<tag>` (renames are atomic) and only then writes `latest`. A save
-killed at any point therefore leaves `latest` naming a complete checkpoint, and a tag that is being
-overwritten is either the old one or the new one, never a mix. Everything is loaded with
-`weights_only=True`: no code in a checkpoint runs.
+Note (atomic save, verified load): every rank writes into `save_dir/.<tag>.tmp/`; rank 0 publishes
+it as `save_dir/<tag>` once every rank's manifest is there, and only then writes `latest`
+(tag_dir.py and writer.py say how, and why a kill at any instant leaves `latest` naming a complete
+checkpoint, old or new). `load` reads and verifies every file it returns before it returns; a
+damaged, truncated or missing file is one `CheckpointError` naming the file (and the tensor), and
+nothing is applied to the caller's state: even the RNG state is handed back, not set. Everything
+is loaded with `weights_only=True`: no code in a checkpoint runs.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from lightspeed.checkpoint.atomic import atomic_torch_save, fsync_dir, read_latest, safe_torch_load, validate_tag, write_latest
+from lightspeed._utils.logging import get_logger
+from lightspeed.checkpoint import tag_dir
+from lightspeed.checkpoint.atomic import read_latest, validate_tag
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.rng import get_rng_state
+from lightspeed.checkpoint.tag_reader import TagReader
+from lightspeed.checkpoint.writer import CheckpointWriter
 from lightspeed.comm.collectives import Communicator
+
+__all__ = ["MODEL_FILE", "REPLICATED_OPTIM_FILE", "LoadedCheckpoint", "save", "load", "optim_file", "rng_file",
+           "check_tag_agreement"]
+
+logger = get_logger(__name__)
 
 MODEL_FILE = "model_states.pt"
 REPLICATED_OPTIM_FILE = "optim_states.pt"
@@ -61,71 +71,112 @@ def rng_file(dp_rank: int) -> str:
     return f"rng_rank{dp_rank}.pt"
 
 
+def check_tag_agreement(tag: str, comm: Communicator, mode: str = "WARN") -> None:
+    """DeepSpeed's `checkpoint.tag_validation`: every rank must save the same tag. "IGNORE" skips the
+    check; "WARN" logs a mismatch; "FAIL" raises. Collective (one small object all-gather) unless IGNORE."""
+    mode = mode.upper()
+    if mode == "IGNORE" or comm.world_size == 1:
+        return
+    tags = comm.all_gather_object(tag)
+    if len(set(tags)) == 1:
+        return
+    shown = ", ".join(f"{t!r}" for t in sorted(set(tags))[:4])
+    message = (f"checkpoint tag {tag!r} is not the same on every rank (saw {shown}); pass the same tag (e.g. from "
+               "the step count) on all ranks")
+    if mode == "FAIL":
+        raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
+    logger.warning(message)
+
+
 def save(save_dir, tag: str, *, shared: dict[str, Any], strategy_state: dict[str, Any], strategy_replicated: bool,
-         comm: Communicator, dp_rank: int, save_latest: bool = True) -> Path:
+         comm: Communicator, dp_rank: int, save_latest: bool = True, writer: CheckpointWriter | None = None,
+         tag_validation: str = "WARN") -> Path:
+    """Save this rank's part of the engine state as `save_dir/<tag>/` (collective). With a decoupled
+    `writer` the files are written in the background: the tag is complete once `writer.wait(comm)`
+    (or the next save) has returned."""
     tag = validate_tag(tag)
     _check_plain(shared.get("client_state", {}), "client_state")
-    save_dir = Path(save_dir)
-    final, tmp = save_dir / tag, save_dir / f".{tag}.tmp"
+    check_tag_agreement(tag, comm, tag_validation)
+    files: dict[str, Any] = {}
     if dp_rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    comm.barrier()
-    if dp_rank == 0:
-        atomic_torch_save(shared, tmp / MODEL_FILE)
+        files[MODEL_FILE] = shared
     if not strategy_replicated:
-        atomic_torch_save(strategy_state, tmp / optim_file(dp_rank))
+        files[optim_file(dp_rank)] = strategy_state
     elif dp_rank == 0:
-        atomic_torch_save(strategy_state, tmp / optim_file(None))
-    atomic_torch_save(get_rng_state(), tmp / rng_file(dp_rank))
-    comm.barrier()
-    if dp_rank == 0:
-        old = save_dir / f".{tag}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        fsync_dir(save_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            write_latest(save_dir, tag)
-    comm.barrier()
-    return final
+        files[optim_file(None)] = strategy_state
+    files[rng_file(dp_rank)] = get_rng_state()
+    writer = writer if writer is not None else CheckpointWriter()
+    return writer.save(save_dir, tag, files, comm=comm, dp_rank=dp_rank, num_ranks=comm.world_size,
+                       save_latest=save_latest)
 
 
-def strategy_files(path: Path) -> list[Path]:
-    """The optimizer-state files of a tag: the replicated one, or one per data-parallel rank of the run
-    that saved it (all of them: a run at another world size reads parts of each)."""
-    replicated = path / optim_file(None)
-    if replicated.exists():
-        return [replicated]
-    ranks = sorted(int(p.name[len("optim_states_rank"):-3]) for p in path.glob("optim_states_rank*.pt")
-                   if p.name[len("optim_states_rank"):-3].isdigit())
+def strategy_files(reader: TagReader) -> list[tuple[str, int]]:
+    """The optimizer-state files of a tag as (file name, writer rank): the replicated one, or one per
+    data-parallel rank of the run that saved it (all of them: a run at another world size reads parts of
+    each)."""
+    if reader.lists(optim_file(None), writer_rank=0):
+        return [(optim_file(None), 0)]
+    if reader.num_ranks is not None:
+        ranks = list(range(reader.num_ranks))
+    else:  # no manifests: the files present say how many ranks wrote
+        found = [p.name[len("optim_states_rank"):-3] for p in reader.path.glob("optim_states_rank*.pt")]
+        ranks = sorted(int(r) for r in found if r.isdigit())
+        if ranks != list(range(len(ranks))):
+            missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+            raise CheckpointError(f"{reader.path}: optimizer-state file of data-parallel rank {missing[0]} is missing")
     if not ranks:
-        raise CheckpointError(f"{path}: no optimizer state (neither {REPLICATED_OPTIM_FILE} nor "
-                              f"optim_states_rank<R>.pt)")
-    if ranks != list(range(len(ranks))):
-        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
-        raise CheckpointError(f"{path}: optimizer-state file of data-parallel rank {missing[0]} is missing")
-    return [path / optim_file(r) for r in ranks]
+        raise CheckpointError(f"{reader.path}: no optimizer state (neither {REPLICATED_OPTIM_FILE} nor "
+                              "optim_states_rank<R>.pt)")
+    for r in ranks:
+        if not reader.lists(optim_file(r), writer_rank=r):
+            raise CheckpointError(f"{reader.path / optim_file(r)}: optimizer-state file of data-parallel rank {r} "
+                                  "is missing")
+    return [(optim_file(r), r) for r in ranks]
 
 
-def load(load_dir, tag: str | None, *, dp_rank: int):
-    """Returns `(path, shared, rng_state)` or None when there is nothing to load. `rng_state` is this
-    rank's saved RNG state, or None when the run that saved had no rank of this number (another world
-    size); nothing is applied here: the engine applies it once everything has been read."""
+class LoadedCheckpoint(NamedTuple):
+    """What `load` read, verified (nothing of it applied yet), and the reader for the tag's other files."""
+
+    path: Path
+    shared: dict[str, Any]
+    strategy_state: dict[str, Any]  # this rank's own optimizer-state file ({} unless asked for)
+    rng_state: dict[str, Any] | None  # None when the checkpoint has none for this rank
+    reader: TagReader
+
+
+def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True) -> LoadedCheckpoint | None:
+    """Read and verify the shared file and this rank's RNG state of `load_dir/<tag>` (tag None: the one
+    `latest` names), and with `load_strategy` this rank's own optimizer-state file; every optimizer-state
+    file can be read through `reader` (`strategy_files`), verified as it is opened (what the engine does:
+    a run at another world size reads parts of each). Returns None when there is nothing to load (no tag
+    given and no `latest`)."""
     load_dir = Path(load_dir)
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
             return None
     tag = validate_tag(tag)
-    path = load_dir / tag
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
-    shared = safe_torch_load(path / MODEL_FILE)
+    path = tag_dir.resolve(load_dir, tag)
+    if path.name != tag:
+        logger.warning("%s: a save of tag %s was interrupted while replacing it; loading the previous, complete "
+                       "one from %s", load_dir / tag, tag, path)
+    reader = TagReader(path, tag)
+    shared = reader.load(MODEL_FILE, writer_rank=0)
     if not isinstance(shared, dict) or "module" not in shared or "counters" not in shared:
         raise CheckpointError(f"{path / MODEL_FILE}: not a lightspeed model_states file")
-    rng = path / rng_file(dp_rank)
-    return path, shared, (safe_torch_load(rng) if rng.exists() else None)
+    strategy_state: dict[str, Any] = {}
+    if load_strategy:
+        name, writer = next(((n, r) for n, r in strategy_files(reader) if r == dp_rank or n == optim_file(None)),
+                            (None, None))
+        if name is None:
+            raise CheckpointError(f"{path}: no optimizer state for data-parallel rank {dp_rank}")
+        strategy_state = reader.load(name, writer_rank=writer)
+    rng_state = None
+    if reader.lists(rng_file(dp_rank), writer_rank=dp_rank):
+        rng_state = reader.load(rng_file(dp_rank), writer_rank=dp_rank)
+        if not isinstance(rng_state, dict):
+            raise CheckpointError(f"{path / rng_file(dp_rank)}: not a lightspeed RNG state file")
+    else:
+        logger.info("%s: no RNG state for data-parallel rank %d (saved by %s ranks); the generators keep their state",
+                    path, dp_rank, reader.num_ranks if reader.num_ranks is not None else "fewer")
+    return LoadedCheckpoint(path, shared, strategy_state, rng_state, reader)

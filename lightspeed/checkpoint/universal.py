@@ -35,7 +35,6 @@ import torch
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint import engine_checkpoint
-from lightspeed.checkpoint.atomic import safe_torch_load
 from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource, is_deepspeed_checkpoint
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.source import MASTER_KEY
@@ -68,17 +67,18 @@ def _scalar(value: Any) -> Any:
 
 
 class LightspeedSource:
-    """A lightspeed checkpoint tag (`shared`: its model_states; `files`: the paths of its optimizer-state
-    files) as a `TrainingStateSource`. Files are mapped lazily and checked as they are opened."""
+    """A lightspeed checkpoint tag (`shared`: its model_states; `files`: its optimizer-state files as
+    (name, writer rank), read through `reader`, which verifies each against its checksums) as a
+    `TrainingStateSource`. Tensors are mapped (mmap), so only the elements read are brought in."""
 
-    def __init__(self, shared: dict[str, Any], files: list[Path]):
+    def __init__(self, shared: dict[str, Any], files: list[tuple[str, int]], reader):
         self.shared = shared
-        self.paths = list(files)
+        self.paths = [reader.path / name for name, _ in files]
         self.states: list[dict[str, Any]] = []
         self.index: dict[str, list[_Saved]] = {}
         self.order: list[str] = []
-        for i, path in enumerate(self.paths):
-            state = safe_torch_load(path, mmap=True)
+        for i, ((name, writer_rank), path) in enumerate(zip(files, self.paths)):
+            state = reader.load(name, writer_rank=writer_rank, mmap=True)
             if not isinstance(state, dict) or state.get("format") != FORMAT:
                 raise CheckpointError(f"{path}: not a lightspeed optimizer-state file of the fragments layout "
                                       "(written by an older lightspeed, or not a checkpoint file)")
@@ -196,11 +196,11 @@ def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_nam
     if is_deepspeed_checkpoint(load_dir):
         source = DeepSpeedCheckpointSource(load_dir, tag, param_names=param_names)
         return Path(source.path), source, None
-    loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank)
+    loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank, load_strategy=False)
     if loaded is None:
         return None
-    path, shared, rng = loaded
-    return path, LightspeedSource(shared, engine_checkpoint.strategy_files(path)), rng
+    files = engine_checkpoint.strategy_files(loaded.reader)
+    return loaded.path, LightspeedSource(loaded.shared, files, loaded.reader), loaded.rng_state
 
 
 def _numel(shape) -> int:

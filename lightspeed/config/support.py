@@ -8,7 +8,8 @@ entry at once, e.g. ``zero_optimization.stage=2 is not implemented yet``.
 Implemented today, hence absent: the batch triad, steps_per_print, wall_clock_breakdown,
 gradient_clipping, prescale_gradients, gradient_predivide_factor, optimizer, scheduler, fp16 (not
 auto_cast, not fp16_master_weights_and_grads), bf16, ZeRO stage 0, data_types.grad_accum_dtype,
-communication_data_type, checkpoint.tag_validation, memory_breakdown, dump_state; also
+communication_data_type, checkpoint.tag_validation, checkpoint.writer (type PYTHON, decoupled, show_statistics),
+memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``) and flops_profiler (``lightspeed.profiling``).
@@ -124,7 +125,17 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("checkpoint.load_universal"),
     _flag("checkpoint.use_node_local_storage"),
     _flag("checkpoint.parallel_write.pipeline_stage"),
-    _set("checkpoint.writer"),
+    Unimplemented(
+        "checkpoint.writer.type",
+        lambda cfg: cfg.checkpoint.writer is not None and cfg.checkpoint.writer.type != "PYTHON",
+        lambda cfg: f"checkpoint.writer.type={show(cfg.checkpoint.writer.type)} (DeepSpeed's "
+        + ("DeepNVMe writer through pinned I/O buffers" if cfg.checkpoint.writer.type == "FAST" else "writer that writes nothing")
+        + '; "PYTHON", decoupled or not, is built)',
+    ),
+    _set("checkpoint.writer.data_parallel"),
+    _above("checkpoint.writer.io_multiplier", 1),
+    Unimplemented("checkpoint.checkpoint_serialization", lambda cfg: cfg.checkpoint.checkpoint_serialization is False,
+                  lambda cfg: "checkpoint.checkpoint_serialization=false (torch's legacy, non-zip file format)"),
     _flag("elasticity.enabled"),
     _flag("autotuning.enabled"),
     _flag("hybrid_engine.enabled"),

@@ -3,7 +3,8 @@
 ``lightspeed [launcher options] script.py [script args]`` starts a training script on this node or on
 every host of a hostfile, with the options of DeepSpeed's `deepspeed` command. Subcommands, named
 first: ``lightspeed demo``, ``lightspeed report``, ``lightspeed config check|show FILE``, ``lightspeed convert
-to-fp32 CKPT_DIR OUT``. (A script named like a subcommand is run as ``lightspeed ./report``.)
+to-fp32 CKPT_DIR OUT``, ``lightspeed checkpoint verify DIR``. (A script named like a subcommand is run as
+``lightspeed ./report``.)
 
 Must not import torch (or anything that does) while parsing, so `lightspeed --help` and argument
 errors stay instant; each command imports what it needs inside its function. Bad input is one line
@@ -24,7 +25,7 @@ from lightspeed.launcher.hostfile import DEFAULT_HOSTFILE, describe_slots
 
 # A subcommand gets its parsed arguments and the arguments meant for the script it runs; returns an exit status.
 Command = Callable[[argparse.Namespace, list[str]], int]
-SUBCOMMANDS = ("demo", "report", "config", "convert")
+SUBCOMMANDS = ("demo", "report", "config", "convert", "checkpoint")
 LAUNCHER_CHOICES = ("pdsh", "ssh", "openmpi", "slurm", "local")
 
 
@@ -55,13 +56,13 @@ def build_launch_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="lightspeed", allow_abbrev=False,
         usage="lightspeed [launcher options] script.py [script args]\n"
-              "       lightspeed {demo,report,config,convert} ...",
+              "       lightspeed {demo,report,config,convert,checkpoint} ...",
         description="Run a training script on this node's GPUs (or CPU processes), or on every host of a "
                     "hostfile, through torch.distributed's elastic agent. Options are DeepSpeed's.",
         epilog="subcommands: `lightspeed demo` trains a small GPT; `lightspeed report` shows versions, GPUs "
                "and which kernels can run here; `lightspeed config check|show FILE` validates or resolves "
-               "a ds_config; `lightspeed convert to-fp32 CKPT OUT` consolidates a checkpoint into fp32 weights. "
-               "Each has --help.",
+               "a ds_config; `lightspeed convert to-fp32 CKPT OUT` consolidates a checkpoint into fp32 weights; "
+               "`lightspeed checkpoint verify DIR` checks a checkpoint's checksums. Each has --help.",
     )
     add = p.add_argument
     add("-H", "--hostfile", default=None,
@@ -196,8 +197,14 @@ def run_convert(args: argparse.Namespace, script_args: list[str]) -> int:
     return 0
 
 
+def run_checkpoint(args: argparse.Namespace, script_args: list[str]) -> int:
+    from lightspeed.launcher.checkpoint_cmd import checkpoint_verify
+
+    return checkpoint_verify(args.dir, args.tag, args.all)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The subcommands' parser (`demo`, `report`, `config`, `convert`)."""
+    """The subcommands' parser (`demo`, `report`, `config`, `convert`, `checkpoint`)."""
     parser = _Parser(prog="lightspeed", description="Fast, memory-efficient training of large PyTorch models.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
@@ -252,6 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     to_fp32.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                          help="dtype of the floating tensors written (default: fp32)")
     to_fp32.set_defaults(func=run_convert)
+
+    checkpoint = commands.add_parser("checkpoint", help="verify a saved engine checkpoint",
+                                     description="Tools for engine checkpoints written by save_checkpoint.")
+    ckpt_actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
+    text = ("check every file of a checkpoint tag against its checksum manifests (size, CRC-32 of every tensor "
+            "and of the pickled structure); exit 1 if anything does not match")
+    verify = ckpt_actions.add_parser("verify", help=text, description=text[0].upper() + text[1:] + ".")
+    verify.add_argument("dir", help="the save directory (holding `latest`), or a tag directory")
+    verify.add_argument("--tag", default=None, help="the tag to verify (default: the one `latest` names)")
+    verify.add_argument("--all", action="store_true", help="verify every tag directory in DIR")
+    verify.set_defaults(func=run_checkpoint)
     return parser
 
 

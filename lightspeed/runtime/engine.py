@@ -25,6 +25,7 @@ from lightspeed.checkpoint.module_state import check_module_state
 from lightspeed.checkpoint.rng import set_rng_state
 from lightspeed.checkpoint.universal import apply_training_state, open_source, read_training_state
 from lightspeed.zero.fragments import first_names
+from lightspeed.checkpoint.writer import CheckpointWriter, options_from_config
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.monitor import MonitorMaster
@@ -73,6 +74,7 @@ class LightspeedEngine(torch.nn.Module):
         self.timers = Timers(device, enabled=bool(config.wall_clock_breakdown or config.flops_profiler.enabled))
         self.comm.stats.reset()  # per-step volume counts training traffic, not initialize()'s broadcast
         self.training_dataloader = None
+        self._checkpoint_writer = CheckpointWriter(options_from_config(config.checkpoint))
 
     # ------------------------------------------------------------------ configuration accessors
     def train_batch_size(self) -> int:
@@ -279,7 +281,8 @@ class LightspeedEngine(torch.nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`."""
+        """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
+        `checkpoint.writer.decoupled` from a host snapshot in the background (see `wait_checkpoint`)."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         module_state = self.strategy.module_state_dict()
         frozen: set[str] = set()
@@ -299,7 +302,8 @@ class LightspeedEngine(torch.nn.Module):
         }
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=self.strategy.state_dict(),
                                strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
-                               dp_rank=self.groups.dp_rank, save_latest=save_latest)
+                               dp_rank=self.groups.dp_rank, save_latest=save_latest,
+                               writer=self._checkpoint_writer, tag_validation=self.config.checkpoint.tag_validation)
         return True
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
@@ -320,6 +324,11 @@ class LightspeedEngine(torch.nn.Module):
     def compile(self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled: bool = False):
         raise NotImplementedError("engine.compile(): compiling the engine (DeepSpeed's engine.compile and "
                                   "DeepCompile) is not implemented in lightspeed yet")
+
+    def wait_checkpoint(self) -> None:
+        """Wait for a background (`checkpoint.writer.decoupled`) save to be complete on every rank;
+        raises its error, if any rank's failed. Collective; returns at once when no save is pending."""
+        self._checkpoint_writer.wait(self.comm)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -350,6 +359,7 @@ class LightspeedEngine(torch.nn.Module):
         stage; returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file
         and no tag is given. Everything is read and checked on every rank before anything changes: a
         load that fails raises on every rank and leaves the engine as it was."""
+        self.wait_checkpoint()
         try:
             trainable = [n for n, p in self.module.named_parameters() if p.requires_grad]
             self._first_name = {n: first_names(self.module)[id(p)]
@@ -381,6 +391,8 @@ class LightspeedEngine(torch.nn.Module):
         self.strategy.load_module_state_dict(module_state, strict=False)  # checked above, before any change
         if load_module_only:
             self.strategy.masters_from_params()
+            if rng is not None:
+                set_rng_state(rng)
             return path, client_state
         apply_training_state(read, self.optimizer)
         self.strategy.masters_loaded()

@@ -122,11 +122,12 @@ CRASH_CHILD = textwrap.dedent('''
 
 
 # Each atomic file write passes "begin", "temp_written", "replaced"; a world-size-1 save writes
-# model_states (1st), optim_states (2nd), rng (3rd), then `latest` (4th). Overwriting tag "first":
-# until the directory swap the old "first" (1 step) is intact; after it, the new one (2 steps) is.
+# model_states (1st), optim_states (2nd), rng (3rd), checksums_rank0.json (4th), then `latest` (5th).
+# Overwriting tag "first": until the directory swap the old "first" (1 step) is intact; after it, the
+# new one (2 steps) is.
 @pytest.mark.parametrize("point,nth,tag,steps", [("temp_written", 1, "second", 1), ("replaced", 2, "second", 1),
                                                  ("temp_written", 3, "second", 1), ("replaced", 3, "first", 1),
-                                                 ("begin", 4, "first", 2)])
+                                                 ("temp_written", 4, "first", 1), ("begin", 5, "first", 2)])
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path, point, nth, tag, steps):
     env = dict(os.environ, LIGHTSPEED_ACCELERATOR="cpu", LIGHTSPEED_LOG_LEVEL="WARNING")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -197,6 +197,19 @@ def run_convert(args: argparse.Namespace, script_args: list[str]) -> int:
     return 0
 
 
+def run_convert_from_hf(args: argparse.Namespace, script_args: list[str]) -> int:
+    """`lightspeed convert from-hf MODEL_DIR SAVE_DIR`: a model's safetensors as a training checkpoint."""
+    from lightspeed.checkpoint.errors import CheckpointError
+    from lightspeed.checkpoint.from_weights import read_safetensors_dir, write_checkpoint_from_weights
+
+    try:
+        path = write_checkpoint_from_weights(read_safetensors_dir(args.model_dir), args.save_dir, tag=args.tag)
+    except (CheckpointError, ValueError, OSError) as e:
+        return _error(str(e).strip("'\""))
+    print(path)
+    return 0
+
+
 def run_checkpoint(args: argparse.Namespace, script_args: list[str]) -> int:
     from lightspeed.launcher.checkpoint_cmd import checkpoint_verify
 
@@ -259,6 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
     to_fp32.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                          help="dtype of the floating tensors written (default: fp32)")
     to_fp32.set_defaults(func=run_convert)
+    from_hf = kinds.add_parser(
+        "from-hf", help="a Hugging Face model's safetensors as a training checkpoint",
+        description="Write a Hugging Face model directory's safetensors weights as a lightspeed training checkpoint "
+        "(module state, fp32 masters, no optimizer state, step 0) that engine.load_checkpoint starts a run from "
+        "at any world size and ZeRO stage.")
+    from_hf.add_argument("model_dir", help="directory with model.safetensors, or shards and their index")
+    from_hf.add_argument("save_dir", help="checkpoint directory to write (the tag and `latest` go in it)")
+    from_hf.add_argument("-t", "--tag", default="global_step0", help="the tag to write (default: global_step0)")
+    from_hf.set_defaults(func=run_convert_from_hf)
 
     checkpoint = commands.add_parser("checkpoint", help="verify a saved engine checkpoint",
                                      description="Tools for engine checkpoints written by save_checkpoint.")

@@ -86,6 +86,9 @@ def build_launch_parser() -> argparse.ArgumentParser:
     add("--no_python", action="store_true", help="the script is an executable; do not run it with python")
     add("--no_local_rank", action="store_true", help="never pass --local_rank to the script")
     add("--max_restarts", type=int, default=0, help="restart all workers up to N times after a failure")
+    add("--comm_timeout", type=float, default=None, metavar="SECONDS",
+        help="end the job when a collective waits longer than this; every rank's stacks are printed "
+             "(default: $LIGHTSPEED_COMM_TIMEOUT, else 600)")
     add("--enable_each_rank_log", default=None, metavar="DIR",
         help="write each rank's output to DIR/<time>_rank<R>.log")
     add("--bind_cores_to_rank", action="store_true", help="give each rank its own share of the cores")

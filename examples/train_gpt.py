@@ -18,12 +18,16 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+# Without NumPy (not a dependency: nothing here uses it) torch warns at import, once per process.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-import lightspeed
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import lightspeed  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # gpt.py and data.py sit beside this script

@@ -137,6 +137,10 @@ def resolve_job(args: argparse.Namespace, environ: dict[str, str] | None = None)
     active = limit_resources(active, args.num_nodes, per_node, option)
 
     multi = (args.force_multi or len(active) > 1) and args.launcher != "local"
+    if args.node_rank != -1 and not 0 <= args.node_rank < len(active):
+        nodes = f"{len(active)} node{'s' if len(active) != 1 else ''}"
+        raise LaunchError(f"--node_rank {args.node_rank} but the job has {nodes} (node ranks 0-{len(active) - 1})"
+                          if len(active) > 1 else f"--node_rank {args.node_rank} but the job has 1 node (node rank 0)")
     node_rank = 0
     if args.launcher == "local" and len(active) > 1:
         if not 0 <= args.node_rank < len(active):

@@ -54,6 +54,8 @@ def main() -> int:
             failed += proc.returncode != 0
             print(f"run {run}: exit {proc.returncode}{' SIGABRT at exit' if abort else ''} "
                   f"({time.monotonic() - start:.1f} s)", flush=True)
+            if proc.returncode != 0:
+                print("  " + "\n  ".join(proc.stderr.strip().splitlines()[-8:]), flush=True)
     print(f"{aborted} of {args.runs} runs aborted at exit; {failed} exited non-zero")
     return 0
 

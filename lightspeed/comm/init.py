@@ -11,12 +11,21 @@ Note: communication timeout
     watchdog (comm/watchdog.py), which reports which collective stalled and the ranks' stacks.
 
 Note: teardown
-    A process group that `init_distributed` started is destroyed at interpreter exit (atexit), before
-    the interpreter and torch's static objects are torn down. Left to that teardown, a gloo group's
-    threads sometimes outlive it and the process aborts after all its work ("terminate called without
-    an active exception", SIGABRT: 2 of 10 two-process CPU runs of a short training script through the
-    launcher, 2026-12-01). After an unhandled exception the group is left alone: with NCCL, destroying
-    it can block on a peer that failed mid-collective, and the job is ending anyway.
+    A process group that `init_distributed` started is destroyed at interpreter exit (atexit), while
+    the interpreter is fully alive. Otherwise gloo's worker threads outlive the main thread into
+    interpreter finalization, and a worker that drops the last reference to a finished collective
+    issued during backward (torch 2.13 stashes a Python `contextvars.Context` in the thread-local
+    state every such work copies) takes the GIL to release it, which a finalizing interpreter
+    answers by ending the thread: "terminate called without an active exception", SIGABRT, after
+    all the work (core dumps: ~AsyncAllreduceWork -> ~ThreadLocalState -> SafePyObject decref ->
+    take_gil -> pthread_exit in ProcessGroupGloo::runLoop). Destroying the group frees it only if
+    nothing else holds it: torch.distributed.nn.functional's default arguments capture the world
+    group when that module is first imported after the group exists (torch's optimizers import it
+    through dynamo), so it is imported here first. Freed, the group joins its threads (c10d releases
+    the GIL while it does). Measured with benchmarks/exit_abort.py (two CPU processes through the
+    launcher, 2026-12-01): 5 SIGABRTs in 94 runs before, none after (see the commit). After an
+    unhandled exception the group is left alone: with NCCL, destroying it can block on a peer that
+    failed mid-collective, and the job is ending anyway.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  (before any group exists: see the Note on teardown)
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm import watchdog

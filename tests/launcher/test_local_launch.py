@@ -115,3 +115,15 @@ def test_failure_reason_is_one_line():
     assert failure_reason(0, killed) == "rank 0 (pid 12) was killed by SIGKILL"
     recorded = SimpleNamespace(message={"message": "ValueError: bad\nsecond line", "extraInfo": {}}, exitcode=1, pid=13)
     assert failure_reason(2, recorded) == "rank 2 (pid 13) exited with status 1: ValueError: bad"
+
+
+def test_the_process_group_is_destroyed_before_interpreter_exit(tmp_path, home):
+    """gloo's worker threads are joined by lightspeed's exit handler, while the interpreter is alive
+    (else a worker releasing a backward-issued collective at finalization aborts the process)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli(["--num_procs", "2", SCRIPTS / "teardown_job.py", out], tmp_path, home, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        threads = (out / f"rank{rank}.txt").read_text().split()
+        assert "pt_gloo_runloop" not in threads, threads  # the threads that run (and release) collectives

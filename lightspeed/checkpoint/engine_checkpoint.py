@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lightspeed._utils.progress import progress
 from lightspeed.checkpoint.atomic import atomic_torch_save, fsync_dir, read_latest, safe_torch_load, validate_tag, write_latest
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.rng import get_rng_state, set_rng_state
@@ -106,21 +107,28 @@ def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True)
     path = load_dir / tag
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
-    shared = safe_torch_load(path / MODEL_FILE)
-    if not isinstance(shared, dict) or "module" not in shared or "counters" not in shared:
-        raise CheckpointError(f"{path / MODEL_FILE}: not a lightspeed model_states file")
-    strategy_state: dict[str, Any] = {}
+    optim = None
     if load_strategy:
-        replicated = path / optim_file(None)
-        own = path / optim_file(dp_rank)
-        if replicated.exists():
-            strategy_state = safe_torch_load(replicated)
-        elif own.exists():
-            strategy_state = safe_torch_load(own)
-        else:
+        replicated, own = path / optim_file(None), path / optim_file(dp_rank)
+        optim = replicated if replicated.exists() else own if own.exists() else None
+    rng = path / rng_file(dp_rank)
+    files = [f for f in (path / MODEL_FILE, optim, rng if rng.exists() else None) if f is not None]
+    # a bar by bytes, advanced file by file: the model and optimizer files are most of a large checkpoint
+    sizes = [f.stat().st_size if f.exists() else 0 for f in files]
+    with progress(total=sum(sizes), desc=f"loading checkpoint {tag}", unit="B", unit_scale=True,
+                  unit_divisor=1024) as bar:
+        shared = safe_torch_load(path / MODEL_FILE)
+        bar.update(sizes[0])
+        if not isinstance(shared, dict) or "module" not in shared or "counters" not in shared:
+            raise CheckpointError(f"{path / MODEL_FILE}: not a lightspeed model_states file")
+        strategy_state: dict[str, Any] = {}
+        if load_strategy and optim is None:
             raise CheckpointError(f"{path}: no optimizer state for data-parallel rank {dp_rank} "
                                   f"(neither {REPLICATED_OPTIM_FILE} nor {optim_file(dp_rank)})")
-    rng = path / rng_file(dp_rank)
-    if rng.exists():
-        set_rng_state(safe_torch_load(rng))
+        if optim is not None:
+            strategy_state = safe_torch_load(optim)
+            bar.update(sizes[1])
+        if rng.exists():
+            set_rng_state(safe_torch_load(rng))
+            bar.update(sizes[-1])
     return path, shared, strategy_state

@@ -39,7 +39,8 @@ from lightspeed.config.errors import ConfigError
 
 logger = get_logger(__name__)
 
-__all__ = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler"]
+__all__ = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler",
+           "scheduled_steps"]
 
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
@@ -326,6 +327,16 @@ class WarmupCosineLR(_Schedule):
             logger.warning("Attempting to get learning rate from scheduler before it has started")
         ratio = self.get_lr_ratio()
         return [lr * ratio for lr in self.org_lrs]
+
+
+def scheduled_steps(scheduler) -> int | None:
+    """The number of steps `scheduler` is laid out for, when it says: WarmupDecayLR's and
+    WarmupCosineLR's total_num_steps, torch's OneCycleLR's total_steps; else None."""
+    if isinstance(scheduler, (WarmupDecayLR, WarmupCosineLR)):
+        return int(scheduler.total_num_steps)
+    if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
+        return int(scheduler.total_steps)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

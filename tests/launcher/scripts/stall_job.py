@@ -17,7 +17,7 @@ from lightspeed.comm.collectives import Communicator  # noqa: E402
 
 lightspeed.init_distributed()
 comm = Communicator()
-grads = torch.ones(1000)
+grads = torch.ones(1000, device="cuda" if torch.cuda.is_available() else "cpu")  # NCCL needs CUDA tensors
 comm.all_reduce(grads)  # every rank gets here: the group works
 if comm.rank == 1:
     if args.mode == "stop":
@@ -25,4 +25,5 @@ if comm.rank == 1:
     else:
         time.sleep(3600)
 comm.all_reduce(grads, async_op=True).wait()
+grads.sum().item()  # NCCL's wait only orders the stream: the host blocks here
 print(f"rank {comm.rank} done", flush=True)

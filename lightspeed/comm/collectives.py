@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightspeed._utils.sizes import human_bytes
 from lightspeed.comm import watchdog
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -44,7 +43,7 @@ DONE = _Done()
 class _Watched:
     """Handle of an asynchronous collective whose `wait()` runs under the collective watchdog."""
 
-    def __init__(self, work, desc: str, dog: "watchdog.CollectiveWatchdog"):
+    def __init__(self, work, desc: tuple, dog: "watchdog.CollectiveWatchdog"):
         self._work, self._desc, self._dog = work, desc, dog
 
     def wait(self) -> bool:
@@ -135,8 +134,7 @@ class Communicator:
         if dog is None:
             work = issue()
             return work if async_op else DONE
-        size = f" of {human_bytes(tensor.numel() * tensor.element_size())}" if tensor is not None else ""
-        desc = f"{name}{size} on a group of {self.world_size} ranks"
+        desc = (name, tensor.numel() * tensor.element_size() if tensor is not None else None, self.world_size)
         if async_op:
             return _Watched(issue(), desc, dog)
         with dog.watch(desc):

@@ -37,6 +37,8 @@ import traceback
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
+from lightspeed._utils.sizes import human_bytes
+
 EXIT_COMM_TIMEOUT = 124  # coreutils timeout's status: the launcher reports it as a stall
 AGENT_PID_ENV = "LIGHTSPEED_AGENT_PID"
 STACKS_SIGNAL = signal.SIGUSR1  # the launcher -> a worker: dump your stacks
@@ -63,9 +65,10 @@ class CollectiveWatchdog:
 
     # ------------------------------------------------------------------ tracking
     @contextmanager
-    def watch(self, desc: str) -> Iterator[None]:
-        """Wrap a blocking wait for the collective `desc`: a wait older than the timeout is reported by
-        the watchdog thread; an error raised by the wait is reported here, then re-raised."""
+    def watch(self, desc) -> Iterator[None]:
+        """Wrap a blocking wait for the collective `desc` (text, or `(name, bytes or None, group size)`,
+        formatted only if it is reported): a wait older than the timeout is reported by the watchdog
+        thread; an error raised by the wait is reported here, then re-raised."""
         token = next(self._ids)
         since = time.monotonic()
         with self._lock:
@@ -79,7 +82,7 @@ class CollectiveWatchdog:
             with self._lock:
                 self._pending.pop(token, None)
             first = str(e).splitlines()[0] if str(e) else ""
-            self.report(f"{desc} failed after {time.monotonic() - since:.0f} s: {type(e).__name__}: {first}")
+            self.report(f"{describe(desc)} failed after {time.monotonic() - since:.0f} s: {type(e).__name__}: {first}")
             raise
         with self._lock:
             self._pending.pop(token, None)
@@ -90,7 +93,7 @@ class CollectiveWatchdog:
             if not self._pending:
                 return None
             token, (desc, since) = min(self._pending.items(), key=lambda kv: kv[1][1])
-        return token, desc, time.monotonic() - since
+        return token, describe(desc), time.monotonic() - since
 
     def close(self) -> None:
         self._stop.set()
@@ -139,6 +142,15 @@ def format_stacks() -> str:
     for ident, frame in sys._current_frames().items():
         parts.append(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
     return "\n".join(parts)
+
+
+def describe(desc) -> str:
+    """A collective's description for a report (see `CollectiveWatchdog.watch`)."""
+    if isinstance(desc, str):
+        return desc
+    name, num_bytes, group_size = desc
+    size = f" of {human_bytes(num_bytes)}" if num_bytes is not None else ""
+    return f"{name}{size} on a group of {group_size} ranks"
 
 
 def _launcher_pid() -> Optional[int]:

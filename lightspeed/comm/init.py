@@ -9,6 +9,11 @@ Note: communication timeout
     variable LIGHTSPEED_COMM_TIMEOUT (seconds; the launcher's --comm_timeout sets it for every rank).
     The same timeout goes to torch.distributed (gloo raises, NCCL aborts) and to the collective
     watchdog (comm/watchdog.py), which reports which collective stalled and the ranks' stacks.
+    gloo, measured with torch 2.13 on 2026-12-01 (two processes, one sleeping before an
+    all_reduce, timeout 3 s): the waiting rank's all_reduce raises RuntimeError "Timed out waiting
+    3000ms for recv operation to complete" after 3.0 s; every later collective on that group fails
+    at once ("Application timeout caused pair closure"); the peer, once it runs again, gets
+    "Connection closed by peer".
 
 Note: teardown
     A process group that `init_distributed` started is destroyed at interpreter exit (atexit), while

@@ -55,7 +55,7 @@ class CollectiveWatchdog:
         self.timeout_s = float(timeout_s)
         self.rank = rank
         self.poll_s = poll_s if poll_s is not None else min(1.0, self.timeout_s / 10)
-        self._pending: dict[int, tuple[str, float]] = {}
+        self._pending: dict[int, tuple[object, float]] = {}  # token -> (description, start)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._report_lock = threading.Lock()

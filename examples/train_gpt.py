@@ -18,12 +18,16 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+# Without NumPy (not a dependency: nothing here uses it) torch warns at import, once per process.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-import lightspeed
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import lightspeed  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # gpt.py and data.py sit beside this script
@@ -114,6 +118,7 @@ def main(argv=None) -> None:
         model=model, model_parameters=model.parameters(), training_data=train_dataset, config=config
     )
 
+    engine.set_total_steps(args.steps)  # the engine's step log line (every steps_per_print) then shows an ETA
     micro_batch = engine.train_micro_batch_size_per_gpu()
     tokens_per_step = micro_batch * engine.gradient_accumulation_steps() * world_size * model_config.block_size
     log(f"GPT '{args.preset}': {num_params / 1e6:.2f}M parameters, {model_config.n_layer} layers, "

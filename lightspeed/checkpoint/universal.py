@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from lightspeed._utils.logging import get_logger
+from lightspeed._utils.progress import progress
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource, is_deepspeed_checkpoint
 from lightspeed.checkpoint.errors import CheckpointError
@@ -77,25 +78,36 @@ class LightspeedSource:
         self.states: list[dict[str, Any]] = []
         self.index: dict[str, list[_Saved]] = {}
         self.order: list[str] = []
-        for i, ((name, writer_rank), path) in enumerate(zip(files, self.paths)):
-            state = reader.load(name, writer_rank=writer_rank, mmap=True)
-            if not isinstance(state, dict) or state.get("format") != FORMAT:
-                raise CheckpointError(f"{path}: not a lightspeed optimizer-state file of the fragments layout "
-                                      "(written by an older lightspeed, or not a checkpoint file)")
-            self.states.append(state)
-            for entry in state["fragments"]:
-                try:
-                    name, shape, start, end, owner, offset = entry
-                    saved = _Saved(i, str(name), tuple(int(s) for s in shape), int(start), int(end), int(owner),
-                                   int(offset))
-                    numel = state["owners"][saved.owner].numel()
-                except (TypeError, ValueError, IndexError, AttributeError) as err:
-                    raise CheckpointError(f"{path}: malformed fragment entry {entry!r} ({err})") from None
-                if not 0 <= saved.start < saved.end or saved.offset + saved.end - saved.start > numel:
-                    raise CheckpointError(f"{path}: fragment of {saved.name} lies outside its tensor")
-                if saved.name not in self.index:
-                    self.order.append(saved.name)
-                self.index.setdefault(saved.name, []).append(saved)
+        sizes = [p.stat().st_size if p.exists() else 0 for p in self.paths]
+        with progress(total=sum(sizes), desc=f"checking checkpoint {reader.path.name}", unit="B", unit_scale=True,
+                      unit_divisor=1024) as bar:
+            for i, ((name, writer_rank), path) in enumerate(zip(files, self.paths)):
+                self._open(i, reader.load(name, writer_rank=writer_rank, mmap=True), path)
+                bar.update(sizes[i])
+        self._check_coverage()
+
+    def _open(self, i: int, state: Any, path: Path) -> None:
+        """Index one verified optimizer-state file's fragments."""
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: not a lightspeed optimizer-state file of the fragments layout "
+                                  "(written by an older lightspeed, or not a checkpoint file)")
+        self.states.append(state)
+        for entry in state["fragments"]:
+            try:
+                name, shape, start, end, owner, offset = entry
+                saved = _Saved(i, str(name), tuple(int(s) for s in shape), int(start), int(end), int(owner),
+                               int(offset))
+                numel = state["owners"][saved.owner].numel()
+            except (TypeError, ValueError, IndexError, AttributeError) as err:
+                raise CheckpointError(f"{path}: malformed fragment entry {entry!r} ({err})") from None
+            if not 0 <= saved.start < saved.end or saved.offset + saved.end - saved.start > numel:
+                raise CheckpointError(f"{path}: fragment of {saved.name} lies outside its tensor")
+            if saved.name not in self.index:
+                self.order.append(saved.name)
+            self.index.setdefault(saved.name, []).append(saved)
+
+    def _check_coverage(self) -> None:
+        """Every saved parameter's elements are all in some file."""
         for name, pieces in self.index.items():
             if len({p.shape for p in pieces}) != 1:
                 raise CheckpointError(f"{self.paths[0].parent}: parameter {name} saved with different shapes")

@@ -2,7 +2,9 @@
 
 Every call returns a handle with `wait()`; at world size 1 nothing is sent and the handle is a no-op.
 Bytes are counted as the payload each rank contributes (the tensor's size in bytes), per op, so the
-engine can report communication volume per step.
+engine can report communication volume per step. Every blocking wait (a synchronous call, or `wait()`
+on a returned handle) runs under the process's collective watchdog when `init_distributed` installed
+one, so a rank stuck in a collective says which one (comm/watchdog.py).
 
 Note: torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of
 all_gather_single / reduce_scatter_single (same signatures), while torch 2.11 lacks the new names;
@@ -16,6 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightspeed.comm import watchdog
 
 # all_gather_single(output, input, group=, async_op=) / reduce_scatter_single(output, input, op=, group=,
 # async_op=): torch's newest names for the flat-tensor collectives, or the older ones they replace.
@@ -38,6 +42,20 @@ class _Done:
 
 
 DONE = _Done()
+
+
+class _Watched:
+    """Handle of an asynchronous collective whose `wait()` runs under the collective watchdog."""
+
+    def __init__(self, work, desc: tuple, dog: "watchdog.CollectiveWatchdog"):
+        self._work, self._desc, self._dog = work, desc, dog
+
+    def wait(self) -> bool:
+        with self._dog.watch(self._desc):
+            return self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 class CommStats:
@@ -74,24 +92,24 @@ class Communicator:
         if self.world_size == 1:
             return DONE
         self.stats.add("all_reduce", tensor)
-        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
-        return work if async_op else DONE
+        return self._run(f"all_reduce ({op})", tensor, async_op,
+                         lambda: dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False):
         if self.world_size == 1:
             output.copy_(input)
             return DONE
         self.stats.add("reduce_scatter", input)
-        work = _REDUCE_SCATTER(output, input, op=_OPS[op], group=self.group, async_op=async_op)
-        return work if async_op else DONE
+        return self._run(f"reduce_scatter ({op})", input, async_op,
+                         lambda: _REDUCE_SCATTER(output, input, op=_OPS[op], group=self.group, async_op=async_op))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:
             output.copy_(input)
             return DONE
         self.stats.add("all_gather", output)
-        work = _ALL_GATHER(output, input, group=self.group, async_op=async_op)
-        return work if async_op else DONE
+        return self._run("all_gather", output, async_op,
+                         lambda: _ALL_GATHER(output, input, group=self.group, async_op=async_op))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from the rank whose rank *within this group* is `src`."""
@@ -99,17 +117,30 @@ class Communicator:
             return DONE
         self.stats.add("broadcast", tensor)
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
-        return work if async_op else DONE
+        return self._run(f"broadcast (from rank {global_src})", tensor, async_op,
+                         lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op))
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            self._run("barrier", None, False, lambda: dist.barrier(group=self.group))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank (control data only, never tensors of state)."""
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._run("all_gather_object", None, False, lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
+
+    def _run(self, name: str, tensor: torch.Tensor | None, async_op: bool, issue):
+        """Issue a collective; its blocking wait runs under the watchdog (when one is installed)."""
+        dog = watchdog.current()
+        if dog is None:
+            work = issue()
+            return work if async_op else DONE
+        desc = (name, tensor.numel() * tensor.element_size() if tensor is not None else None, self.world_size)
+        if async_op:
+            return _Watched(issue(), desc, dog)
+        with dog.watch(desc):
+            issue()
+        return DONE

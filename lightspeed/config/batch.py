@@ -19,6 +19,9 @@ from lightspeed.config.errors import ConfigError
 
 TRAIN, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 BATCH_KEYS = (TRAIN, MICRO, GAS)
+# Larger than any real batch: a value above it is a slip (1e30, a misplaced token count) that would
+# otherwise pass here and fail deep inside the data loader or an int32 index.
+MAX_BATCH_SIZE = 2**31 - 1
 
 
 def detect_world_size(world_size: Optional[int] = None) -> tuple[int, str]:
@@ -56,6 +59,11 @@ def resolve_batch(
     """
     w = world_size
     where = f"world_size {w} from {source}"
+    too_large = [f"{key}: must be at most 2**31 - 1 = {MAX_BATCH_SIZE} (got {value})"
+                 for key, value in ((TRAIN, train), (MICRO, micro), (GAS, gas))
+                 if value is not None and value > MAX_BATCH_SIZE]
+    if too_large:
+        return train, micro, gas, too_large
     derived_key, formula = "", ""
     if train is not None and micro is not None and gas is not None:
         pass
@@ -94,4 +102,7 @@ def resolve_batch(
             f"{TRAIN}: must equal {MICRO} * {GAS} * world_size = {micro} * {gas} * {w} = {micro * gas * w} "
             f"(got {train}{note}; {where})"
         ]
+    if train > MAX_BATCH_SIZE:
+        return train, micro, gas, [f"{TRAIN}: must be at most 2**31 - 1 = {MAX_BATCH_SIZE} (got {train} = "
+                                   f"{MICRO} * {GAS} * world_size = {micro} * {gas} * {w}; {where})"]
     return train, micro, gas, []

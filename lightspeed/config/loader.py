@@ -18,6 +18,7 @@ Note: unknown top-level keys
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pydantic import ValidationError
@@ -29,7 +30,7 @@ from lightspeed.config.errors import ConfigError
 from lightspeed.config.legacy import map_legacy
 from lightspeed.config.model import LightspeedConfig, cross_problems
 from lightspeed.config.parse import read_source
-from lightspeed.config.support import check_supported
+from lightspeed.config.support import raise_unimplemented, unimplemented_features
 
 logger = get_logger(__name__)
 
@@ -149,10 +150,10 @@ def _batch_inputs(mapped: dict) -> Optional[tuple]:
     return tuple(out)
 
 
-def _validate(model_input: dict) -> tuple[Optional[LightspeedConfig], list[str]]:
-    """The config (None if any section is invalid) and the problems. Cross-section rules still run
-    when some sections are invalid: over the valid ones, with the invalid ones at their defaults,
-    keeping only the rules that do not mention an invalid section."""
+def _validate(model_input: dict) -> tuple[Optional[LightspeedConfig], Optional[LightspeedConfig], list[str]]:
+    """(the config or None if any section is invalid, the config of the valid sections with the
+    invalid ones at their defaults, the problems). Cross-section rules still run when some sections
+    are invalid: over the valid ones, keeping only the rules that do not mention an invalid section."""
     try:
         cfg = LightspeedConfig.model_validate(model_input)
     except ValidationError as err:
@@ -161,12 +162,88 @@ def _validate(model_input: dict) -> tuple[Optional[LightspeedConfig], list[str]]
         try:
             partial = LightspeedConfig.model_validate({k: v for k, v in model_input.items() if k not in failed})
         except ValidationError:  # pragma: no cover - every failing section was removed
-            return None, problems
+            return None, None, problems
         for line in cross_problems(partial):
             if not any(line.startswith(key) or f" {key}." in line or f" {key} " in line for key in failed):
                 problems.append(line)
-        return None, problems
-    return cfg, cross_problems(cfg)
+        return None, partial, problems
+    return cfg, cfg, cross_problems(cfg)
+
+
+@dataclass
+class Validation:
+    """What `validate` found: `config` (None when there are problems), every problem, the settings the
+    config turns on that lightspeed does not implement yet, and `valid_sections`: the config with its
+    invalid sections at their defaults (None when it could not be read at all), from which the
+    unimplemented settings are listed even when other sections have problems."""
+
+    config: Optional[LightspeedConfig]
+    problems: list[str] = field(default_factory=list)
+    unimplemented: list[str] = field(default_factory=list)
+    valid_sections: Optional[LightspeedConfig] = None
+
+    def raise_for_errors(self, check_support: bool = True) -> LightspeedConfig:
+        """The config; ConfigError listing every problem, then NotImplementedError (when `check_support`)."""
+        if self.problems:
+            raise ConfigError(self.problems)
+        if check_support:
+            raise_unimplemented(self.unimplemented)
+        assert self.config is not None
+        return self.config
+
+
+def validate(source: Union[dict, str, "os.PathLike[str]", LightspeedConfig],
+             world_size: Optional[int] = None) -> Validation:
+    """Validate a ds_config and resolve its batch triad, collecting every problem instead of raising
+    (arguments as `load`)."""
+    if isinstance(source, LightspeedConfig):
+        if world_size is None or as_int(world_size) == source.world_size:
+            return Validation(source, [], unimplemented_features(source), source)
+        found = validate(source.raw, world_size)
+        if found.config is not None:
+            found.config._source = source.source
+        return found
+
+    try:
+        parsed, name = read_source(source)
+    except ConfigError as err:
+        return Validation(None, list(err.problems))
+    problems, ignored = _top_level(parsed)
+    autos = _auto_problems(parsed, ignored)
+    if autos:
+        return Validation(None, problems + autos)
+
+    mapped, legacy_problems = map_legacy(parsed)
+    problems += legacy_problems
+    if "allgather_size" in mapped:
+        logger.warning("config: allgather_size is ignored (it is only read with a boolean zero_optimization)")
+
+    cfg, partial, section_problems = _validate({k: v for k, v in mapped.items() if k in LightspeedConfig.model_fields})
+    problems += section_problems
+    unimplemented = unimplemented_features(partial) if partial is not None else []
+
+    resolved = None
+    try:
+        world, world_source = detect_world_size(world_size)
+    except ConfigError as err:
+        problems += err.problems
+        world, world_source = None, ""
+    elasticity = mapped.get("elasticity")
+    elastic = isinstance(elasticity, dict) and elasticity.get("enabled") is True  # it sets the triad itself
+    given = _batch_inputs(mapped)
+    if world is not None and given is not None and not elastic:
+        *resolved, batch_problems = resolve_batch(*given, world, world_source)
+        problems += batch_problems
+
+    if problems:
+        return Validation(None, problems, unimplemented, partial)
+    assert cfg is not None
+    _warn_like_deepspeed(cfg)
+    if resolved is not None:
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = resolved
+    cfg._raw = mapped
+    cfg._world_size, cfg._world_size_source, cfg._source = world, world_source, name
+    return Validation(cfg, [], unimplemented, cfg)
 
 
 def load(
@@ -185,53 +262,7 @@ def load(
 
     Raises ConfigError listing every problem found, then NotImplementedError (see `support.py`).
     """
-    if isinstance(source, LightspeedConfig):
-        if world_size is None or as_int(world_size) == source.world_size:
-            if check_support:
-                check_supported(source)
-            return source
-        reloaded = load(source.raw, world_size, check_support=check_support)
-        reloaded._source = source.source
-        return reloaded
-
-    parsed, name = read_source(source)
-    problems, ignored = _top_level(parsed)
-    autos = _auto_problems(parsed, ignored)
-    if autos:
-        raise ConfigError(problems + autos)
-
-    mapped, legacy_problems = map_legacy(parsed)
-    problems += legacy_problems
-    if "allgather_size" in mapped:
-        logger.warning("config: allgather_size is ignored (it is only read with a boolean zero_optimization)")
-
-    cfg, section_problems = _validate({k: v for k, v in mapped.items() if k in LightspeedConfig.model_fields})
-    problems += section_problems
-
-    resolved = None
-    try:
-        world, world_source = detect_world_size(world_size)
-    except ConfigError as err:
-        problems += err.problems
-        world, world_source = None, ""
-    elasticity = mapped.get("elasticity")
-    elastic = isinstance(elasticity, dict) and elasticity.get("enabled") is True  # it sets the triad itself
-    given = _batch_inputs(mapped)
-    if world is not None and given is not None and not elastic:
-        *resolved, batch_problems = resolve_batch(*given, world, world_source)
-        problems += batch_problems
-
-    if problems:
-        raise ConfigError(problems)
-    assert cfg is not None
-    _warn_like_deepspeed(cfg)
-    if resolved is not None:
-        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = resolved
-    cfg._raw = mapped
-    cfg._world_size, cfg._world_size_source, cfg._source = world, world_source, name
-    if check_support:
-        check_supported(cfg)
-    return cfg
+    return validate(source, world_size).raise_for_errors(check_support)
 
 
 def _dedupe(lines: list[str]) -> list[str]:

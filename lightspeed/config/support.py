@@ -175,7 +175,11 @@ def unimplemented_features(cfg: LightspeedConfig) -> list[str]:
 
 def check_supported(cfg: LightspeedConfig) -> None:
     """Raise NotImplementedError naming every enabled-but-unimplemented setting of `cfg` at once."""
-    messages = unimplemented_features(cfg)
+    raise_unimplemented(unimplemented_features(cfg))
+
+
+def raise_unimplemented(messages: list[str]) -> None:
+    """Raise NotImplementedError naming every message at once (nothing when there is none)."""
     if len(messages) == 1:
         raise NotImplementedError(messages[0])
     if messages:

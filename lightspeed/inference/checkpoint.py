@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lightspeed._utils.logging import get_logger
+from lightspeed._utils.progress import progress
 from lightspeed.checkpoint.atomic import atomic_write_bytes, atomic_write_via
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.inference.checkpoint_files import (DS_CONFIG_NAME, INDEX_NAMES, QUANT_METADATA_KEY, TP_RANKS_KEY,
@@ -250,7 +251,8 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
     loader = _Loader(model, reader, device, dtype)
     shards = shards or {}
     quantized, built = [], set()
-    for name, module in list(model.named_modules()):
+    bar = _LoadProgress(model, dtype, bool(quantize) or quantize_experts is not None)
+    for name, module in bar.walk(model, list(model.named_modules())):
         if experts_layout(module) is not None:  # MoE experts saved packed: loaded as saved
             layer = loader.packed_experts(name, module, quantize_experts)
             part = shards.get(name)
@@ -298,7 +300,8 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
         built.add(id(layer))
         if isinstance(layer, QuantizedLinear):
             quantized.append(name)
-    _load_remaining(model, loader, built)
+    _load_remaining(model, loader, built, bar)
+    bar.close()
     unused = [k for k in reader.keys() if k not in loader.used]
     if unused:
         logger.info("init_inference: %d checkpoint tensors the model does not use, e.g. %s", len(unused),
@@ -306,7 +309,49 @@ def load_checkpoint(model: nn.Module, files: list[str], *, quantize: Mapping[str
     return quantized
 
 
-def _load_remaining(model: nn.Module, loader: _Loader, built: set[int]) -> None:
+class _LoadProgress:
+    """The bar of `load_checkpoint`: bytes of the model's parameters and persistent buffers in the
+    loaded dtype (a shared tensor once), advanced as each module's own tensors are filled."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, quantizing: bool):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        persistent = [b for m in model.modules() for n, b in m._buffers.items()
+                      if b is not None and n not in m._non_persistent_buffers_set]  # in no checkpoint otherwise
+        self.sizes = {id(t): t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+                      for t in [*model.parameters(), *persistent]}
+        self.counted: set[int] = set()
+        what = "loading and quantizing" if quantizing else "loading"
+        self.bar = progress(total=sum(self.sizes.values()), desc=f"{what} the checkpoint", unit="B",
+                            unit_scale=True, unit_divisor=1024)
+
+    def walk(self, model: nn.Module, named_modules):
+        """Yield `named_modules`; once the caller is done with one, its own tensors count as loaded if it
+        was replaced or its tensors were (the others are loaded later, by `_load_remaining`)."""
+        for name, module in named_modules:
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]  # before any replacement
+            yield name, module
+            now = {id(t) for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]}
+            if not _still_there(model, name, module) or any(id(t) not in now for t in own):
+                self.tensors_done(own)
+
+    def tensors_done(self, tensors) -> None:
+        for t in tensors:
+            if id(t) in self.sizes and id(t) not in self.counted:
+                self.counted.add(id(t))
+                self.bar.update(self.sizes[id(t)])
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _still_there(model: nn.Module, name: str, module: nn.Module) -> bool:
+    try:
+        return model.get_submodule(name) is module
+    except AttributeError:  # a parent was replaced
+        return False
+
+
+def _load_remaining(model: nn.Module, loader: _Loader, built: set[int], bar: _LoadProgress) -> None:
     """Every other parameter and persistent buffer (not those of the layers in `built`, ids of the
     modules made from the checkpoint already); shared tensors once, under any of their names."""
     slots: dict[int, list[tuple[nn.Module, str, str, bool]]] = {}
@@ -335,6 +380,7 @@ def _load_remaining(model: nn.Module, loader: _Loader, built: set[int]) -> None:
         new = nn.Parameter(tensor, requires_grad=old.requires_grad) if is_param else tensor
         for owner, name, _, _ in group:
             (owner._parameters if is_param else owner._buffers)[name] = new
+        bar.tensors_done([old])
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) the model built on the meta device needs: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")

@@ -18,6 +18,7 @@ from torch import nn
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import current_rank, get_logger
+from lightspeed._utils.progress import progress
 from lightspeed.inference import cuda_graph
 from lightspeed.inference.checkpoint import load_checkpoint, rank_dir, replace_submodule, save_inference_checkpoint, \
     write_split_config
@@ -219,7 +220,7 @@ def quantize_linears(model: nn.Module, weight: str = "fp6", group_size: int | No
     routers (`_moe_router_ids`) unless named in `include`, names matching `exclude` (fnmatch patterns),
     layers whose in_features cannot be packed (logged)."""
     swaps = select_linears(model, weight, group_size, include, exclude)
-    for name, module in swaps:
+    for name, module in progress(swaps, desc=f"quantizing to {weight}", unit="layer"):
         layer = QuantizedLinear.from_linear(module, weight=weight, group_size=group_size, device=device, dtype=dtype)
         replace_submodule(model, name, layer)
     return [name for name, _ in swaps]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightspeed._utils.logging import get_logger
+from lightspeed._utils.progress import progress
 from lightspeed.inference.quantized_linear import QuantizedLinear
 from lightspeed.ops.wquant import MAX_GROUPED_ROWS, QuantizedWeight, grouped_quantized_matmul, reserve_grouped_scratch
 from lightspeed.ops.wquant.reference import check_quant_args
@@ -155,10 +156,10 @@ def quantize_experts(model: nn.Module, weight: str, group_size: int | None, chos
     from lightspeed.inference.checkpoint import replace_submodule  # lazy: checkpoint.py imports this module
 
     swapped = []
-    for name, module in list(model.named_modules()):
+    candidates = [(name, module) for name, module in model.named_modules()
+                  if experts_layout(module) is not None and chosen(name)]
+    for name, module in progress(candidates, desc=f"quantizing experts to {weight}", unit="layer"):
         layout = experts_layout(module)
-        if layout is None or not chosen(name):
-            continue
         if isinstance(layout, str):
             logger.warning("init_inference: keeping the experts %s unquantized: %s", name, layout)
             continue

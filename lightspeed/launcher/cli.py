@@ -17,6 +17,7 @@ import argparse
 import os
 import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
@@ -35,12 +36,41 @@ def _error(msg: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argparse parser whose usage errors are one line (no usage dump) and exit 2."""
+    """An argparse parser whose usage errors are one line (no usage dump) and exit 2, and which
+    suggests the option an unknown one was probably meant to be."""
 
     def error(self, message: str) -> NoReturn:
         message = message.replace(", user_args", "")
+        if message.startswith("unrecognized arguments: "):
+            message += _did_you_mean(message.split(": ", 1)[1].split(), _option_strings(self))
         print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
         sys.exit(2)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of `parser` and of its subcommands' parsers."""
+    found = []
+    for action in parser._actions:
+        found += [o for o in action.option_strings if o.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _option_strings(sub)
+    return sorted(set(found))
+
+
+def _did_you_mean(words: list[str], known: list[str]) -> str:
+    """`` (did you mean --num_procs?)`` for the first unknown option close to a known one, else ''."""
+    import difflib
+
+    for word in words:
+        if not word.startswith("--"):
+            continue
+        name = word.split("=", 1)[0]
+        variants = {o.replace("-", "_"): o for o in known}
+        close = difflib.get_close_matches(name.replace("-", "_"), list(variants), n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean {variants[close[0]]}?)"
+    return ""
 
 
 def _repo_root() -> Path:
@@ -90,6 +120,9 @@ def build_launch_parser() -> argparse.ArgumentParser:
     add("--as_deepspeed", action="store_true",
         help="run an unchanged DeepSpeed script: every rank registers lightspeed as `deepspeed` before it starts")
     add("--max_restarts", type=int, default=0, help="restart all workers up to N times after a failure")
+    add("--comm_timeout", type=float, default=None, metavar="SECONDS",
+        help="end the job when a collective waits longer than this; every rank's stacks are printed "
+             "(default: $LIGHTSPEED_COMM_TIMEOUT, else 600)")
     add("--enable_each_rank_log", default=None, metavar="DIR",
         help="write each rank's output to DIR/<time>_rank<R>.log")
     add("--bind_cores_to_rank", action="store_true", help="give each rank its own share of the cores")
@@ -295,7 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _ignore_missing_numpy() -> None:
+    """torch warns at import ("Failed to initialize NumPy") when NumPy is not installed, and it is not
+    a dependency; the launcher never uses NumPy, so its own import of torch stays quiet."""
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    _ignore_missing_numpy()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in SUBCOMMANDS:
         return run_launch(build_launch_parser().parse_args(argv))

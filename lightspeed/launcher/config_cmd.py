@@ -1,8 +1,9 @@
 """`lightspeed config check FILE` and `lightspeed config show FILE`: the ds_config tools.
 
-`check` validates with `lightspeed.config.load(..., check_support=False)` and prints every problem
-with its JSON path (`ConfigError.problems`), then, as a separate list, the settings the config turns
-on that lightspeed does not implement yet (`config.support`), which `lightspeed.initialize` would
+`check` runs `initialize`'s own validation (`lightspeed.optim.validation.validate_training_config`:
+the schema, the batch triad, the optimizer and scheduler params) and prints every problem with its
+JSON path, then, as a separate list (also when there are problems), the settings the config turns on
+that lightspeed does not implement yet (`config.support`), which `lightspeed.initialize` would
 refuse. Exit status 1 when either list is non-empty, so the check can gate a job script; 0 otherwise.
 
 `show` prints the resolved config as JSON (`LightspeedConfig.to_dict()`): every default filled in and
@@ -19,13 +20,11 @@ from typing import Optional
 
 
 def _load(path: str, world_size: Optional[int]):
-    """(config or None, problems)."""
-    from lightspeed.config import ConfigError, load
+    """(config or None, problems, unimplemented settings), as `initialize` finds them."""
+    from lightspeed.optim.validation import validate_training_config
 
-    try:
-        return load(path, world_size=world_size, check_support=False), []
-    except ConfigError as e:
-        return None, list(e.problems)
+    found = validate_training_config(path, world_size)
+    return found.config, found.problems, found.unimplemented
 
 
 def _bad_world_size(world_size: Optional[int]) -> bool:
@@ -39,13 +38,10 @@ def config_check(path: str, world_size: Optional[int] = None) -> int:
     """Print the problems and unimplemented settings of the config at `path`; 1 if any, else 0."""
     if _bad_world_size(world_size):
         return 2
-    from lightspeed.config.support import unimplemented_features
-
-    cfg, problems = _load(path, world_size)
+    cfg, problems, unimplemented = _load(path, world_size)
     if problems:
         print(f"{path}: problems:")
         print("\n".join(f"  {p}" for p in problems))
-    unimplemented = unimplemented_features(cfg) if cfg is not None else []
     if cfg is not None:
         print(f"{path}: valid for world size {cfg.world_size}: train_batch_size={cfg.train_batch_size}, "
               f"train_micro_batch_size_per_gpu={cfg.train_micro_batch_size_per_gpu}, "
@@ -66,7 +62,7 @@ def config_show(path: str, world_size: Optional[int] = None) -> int:
     """Print the resolved config at `path` as JSON; on problems print them to stderr and return 1."""
     if _bad_world_size(world_size):
         return 2
-    cfg, problems = _load(path, world_size)
+    cfg, problems, _ = _load(path, world_size)
     if cfg is None:
         print(f"{path}: invalid config:", file=sys.stderr)
         print("\n".join(f"  {p}" for p in problems), file=sys.stderr)

@@ -50,6 +50,8 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise LaunchError("--num_gpus and --num_procs cannot be used together (--num_procs is for CPU runs)")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise LaunchError(f"--master_port must be between 1 and 65535 (got {args.master_port})")
+    if args.comm_timeout is not None and not 0 < args.comm_timeout < float("inf"):
+        raise LaunchError(f"--comm_timeout must be a positive number of seconds (got {args.comm_timeout:g})")
     if args.max_restarts < 0:
         raise LaunchError(f"--max_restarts must be 0 or more (got {args.max_restarts})")
     if not args.elastic_training and (args.min_elastic_nodes > 0 or args.max_elastic_nodes > 0):
@@ -137,6 +139,10 @@ def resolve_job(args: argparse.Namespace, environ: dict[str, str] | None = None)
     active = limit_resources(active, args.num_nodes, per_node, option)
 
     multi = (args.force_multi or len(active) > 1) and args.launcher != "local"
+    if args.node_rank != -1 and not 0 <= args.node_rank < len(active):
+        nodes = f"{len(active)} node{'s' if len(active) != 1 else ''}"
+        raise LaunchError(f"--node_rank {args.node_rank} but the job has {nodes} (node ranks 0-{len(active) - 1})"
+                          if len(active) > 1 else f"--node_rank {args.node_rank} but the job has 1 node (node rank 0)")
     node_rank = 0
     if args.launcher == "local" and len(active) > 1:
         if not 0 <= args.node_rank < len(active):
@@ -164,7 +170,7 @@ def resolve_job(args: argparse.Namespace, environ: dict[str, str] | None = None)
         master_addr=master_addr, master_port=master_port, module=args.module, no_python=args.no_python,
         no_local_rank=args.no_local_rank, as_deepspeed=args.as_deepspeed, max_restarts=args.max_restarts, each_rank_log=args.enable_each_rank_log,
         bind_cores=args.bind_cores_to_rank, bind_core_list=args.bind_core_list, elastic=elastic,
-        cpu=args.num_procs > 0, run_id=environ.get("ELASTIC_RUN_ID", ""),
+        cpu=args.num_procs > 0, run_id=environ.get("ELASTIC_RUN_ID", ""), comm_timeout=args.comm_timeout,
     )
     _check_binding(args, max(len(slots) for slots in active.values()), local=not multi)
     if not multi:

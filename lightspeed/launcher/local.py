@@ -9,6 +9,15 @@ every worker of the node as soon as one fails. Nothing here spawns or kills proc
 Must not import torch at module level (the CLI imports this module while parsing arguments); only
 `run_node` does. Must not print: it logs, and returns an exit status.
 
+Note: a failed or stalled job
+    The job ends with one line naming the first rank that failed and why (its error file's message:
+    for a collective that timed out, the collective and the timeout, written by comm/watchdog.py),
+    torch's per-rank table at debug level. A rank whose collective stalls signals this agent
+    (SIGUSR2) before it exits; the agent then asks every worker of this node that handles SIGUSR1
+    (faulthandler, registered by `init_distributed`) for its Python stacks, one rank at a time under a
+    header naming it, and resumes stopped workers (SIGCONT) so the shutdown's SIGTERM reaches them
+    instead of waiting out the agent's 30-second grace period.
+
 Note: rendezvous
     One node without --master_port: c10d on localhost with a port the OS picks, so concurrent jobs
     never collide. Otherwise DeepSpeed's fixed layout: the "static" rendezvous of torchrun
@@ -30,7 +39,9 @@ from __future__ import annotations
 import importlib.machinery
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +85,7 @@ class NodePlan:
     cpu: bool = False  # CPU processes: no CUDA_VISIBLE_DEVICES, LIGHTSPEED_ACCELERATOR=cpu
     set_visible_devices: bool = True
     run_id: str = ""  # default DEFAULT_RUN_ID; $ELASTIC_RUN_ID when set, as DeepSpeed
+    comm_timeout: Optional[float] = None  # seconds, for every rank's LIGHTSPEED_COMM_TIMEOUT; None: inherited
 
     @property
     def nnodes(self) -> int:
@@ -159,7 +171,10 @@ def worker_command(plan: NodePlan) -> list[str]:
 def worker_env(plan: NodePlan, environ: dict[str, str]) -> dict[str, str]:
     """Variables to set in this process before the agent starts, which copies its environment into
     every worker (the agent adds RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT itself)."""
-    env = {"CROSS_RANK": str(plan.node_rank), "CROSS_SIZE": str(plan.nnodes), "LOCAL_SIZE": str(plan.nprocs)}
+    env = {"CROSS_RANK": str(plan.node_rank), "CROSS_SIZE": str(plan.nnodes), "LOCAL_SIZE": str(plan.nprocs),
+           "LIGHTSPEED_AGENT_PID": str(os.getpid())}
+    if plan.comm_timeout is not None:
+        env["LIGHTSPEED_COMM_TIMEOUT"] = f"{plan.comm_timeout:g}"
     if plan.cpu:
         env["LIGHTSPEED_ACCELERATOR"] = "cpu"
     elif plan.set_visible_devices:
@@ -193,6 +208,76 @@ def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else 1
 
 
+def failure_reason(rank: int, failure) -> str:
+    """One line for the first failed worker (a torch.distributed.elastic ProcessFailure)."""
+    message = failure.message
+    if isinstance(message, dict):  # @record's format: {"message": "...", "extraInfo": {...}}
+        message = message.get("message", "")
+    message = str(message or "").strip()
+    if message.startswith("To enable traceback see"):  # torch's text when the worker wrote no error file
+        message = ""
+    message = message.splitlines()[0] if message else ""
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with status {failure.exitcode}"
+    return f"rank {rank} (pid {failure.pid}) {how}" + (f": {message}" if message else "")
+
+
+def _workers() -> list[tuple[int, str, bool, bool]]:
+    """(pid, rank, handles SIGUSR1, stopped) of this process's children, from /proc."""
+    found = []
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) != me:
+                continue
+            with open(f"/proc/{name}/status") as f:
+                caught = next((int(line.split()[1], 16) for line in f if line.startswith("SigCgt:")), 0)
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile, or not ours to read
+        handles = bool(caught >> (signal.SIGUSR1 - 1) & 1)
+        found.append((int(name), env.get(b"RANK", b"?").decode(), handles, fields[0] in "tT"))
+    return sorted(found, key=lambda w: (len(w[1]), w[1]))
+
+
+class _StackDumper:
+    """The agent's STALL_SIGNAL handler: asks every worker of this node for its Python stacks, once per
+    run (rule in the module Note); later stall reports (the resumed workers' own failing collectives)
+    add nothing."""
+
+    def __init__(self):
+        self.done = False
+
+    def __call__(self, signum=None, frame=None) -> None:
+        if not self.done:
+            self.done = True
+            _dump_worker_stacks()
+
+
+def _dump_worker_stacks() -> None:
+    from lightspeed.comm.watchdog import DUMP_PAUSE_S, STACKS_SIGNAL
+
+    logger.error("a rank stalled in a collective: Python stacks of this node's workers follow")
+    for pid, rank, handles, stopped in _workers():
+        try:
+            if handles:
+                logger.error(f"--- stacks of rank {rank} (pid {pid}){' (was stopped)' if stopped else ''}:")
+                os.kill(pid, STACKS_SIGNAL)
+            if stopped:
+                os.kill(pid, signal.SIGCONT)
+            if handles:
+                time.sleep(DUMP_PAUSE_S)  # its dump ends before the next header
+        except ProcessLookupError:
+            continue
+
+
 def run_node(plan: NodePlan) -> int:
     """Run this node's workers under the elastic agent until they finish; return the job's exit status:
     0 when every worker succeeded, else the first failed worker's exit code (128+N for signal N).
@@ -214,11 +299,17 @@ def run_node(plan: NodePlan) -> int:
     )
     logger.info(f"node {plan.node_rank}/{plan.nnodes} ({plan.host}): {plan.nprocs} worker(s) of {plan.world_size}: "
                 f"{' '.join(cmd)}")
+    from lightspeed.comm.watchdog import STALL_SIGNAL
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(STALL_SIGNAL, _StackDumper())
     try:
         elastic_launch(config, cmd[0])(*cmd[1:])
     except ChildFailedError as e:
-        _, failure = e.get_first_failure()
-        logger.error(str(e))
+        rank, failure = e.get_first_failure()
+        logger.debug(str(e))
+        logger.error(f"job failed: {failure_reason(rank, failure)}")
         return _exit_status(failure.exitcode)
     except SignalException as e:
         logger.error(f"stopped by {e.sigval.name}; every worker was stopped")
@@ -229,6 +320,9 @@ def run_node(plan: NodePlan) -> int:
         logger.debug("launch failed", exc_info=True)
         logger.error(f"launch failed: {type(e).__name__}: {e}")
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(STALL_SIGNAL, previous)
     return 0
 
 

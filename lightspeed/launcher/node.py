@@ -48,6 +48,8 @@ def node_options(plan: NodePlan) -> list[str]:
                  f"--max_elastic_nodes={plan.elastic[1]}"]
     if plan.run_id:
         opts.append(f"--run_id={plan.run_id}")
+    if plan.comm_timeout is not None:
+        opts.append(f"--comm_timeout={plan.comm_timeout:g}")
     return opts
 
 
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_elastic_nodes", type=int, default=-1)
     p.add_argument("--cpu", action="store_true", help="CPU processes: leave CUDA_VISIBLE_DEVICES alone")
     p.add_argument("--run_id", default="")
+    p.add_argument("--comm_timeout", type=float, default=None, help="seconds, for LIGHTSPEED_COMM_TIMEOUT")
     p.add_argument("--stop_on_stdin_eof", action="store_true",
                    help="stop every worker when stdin closes (the ssh launcher's connection went away)")
     p.add_argument("training_script")
@@ -151,7 +154,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     no_local_rank=args.no_local_rank, as_deepspeed=args.as_deepspeed,
                     max_restarts=args.max_restarts,
                     each_rank_log=args.enable_each_rank_log, bind_cores=args.bind_cores_to_rank,
-                    bind_core_list=args.bind_core_list, elastic=elastic, cpu=args.cpu, run_id=args.run_id)
+                    bind_core_list=args.bind_core_list, elastic=elastic, cpu=args.cpu, run_id=args.run_id,
+                    comm_timeout=args.comm_timeout)
     if args.stop_on_stdin_eof:
         _stop_when_stdin_closes()
     return run_node(plan)

@@ -43,7 +43,7 @@ from lightspeed.optim.schedules import kwargs_problems, read_section
 
 logger = get_logger(__name__)
 
-__all__ = ["build_optimizer"]
+__all__ = ["build_optimizer", "make_optimizer"]
 
 _NOT_IMPLEMENTED = {
     "onebitadam": "OneBitAdam",
@@ -197,6 +197,14 @@ def build_optimizer(optimizer_config, model_parameters: Iterable) -> torch.optim
     Bad types and params raise ConfigError naming `optimizer.type` / `optimizer.params.<key>`; the
     one-bit optimizers, MuAdam/MuAdamW/MuSGD and Muon raise NotImplementedError.
     """
+    optimizer = make_optimizer(optimizer_config, model_parameters)
+    logger.info(f"optimizer: {read_section(optimizer_config, 'optimizer')[0]} -> "
+                f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    return optimizer
+
+
+def make_optimizer(optimizer_config, model_parameters: Iterable) -> torch.optim.Optimizer:
+    """`build_optimizer` without the log line."""
     type_name, params = read_section(optimizer_config, "optimizer")
     param_groups = list(model_parameters)
     if not param_groups:
@@ -210,13 +218,11 @@ def build_optimizer(optimizer_config, model_parameters: Iterable) -> torch.optim
     if name in _NOT_IMPLEMENTED:
         raise NotImplementedError(f"optimizer.type: {_NOT_IMPLEMENTED[name]} is not implemented in lightspeed yet")
     try:
-        optimizer = _build(name, type_name, param_groups, params)
+        return _build(name, type_name, param_groups, params)
     except (TypeError, ValueError) as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"optimizer.params: {type_name} rejected them: {error}") from error
-    logger.info(f"optimizer: {type_name} -> {type(optimizer).__module__}.{type(optimizer).__qualname__}")
-    return optimizer
 
 
 def _build(name: str, type_name: str, param_groups: list, params: dict):

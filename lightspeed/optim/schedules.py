@@ -12,6 +12,15 @@ writes 0.0, LRRangeTest writes lr_range_test_min_lr, OneCycle writes cycle_min_l
 and writes `get_lr()` into every param group. `state_dict()` is {'last_batch_iteration': n};
 `load_state_dict()` restores only that, the lr is rewritten at the next step(). `get_last_lr()`
 raises until an lr was recorded (OneCycle records none at construction).
+
+Note [per-group values]: as DeepSpeed (lr_schedules.py after its 2026 fixes): WarmupLR/WarmupDecayLR's
+warmup_min_lr / warmup_max_lr, LRRangeTest's lr_range_test_min_lr and OneCycle's cycle_min_lr,
+cycle_max_lr, cycle_min_mom and cycle_max_mom take one number for every param group or a list with
+one per group (another length is a ValueError); WarmupLR without warmup_max_lr warms each group up to
+that group's own lr. A group whose lr is a tensor (capturable or compiled optimizers) gets the new
+value written into that tensor, so whoever holds it sees the change. Step sizes (warmup_num_steps,
+lr_range_test_step_size, cycle_first/second_step_size) must be positive and decay_step_size >= 0:
+ValueError otherwise, where zero would divide by zero or (warmup) DeepSpeed refuses it too.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ from lightspeed.config.errors import ConfigError
 
 logger = get_logger(__name__)
 
-__all__ = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler"]
+__all__ = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler",
+           "scheduled_steps"]
 
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
@@ -46,19 +56,28 @@ def _torch_optimizer(optimizer):
 
 def _update_lr(param_groups, lrs) -> list:
     for group, lr in zip(param_groups, lrs):
-        if torch.is_tensor(group["lr"]):  # keep tensor lrs tensors (capturable / compiled optimizers)
-            lr = torch.full_like(group["lr"], float(lr))
-        group["lr"] = lr
+        if torch.is_tensor(group["lr"]):  # in place: a compiled or capturable step reads this very tensor
+            group["lr"].fill_(float(lr))
+        else:
+            group["lr"] = lr
     return [group["lr"] for group in param_groups]
 
 
 def _per_group(optimizer, value, name: str) -> list:
+    """`value` for every param group: a list/tuple with one per group, or one value for all."""
     num_groups = len(optimizer.param_groups)
     if isinstance(value, (list, tuple)):
         if len(value) != num_groups:
-            raise ValueError(f"expected {num_groups} values for {name}, got {len(value)}")
+            raise ValueError(f"{name}: expected {num_groups} values (one per param group), got {len(value)}")
         return list(value)
     return [value] * num_groups
+
+
+def _positive_step(value, name: str, allow_zero: bool = False):
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low or value != int(value):
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
 
 
 def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
@@ -69,8 +88,8 @@ def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) ->
 
 
 def _checked_warmup(warmup_num_steps, warmup_type) -> tuple[int, str]:
-    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps < 0:
-        raise ValueError(f"warmup_num_steps must be an integer >= 0, got {warmup_num_steps!r}")
+    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+        raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
     if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
         logger.warning(f"Using unknown warmup_type: {warmup_type}. The increasing function is set to default (log)")
         warmup_type = WARMUP_LOG_RATE
@@ -114,7 +133,7 @@ class LRRangeTest(_Schedule):
                  last_batch_iteration: int = -1):
         super().__init__(optimizer, last_batch_iteration)
         self.min_lr = _per_group(self.optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
-        self.step_size = lr_range_test_step_size
+        self.step_size = _positive_step(lr_range_test_step_size, "lr_range_test_step_size")
         self.step_rate = lr_range_test_step_rate
         self.staircase = lr_range_test_staircase
         if last_batch_iteration == -1:
@@ -140,8 +159,11 @@ class OneCycle(_Schedule):
                  cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, last_batch_iteration: int = -1):
         super().__init__(optimizer, last_batch_iteration)
         groups = self.optimizer.param_groups
-        self.first_step_size = float(cycle_first_step_size)
+        self.first_step_size = float(_positive_step(cycle_first_step_size, "cycle_first_step_size"))
         second = cycle_second_step_size
+        if second is not None:
+            _positive_step(second, "cycle_second_step_size")
+        _positive_step(decay_step_size, "decay_step_size", allow_zero=True)
         self.second_step_size = float(second) if second is not None else self.first_step_size
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
@@ -153,12 +175,11 @@ class OneCycle(_Schedule):
         self.skip_lr_decay = no_decay or math.isclose(decay_lr_rate, 0)
         self.skip_mom_decay = no_decay or math.isclose(decay_mom_rate, 0)
 
-        self.min_lrs = [cycle_min_lr] * len(groups)
-        self.max_lrs = [cycle_max_lr] * len(groups)
+        self.min_lrs = _per_group(self.optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(self.optimizer, cycle_max_lr, "cycle_max_lr")
         self.decay_lr_rate = decay_lr_rate
         if last_batch_iteration == -1:
-            for group in groups:
-                group["lr"] = cycle_min_lr
+            _update_lr(groups, self.min_lrs)
 
         self.cycle_momentum = cycle_momentum
         if cycle_momentum and "betas" not in self.optimizer.defaults:
@@ -167,11 +188,11 @@ class OneCycle(_Schedule):
             self.cycle_momentum = False
         if self.cycle_momentum:
             self.decay_mom_rate = decay_mom_rate
-            self.min_moms = [(cycle_min_mom, 0.99)] * len(groups)
-            self.max_moms = [(cycle_max_mom, 0.99)] * len(groups)
+            self.min_moms = [(m, 0.99) for m in _per_group(self.optimizer, cycle_min_mom, "cycle_min_mom")]
+            self.max_moms = [(m, 0.99) for m in _per_group(self.optimizer, cycle_max_mom, "cycle_max_mom")]
             if last_batch_iteration == -1:
-                for group in groups:
-                    group["betas"] = (cycle_min_mom, 0.99)
+                for group, betas in zip(groups, self.min_moms):
+                    group["betas"] = betas
 
     def _scale_factor(self) -> float:
         batch_iteration = self.last_batch_iteration + 1
@@ -224,7 +245,7 @@ class OneCycle(_Schedule):
 
 class WarmupLR(_Schedule):
     """lr = min + (max - min) * gamma, gamma = log(n+1)/log(W) ('log') or n/W ('linear') while n < W,
-    then 1; W = max(2, warmup_num_steps). warmup_max_lr=None takes the first group's lr."""
+    then 1; W = max(2, warmup_num_steps). warmup_max_lr=None: each group's own lr at construction."""
 
     def __init__(self, optimizer, warmup_min_lr: float | list = 0.0, warmup_max_lr: float | list | None = None,
                  warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG_RATE,
@@ -232,7 +253,7 @@ class WarmupLR(_Schedule):
         super().__init__(optimizer, last_batch_iteration)
         self.warmup_num_steps, self.warmup_type = _checked_warmup(warmup_num_steps, warmup_type)
         if warmup_max_lr is None:
-            warmup_max_lr = float(self.optimizer.param_groups[0]["lr"])
+            warmup_max_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.min_lrs = _per_group(self.optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(self.optimizer, warmup_max_lr, "warmup_max_lr")
         self.delta_lrs = [big - small for big, small in zip(self.max_lrs, self.min_lrs)]
@@ -308,6 +329,16 @@ class WarmupCosineLR(_Schedule):
         return [lr * ratio for lr in self.org_lrs]
 
 
+def scheduled_steps(scheduler) -> int | None:
+    """The number of steps `scheduler` is laid out for, when it says: WarmupDecayLR's and
+    WarmupCosineLR's total_num_steps, torch's OneCycleLR's total_steps; else None."""
+    if isinstance(scheduler, (WarmupDecayLR, WarmupCosineLR)):
+        return int(scheduler.total_num_steps)
+    if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
+        return int(scheduler.total_steps)
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # The ds_config `scheduler` section (read_section / kwargs_problems also serve the optimizer factory)
 
@@ -367,14 +398,15 @@ def _optional_int(ge: int | None = None):
 # Field type of every DeepSpeed schedule argument; which ones a schedule takes, their defaults and
 # which are required come from its constructor's signature.
 _PARAM_TYPES = {
-    "warmup_min_lr": _lr_or_list(False), "warmup_max_lr": _lr_or_list(True), "warmup_num_steps": NonNegInt,
+    "warmup_min_lr": _lr_or_list(False), "warmup_max_lr": _lr_or_list(True), "warmup_num_steps": PosInt,
     "warmup_type": Choice(WARMUP_LOG_RATE, WARMUP_LINEAR_RATE), "total_num_steps": NonNegInt,
     "warmup_min_ratio": Float(ge=0), "cos_min_ratio": Float(ge=0),
-    "cycle_min_lr": Float(ge=0), "cycle_max_lr": Float(ge=0), "decay_lr_rate": Float(ge=0),
-    "cycle_first_step_size": PosInt, "cycle_second_step_size": _optional_int(0),
+    "cycle_min_lr": _lr_or_list(False), "cycle_max_lr": _lr_or_list(False), "decay_lr_rate": Float(ge=0),
+    "cycle_first_step_size": PosInt, "cycle_second_step_size": _optional_int(1),
     "cycle_first_stair_count": Int(), "cycle_second_stair_count": _optional_int(),
-    "decay_step_size": NonNegInt, "cycle_momentum": Bool, "cycle_min_mom": Float(ge=0),
-    "cycle_max_mom": Float(ge=0), "decay_mom_rate": Float(ge=0),
+    "decay_step_size": NonNegInt, "cycle_momentum": Bool,
+    "cycle_min_mom": _lr_or_list(False), "cycle_max_mom": _lr_or_list(False),
+    "decay_mom_rate": Float(ge=0),
     "lr_range_test_min_lr": _lr_or_list(False), "lr_range_test_step_size": PosInt,
     "lr_range_test_step_rate": Float(ge=0), "lr_range_test_staircase": Bool,
     "last_batch_iteration": Int(ge=-1),
@@ -411,6 +443,13 @@ def build_scheduler(scheduler_config, optimizer):
     DeepSpeed's schedule names are matched exactly (case-sensitive, as in DeepSpeed); any other name
     is looked up in torch.optim.lr_scheduler. Unknown names and bad params raise ConfigError.
     """
+    scheduler, description = make_scheduler(scheduler_config, optimizer)
+    logger.info(f"LR scheduler: {description}")
+    return scheduler
+
+
+def make_scheduler(scheduler_config, optimizer) -> tuple[Any, str]:
+    """`build_scheduler` without the log line: (scheduler, what was built)."""
     name, params = read_section(scheduler_config, "scheduler")
     if name in _DEEPSPEED_SCHEDULES:
         cls, model = _DEEPSPEED_SCHEDULES[name]
@@ -426,8 +465,10 @@ def build_scheduler(scheduler_config, optimizer):
         ]
         if problems:
             raise ConfigError(problems)
-        logger.info(f"LR scheduler: {name} {values}")
-        return cls(optimizer, **values)
+        try:
+            return cls(optimizer, **values), f"{name} {values}"
+        except ValueError as error:
+            raise ConfigError(f"scheduler.params: {name} rejected them: {error}") from error
 
     torch_names = _torch_schedule_names()
     if name not in torch_names:
@@ -441,5 +482,4 @@ def build_scheduler(scheduler_config, optimizer):
         scheduler = cls(_torch_optimizer(optimizer), **params)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"scheduler.params: torch.optim.lr_scheduler.{name} rejected them: {error}") from error
-    logger.info(f"LR scheduler: torch.optim.lr_scheduler.{name} {params}")
-    return scheduler
+    return scheduler, f"torch.optim.lr_scheduler.{name} {params}"

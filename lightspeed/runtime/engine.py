@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lightspeed._utils.logging import get_logger
+from lightspeed._utils.progress import format_duration
 from lightspeed._utils.sizes import human_bytes
 from lightspeed._utils.timers import Timers
 from lightspeed.checkpoint import engine_checkpoint
@@ -29,6 +30,7 @@ from lightspeed.checkpoint.writer import CheckpointWriter, options_from_config
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.monitor import MonitorMaster
+from lightspeed.optim.schedules import scheduled_steps
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.dataloader import build_dataloader
@@ -66,6 +68,7 @@ class LightspeedEngine(torch.nn.Module):
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._last_print = (time.perf_counter(), 0)
+        self._total_steps: int | None = None
         self._memory_logged = False
         self.monitor = monitor  # DeepSpeed's engine.monitor: write_events([(name, value, step)])
         self.step_profiler = step_profiler
@@ -127,6 +130,19 @@ class LightspeedEngine(torch.nn.Module):
     @property
     def dp_world_size(self) -> int:
         return self.groups.dp_world_size
+
+    def set_total_steps(self, num_steps: int | None) -> None:
+        """How many optimizer steps this run takes (None: unknown), for the ETA in the step log line.
+        Without it the LR scheduler's own total is used (WarmupDecayLR / WarmupCosineLR
+        `total_num_steps`, torch's OneCycleLR `total_steps`)."""
+        if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
+            raise ValueError(f"set_total_steps: num_steps must be a positive integer or None (got {num_steps!r})")
+        self._total_steps = num_steps
+
+    @property
+    def total_steps(self) -> int | None:
+        """The run's number of optimizer steps, when known (see `set_total_steps`)."""
+        return self._total_steps if self._total_steps is not None else scheduled_steps(self.lr_scheduler)
 
     # ------------------------------------------------------------------ training step
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -260,6 +276,9 @@ class LightspeedEngine(torch.nn.Module):
                f"ms/step {(now - then) * 1e3 / steps:.1f}")
         if self.skipped_steps:
             msg += f" skipped_steps {self.skipped_steps}"
+        total = self.total_steps
+        if total is not None and total > self.global_steps:
+            msg += f" eta {format_duration((total - self.global_steps) * (now - then) / steps)}"
         logger.info(msg)
         if self.timers.enabled:
             times = self.timers.elapsed_ms()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from lightspeed import config as config_mod
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
@@ -16,6 +15,7 @@ from lightspeed.comm.init import init_distributed
 from lightspeed.config.errors import ConfigError
 from lightspeed.monitor import MonitorMaster
 from lightspeed.optim import build_optimizer, build_scheduler
+from lightspeed.optim.validation import validate_training_config
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
@@ -98,7 +98,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     groups = ParallelGroups.build(mpu)
-    cfg = config_mod.load(source, world_size=groups.dp_world_size)
+    cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
     policy = policy_from_config(cfg)
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself

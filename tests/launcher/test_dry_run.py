@@ -94,14 +94,14 @@ def test_node_options_reach_every_host(cli, job_dir, monkeypatch):
     code, out, err = cli("-H", "hostfile", "--launcher", "openmpi", "--include", "worker-1:1@worker-0",
                          "--max_restarts", "2", "--enable_each_rank_log", "logs", "--bind_core_list", "0-7",
                          "--elastic_training", "--max_elastic_nodes", "4", "--master_addr", "worker-0",
-                         "--no_local_rank", "--dry_run", "train.py")
+                         "--no_local_rank", "--comm_timeout", "90", "--dry_run", "train.py")
     assert code == 0, err
     world = {"worker-0": [0, 1], "worker-1": [1]}
     assert out.splitlines()[0].endswith(
         f"-u -m lightspeed.launcher.node --world_info={encode_world_info(world)} --master_addr=worker-0 "
         f"--master_port=29500 --no_local_rank --max_restarts=2 --enable_each_rank_log={job_dir}/logs "
         f"--bind_cores_to_rank --bind_core_list=0-7 --enable_elastic_training --min_elastic_nodes=1 "
-        f"--max_elastic_nodes=4 --run_id=run7 train.py")
+        f"--max_elastic_nodes=4 --run_id=run7 --comm_timeout=90 train.py")
     assert out.splitlines()[1:] == ["# worker-0: node 0, slots 0-1, ranks 0-1", "# worker-1: node 1, slots 1, ranks 2"]
 
 
@@ -145,6 +145,14 @@ def test_local_node(cli, job_dir):
     (["--num_procs", "two", "train.py"], "argument --num_procs: invalid int value: 'two' (see `lightspeed --help`)"),
     (["--num_procs", "2", "--master_port", "70000", "train.py"], "--master_port must be between 1 and 65535 (got 70000)"),
     (["--num_procs", "2", "--max_restarts", "-1", "train.py"], "--max_restarts must be 0 or more (got -1)"),
+    (["--num_procs", "2", "--comm_timeout", "0", "train.py"], "--comm_timeout must be a positive number of seconds (got 0)"),
+    (["--num_procs", "2", "--node_rank", "5", "train.py"], "--node_rank 5 but the job has 1 node (node rank 0)"),
+    (["-H", "hostfile", "--no_ssh", "--node_rank", "2", "--master_addr", "10.0.0.1", "train.py"],
+     "--node_rank 2 but the job has 2 nodes (node ranks 0-1)"),
+    (["--num_proc", "2", "train.py"],
+     "unrecognized arguments: --num_proc (did you mean --num_procs?) (see `lightspeed --help`)"),
+    (["config", "check", "c.json", "--world_sise", "2"],
+     "unrecognized arguments: --world_sise 2 (did you mean --world_size?) (see `lightspeed --help`)"),
     (["--num_procs", "2", "--bind_core_list", "4-2", "train.py"], '--bind_cores_to_rank: core range "4-2" ends before it starts'),
     (["--num_procs", "2", "--min_elastic_nodes", "2", "train.py"], "--min_elastic_nodes and --max_elastic_nodes need --elastic_training"),
     (["-H", "hostfile", "--elastic_training", "train.py"], "--elastic_training over several nodes needs --master_addr"),

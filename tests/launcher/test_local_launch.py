@@ -82,3 +82,49 @@ def test_exit_status_of_a_failed_worker():
     from lightspeed.launcher.local import _exit_status
 
     assert [_exit_status(c) for c in (3, 1, -9, -15, 0)] == [3, 1, 137, 143, 1]
+
+
+@pytest.mark.parametrize("mode", ["stop", "sleep"])
+def test_a_stalled_rank_ends_the_job_at_the_comm_timeout_with_every_ranks_stacks(tmp_path, home, mode):
+    start = time.monotonic()
+    proc = run_cli(["--num_procs", "2", "--comm_timeout", "4", SCRIPTS / "stall_job.py", "--mode", mode],
+                   tmp_path, home, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and "done" not in proc.stdout, proc.stderr[-3000:]
+    assert elapsed < 60, elapsed  # torch's default would be 30 minutes; startup is most of this
+    reason = [line for line in proc.stderr.splitlines() if "job failed:" in line]
+    assert len(reason) == 1, proc.stderr[-3000:]
+    assert "job failed: rank 0 " in reason[0] and "all_reduce (sum) of 3.9 KiB on a group of 2 ranks" in reason[0]
+    # gloo's own timeout error or the watchdog's, whichever reports first
+    assert "Timed out waiting 4000ms" in reason[0] or "within the communication timeout of 4 s" in reason[0]
+    # every rank's stacks, each under its header: rank 0 waits in the collective, rank 1 where it stopped
+    rank1 = proc.stderr.split("--- stacks of rank 1")[1]
+    rank0 = proc.stderr.split("--- stacks of rank 0")[1].split("--- stacks of rank 1")[0]
+    assert "stall_job.py\", line 27 in <module>" in rank0
+    assert f"stall_job.py\", line {24 if mode == 'stop' else 26} in <module>" in rank1
+    assert ("(was stopped)" in proc.stderr) == (mode == "stop")
+
+
+def test_failure_reason_is_one_line():
+    from types import SimpleNamespace
+
+    from lightspeed.launcher.local import failure_reason
+
+    generic = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    assert failure_reason(1, SimpleNamespace(message=generic, exitcode=3, pid=11)) == "rank 1 (pid 11) exited with status 3"
+    killed = SimpleNamespace(message="", exitcode=-9, pid=12, signal_name=lambda: "SIGKILL")
+    assert failure_reason(0, killed) == "rank 0 (pid 12) was killed by SIGKILL"
+    recorded = SimpleNamespace(message={"message": "ValueError: bad\nsecond line", "extraInfo": {}}, exitcode=1, pid=13)
+    assert failure_reason(2, recorded) == "rank 2 (pid 13) exited with status 1: ValueError: bad"
+
+
+def test_the_process_group_is_destroyed_before_interpreter_exit(tmp_path, home):
+    """gloo's worker threads are joined by lightspeed's exit handler, while the interpreter is alive
+    (else a worker releasing a backward-issued collective at finalization aborts the process)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli(["--num_procs", "2", SCRIPTS / "teardown_job.py", out], tmp_path, home, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        threads = (out / f"rank{rank}.txt").read_text().split()
+        assert "pt_gloo_runloop" not in threads, threads  # the threads that run (and release) collectives

@@ -119,3 +119,22 @@ def test_config_check_on_real_configs(cli, name, code, expected):
         pytest.skip(f"{name} is not in {SHARED}")
     got, out, err = cli("config", "check", path, "--world-size", "2")
     assert got == code and expected in out.splitlines(), out
+
+
+def test_config_check_runs_initializes_validation_and_lists_unimplemented_settings_with_problems(cli, tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 7}, "wandb": {"enabled": True},
+              "optimizer": {"type": "Adam", "params": {"lr": "fast", "weight_decy": 0.1}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -5}}}
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    code, out, err = cli("config", "check", "c.json")
+    assert code == 1, err
+    assert out.splitlines() == [
+        "c.json: problems:",
+        "  zero_optimization.stage: must be 0, 1, 2 or 3 (got 7)",
+        '  optimizer.params.lr: must be a number >= 0 (got "fast")',
+        '  optimizer.params.weight_decy: unknown key; did you mean "weight_decay"?',
+        "  scheduler.params.warmup_num_steps: must be a positive integer (got -5)",
+        "not implemented yet in lightspeed (1; lightspeed.initialize refuses them):",
+        "  wandb.enabled=true is not implemented yet",
+        "result: invalid",
+    ]

@@ -28,6 +28,7 @@ buffer) are whole at once.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ import torch
 
 from lightspeed._utils.device import Stream
 from lightspeed._utils.logging import get_logger, warn_once
+from lightspeed._utils.progress import progress
 from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.partition import Range
@@ -174,7 +176,10 @@ class Stage3Strategy:
             st = param_state(p)
             return st.shape if st is not None else p.shape
 
-        for unit in self.units:
+        unit_numels = [sum(math.prod(shape_of(p)) for _, _, _, owned in u.members for _, p in owned) for u in self.units]
+        what = "materializing and partitioning" if seeds else "partitioning"
+        bar = progress(total=sum(unit_numels), desc=f"ZeRO-3: {what} parameters", unit="param", unit_scale=True)
+        for unit, unit_numel in zip(self.units, unit_numels):
             for index, mname, m, owned in unit.members:
                 for _, p in owned:
                     if not p.is_floating_point():
@@ -197,6 +202,8 @@ class Stage3Strategy:
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
                 full_numel -= g.layout.numel  # the values now live in the group's shard only
+            bar.update(unit_numel)
+        bar.close()
         return groups
 
     def _uses(self) -> dict[int, list[ParamGroup]]:

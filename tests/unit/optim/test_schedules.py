@@ -119,7 +119,7 @@ def _run(scheduler, optimizer, reference, num_steps=NUM_STEPS):
 
 
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
-@pytest.mark.parametrize("warmup_num_steps", [0, 1, 2, 7, 100])
+@pytest.mark.parametrize("warmup_num_steps", [1, 2, 7, 100])
 def test_warmup_lr_matches_closed_form(warmup_type, warmup_num_steps):
     opt = _adam(num_groups=2)
     sched = WarmupLR(opt, warmup_min_lr=[1e-5, 0.0], warmup_max_lr=[3e-3, 1e-2],
@@ -344,7 +344,7 @@ def test_build_scheduler_torch_fallback():
     "config, message",
     [
         ({"type": "WarmupLR", "params": {"warmup_num_steps": -5}},
-         "scheduler.params.warmup_num_steps: must be an integer >= 0 (got -5)"),
+         "scheduler.params.warmup_num_steps: must be a positive integer (got -5)"),
         ({"type": "WarmupLR", "params": {"warmup_max_lrr": 0.1}},
          'scheduler.params.warmup_max_lrr: unknown key; did you mean "warmup_max_lr"?'),
         ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, "scheduler.params.warmup_type"),
@@ -378,3 +378,57 @@ def test_build_scheduler_reports_every_problem_at_once():
     with pytest.raises(ConfigError) as info:
         build_scheduler({"type": "WarmupDecayLR", "params": {"warmup_num_steps": -5, "warmup_max_lrr": 1}}, _adam())
     assert len(info.value.problems) == 3
+
+
+# ---- per-group values, tensor lrs, step sizes (DeepSpeed's rules; module Note [per-group values]) ----
+
+
+def test_warmup_lr_without_max_warms_each_group_up_to_its_own_lr():
+    opt = _adam(num_groups=2)
+    opt.param_groups[1]["lr"] = 0.2
+    sched = WarmupLR(opt, warmup_num_steps=4, warmup_type="linear")
+    assert sched.max_lrs == [0.1, 0.2]
+    for _ in range(10):
+        sched.step()
+    assert _lrs(opt) == [0.1, 0.2]
+
+
+def test_one_cycle_takes_one_lr_and_momentum_per_group():
+    opt = _adam(num_groups=2)
+    sched = OneCycle(opt, cycle_min_lr=[0.01, 0.02], cycle_max_lr=[0.1, 0.4], cycle_first_step_size=4,
+                     cycle_min_mom=[0.8, 0.85], cycle_max_mom=[0.9, 0.95])
+    assert _lrs(opt) == [0.01, 0.02] and [g["betas"] for g in opt.param_groups] == [(0.8, 0.99), (0.85, 0.99)]
+    for _ in range(4):
+        sched.step()  # batch 4 of a 4 + 4 cycle: the peak
+    assert _lrs(opt) == pytest.approx([0.1, 0.4])
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.8, 0.85])
+    with pytest.raises(ValueError, match="cycle_max_lr: expected 2 values"):
+        OneCycle(_adam(num_groups=2), cycle_min_lr=0.01, cycle_max_lr=[0.1, 0.2, 0.3])
+
+
+def test_a_tensor_lr_is_written_in_place():
+    opt = _adam(num_groups=2)
+    held = [torch.tensor(0.1), torch.tensor(0.1)]
+    for group, lr in zip(opt.param_groups, held):
+        group["lr"] = lr
+    sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=[1.0, 2.0], warmup_num_steps=4, warmup_type="linear")
+    for _ in range(2):
+        sched.step()
+    assert all(g["lr"] is t for g, t in zip(opt.param_groups, held))  # the same tensors, new values
+    assert [float(t) for t in held] == pytest.approx([0.25, 0.5])
+    OneCycle(opt, cycle_min_lr=0.003, cycle_max_lr=0.01)
+    assert opt.param_groups[0]["lr"] is held[0] and float(held[0]) == pytest.approx(0.003)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda opt: WarmupLR(opt, warmup_num_steps=0), "warmup_num_steps must be a positive integer, got 0"),
+    (lambda opt: WarmupDecayLR(opt, total_num_steps=10, warmup_num_steps=-3), "warmup_num_steps must be a positive"),
+    (lambda opt: WarmupCosineLR(opt, total_num_steps=10, warmup_num_steps=0), "warmup_num_steps must be a positive"),
+    (lambda opt: LRRangeTest(opt, lr_range_test_step_size=0), "lr_range_test_step_size must be an integer >= 1, got 0"),
+    (lambda opt: OneCycle(opt, 0.01, 0.1, cycle_first_step_size=0), "cycle_first_step_size must be an integer >= 1"),
+    (lambda opt: OneCycle(opt, 0.01, 0.1, cycle_second_step_size=0), "cycle_second_step_size must be an integer >= 1"),
+    (lambda opt: OneCycle(opt, 0.01, 0.1, decay_step_size=-1), "decay_step_size must be an integer >= 0, got -1"),
+])
+def test_non_positive_step_sizes_raise_value_error(build, message):
+    with pytest.raises(ValueError, match=message):
+        build(_adam())

@@ -1,0 +1,29 @@
+"""A job whose rank 1 stops making progress before a collective that rank 0 waits in: it SIGSTOPs itself
+(--mode stop) or sleeps (--mode sleep). Rank 0 prints `rank 0 done` only if its wait ended normally."""
+
+import argparse
+import os
+import signal
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--mode", choices=("stop", "sleep"), default="stop")
+args = parser.parse_args()
+
+import torch  # noqa: E402
+
+import lightspeed  # noqa: E402
+from lightspeed.comm.collectives import Communicator  # noqa: E402
+
+lightspeed.init_distributed()
+comm = Communicator()
+grads = torch.ones(1000, device="cuda" if torch.cuda.is_available() else "cpu")  # NCCL needs CUDA tensors
+comm.all_reduce(grads)  # every rank gets here: the group works
+if comm.rank == 1:
+    if args.mode == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        time.sleep(3600)
+comm.all_reduce(grads, async_op=True).wait()
+grads.sum().item()  # NCCL's wait only orders the stream: the host blocks here
+print(f"rank {comm.rank} done", flush=True)

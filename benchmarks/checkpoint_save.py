@@ -196,6 +196,34 @@ def measure_stall(args, root: str, decoupled: bool) -> dict[str, float]:
             "step_during_s": statistics.median(during)}
 
 
+def measure_deepspeed_stall(args, root: str) -> dict[str, float]:
+    """DeepSpeed's engine on the same model, config and data: its save_checkpoint is synchronous (its
+    decoupled writers need the aio ops, not built with DS_BUILD_OPS=0), so the stall is the save."""
+    import deepspeed
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", "29561"))
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10**9, "zero_optimization": {"stage": args.stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}}
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=MLPLM(args.vocab, args.hidden, args.layers), config=config)
+    timed_steps(engine, args, args.warmup)
+    base = timed_steps(engine, args, args.steps)
+    stalls = []
+    for i in range(args.saves):
+        sync()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(os.path.join(root, "deepspeed"), tag=f"s{i}")
+        sync()
+        stalls.append(time.perf_counter() - t0)
+        timed_steps(engine, args, args.steps)
+    return {"stall_s": statistics.median(stalls), "step_s": statistics.median(base),
+            "bytes": dir_bytes(os.path.join(root, "deepspeed", f"s{args.saves - 1}"))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=512)
@@ -211,6 +239,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs")
+    p.add_argument("--deepspeed", action="store_true", help="also time DeepSpeed's save (must be importable)")
     args = p.parse_args()
     if args.smoke:
         args.hidden, args.layers, args.vocab, args.seq, args.repeats, args.saves, args.steps = 64, 2, 256, 16, 1, 1, 2
@@ -245,6 +274,10 @@ def main() -> None:
             name = "background" if decoupled else "synchronous"
             print(f"  {name:<12} stall {r['stall_s'] * 1e3:9.1f} ms   step {r['step_s'] * 1e3:8.1f} ms, "
                   f"while writing {r['step_during_s'] * 1e3:8.1f} ms")
+        if args.deepspeed:
+            r = measure_deepspeed_stall(args, root)
+            print(f"  {'DeepSpeed':<12} stall {r['stall_s'] * 1e3:9.1f} ms   step {r['step_s'] * 1e3:8.1f} ms "
+                  f"(its save_checkpoint, synchronous; {r['bytes'] / 1e9:.3f} GB)")
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -87,9 +87,7 @@ _ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 UNIMPLEMENTED: list[Unimplemented] = [
     # ZeRO
     Unimplemented("zero_optimization.stage", lambda cfg: cfg.zero_optimization.stage not in IMPLEMENTED_STAGES),
-    _offload("offload_optimizer", "cpu"),
     _offload("offload_optimizer", "nvme"),
-    _offload("offload_param", "cpu"),
     _offload("offload_param", "nvme"),
     _flag("zero_optimization.stage3_use_all_reduce_for_fetch_params"),
     _flag("zero_optimization.zero_quantized_weights"),

@@ -13,6 +13,7 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
 from lightspeed.config.errors import ConfigError
+from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
@@ -39,7 +40,7 @@ def _config_source(args, config, config_params):
     return config
 
 
-def _build_optimizer(optimizer, cfg, module, model_parameters):
+def _build_optimizer(optimizer, cfg, module, model_parameters, cpu_offload: bool = False):
     params = list(model_parameters) if model_parameters is not None else list(module.parameters())
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer: given both in the config and to initialize(); pass one")
@@ -48,7 +49,7 @@ def _build_optimizer(optimizer, cfg, module, model_parameters):
     if callable(optimizer):
         return optimizer(params)
     if cfg.optimizer is not None:
-        return build_optimizer(cfg.optimizer, params)
+        return build_optimizer(cfg.optimizer, params, cpu_offload=cpu_offload)
     return None
 
 
@@ -90,6 +91,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     groups = ParallelGroups.build(mpu)
     cfg = config_mod.load(source, world_size=groups.dp_world_size)
     policy = policy_from_config(cfg)
+    offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself
     if not places_params:
@@ -97,9 +99,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             raise ConfigError(f"zero_optimization.stage: a model built under lightspeed.zero.Init (meta parameters) "
                               f"needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
-    optimizer = _build_optimizer(optimizer, cfg, model, model_parameters)
+    optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, cpu_offload=offload.offloads_optimizer)
     comm = Communicator(groups.dp_group, groups.dp_world_size)
-    strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device)
+    strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)

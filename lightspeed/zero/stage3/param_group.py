@@ -23,6 +23,14 @@ Freeing the storage of `full_flat` (resize to 0) releases the memory under those
 backward re-gathers into the same storage object, so the saved views read the right values again.
 Consequence: a tensor derived from a parameter in forward (e.g. `p.detach()`) must not be read after
 the group is released; the pre-backward hooks re-gather before any module's backward.
+
+Note (offload, `OffloadPolicy`): with the optimizer offloaded, `master_shard` and `master_grad_shard`
+are host fp32 buffers (for fp32 parameters too: the device keeps `lp_shard`, the host the master).
+With the parameters offloaded, `lp_shard` is a host buffer: a gather copies it to the device (on the
+side stream, so a prefetched group's copy runs under compute) and all-gathers that copy; without an
+offloaded optimizer the master then stays on the device (for fp32 parameters too), where the optimizer
+steps it. On NVMe the host `lp_shard` may be swapped out between steps (`swapper`): a gather reads it
+back first.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch
 
 from lightspeed._utils.flat import FlatLayout, flat_views
 from lightspeed.comm.collectives import Communicator
+from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.zero.partition import Range, shard_range
 
 RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
@@ -94,7 +103,8 @@ class ParamGroup:
 
     def __init__(self, name: str, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  values: Sequence[torch.Tensor], comm: Communicator, *, dtype: torch.dtype, device: torch.device,
-                 grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True):
+                 grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True,
+                 offload: OffloadPolicy | None = None):
         """`values[i]` holds the full value of `params[i]` (any dtype/device). Every rank passes its own
         values and rank 0's win (broadcast), so all ranks start identical. `fp32_grad_copy=False` (the
         fused optimizer step reads low-precision gradients itself) skips the fp32 gradient shard."""
@@ -108,7 +118,13 @@ class ParamGroup:
         for view, value in zip(flat_views(full, self.layout), values):
             view.copy_(value.detach())
         comm.broadcast(full, src=0)
-        self.lp_shard = full[self.shard.start:self.shard.end].clone()
+        self.offload = offload = offload if offload is not None else OffloadPolicy()
+        if offload.offloads_params:
+            self.lp_shard = offload.host_copy(full[self.shard.start:self.shard.end], dtype, device,
+                                              pin=offload.param_pin_memory)
+        else:
+            self.lp_shard = full[self.shard.start:self.shard.end].clone()
+        self.swapper: Any = None  # NVMe parameter offload: reads `lp_shard` back before a gather
         self.full_flat = full  # from now on the gather buffer; its storage is freed below
         self.views = flat_views(full, self.layout)
         self._nbytes = full.untyped_storage().nbytes()
@@ -122,11 +138,22 @@ class ParamGroup:
         self.persistent = False
         self.coordinator: Any = None  # set by the coordinator that schedules this group
         self.release()
-        self.master_shard = self.lp_shard.float() if keep_master and self.trainable and dtype != torch.float32 else None
-        self.grad_shard = torch.zeros_like(self.lp_shard, dtype=grad_dtype) if self.trainable else None
-        if self.grad_shard is not None and self.master_shard is not None and grad_dtype != torch.float32 \
+        n = self.shard_numel
+        host_master = offload.offloads_optimizer and self.trainable
+        if host_master:
+            pin = offload.optimizer_pin_memory
+            self.master_shard = offload.host_copy(self.lp_shard, torch.float32, device, pin=pin)
+        elif self.trainable and ((keep_master and dtype != torch.float32) or offload.offloads_params):
+            self.master_shard = self.lp_shard.to(device=device, dtype=torch.float32, copy=True)
+        else:
+            self.master_shard = None
+        self.grad_shard = torch.zeros(n, dtype=grad_dtype, device=device) if self.trainable else None
+        if host_master:
+            self.master_grad_shard = offload.host_empty(n, torch.float32, device, pin=offload.optimizer_pin_memory)
+            self.master_grad_shard.zero_()
+        elif self.grad_shard is not None and self.master_shard is not None and grad_dtype != torch.float32 \
                 and fp32_grad_copy:
-            self.master_grad_shard = torch.zeros_like(self.lp_shard, dtype=torch.float32)
+            self.master_grad_shard = torch.zeros(n, dtype=torch.float32, device=device)
         else:
             self.master_grad_shard = self.grad_shard
 
@@ -158,10 +185,21 @@ class ParamGroup:
         if self.stream is not None:
             self.stream.wait_current()  # outside the context: the side stream waits for the compute stream
             with self.stream.context():
-                self._handle = self.comm.all_gather(self.full_flat, self.lp_shard, async_op=True)
+                self._handle = self.comm.all_gather(self.full_flat, self._device_shard(), async_op=True)
         else:
-            self._handle = self.comm.all_gather(self.full_flat, self.lp_shard, async_op=True)
+            self._handle = self.comm.all_gather(self.full_flat, self._device_shard(), async_op=True)
         self.state = INFLIGHT
+
+    def _device_shard(self) -> torch.Tensor:
+        """The lp shard on the device, for the all-gather: itself, or (parameter offload) a copy of
+        the host shard, read from NVMe first when it is swapped out."""
+        if not self.offload.offloads_params:
+            return self.lp_shard
+        if self.swapper is not None:
+            self.swapper.ensure_in(self.lp_shard)
+        if self.device.type == "cpu":  # the host is the device: a separate buffer, the same mover
+            return self.lp_shard.clone()
+        return self.lp_shard.to(self.device, non_blocking=True)
 
     def wait(self) -> None:
         if self.state == RELEASED:
@@ -189,7 +227,7 @@ class ParamGroup:
         """Re-gather a gathered group after its lp shard changed (no-op when released)."""
         if self.state != RELEASED:
             self.wait()
-            self.comm.all_gather(self.full_flat, self.lp_shard)
+            self.comm.all_gather(self.full_flat, self._device_shard())
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self, prescale: bool, predivide: float, reduce_dtype: torch.dtype | None) -> PendingGrad:
@@ -227,15 +265,18 @@ class ParamGroup:
         if self.master_shard is not None:
             self.master_shard.copy_(self.lp_shard)
 
-    def nbytes(self) -> dict[str, int]:
-        """This rank's bytes of this group, by memory_breakdown category."""
+    def placed_nbytes(self) -> list[tuple[torch.device, str, int]]:
+        """(device, memory_breakdown category, bytes) of this group's tensors, where each lives."""
         def size(t):
-            return t.numel() * t.element_size() if t is not None else 0
+            return t.numel() * t.element_size()
 
-        out = {"lp_params": size(self.lp_shard) + (self._nbytes if self.state != RELEASED else 0)}
+        out = [(self.lp_shard.device, "lp_params", size(self.lp_shard))]
+        if self.state != RELEASED:
+            out.append((self.device, "lp_params", self._nbytes))
         if self.master_shard is not None:
-            out["master_params"] = size(self.master_shard)
+            out.append((self.master_shard.device, "master_params", size(self.master_shard)))
         if self.grad_shard is not None:
-            extra = size(self.master_grad_shard) if self.master_grad_shard is not self.grad_shard else 0
-            out["grads"] = size(self.grad_shard) + extra
+            out.append((self.grad_shard.device, "grads", size(self.grad_shard)))
+            if self.master_grad_shard is not self.grad_shard:
+                out.append((self.master_grad_shard.device, "grads", size(self.master_grad_shard)))
         return out

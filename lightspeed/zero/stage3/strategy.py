@@ -37,9 +37,11 @@ import torch
 from lightspeed._utils.device import Stream
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
+from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
+from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.partition import Range
-from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
+from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
 from lightspeed.zero.stage3.gathered import take_pending_external
 from lightspeed.zero.stage3.init import init_record, materialize_module, seed_from_global_rng
@@ -99,10 +101,13 @@ class Stage3Strategy:
     state_is_replicated = False  # each rank holds its own slices: every rank writes its file
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
-                 comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None):
+                 comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None,
+                 offload: OffloadPolicy | None = None):
         self.options = options or Stage3Options()
+        self.offload = offload if offload is not None else OffloadPolicy()
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
-        self._fused = fused_step(optimizer)  # the optimizer unscales, clips and writes the lp shards
+        # the optimizer unscales, clips and writes the lp shards; not when a shard lives in host memory
+        self._fused = fused_step(optimizer) and not self.offload.enabled
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
@@ -122,9 +127,13 @@ class Stage3Strategy:
         if optimizer is not None:
             self._bind_optimizer(optimizer, opt_index)
         trainable = self._trainable()
+        host = self.offload.offloads_optimizer
         self._views = ShardViews(optimizer, self._fused, grads=[g.grad_shard for g in trainable],
                                  master_grads=[g.master_grad_shard for g in trainable],
-                                 opt_grads=dict(self._opt_params), lowp_out=self._lowp_out, device=self.device)
+                                 opt_grads=dict(self._opt_params), lowp_out=self._lowp_out, device=self.device,
+                                 norm_grads=[g.grad_shard for g in trainable] if host else None)
+        self._background = BackgroundStep() if self.offload.overlap_step else None
+        self._writeback_pending = False
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
                                        units=[u.module for u in self.units], unit_of=unit_of)
@@ -178,7 +187,7 @@ class Stage3Strategy:
                                dtype=self.policy.param_dtype, device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
                                keep_master=self.policy.master_dtype is not None, stream=stream,
-                               fp32_grad_copy=not self._fused)
+                               fp32_grad_copy=not self._fused, offload=self.offload)
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
                 full_numel -= g.layout.numel  # the values now live in the group's shard only
@@ -258,14 +267,39 @@ class Stage3Strategy:
         use)."""
         self.coordinator.wait_reduces()
         check = check_overflow if check_overflow is not None else loss_scale is not None
+        if self._background is not None:
+            return self._overlapped_step(loss_scale, max_norm, check)
         result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
         if not result.applied:
             return result
+        self._write_back()
+        return result
+
+    def _write_back(self) -> None:
         if not self._views.optimizer_writes_lowp:
             for g in self._trainable():
                 g.copy_master_to_lp()
         self.coordinator.release_all(force=True)
+
+    def _overlapped_step(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
+        """Apply the previous step's update to the lp shards, then start this step's update in the
+        background (see `offload/overlap.py`)."""
+        self.flush()
+        result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        if result.applied and self.optimizer is not None:
+            snapshot = optimizer_snapshot(self.optimizer)
+            self._background.launch(lambda: apply_step(self._views, coef, snapshot))
+            self._writeback_pending = True
         return result
+
+    def flush(self) -> None:
+        """Finish an overlapped step still running and write its update into the lp shards."""
+        if self._background is None:
+            return
+        self._background.wait()
+        if self._writeback_pending:
+            self._writeback_pending = False
+            self._write_back()
 
     def zero_grad(self) -> None:
         for g in self._trainable():
@@ -277,6 +311,7 @@ class Stage3Strategy:
     def fragments(self) -> list[Fragment]:
         """The parts of each trainable parameter in this rank's shard of its group, owned by the
         optimizer's piece of that shard (the whole shard for parameters outside every optimizer group)."""
+        self.flush()
         out: list[Fragment] = []
         for g in self._trainable():
             pieces = list(self._opt_pieces.get(id(g), []))
@@ -296,11 +331,13 @@ class Stage3Strategy:
                                     dp_rank=self.comm.rank)
 
     def masters_loaded(self) -> None:
+        self.flush()
         for g in self.groups:
             g.copy_master_to_lp()
         self.coordinator.release_all(force=True)
 
     def masters_from_params(self) -> None:
+        self.flush()
         for g in self.groups:
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
@@ -327,6 +364,7 @@ class Stage3Strategy:
     def module_state_dict(self) -> dict[str, Any]:
         """The module's full state_dict on every rank (parameters gathered, as CPU tensors in the
         training dtype; tied names share one tensor). A collective: every rank must call it."""
+        self.flush()
         state = self.module.state_dict()
         values = self._gathered_values()
         for name, p in self.module.named_parameters(remove_duplicate=False):
@@ -362,7 +400,7 @@ class Stage3Strategy:
         """This rank's bytes by device and category (gathered buffers count while they are held)."""
         tally = MemoryTally()
         for g in self.groups:
-            for key, nbytes in g.nbytes().items():
-                tally.add(g.device, key, nbytes)
+            for device, key, nbytes in g.placed_nbytes():
+                tally.add(device, key, nbytes)
         tally.add_optimizer_state(self.optimizer)
         return tally.bytes

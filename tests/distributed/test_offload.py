@@ -1,0 +1,108 @@
+"""ZeRO-Offload / ZeRO-Infinity on real gloo processes: the offloaded runs against the plain ones.
+
+The host buffers, the device<->host movers and the NVMe swapper (on a temporary directory) all run
+on a CPU-only machine: the "device" is then the CPU too, with separate buffers. Cases are grouped so
+one `run_world` call (a process start per rank) runs many engines.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightspeed
+from lightspeed.testing.models import TinyMLP, regression_data
+from lightspeed.testing.run_world import run_world
+from tests.distributed.test_data_parallel import GLOBAL_BATCH, STEPS, _config, reference_losses
+
+pytestmark = pytest.mark.dist
+
+SMALL = {"reduce_bucket_size": 50, "allgather_bucket_size": 50, "stage3_param_persistence_threshold": 0}
+OPT_CPU = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+PARAM_CPU = {"offload_param": {"device": "cpu", "pin_memory": True}}
+
+
+def _zero(stage: int, **extra) -> dict:
+    z = {"stage": stage, **{k: v for k, v in SMALL.items() if stage == 3 or not k.startswith("stage3")}}
+    z.update(copy.deepcopy(extra))
+    return z
+
+
+def _nvme(block: str, path: str) -> dict:
+    return {block: {"device": "nvme", "nvme_path": path}}
+
+
+def train(steps: int, config: dict, engine_out: list | None = None):
+    """As test_data_parallel.engine_losses, with the module state gathered by the strategy (stage 3)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = TinyMLP()
+    engine, _, _, _ = lightspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    gas, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    x, y = regression_data(GLOBAL_BATCH * steps)
+    x = x.to(engine.policy.param_dtype)
+    losses = []
+    for s in range(steps):
+        step_loss = torch.zeros(())
+        for m in range(gas):
+            base = s * GLOBAL_BATCH + m * micro * world + rank * micro
+            loss = engine(x[base:base + micro], y[base:base + micro])
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().float() / gas
+        dist.all_reduce(step_loss)
+        losses.append((step_loss / world).item())
+    state = {k: v.float().cpu().clone() for k, v in engine.strategy.module_state_dict().items()}
+    if engine_out is not None:
+        engine_out.append(engine)
+    return losses, state, engine.get_global_grad_norm()
+
+
+def _cases_worker(cases: list[tuple[dict, int]], tmp: str) -> list:
+    """Each case: (config, steps); `{tmp}` in an nvme_path is this run's temporary directory."""
+    out = []
+    for cfg, steps in cases:
+        cfg = copy.deepcopy(cfg)
+        for block in ("offload_optimizer", "offload_param"):
+            b = cfg.get("zero_optimization", {}).get(block)
+            if b and b.get("nvme_path"):
+                b["nvme_path"] = b["nvme_path"].format(tmp=tmp)
+        out.append(train(steps, cfg))
+    return out
+
+
+def _run(world: int, cases: list[dict]) -> list:
+    with tempfile.TemporaryDirectory(prefix="offload_test_") as tmp:
+        results = run_world(_cases_worker, world, [(c, STEPS) for c in cases], tmp)
+        leftovers = [f for _, _, files in os.walk(tmp) for f in files]
+    assert not leftovers, f"swap files left behind: {leftovers}"
+    return results[0]
+
+
+def _assert_matches(got, ref, ref_state, rel=1e-5):
+    losses, state, _ = got
+    assert losses == pytest.approx(ref, rel=rel, abs=1e-7)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=rel, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_offloaded_fp32_runs_equal_the_reference(world):
+    ref, ref_state = reference_losses(STEPS)
+    clip_ref, clip_state = reference_losses(STEPS, clip=0.05)
+    cases = [_config(world, zero_optimization=_zero(s, **OPT_CPU)) for s in (1, 2, 3)]
+    cases.append(_config(world, zero_optimization=_zero(3, **OPT_CPU, **PARAM_CPU)))
+    cases.append(_config(world, zero_optimization=_zero(3, **PARAM_CPU)))
+    # accumulation and clipping (the micro-batch must divide the global batch)
+    gas = 3 if world != 4 else 2
+    clipped = [_config(world, gas=gas, gradient_clipping=0.05, zero_optimization=_zero(s, **OPT_CPU)) for s in (2, 3)]
+    results = _run(world, cases + clipped)
+    for got in results[:len(cases)]:
+        _assert_matches(got, ref, ref_state)
+    for got in results[len(cases):]:
+        _assert_matches(got, clip_ref, clip_state)
+        assert got[2] > 0.05

@@ -82,9 +82,9 @@ class OffloadPolicy:
             raise ConfigError('zero_optimization.offload_param.nvme_path: is required when device is "nvme"')
         if not 0.0 <= self.ratio <= 1.0:
             raise ConfigError("zero_optimization.offload_optimizer.ratio: must be in [0, 1]")
-        if self.overlap_step and self.optimizer == "none":
+        if self.overlap_step and self.optimizer != "cpu":
             raise ConfigError("zero_optimization.offload_optimizer.overlap_step: needs offload_optimizer.device "
-                              '"cpu" or "nvme"')
+                              f'"cpu" (got "{self.optimizer}")')
 
     # ------------------------------------------------------------------ what is offloaded
     @property
@@ -133,6 +133,9 @@ class OffloadPolicy:
             raise ConfigError("zero_optimization.offload_optimizer.ratio: partial offload (ratio < 1) needs ZeRO "
                               "stage 3")
         if opt is not None and opt_device != "none":
+            if opt.ratio < 1.0:
+                raise NotImplementedError("zero_optimization.offload_optimizer.ratio < 1 (partial optimizer offload, "
+                                          "DeepSpeed's Offload++) is not implemented yet")
             if opt.pipeline_read or opt.pipeline_write:
                 raise NotImplementedError("zero_optimization.offload_optimizer.pipeline_read/pipeline_write "
                                           "(DeepSpeed's pipelined optimizer swapping) is not implemented yet")

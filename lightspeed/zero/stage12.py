@@ -25,7 +25,9 @@ memory (pinned with `pin_memory` on CUDA), `master_grad` is a host fp32 buffer, 
 CPU one (the config's Adam becomes CPUAdam, as DeepSpeed's DeepSpeedCPUAdam). The step's overflow
 check and norm read the device-side reduced shard; the gradients then go to the host, the CPU
 optimizer steps, and the updated chunks are copied back into the device's lp buffer before the
-all-gather. With `overlap_step` the CPU step runs in the background (see `offload/overlap.py`).
+all-gather. With `overlap_step` the CPU step runs in the background (see `offload/overlap.py`). On
+NVMe each stepped master shard (with its optimizer state) is a sub-group swapped out between steps
+and stepped one at a time (`offload/swapped_step.py`); its update is all-gathered before it goes out.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from typing import Any
 import torch
 
 from lightspeed.comm.collectives import Communicator
+from lightspeed.offload.nvme import NvmeSwapper
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
 from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
@@ -106,7 +110,9 @@ class ShardedStrategy:
                 grad = torch.zeros(numel, dtype=policy.grad_accum_dtype, device=flat.device)
                 if host:
                     pin = self.offload.optimizer_pin_memory
-                    master = self.offload.host_empty(numel, torch.float32, flat.device, pin=pin)
+                    # a swapped master frees and re-allocates its storage: never pinned
+                    master = self.offload.host_empty(numel, torch.float32, flat.device,
+                                                     pin=pin and self.offload.optimizer != "nvme")
                     master_grad = self.offload.host_empty(numel, torch.float32, flat.device, pin=pin).zero_()
                 else:
                     master = torch.empty(numel, dtype=torch.float32, device=flat.device)
@@ -140,6 +146,14 @@ class ShardedStrategy:
             norm_grads=[s.grad for s in self.shards] if host else None)
         self._background = BackgroundStep() if self.offload.overlap_step else None
         self._writeback_pending = False  # overlap_step: an update is in the masters, not yet in the lp params
+        self._swap: SwappedOptimizerState | None = None
+        if self.offload.optimizer == "nvme":
+            swapper = NvmeSwapper(self.offload.optimizer_nvme_path, self.offload.aio,
+                                  key="zero_optimization.offload_optimizer.nvme_path", name="optimizer")
+            swapper.require_space(sum(s.master.numel() * 4 * 3 for s in stepped))  # master + two Adam moments
+            self._swap = SwappedOptimizerState(
+                swapper, optimizer, [SubGroup(f"shard{i}", [s.master], [s.master]) for i, s in enumerate(stepped)])
+            self._swap.all_out()
         for s in self.shards:
             if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
                 for p, g in zip(s.flat.params, s.flat.grad_views):
@@ -183,10 +197,21 @@ class ShardedStrategy:
             self.comm.all_gather(out, chunk if chunk.is_cuda else chunk.clone())
 
     def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
+        self._masters_in()
         for s in self.shards:
             self.comm.broadcast(s.flat.lp_flat, src=0)
             self._copy_params_to_master(s)
+        self._masters_out()
         broadcast_unflattened(self.comm, module)
+
+    def _masters_in(self) -> None:
+        """NVMe: bring every master shard and optimizer state into host memory."""
+        if self._swap is not None:
+            self._swap.all_in()
+
+    def _masters_out(self) -> None:
+        if self._swap is not None:
+            self._swap.all_out()
 
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
@@ -250,6 +275,13 @@ class ShardedStrategy:
         check = check_overflow if check_overflow is not None else loss_scale is not None
         if self._background is not None:
             return self._overlapped_step(loss_scale, max_norm, check)
+        if self._swap is not None:
+            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+            if result.applied and self.optimizer is not None:
+                stepped = [s for s in self.shards if s.stepped]
+                self._swap.step(self._views.opt_grads, self.optimizer,
+                                lambda i: self._all_gather_params(stepped[i]))
+            return result
         result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
         if result.applied:
             self._write_back()
@@ -290,6 +322,7 @@ class ShardedStrategy:
     def fragments(self) -> list[Fragment]:
         """The parts of each parameter inside this rank's chunks, owned by the flat master shard."""
         self.flush()
+        self._masters_in()  # NVMe: the fragments' owners are read (saved) or written (loaded) next
         names = first_names(self.module)
         out: list[Fragment] = []
         for s in self.shards:
@@ -304,13 +337,17 @@ class ShardedStrategy:
 
     def masters_loaded(self) -> None:
         self.flush()
+        self._masters_in()
         for s in self.shards:
             self._all_gather_params(s)
+        self._masters_out()
 
     def masters_from_params(self) -> None:
         self.flush()
+        self._masters_in()
         for s in self.shards:
             self._copy_params_to_master(s)
+        self._masters_out()
 
     def module_shapes(self) -> dict[str, tuple[int, ...]]:
         return module_shapes(self.module)
@@ -323,7 +360,7 @@ class ShardedStrategy:
         self.module.load_state_dict(state, strict=strict)
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
-        tally = MemoryTally()
+        tally = MemoryTally(self._swap.swapper.location if self._swap is not None else None)
         for s in self.shards:
             tally.add_tensor("lp_params", s.flat.lp_flat)
             tally.add_tensor("master_params", s.master)

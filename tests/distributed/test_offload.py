@@ -106,3 +106,16 @@ def test_offloaded_fp32_runs_equal_the_reference(world):
     for got in results[len(cases):]:
         _assert_matches(got, clip_ref, clip_state)
         assert got[2] > 0.05
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nvme_offload_equals_the_reference(world):
+    ref, ref_state = reference_losses(STEPS)
+    path = "{tmp}"
+    cases = [_config(world, zero_optimization=_zero(s, **_nvme("offload_optimizer", path))) for s in (1, 2, 3)]
+    cases.append(_config(world, zero_optimization=_zero(3, **_nvme("offload_optimizer", path),
+                                                        **_nvme("offload_param", path))))
+    cases.append(_config(world, zero_optimization=_zero(3, **OPT_CPU, offload_param={
+        "device": "nvme", "nvme_path": path, "max_in_cpu": 40})))
+    for got in _run(world, cases):
+        _assert_matches(got, ref, ref_state)

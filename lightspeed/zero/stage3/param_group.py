@@ -119,9 +119,9 @@ class ParamGroup:
             view.copy_(value.detach())
         comm.broadcast(full, src=0)
         self.offload = offload = offload if offload is not None else OffloadPolicy()
-        if offload.offloads_params:
+        if offload.offloads_params:  # a swapped shard frees and re-allocates its storage: never pinned
             self.lp_shard = offload.host_copy(full[self.shard.start:self.shard.end], dtype, device,
-                                              pin=offload.param_pin_memory)
+                                              pin=offload.param_pin_memory and offload.param != "nvme")
         else:
             self.lp_shard = full[self.shard.start:self.shard.end].clone()
         self.swapper: Any = None  # NVMe parameter offload: reads `lp_shard` back before a gather
@@ -141,7 +141,7 @@ class ParamGroup:
         n = self.shard_numel
         host_master = offload.offloads_optimizer and self.trainable
         if host_master:
-            pin = offload.optimizer_pin_memory
+            pin = offload.optimizer_pin_memory and offload.optimizer != "nvme"
             self.master_shard = offload.host_copy(self.lp_shard, torch.float32, device, pin=pin)
         elif self.trainable and ((keep_master and dtype != torch.float32) or offload.offloads_params):
             self.master_shard = self.lp_shard.to(device=device, dtype=torch.float32, copy=True)
@@ -195,8 +195,7 @@ class ParamGroup:
         the host shard, read from NVMe first when it is swapped out."""
         if not self.offload.offloads_params:
             return self.lp_shard
-        if self.swapper is not None:
-            self.swapper.ensure_in(self.lp_shard)
+        self.lp_in()
         if self.device.type == "cpu":  # the host is the device: a separate buffer, the same mover
             return self.lp_shard.clone()
         return self.lp_shard.to(self.device, non_blocking=True)
@@ -222,6 +221,22 @@ class ParamGroup:
             p.data = self.placeholder
         self.full_flat.untyped_storage().resize_(0)
         self.state = RELEASED
+        self.lp_out()
+
+    def lp_in(self) -> None:
+        """NVMe parameter offload: make sure the host lp shard holds its values."""
+        if self.swapper is not None:
+            self.swapper.ensure_in(self.lp_shard)
+
+    def lp_out(self) -> None:
+        """NVMe parameter offload: free the host lp shard of a released group (written when changed)."""
+        if self.swapper is not None and self.state == RELEASED:
+            self.swapper.swap_out(self.lp_shard, dirty=False)
+
+    def _lp_written(self) -> None:
+        if self.swapper is not None:
+            self.swapper.mark_dirty(self.lp_shard)
+            self.lp_out()
 
     def refresh(self) -> None:
         """Re-gather a gathered group after its lp shard changed (no-op when released)."""
@@ -255,28 +270,31 @@ class ParamGroup:
         if own.numel:
             src_start = own.start + self.shard.start - r.start
             flat = value.detach().reshape(-1)
+            self.lp_in()
             self.lp_shard[own.start:own.end].copy_(flat[src_start:src_start + own.numel])
+            self._lp_written()
 
     def copy_master_to_lp(self) -> None:
         if self.master_shard is not None:
+            self.lp_in()
             self.lp_shard.copy_(self.master_shard)
+            self._lp_written()
 
     def copy_lp_to_master(self) -> None:
         if self.master_shard is not None:
+            self.lp_in()
             self.master_shard.copy_(self.lp_shard)
+            self.lp_out()
 
-    def placed_nbytes(self) -> list[tuple[torch.device, str, int]]:
-        """(device, memory_breakdown category, bytes) of this group's tensors, where each lives."""
-        def size(t):
-            return t.numel() * t.element_size()
-
-        out = [(self.lp_shard.device, "lp_params", size(self.lp_shard))]
+    def add_to(self, tally) -> None:
+        """Count this group's bytes into a `MemoryTally`, each tensor where it lives (the tally's
+        `locate` places swapped tensors on "nvme"); the gathered buffer counts while it is held."""
+        tally.add_tensor("lp_params", self.lp_shard)
         if self.state != RELEASED:
-            out.append((self.device, "lp_params", self._nbytes))
+            tally.add(self.device, "lp_params", self._nbytes)
         if self.master_shard is not None:
-            out.append((self.master_shard.device, "master_params", size(self.master_shard)))
+            tally.add_tensor("master_params", self.master_shard)
         if self.grad_shard is not None:
-            out.append((self.grad_shard.device, "grads", size(self.grad_shard)))
+            tally.add_tensor("grads", self.grad_shard)
             if self.master_grad_shard is not self.grad_shard:
-                out.append((self.master_grad_shard.device, "grads", size(self.master_grad_shard)))
-        return out
+                tally.add_tensor("grads", self.master_grad_shard)

@@ -37,8 +37,10 @@ import torch
 from lightspeed._utils.device import Stream
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
+from lightspeed.offload.nvme import NvmeSwapper
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
 from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.partition import Range
 from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
@@ -134,6 +136,8 @@ class Stage3Strategy:
                                  norm_grads=[g.grad_shard for g in trainable] if host else None)
         self._background = BackgroundStep() if self.offload.overlap_step else None
         self._writeback_pending = False
+        self._swap = self._optimizer_swap() if self.offload.optimizer == "nvme" else None
+        self._param_swapper = self._param_swap() if self.offload.param == "nvme" else None
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
                                        units=[u.module for u in self.units], unit_of=unit_of)
@@ -241,6 +245,52 @@ class Stage3Strategy:
                 tensors.append(tensor)
             pg["params"] = tensors
 
+    def _optimizer_swap(self) -> SwappedOptimizerState:
+        """NVMe optimizer offload: each trainable group's master shard and the optimizer state of its
+        pieces form one sub-group, swapped out between steps."""
+        swapper = NvmeSwapper(self.offload.optimizer_nvme_path, self.offload.aio,
+                              key="zero_optimization.offload_optimizer.nvme_path", name="optimizer")
+        trainable = [g for g in self._trainable() if g.master_shard is not None]
+        swapper.require_space(sum(g.master_shard.numel() * 4 * 3 for g in trainable))  # master + two Adam moments
+        subgroups = [SubGroup(f"group{i}", [g.master_shard], [t for _, t, _ in self._opt_pieces.get(id(g), [])])
+                     for i, g in enumerate(trainable)]
+        swap = SwappedOptimizerState(swapper, self.optimizer, subgroups)
+        swap.all_out()
+        return swap
+
+    def _param_swap(self) -> NvmeSwapper:
+        """NVMe parameter offload: the lp shards past `max_in_cpu` elements live in swap files and are
+        read back when their group is gathered."""
+        swapper = NvmeSwapper(self.offload.param_nvme_path, self.offload.aio,
+                              key="zero_optimization.offload_param.nvme_path", name="param")
+        kept, swapped = 0, []
+        for g in self.groups:
+            if kept + g.shard_numel <= self.offload.max_in_cpu:
+                kept += g.shard_numel
+            else:
+                swapped.append(g)
+        swapper.require_space(sum(g.lp_shard.numel() * g.lp_shard.element_size() for g in swapped))
+        for i, g in enumerate(swapped):
+            swapper.register(g.lp_shard, f"{i}_{g.name}")
+            g.swapper = swapper
+            g.lp_out()
+        return swapper
+
+    def _locate(self, t: torch.Tensor) -> str | None:
+        for swapper in (self._swap.swapper if self._swap is not None else None, self._param_swapper):
+            where = swapper.location(t) if swapper is not None else None
+            if where is not None:
+                return where
+        return None
+
+    def _masters_in(self) -> None:
+        if self._swap is not None:
+            self._swap.all_in()
+
+    def _masters_out(self) -> None:
+        if self._swap is not None:
+            self._swap.all_out()
+
     def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
         """Parameters were broadcast group by group while sharding; buffers (kept whole) are here."""
         for b in module.buffers():
@@ -269,6 +319,13 @@ class Stage3Strategy:
         check = check_overflow if check_overflow is not None else loss_scale is not None
         if self._background is not None:
             return self._overlapped_step(loss_scale, max_norm, check)
+        if self._swap is not None:
+            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+            if result.applied and self.optimizer is not None:
+                stepped = [g for g in self._trainable() if g.master_shard is not None]
+                self._swap.step(self._views.opt_grads, self.optimizer, lambda i: stepped[i].copy_master_to_lp())
+                self.coordinator.release_all(force=True)
+            return result
         result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
         if not result.applied:
             return result
@@ -312,6 +369,7 @@ class Stage3Strategy:
         """The parts of each trainable parameter in this rank's shard of its group, owned by the
         optimizer's piece of that shard (the whole shard for parameters outside every optimizer group)."""
         self.flush()
+        self._masters_in()  # NVMe: the fragments' owners are read (saved) or written (loaded) next
         out: list[Fragment] = []
         for g in self._trainable():
             pieces = list(self._opt_pieces.get(id(g), []))
@@ -332,15 +390,19 @@ class Stage3Strategy:
 
     def masters_loaded(self) -> None:
         self.flush()
+        self._masters_in()
         for g in self.groups:
             g.copy_master_to_lp()
         self.coordinator.release_all(force=True)
+        self._masters_out()
 
     def masters_from_params(self) -> None:
         self.flush()
+        self._masters_in()
         for g in self.groups:
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
+        self._masters_out()
 
     def _gathered_values(self) -> dict[int, torch.Tensor]:
         """id(param) -> its full value on the CPU, gathered one group at a time."""
@@ -374,6 +436,8 @@ class Stage3Strategy:
 
     def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Scatter a full state_dict into the shards (each rank copies its slices; no communication)."""
+        self.flush()
+        self._masters_in()
         names: dict[int, list[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             if param_state(p) is not None:
@@ -395,12 +459,12 @@ class Stage3Strategy:
                 g.load_param(st.index, value)
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
+        self._masters_out()
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category (gathered buffers count while they are held)."""
-        tally = MemoryTally()
+        tally = MemoryTally(self._locate)
         for g in self.groups:
-            for device, key, nbytes in g.placed_nbytes():
-                tally.add(device, key, nbytes)
+            g.add_to(tally)
         tally.add_optimizer_state(self.optimizer)
         return tally.bytes

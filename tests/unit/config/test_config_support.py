@@ -47,7 +47,6 @@ def test_stage_message_and_all_named_at_once():
 @pytest.mark.parametrize(
     "config, expected",
     [
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}}, 'zero_optimization.offload_param.device="nvme"'),
         ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size=8"),
         ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients=true"),
         ({"zero_optimization": {"zero_quantized_nontrainable_weights": True}}, "zero_optimization.zero_quantized_nontrainable_weights=true"),

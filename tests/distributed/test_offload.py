@@ -119,3 +119,76 @@ def test_nvme_offload_equals_the_reference(world):
         "device": "nvme", "nvme_path": path, "max_in_cpu": 40})))
     for got in _run(world, cases):
         _assert_matches(got, ref, ref_state)
+
+
+def _bf16_and_overlap_worker(tmp: str):
+    bf16 = {"bf16": {"enabled": True}}
+    out = {}
+    for name, zero in [("plain2", _zero(2)), ("opt2", _zero(2, **OPT_CPU)), ("plain3", _zero(3)),
+                       ("opt3", _zero(3, **OPT_CPU, **PARAM_CPU)),
+                       ("nvme3", _zero(3, **_nvme("offload_optimizer", tmp), **_nvme("offload_param", tmp)))]:
+        out[name] = train(STEPS, _config(2, zero_optimization=zero, **bf16))[0]
+    # the one-step-delayed update: different losses, the same descent
+    out["overlap2"] = train(STEPS, _config(2, zero_optimization=_zero(2, offload_optimizer={
+        "device": "cpu", "overlap_step": True})))[0]
+    out["overlap3"] = train(STEPS, _config(2, zero_optimization=_zero(3, offload_optimizer={
+        "device": "cpu", "overlap_step": True})))[0]
+    return out
+
+
+def test_bf16_offload_tracks_bf16_and_overlapped_step_converges():
+    ref, _ = reference_losses(STEPS)
+    with tempfile.TemporaryDirectory(prefix="offload_test_") as tmp:
+        out = run_world(_bf16_and_overlap_worker, 2, tmp)[0]
+    # bf16: the offloaded step reads the same bf16 gradients and steps an fp32 master (on the host)
+    assert out["opt2"] == pytest.approx(out["plain2"], rel=2e-2, abs=1e-2)
+    assert out["opt3"] == pytest.approx(out["plain3"], rel=2e-2, abs=1e-2)
+    assert out["nvme3"] == pytest.approx(out["opt3"], rel=1e-6)
+    for key in ("overlap2", "overlap3"):
+        losses = out[key]
+        assert losses[0] == pytest.approx(ref[0], rel=1e-5)  # step 2's forward still sees the initial values
+        assert losses != pytest.approx(ref, rel=1e-5)
+        assert losses[-1] < losses[0]
+
+
+def _checkpoint_worker(save_dir: str, first: dict, second: dict):
+    """Train `first` 4 steps and save; load into `second` and train 4 more: the losses of those 4
+    steps against `first` continuing."""
+    engines: list = []
+    train(4, first, engines)
+    engines[0].save_checkpoint(save_dir, tag="t")
+    cont = _continue(engines[0], 4)
+    model = TinyMLP(seed=5)  # other initial values: everything must come from the checkpoint
+    engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(), config=second)
+    engine.load_checkpoint(save_dir, tag="t")
+    return cont, _continue(engine, 4)
+
+
+def _continue(engine, steps: int) -> list[float]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = regression_data(GLOBAL_BATCH * 8)
+    micro = engine.train_micro_batch_size_per_gpu()
+    losses = []
+    for s in range(4, 4 + steps):
+        base = s * GLOBAL_BATCH + rank * micro
+        loss = engine(x[base:base + micro], y[base:base + micro])
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append((t / world).item())
+    return losses
+
+
+def test_checkpoints_load_across_offload_settings():
+    pairs = [(_zero(2, **OPT_CPU), _zero(3)), (_zero(3), _zero(3, **OPT_CPU, **PARAM_CPU)),
+             (_zero(3, **OPT_CPU), _zero(1, **_nvme("offload_optimizer", "{tmp}")))]
+    with tempfile.TemporaryDirectory(prefix="offload_test_") as tmp:
+        for i, (a, b) in enumerate(pairs):
+            for z in (a, b):
+                for block in z.values():
+                    if isinstance(block, dict) and "nvme_path" in block:
+                        block["nvme_path"] = tmp
+            cont, loaded = run_world(_checkpoint_worker, 2, os.path.join(tmp, f"ckpt{i}"),
+                                     _config(2, zero_optimization=a), _config(2, zero_optimization=b))[0]
+            assert loaded == pytest.approx(cont, rel=1e-5), (a, b)

@@ -133,9 +133,6 @@ class OffloadPolicy:
             raise ConfigError("zero_optimization.offload_optimizer.ratio: partial offload (ratio < 1) needs ZeRO "
                               "stage 3")
         if opt is not None and opt_device != "none":
-            if opt.ratio < 1.0:
-                raise NotImplementedError("zero_optimization.offload_optimizer.ratio < 1 (partial optimizer offload, "
-                                          "DeepSpeed's Offload++) is not implemented yet")
             if opt.pipeline_read or opt.pipeline_write:
                 raise NotImplementedError("zero_optimization.offload_optimizer.pipeline_read/pipeline_write "
                                           "(DeepSpeed's pipelined optimizer swapping) is not implemented yet")

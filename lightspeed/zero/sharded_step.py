@@ -79,8 +79,13 @@ def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *
     norm = sq.sqrt() / scale
     coef = grad_coefficient(norm, scale, max_norm) if scale != 1.0 or max_norm > 0 else None
     if coef is not None and not views.fused and views.master_grads:
-        # the master gradients may live in host memory (optimizer offload): the factor goes to them
-        torch._foreach_mul_(views.master_grads, coef.to(views.master_grads[0].device))
+        # the master gradients may live in host memory (optimizer offload), some of them on the device
+        # (partial offload): the factor goes to each device's list
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in views.master_grads:
+            by_device.setdefault(g.device, []).append(g)
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(device))
     return StepResult(True, norm), coef
 
 

@@ -97,6 +97,8 @@ def test_offloaded_fp32_runs_equal_the_reference(world):
     cases = [_config(world, zero_optimization=_zero(s, **OPT_CPU)) for s in (1, 2, 3)]
     cases.append(_config(world, zero_optimization=_zero(3, **OPT_CPU, **PARAM_CPU)))
     cases.append(_config(world, zero_optimization=_zero(3, **PARAM_CPU)))
+    # Offload++: part of the optimizer state stays on the device
+    cases.append(_config(world, zero_optimization=_zero(3, offload_optimizer={"device": "cpu", "ratio": 0.5})))
     # accumulation and clipping (the micro-batch must divide the global batch)
     gas = 3 if world != 4 else 2
     clipped = [_config(world, gas=gas, gradient_clipping=0.05, zero_optimization=_zero(s, **OPT_CPU)) for s in (2, 3)]

@@ -28,6 +28,7 @@ buffer) are whole at once.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +173,12 @@ class Stage3Strategy:
             st = param_state(p)
             return st.shape if st is not None else p.shape
 
+        # Offload++ (`offload_optimizer.ratio` < 1): the groups past that fraction of the trainable
+        # elements keep their master and optimizer state on the device
+        total = sum(torch.Size(shape_of(p)).numel() for u in self.units for _, p in u.owned() if p.requires_grad)
+        offloaded_numel = 0
+        device_kept = dataclasses.replace(self.offload, optimizer="none", overlap_step=False)
+
         for unit in self.units:
             for index, mname, m, owned in unit.members:
                 for _, p in owned:
@@ -187,11 +194,18 @@ class Stage3Strategy:
                     continue
                 sel.sort(key=lambda item: opt_index.get(id(item[1]), last))
                 name = unit.name + ("" if trainable else " (frozen)")
+                numel = sum(p.numel() if not p.is_meta else torch.Size(shape_of(p)).numel() for _, p in sel)
+                offload = self.offload
+                if trainable and self.offload.offloads_optimizer and self.offload.ratio < 1.0:
+                    if offloaded_numel + numel > self.offload.ratio * total:
+                        offload = device_kept
+                    else:
+                        offloaded_numel += numel
                 g = ParamGroup(name, [p for _, p in sel], [n for n, _ in sel], [p.detach() for _, p in sel], self.comm,
                                dtype=self.policy.param_dtype, device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
                                keep_master=self.policy.master_dtype is not None, stream=stream,
-                               fp32_grad_copy=not self._fused, offload=self.offload)
+                               fp32_grad_copy=not self._fused, offload=offload)
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
                 full_numel -= g.layout.numel  # the values now live in the group's shard only
@@ -250,7 +264,7 @@ class Stage3Strategy:
         pieces form one sub-group, swapped out between steps."""
         swapper = NvmeSwapper(self.offload.optimizer_nvme_path, self.offload.aio,
                               key="zero_optimization.offload_optimizer.nvme_path", name="optimizer")
-        trainable = [g for g in self._trainable() if g.master_shard is not None]
+        trainable = [g for g in self._trainable() if g.offload.offloads_optimizer]
         swapper.require_space(sum(g.master_shard.numel() * 4 * 3 for g in trainable))  # master + two Adam moments
         subgroups = [SubGroup(f"group{i}", [g.master_shard], [t for _, t, _ in self._opt_pieces.get(id(g), [])])
                      for i, g in enumerate(trainable)]
@@ -322,7 +336,7 @@ class Stage3Strategy:
         if self._swap is not None:
             result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
             if result.applied and self.optimizer is not None:
-                stepped = [g for g in self._trainable() if g.master_shard is not None]
+                stepped = [g for g in self._trainable() if g.offload.offloads_optimizer]
                 self._swap.step(self._views.opt_grads, self.optimizer, lambda i: stepped[i].copy_master_to_lp())
                 self.coordinator.release_all(force=True)
             return result

@@ -33,8 +33,9 @@ def test_policy_from_config_and_deepspeed_rules(tmp_path):
         _policy({"stage": 2, "offload_param": {"device": "cpu"}})
     with pytest.raises(ConfigError, match="overlap_step"):
         _policy({"stage": 2, "offload_optimizer": {"device": "none", "overlap_step": True}})
-    with pytest.raises(NotImplementedError, match="ratio"):
-        _policy({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
+    with pytest.raises(ConfigError, match="ratio"):
+        _policy({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
+    assert _policy({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}).ratio == 0.5
 
 
 def test_bad_nvme_paths_are_clear_errors(tmp_path):

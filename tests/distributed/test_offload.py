@@ -194,3 +194,40 @@ def test_checkpoints_load_across_offload_settings():
             cont, loaded = run_world(_checkpoint_worker, 2, os.path.join(tmp, f"ckpt{i}"),
                                      _config(2, zero_optimization=a), _config(2, zero_optimization=b))[0]
             assert loaded == pytest.approx(cont, rel=1e-5), (a, b)
+
+
+def _fp16_overflow_traces(zeros: list[dict], inject_at: set[int]):
+    """Per ZeRO section: (scale used, scale after, skipped steps, the engine's global norm) per step,
+    the last rank's loss made inf at `inject_at`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for zero in zeros:
+        model = TinyMLP()
+        cfg = _config(world, zero_optimization=zero, fp16={"enabled": True, "initial_scale_power": 8,
+                                                           "loss_scale_window": 2, "hysteresis": 1})
+        engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        micro = engine.train_micro_batch_size_per_gpu()
+        x, y = regression_data(GLOBAL_BATCH * 6)
+        trace = []
+        for s in range(6):
+            base = s * GLOBAL_BATCH + rank * micro
+            loss = engine(x[base:base + micro].half(), y[base:base + micro])
+            if s in inject_at and rank == world - 1:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            used = engine.loss_scale
+            engine.step()
+            trace.append((used, engine.loss_scale, engine.skipped_steps, round(engine.get_global_grad_norm(), 4)))
+        out.append(trace)
+    return out
+
+
+def test_fp16_overflow_skips_the_offloaded_step_on_every_rank():
+    zeros = [_zero(2), _zero(2, **OPT_CPU), _zero(3, **OPT_CPU, **PARAM_CPU)]
+    traces = run_world(_fp16_overflow_traces, 2, zeros, {2, 3})
+    assert traces[0] == traces[1]
+    plain, *offloaded = traces[0]
+    assert [t[2] for t in plain][-1] == 2
+    for trace in offloaded:
+        assert [t[:3] for t in trace] == [t[:3] for t in plain]
+        assert [t[3] for t in trace] == pytest.approx([t[3] for t in plain], rel=1e-3)

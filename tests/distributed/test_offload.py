@@ -90,8 +90,20 @@ def _assert_matches(got, ref, ref_state, rel=1e-5):
         torch.testing.assert_close(state[k], v, rtol=rel, atol=1e-6)
 
 
+def _nvme_cases(world: int) -> list[dict]:
+    path = "{tmp}"
+    cases = [_config(world, zero_optimization=_zero(s, **_nvme("offload_optimizer", path))) for s in (1, 2, 3)]
+    cases.append(_config(world, zero_optimization=_zero(3, **_nvme("offload_optimizer", path),
+                                                        **_nvme("offload_param", path))))
+    cases.append(_config(world, zero_optimization=_zero(3, **OPT_CPU, offload_param={
+        "device": "nvme", "nvme_path": path, "max_in_cpu": 40})))
+    return cases
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_offloaded_fp32_runs_equal_the_reference(world):
+    """CPU optimizer offload (stages 1-3), parameter offload, Offload++, and (world sizes 1 and 2) NVMe
+    for both, with accumulation and clipping: the losses and final parameters of the reference."""
     ref, ref_state = reference_losses(STEPS)
     clip_ref, clip_state = reference_losses(STEPS, clip=0.05)
     cases = [_config(world, zero_optimization=_zero(s, **OPT_CPU)) for s in (1, 2, 3)]
@@ -99,6 +111,8 @@ def test_offloaded_fp32_runs_equal_the_reference(world):
     cases.append(_config(world, zero_optimization=_zero(3, **PARAM_CPU)))
     # Offload++: part of the optimizer state stays on the device
     cases.append(_config(world, zero_optimization=_zero(3, offload_optimizer={"device": "cpu", "ratio": 0.5})))
+    if world < 4:
+        cases += _nvme_cases(world)
     # accumulation and clipping (the micro-batch must divide the global batch)
     gas = 3 if world != 4 else 2
     clipped = [_config(world, gas=gas, gradient_clipping=0.05, zero_optimization=_zero(s, **OPT_CPU)) for s in (2, 3)]
@@ -108,19 +122,6 @@ def test_offloaded_fp32_runs_equal_the_reference(world):
     for got in results[len(cases):]:
         _assert_matches(got, clip_ref, clip_state)
         assert got[2] > 0.05
-
-
-@pytest.mark.parametrize("world", [1, 2])
-def test_nvme_offload_equals_the_reference(world):
-    ref, ref_state = reference_losses(STEPS)
-    path = "{tmp}"
-    cases = [_config(world, zero_optimization=_zero(s, **_nvme("offload_optimizer", path))) for s in (1, 2, 3)]
-    cases.append(_config(world, zero_optimization=_zero(3, **_nvme("offload_optimizer", path),
-                                                        **_nvme("offload_param", path))))
-    cases.append(_config(world, zero_optimization=_zero(3, **OPT_CPU, offload_param={
-        "device": "nvme", "nvme_path": path, "max_in_cpu": 40})))
-    for got in _run(world, cases):
-        _assert_matches(got, ref, ref_state)
 
 
 def _bf16_and_overlap_worker(tmp: str):
@@ -153,17 +154,21 @@ def test_bf16_offload_tracks_bf16_and_overlapped_step_converges():
         assert losses[-1] < losses[0]
 
 
-def _checkpoint_worker(save_dir: str, first: dict, second: dict):
-    """Train `first` 4 steps and save; load into `second` and train 4 more: the losses of those 4
-    steps against `first` continuing."""
-    engines: list = []
-    train(4, first, engines)
-    engines[0].save_checkpoint(save_dir, tag="t")
-    cont = _continue(engines[0], 4)
-    model = TinyMLP(seed=5)  # other initial values: everything must come from the checkpoint
-    engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(), config=second)
-    engine.load_checkpoint(save_dir, tag="t")
-    return cont, _continue(engine, 4)
+def _checkpoint_worker(save_root: str, pairs: list[tuple[dict, dict]]):
+    """For each (first, second): train `first` 4 steps and save; load into `second` and train 4 more.
+    Returns, per pair, the losses of `first` continuing and those of `second` after the load."""
+    out = []
+    for i, (first, second) in enumerate(pairs):
+        save_dir = os.path.join(save_root, f"ckpt{i}")
+        engines: list = []
+        train(4, first, engines)
+        engines[0].save_checkpoint(save_dir, tag="t")
+        cont = _continue(engines[0], 4)
+        model = TinyMLP(seed=5)  # other initial values: everything must come from the checkpoint
+        engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(), config=second)
+        engine.load_checkpoint(save_dir, tag="t")
+        out.append((cont, _continue(engine, 4)))
+    return out
 
 
 def _continue(engine, steps: int) -> list[float]:
@@ -186,14 +191,15 @@ def test_checkpoints_load_across_offload_settings():
     pairs = [(_zero(2, **OPT_CPU), _zero(3)), (_zero(3), _zero(3, **OPT_CPU, **PARAM_CPU)),
              (_zero(3, **OPT_CPU), _zero(1, **_nvme("offload_optimizer", "{tmp}")))]
     with tempfile.TemporaryDirectory(prefix="offload_test_") as tmp:
-        for i, (a, b) in enumerate(pairs):
+        for a, b in pairs:
             for z in (a, b):
                 for block in z.values():
                     if isinstance(block, dict) and "nvme_path" in block:
                         block["nvme_path"] = tmp
-            cont, loaded = run_world(_checkpoint_worker, 2, os.path.join(tmp, f"ckpt{i}"),
-                                     _config(2, zero_optimization=a), _config(2, zero_optimization=b))[0]
-            assert loaded == pytest.approx(cont, rel=1e-5), (a, b)
+        configs = [(_config(2, zero_optimization=a), _config(2, zero_optimization=b)) for a, b in pairs]
+        results = run_world(_checkpoint_worker, 2, tmp, configs)[0]
+    for (a, b), (cont, loaded) in zip(pairs, results):
+        assert loaded == pytest.approx(cont, rel=1e-5), (a, b)
 
 
 def _fp16_overflow_traces(zeros: list[dict], inject_at: set[int]):

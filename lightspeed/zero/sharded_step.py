@@ -50,6 +50,11 @@ class ShardViews:
     lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
     norm_grads: list[torch.Tensor] | None = None
+    # optimizer offload copies each reduced shard to its host `master_grads` entry as it completes:
+    # `early_filled` holds the ids of those entries, and `master_grads_filled` (set by the strategy
+    # for one step) says the copies of this step were made, so the step does not copy them again
+    early_filled: frozenset = frozenset()
+    master_grads_filled: bool = False
 
     @property
     def optimizer_writes_lowp(self) -> bool:
@@ -70,7 +75,7 @@ def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *
         if bool(flag):
             return StepResult(False, None), None
     for grad, master_grad in zip(views.grads, views.master_grads):
-        if master_grad is not grad:
+        if master_grad is not grad and not (views.master_grads_filled and id(master_grad) in views.early_filled):
             master_grad.copy_(grad)
     sq = squared_norm(views.norm_grads if views.norm_grads is not None else views.master_grads).to(views.device)
     if agree is not None:

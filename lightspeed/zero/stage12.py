@@ -22,8 +22,10 @@ only reorders gradient copies for CPU offload in DeepSpeed and changes nothing h
 
 Note (optimizer offload, `OffloadPolicy`): the master shard and the optimizer state live in host
 memory (pinned with `pin_memory` on CUDA), `master_grad` is a host fp32 buffer, and the optimizer is a
-CPU one (the config's Adam becomes CPUAdam, as DeepSpeed's DeepSpeedCPUAdam). The step's overflow
-check and norm read the device-side reduced shard; the gradients then go to the host, the CPU
+CPU one (the config's Adam becomes CPUAdam, as DeepSpeed's DeepSpeedCPUAdam). At the accumulation
+boundary each bucket's reduced chunk is finished and copied to `master_grad` on a copy stream as soon
+as its reduce-scatter is launched (the copy stream, not the compute stream, waits for the collective,
+so backward goes on). The step's overflow check and norm read the device-side reduced shard, the CPU
 optimizer steps, and the updated chunks are copied back into the device's lp buffer before the
 all-gather. With `overlap_step` the CPU step runs in the background (see `offload/overlap.py`). On
 NVMe each stepped master shard (with its optimizer state) is a sub-group swapped out between steps
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+from lightspeed._utils.device import Stream
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.nvme import NvmeSwapper
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
@@ -47,7 +50,7 @@ from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
 from lightspeed.zero.fragments import Fragment, module_shapes, first_names, fragments_state_dict, range_fragments
 from lightspeed.zero.partition import Range, owned_chunks
-from lightspeed.zero.reduce import PendingReduce, ReduceOptions
+from lightspeed.zero.reduce import PendingReduce, PendingToHost, ReduceOptions
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
 from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
@@ -145,6 +148,12 @@ class ShardedStrategy:
             device=self.shards[0].grad.device if self.shards else torch.device("cpu"),
             norm_grads=[s.grad for s in self.shards] if host else None)
         self._background = BackgroundStep() if self.offload.overlap_step else None
+        # early device-to-host gradient copies; not with overlap_step, whose background step still
+        # reads `master_grad` while the next backward runs
+        self._to_host = Stream(self._views.device) if host and not self.offload.overlap_step else None
+        if self._to_host is not None:
+            self._views.early_filled = frozenset(id(s.master_grad) for s in self.shards)
+        self._host_filled = False  # this step's boundary copies have been issued
         self._writeback_pending = False  # overlap_step: an update is in the masters, not yet in the lp params
         self._swap: SwappedOptimizerState | None = None
         if self.offload.optimizer == "nvme":
@@ -216,6 +225,9 @@ class ShardedStrategy:
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
         self._boundary = is_boundary
+        self._host_filled = is_boundary and self._to_host is not None
+        if is_boundary and self._swap is not None:
+            self._swap.prefetch(0)  # NVMe: the first sub-group's read runs under backward
         if is_boundary or self.stage == 2:
             self.buckets.reset()
 
@@ -256,6 +268,11 @@ class ShardedStrategy:
         out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
         handle = self.comm.reduce_scatter(out, send, async_op=True)
         pending = PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
+        if self._boundary and self._to_host is not None:
+            dev = shard.grad[pos:pos + chunk.numel]
+            pending = PendingToHost(pending, dev, shard.master_grad[pos:pos + chunk.numel], self._to_host)
+            pending.wait()  # queued on the copy stream: the compute stream goes on
+            return pending
         if not self.reduce.overlap_comm:
             pending.wait()
         return pending
@@ -272,6 +289,11 @@ class ShardedStrategy:
     # ---------------------------------------------------------------- step
     def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
         self.buckets.wait()
+        self._views.master_grads_filled = self._host_filled
+        if self._host_filled:
+            self._host_filled = False
+            self._to_host.make_current_wait()  # the device reads the reduced shard (overflow, norm)
+            self._to_host.synchronize()  # the CPU optimizer reads the host copies
         check = check_overflow if check_overflow is not None else loss_scale is not None
         if self._background is not None:
             return self._overlapped_step(loss_scale, max_norm, check)
@@ -313,6 +335,9 @@ class ShardedStrategy:
             self._write_back()
 
     def zero_grad(self) -> None:
+        if self._to_host is not None:
+            self._to_host.make_current_wait()  # a copy still reading the shard finishes first
+            self._host_filled = False
         for s in self.shards:
             s.grad.zero_()
             if s.flat.grad_flat is not None:

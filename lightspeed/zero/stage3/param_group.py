@@ -85,10 +85,13 @@ def reduce_scaling(prescale: bool, predivide: float, world_size: int) -> tuple[f
 
 
 class PendingGrad:
-    """An in-flight reduce-scatter of one group's gradients; `wait()` adds the result to the shard."""
+    """An in-flight reduce-scatter of one group's gradients; `wait()` adds the result to the shard
+    and, with `to_host` = (copy stream, host buffer), copies the shard there on that stream."""
 
-    def __init__(self, handle, out: torch.Tensor, send: torch.Tensor, post_scale: float, dest: torch.Tensor):
+    def __init__(self, handle, out: torch.Tensor, send: torch.Tensor, post_scale: float, dest: torch.Tensor,
+                 to_host: tuple[Any, torch.Tensor] | None = None):
         self.handle, self.out, self.send, self.post_scale, self.dest = handle, out, send, post_scale, dest
+        self.to_host = to_host
 
     def wait(self) -> None:
         self.handle.wait()
@@ -96,6 +99,11 @@ class PendingGrad:
             self.out.mul_(self.post_scale)
         self.dest.add_(self.out)
         self.send = self.out = None
+        if self.to_host is not None:
+            stream, host = self.to_host
+            stream.wait_current()
+            with stream.context():
+                host.copy_(self.dest, non_blocking=True)
 
 
 class ParamGroup:
@@ -125,6 +133,9 @@ class ParamGroup:
         else:
             self.lp_shard = full[self.shard.start:self.shard.end].clone()
         self.swapper: Any = None  # NVMe parameter offload: reads `lp_shard` back before a gather
+        # optimizer offload, at the accumulation boundary: the copy stream on which each completed
+        # reduction of this group is copied to `master_grad_shard` (set by the strategy)
+        self.grads_to_host: Any = None
         self.full_flat = full  # from now on the gather buffer; its storage is freed below
         self.views = flat_views(full, self.layout)
         self._nbytes = full.untyped_storage().nbytes()
@@ -260,7 +271,8 @@ class ParamGroup:
             send.mul_(pre)
         out = send.new_empty(self.shard_numel)
         handle = self.comm.reduce_scatter(out, send, async_op=True)
-        return PendingGrad(handle, out, send, post, self.grad_shard)
+        to_host = (self.grads_to_host, self.master_grad_shard) if self.grads_to_host is not None else None
+        return PendingGrad(handle, out, send, post, self.grad_shard, to_host)
 
     # ------------------------------------------------------------------ values in and out
     def load_param(self, index: int, value: torch.Tensor) -> None:

@@ -137,6 +137,13 @@ class Stage3Strategy:
                                  norm_grads=[g.grad_shard for g in trainable] if host else None)
         self._background = BackgroundStep() if self.offload.overlap_step else None
         self._writeback_pending = False
+        # early device-to-host gradient copies (not with overlap_step: its background step still reads
+        # the host gradients while the next backward runs)
+        self._to_host = Stream(self.device) if host and not self.offload.overlap_step else None
+        if self._to_host is not None:
+            self._views.early_filled = frozenset(id(g.master_grad_shard) for g in trainable
+                                                 if g.offload.offloads_optimizer)
+        self._host_filled = False
         self._swap = self._optimizer_swap() if self.offload.optimizer == "nvme" else None
         self._param_swapper = self._param_swap() if self.offload.param == "nvme" else None
         unit_of = {id(m): u.module for u in self.units for m in u.region}
@@ -312,7 +319,14 @@ class Stage3Strategy:
 
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
-        # DeepSpeed's stage 3 reduce-scatters at every micro-step: the boundary changes nothing here
+        # DeepSpeed's stage 3 reduce-scatters at every micro-step; with the optimizer offloaded, the
+        # boundary's reductions are also copied to the host as each completes
+        if self._to_host is not None:
+            self._host_filled = is_boundary
+            for g in self._trainable():
+                g.grads_to_host = self._to_host if is_boundary and g.offload.offloads_optimizer else None
+        if is_boundary and self._swap is not None:
+            self._swap.prefetch(0)  # NVMe: the first sub-group's read runs under backward
         self.coordinator.backward_start()
 
     def backward_end(self) -> None:
@@ -330,6 +344,11 @@ class Stage3Strategy:
         optimizer on the fp32 shards and write the lp shards (gathered groups are then re-gathered on
         use)."""
         self.coordinator.wait_reduces()
+        self._views.master_grads_filled = self._host_filled
+        if self._host_filled:
+            self._host_filled = False
+            self._to_host.make_current_wait()
+            self._to_host.synchronize()  # the CPU optimizer reads the host copies
         check = check_overflow if check_overflow is not None else loss_scale is not None
         if self._background is not None:
             return self._overlapped_step(loss_scale, max_norm, check)
@@ -373,6 +392,9 @@ class Stage3Strategy:
             self._write_back()
 
     def zero_grad(self) -> None:
+        if self._to_host is not None:
+            self._to_host.make_current_wait()  # a copy still reading a shard finishes first
+            self._host_filled = False
         for g in self._trainable():
             g.grad_shard.zero_()
             for p in g.params:

@@ -239,6 +239,11 @@ class ParamGroup:
         if self.swapper is not None:
             self.swapper.ensure_in(self.lp_shard)
 
+    def read_ahead(self) -> None:
+        """A hint that the group will be gathered soon: NVMe parameter offload starts reading its shard."""
+        if self.swapper is not None and self.state == RELEASED:
+            self.swapper.prefetch(self.lp_shard)
+
     def lp_out(self) -> None:
         """NVMe parameter offload: free the host lp shard of a released group (written when changed)."""
         if self.swapper is not None and self.state == RELEASED:

@@ -14,6 +14,9 @@ from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
 from lightspeed.config.errors import ConfigError
 from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.ops.adagrad import CPUAdagrad
+from lightspeed.ops.adam import CPUAdam
+from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
@@ -51,6 +54,17 @@ def _build_optimizer(optimizer, cfg, module, model_parameters, cpu_offload: bool
     if cfg.optimizer is not None:
         return build_optimizer(cfg.optimizer, params, cpu_offload=cpu_offload)
     return None
+
+
+def _check_offload_optimizer(optimizer, cfg) -> None:
+    """DeepSpeed's rule: with the optimizer offloaded, a client optimizer must be a CPU one (it steps
+    the host shards) unless `zero_force_ds_cpu_optimizer` is false."""
+    if isinstance(optimizer, (CPUAdam, CPUAdagrad, CPULion)) or not cfg.zero_force_ds_cpu_optimizer:
+        return
+    raise ConfigError(f"zero_force_ds_cpu_optimizer: the optimizer is offloaded but the client optimizer is "
+                      f"{type(optimizer).__name__}, not a CPU optimizer (lightspeed.ops.adam.CPUAdam / "
+                      "DeepSpeedCPUAdam, CPUAdagrad, CPULion); pass one of those, name the optimizer in the config, "
+                      'or set "zero_force_ds_cpu_optimizer": false to step it on the host shards anyway')
 
 
 def _build_scheduler(lr_scheduler, cfg, optimizer):
@@ -99,7 +113,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             raise ConfigError(f"zero_optimization.stage: a model built under lightspeed.zero.Init (meta parameters) "
                               f"needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
+    client_optimizer = optimizer is not None
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, cpu_offload=offload.offloads_optimizer)
+    if client_optimizer and offload.offloads_optimizer:
+        _check_offload_optimizer(optimizer, cfg)
     comm = Communicator(groups.dp_group, groups.dp_world_size)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
     if places_params:

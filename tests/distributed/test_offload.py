@@ -136,6 +136,22 @@ def _bf16_and_overlap_worker(tmp: str):
         "device": "cpu", "overlap_step": True})))[0]
     out["overlap3"] = train(STEPS, _config(2, zero_optimization=_zero(3, offload_optimizer={
         "device": "cpu", "overlap_step": True})))[0]
+    # where the state lives, by memory_breakdown
+    engines: list = []
+    train(2, _config(2, zero_optimization=_zero(3, **_nvme("offload_optimizer", tmp), offload_param={
+        "device": "nvme", "nvme_path": tmp, "max_in_cpu": 0})), engines)
+    out["memory"] = engines[0].memory_breakdown()
+    # DeepSpeed's rule for a client optimizer that is not a CPU one
+    cfg = _config(2, zero_optimization=_zero(2, **OPT_CPU))
+    del cfg["optimizer"]
+    for force in (True, False):
+        model = TinyMLP()
+        try:
+            lightspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                  config={**cfg, "zero_force_ds_cpu_optimizer": force})
+            out[f"force={force}"] = "built"
+        except Exception as err:
+            out[f"force={force}"] = str(err)
     return out
 
 
@@ -147,6 +163,10 @@ def test_bf16_offload_tracks_bf16_and_overlapped_step_converges():
     assert out["opt2"] == pytest.approx(out["plain2"], rel=2e-2, abs=1e-2)
     assert out["opt3"] == pytest.approx(out["plain3"], rel=2e-2, abs=1e-2)
     assert out["nvme3"] == pytest.approx(out["opt3"], rel=1e-6)
+    assert set(out["memory"]["nvme"]) == {"lp_params", "master_params", "optimizer_state"}
+    assert "grads" in out["memory"]["cpu"]
+    assert out["force=True"].startswith("zero_force_ds_cpu_optimizer: the optimizer is offloaded")
+    assert out["force=False"] == "built"
     for key in ("overlap2", "overlap3"):
         losses = out[key]
         assert losses[0] == pytest.approx(ref[0], rel=1e-5)  # step 2's forward still sees the initial values

@@ -143,6 +143,8 @@ class OffloadPolicy:
                             "once, at the first swap-out")
         aio = cfg.aio
         threads = max(int(aio.thread_count), int(aio.intra_op_parallelism))
+        if "nvme" in (opt_device, par_device):
+            _nvme_notes(aio, opt if opt_device == "nvme" else None, par if par_device == "nvme" else None)
         return cls(
             optimizer=opt_device, param=par_device,
             optimizer_nvme_path=_nvme_path(opt, local_rank), param_nvme_path=_nvme_path(par, local_rank),
@@ -157,6 +159,23 @@ class OffloadPolicy:
             overlap_step=bool(getattr(opt, "overlap_step", False)) if opt is not None else False,
             aio=AioOptions(block_size=int(aio.block_size), queue_depth=int(aio.queue_depth), thread_count=threads,
                            single_submit=bool(aio.single_submit), overlap_events=bool(aio.overlap_events)))
+
+
+def _nvme_notes(aio, opt, par) -> None:
+    """NVMe keys with no effect here are said once; GPUDirect Storage is refused."""
+    if aio.use_gds:
+        raise NotImplementedError("aio.use_gds (GPUDirect Storage) is not implemented yet")
+    quiet = []
+    if aio.single_submit or not aio.overlap_events:
+        quiet.append("aio.single_submit / aio.overlap_events (requests are plain pread/pwrite calls on the IO "
+                     "threads)")
+    if par is not None:
+        quiet.append("offload_param.buffer_count / buffer_size (shards are read straight into their host tensors, "
+                     "ahead of use by the stage-3 prefetch)")
+    if (opt is not None and opt.pin_memory) or (par is not None and par.pin_memory):
+        quiet.append("pin_memory for swapped tensors (their memory is freed and re-allocated, so never pinned)")
+    for what in quiet:
+        logger.info("NVMe offload: %s has no effect", what)
 
 
 def _nvme_path(block, local_rank: int) -> str | None:

@@ -30,8 +30,12 @@ class SubGroup:
 
 
 class SwappedOptimizerState:
-    def __init__(self, swapper: NvmeSwapper, optimizer: torch.optim.Optimizer | None, subgroups: list[SubGroup]):
+    def __init__(self, swapper: NvmeSwapper, optimizer: torch.optim.Optimizer | None, subgroups: list[SubGroup],
+                 buffer_count: int = 4):
         self.swapper, self.optimizer, self.subgroups = swapper, optimizer, subgroups
+        # DeepSpeed's `offload_optimizer.buffer_count` buffers hold one sub-group's master, gradient and
+        # two Adam moments per 4: that many sub-groups are read ahead of the one stepping
+        self.read_ahead = max(1, int(buffer_count) // 4)
         self._slots: dict[str, torch.Tensor] = {}
         for sg in subgroups:
             for i, b in enumerate(sg.bases):
@@ -92,8 +96,8 @@ class SwappedOptimizerState:
         master is in memory, then send it out."""
         for i, sg in enumerate(self.subgroups):
             self.bring_in(i)
-            if i + 1 < len(self.subgroups):
-                self.prefetch(i + 1)
+            for ahead in range(i + 1, min(i + 1 + self.read_ahead, len(self.subgroups))):
+                self.prefetch(ahead)
             stepped = [t for t in sg.owners if t in opt_grads]
             for t in stepped:
                 t.grad = opt_grads[t]

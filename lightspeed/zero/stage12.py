@@ -161,7 +161,8 @@ class ShardedStrategy:
                                   key="zero_optimization.offload_optimizer.nvme_path", name="optimizer")
             swapper.require_space(sum(s.master.numel() * 4 * 3 for s in stepped))  # master + two Adam moments
             self._swap = SwappedOptimizerState(
-                swapper, optimizer, [SubGroup(f"shard{i}", [s.master], [s.master]) for i, s in enumerate(stepped)])
+                swapper, optimizer, [SubGroup(f"shard{i}", [s.master], [s.master]) for i, s in enumerate(stepped)],
+                buffer_count=self.offload.optimizer_buffer_count)
             self._swap.all_out()
         for s in self.shards:
             if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:

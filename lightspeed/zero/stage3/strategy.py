@@ -275,7 +275,7 @@ class Stage3Strategy:
         swapper.require_space(sum(g.master_shard.numel() * 4 * 3 for g in trainable))  # master + two Adam moments
         subgroups = [SubGroup(f"group{i}", [g.master_shard], [t for _, t, _ in self._opt_pieces.get(id(g), [])])
                      for i, g in enumerate(trainable)]
-        swap = SwappedOptimizerState(swapper, self.optimizer, subgroups)
+        swap = SwappedOptimizerState(swapper, self.optimizer, subgroups, buffer_count=self.offload.optimizer_buffer_count)
         swap.all_out()
         return swap
 

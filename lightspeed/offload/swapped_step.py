@@ -68,6 +68,8 @@ class SwappedOptimizerState:
             self.swapper.ensure_in(t)
 
     def prefetch(self, index: int) -> None:
+        if index >= len(self.subgroups):
+            return
         for t in self._tensors(self.subgroups[index]):
             if self.swapper.registered(t):
                 self.swapper.prefetch(t)

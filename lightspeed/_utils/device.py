@@ -42,3 +42,14 @@ class Stream:
         """Make the current stream wait for work queued on this stream."""
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def record(self, tensor: torch.Tensor) -> None:
+        """`tensor`, allocated on another stream, is used on this one: the allocator must not reuse
+        its memory before this stream's work on it is done."""
+        if self._stream is not None and tensor.is_cuda:
+            tensor.record_stream(self._stream)
+
+    def synchronize(self) -> None:
+        """Block the host until the work queued on this stream is done."""
+        if self._stream is not None:
+            self._stream.synchronize()

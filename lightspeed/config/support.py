@@ -13,7 +13,8 @@ memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``) and flops_profiler (``lightspeed.profiling``).
-``aio`` is not listed: it only matters with NVMe offload, which is.
+ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
+(`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """
 
 from __future__ import annotations
@@ -77,11 +78,6 @@ def _changed(path: str) -> Unimplemented:
     return Unimplemented(path, lambda cfg: bool(_get(cfg, path).non_default()), describe)
 
 
-def _offload(block: str, device: str) -> Unimplemented:
-    path = f"zero_optimization.{block}.device"
-    return Unimplemented(path, lambda cfg: getattr(cfg.zero_optimization, f"{block}_device") == device)
-
-
 IMPLEMENTED_STAGES = (0, 1, 2, 3)  # ZeRO stages the engine runs; the others raise NotImplementedError
 
 _ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
@@ -89,10 +85,6 @@ _ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 UNIMPLEMENTED: list[Unimplemented] = [
     # ZeRO
     Unimplemented("zero_optimization.stage", lambda cfg: cfg.zero_optimization.stage not in IMPLEMENTED_STAGES),
-    _offload("offload_optimizer", "cpu"),
-    _offload("offload_optimizer", "nvme"),
-    _offload("offload_param", "cpu"),
-    _offload("offload_param", "nvme"),
     _flag("zero_optimization.stage3_use_all_reduce_for_fetch_params"),
     _flag("zero_optimization.zero_quantized_weights"),
     _flag("zero_optimization.zero_quantized_nontrainable_weights"),

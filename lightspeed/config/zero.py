@@ -67,6 +67,10 @@ class OffloadOptimizerConfig(Section):
     super_offload: Bool = False
     convert_grad_on_cpu: Bool = True
     cpuadam_cores_perc: Float(ge=0.0, le=1.0) = 0.8
+    overlap_step: Bool = False
+    """lightspeed's own key (off by default): run the CPU optimizer step in the background during the next
+    forward and backward, so parameters lag one step behind the gradients (the ZeRO-Offload paper's
+    delayed parameter update; ZenFlow's `overlap_step` names the same idea)."""
 
     @property
     def pipeline(self) -> bool:

@@ -21,7 +21,7 @@ import os
 import platform
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 NOT_PRESENT = "not present in this version"
@@ -70,6 +70,47 @@ class Machine:
     programs: dict[str, Optional[str]]
     deepspeed_api: str = ""  # the DeepSpeed release register_as_deepspeed() presents
     deepspeed_installed: Optional[str] = None  # a real DeepSpeed distribution's version, if one is installed
+    offload: list[tuple[str, str]] = field(default_factory=list)  # (what, what this machine offers)
+
+
+def _direct_io(directory: str) -> str:
+    """Whether files in `directory` take O_DIRECT (what NVMe offload probes before using it)."""
+    import mmap
+
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return "no O_DIRECT on this platform: buffered IO"
+    path = os.path.join(directory, f".lightspeed-report-{os.getpid()}")
+    buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flag, 0o600)
+    except OSError as err:
+        return f"buffered IO (O_DIRECT refused: {err.strerror})"
+    try:
+        os.pwrite(fd, buf, 0)
+        return "O_DIRECT"
+    except OSError as err:
+        return f"buffered IO (O_DIRECT refused: {err.strerror})"
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def offload_facts(cuda_available: bool) -> list[tuple[str, str]]:
+    """What ZeRO-Offload / ZeRO-Infinity can do here: host memory, pinned buffers, swap IO."""
+    import tempfile
+
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_text = f"{host / 2**30:.1f} GiB (Adam offloaded: 16 bytes per parameter: fp32 master, gradient, two moments)"
+    except (ValueError, OSError, AttributeError):
+        host_text = "unknown"
+    pinned = ("yes: host buffers are page-locked, copies to and from the GPU run asynchronously" if cuda_available
+              else "no GPU: offloaded runs use ordinary host buffers and the same code path")
+    tmp = tempfile.gettempdir()
+    return [("host memory", host_text), ("pinned memory", pinned),
+            ("NVMe swap IO", f"{_direct_io(tmp)} in {tmp} (each nvme_path is probed when training starts)"),
+            ("CPU optimizer", f"torch's fused CPU kernels on {os.cpu_count()} cores (CPUAdam, CPUAdagrad, CPULion)")]
 
 
 def _package_version(name: str) -> Optional[str]:
@@ -105,7 +146,7 @@ def gather() -> Machine:
         python=f"{platform.python_version()} ({sys.executable})", torch=torch.__version__,
         torch_path=os.path.dirname(torch.__file__), cuda_build=torch.version.cuda, cuda_available=cuda,
         nccl=nccl, triton=triton, gpus=gpus, accelerator_env=os.environ.get("LIGHTSPEED_ACCELERATOR"),
-        programs={name: shutil.which(name) for name in LAUNCHER_PROGRAMS},
+        programs={name: shutil.which(name) for name in LAUNCHER_PROGRAMS}, offload=offload_facts(cuda),
         deepspeed_api=DEEPSPEED_VERSION,
         deepspeed_installed=None if is_registered() else _package_version("deepspeed"),
     )
@@ -163,6 +204,9 @@ def format_report(machine: Machine) -> str:
         out.append("  none seen: training runs on CPU processes (gloo); use `lightspeed --num_procs N`")
     out += ["", "launchers (for multi-node jobs)"]
     out += [line(name, path or "not found") for name, path in machine.programs.items()]
+    if machine.offload:
+        out += ["", "offload (ZeRO-Offload / ZeRO-Infinity)"]
+        out += [line(key, value) for key, value in machine.offload]
     out += ["", "kernel families", f"  {'family':<36} {'can run':<28} why"]
     for family in KERNEL_FAMILIES:
         status, why = family_status(family, machine)

@@ -18,6 +18,11 @@ decoupled weight decay and type "AdamW" forces it, so plain "Adam" is AdamW unle
 `torch_adam: true` passes the remaining params straight to torch.optim.Adam/AdamW with torch's
 defaults, as DeepSpeed does.
 
+Note [optimizer offload]: with `cpu_offload` (ZeRO's optimizer offloaded to host memory or NVMe) the
+optimizer steps host tensors, so the families map to their CPU kernels as DeepSpeed maps them: Adam and
+AdamW to CPUAdam (DeepSpeedCPUAdam), Adagrad to CPUAdagrad, Lion to CPULion; `torch_adam` still builds
+torch.optim's (whose CPU path is torch's own).
+
 Note [fused families]: Lamb, Lion and Adagrad build lightspeed.ops' FusedLamb / FusedLion /
 FusedAdagrad (Triton on CUDA, reference on CPU). Adagrad params outside FusedAdagrad's (lr, lr_decay,
 weight_decay, initial_accumulator_value, eps), e.g. `maximize` or `foreach`, build torch.optim.Adagrad
@@ -35,10 +40,10 @@ from pydantic import BeforeValidator, ValidationError
 from lightspeed._utils.logging import get_logger
 from lightspeed.config.base import Bool, Float, Section, problems_from, show, suggest
 from lightspeed.config.errors import ConfigError
-from lightspeed.ops.adagrad import FusedAdagrad
-from lightspeed.ops.adam import FusedAdam
+from lightspeed.ops.adagrad import CPUAdagrad, FusedAdagrad
+from lightspeed.ops.adam import CPUAdam, FusedAdam
 from lightspeed.ops.lamb import FusedLamb
-from lightspeed.ops.lion import FusedLion
+from lightspeed.ops.lion import CPULion, FusedLion
 from lightspeed.optim.schedules import kwargs_problems, read_section
 
 logger = get_logger(__name__)
@@ -133,8 +138,12 @@ def _validate(model: type[Section], params: dict, *, only_set: bool = False) -> 
 # One builder per family: the only place that picks the implementation.
 
 
-def _adam(param_groups: list, *, adamw: bool, **hyper) -> FusedAdam:
-    """DeepSpeed FusedAdam semantics; decoupled weight decay when `adamw`, else L2 into the gradient."""
+def _adam(param_groups: list, *, adamw: bool, cpu: bool = False, **hyper):
+    """DeepSpeed FusedAdam semantics; decoupled weight decay when `adamw`, else L2 into the gradient.
+    `cpu`: CPUAdam (DeepSpeedCPUAdam), the same update on host tensors."""
+    if cpu:
+        hyper.pop("set_grad_none", None)
+        return CPUAdam(param_groups, adamw_mode=adamw, **hyper)
     return FusedAdam(param_groups, adam_w_mode=adamw, **hyper)
 
 
@@ -143,16 +152,23 @@ def _lamb(param_groups: list, **hyper) -> FusedLamb:
     return FusedLamb(param_groups, **hyper)
 
 
-def _lion(param_groups: list, **hyper) -> FusedLion:
-    """DeepSpeed FusedLion semantics (see lightspeed.ops.lion)."""
+def _lion(param_groups: list, cpu: bool = False, **hyper):
+    """DeepSpeed FusedLion semantics (see lightspeed.ops.lion); CPULion with `cpu`."""
+    if cpu:
+        hyper.pop("set_grad_none", None)
+        return CPULion(param_groups, **hyper)
     return FusedLion(param_groups, **hyper)
 
 
 _FUSED_ADAGRAD_KEYS = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
 
 
-def _adagrad(param_groups: list, params: dict):
-    """FusedAdagrad (torch.optim.Adagrad's update); torch.optim.Adagrad itself for params it lacks."""
+def _adagrad(param_groups: list, params: dict, cpu: bool = False):
+    """FusedAdagrad (torch.optim.Adagrad's update); torch.optim.Adagrad itself for params it lacks.
+    `cpu`: CPUAdagrad (DeepSpeedCPUAdagrad), which takes lr, eps and weight_decay."""
+    if cpu and set(params) <= {"lr", "eps", "weight_decay"}:
+        checked = _validate(_TorchCommonParams, params, only_set=True) if params else {}
+        return CPUAdagrad(param_groups, **{**params, **checked})
     if set(params) <= set(_FUSED_ADAGRAD_KEYS):
         checked = _validate(_TorchCommonParams, params, only_set=True) if params else {}
         return FusedAdagrad(param_groups, **{**params, **checked})
@@ -190,20 +206,21 @@ def _torch_class(type_name: str) -> type:
     raise ConfigError(f"optimizer.type: unknown optimizer {show(type_name)}{hint}")
 
 
-def build_optimizer(optimizer_config, model_parameters: Iterable) -> torch.optim.Optimizer:
+def build_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: bool = False) -> torch.optim.Optimizer:
     """The optimizer named by `optimizer_config` (`.type`/`.params`, or a dict) over
     `model_parameters` (tensors or param-group dicts, whose own keys override the params).
 
     Bad types and params raise ConfigError naming `optimizer.type` / `optimizer.params.<key>`; the
-    one-bit optimizers, MuAdam/MuAdamW/MuSGD and Muon raise NotImplementedError.
+    one-bit optimizers, MuAdam/MuAdamW/MuSGD and Muon raise NotImplementedError. `cpu_offload`
+    builds the CPU kernels (see Note [optimizer offload]).
     """
-    optimizer = make_optimizer(optimizer_config, model_parameters)
+    optimizer = make_optimizer(optimizer_config, model_parameters, cpu_offload)
     logger.info(f"optimizer: {read_section(optimizer_config, 'optimizer')[0]} -> "
                 f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
     return optimizer
 
 
-def make_optimizer(optimizer_config, model_parameters: Iterable) -> torch.optim.Optimizer:
+def make_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: bool = False) -> torch.optim.Optimizer:
     """`build_optimizer` without the log line."""
     type_name, params = read_section(optimizer_config, "optimizer")
     param_groups = list(model_parameters)
@@ -218,14 +235,14 @@ def make_optimizer(optimizer_config, model_parameters: Iterable) -> torch.optim.
     if name in _NOT_IMPLEMENTED:
         raise NotImplementedError(f"optimizer.type: {_NOT_IMPLEMENTED[name]} is not implemented in lightspeed yet")
     try:
-        return _build(name, type_name, param_groups, params)
+        return _build(name, type_name, param_groups, params, cpu_offload)
     except (TypeError, ValueError) as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"optimizer.params: {type_name} rejected them: {error}") from error
 
 
-def _build(name: str, type_name: str, param_groups: list, params: dict):
+def _build(name: str, type_name: str, param_groups: list, params: dict, cpu: bool = False):
     if name in ("adam", "adamw"):
         flags = _validate(_AdamFlags, {k: params.pop(k) for k in list(params) if k in _AdamFlags.model_fields})
         adamw = name == "adamw" or flags["adam_w_mode"]
@@ -237,14 +254,14 @@ def _build(name: str, type_name: str, param_groups: list, params: dict):
                 "optimizer.params.amsgrad: FusedAdam does not support the AMSGrad variant "
                 "(set torch_adam: true to use torch.optim's)"
             )
-        return _adam(param_groups, adamw=adamw, **hyper)
+        return _adam(param_groups, adamw=adamw, cpu=cpu, **hyper)
     if name == "lamb":
         hyper = _validate(_FusedLambParams, params)
         if hyper.pop("amsgrad"):
             raise ConfigError("optimizer.params.amsgrad: FusedLamb does not support the AMSGrad variant")
         return _lamb(param_groups, **hyper)
     if name == "lion":
-        return _lion(param_groups, **_validate(_FusedLionParams, params))
+        return _lion(param_groups, cpu=cpu, **_validate(_FusedLionParams, params))
     if name == "adagrad":
-        return _adagrad(param_groups, params)
+        return _adagrad(param_groups, params, cpu)
     return _torch_optimizer(_torch_class(type_name), param_groups, params)

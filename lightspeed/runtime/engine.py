@@ -250,7 +250,8 @@ class LightspeedEngine(torch.nn.Module):
         return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
-        """This rank's bytes of lp_params, master_params, grads and optimizer_state, by device type."""
+        """This rank's bytes of lp_params, master_params, grads and optimizer_state, by where they live:
+        the device type ("cuda", "cpu": host memory, where offload keeps them) or "nvme" (swap files)."""
         return self.strategy.memory_breakdown()
 
     # ------------------------------------------------------------------ logging

@@ -14,6 +14,10 @@ from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
 from lightspeed.config.errors import ConfigError
 from lightspeed.monitor import MonitorMaster
+from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.ops.adagrad import CPUAdagrad
+from lightspeed.ops.adam import CPUAdam
+from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
 from lightspeed.precision.loss_scaler import build_loss_scaler
@@ -49,7 +53,7 @@ def _config_source(args, config, config_params):
     return config
 
 
-def _build_optimizer(optimizer, cfg, module, model_parameters):
+def _build_optimizer(optimizer, cfg, module, model_parameters, cpu_offload: bool = False):
     params = list(model_parameters) if model_parameters is not None else list(module.parameters())
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer: given both in the config and to initialize(); pass one")
@@ -58,8 +62,19 @@ def _build_optimizer(optimizer, cfg, module, model_parameters):
     if callable(optimizer):
         return optimizer(params)
     if cfg.optimizer is not None:
-        return build_optimizer(cfg.optimizer, params)
+        return build_optimizer(cfg.optimizer, params, cpu_offload=cpu_offload)
     return None
+
+
+def _check_offload_optimizer(optimizer, cfg) -> None:
+    """DeepSpeed's rule: with the optimizer offloaded, a client optimizer must be a CPU one (it steps
+    the host shards) unless `zero_force_ds_cpu_optimizer` is false."""
+    if isinstance(optimizer, (CPUAdam, CPUAdagrad, CPULion)) or not cfg.zero_force_ds_cpu_optimizer:
+        return
+    raise ConfigError(f"zero_force_ds_cpu_optimizer: the optimizer is offloaded but the client optimizer is "
+                      f"{type(optimizer).__name__}, not a CPU optimizer (lightspeed.ops.adam.CPUAdam / "
+                      "DeepSpeedCPUAdam, CPUAdagrad, CPULion); pass one of those, name the optimizer in the config, "
+                      'or set "zero_force_ds_cpu_optimizer": false to step it on the host shards anyway')
 
 
 def _build_scheduler(lr_scheduler, cfg, optimizer):
@@ -100,6 +115,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     groups = ParallelGroups.build(mpu)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
     policy = policy_from_config(cfg)
+    offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself
     if not places_params:
@@ -107,9 +123,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             raise ConfigError(f"zero_optimization.stage: a model built under lightspeed.zero.Init (meta parameters) "
                               f"needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
-    optimizer = _build_optimizer(optimizer, cfg, model, model_parameters)
+    client_optimizer = optimizer is not None
+    optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, cpu_offload=offload.offloads_optimizer)
+    if client_optimizer and offload.offloads_optimizer:
+        _check_offload_optimizer(optimizer, cfg)
     comm = Communicator(groups.dp_group, groups.dp_world_size)
-    strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device)
+    strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)

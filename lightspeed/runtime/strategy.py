@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from lightspeed.comm.collectives import Communicator
+from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.reduce import ReduceOptions
 from lightspeed.zero.sharded_step import StepResult
@@ -68,15 +69,19 @@ def strategy_partitions_gradients(cfg) -> bool:
 
 
 def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPolicy,
-                    comm: Communicator, device: torch.device | None = None) -> ShardingStrategy:
+                    comm: Communicator, device: torch.device | None = None,
+                    offload: OffloadPolicy | None = None) -> ShardingStrategy:
+    """The strategy of `cfg`'s ZeRO stage; `offload` (default: none) says where its state lives."""
     stage = cfg.zero_optimization.stage
+    offload = offload if offload is not None else OffloadPolicy()
     if stage == 0:
         return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy))
     if stage in (1, 2):
         return ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
-                               allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer))
+                               allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload)
     if stage == 3:
         from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy
 
-        return Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy), device=device)
+        return Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy), device=device,
+                              offload=offload)
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")

@@ -1,6 +1,8 @@
 """`MemoryTally`: a rank's bytes by device type and category, as `memory_breakdown()` reports them.
 
-Categories: lp_params, master_params, grads, optimizer_state. Shared by every ZeRO stage.
+Categories: lp_params, master_params, grads, optimizer_state. Shared by every ZeRO stage. Keys are
+device types ("cuda", "cpu" for host memory, pinned or not) and "nvme" for bytes that live only in
+swap files (`locate` says where a tensor is when NVMe offload swaps it).
 """
 
 from __future__ import annotations
@@ -9,15 +11,17 @@ import torch
 
 
 class MemoryTally:
-    def __init__(self):
+    def __init__(self, locate=None):
         self.bytes: dict[str, dict[str, int]] = {}
+        self.locate = locate  # tensor -> "nvme" / "cpu" / None (not swapped: its device)
 
-    def add(self, device: torch.device, key: str, nbytes: int) -> None:
-        cats = self.bytes.setdefault(device.type, {})
+    def add(self, device: torch.device | str, key: str, nbytes: int) -> None:
+        cats = self.bytes.setdefault(device if isinstance(device, str) else device.type, {})
         cats[key] = cats.get(key, 0) + nbytes
 
     def add_tensor(self, key: str, t: torch.Tensor) -> None:
-        self.add(t.device, key, t.numel() * t.element_size())
+        where = self.locate(t) if self.locate is not None else None
+        self.add(where or t.device, key, t.numel() * t.element_size())
 
     def add_optimizer_state(self, optimizer: torch.optim.Optimizer | None) -> None:
         if optimizer is None:

@@ -41,6 +41,27 @@ class ReduceOptions:
         return buf, post
 
 
+class PendingToHost:
+    """Optimizer offload: finish a reduction on the copy stream `stream` (which waits for the
+    collective; the compute stream does not), then copy its destination `dev` into the host buffer
+    `host` there, asynchronously from pinned memory. On CPU the stream is inline: the same steps run
+    in order."""
+
+    def __init__(self, inner: "PendingReduce", dev: torch.Tensor, host: torch.Tensor, stream):
+        self.inner, self.dev, self.host, self.stream = inner, dev, host, stream
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.stream.wait_current()
+        self.stream.record(self.inner.result)
+        with self.stream.context():
+            self.inner.wait()
+            self.host.copy_(self.dev, non_blocking=True)
+
+
 class PendingReduce:
     """An in-flight reduction. `wait()` finishes it: scales the result by `post_scale`, then copies it
     into `dest` (or adds it, when `accumulate`), unless the result already is `dest`."""

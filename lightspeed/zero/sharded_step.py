@@ -37,6 +37,9 @@ class ShardViews:
     master_grads  what the norm and an unfused optimizer read: fp32 copies of `grads`, or the same tensors
     opt_grads     optimizer tensor -> its gradient (a view into `master_grads`)
     lowp_out      fused step: optimizer tensor -> [(offset, low-precision tensor to write)]
+    norm_grads    what the norm reads when not `master_grads`: with the optimizer offloaded, the
+                  device-side `grads` (the norm is computed where the gradients were reduced, and
+                  `master_grads` are host copies)
     """
 
     optimizer: torch.optim.Optimizer | None
@@ -46,6 +49,12 @@ class ShardViews:
     opt_grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
+    norm_grads: list[torch.Tensor] | None = None
+    # optimizer offload copies each reduced shard to its host `master_grads` entry as it completes:
+    # `early_filled` holds the ids of those entries, and `master_grads_filled` (set by the strategy
+    # for one step) says the copies of this step were made, so the step does not copy them again
+    early_filled: frozenset = frozenset()
+    master_grads_filled: bool = False
 
     @property
     def optimizer_writes_lowp(self) -> bool:
@@ -53,32 +62,55 @@ class ShardViews:
         return self.optimizer is not None and self.fused
 
 
-def sharded_step(views: ShardViews, loss_scale: float | None, max_norm: float, *, check_overflow: bool,
-                 agree: Communicator | None) -> StepResult:
-    """One optimizer step over `views` (see the module docstring). `loss_scale` None means no loss
-    scaling; `check_overflow` skips the step when any gradient holds inf/nan on any rank of `agree`."""
+def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *, check_overflow: bool,
+                 agree: Communicator | None) -> tuple[StepResult, torch.Tensor | None]:
+    """Everything of the step before the optimizer: the overflow decision, the copy of the gradients
+    into `master_grads`, the global norm, and the unscale/clip coefficient (applied to `master_grads`
+    here when the step is unfused). Returns the result and the coefficient `apply_step` needs."""
     if check_overflow:
         flags = [flat_has_inf_or_nan(g).reshape(1) for g in views.grads]
         flag = torch.cat(flags).amax() if flags else torch.zeros((), device=views.device)
         if agree is not None:
             agree.all_reduce(flag, op="max")
         if bool(flag):
-            return StepResult(False, None)
+            return StepResult(False, None), None
     for grad, master_grad in zip(views.grads, views.master_grads):
-        if master_grad is not grad:
+        if master_grad is not grad and not (views.master_grads_filled and id(master_grad) in views.early_filled):
             master_grad.copy_(grad)
-    sq = squared_norm(views.master_grads).to(views.device)
+    sq = squared_norm(views.norm_grads if views.norm_grads is not None else views.master_grads).to(views.device)
     if agree is not None:
         agree.all_reduce(sq)
     scale = loss_scale or 1.0
     norm = sq.sqrt() / scale
     coef = grad_coefficient(norm, scale, max_norm) if scale != 1.0 or max_norm > 0 else None
-    if coef is not None and not views.fused:
-        torch._foreach_mul_(views.master_grads, coef)
-    if views.optimizer is not None and views.fused:
-        views.optimizer.step(grads=views.opt_grads, grad_scale=coef, lowp_out=views.lowp_out)
-    elif views.optimizer is not None:
+    if coef is not None and not views.fused and views.master_grads:
+        # the master gradients may live in host memory (optimizer offload), some of them on the device
+        # (partial offload): the factor goes to each device's list
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in views.master_grads:
+            by_device.setdefault(g.device, []).append(g)
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(device))
+    return StepResult(True, norm), coef
+
+
+def apply_step(views: ShardViews, coef: torch.Tensor | None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """The optimizer step of a prepared step. `optimizer` replaces `views.optimizer` (the overlapped
+    offload step hands a snapshot of its hyperparameters)."""
+    optimizer = optimizer if optimizer is not None else views.optimizer
+    if optimizer is not None and views.fused:
+        optimizer.step(grads=views.opt_grads, grad_scale=coef, lowp_out=views.lowp_out)
+    elif optimizer is not None:
         for tensor, grad in views.opt_grads.items():
             tensor.grad = grad
-        views.optimizer.step()
-    return StepResult(True, norm)
+        optimizer.step()
+
+
+def sharded_step(views: ShardViews, loss_scale: float | None, max_norm: float, *, check_overflow: bool,
+                 agree: Communicator | None) -> StepResult:
+    """One optimizer step over `views` (see the module docstring). `loss_scale` None means no loss
+    scaling; `check_overflow` skips the step when any gradient holds inf/nan on any rank of `agree`."""
+    result, coef = prepare_step(views, loss_scale, max_norm, check_overflow=check_overflow, agree=agree)
+    if result.applied:
+        apply_step(views, coef)
+    return result

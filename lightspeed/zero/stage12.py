@@ -19,6 +19,17 @@ unit of reduce-scatter and all-gather); `overlap_comm` false waits on each reduc
 is launched (true lets it run under the rest of backward: NCCL runs it on its own stream);
 `contiguous_gradients` is always the case (gradients live in flat buffers); `round_robin_gradients`
 only reorders gradient copies for CPU offload in DeepSpeed and changes nothing here.
+
+Note (optimizer offload, `OffloadPolicy`): the master shard and the optimizer state live in host
+memory (pinned with `pin_memory` on CUDA), `master_grad` is a host fp32 buffer, and the optimizer is a
+CPU one (the config's Adam becomes CPUAdam, as DeepSpeed's DeepSpeedCPUAdam). At the accumulation
+boundary each bucket's reduced chunk is finished and copied to `master_grad` on a copy stream as soon
+as its reduce-scatter is launched (the copy stream, not the compute stream, waits for the collective,
+so backward goes on). The step's overflow check and norm read the device-side reduced shard, the CPU
+optimizer steps, and the updated chunks are copied back into the device's lp buffer before the
+all-gather. With `overlap_step` the CPU step runs in the background (see `offload/overlap.py`). On
+NVMe each stepped master shard (with its optimizer state) is a sub-group swapped out between steps
+and stepped one at a time (`offload/swapped_step.py`); its update is all-gathered before it goes out.
 """
 
 from __future__ import annotations
@@ -28,16 +39,21 @@ from typing import Any
 
 import torch
 
+from lightspeed._utils.device import Stream
 from lightspeed.comm.collectives import Communicator
+from lightspeed.offload.nvme import NvmeSwapper
+from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
+from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
 from lightspeed.zero.fragments import Fragment, module_shapes, first_names, fragments_state_dict, range_fragments
 from lightspeed.zero.partition import Range, owned_chunks
-from lightspeed.zero.reduce import PendingReduce, ReduceOptions
+from lightspeed.zero.reduce import PendingReduce, PendingToHost, ReduceOptions
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
-from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
+from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
 from lightspeed.zero.stage0 import broadcast_unflattened
 
 @dataclass
@@ -63,12 +79,18 @@ class ShardedStrategy:
     state_is_replicated = False
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
-                 comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False):
+                 comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False,
+                 offload: OffloadPolicy | None = None):
         assert stage in (1, 2)
         check_optimizer(optimizer, allow_untested_optimizer, stage)
+        self.offload = offload if offload is not None else OffloadPolicy()
+        host = self.offload.offloads_optimizer
+        if self.offload.offloads_params:
+            raise ValueError("offload_param needs ZeRO stage 3")
         # fused ZeRO step: the optimizer reads the reduced (low-precision) gradient shard itself,
-        # applies the unscale/clip coefficient and writes the lp chunks (no fp32 gradient copy)
-        self._fused = fused_step(optimizer)
+        # applies the unscale/clip coefficient and writes the lp chunks (no fp32 gradient copy);
+        # never with the optimizer offloaded (it steps host tensors)
+        self._fused = fused_step(optimizer) and not host
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
         world, rank = comm.world_size, comm.rank
@@ -88,10 +110,17 @@ class ShardedStrategy:
                                   names=[names[id(p)] for p in dtype_params], full_grads=stage == 1)
                 chunks = owned_chunks(flat.buckets, world, rank)
                 numel = flat.layout.padded_numel // world
-                master = torch.empty(numel, dtype=torch.float32, device=flat.device)
                 grad = torch.zeros(numel, dtype=policy.grad_accum_dtype, device=flat.device)
-                fp32_copy = grad.dtype != torch.float32 and not self._fused
-                master_grad = torch.zeros_like(grad, dtype=torch.float32) if fp32_copy else grad
+                if host:
+                    pin = self.offload.optimizer_pin_memory
+                    # a swapped master frees and re-allocates its storage: never pinned
+                    master = self.offload.host_empty(numel, torch.float32, flat.device,
+                                                     pin=pin and self.offload.optimizer != "nvme")
+                    master_grad = self.offload.host_empty(numel, torch.float32, flat.device, pin=pin).zero_()
+                else:
+                    master = torch.empty(numel, dtype=torch.float32, device=flat.device)
+                    fp32_copy = grad.dtype != torch.float32 and not self._fused
+                    master_grad = torch.zeros_like(grad, dtype=torch.float32) if fp32_copy else grad
                 shard = Shard(flat, chunks, master, grad, master_grad, stepped=group_index is not None)
                 self._copy_params_to_master(shard)
                 self.shards.append(shard)
@@ -116,7 +145,25 @@ class ShardedStrategy:
             master_grads=[s.master_grad for s in self.shards],
             opt_grads={s.master: s.master_grad for s in stepped},
             lowp_out={s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped},
-            device=self.shards[0].master.device if self.shards else torch.device("cpu"))
+            device=self.shards[0].grad.device if self.shards else torch.device("cpu"),
+            norm_grads=[s.grad for s in self.shards] if host else None)
+        self._background = BackgroundStep() if self.offload.overlap_step else None
+        # early device-to-host gradient copies; not with overlap_step, whose background step still
+        # reads `master_grad` while the next backward runs
+        self._to_host = Stream(self._views.device) if host and not self.offload.overlap_step else None
+        if self._to_host is not None:
+            self._views.early_filled = frozenset(id(s.master_grad) for s in self.shards)
+        self._host_filled = False  # this step's boundary copies have been issued
+        self._writeback_pending = False  # overlap_step: an update is in the masters, not yet in the lp params
+        self._swap: SwappedOptimizerState | None = None
+        if self.offload.optimizer == "nvme":
+            swapper = NvmeSwapper(self.offload.optimizer_nvme_path, self.offload.aio,
+                                  key="zero_optimization.offload_optimizer.nvme_path", name="optimizer")
+            swapper.require_space(sum(s.master.numel() * 4 * 3 for s in stepped))  # master + two Adam moments
+            self._swap = SwappedOptimizerState(
+                swapper, optimizer, [SubGroup(f"shard{i}", [s.master], [s.master]) for i, s in enumerate(stepped)],
+                buffer_count=self.offload.optimizer_buffer_count)
+            self._swap.all_out()
         for s in self.shards:
             if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
                 for p, g in zip(s.flat.params, s.flat.grad_views):
@@ -160,14 +207,28 @@ class ShardedStrategy:
             self.comm.all_gather(out, chunk if chunk.is_cuda else chunk.clone())
 
     def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
+        self._masters_in()
         for s in self.shards:
             self.comm.broadcast(s.flat.lp_flat, src=0)
             self._copy_params_to_master(s)
+        self._masters_out()
         broadcast_unflattened(self.comm, module)
+
+    def _masters_in(self) -> None:
+        """NVMe: bring every master shard and optimizer state into host memory."""
+        if self._swap is not None:
+            self._swap.all_in()
+
+    def _masters_out(self) -> None:
+        if self._swap is not None:
+            self._swap.all_out()
 
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
         self._boundary = is_boundary
+        self._host_filled = is_boundary and self._to_host is not None
+        if is_boundary and self._swap is not None:
+            self._swap.prefetch(0)  # NVMe: the first sub-group's read runs under backward
         if is_boundary or self.stage == 2:
             self.buckets.reset()
 
@@ -208,6 +269,11 @@ class ShardedStrategy:
         out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
         handle = self.comm.reduce_scatter(out, send, async_op=True)
         pending = PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
+        if self._boundary and self._to_host is not None:
+            dev = shard.grad[pos:pos + chunk.numel]
+            pending = PendingToHost(pending, dev, shard.master_grad[pos:pos + chunk.numel], self._to_host)
+            pending.wait()  # queued on the copy stream: the compute stream goes on
+            return pending
         if not self.reduce.overlap_comm:
             pending.wait()
         return pending
@@ -224,15 +290,55 @@ class ShardedStrategy:
     # ---------------------------------------------------------------- step
     def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
         self.buckets.wait()
+        self._views.master_grads_filled = self._host_filled
+        if self._host_filled:
+            self._host_filled = False
+            self._to_host.make_current_wait()  # the device reads the reduced shard (overflow, norm)
+            self._to_host.synchronize()  # the CPU optimizer reads the host copies
         check = check_overflow if check_overflow is not None else loss_scale is not None
+        if self._background is not None:
+            return self._overlapped_step(loss_scale, max_norm, check)
+        if self._swap is not None:
+            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+            if result.applied and self.optimizer is not None:
+                stepped = [s for s in self.shards if s.stepped]
+                self._swap.step(self._views.opt_grads, self.optimizer,
+                                lambda i: self._all_gather_params(stepped[i]))
+            return result
         result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
         if result.applied:
-            for s in self.shards:
-                if s.stepped:
-                    self._all_gather_params(s, copy=not self._views.optimizer_writes_lowp)
+            self._write_back()
         return result
 
+    def _write_back(self) -> None:
+        for s in self.shards:
+            if s.stepped:
+                self._all_gather_params(s, copy=not self._views.optimizer_writes_lowp)
+
+    def _overlapped_step(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
+        """Apply the previous step's update to the parameters, then start this step's update in the
+        background (see `offload/overlap.py`)."""
+        self.flush()
+        result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        if result.applied and self.optimizer is not None:
+            snapshot = optimizer_snapshot(self.optimizer)
+            self._background.launch(lambda: apply_step(self._views, coef, snapshot))
+            self._writeback_pending = True
+        return result
+
+    def flush(self) -> None:
+        """Finish an overlapped step still running and write its update into the parameters."""
+        if self._background is None:
+            return
+        self._background.wait()
+        if self._writeback_pending:
+            self._writeback_pending = False
+            self._write_back()
+
     def zero_grad(self) -> None:
+        if self._to_host is not None:
+            self._to_host.make_current_wait()  # a copy still reading the shard finishes first
+            self._host_filled = False
         for s in self.shards:
             s.grad.zero_()
             if s.flat.grad_flat is not None:
@@ -241,6 +347,8 @@ class ShardedStrategy:
     # ---------------------------------------------------------------- state
     def fragments(self) -> list[Fragment]:
         """The parts of each parameter inside this rank's chunks, owned by the flat master shard."""
+        self.flush()
+        self._masters_in()  # NVMe: the fragments' owners are read (saved) or written (loaded) next
         names = first_names(self.module)
         out: list[Fragment] = []
         for s in self.shards:
@@ -254,24 +362,31 @@ class ShardedStrategy:
                                     dp_world_size=self.comm.world_size, dp_rank=self.comm.rank)
 
     def masters_loaded(self) -> None:
+        self.flush()
+        self._masters_in()
         for s in self.shards:
             self._all_gather_params(s)
+        self._masters_out()
 
     def masters_from_params(self) -> None:
+        self.flush()
+        self._masters_in()
         for s in self.shards:
             self._copy_params_to_master(s)
+        self._masters_out()
 
     def module_shapes(self) -> dict[str, tuple[int, ...]]:
         return module_shapes(self.module)
 
     def module_state_dict(self) -> dict[str, Any]:
+        self.flush()
         return self.module.state_dict()
 
     def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         self.module.load_state_dict(state, strict=strict)
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
-        tally = MemoryTally()
+        tally = MemoryTally(self._swap.swapper.location if self._swap is not None else None)
         for s in self.shards:
             tally.add_tensor("lp_params", s.flat.lp_flat)
             tally.add_tensor("master_params", s.master)

@@ -72,13 +72,13 @@ def test_config_check_lists_every_problem_with_its_path(cli, tmp_path):
 
 
 def test_config_check_lists_unimplemented_settings_separately(cli, tmp_path):
-    (tmp_path / "offload.json").write_text(
-        '{"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}')
-    code, out, err = cli("config", "check", "offload.json")
+    (tmp_path / "quantized.json").write_text(
+        '{"train_batch_size": 8, "zero_optimization": {"stage": 2, "zero_quantized_gradients": true}}')
+    code, out, err = cli("config", "check", "quantized.json")
     assert code == 1
     assert out.splitlines()[1:] == [
         "not implemented yet in lightspeed (1; lightspeed.initialize refuses them):",
-        "  zero_optimization.offload_optimizer.device=\"cpu\" is not implemented yet",
+        "  zero_optimization.zero_quantized_gradients=true is not implemented yet",
         "result: valid, but uses settings lightspeed does not implement yet",
     ]
 

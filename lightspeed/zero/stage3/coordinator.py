@@ -211,6 +211,14 @@ class Coordinator:
                     issued += g.numel
             i += 1
         self._cursor = i
+        # one more prefetch budget ahead, groups only get a read-ahead hint (a parameter shard offloaded
+        # to NVMe starts its read, so the gather that follows finds it in host memory)
+        hinted = 0
+        while i < len(self._trace) and hinted < self.schedule.prefetch_numel:
+            for g in self.uses.get(id(self._trace[i]), []):
+                g.read_ahead()
+                hinted += g.numel
+            i += 1
 
     def _reused_soon(self, g: ParamGroup) -> bool:
         """True when the trace uses `g` again within `max_reuse_distance` elements from here."""

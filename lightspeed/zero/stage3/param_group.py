@@ -23,6 +23,14 @@ Freeing the storage of `full_flat` (resize to 0) releases the memory under those
 backward re-gathers into the same storage object, so the saved views read the right values again.
 Consequence: a tensor derived from a parameter in forward (e.g. `p.detach()`) must not be read after
 the group is released; the pre-backward hooks re-gather before any module's backward.
+
+Note (offload, `OffloadPolicy`): with the optimizer offloaded, `master_shard` and `master_grad_shard`
+are host fp32 buffers (for fp32 parameters too: the device keeps `lp_shard`, the host the master).
+With the parameters offloaded, `lp_shard` is a host buffer: a gather copies it to the device (on the
+side stream, so a prefetched group's copy runs under compute) and all-gathers that copy; without an
+offloaded optimizer the master then stays on the device (for fp32 parameters too), where the optimizer
+steps it. On NVMe the host `lp_shard` may be swapped out between steps (`swapper`): a gather reads it
+back first.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch
 
 from lightspeed._utils.flat import FlatLayout, flat_views
 from lightspeed.comm.collectives import Communicator
+from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.zero.partition import Range, shard_range
 
 RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
@@ -76,10 +85,13 @@ def reduce_scaling(prescale: bool, predivide: float, world_size: int) -> tuple[f
 
 
 class PendingGrad:
-    """An in-flight reduce-scatter of one group's gradients; `wait()` adds the result to the shard."""
+    """An in-flight reduce-scatter of one group's gradients; `wait()` adds the result to the shard
+    and, with `to_host` = (copy stream, host buffer), copies the shard there on that stream."""
 
-    def __init__(self, handle, out: torch.Tensor, send: torch.Tensor, post_scale: float, dest: torch.Tensor):
+    def __init__(self, handle, out: torch.Tensor, send: torch.Tensor, post_scale: float, dest: torch.Tensor,
+                 to_host: tuple[Any, torch.Tensor] | None = None):
         self.handle, self.out, self.send, self.post_scale, self.dest = handle, out, send, post_scale, dest
+        self.to_host = to_host
 
     def wait(self) -> None:
         self.handle.wait()
@@ -87,6 +99,11 @@ class PendingGrad:
             self.out.mul_(self.post_scale)
         self.dest.add_(self.out)
         self.send = self.out = None
+        if self.to_host is not None:
+            stream, host = self.to_host
+            stream.wait_current()
+            with stream.context():
+                host.copy_(self.dest, non_blocking=True)
 
 
 class ParamGroup:
@@ -94,7 +111,8 @@ class ParamGroup:
 
     def __init__(self, name: str, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  values: Sequence[torch.Tensor], comm: Communicator, *, dtype: torch.dtype, device: torch.device,
-                 grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True):
+                 grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True,
+                 offload: OffloadPolicy | None = None):
         """`values[i]` holds the full value of `params[i]` (any dtype/device). Every rank passes its own
         values and rank 0's win (broadcast), so all ranks start identical. `fp32_grad_copy=False` (the
         fused optimizer step reads low-precision gradients itself) skips the fp32 gradient shard."""
@@ -108,7 +126,16 @@ class ParamGroup:
         for view, value in zip(flat_views(full, self.layout), values):
             view.copy_(value.detach())
         comm.broadcast(full, src=0)
-        self.lp_shard = full[self.shard.start:self.shard.end].clone()
+        self.offload = offload = offload if offload is not None else OffloadPolicy()
+        if offload.offloads_params:  # a swapped shard frees and re-allocates its storage: never pinned
+            self.lp_shard = offload.host_copy(full[self.shard.start:self.shard.end], dtype, device,
+                                              pin=offload.param_pin_memory and offload.param != "nvme")
+        else:
+            self.lp_shard = full[self.shard.start:self.shard.end].clone()
+        self.swapper: Any = None  # NVMe parameter offload: reads `lp_shard` back before a gather
+        # optimizer offload, at the accumulation boundary: the copy stream on which each completed
+        # reduction of this group is copied to `master_grad_shard` (set by the strategy)
+        self.grads_to_host: Any = None
         self.full_flat = full  # from now on the gather buffer; its storage is freed below
         self.views = flat_views(full, self.layout)
         self._nbytes = full.untyped_storage().nbytes()
@@ -122,11 +149,22 @@ class ParamGroup:
         self.persistent = False
         self.coordinator: Any = None  # set by the coordinator that schedules this group
         self.release()
-        self.master_shard = self.lp_shard.float() if keep_master and self.trainable and dtype != torch.float32 else None
-        self.grad_shard = torch.zeros_like(self.lp_shard, dtype=grad_dtype) if self.trainable else None
-        if self.grad_shard is not None and self.master_shard is not None and grad_dtype != torch.float32 \
+        n = self.shard_numel
+        host_master = offload.offloads_optimizer and self.trainable
+        if host_master:
+            pin = offload.optimizer_pin_memory and offload.optimizer != "nvme"
+            self.master_shard = offload.host_copy(self.lp_shard, torch.float32, device, pin=pin)
+        elif self.trainable and ((keep_master and dtype != torch.float32) or offload.offloads_params):
+            self.master_shard = self.lp_shard.to(device=device, dtype=torch.float32, copy=True)
+        else:
+            self.master_shard = None
+        self.grad_shard = torch.zeros(n, dtype=grad_dtype, device=device) if self.trainable else None
+        if host_master:
+            self.master_grad_shard = offload.host_empty(n, torch.float32, device, pin=offload.optimizer_pin_memory)
+            self.master_grad_shard.zero_()
+        elif self.grad_shard is not None and self.master_shard is not None and grad_dtype != torch.float32 \
                 and fp32_grad_copy:
-            self.master_grad_shard = torch.zeros_like(self.lp_shard, dtype=torch.float32)
+            self.master_grad_shard = torch.zeros(n, dtype=torch.float32, device=device)
         else:
             self.master_grad_shard = self.grad_shard
 
@@ -158,10 +196,20 @@ class ParamGroup:
         if self.stream is not None:
             self.stream.wait_current()  # outside the context: the side stream waits for the compute stream
             with self.stream.context():
-                self._handle = self.comm.all_gather(self.full_flat, self.lp_shard, async_op=True)
+                self._handle = self.comm.all_gather(self.full_flat, self._device_shard(), async_op=True)
         else:
-            self._handle = self.comm.all_gather(self.full_flat, self.lp_shard, async_op=True)
+            self._handle = self.comm.all_gather(self.full_flat, self._device_shard(), async_op=True)
         self.state = INFLIGHT
+
+    def _device_shard(self) -> torch.Tensor:
+        """The lp shard on the device, for the all-gather: itself, or (parameter offload) a copy of
+        the host shard, read from NVMe first when it is swapped out."""
+        if not self.offload.offloads_params:
+            return self.lp_shard
+        self.lp_in()
+        if self.device.type == "cpu":  # the host is the device: a separate buffer, the same mover
+            return self.lp_shard.clone()
+        return self.lp_shard.to(self.device, non_blocking=True)
 
     def wait(self) -> None:
         if self.state == RELEASED:
@@ -184,12 +232,33 @@ class ParamGroup:
             p.data = self.placeholder
         self.full_flat.untyped_storage().resize_(0)
         self.state = RELEASED
+        self.lp_out()
+
+    def lp_in(self) -> None:
+        """NVMe parameter offload: make sure the host lp shard holds its values."""
+        if self.swapper is not None:
+            self.swapper.ensure_in(self.lp_shard)
+
+    def read_ahead(self) -> None:
+        """A hint that the group will be gathered soon: NVMe parameter offload starts reading its shard."""
+        if self.swapper is not None and self.state == RELEASED:
+            self.swapper.prefetch(self.lp_shard)
+
+    def lp_out(self) -> None:
+        """NVMe parameter offload: free the host lp shard of a released group (written when changed)."""
+        if self.swapper is not None and self.state == RELEASED:
+            self.swapper.swap_out(self.lp_shard, dirty=False)
+
+    def _lp_written(self) -> None:
+        if self.swapper is not None:
+            self.swapper.mark_dirty(self.lp_shard)
+            self.lp_out()
 
     def refresh(self) -> None:
         """Re-gather a gathered group after its lp shard changed (no-op when released)."""
         if self.state != RELEASED:
             self.wait()
-            self.comm.all_gather(self.full_flat, self.lp_shard)
+            self.comm.all_gather(self.full_flat, self._device_shard())
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self, prescale: bool, predivide: float, reduce_dtype: torch.dtype | None) -> PendingGrad:
@@ -207,7 +276,8 @@ class ParamGroup:
             send.mul_(pre)
         out = send.new_empty(self.shard_numel)
         handle = self.comm.reduce_scatter(out, send, async_op=True)
-        return PendingGrad(handle, out, send, post, self.grad_shard)
+        to_host = (self.grads_to_host, self.master_grad_shard) if self.grads_to_host is not None else None
+        return PendingGrad(handle, out, send, post, self.grad_shard, to_host)
 
     # ------------------------------------------------------------------ values in and out
     def load_param(self, index: int, value: torch.Tensor) -> None:
@@ -217,25 +287,31 @@ class ParamGroup:
         if own.numel:
             src_start = own.start + self.shard.start - r.start
             flat = value.detach().reshape(-1)
+            self.lp_in()
             self.lp_shard[own.start:own.end].copy_(flat[src_start:src_start + own.numel])
+            self._lp_written()
 
     def copy_master_to_lp(self) -> None:
         if self.master_shard is not None:
+            self.lp_in()
             self.lp_shard.copy_(self.master_shard)
+            self._lp_written()
 
     def copy_lp_to_master(self) -> None:
         if self.master_shard is not None:
+            self.lp_in()
             self.master_shard.copy_(self.lp_shard)
+            self.lp_out()
 
-    def nbytes(self) -> dict[str, int]:
-        """This rank's bytes of this group, by memory_breakdown category."""
-        def size(t):
-            return t.numel() * t.element_size() if t is not None else 0
-
-        out = {"lp_params": size(self.lp_shard) + (self._nbytes if self.state != RELEASED else 0)}
+    def add_to(self, tally) -> None:
+        """Count this group's bytes into a `MemoryTally`, each tensor where it lives (the tally's
+        `locate` places swapped tensors on "nvme"); the gathered buffer counts while it is held."""
+        tally.add_tensor("lp_params", self.lp_shard)
+        if self.state != RELEASED:
+            tally.add(self.device, "lp_params", self._nbytes)
         if self.master_shard is not None:
-            out["master_params"] = size(self.master_shard)
+            tally.add_tensor("master_params", self.master_shard)
         if self.grad_shard is not None:
-            extra = size(self.master_grad_shard) if self.master_grad_shard is not self.grad_shard else 0
-            out["grads"] = size(self.grad_shard) + extra
-        return out
+            tally.add_tensor("grads", self.grad_shard)
+            if self.master_grad_shard is not self.grad_shard:
+                tally.add_tensor("grads", self.master_grad_shard)

@@ -29,6 +29,7 @@ buffer) are whole at once.
 from __future__ import annotations
 
 import math
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,9 +40,13 @@ from lightspeed._utils.device import Stream
 from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed._utils.progress import progress
 from lightspeed.comm.collectives import Communicator
+from lightspeed.offload.nvme import NvmeSwapper
+from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
+from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.partition import Range
-from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
+from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
 from lightspeed.zero.stage3.gathered import take_pending_external
 from lightspeed.zero.stage3.init import init_record, materialize_module, seed_from_global_rng
@@ -116,10 +121,13 @@ class Stage3Strategy:
     state_is_replicated = False  # each rank holds its own slices: every rank writes its file
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
-                 comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None):
+                 comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None,
+                 offload: OffloadPolicy | None = None):
         self.options = options or Stage3Options()
+        self.offload = offload if offload is not None else OffloadPolicy()
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
-        self._fused = fused_step(optimizer)  # the optimizer unscales, clips and writes the lp shards
+        # the optimizer unscales, clips and writes the lp shards; not when a shard lives in host memory
+        self._fused = fused_step(optimizer) and not self.offload.enabled
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
@@ -139,9 +147,22 @@ class Stage3Strategy:
         if optimizer is not None:
             self._bind_optimizer(optimizer, opt_index)
         trainable = self._trainable()
+        host = self.offload.offloads_optimizer
         self._views = ShardViews(optimizer, self._fused, grads=[g.grad_shard for g in trainable],
                                  master_grads=[g.master_grad_shard for g in trainable],
-                                 opt_grads=dict(self._opt_params), lowp_out=self._lowp_out, device=self.device)
+                                 opt_grads=dict(self._opt_params), lowp_out=self._lowp_out, device=self.device,
+                                 norm_grads=[g.grad_shard for g in trainable] if host else None)
+        self._background = BackgroundStep() if self.offload.overlap_step else None
+        self._writeback_pending = False
+        # early device-to-host gradient copies (not with overlap_step: its background step still reads
+        # the host gradients while the next backward runs)
+        self._to_host = Stream(self.device) if host and not self.offload.overlap_step else None
+        if self._to_host is not None:
+            self._views.early_filled = frozenset(id(g.master_grad_shard) for g in trainable
+                                                 if g.offload.offloads_optimizer)
+        self._host_filled = False
+        self._swap = self._optimizer_swap() if self.offload.optimizer == "nvme" else None
+        self._param_swapper = self._param_swap() if self.offload.param == "nvme" else None
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
                                        units=[u.module for u in self.units], unit_of=unit_of)
@@ -176,6 +197,12 @@ class Stage3Strategy:
             st = param_state(p)
             return st.shape if st is not None else p.shape
 
+        # Offload++ (`offload_optimizer.ratio` < 1): the groups past that fraction of the trainable
+        # elements keep their master and optimizer state on the device
+        total = sum(torch.Size(shape_of(p)).numel() for u in self.units for _, p in u.owned() if p.requires_grad)
+        offloaded_numel = 0
+        device_kept = dataclasses.replace(self.offload, optimizer="none", overlap_step=False)
+
         unit_numels = [sum(math.prod(shape_of(p)) for _, _, _, owned in u.members for _, p in owned) for u in self.units]
         what = "materializing and partitioning" if seeds else "partitioning"
         bar = progress(total=sum(unit_numels), desc=f"ZeRO-3: {what} parameters", unit="param", unit_scale=True)
@@ -194,11 +221,18 @@ class Stage3Strategy:
                     continue
                 sel.sort(key=lambda item: opt_index.get(id(item[1]), last))
                 name = unit.name + ("" if trainable else " (frozen)")
+                numel = sum(p.numel() if not p.is_meta else torch.Size(shape_of(p)).numel() for _, p in sel)
+                offload = self.offload
+                if trainable and self.offload.offloads_optimizer and self.offload.ratio < 1.0:
+                    if offloaded_numel + numel > self.offload.ratio * total:
+                        offload = device_kept
+                    else:
+                        offloaded_numel += numel
                 g = ParamGroup(name, [p for _, p in sel], [n for n, _ in sel], [p.detach() for _, p in sel], self.comm,
                                dtype=self.policy.param_dtype, device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
                                keep_master=self.policy.master_dtype is not None, stream=stream,
-                               fp32_grad_copy=not self._fused)
+                               fp32_grad_copy=not self._fused, offload=offload)
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
                 full_numel -= g.layout.numel  # the values now live in the group's shard only
@@ -254,6 +288,52 @@ class Stage3Strategy:
                 tensors.append(tensor)
             pg["params"] = tensors
 
+    def _optimizer_swap(self) -> SwappedOptimizerState:
+        """NVMe optimizer offload: each trainable group's master shard and the optimizer state of its
+        pieces form one sub-group, swapped out between steps."""
+        swapper = NvmeSwapper(self.offload.optimizer_nvme_path, self.offload.aio,
+                              key="zero_optimization.offload_optimizer.nvme_path", name="optimizer")
+        trainable = [g for g in self._trainable() if g.offload.offloads_optimizer]
+        swapper.require_space(sum(g.master_shard.numel() * 4 * 3 for g in trainable))  # master + two Adam moments
+        subgroups = [SubGroup(f"group{i}", [g.master_shard], [t for _, t, _ in self._opt_pieces.get(id(g), [])])
+                     for i, g in enumerate(trainable)]
+        swap = SwappedOptimizerState(swapper, self.optimizer, subgroups, buffer_count=self.offload.optimizer_buffer_count)
+        swap.all_out()
+        return swap
+
+    def _param_swap(self) -> NvmeSwapper:
+        """NVMe parameter offload: the lp shards past `max_in_cpu` elements live in swap files and are
+        read back when their group is gathered."""
+        swapper = NvmeSwapper(self.offload.param_nvme_path, self.offload.aio,
+                              key="zero_optimization.offload_param.nvme_path", name="param")
+        kept, swapped = 0, []
+        for g in self.groups:
+            if kept + g.shard_numel <= self.offload.max_in_cpu:
+                kept += g.shard_numel
+            else:
+                swapped.append(g)
+        swapper.require_space(sum(g.lp_shard.numel() * g.lp_shard.element_size() for g in swapped))
+        for i, g in enumerate(swapped):
+            swapper.register(g.lp_shard, f"{i}_{g.name}")
+            g.swapper = swapper
+            g.lp_out()
+        return swapper
+
+    def _locate(self, t: torch.Tensor) -> str | None:
+        for swapper in (self._swap.swapper if self._swap is not None else None, self._param_swapper):
+            where = swapper.location(t) if swapper is not None else None
+            if where is not None:
+                return where
+        return None
+
+    def _masters_in(self) -> None:
+        if self._swap is not None:
+            self._swap.all_in()
+
+    def _masters_out(self) -> None:
+        if self._swap is not None:
+            self._swap.all_out()
+
     def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
         """Parameters were broadcast group by group while sharding; buffers (kept whole) are here."""
         for b in module.buffers():
@@ -261,7 +341,14 @@ class Stage3Strategy:
 
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
-        # DeepSpeed's stage 3 reduce-scatters at every micro-step: the boundary changes nothing here
+        # DeepSpeed's stage 3 reduce-scatters at every micro-step; with the optimizer offloaded, the
+        # boundary's reductions are also copied to the host as each completes
+        if self._to_host is not None:
+            self._host_filled = is_boundary
+            for g in self._trainable():
+                g.grads_to_host = self._to_host if is_boundary and g.offload.offloads_optimizer else None
+        if is_boundary and self._swap is not None:
+            self._swap.prefetch(0)  # NVMe: the first sub-group's read runs under backward
         self.coordinator.backward_start()
 
     def backward_end(self) -> None:
@@ -279,17 +366,57 @@ class Stage3Strategy:
         optimizer on the fp32 shards and write the lp shards (gathered groups are then re-gathered on
         use)."""
         self.coordinator.wait_reduces()
+        self._views.master_grads_filled = self._host_filled
+        if self._host_filled:
+            self._host_filled = False
+            self._to_host.make_current_wait()
+            self._to_host.synchronize()  # the CPU optimizer reads the host copies
         check = check_overflow if check_overflow is not None else loss_scale is not None
+        if self._background is not None:
+            return self._overlapped_step(loss_scale, max_norm, check)
+        if self._swap is not None:
+            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+            if result.applied and self.optimizer is not None:
+                stepped = [g for g in self._trainable() if g.offload.offloads_optimizer]
+                self._swap.step(self._views.opt_grads, self.optimizer, lambda i: stepped[i].copy_master_to_lp())
+                self.coordinator.release_all(force=True)
+            return result
         result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
         if not result.applied:
             return result
+        self._write_back()
+        return result
+
+    def _write_back(self) -> None:
         if not self._views.optimizer_writes_lowp:
             for g in self._trainable():
                 g.copy_master_to_lp()
         self.coordinator.release_all(force=True)
+
+    def _overlapped_step(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
+        """Apply the previous step's update to the lp shards, then start this step's update in the
+        background (see `offload/overlap.py`)."""
+        self.flush()
+        result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        if result.applied and self.optimizer is not None:
+            snapshot = optimizer_snapshot(self.optimizer)
+            self._background.launch(lambda: apply_step(self._views, coef, snapshot))
+            self._writeback_pending = True
         return result
 
+    def flush(self) -> None:
+        """Finish an overlapped step still running and write its update into the lp shards."""
+        if self._background is None:
+            return
+        self._background.wait()
+        if self._writeback_pending:
+            self._writeback_pending = False
+            self._write_back()
+
     def zero_grad(self) -> None:
+        if self._to_host is not None:
+            self._to_host.make_current_wait()  # a copy still reading a shard finishes first
+            self._host_filled = False
         for g in self._trainable():
             g.grad_shard.zero_()
             for p in g.params:
@@ -299,6 +426,8 @@ class Stage3Strategy:
     def fragments(self) -> list[Fragment]:
         """The parts of each trainable parameter in this rank's shard of its group, owned by the
         optimizer's piece of that shard (the whole shard for parameters outside every optimizer group)."""
+        self.flush()
+        self._masters_in()  # NVMe: the fragments' owners are read (saved) or written (loaded) next
         out: list[Fragment] = []
         for g in self._trainable():
             pieces = list(self._opt_pieces.get(id(g), []))
@@ -318,14 +447,20 @@ class Stage3Strategy:
                                     dp_rank=self.comm.rank)
 
     def masters_loaded(self) -> None:
+        self.flush()
+        self._masters_in()
         for g in self.groups:
             g.copy_master_to_lp()
         self.coordinator.release_all(force=True)
+        self._masters_out()
 
     def masters_from_params(self) -> None:
+        self.flush()
+        self._masters_in()
         for g in self.groups:
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
+        self._masters_out()
 
     def _gathered_values(self) -> dict[int, torch.Tensor]:
         """id(param) -> its full value on the CPU, gathered one group at a time."""
@@ -349,6 +484,7 @@ class Stage3Strategy:
     def module_state_dict(self) -> dict[str, Any]:
         """The module's full state_dict on every rank (parameters gathered, as CPU tensors in the
         training dtype; tied names share one tensor). A collective: every rank must call it."""
+        self.flush()
         state = self.module.state_dict()
         values = self._gathered_values()
         for name, p in self.module.named_parameters(remove_duplicate=False):
@@ -358,6 +494,8 @@ class Stage3Strategy:
 
     def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Scatter a full state_dict into the shards (each rank copies its slices; no communication)."""
+        self.flush()
+        self._masters_in()
         names: dict[int, list[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             if param_state(p) is not None:
@@ -379,12 +517,12 @@ class Stage3Strategy:
                 g.load_param(st.index, value)
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
+        self._masters_out()
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category (gathered buffers count while they are held)."""
-        tally = MemoryTally()
+        tally = MemoryTally(self._locate)
         for g in self.groups:
-            for key, nbytes in g.nbytes().items():
-                tally.add(g.device, key, nbytes)
+            g.add_to(tally)
         tally.add_optimizer_state(self.optimizer)
         return tally.bytes

@@ -1,0 +1,145 @@
+"""ZeRO-Offload on one GPU: tokens/s and peak GPU memory of ZeRO-2 and ZeRO-3 with the optimizer
+offloaded to CPU, next to the same run without offload, and DeepSpeed's engine with the same config
+when it is importable.
+
+    python benchmarks/offload.py [--sizes gpt2-medium 1.3b] [--stages 2 3] [--micro 8] [--seq 1024]
+        [--steps 10] [--overlap-step] [--param] [--deepspeed] [--smoke]
+
+Each configuration runs in a fresh process (world size 1, NCCL on GPU). Model and batches are
+benchmarks/zero_step.py's (examples/gpt.py, bf16 with fp32 master weights, AdamW, clipping 1.0); the
+offloaded runs use DeepSpeed's offload block (`device: cpu, pin_memory: true`), so the config's AdamW
+becomes CPUAdam in both engines. `--overlap-step` adds lightspeed's one-step-delayed CPU step;
+`--param` adds ZeRO-3 with the parameters offloaded too. `--smoke` runs a tiny model on CPU/gloo in
+seconds (peak GPU memory is then n/a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lightspeed  # noqa: E402
+from benchmarks.harness import Result, print_table, reset_memory, time_steps  # noqa: E402
+from benchmarks.zero_step import LR, finish, make_batches  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+VARIANTS = {  # name -> the zero_optimization keys added to {"stage": s}
+    "none": {},
+    "cpu": {"offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    "cpu-overlap": {"offload_optimizer": {"device": "cpu", "pin_memory": True, "overlap_step": True}},
+    "cpu-param": {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                  "offload_param": {"device": "cpu", "pin_memory": True}},
+}
+
+
+def config(stage: int, variant: str, micro: int, bf16: bool) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, **copy.deepcopy(VARIANTS[variant])},
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
+    lightspeed.init_distributed(verbose=False)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset(size, block_size=args.seq)
+    with device:
+        base = GPT(cfg)
+    batches = make_batches(cfg.vocab_size, args.micro, args.seq, device)
+    if system == "deepspeed":
+        import deepspeed
+
+        initialize = deepspeed.initialize
+    else:
+        initialize = lightspeed.initialize
+    name = f"{system} ZeRO-{stage} {variant}"
+    reset_memory()
+    model = copy.deepcopy(base)
+    del base
+    try:
+        engine, *_ = initialize(model=model, model_parameters=model.parameters(),
+                                config=config(stage, variant, args.micro, device.type == "cuda"))
+    except NotImplementedError as err:
+        return Result(name, note=f"n/a: {err}")
+    it = iter(range(10**9))
+
+    def step():
+        b = batches[next(it) % len(batches)]
+        loss = engine(b[:, :-1].to(engine.device), b[:, 1:].to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    ms, losses = time_steps(step, args.steps, args.warmup)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    result = finish(Result(name), ms, losses, meta, args)
+    dist.destroy_process_group()
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="+", default=["gpt2-medium", "1.3b"])
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--overlap-step", action="store_true", help="also lightspeed's one-step-delayed CPU step")
+    ap.add_argument("--param", action="store_true", help="also ZeRO-3 with the parameters offloaded")
+    ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed's engine (must be importable)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, in seconds")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # size:system:stage:variant, in a child
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ["LIGHTSPEED_ACCELERATOR"] = "cpu"
+        args.sizes, args.micro, args.seq, args.steps, args.warmup = ["demo"], 2, 32, 2, 1
+    if args.one:
+        size, system, stage, variant = args.one.split(":")
+        print("RESULT " + json.dumps(asdict(run_one(args, size, system, int(stage), variant))), flush=True)
+        return
+    passthrough = [a for a in sys.argv[1:] if a not in ("--deepspeed", "--overlap-step", "--param")]
+    for size in args.sizes:
+        cfg = GPTConfig.preset(size, block_size=args.seq)
+        with torch.device("meta"):
+            num_params = GPT(cfg).num_params()
+        hw = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
+        print(f"\n== {size}: {num_params / 1e6:.0f}M params, micro batch {args.micro} x seq {args.seq}, {hw}, "
+              f"torch {torch.__version__}, world size 1, each run in a fresh process", flush=True)
+        runs = []
+        for stage in args.stages:
+            variants = ["none", "cpu"] + (["cpu-overlap"] if args.overlap_step else [])
+            variants += ["cpu-param"] if args.param and stage == 3 else []
+            runs += [("lightspeed", stage, v) for v in variants]
+            runs += [("deepspeed", stage, v) for v in ("none", "cpu")] if args.deepspeed else []
+        results = []
+        for system, stage, variant in runs:
+            env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(29600 + len(results)))
+            proc = subprocess.run([sys.executable, __file__, *passthrough, "--one",
+                                   f"{size}:{system}:{stage}:{variant}"], env=env, capture_output=True, text=True)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                results.append(Result(f"{system} ZeRO-{stage} {variant}", note=f"failed: {tail[:120]}"))
+            else:
+                results.append(Result(**json.loads(line[len("RESULT "):])))
+        print_table(results, f"lightspeed ZeRO-{args.stages[0]} none")
+
+
+if __name__ == "__main__":
+    main()

@@ -26,6 +26,10 @@ def init_inference(*args, **kwargs):
 
 def __getattr__(name: str):
     # lazy, so `import lightspeed.ops...` needs neither pydantic nor the config package
+    if name == "zero":  # `import lightspeed; lightspeed.zero.Init()`, as `deepspeed.zero.Init()`
+        import importlib
+
+        return importlib.import_module("lightspeed.zero")
     if name == "OnDevice":
         from lightspeed._utils.init_on_device import OnDevice
 

@@ -44,7 +44,8 @@ from lightspeed.zero.partition import Range
 from lightspeed.zero.stage0 import StepResult
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
 from lightspeed.zero.stage3.gathered import take_pending_external
-from lightspeed.zero.stage3.init import init_record, materialize_module, seed_from_global_rng
+from lightspeed.zero.stage3.init import (StandaloneScheduler, init_record, materialize_module, seed_from_global_rng,
+                                         take_init_groups)
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.units import LeafRule, choose_units
 from lightspeed.zero.memory import MemoryTally
@@ -144,11 +145,17 @@ class Stage3Strategy:
             st = param_state(p)
             return st.shape if st is not None else p.shape
 
+        init_groups: list[ParamGroup] = []  # zero.Init's groups, gathered as their values are taken over
         for unit in self.units:
             for index, mname, m, owned in unit.members:
                 for _, p in owned:
                     if not p.is_floating_point():
                         raise TypeError(f"ZeRO stage 3 shards floating-point parameters only ({mname} has {p.dtype})")
+                    st = param_state(p)
+                    if st is not None and isinstance(st.group.coordinator, StandaloneScheduler):
+                        if st.group not in init_groups:
+                            init_groups.append(st.group)
+                        st.group.wait()  # gathered: `p.data` is the full value until the new group takes it
                 if index in seeds:
                     materialize_module(self.module, m, index, owned, seeds[index], self.device, shape_of)
             owned = unit.owned()
@@ -167,6 +174,15 @@ class Stage3Strategy:
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
                 full_numel -= g.layout.numel  # the values now live in the group's shard only
+            for ig in [ig for ig in init_groups if all(param_state(p) is not st for p, st in zip(ig.params, ig.states))]:
+                ig.discard()  # every parameter it held belongs to a group of this strategy now
+                init_groups.remove(ig)
+        for m in self.module.modules():
+            for ig in take_init_groups(m):  # also the groups of parameters no longer in the model
+                if ig not in init_groups:
+                    ig.discard()
+        for ig in init_groups:
+            ig.discard()
         return groups
 
     def _uses(self) -> dict[int, list[ParamGroup]]:

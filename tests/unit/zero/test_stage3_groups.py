@@ -17,6 +17,7 @@ from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy, initialize_mod
 from lightspeed.zero.stage3.init import owned_params
 from lightspeed.zero.stage3.param_group import GATHERED, RELEASED, ParamGroup, reduce_scaling
 from lightspeed.zero.stage3.units import LeafRule, choose_units
+from lightspeed.zero.stage3.zero_param import ZeroParameter, ZeroParamStatus
 
 REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:
@@ -107,10 +108,18 @@ def test_untested_optimizer_is_refused_unless_allowed():
     _strategy(TinyMLP(), Lamb(TinyMLP().parameters()), allow_untested_optimizer=True)
 
 
-def test_init_defers_parameters_and_keeps_buffers():
+def test_init_partitions_parameters_and_keeps_buffers():
     with Init(seed=3):
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-    assert all(p.is_meta for p in model.parameters())
+    assert all(type(p) is ZeroParameter and p.numel() == 0 for p in model.parameters())
+    w = model[0].weight
+    assert w.ds_shape == (8, 4) and w.ds_numel == 32 and w.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    assert w.ds_tensor.numel() == 32  # one process: this rank holds every element
+    with GatheredParameters(w):
+        assert w.shape == (8, 4) and w.ds_status == ZeroParamStatus.AVAILABLE
+        assert torch.equal(w, initialize_module_weights(torch.nn.Linear(4, 8), 3 + 1).weight)
+    assert w.numel() == 0
+    assert not hasattr(torch.nn.Parameter(torch.ones(1)), "ds_numel")
     assert not model[1].running_var.is_meta and torch.equal(model[1].running_var, torch.ones(8))
     with pytest.raises(NotImplementedError, match="offload"):
         Init(remote_device="cpu")

@@ -24,12 +24,31 @@ def init_inference(*args, **kwargs):
     return _init_inference(*args, **kwargs)
 
 
+def register_as_deepspeed(override: bool = False) -> None:
+    """Make `import deepspeed` give lightspeed's DeepSpeed-compatible API (and report a `deepspeed`
+    distribution to importlib.metadata); see :mod:`lightspeed.compat.registration`."""
+    from lightspeed.compat.registration import register_as_deepspeed as _register
+
+    _register(override=override)
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's --deepspeed / --deepspeed_config flags; see :mod:`lightspeed.config.arguments`."""
+    from lightspeed.config.arguments import add_config_arguments as _add
+
+    return _add(parser)
+
+
+# Subpackages reachable as attributes after a plain `import lightspeed` (`lightspeed.zero.Init()`).
+_SUBPACKAGES = ("comm", "compat", "zero")
+
+
 def __getattr__(name: str):
     # lazy, so `import lightspeed.ops...` needs neither pydantic nor the config package
-    if name == "zero":  # `import lightspeed; lightspeed.zero.Init()`, as `deepspeed.zero.Init()`
+    if name in _SUBPACKAGES:
         import importlib
 
-        return importlib.import_module("lightspeed.zero")
+        return importlib.import_module(f"lightspeed.{name}")
     if name == "OnDevice":
         from lightspeed._utils.init_on_device import OnDevice
 
@@ -41,4 +60,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'lightspeed' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "OnDevice", "initialize", "init_distributed", "init_inference", "__version__"]
+__all__ = ["ConfigError", "OnDevice", "add_config_arguments", "initialize", "init_distributed", "init_inference",
+           "register_as_deepspeed", "__version__"]

@@ -36,7 +36,8 @@ class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         rank = current_rank()
         record.rank = rank
-        return self.all_ranks or rank == 0
+        # a record logged with extra={"all_ranks": True} chose its ranks itself (DeepSpeed's log_dist)
+        return self.all_ranks or getattr(record, "all_ranks", False) or rank == 0
 
 
 _filter = _RankFilter()

@@ -1,0 +1,24 @@
+"""Communication: the only package that imports torch.distributed.
+
+`init.py` starts the process group, `groups.py` holds the run's `ParallelGroups`, `collectives.py`
+the `Communicator` the runtime uses. DeepSpeed's module-level `deepspeed.comm` functions
+(`get_rank`, `all_reduce`, `all_gather_into_tensor`, ...) live in `api.py` and are reachable here
+(`lightspeed.comm.get_rank()`), imported on first use so `import lightspeed.comm` stays light.
+"""
+
+_API = ("ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all_single",
+        "allgather_fn", "barrier", "broadcast", "broadcast_object_list", "configure", "destroy_process_group",
+        "gather", "get_backend", "get_global_rank", "get_local_rank", "get_rank", "get_world_size",
+        "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "inference_all_reduce", "init_distributed",
+        "irecv", "is_available", "is_initialized", "isend", "log_summary", "new_group", "recv", "reduce",
+        "reduce_scatter", "reduce_scatter_fn", "reduce_scatter_tensor", "scatter", "send")
+
+__all__ = list(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from lightspeed.comm import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'lightspeed.comm' has no attribute {name!r}")

@@ -17,8 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# all_gather_single(output, input, group=, async_op=) / reduce_scatter_single(output, input, op=, group=,
+# async_op=): torch's newest names for the flat-tensor collectives, or the older ones they replace.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = all_gather_single
+_REDUCE_SCATTER = reduce_scatter_single
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 

@@ -69,7 +69,7 @@ def default_backend() -> str:
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
-                     verbose: bool = True, timeout: timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
+                     verbose: bool = True, timeout: timedelta | None = DEFAULT_TIMEOUT, init_method: str | None = None,
                      dist_init_required: bool | None = None, config=None, rank: int = -1,
                      world_size: int = -1) -> None:
     """Start torch.distributed (nccl on CUDA, gloo on CPU) unless it is already started.
@@ -97,4 +97,4 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         logger.info("initializing torch.distributed: backend=%s rank=%d world_size=%d (from %s, master %s:%d)",
                     backend, launch.rank, launch.world_size, launch.source, launch.master_addr, launch.master_port)
     dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=launch.rank,
-                            world_size=launch.world_size, timeout=timeout)
+                            world_size=launch.world_size, timeout=timeout or DEFAULT_TIMEOUT)

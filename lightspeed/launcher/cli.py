@@ -85,6 +85,8 @@ def build_launch_parser() -> argparse.ArgumentParser:
     add("--module", action="store_true", help="run the script as a module (python -m)")
     add("--no_python", action="store_true", help="the script is an executable; do not run it with python")
     add("--no_local_rank", action="store_true", help="never pass --local_rank to the script")
+    add("--as_deepspeed", action="store_true",
+        help="run an unchanged DeepSpeed script: every rank registers lightspeed as `deepspeed` before it starts")
     add("--max_restarts", type=int, default=0, help="restart all workers up to N times after a failure")
     add("--enable_each_rank_log", default=None, metavar="DIR",
         help="write each rank's output to DIR/<time>_rank<R>.log")

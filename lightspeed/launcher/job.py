@@ -59,6 +59,8 @@ def _check_counts(args: argparse.Namespace) -> None:
                           f"--max_elastic_nodes {args.max_elastic_nodes}")
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python cannot be used together")
+    if args.as_deepspeed and args.no_python:
+        raise LaunchError("--as_deepspeed runs a Python script; it cannot be used with --no_python")
     if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:
         raise LaunchError(f"--ssh_port must be between 1 and 65535 (got {args.ssh_port})")
 
@@ -160,7 +162,7 @@ def resolve_job(args: argparse.Namespace, environ: dict[str, str] | None = None)
     plan = NodePlan(
         world_info=active, node_rank=node_rank, script=args.user_script, script_args=list(args.user_args),
         master_addr=master_addr, master_port=master_port, module=args.module, no_python=args.no_python,
-        no_local_rank=args.no_local_rank, max_restarts=args.max_restarts, each_rank_log=args.enable_each_rank_log,
+        no_local_rank=args.no_local_rank, as_deepspeed=args.as_deepspeed, max_restarts=args.max_restarts, each_rank_log=args.enable_each_rank_log,
         bind_cores=args.bind_cores_to_rank, bind_core_list=args.bind_core_list, elastic=elastic,
         cpu=args.num_procs > 0, run_id=environ.get("ELASTIC_RUN_ID", ""),
     )

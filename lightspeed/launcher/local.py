@@ -42,6 +42,7 @@ from lightspeed.launcher.hostfile import Resources
 logger = get_logger(__name__)
 
 RANK_EXEC = str(Path(__file__).with_name("rank_exec.py"))
+AS_DEEPSPEED = "lightspeed.as_deepspeed"
 LOCAL_RANK_MACRO = "${local_rank}"  # torch.distributed.elastic.utils.api.macros.local_rank
 # Every node of a job must use the same run id (the static rendezvous keys its store by it), and nodes
 # started by hand (--launcher local) have nothing else in common: a constant, as torchrun's "none".
@@ -63,6 +64,7 @@ class NodePlan:
     module: bool = False  # run the script as `python -m`
     no_python: bool = False  # the script is an executable
     no_local_rank: bool = False
+    as_deepspeed: bool = False  # run the script through `python -m lightspeed.as_deepspeed`
     max_restarts: int = 0
     each_rank_log: Optional[str] = None  # directory for <prefix>_rank<R>.log files
     log_prefix: str = ""  # default: the launch time, as DeepSpeed's %Y%m%d%H%M%S
@@ -135,8 +137,10 @@ def local_rank_option(plan: NodePlan) -> Optional[str]:
 
 def worker_command(plan: NodePlan) -> list[str]:
     """The command every worker of this node runs (before the agent substitutes ``${local_rank}``)."""
-    cmd: list[str] = [] if plan.no_python else [sys.executable, "-u", *(["-m"] if plan.module else [])]
-    cmd.append(plan.script)
+    cmd: list[str] = [] if plan.no_python else [sys.executable, "-u"]
+    if plan.as_deepspeed:  # registers lightspeed as `deepspeed` in the worker, then runs the script as python would
+        cmd += ["-m", AS_DEEPSPEED]
+    cmd += [*(["-m"] if plan.module else []), plan.script]
     option = local_rank_option(plan)
     if option:
         cmd.append(f"{option}={LOCAL_RANK_MACRO}")

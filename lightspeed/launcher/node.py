@@ -33,7 +33,8 @@ DEFAULT_MASTER_PORT = 29500  # torch.distributed's, DeepSpeed's
 def node_options(plan: NodePlan) -> list[str]:
     """The options of `build_parser` that carry `plan`, other than world, node rank and master."""
     opts = [flag for flag, on in (("--module", plan.module), ("--no_python", plan.no_python),
-                                  ("--no_local_rank", plan.no_local_rank), ("--cpu", plan.cpu)) if on]
+                                  ("--no_local_rank", plan.no_local_rank), ("--as_deepspeed", plan.as_deepspeed),
+                                  ("--cpu", plan.cpu)) if on]
     if plan.max_restarts:
         opts.append(f"--max_restarts={plan.max_restarts}")
     if plan.each_rank_log:
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--module", action="store_true")
     p.add_argument("--no_python", action="store_true")
     p.add_argument("--no_local_rank", action="store_true")
+    p.add_argument("--as_deepspeed", action="store_true")
     p.add_argument("--max_restarts", type=int, default=0)
     p.add_argument("--enable_each_rank_log", default=None, metavar="DIR")
     p.add_argument("--bind_cores_to_rank", action="store_true")
@@ -146,7 +148,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan = NodePlan(world_info=world, node_rank=node_rank, script=args.training_script,
                     script_args=args.training_script_args, master_addr=args.master_addr,
                     master_port=master_port, module=args.module, no_python=args.no_python,
-                    no_local_rank=args.no_local_rank, max_restarts=args.max_restarts,
+                    no_local_rank=args.no_local_rank, as_deepspeed=args.as_deepspeed,
+                    max_restarts=args.max_restarts,
                     each_rank_log=args.enable_each_rank_log, bind_cores=args.bind_cores_to_rank,
                     bind_core_list=args.bind_core_list, elastic=elastic, cpu=args.cpu, run_id=args.run_id)
     if args.stop_on_stdin_eof:

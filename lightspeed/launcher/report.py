@@ -68,6 +68,8 @@ class Machine:
     gpus: list[tuple[str, tuple[int, int], int]]  # (name, compute capability, memory bytes)
     accelerator_env: Optional[str]
     programs: dict[str, Optional[str]]
+    deepspeed_api: str = ""  # the DeepSpeed release register_as_deepspeed() presents
+    deepspeed_installed: Optional[str] = None  # a real DeepSpeed distribution's version, if one is installed
 
 
 def _package_version(name: str) -> Optional[str]:
@@ -96,12 +98,16 @@ def gather() -> Machine:
         except Exception as e:  # a CUDA build without NCCL
             nccl = f"unavailable ({type(e).__name__})"
     triton = _package_version("triton") or _package_version("pytorch-triton")
+    from lightspeed.compat.registration import DEEPSPEED_VERSION, is_registered
+
     return Machine(
         lightspeed=lightspeed.__version__, lightspeed_path=os.path.dirname(lightspeed.__file__),
         python=f"{platform.python_version()} ({sys.executable})", torch=torch.__version__,
         torch_path=os.path.dirname(torch.__file__), cuda_build=torch.version.cuda, cuda_available=cuda,
         nccl=nccl, triton=triton, gpus=gpus, accelerator_env=os.environ.get("LIGHTSPEED_ACCELERATOR"),
         programs={name: shutil.which(name) for name in LAUNCHER_PROGRAMS},
+        deepspeed_api=DEEPSPEED_VERSION,
+        deepspeed_installed=None if is_registered() else _package_version("deepspeed"),
     )
 
 
@@ -146,6 +152,9 @@ def format_report(machine: Machine) -> str:
            line("CUDA available", "yes" if machine.cuda_available else "no"),
            line("NCCL", machine.nccl or ("none" if not machine.cuda_available else "unknown")),
            line("LIGHTSPEED_ACCELERATOR", machine.accelerator_env or "(unset)"),
+           line("DeepSpeed API", f"{machine.deepspeed_api} (what `import deepspeed` gives after "
+                "lightspeed.register_as_deepspeed() or `lightspeed --as_deepspeed`)"),
+           line("DeepSpeed installed", machine.deepspeed_installed or "no"),
            "", "GPUs"]
     if machine.gpus:
         for i, (name, cap, mem) in enumerate(machine.gpus):

@@ -1,0 +1,409 @@
+"""The accelerator object of DeepSpeed's `get_accelerator()`: one device-agnostic interface to the
+device this process trains on, `cuda` or `cpu` (the same choice as `device.default_device`).
+
+Owns: the two implementations and the process-wide instance. Must not: communicate, or choose a
+device other than `default_device`'s rule (CUDA when available and LIGHTSPEED_ACCELERATOR is not
+"cpu"). DeepSpeed's op builders do not exist here (lightspeed has no C++/CUDA build step).
+
+Note: the CPU side
+    Streams and events are real objects that do nothing asynchronous (work on CPU is already ordered);
+    an event records the host time, so `elapsed_time` is meaningful. Memory figures are the process's
+    resident set (Linux /proc): `memory_allocated` the current RSS, `max_memory_allocated` its peak
+    (VmHWM), which `reset_peak_memory_stats` resets through /proc/self/clear_refs; `total_memory` and
+    `available_memory` are the machine's. fp16 and bf16 both count as supported: torch computes both
+    on CPU, as lightspeed's CPU tests do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import time
+
+import torch
+
+from lightspeed._utils.device import default_device
+
+
+class _CpuEvent:
+    """A CUDA-event look-alike on the host clock."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._time: float | None = None
+
+    def record(self, stream=None) -> None:
+        self._time = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def elapsed_time(self, end_event: "_CpuEvent") -> float:
+        if self._time is None or end_event._time is None:
+            raise RuntimeError("Event.elapsed_time: both events must be recorded first")
+        return (end_event._time - self._time) * 1e3
+
+
+class _CpuStream:
+    """A CUDA-stream look-alike: CPU work is already in program order, so every method is immediate."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        self.device = torch.device("cpu")
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event: _CpuEvent | None = None) -> _CpuEvent:
+        event = event or _CpuEvent()
+        event.record()
+        return event
+
+
+_DEFAULT_CPU_STREAM = _CpuStream()
+
+
+def _proc_status_bytes(key: str) -> int:
+    """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+class Accelerator:
+    """Methods shared by both devices; `CudaAccelerator` and `CpuAccelerator` fill in the rest."""
+
+    _name = ""
+    _communication_backend_name = ""
+
+    # ---- identity
+    def device_name(self, device_index: int | str | None = None) -> str:
+        return self._name if device_index is None else f"{self._name}:{int(device_index)}"
+
+    def current_device_name(self) -> str:
+        return f"{self._name}:{self.current_device()}" if self._name == "cuda" else self._name
+
+    def communication_backend_name(self) -> str:
+        return self._communication_backend_name
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self._name
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        dtypes = [torch.float32]
+        if self.is_fp16_supported():
+            dtypes.append(torch.float16)
+        if self.is_bf16_supported():
+            dtypes.append(torch.bfloat16)
+        return dtypes
+
+    def is_synchronized_device(self) -> bool:
+        return self._name == "cpu"
+
+    def use_host_timers(self) -> bool:
+        return self.is_synchronized_device()
+
+    def resolves_data_dependency(self) -> bool:
+        return self.is_synchronized_device()
+
+    def handles_memory_backpressure(self) -> bool:
+        return self.is_synchronized_device()
+
+    def get_compile_backend(self) -> str:
+        return "inductor"
+
+    # ---- random numbers
+    def random(self):
+        return torch.random
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)  # seeds the CPU generator and every CUDA device's
+
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+    # ---- op builders: none, by design
+    def create_op_builder(self, class_name: str):
+        raise NotImplementedError(f"get_accelerator().create_op_builder({class_name!r}): lightspeed builds no C++/CUDA "
+                                  "ops; its kernels are Triton and PyTorch (see lightspeed.ops)")
+
+    get_op_builder = create_op_builder
+
+    def build_extension(self):
+        raise NotImplementedError("get_accelerator().build_extension(): lightspeed builds no C++/CUDA extensions")
+
+    def __repr__(self) -> str:
+        return f"<lightspeed {type(self).__name__} {self._name}, backend {self._communication_backend_name}>"
+
+
+class CudaAccelerator(Accelerator):
+    _name = "cuda"
+    _communication_backend_name = "nccl"
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device(self, device_index: int | None = None):
+        return torch.cuda.device(device_index)
+
+    def set_device(self, device_index: int) -> None:
+        torch.cuda.set_device(device_index)
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        torch.cuda.synchronize(device_index)
+
+    def is_bf16_supported(self) -> bool:
+        return torch.cuda.is_bf16_supported()
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def is_triton_supported(self) -> bool:
+        return torch.cuda.get_device_capability() >= (8, 0)
+
+    # random numbers
+    def manual_seed_all(self, seed: int) -> None:
+        torch.cuda.manual_seed_all(seed)
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        return torch.cuda.get_rng_state("cuda" if device_index is None else device_index)
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        torch.cuda.set_rng_state(new_state, "cuda" if device_index is None else device_index)
+
+    def default_generator(self, device_index: int):
+        return torch.cuda.default_generators[device_index]
+
+    # streams and events
+    @property
+    def Stream(self):
+        return torch.cuda.Stream
+
+    @property
+    def Event(self):
+        return torch.cuda.Event
+
+    def stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def current_stream(self, device_index: int | None = None):
+        return torch.cuda.current_stream(device_index)
+
+    def default_stream(self, device_index: int | None = None):
+        return torch.cuda.default_stream(device_index)
+
+    # memory
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
+        return torch.cuda.memory_allocated(device_index)
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        return torch.cuda.max_memory_allocated(device_index)
+
+    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
+        torch.cuda.reset_peak_memory_stats(device_index)
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.memory_reserved(device_index)
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.max_memory_reserved(device_index)
+
+    memory_cached = memory_reserved
+    max_memory_cached = max_memory_reserved
+    reset_max_memory_cached = reset_max_memory_allocated
+
+    def memory_stats(self, device_index: int | None = None) -> dict:
+        return torch.cuda.memory_stats(device_index)
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        torch.cuda.reset_peak_memory_stats(device_index)
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        return torch.cuda.get_device_properties(device_index or 0).total_memory
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        return torch.cuda.mem_get_info(device_index)[0]
+
+    # host memory
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        return tensor.pin_memory()
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
+
+    def lazy_call(self, callback) -> None:
+        torch.cuda._lazy_call(callback)
+
+    def range_push(self, msg: str) -> None:
+        torch.cuda.nvtx.range_push(msg)
+
+    def range_pop(self) -> None:
+        torch.cuda.nvtx.range_pop()
+
+    def visible_devices_envs(self) -> list[str]:
+        return ["CUDA_VISIBLE_DEVICES"]
+
+
+class CpuAccelerator(Accelerator):
+    _name = "cpu"
+    _communication_backend_name = "gloo"
+
+    def is_available(self) -> bool:
+        return True
+
+    def device(self, device_index: int | None = None):
+        return contextlib.nullcontext()
+
+    def set_device(self, device_index: int) -> None:
+        pass  # one CPU device
+
+    def current_device(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))  # DeepSpeed's CPU accelerator: the rank on this node
+
+    def current_device_name(self) -> str:
+        return "cpu"
+
+    def device_name(self, device_index: int | str | None = None) -> str:
+        return "cpu"  # torch has one CPU device whatever the index
+
+    def device_count(self) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        pass
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def is_triton_supported(self) -> bool:
+        return False
+
+    # random numbers
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
+        torch.set_rng_state(new_state)
+
+    def default_generator(self, device_index: int = 0):
+        return torch.default_generator
+
+    # streams and events
+    @property
+    def Stream(self):
+        return _CpuStream
+
+    @property
+    def Event(self):
+        return _CpuEvent
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+    def current_stream(self, device_index: int | None = None) -> _CpuStream:
+        return _DEFAULT_CPU_STREAM
+
+    default_stream = current_stream
+
+    # memory: this process's resident set (module Note)
+    def empty_cache(self) -> None:
+        pass
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
+        return _proc_status_bytes("VmRSS")
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        try:
+            return _proc_status_bytes("VmHWM")
+        except (OSError, RuntimeError):  # not Linux: getrusage's peak (kB on Linux/BSD, bytes on macOS)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return peak if os.uname().sysname == "Darwin" else peak * 1024
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        with open("/proc/self/clear_refs", "w") as f:  # "5" resets the peak RSS (VmHWM) to the current RSS
+            f.write("5")
+
+    reset_max_memory_allocated = reset_peak_memory_stats
+    memory_reserved = memory_allocated
+    max_memory_reserved = max_memory_allocated
+    memory_cached = memory_allocated
+    max_memory_cached = max_memory_allocated
+    reset_max_memory_cached = reset_peak_memory_stats
+
+    def memory_stats(self, device_index: int | None = None) -> dict:
+        return {"allocated_bytes.all.current": self.memory_allocated(),
+                "allocated_bytes.all.peak": self.max_memory_allocated()}
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+    # host memory: page-locking only speeds up copies to a GPU, so the CPU device leaves tensors as they are
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        return tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return torch.cuda.is_available() and tensor.is_pinned()
+
+    def lazy_call(self, callback) -> None:
+        callback()
+
+    def range_push(self, msg: str) -> None:
+        pass
+
+    def range_pop(self) -> None:
+        pass
+
+    def visible_devices_envs(self) -> list[str]:
+        return []
+
+
+_ACCELERATOR: Accelerator | None = None
+
+
+def get_accelerator() -> Accelerator:
+    """The process-wide accelerator: CUDA when `default_device()` picks it, else CPU."""
+    global _ACCELERATOR
+    if _ACCELERATOR is None:
+        _ACCELERATOR = CudaAccelerator() if default_device().type == "cuda" else CpuAccelerator()
+    return _ACCELERATOR

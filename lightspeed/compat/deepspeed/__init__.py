@@ -1,0 +1,86 @@
+"""`deepspeed`, as lightspeed provides it after `lightspeed.register_as_deepspeed()`.
+
+Thin re-exports and adapters of lightspeed's own objects under DeepSpeed's names and signatures; no
+logic of its own. Submodules (`comm`, `zero`, `accelerator`, `runtime`, `ops`, `utils`, `checkpoint`,
+`checkpointing`, `launcher`) load on first use, so `import deepspeed` stays light. A DeepSpeed name
+whose feature lightspeed has not built raises NotImplementedError naming that feature.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from lightspeed.compat.registration import DEEPSPEED_VERSION
+from lightspeed.config.arguments import add_config_arguments
+
+__version__ = DEEPSPEED_VERSION
+version = DEEPSPEED_VERSION
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_VERSION.split("."))
+__git_hash__ = None
+__git_branch__ = None
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+_SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "ops", "runtime", "utils", "zero")
+# name -> (module, attribute), imported on first access
+_LAZY = {
+    "DeepSpeedEngine": ("lightspeed.compat.deepspeed.runtime.engine", "DeepSpeedEngine"),
+    "DeepSpeedConfig": ("lightspeed.compat.deepspeed.runtime.config", "DeepSpeedConfig"),
+    "DeepSpeedConfigError": ("lightspeed.compat.deepspeed.runtime.config", "DeepSpeedConfigError"),
+    "get_accelerator": ("lightspeed.compat.deepspeed.accelerator", "get_accelerator"),
+    "OnDevice": ("lightspeed._utils.init_on_device", "OnDevice"),
+    "logger": ("lightspeed.compat.deepspeed.utils", "logger"),
+    "log_dist": ("lightspeed.compat.deepspeed.utils", "log_dist"),
+    "add_tuning_arguments": ("lightspeed.compat.deepspeed.runtime.lr_schedules", "add_tuning_arguments"),
+}
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """`deepspeed.initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`;
+    see `lightspeed.initialize` (the same call, in DeepSpeed's argument order)."""
+    from lightspeed.runtime.initialize import initialize as _initialize
+
+    return _initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                       training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                       mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                       config_params=config_params, mesh_param=mesh_param)
+
+
+def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout=None, init_method=None, dist_init_required=None, config=None,
+                     rank: int = -1, world_size: int = -1):
+    """`deepspeed.init_distributed`; see `lightspeed.comm.init.init_distributed`."""
+    from lightspeed.comm import init_distributed as _init_distributed
+
+    return _init_distributed(dist_backend=dist_backend, auto_mpi_discovery=auto_mpi_discovery,
+                             distributed_port=distributed_port, verbose=verbose, timeout=timeout,
+                             init_method=init_method, dist_init_required=dist_init_required, config=config,
+                             rank=rank, world_size=world_size)
+
+
+def init_inference(model, config=None, **kwargs):
+    """`deepspeed.init_inference`; see `lightspeed.init_inference`."""
+    from lightspeed.inference import init_inference as _init_inference
+
+    return _init_inference(model, config, **kwargs)
+
+
+def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
+    raise NotImplementedError("deepspeed.tp_model_init: AutoTP training (tensor_parallel.autotp_size) is not "
+                              "implemented in lightspeed yet")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    if name in ("PipelineModule", "PipelineEngine"):
+        raise NotImplementedError(f"deepspeed.{name}: pipeline parallelism is not implemented in lightspeed yet")
+    raise AttributeError(f"module 'deepspeed' (lightspeed {__name__}) has no attribute {name!r}")
+
+
+__all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "OnDevice", "add_config_arguments", "get_accelerator",
+           "init_distributed", "init_inference", "initialize", "logger", "__version__", *_SUBMODULES]

@@ -1,0 +1,5 @@
+"""`deepspeed.ops.adam`: FusedAdam and DeepSpeedCPUAdam (lightspeed.ops.adam)."""
+
+from lightspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+__all__ = ["DeepSpeedCPUAdam", "FusedAdam"]

@@ -1,0 +1,2 @@
+"""`deepspeed.runtime.activation_checkpointing`: activation checkpointing is not built in lightspeed yet
+(see `checkpointing`)."""

@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.sequence_parallel`: Ulysses / ALST sequence parallelism is not built in lightspeed yet."""

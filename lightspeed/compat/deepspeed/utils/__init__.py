@@ -1,0 +1,41 @@
+"""`deepspeed.utils`: the logger, `log_dist`, `RepeatingLoader`, `OnDevice`, `groups`, and the comm
+functions DeepSpeed re-exports here (`is_initialized`)."""
+
+import importlib
+import logging
+
+from lightspeed._utils.init_on_device import OnDevice
+from lightspeed._utils.logging import current_rank, get_logger
+from lightspeed.comm.api import get_local_rank, is_initialized
+from lightspeed.runtime.dataloader import RepeatingLoader
+
+logger = get_logger("lightspeed")
+
+
+def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
+    """Log `message` on the given global ranks (None or [-1]: every rank), as DeepSpeed's log_dist."""
+    rank = current_rank()
+    if ranks is None or -1 in ranks or rank in ranks:
+        # a record outside the rank-0 filter's reach: the caller chose which ranks speak
+        get_logger("lightspeed.log_dist").log(level, "[Rank %d] %s", rank, message, extra={"all_ranks": True})
+
+
+def __getattr__(name: str):
+    if name == "groups":
+        return importlib.import_module(f"{__name__}.groups")
+    if name in ("set_z3_leaf_modules", "get_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"):
+        raise NotImplementedError(f"deepspeed.utils.{name}: ZeRO-3 leaf modules set from code are not implemented "
+                                  "in lightspeed yet (the config keys zero_optimization.leaf_module / "
+                                  "stage3_module_granularity_threshold are)")
+    if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+                "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
+                "safe_get_local_grad", "safe_get_local_optimizer_state"):
+        import lightspeed.zero as zero
+
+        if hasattr(zero, name):
+            return getattr(zero, name)
+        raise NotImplementedError(f"deepspeed.utils.{name}: not implemented in lightspeed yet")
+    raise AttributeError(f"module 'deepspeed.utils' (lightspeed) has no attribute {name!r}")
+
+
+__all__ = ["OnDevice", "RepeatingLoader", "get_local_rank", "groups", "is_initialized", "log_dist", "logger"]

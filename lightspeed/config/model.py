@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pydantic import PrivateAttr
+import math
+
+from pydantic import PrivateAttr, field_validator
 
 from lightspeed.config.base import Bool, Choice, Float, FreeDict, PosInt, Section
 from lightspeed.config.efficiency import (
@@ -44,9 +46,15 @@ class LightspeedConfig(Section):
 
     # Logging
     steps_per_print: Optional[PosInt] = 10
+    """None (or Infinity, which accelerate writes to silence DeepSpeed) never prints."""
     wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False
     dump_state: Bool = False
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinite_means_never(cls, value):
+        return None if isinstance(value, float) and math.isinf(value) and value > 0 else value
 
     # Gradients and communication
     gradient_clipping: Float(ge=0) = 0.0

@@ -192,7 +192,7 @@ class LightspeedEngine(torch.nn.Module):
             parts = [f"{dev}: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(cats.items()))
                      for dev, cats in self.memory_breakdown().items()]
             logger.info("memory after first step (this rank): %s", "; ".join(parts))
-        if self.global_steps % self.steps_per_print() != 0:
+        if self.steps_per_print() is None or self.global_steps % self.steps_per_print() != 0:
             return
         now = time.perf_counter()
         then, samples_then = self._last_print

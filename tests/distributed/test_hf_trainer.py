@@ -1,0 +1,196 @@
+"""transformers' Trainer on lightspeed registered as `deepspeed` (2 gloo processes, CPU): ZeRO-2 and
+ZeRO-3 with a Hugging Face ds_config full of "auto" values, bf16, gradient accumulation 2, against
+Trainer's own DDP run; a checkpoint resumed in a fresh job; `save_model` under ZeRO-3;
+`from_pretrained` under ZeRO-3 (right weights, never the whole model on one rank).
+
+Registration happens inside the spawned ranks only: the pytest process never sees a `deepspeed`.
+
+Tolerance of the loss comparison: Trainer's DDP run keeps fp32 weights and computes under bf16
+autocast; the DeepSpeed runs keep bf16 weights (the config's bf16) with an fp32 master. The two differ
+by bf16 rounding of the weights (relative 2**-9) and of a few activations autocast keeps in fp32, which
+over 4 steps of a 4-layer model moves the loss by well under 1% (measured: 3e-3 relative at most);
+2% is the bound, while a wrong gradient average (x2), a missed accumulation step, a lost clip or a
+wrong learning rate moves it by more than 5% by step 3.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightspeed.testing.run_world import run_world
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
+
+VOCAB, SEQ, STEPS = 64, 16, 4
+
+
+def hf_ds_config(stage: int) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": "auto"}
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto",
+                    stage3_gather_16bit_weights_on_model_save=True)
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW",
+                          "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+            "zero_optimization": zero}
+
+
+def save_tiny_gpt2(path: str) -> dict[str, torch.Tensor]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    model.save_pretrained(path)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def dataset():
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": x, "labels": x} for x in torch.randint(0, VOCAB, (64, SEQ), generator=g)]
+
+
+def training_args(out_dir: str, ds_config: dict | None, save: bool):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=out_dir, deepspeed=ds_config, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=3e-3,
+                             lr_scheduler_type="constant", weight_decay=0.01, bf16=True, logging_steps=1,
+                             report_to=[], save_strategy="steps" if save else "no", save_steps=2, use_cpu=True,
+                             seed=0, disable_tqdm=True)
+
+
+def gathered_state(model) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    out = {}
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters(p):
+            out[name] = p.detach().float().clone()
+    return out
+
+
+class PeakGathered:
+    """Test instrumentation: the most full-size parameter elements alive at once in stage-3 groups
+    (gathered buffers, plus a group's values and buffer while it is being built)."""
+
+    def __init__(self):
+        from lightspeed.zero.stage3 import param_group
+
+        self.live = self.peak = 0
+        cls = param_group.ParamGroup
+        originals = {name: getattr(cls, name) for name in ("__init__", "gather", "release", "discard")}
+        tracker = self
+
+        def init(group, name, params, names, values, *a, **k):
+            numel = sum(v.numel() for v in values)
+            tracker.peak = max(tracker.peak, tracker.live + 2 * numel)
+            tracker.live += numel  # the values (the caller's) plus the group's buffer, until it is released
+            originals["__init__"](group, name, params, names, values, *a, **k)
+            tracker.live -= numel
+
+        def gather(group):
+            if group.state == param_group.RELEASED:
+                tracker.live += group.layout.numel
+                tracker.peak = max(tracker.peak, tracker.live)
+            originals["gather"](group)
+
+        def release(group):
+            if group.state != param_group.RELEASED:
+                tracker.live -= group.layout.numel
+            originals["release"](group)
+
+        def discard(group):
+            if group.state != param_group.RELEASED:
+                tracker.live -= group.layout.numel
+            originals["discard"](group)
+
+        cls.__init__, cls.gather, cls.release, cls.discard = init, gather, release, discard
+
+
+def _trainer_worker(mode: str, model_dir: str, out_dir: str, resume: str | None):
+    ds = None
+    if mode != "ddp":
+        import lightspeed
+
+        lightspeed.register_as_deepspeed()
+        ds = hf_ds_config(int(mode[-1]))
+    from transformers import AutoModelForCausalLM, Trainer
+    from transformers.trainer_pt_utils import get_model_param_count
+
+    args = training_args(out_dir, ds, save=mode == "zero3")
+    peak = None
+    if mode == "zero3":
+        tracker = PeakGathered()
+        model = AutoModelForCausalLM.from_pretrained(model_dir)  # inside deepspeed.zero.Init
+        peak = tracker.peak
+        loaded = gathered_state(model)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        loaded = None
+    trainer = Trainer(model=model, args=args, train_dataset=dataset())
+    trainer.train(resume_from_checkpoint=resume)
+    out = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+           "global_step": trainer.state.global_step, "loaded": loaded, "peak": peak,
+           "total": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+           "param_count": get_model_param_count(model, trainable_only=True) if mode == "zero3" else None}
+    if mode == "zero3" and resume is None:
+        trainer.save_model(os.path.join(out_dir, "final"))
+        out["trained"] = gathered_state(trainer.model_wrapped.module)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_gpt2"))
+    return path, save_tiny_gpt2(path)
+
+
+@pytest.fixture(scope="module")
+def ddp_losses(tiny, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ddp"))
+    results = run_world(_trainer_worker, 2, "ddp", tiny[0], out, None, timeout=400)
+    assert results[0]["global_step"] == STEPS
+    return results[0]["losses"]
+
+
+def test_trainer_zero2_matches_ddp(tiny, ddp_losses, tmp_path):
+    results = run_world(_trainer_worker, 2, "zero2", tiny[0], str(tmp_path), None, timeout=400)
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[0]["global_step"] == STEPS
+    assert results[0]["losses"] == pytest.approx(ddp_losses, rel=2e-2)
+
+
+def test_trainer_zero3_load_train_save_resume(tiny, ddp_losses, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_dir, ref = tiny
+    results = run_world(_trainer_worker, 2, "zero3", model_dir, str(tmp_path), None, timeout=400)
+    r0 = results[0]
+    total = sum(v.numel() for k, v in ref.items() if k != "lm_head.weight")
+    for r in results:
+        # from_pretrained under zero.Init: the checkpoint's weights (as bf16: the config's dtype) ...
+        assert sorted(r["loaded"]) == sorted(k for k in ref if k != "lm_head.weight")
+        for k, v in r["loaded"].items():
+            assert torch.equal(v, ref[k].bfloat16().float()), k
+        # ... and no rank ever held the whole model: one module or unit at a time
+        assert r["total"] == total and 0 < r["peak"] < total / 2, (r["peak"], total)
+        assert r["param_count"] == total  # Trainer counts with p.ds_numel
+    assert r0["losses"] == results[1]["losses"] and r0["global_step"] == STEPS
+    assert r0["losses"] == pytest.approx(ddp_losses, rel=2e-2)
+
+    # save_model under ZeRO-3 wrote the full trained weights, which a plain from_pretrained loads
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(str(tmp_path), "final")).state_dict()
+    for k, v in r0["trained"].items():
+        assert torch.equal(saved[k].float(), v), k
+
+    # Trainer's checkpoint at step 2 resumes in a fresh job to the same step count and losses
+    ckpt = os.path.join(str(tmp_path), "checkpoint-2")
+    assert os.path.isdir(ckpt)
+    resumed = run_world(_trainer_worker, 2, "zero3", model_dir, str(tmp_path / "resumed"), ckpt, timeout=400)
+    assert resumed[0]["global_step"] == STEPS
+    assert resumed[0]["losses"] == pytest.approx(r0["losses"][2:], rel=1e-6)

@@ -158,6 +158,12 @@ class LightspeedConfig(Section):
         """Every key with defaults filled in, as JSON-ready values (for ``lightspeed config show``)."""
         return self.model_dump(mode="json")
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """`raw.get(key, default)`: a top-level key of the config as the caller wrote it. DeepSpeed's
+        `engine.config` is that dict, and callers read it so (the HF Trainer:
+        ``engine.config.get("zero_optimization", {}).get("stage")``)."""
+        return self._raw.get(key, default)
+
 
 def cross_problems(cfg: LightspeedConfig) -> list[str]:
     """Rules that span sections, in DeepSpeed's meaning (its asserts in DeepSpeedConfig), worded

@@ -8,6 +8,7 @@ branch on the ZeRO stage.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -23,7 +24,7 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.runtime.dataloader import build_dataloader
-from lightspeed.runtime.strategy import ShardingStrategy
+from lightspeed.runtime.strategy import ShardingStrategy, strategy_partitions_gradients, strategy_places_params
 
 logger = get_logger(__name__)
 
@@ -50,6 +51,7 @@ class LightspeedEngine(torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
+        self._inside_no_sync = False
         self._step_applied = False
         self._grad_norm: torch.Tensor | None = None
         self._loss_sum: torch.Tensor | None = None
@@ -85,6 +87,17 @@ class LightspeedEngine(torch.nn.Module):
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
 
+    def zero_optimization_partition_gradients(self) -> bool:
+        return strategy_partitions_gradients(self.config)
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return strategy_places_params(self.config)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`zero_optimization.stage3_gather_16bit_weights_on_model_save`: whether a whole 16-bit model may
+        be gathered to save it (read by accelerate and the HF Trainer before `save_16bit_model`)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
     @property
     def global_rank(self) -> int:
         return self.groups.world_rank
@@ -112,6 +125,23 @@ class LightspeedEngine(torch.nn.Module):
         """Override the boundary computed from the step counter (None restores it)."""
         self._boundary_override = is_boundary
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backward accumulates gradients locally without reducing them, even at the
+        accumulation boundary; the first backward at a boundary outside reduces everything accumulated.
+        As DeepSpeed: refused when gradients are partitioned (ZeRO stages 2 and 3, which reduce every
+        micro-step) and not re-entrant; `step()` at a boundary inside raises (gradients unreduced)."""
+        if self.zero_optimization_partition_gradients():
+            raise RuntimeError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
+                               f"{self.zero_optimization_stage()} (gradients are reduce-scattered every micro-step)")
+        if self._inside_no_sync:
+            raise RuntimeError("no_sync() is not re-entrant")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
     def forward(self, *inputs, **kwargs):
         self.timers.start("forward")
         out = self.module(*inputs, **kwargs)
@@ -130,7 +160,7 @@ class LightspeedEngine(torch.nn.Module):
             loss = loss / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)  # in fp32: an fp16 loss times 2**16 could overflow
-        self.strategy.backward_start(self.is_gradient_accumulation_boundary())
+        self.strategy.backward_start(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         loss.backward(retain_graph=retain_graph)
         self.strategy.backward_end()
         self.timers.stop("backward")
@@ -139,6 +169,9 @@ class LightspeedEngine(torch.nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary (skipped on fp16 overflow); a no-op otherwise."""
         if self.is_gradient_accumulation_boundary():
+            if self._inside_no_sync:
+                raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): the gradients were "
+                                   "not reduced; leave no_sync() for the boundary micro-step's backward")
             self.timers.start("comm")
             self.strategy.wait_gradients()
             self.timers.stop("comm")
@@ -249,6 +282,25 @@ class LightspeedEngine(torch.nn.Module):
                                strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
                                dp_rank=self.groups.dp_rank, save_latest=save_latest)
         return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The whole module state_dict gathered from the ZeRO-3 shards, parameters in the training dtype
+        on CPU, on global rank 0; None on the other ranks. A collective: every rank must call it.
+        ValueError when the parameters are not partitioned (DeepSpeed's rule: only for ZeRO-3)."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("_zero3_consolidated_16bit_state_dict requires ZeRO stage 3 "
+                             f"(got stage {self.zero_optimization_stage()})")
+        state = self.strategy.module_state_dict()
+        if self.global_rank != 0:
+            return None
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+
+    def compile(self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled: bool = False):
+        raise NotImplementedError("engine.compile(): compiling the engine (DeepSpeed's engine.compile and "
+                                  "DeepCompile) is not implemented in lightspeed yet")
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

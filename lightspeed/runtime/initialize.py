@@ -29,6 +29,13 @@ def _config_source(args, config, config_params):
     from_args = None
     if args is not None:
         from_args = getattr(args, "deepspeed_config", None) or getattr(args, "lightspeed_config", None)
+        deepscale = getattr(args, "deepscale_config", None)
+        if deepscale is not None:  # DeepSpeed's deprecated spelling of --deepspeed_config
+            if from_args is not None:
+                raise ConfigError("initialize(): both args.deepspeed_config and the deprecated args.deepscale_config "
+                                  "are set; pass one")
+            logger.warning("--deepscale_config is deprecated: use --deepspeed_config")
+            from_args = deepscale
     if config is not None and from_args is not None:
         raise ConfigError("initialize(): the config is given both as `config` and as `args.deepspeed_config`; "
                           "pass one")

@@ -60,6 +60,12 @@ def strategy_places_params(cfg) -> bool:
     return cfg.zero_optimization.stage == 3
 
 
+def strategy_partitions_gradients(cfg) -> bool:
+    """True when each rank keeps only its shard of the reduced gradients, reduced at every micro-step
+    (stages 2 and 3): gradients cannot stay unreduced across micro-steps (`engine.no_sync`)."""
+    return cfg.zero_optimization.stage >= 2
+
+
 def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPolicy,
                     comm: Communicator, device: torch.device | None = None) -> ShardingStrategy:
     stage = cfg.zero_optimization.stage

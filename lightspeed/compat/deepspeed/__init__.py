@@ -38,13 +38,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None, dist_init_required=None,
                collate_fn=None, config=None, mesh_param=None, config_params=None):
     """`deepspeed.initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`;
-    see `lightspeed.initialize` (the same call, in DeepSpeed's argument order)."""
+    see `lightspeed.initialize` (the same call, in DeepSpeed's argument order). The optimizer is an
+    `EngineOptimizer` view of `engine.optimizer` with DeepSpeed's `overflow` flag."""
+    from lightspeed.runtime.engine_optimizer import EngineOptimizer
     from lightspeed.runtime.initialize import initialize as _initialize
 
-    return _initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                       training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
-                       mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
-                       config_params=config_params, mesh_param=mesh_param)
+    engine, optimizer, loader, scheduler = _initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
+        lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
+        collate_fn=collate_fn, config=config, config_params=config_params, mesh_param=mesh_param)
+    # DeepSpeed returns its wrapped optimizer, whose `overflow` says whether the last step was skipped
+    return engine, (EngineOptimizer(engine) if optimizer is not None else None), loader, scheduler
 
 
 def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,

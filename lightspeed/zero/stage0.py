@@ -21,10 +21,12 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
+from lightspeed.zero import fragments
 from lightspeed.zero.flat_params import FlatParams
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import fused_step
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
+from lightspeed.zero.partition import Range
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 
 
@@ -80,6 +82,21 @@ class Stage0Strategy:
         if optimizer is not None:
             self._bind_optimizer(optimizer)
         self._opt_grads = dict(self._opt_params)  # fused step: {optimizer's tensor: its gradient view}
+        fragments.register(self, self._flat_of_params())
+
+    def _flat_of_params(self):
+        return [p for flat in self.flats for p in flat.params]
+
+    def fragment(self, param: torch.nn.Parameter) -> fragments.Fragment | None:
+        """Where `param`'s values live (every rank holds all of them; see `zero/fragments.py`)."""
+        flat = self._flat_of.get(id(param))
+        if flat is None or flat.params[flat.index[id(param)]] is not param:
+            return None
+        i = flat.index[id(param)]
+        target = flat.optimizer_view(param)
+        return fragments.Fragment(shape=param.shape, owned=Range(0, param.numel()), master=target.detach().view(-1),
+                                  grad=flat.grad_views[i].view(-1), optimizer_tensor=target, state_offset=0,
+                                  comm=None, lp_full=flat.lp_views[i] if flat.has_master else None)
 
     # ---------------------------------------------------------------- set-up
     def _master_grad_flat(self, flat: FlatParams) -> torch.Tensor:

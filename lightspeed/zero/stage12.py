@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from lightspeed.comm.collectives import Communicator
+from lightspeed.zero import fragments
 from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
@@ -113,10 +114,32 @@ class ShardedStrategy:
         stepped = [s for s in self.shards if s.stepped]
         self._fused_grads = {s.master: s.grad for s in stepped}
         self._fused_lowp = {s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped}
+        fragments.register(self, self._shard_of_params())
         for s in self.shards:
             if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
                 for p, g in zip(s.flat.params, s.flat.grad_views):
                     p.grad = g
+
+    def _shard_of_params(self):
+        return [p for s in self.shards for p in s.flat.params]
+
+    def fragment(self, param: torch.nn.Parameter) -> fragments.Fragment | None:
+        """Where `param`'s values live: this rank's chunk of its bucket (see `zero/fragments.py`)."""
+        shard = self._shard_of.get(id(param))
+        i = shard.flat.index.get(id(param)) if shard is not None else None
+        if i is None or shard.flat.params[i] is not param:
+            return None
+        r = shard.flat.param_range(i)
+        owned, start = Range(0, 0), 0
+        for chunk, pos in shard.chunks:
+            inter = r.intersect(chunk)
+            if inter.numel:
+                owned, start = inter.shift(-r.start), pos + inter.start - chunk.start
+                break
+        end = start + owned.numel
+        return fragments.Fragment(shape=param.shape, owned=owned, master=shard.master[start:end],
+                                  grad=shard.grad[start:end], optimizer_tensor=shard.master, state_offset=start,
+                                  comm=self.comm, lp_full=shard.flat.lp_views[i])
 
     @staticmethod
     def _param_groups(module: torch.nn.Module, optimizer):

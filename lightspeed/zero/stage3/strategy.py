@@ -39,6 +39,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.zero import fragments
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
 from lightspeed.zero.partition import Range
 from lightspeed.zero.stage0 import StepResult
@@ -105,6 +106,7 @@ class Stage3Strategy:
         self.setup_peak_numel = 0  # most full-size parameter elements alive at once while sharding
         self.units = choose_units(module, self.options.leaf_rule)
         self.groups = self._build_groups(opt_index, stream)
+        self._group_set = set(self.groups)
         self._mark_persistent()
         self._opt_params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (optimizer's tensor, its grad)
         self._lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = {}  # fused: master -> lp piece
@@ -114,6 +116,30 @@ class Stage3Strategy:
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
                                        units=[u.module for u in self.units], unit_of=unit_of)
+        fragments.register(self, [p for g in self.groups for p in g.params])
+
+    def fragment(self, param: torch.nn.Parameter) -> fragments.Fragment | None:
+        """Where `param`'s values live: this rank's range of its group (see `zero/fragments.py`)."""
+        st = param_state(param)
+        if st is None or st.group not in self._group_set:
+            return None
+        g, r = st.group, st.range
+        inter = r.intersect(g.shard)
+        own = g.local(r) if inter.numel else Range(0, 0)
+        owned = inter.shift(-r.start) if inter.numel else Range(0, 0)
+        tensor, offset = g.optimizer_shard, own.start
+        for piece, _ in self._opt_params:  # the optimizer keeps state per piece of the shard
+            start = piece.storage_offset() - g.optimizer_shard.storage_offset()
+            if piece.untyped_storage().data_ptr() == g.optimizer_shard.untyped_storage().data_ptr() \
+                    and start <= own.start and own.end <= start + piece.numel():
+                tensor, offset = piece, own.start - start
+                break
+        grad = g.grad_shard[own.start:own.end] if g.grad_shard is not None else None
+        return fragments.Fragment(shape=torch.Size(st.shape), owned=owned,
+                                  master=g.optimizer_shard[own.start:own.end], grad=grad, optimizer_tensor=tensor,
+                                  state_offset=offset, comm=g.comm,
+                                  lp_owned=g.lp_shard[own.start:own.end] if g.master_shard is not None else None,
+                                  after_write=g.refresh, local=True)
 
     # ---------------------------------------------------------------- set-up
     @staticmethod

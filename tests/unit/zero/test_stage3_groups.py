@@ -167,3 +167,25 @@ def test_gathered_parameters_modify_writes_lp_and_master_shards():
     assert torch.equal(s.module_state_dict()["fc2.bias"].float(), torch.arange(5.0))
     with GatheredParameters([model.fc2.bias, model.fc1.weight]) as (b, w):
         assert b.shape == (5,) and w.shape == (37, 13)
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+
+def test_set_z3_leaf_modules_makes_units_from_code():
+    from lightspeed.zero.stage3.units import (get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules,
+                                              z3_leaf_module)
+
+    model = torch.nn.Sequential(_Experts(), torch.nn.Linear(4, 4))
+    assert [u.name for u in choose_units(model)] == ["<root>", "0", "0.experts.0", "0.experts.1", "0.experts.2", "1"]
+    assert set_z3_leaf_modules(model, ["_Experts"]) == [model[0]]
+    assert z3_leaf_module(model[0]) and get_z3_leaf_modules(model) == [model[0]]
+    assert [u.name for u in choose_units(model)] == ["<root>", "0", "1"]  # the experts are gathered as one
+    assert unset_z3_leaf_modules(model, [_Experts]) == [model[0]] and not z3_leaf_module(model[0])
+    assert len(choose_units(model)) == 6
+    with pytest.raises(ValueError, match="no module"):
+        set_z3_leaf_modules(model, [torch.nn.Conv1d])
+    assert set_z3_leaf_modules(model, [torch.nn.Conv1d], raise_if_not_found=False) == []

@@ -24,17 +24,15 @@ def __getattr__(name: str):
     if name == "groups":
         return importlib.import_module(f"{__name__}.groups")
     if name in ("set_z3_leaf_modules", "get_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"):
-        raise NotImplementedError(f"deepspeed.utils.{name}: ZeRO-3 leaf modules set from code are not implemented "
-                                  "in lightspeed yet (the config keys zero_optimization.leaf_module / "
-                                  "stage3_module_granularity_threshold are)")
+        from lightspeed.zero.stage3 import units
+
+        return getattr(units, name)
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                 "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
                 "safe_get_local_grad", "safe_get_local_optimizer_state"):
-        import lightspeed.zero as zero
+        from lightspeed.zero import fragments
 
-        if hasattr(zero, name):
-            return getattr(zero, name)
-        raise NotImplementedError(f"deepspeed.utils.{name}: not implemented in lightspeed yet")
+        return getattr(fragments, name)
     raise AttributeError(f"module 'deepspeed.utils' (lightspeed) has no attribute {name!r}")
 
 

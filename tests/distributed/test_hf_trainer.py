@@ -193,4 +193,5 @@ def test_trainer_zero3_load_train_save_resume(tiny, ddp_losses, tmp_path):
     assert os.path.isdir(ckpt)
     resumed = run_world(_trainer_worker, 2, "zero3", model_dir, str(tmp_path / "resumed"), ckpt, timeout=400)
     assert resumed[0]["global_step"] == STEPS
-    assert resumed[0]["losses"] == pytest.approx(r0["losses"][2:], rel=1e-6)
+    # (the log history of steps 1-2 comes back from the checkpoint; steps 3-4 are trained again)
+    assert resumed[0]["losses"] == pytest.approx(r0["losses"], rel=1e-6)

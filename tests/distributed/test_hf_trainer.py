@@ -112,18 +112,14 @@ class PeakGathered:
         cls.__init__, cls.gather, cls.release, cls.discard = init, gather, release, discard
 
 
-def _trainer_worker(mode: str, model_dir: str, out_dir: str, resume: str | None):
-    ds = None
-    if mode != "ddp":
-        import lightspeed
-
-        lightspeed.register_as_deepspeed()
-        ds = hf_ds_config(int(mode[-1]))
+def _run(mode: str, model_dir: str, out_dir: str, resume: str | None):
     from transformers import AutoModelForCausalLM, Trainer
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
     from transformers.trainer_pt_utils import get_model_param_count
 
+    ds = hf_ds_config(int(mode[-1])) if mode != "ddp" else None
     args = training_args(out_dir, ds, save=mode == "zero3")
-    peak = None
+    peak = loaded = None
     if mode == "zero3":
         tracker = PeakGathered()
         model = AutoModelForCausalLM.from_pretrained(model_dir)  # inside deepspeed.zero.Init
@@ -131,17 +127,27 @@ def _trainer_worker(mode: str, model_dir: str, out_dir: str, resume: str | None)
         loaded = gathered_state(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
-        loaded = None
     trainer = Trainer(model=model, args=args, train_dataset=dataset())
     trainer.train(resume_from_checkpoint=resume)
     out = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "global_step": trainer.state.global_step, "loaded": loaded, "peak": peak,
            "total": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
-           "param_count": get_model_param_count(model, trainable_only=True) if mode == "zero3" else None}
+           "param_count": get_model_param_count(model, trainable_only=True) if mode == "zero3" else None,
+           "engine": type(trainer.model_wrapped).__name__}
     if mode == "zero3" and resume is None:
         trainer.save_model(os.path.join(out_dir, "final"))
         out["trained"] = gathered_state(trainer.model_wrapped.module)
+    unset_hf_deepspeed_config()  # the next run in this process starts without this run's config
     return out
+
+
+def _trainer_worker(model_dir: str, out_root: str, modes: tuple[str, ...], resume: str | None):
+    """Each mode's Trainer run, one after the other in this job (TrainingArguments resets accelerate's
+    state, so one process serves the DDP run and the DeepSpeed ones)."""
+    import lightspeed
+
+    lightspeed.register_as_deepspeed()  # the DDP run does not use it: its TrainingArguments has no config
+    return {mode: _run(mode, model_dir, os.path.join(out_root, mode), resume) for mode in modes}
 
 
 @pytest.fixture(scope="module")
@@ -151,28 +157,29 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ddp_losses(tiny, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("ddp"))
-    results = run_world(_trainer_worker, 2, "ddp", tiny[0], out, None, timeout=400)
-    assert results[0]["global_step"] == STEPS
-    return results[0]["losses"]
+def runs(tiny, tmp_path_factory):
+    out_root = str(tmp_path_factory.mktemp("trainer"))
+    results = run_world(_trainer_worker, 2, tiny[0], out_root, ("ddp", "zero2", "zero3"), None, timeout=500)
+    return out_root, results
 
 
-def test_trainer_zero2_matches_ddp(tiny, ddp_losses, tmp_path):
-    results = run_world(_trainer_worker, 2, "zero2", tiny[0], str(tmp_path), None, timeout=400)
-    assert results[0]["losses"] == results[1]["losses"]
-    assert results[0]["global_step"] == STEPS
-    assert results[0]["losses"] == pytest.approx(ddp_losses, rel=2e-2)
+def test_trainer_zero2_matches_ddp(runs):
+    _, results = runs
+    ddp, zero2 = results[0]["ddp"], results[0]["zero2"]
+    assert ddp["engine"] == "DistributedDataParallel" and zero2["engine"] == "LightspeedEngine"
+    assert ddp["global_step"] == zero2["global_step"] == STEPS
+    assert zero2["losses"] == results[1]["zero2"]["losses"]
+    assert zero2["losses"] == pytest.approx(ddp["losses"], rel=2e-2)
 
 
-def test_trainer_zero3_load_train_save_resume(tiny, ddp_losses, tmp_path):
+def test_trainer_zero3_load_train_save_resume(tiny, runs):
     from transformers import AutoModelForCausalLM
 
     model_dir, ref = tiny
-    results = run_world(_trainer_worker, 2, "zero3", model_dir, str(tmp_path), None, timeout=400)
-    r0 = results[0]
+    out_root, results = runs
+    r0 = results[0]["zero3"]
     total = sum(v.numel() for k, v in ref.items() if k != "lm_head.weight")
-    for r in results:
+    for r in (res["zero3"] for res in results):
         # from_pretrained under zero.Init: the checkpoint's weights (as bf16: the config's dtype) ...
         assert sorted(r["loaded"]) == sorted(k for k in ref if k != "lm_head.weight")
         for k, v in r["loaded"].items():
@@ -180,18 +187,20 @@ def test_trainer_zero3_load_train_save_resume(tiny, ddp_losses, tmp_path):
         # ... and no rank ever held the whole model: one module or unit at a time
         assert r["total"] == total and 0 < r["peak"] < total / 2, (r["peak"], total)
         assert r["param_count"] == total  # Trainer counts with p.ds_numel
-    assert r0["losses"] == results[1]["losses"] and r0["global_step"] == STEPS
-    assert r0["losses"] == pytest.approx(ddp_losses, rel=2e-2)
+    assert r0["engine"] == "LightspeedEngine"
+    assert r0["losses"] == results[1]["zero3"]["losses"] and r0["global_step"] == STEPS
+    assert r0["losses"] == pytest.approx(results[0]["ddp"]["losses"], rel=2e-2)
 
     # save_model under ZeRO-3 wrote the full trained weights, which a plain from_pretrained loads
-    saved = AutoModelForCausalLM.from_pretrained(os.path.join(str(tmp_path), "final")).state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(out_root, "zero3", "final")).state_dict()
     for k, v in r0["trained"].items():
         assert torch.equal(saved[k].float(), v), k
 
     # Trainer's checkpoint at step 2 resumes in a fresh job to the same step count and losses
-    ckpt = os.path.join(str(tmp_path), "checkpoint-2")
-    assert os.path.isdir(ckpt)
-    resumed = run_world(_trainer_worker, 2, "zero3", model_dir, str(tmp_path / "resumed"), ckpt, timeout=400)
-    assert resumed[0]["global_step"] == STEPS
+    ckpt = os.path.join(out_root, "zero3", "checkpoint-2")
+    assert os.path.isdir(os.path.join(ckpt, "global_step2"))  # the engine's checkpoint inside Trainer's
+    resumed = run_world(_trainer_worker, 2, model_dir, os.path.join(out_root, "resumed"), ("zero3",), ckpt,
+                        timeout=400)
+    assert resumed[0]["zero3"]["global_step"] == STEPS
     # (the log history of steps 1-2 comes back from the checkpoint; steps 3-4 are trained again)
-    assert resumed[0]["losses"] == pytest.approx(r0["losses"], rel=1e-6)
+    assert resumed[0]["zero3"]["losses"] == pytest.approx(r0["losses"], rel=1e-6)

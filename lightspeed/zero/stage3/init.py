@@ -37,6 +37,12 @@ Note (how a model is partitioned under Init):
     values from them and builds its own groups, so the peak there is one unit. A model built with
     meta parameters by other means (`OnDevice("meta")`) is still materialized by the strategy with
     the same rule.
+    This is how a Hugging Face `from_pretrained` under ZeRO-3 loads (transformers 5.x): it builds
+    the model inside `deepspeed.zero.Init`, then `_load_state_dict_into_zero3_model` walks the
+    modules and, per module, gathers its parameters with `GatheredParameters(params,
+    modifier_rank=0)` while rank 0 alone copies the checkpoint's tensors in (`_load_from_state_dict`);
+    missing weights are initialized the same way. So the loaded values reach every rank's shard, and
+    the most any rank holds whole is one module's parameters.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import pathlib
 import re
 import sys
 
@@ -103,10 +104,7 @@ class DeepSpeedDistribution(importlib.metadata.Distribution):
         return None
 
     def locate_file(self, path):
-        import pathlib
-
-        return pathlib.Path(sys.modules["lightspeed.compat.deepspeed"].__file__).parent / str(path) \
-            if "lightspeed.compat.deepspeed" in sys.modules else pathlib.Path(str(path))
+        return pathlib.Path(__file__).with_name("deepspeed") / str(path)  # the compat package's directory
 
 
 def _normalize(name: str) -> str:

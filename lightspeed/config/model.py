@@ -8,13 +8,12 @@ dicts. This module must not read files or touch the environment: that is `loader
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import math
+from typing import Annotated, Any, Optional
 
-from pydantic import PrivateAttr, field_validator
+from pydantic import BeforeValidator, PrivateAttr
 
-from lightspeed.config.base import Bool, Choice, Float, FreeDict, PosInt, Section
+from lightspeed.config.base import Bool, Choice, Float, FreeDict, PosInt, Section, as_int, expectation
 from lightspeed.config.efficiency import (
     CompressionTrainingConfig, CurriculumLearningConfig, DataEfficiencyConfig, EigenvalueConfig,
     ProgressiveLayerDropConfig, SparseAttentionConfig,
@@ -34,6 +33,19 @@ from lightspeed.config.zero import ZeroConfig, zero_problems
 CommDtype = Choice("fp16", "bf16", "fp32", normalize=str.lower)
 
 
+def _check_steps_per_print(value):
+    # accelerate writes float("inf") to silence DeepSpeed's step log; null means the same to DeepSpeed
+    if value is None or (isinstance(value, float) and math.isinf(value) and value > 0):
+        return None
+    number = as_int(value)
+    if number is None or number < 1:
+        raise expectation("must be a positive integer")
+    return number
+
+
+StepsPerPrint = Annotated[Optional[int], BeforeValidator(_check_steps_per_print)]
+
+
 class LightspeedConfig(Section):
     """A validated ds_config. Build it with `lightspeed.config.load`, which also resolves the batch
     triad and keeps the parsed input on `raw`."""
@@ -45,16 +57,11 @@ class LightspeedConfig(Section):
     managed_gradient_accumulation: Bool = True
 
     # Logging
-    steps_per_print: Optional[PosInt] = 10
-    """None (or Infinity, which accelerate writes to silence DeepSpeed) never prints."""
+    steps_per_print: StepsPerPrint = 10
+    """Log every N steps; null or Infinity (accelerate's setting): never."""
     wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False
     dump_state: Bool = False
-
-    @field_validator("steps_per_print", mode="before")
-    @classmethod
-    def _infinite_means_never(cls, value):
-        return None if isinstance(value, float) and math.isinf(value) and value > 0 else value
 
     # Gradients and communication
     gradient_clipping: Float(ge=0) = 0.0

@@ -84,8 +84,8 @@ class LightspeedEngine(torch.nn.Module):
     def gradient_clipping(self) -> float:
         return float(self.config.gradient_clipping)
 
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
+    def steps_per_print(self) -> int | None:
+        return self.config.steps_per_print  # None: never
 
     def zero_optimization_partition_gradients(self) -> bool:
         return strategy_partitions_gradients(self.config)

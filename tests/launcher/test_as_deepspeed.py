@@ -78,3 +78,25 @@ def test_as_deepspeed_refuses_no_python(cli, tmp_path):
     code, _, err = cli("--as_deepspeed", "--no_python", "--num_procs", "2", "ls")
     assert code == 2
     assert "--as_deepspeed runs a Python script; it cannot be used with --no_python" in err
+
+
+@pytest.mark.dist
+def test_accelerate_launch_form_registers_in_the_launcher_and_every_worker(tmp_path, home):
+    """README's form for `accelerate launch --use_deepspeed`: its launcher process checks for DeepSpeed
+    itself, then starts the workers through torch.distributed.run."""
+    import subprocess
+    import sys
+
+    from .conftest import clean_env
+
+    (tmp_path / "check.py").write_text(
+        "import os, sys\nfrom accelerate.utils import is_deepspeed_available\nimport deepspeed\n"
+        "print('WORKER', os.environ['RANK'], is_deepspeed_available(), deepspeed.__version__, sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-m", "lightspeed.as_deepspeed", "-m", "accelerate.commands.launch",
+                           "--use_deepspeed", "--zero_stage", "1", "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", "--module", "lightspeed.as_deepspeed",
+                           "check.py", "--foo", "1"], cwd=tmp_path, env=clean_env(home), capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    workers = sorted(line for line in proc.stdout.splitlines() if line.startswith("WORKER"))
+    assert workers == [f"WORKER {r} True 0.18.2 ['--foo', '1']" for r in range(2)]

@@ -2,8 +2,9 @@
 
 Thin re-exports and adapters of lightspeed's own objects under DeepSpeed's names and signatures; no
 logic of its own. Submodules (`comm`, `zero`, `accelerator`, `runtime`, `ops`, `utils`, `checkpoint`,
-`checkpointing`, `launcher`) load on first use, so `import deepspeed` stays light. A DeepSpeed name
-whose feature lightspeed has not built raises NotImplementedError naming that feature.
+`checkpointing`, `launcher`, `pipe`) load on first use, so `import deepspeed` stays light. A DeepSpeed
+name whose feature lightspeed has not built exists and raises NotImplementedError naming that feature
+when called (`_missing.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ __git_hash__ = None
 __git_branch__ = None
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-_SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "ops", "runtime", "utils", "zero")
+_SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "ops", "pipe", "runtime", "utils",
+               "zero")
 # name -> (module, attribute), imported on first access
 _LAZY = {
     "DeepSpeedEngine": ("lightspeed.compat.deepspeed.runtime.engine", "DeepSpeedEngine"),
@@ -30,7 +32,7 @@ _LAZY = {
     "OnDevice": ("lightspeed._utils.init_on_device", "OnDevice"),
     "logger": ("lightspeed.compat.deepspeed.utils", "logger"),
     "log_dist": ("lightspeed.compat.deepspeed.utils", "log_dist"),
-    "add_tuning_arguments": ("lightspeed.compat.deepspeed.runtime.lr_schedules", "add_tuning_arguments"),
+    "PipelineModule": ("lightspeed.compat.deepspeed.pipe", "PipelineModule"),
 }
 
 
@@ -81,8 +83,6 @@ def __getattr__(name: str):
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
-    if name in ("PipelineModule", "PipelineEngine"):
-        raise NotImplementedError(f"deepspeed.{name}: pipeline parallelism is not implemented in lightspeed yet")
     raise AttributeError(f"module 'deepspeed' (lightspeed {__name__}) has no attribute {name!r}")
 
 

@@ -3,11 +3,13 @@
 
 import importlib
 
+from lightspeed.compat.deepspeed._missing import missing_class
+
+DeepSpeedCheckpoint = missing_class("deepspeed.checkpoint.DeepSpeedCheckpoint",
+                                    "reading DeepSpeed's checkpoint layout offline (universal checkpoints)")
+
 
 def __getattr__(name: str):
     if name == "utils":
         return importlib.import_module(f"{__name__}.utils")
-    if name in ("zero_to_fp32", "ds_to_universal", "universal_checkpoint", "DeepSpeedCheckpoint"):
-        raise NotImplementedError(f"deepspeed.checkpoint.{name}: converting checkpoints offline (zero_to_fp32, "
-                                  "universal checkpoints) is not implemented in lightspeed yet")
     raise AttributeError(f"module 'deepspeed.checkpoint' (lightspeed) has no attribute {name!r}")

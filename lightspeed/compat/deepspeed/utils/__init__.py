@@ -1,5 +1,7 @@
 """`deepspeed.utils`: the logger, `log_dist`, `RepeatingLoader`, `OnDevice`, `groups`, and the comm
-functions DeepSpeed re-exports here (`is_initialized`)."""
+functions DeepSpeed re-exports here (`is_initialized`), ZeRO-3 leaf modules set from code
+(`set_z3_leaf_modules`, ...: lightspeed.zero.stage3.units) and the parameter accessors
+(`safe_get_full_fp32_param`, ...: lightspeed.zero.fragments)."""
 
 import importlib
 import logging
@@ -8,6 +10,7 @@ from lightspeed._utils.init_on_device import OnDevice
 from lightspeed._utils.logging import current_rank, get_logger
 from lightspeed.comm.api import get_local_rank, is_initialized
 from lightspeed.runtime.dataloader import RepeatingLoader
+from lightspeed.zero.stage3.units import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
 logger = get_logger("lightspeed")
 
@@ -21,12 +24,8 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
 
 
 def __getattr__(name: str):
-    if name == "groups":
-        return importlib.import_module(f"{__name__}.groups")
-    if name in ("set_z3_leaf_modules", "get_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"):
-        from lightspeed.zero.stage3 import units
-
-        return getattr(units, name)
+    if name in ("groups", "zero_to_fp32"):
+        return importlib.import_module(f"{__name__}.{name}")
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                 "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
                 "safe_get_local_grad", "safe_get_local_optimizer_state"):
@@ -36,4 +35,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'deepspeed.utils' (lightspeed) has no attribute {name!r}")
 
 
-__all__ = ["OnDevice", "RepeatingLoader", "get_local_rank", "groups", "is_initialized", "log_dist", "logger"]
+__all__ = ["OnDevice", "RepeatingLoader", "get_local_rank", "get_z3_leaf_modules", "groups", "is_initialized",
+           "log_dist", "logger", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module"]

@@ -2,13 +2,11 @@
 (the engine's `ParallelGroups` is built once and passed around); the sequence-, expert- and
 tensor-parallel groups belong to features not built yet and raise NotImplementedError naming them."""
 
+from lightspeed.compat.deepspeed._missing import missing_function
+
 
 def _missing(name: str, feature: str):
-    def missing(*args, **kwargs):
-        raise NotImplementedError(f"deepspeed.utils.groups.{name}: {feature} is not implemented in lightspeed yet")
-
-    missing.__name__ = missing.__qualname__ = name
-    return missing
+    return missing_function(f"deepspeed.utils.groups.{name}", feature)
 
 
 _SP = "sequence parallelism (Ulysses)"

@@ -2,8 +2,13 @@
 `register_external_parameter`, ...), forwarded so that every name lightspeed.zero exports is here too."""
 
 import lightspeed.zero as _zero
+from lightspeed.compat.deepspeed._missing import missing_class
 
-__all__ = list(_zero.__all__)
+MiCS_Init = missing_class("deepspeed.zero.MiCS_Init", "MiCS (ZeRO-3 sharding within sub-groups)")
+TiledLinear = missing_class("deepspeed.zero.TiledLinear", "tiled linear layers (zero.TiledLinear)")
+TiledLinearReturnBias = missing_class("deepspeed.zero.TiledLinearReturnBias", "tiled linear layers (zero.TiledLinear)")
+
+__all__ = [*_zero.__all__, "MiCS_Init", "TiledLinear", "TiledLinearReturnBias"]
 
 
 def __getattr__(name: str):
@@ -13,6 +18,4 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("lightspeed.compat.deepspeed.runtime.zero.partition_parameters")
-    if name in ("MiCS_Init", "TiledLinear", "TiledLinearReturnBias"):
-        raise NotImplementedError(f"deepspeed.zero.{name}: not implemented in lightspeed yet")
     raise AttributeError(f"module 'deepspeed.zero' (lightspeed) has no attribute {name!r}")

@@ -2,20 +2,16 @@
 
 Activation checkpointing is a later lightspeed feature. The module imports, so scripts that import it
 at the top still start; every function raises NotImplementedError naming the feature, and
-`is_configured()` truthfully answers False. torch.utils.checkpoint is the working alternative today.
+`is_configured()` truthfully answers False.
 """
 
-_MISSING = ("activation checkpointing (deepspeed.checkpointing) is not implemented in lightspeed yet; "
-            "torch.utils.checkpoint.checkpoint works with lightspeed's engine")
+from lightspeed.compat.deepspeed._missing import missing_class, missing_function
+
+_FEATURE = "activation checkpointing (deepspeed.checkpointing)"
 
 
 def _missing(name: str):
-    def missing(*args, **kwargs):
-        raise NotImplementedError(f"deepspeed.checkpointing.{name}: {_MISSING}")
-
-    missing.__name__ = missing.__qualname__ = name
-    missing.__doc__ = f"DeepSpeed's `checkpointing.{name}`: raises NotImplementedError (activation checkpointing)."
-    return missing
+    return missing_function(f"deepspeed.checkpointing.{name}", _FEATURE)
 
 
 configure = _missing("configure")
@@ -26,12 +22,7 @@ get_cuda_rng_tracker = _missing("get_cuda_rng_tracker")
 model_parallel_cuda_manual_seed = _missing("model_parallel_cuda_manual_seed")
 partition_activations_in_checkpoint = _missing("partition_activations_in_checkpoint")
 set_num_layers = _missing("set_num_layers")
-
-
-class CheckpointFunction:
-    @staticmethod
-    def apply(*args, **kwargs):
-        raise NotImplementedError(f"deepspeed.checkpointing.CheckpointFunction: {_MISSING}")
+CheckpointFunction = missing_class("deepspeed.checkpointing.CheckpointFunction", _FEATURE)
 
 
 def is_configured() -> bool:

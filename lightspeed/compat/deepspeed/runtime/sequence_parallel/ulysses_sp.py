@@ -2,22 +2,14 @@
 DeepSpeed's sequence parallelism (`ParallelismConfig(sp_backend="deepspeed")`). Importable, so the
 error says what is missing; every use raises NotImplementedError naming the feature."""
 
-_MISSING = ("Ulysses sequence parallelism (DeepSpeed's ALST, sequence_parallel_size > 1) is not implemented in "
-            "lightspeed yet")
+from lightspeed.compat.deepspeed._missing import missing_class, missing_function
 
+_FEATURE = "Ulysses sequence parallelism (DeepSpeed's ALST, sequence_parallel_size > 1)"
 
-class UlyssesSPAttentionHF:
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(f"UlyssesSPAttentionHF: {_MISSING}")
-
-    @classmethod
-    def register_with_transformers(cls, *args, **kwargs):
-        raise NotImplementedError(f"UlyssesSPAttentionHF.register_with_transformers: {_MISSING}")
-
-
-class UlyssesSPDataLoaderAdapter:
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(f"UlyssesSPDataLoaderAdapter: {_MISSING}")
-
+UlyssesSPAttentionHF = missing_class("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", _FEATURE)
+UlyssesSPAttentionHF.register_with_transformers = staticmethod(missing_function(
+    "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers", _FEATURE))
+UlyssesSPDataLoaderAdapter = missing_class(
+    "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", _FEATURE)
 
 __all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]

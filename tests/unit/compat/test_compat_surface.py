@@ -1,0 +1,252 @@
+"""The DeepSpeed surface lightspeed provides, without processes: the accelerator object on CPU,
+add_config_arguments, DeepSpeedConfig, "auto" refused by config.load, RepeatingLoader,
+clone_tensors_for_torch_save, and the modules transformers and accelerate import (each name real, or
+NotImplementedError naming the missing feature). Nothing here registers `deepspeed`: the compat modules
+are imported by their lightspeed names."""
+
+import argparse
+import importlib
+import time
+
+import pytest
+import torch
+
+import lightspeed
+from lightspeed._utils.accelerator import CpuAccelerator, get_accelerator
+from lightspeed.config.errors import ConfigError
+
+
+def test_accelerator_on_cpu(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    acc = CpuAccelerator()
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert get_accelerator().device_name() == expected and get_accelerator() is get_accelerator()
+    assert acc.device_name() == acc.device_name(3) == acc.current_device_name() == "cpu"
+    assert acc.current_device() == 1 and acc.device_count() == 2 and acc.is_available()
+    assert acc.communication_backend_name() == "gloo"
+    assert acc.supported_dtypes() == [torch.float32, torch.float16, torch.bfloat16]
+    assert acc.is_bf16_supported() and acc.is_fp16_supported() and acc.is_synchronized_device()
+    assert acc.on_accelerator(torch.zeros(1)) and not acc.on_accelerator(torch.zeros(1, device="meta"))
+    t = torch.ones(3)
+    assert acc.pin_memory(t) is t and acc.is_pinned(t) is False
+    acc.set_device(0)
+    acc.synchronize()
+
+    # random numbers
+    acc.manual_seed(5)
+    state = acc.get_rng_state()
+    a = torch.rand(3)
+    acc.set_rng_state(state)
+    assert torch.equal(torch.rand(3), a)
+    assert acc.default_generator(0) is torch.default_generator and acc.random() is torch.random
+
+    # streams and events: immediate, events time on the host clock
+    stream = acc.Stream()
+    with acc.stream(stream):
+        start, end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
+        start.record()
+        time.sleep(0.02)
+        end.record()
+    stream.synchronize()
+    stream.wait_stream(acc.current_stream())
+    assert 15 <= start.elapsed_time(end) < 2000 and end.query()
+    with pytest.raises(RuntimeError, match="recorded"):
+        acc.Event().elapsed_time(end)
+    assert acc.current_stream() is acc.default_stream()
+
+    # memory: this process's resident set, and the machine's
+    acc.reset_peak_memory_stats()
+    base = acc.memory_allocated()
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert acc.memory_allocated() > base + 32 * 2**20
+    assert acc.max_memory_allocated() >= acc.memory_allocated()
+    del big
+    acc.reset_peak_memory_stats()
+    assert acc.max_memory_allocated() < base + 48 * 2**20
+    assert acc.memory_stats()["allocated_bytes.all.current"] > 0
+    assert acc.total_memory() >= acc.available_memory() > 0
+    with pytest.raises(NotImplementedError, match="no C\\+\\+/CUDA"):
+        acc.create_op_builder("CPUAdamBuilder")
+
+
+def test_add_config_arguments_and_deepscale_config(ls_caplog):
+    parser = lightspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert (args.deepspeed, args.deepspeed_config, args.deepscale, args.deepscale_config) == (True, "ds.json", False,
+                                                                                             None)
+    from lightspeed.compat.deepspeed import add_config_arguments
+
+    args = add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepscale_config", "old.json"])
+    from lightspeed.runtime.initialize import _config_source
+
+    assert _config_source(args, None, None) == "old.json"
+    assert "--deepscale_config is deprecated" in ls_caplog.text
+    args.deepspeed_config = "new.json"
+    with pytest.raises(ConfigError, match="both args.deepspeed_config and the deprecated args.deepscale_config"):
+        _config_source(args, None, None)
+
+
+def test_config_load_refuses_hugging_face_auto_values():
+    with pytest.raises(ConfigError) as err:
+        lightspeed.config.load({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                                "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, world_size=1)
+    text = str(err.value)
+    assert '"auto" is a Hugging Face placeholder' in text
+    for path in ("train_micro_batch_size_per_gpu", "gradient_clipping", "optimizer.params.lr"):
+        assert f'{path}: must be a concrete value (got "auto")' in text
+
+
+def test_steps_per_print_infinity_means_never():
+    for value in (float("inf"), None):  # accelerate's setting, and DeepSpeed's null
+        cfg = lightspeed.config.load({"train_micro_batch_size_per_gpu": 1, "steps_per_print": value}, world_size=1)
+        assert cfg.steps_per_print is None
+    with pytest.raises(ConfigError, match="steps_per_print: must be a positive integer"):
+        lightspeed.config.load({"train_micro_batch_size_per_gpu": 1, "steps_per_print": -float("inf")}, world_size=1)
+
+
+def test_deepspeed_config_reads_lightspeeds_config(tmp_path):
+    from lightspeed.compat.deepspeed import DeepSpeedConfig
+
+    class Mpu:
+        def get_data_parallel_world_size(self):
+            return 4
+
+    cfg = DeepSpeedConfig({"train_batch_size": 32, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+                           "fp16": {"enabled": True, "initial_scale_power": 12},
+                           "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+                           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+                           "zero_optimization": {"stage": 2}}, mpu=Mpu())
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (32, 4, 2)
+    assert cfg.world_size == 4 and cfg.zero_optimization_stage == 2 and cfg.zero_enabled
+    assert cfg.fp16_enabled and not cfg.bfloat16_enabled and cfg.initial_dynamic_scale == 2**12
+    assert cfg.dynamic_loss_scale_args["init_scale"] == 2**12
+    assert (cfg.optimizer_name, cfg.optimizer_params) == ("adamw", {"lr": 0.001})
+    assert (cfg.scheduler_name, cfg.scheduler_params) == ("WarmupLR", {"warmup_num_steps": 10})
+    assert cfg.gradient_clipping == 1.0 and cfg._param_dict["gradient_clipping"] == 1.0
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true}}')
+    cfg = DeepSpeedConfig(str(path))
+    assert cfg.bfloat16_enabled and cfg.train_batch_size == 2 and cfg.zero_optimization_stage == 0
+    with pytest.raises(ConfigError, match="Hugging Face placeholder"):
+        DeepSpeedConfig({"train_batch_size": "auto"})
+
+
+def test_repeating_loader_and_clone_tensors():
+    from lightspeed.compat.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from lightspeed.compat.deepspeed.utils import RepeatingLoader
+
+    loader = RepeatingLoader(torch.utils.data.DataLoader(torch.arange(5), batch_size=2))
+    assert [next(loader).tolist() for _ in range(5)] == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]
+    flat = torch.arange(6.0, requires_grad=True)
+    state = {"a": flat[:2], "nested": [flat[2:4], (flat[4:], 7)]}
+    cloned = clone_tensors_for_torch_save(state)
+    a = cloned["a"]
+    assert a.untyped_storage().nbytes() == 2 * 4 and not a.requires_grad and torch.equal(a, flat[:2].detach())
+    assert isinstance(cloned["nested"][1], tuple) and cloned["nested"][1][1] == 7
+    assert clone_tensors_for_torch_save(torch.ones(2), device="meta").device.type == "meta"
+
+
+# modules transformers and accelerate import, by their DeepSpeed names
+MODULES = ["", ".comm", ".zero", ".accelerator", ".runtime", ".runtime.engine", ".runtime.config",
+           ".runtime.lr_schedules", ".runtime.dataloader", ".runtime.utils", ".runtime.zero",
+           ".runtime.zero.partition_parameters", ".runtime.sequence_parallel.ulysses_sp", ".ops", ".ops.adam",
+           ".ops.adagrad", ".ops.lion", ".utils", ".utils.groups", ".checkpoint", ".checkpoint.utils",
+           ".launcher.runner", ".checkpointing", ".pipe", ".utils.zero_to_fp32", ".accelerator.real_accelerator",
+           ".comm.comm", ".runtime.activation_checkpointing.checkpointing"]
+
+
+@pytest.mark.parametrize("suffix", MODULES)
+def test_compat_modules_import(suffix):
+    importlib.import_module("lightspeed.compat.deepspeed" + suffix)
+
+
+def test_names_transformers_and_accelerate_use():
+    ds = importlib.import_module("lightspeed.compat.deepspeed")
+    from lightspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from lightspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from lightspeed.ops.lion import DeepSpeedCPULion
+    from lightspeed.runtime.engine import LightspeedEngine
+
+    assert ds.__version__ == "0.18.2" and (ds.__version_major__, ds.__version_minor__) == (0, 18)
+    assert ds.DeepSpeedEngine is LightspeedEngine and ds.runtime.engine.DeepSpeedEngine is LightspeedEngine
+    assert ds.zero.Init is lightspeed.zero.Init and ds.zero.GatheredParameters is lightspeed.zero.GatheredParameters
+    assert ds.runtime.zero.partition_parameters.Init is lightspeed.zero.Init
+    assert ds.ops.adam.FusedAdam is FusedAdam and ds.ops.adam.DeepSpeedCPUAdam is DeepSpeedCPUAdam
+    assert ds.ops.adagrad.DeepSpeedCPUAdagrad is DeepSpeedCPUAdagrad and ds.ops.lion.DeepSpeedCPULion is DeepSpeedCPULion
+    assert ds.runtime.lr_schedules.VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR",
+                                                          "WarmupCosineLR"]
+    assert ds.get_accelerator() is get_accelerator() and ds.utils.is_initialized() is False
+    assert ds.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
+    assert ds.runtime.utils.see_memory_usage("not forced") is None
+
+
+@pytest.mark.parametrize("call, feature", [
+    (lambda ds: ds.tp_model_init(None, 2, torch.float16), "AutoTP training"),
+    (lambda ds: ds.PipelineModule(layers=[]), "pipeline parallelism"),
+    (lambda ds: ds.pipe.LayerSpec(torch.nn.Linear, 2, 2), "pipeline parallelism"),
+    (lambda ds: ds.zero.MiCS_Init(), "MiCS"),
+    (lambda ds: ds.zero.TiledLinear(2, 2), "tiled linear"),
+    (lambda ds: ds.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint("dir"), "zero_to_fp32"),
+    (lambda ds: ds.checkpoint.DeepSpeedCheckpoint("dir"), "universal checkpoints"),
+    (lambda ds: ds.checkpointing.CheckpointFunction(), "activation checkpointing"),
+    (lambda ds: ds.checkpointing.checkpoint(lambda x: x, torch.ones(1)), "activation checkpointing"),
+    (lambda ds: ds.checkpointing.configure(None), "activation checkpointing"),
+    (lambda ds: ds.utils.groups._get_sequence_parallel_group(), "sequence parallelism"),
+    (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(),
+     "Ulysses sequence parallelism"),
+    (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter(None), "Ulysses"),
+    (lambda ds: ds.utils.set_z3_leaf_modules(None, []), "leaf modules"),
+    (lambda ds: ds.comm.log_summary(), "comms_logger"),
+    (lambda ds: ds.accelerator.set_accelerator(None), "custom accelerators"),
+])
+def test_missing_features_raise_naming_them(call, feature):
+    ds = importlib.import_module("lightspeed.compat.deepspeed")
+    with pytest.raises(NotImplementedError, match=feature):
+        call(ds)
+    assert ds.checkpointing.is_configured() is False
+    assert hasattr(ds.utils, "set_z3_leaf_modules") and hasattr(ds, "PipelineModule")  # names exist, as DeepSpeed's
+
+
+def test_transformers_arange_guard_works_around_zero_init():
+    """transformers' prevent_arange_dtype_change swaps partition_parameters' constructor hook around
+    `from_pretrained`'s zero.Init; the names it reads exist, and the swap is undone. (In a subprocess:
+    transformers reads is_deepspeed_available() when its DeepSpeed module is first imported.)"""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = textwrap.dedent("""
+        import torch
+        import lightspeed
+        lightspeed.register_as_deepspeed()
+        from deepspeed.runtime.zero import partition_parameters as pp
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        original = pp.zero_wrapper_for_fp_tensor_constructor
+        with prevent_arange_dtype_change():
+            assert pp.zero_wrapper_for_fp_tensor_constructor is not original
+            with lightspeed.zero.Init():
+                layer = torch.nn.Linear(2, 3)
+                steps = torch.arange(4, dtype=torch.float64)
+        assert pp.zero_wrapper_for_fp_tensor_constructor is original
+        assert layer.weight.is_meta and steps.dtype == torch.float64
+        made = original(torch.ones, torch.float16, "cpu")(2)
+        assert made.dtype == torch.float16 and made.device.type == "cpu"
+        assert original(torch.arange, torch.float16)(3).dtype == torch.int64
+        print("OK")
+    """)
+    root = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
+
+
+def test_report_shows_the_deepspeed_version_presented():
+    from lightspeed.launcher.report import format_report, gather
+
+    machine = gather()
+    assert machine.deepspeed_api == "0.18.2" and machine.deepspeed_installed is None
+    assert "DeepSpeed API          0.18.2" in format_report(machine)

@@ -189,3 +189,42 @@ def test_set_z3_leaf_modules_makes_units_from_code():
     with pytest.raises(ValueError, match="no module"):
         set_z3_leaf_modules(model, [torch.nn.Conv1d])
     assert set_z3_leaf_modules(model, [torch.nn.Conv1d], raise_if_not_found=False) == []
+
+
+def test_init_signature_dtype_config_module_and_nesting():
+    with Init(dtype=torch.bfloat16, seed=1):
+        a = torch.nn.Linear(4, 4)
+    with Init(config_dict_or_path={"bf16": {"enabled": True}}, seed=1):
+        b = torch.nn.Linear(4, 4)
+    for layer in (a, b):
+        assert param_state(layer.weight).group.lp_shard.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
+    with pytest.raises(NotImplementedError, match="offload"):
+        Init(config_dict_or_path={"zero_optimization": {"offload_param": {"device": "cpu"}}})
+    with pytest.raises(NotImplementedError, match="hpZ"):
+        Init(zero_param_parallel_group=object())
+    built = torch.nn.Linear(3, 2)
+    value = built.weight.detach().clone()
+    Init(module=built)  # an already built model is partitioned at once
+    assert built.weight.numel() == 0 and built.weight.ds_shape == (2, 3)
+    with GatheredParameters(built.weight):
+        assert torch.equal(built.weight, value)
+    with Init(seed=2):  # nested blocks partition once, when the outermost ends
+        with Init(seed=3):
+            inner = torch.nn.Linear(2, 2)
+        assert inner.weight.is_meta
+    assert inner.weight.numel() == 0 and param_state(inner.weight) is not None
+
+
+def test_init_model_is_taken_over_by_the_strategy_with_pending_external_parameters():
+    from lightspeed.zero import register_external_parameter
+    from lightspeed.zero.stage3.init import StandaloneScheduler
+
+    with Init(seed=4):
+        model = GPT(TINY_GPT)
+        register_external_parameter(model.blocks[0], model.wte.weight)  # before any strategy exists
+    ds_id = model.wte.weight.ds_id
+    assert isinstance(param_state(model.wte.weight).group.coordinator, StandaloneScheduler)
+    s = _strategy(model)
+    st = param_state(model.wte.weight)
+    assert st.group in s.groups and model.wte.weight.ds_id == ds_id  # same id after the take-over
+    assert st.group in s.coordinator.uses[id(model.blocks[0])]

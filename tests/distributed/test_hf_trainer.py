@@ -1,7 +1,8 @@
 """transformers' Trainer on lightspeed registered as `deepspeed` (2 gloo processes, CPU): ZeRO-2 and
 ZeRO-3 with a Hugging Face ds_config full of "auto" values, bf16, gradient accumulation 2, against
 Trainer's own DDP run; a checkpoint resumed in a fresh job; `save_model` under ZeRO-3;
-`from_pretrained` under ZeRO-3 (right weights, never the whole model on one rank).
+`from_pretrained` under ZeRO-3 (right weights, never the whole model on one rank); a Llama's
+`from_config` under ZeRO-3.
 
 Registration happens inside the spawned ranks only: the pytest process never sees a `deepspeed`.
 
@@ -74,6 +75,19 @@ def gathered_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def llama_from_config() -> dict:
+    """A tiny Llama built by `from_config` under ZeRO-3 (transformers enters zero.Init, then initializes
+    each module's gathered parameters on rank 0): per parameter (std, mean), and the RoPE buffer's dtype."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ)
+    model = AutoModelForCausalLM.from_config(config)
+    stats = {n: (float(v.std()), float(v.mean())) for n, v in gathered_state(model).items()}
+    return {"stats": stats, "inv_freq": model.model.rotary_emb.inv_freq.dtype,
+            "partitioned": all(p.numel() == 0 for p in model.parameters())}
+
+
 class PeakGathered:
     """Test instrumentation: the most full-size parameter elements alive at once in stage-3 groups
     (gathered buffers, plus a group's values and buffer while it is being built)."""
@@ -120,11 +134,13 @@ def _run(mode: str, model_dir: str, out_dir: str, resume: str | None):
     ds = hf_ds_config(int(mode[-1])) if mode != "ddp" else None
     args = training_args(out_dir, ds, save=mode == "zero3")
     peak = loaded = None
+    llama = None
     if mode == "zero3":
         tracker = PeakGathered()
         model = AutoModelForCausalLM.from_pretrained(model_dir)  # inside deepspeed.zero.Init
         peak = tracker.peak
         loaded = gathered_state(model)
+        llama = llama_from_config()
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
     trainer = Trainer(model=model, args=args, train_dataset=dataset())
@@ -133,7 +149,7 @@ def _run(mode: str, model_dir: str, out_dir: str, resume: str | None):
            "global_step": trainer.state.global_step, "loaded": loaded, "peak": peak,
            "total": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
            "param_count": get_model_param_count(model, trainable_only=True) if mode == "zero3" else None,
-           "engine": type(trainer.model_wrapped).__name__}
+           "engine": type(trainer.model_wrapped).__name__, "llama": llama}
     if mode == "zero3" and resume is None:
         trainer.save_model(os.path.join(out_dir, "final"))
         out["trained"] = gathered_state(trainer.model_wrapped.module)
@@ -188,6 +204,14 @@ def test_trainer_zero3_load_train_save_resume(tiny, runs):
         assert r["total"] == total and 0 < r["peak"] < total / 2, (r["peak"], total)
         assert r["param_count"] == total  # Trainer counts with p.ds_numel
     assert r0["engine"] == "LightspeedEngine"
+    # from_config under ZeRO-3: Llama's own init rule (normal(0, 0.02), norms at 1), the same on both ranks
+    llama = r0["llama"]
+    assert llama == results[1]["zero3"]["llama"] and llama["partitioned"] and llama["inv_freq"] == torch.float32
+    for name, (std, mean) in llama["stats"].items():
+        if name.endswith("norm.weight"):
+            assert (std, mean) == (0.0, 1.0), name
+        else:
+            assert std == pytest.approx(0.02, rel=0.25), name
     assert r0["losses"] == results[1]["zero3"]["losses"] and r0["global_step"] == STEPS
     assert r0["losses"] == pytest.approx(results[0]["ddp"]["losses"], rel=2e-2)
 

@@ -149,7 +149,8 @@ def _run(mode: str, model_dir: str, out_dir: str, resume: str | None):
            "global_step": trainer.state.global_step, "loaded": loaded, "peak": peak,
            "total": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
            "param_count": get_model_param_count(model, trainable_only=True) if mode == "zero3" else None,
-           "engine": type(trainer.model_wrapped).__name__, "llama": llama}
+           "engine": type(trainer.model_wrapped).__name__, "llama": llama,
+           "setup_peak": trainer.model_wrapped.strategy.setup_peak_numel if mode == "zero3" else None}
     if mode == "zero3" and resume is None:
         trainer.save_model(os.path.join(out_dir, "final"))
         out["trained"] = gathered_state(trainer.model_wrapped.module)
@@ -203,6 +204,7 @@ def test_trainer_zero3_load_train_save_resume(tiny, runs):
         # ... and no rank ever held the whole model: one module or unit at a time
         assert r["total"] == total and 0 < r["peak"] < total / 2, (r["peak"], total)
         assert r["param_count"] == total  # Trainer counts with p.ds_numel
+        assert r["setup_peak"] < total  # initialize() took Init's shards over one unit (a block) at a time
     assert r0["engine"] == "LightspeedEngine"
     # from_config under ZeRO-3: Llama's own init rule (normal(0, 0.02), norms at 1), the same on both ranks
     llama = r0["llama"]

@@ -59,6 +59,7 @@ from lightspeed._utils.init_on_device import ParameterRegistrationContext
 from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
+from lightspeed.comm.init import detect_launch_env, init_distributed
 from lightspeed.config.parse import read_source
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.zero_param import ZeroParameter
@@ -95,7 +96,8 @@ def seed_from_global_rng() -> int:
 
 class StandaloneScheduler:
     """Gathers and releases groups that no strategy schedules (Init's): a group is gathered while some
-    `GatheredParameters` holds it and released when the last one leaves."""
+    `GatheredParameters` holds it and released when the last one leaves. (External parameters
+    registered meanwhile wait in `gathered.py` for the strategy.)"""
 
     def fetch(self, g: ParamGroup) -> None:
         g.gather()
@@ -109,9 +111,6 @@ class StandaloneScheduler:
     def release(self, g: ParamGroup, force: bool = False) -> None:
         if g.state != RELEASED and (force or g.pins == 0):
             g.release()
-
-    def register_external(self, module: torch.nn.Module, groups) -> None:
-        raise AssertionError("external parameters of Init groups are kept pending (gathered.py)")
 
 
 _STANDALONE = StandaloneScheduler()
@@ -186,8 +185,6 @@ class Init(ParameterRegistrationContext):
     # ---------------------------------------------------------------- where and how
     def _comm(self) -> Communicator:
         group, mpu = self._group_source
-        from lightspeed.comm.init import init_distributed, detect_launch_env
-
         if detect_launch_env().world_size > 1:
             init_distributed()  # DeepSpeed's Init starts torch.distributed too; a no-op once it is
         if group is not None:

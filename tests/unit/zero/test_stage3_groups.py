@@ -29,6 +29,13 @@ pytestmark = pytest.mark.timeout(30)
 TINY_GPT = GPTConfig.preset("demo", n_layer=1, n_embd=16, n_head=2, block_size=8)
 
 
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    # zero.Init partitions onto the training device (cuda:<local_rank> where there is one); these
+    # tests compare with CPU-built models, whose initial values come from the CPU generator
+    monkeypatch.setenv("LIGHTSPEED_ACCELERATOR", "cpu")
+
+
 def comm1():
     return Communicator(None, world_size=1)
 

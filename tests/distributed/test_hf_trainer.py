@@ -7,11 +7,12 @@ Trainer's own DDP run; a checkpoint resumed in a fresh job; `save_model` under Z
 Registration happens inside the spawned ranks only: the pytest process never sees a `deepspeed`.
 
 Tolerance of the loss comparison: Trainer's DDP run keeps fp32 weights and computes under bf16
-autocast; the DeepSpeed runs keep bf16 weights (the config's bf16) with an fp32 master. The two differ
-by bf16 rounding of the weights (relative 2**-9) and of a few activations autocast keeps in fp32, which
-over 4 steps of a 4-layer model moves the loss by well under 1% (measured: 3e-3 relative at most);
-2% is the bound, while a wrong gradient average (x2), a missed accumulation step, a lost clip or a
-wrong learning rate moves it by more than 5% by step 3.
+autocast; the DeepSpeed runs keep bf16 weights (the config's bf16) with an fp32 master, so the two
+differ by bf16 rounding of the weights and of the activations autocast leaves in fp32. Measured
+(2026-12-01, this test's model and data): DDP 3.9094, 3.8675, 3.8190, 3.7549; ZeRO-2 and ZeRO-3
+3.9095, 3.8679, 3.8223, 3.7529, i.e. at most 8.5e-4 relative. The bound, 5e-3, leaves 6x room and
+stays below what one step changes the loss (1.1% to 1.7% here), so a step missed, doubled or taken
+with a wrong gradient average fails.
 """
 
 from __future__ import annotations
@@ -51,15 +52,18 @@ def save_tiny_gpt2(path: str) -> dict[str, torch.Tensor]:
 
 
 def dataset():
+    """Arithmetic sequences modulo the vocabulary: learnable, so the loss falls step by step."""
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": x, "labels": x} for x in torch.randint(0, VOCAB, (64, SEQ), generator=g)]
+    start = torch.randint(0, VOCAB, (64, 1), generator=g)
+    stride = torch.randint(1, 4, (64, 1), generator=g)
+    return [{"input_ids": x, "labels": x} for x in (start + stride * torch.arange(SEQ)) % VOCAB]
 
 
 def training_args(out_dir: str, ds_config: dict | None, save: bool):
     from transformers import TrainingArguments
 
     return TrainingArguments(output_dir=out_dir, deepspeed=ds_config, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=3e-3,
+                             gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-2,
                              lr_scheduler_type="constant", weight_decay=0.01, bf16=True, logging_steps=1,
                              report_to=[], save_strategy="steps" if save else "no", save_steps=2, use_cpu=True,
                              seed=0, disable_tqdm=True)
@@ -186,7 +190,7 @@ def test_trainer_zero2_matches_ddp(runs):
     assert ddp["engine"] == "DistributedDataParallel" and zero2["engine"] == "LightspeedEngine"
     assert ddp["global_step"] == zero2["global_step"] == STEPS
     assert zero2["losses"] == results[1]["zero2"]["losses"]
-    assert zero2["losses"] == pytest.approx(ddp["losses"], rel=2e-2)
+    assert zero2["losses"] == pytest.approx(ddp["losses"], rel=5e-3)
 
 
 def test_trainer_zero3_load_train_save_resume(tiny, runs):
@@ -215,7 +219,7 @@ def test_trainer_zero3_load_train_save_resume(tiny, runs):
         else:
             assert std == pytest.approx(0.02, rel=0.25), name
     assert r0["losses"] == results[1]["zero3"]["losses"] and r0["global_step"] == STEPS
-    assert r0["losses"] == pytest.approx(results[0]["ddp"]["losses"], rel=2e-2)
+    assert r0["losses"] == pytest.approx(results[0]["ddp"]["losses"], rel=5e-3)
 
     # save_model under ZeRO-3 wrote the full trained weights, which a plain from_pretrained loads
     saved = AutoModelForCausalLM.from_pretrained(os.path.join(out_root, "zero3", "final")).state_dict()

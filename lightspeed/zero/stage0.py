@@ -19,10 +19,12 @@ import torch
 from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
+from lightspeed.zero import param_access
 from lightspeed.zero.flat_params import FlatParams
 from lightspeed.zero.fragments import Fragment, module_shapes, first_names, fragments_state_dict
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import fused_step
+from lightspeed.zero.partition import Range
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
 
@@ -78,6 +80,21 @@ class Stage0Strategy:
                                  master_grads=self._master_grad_flats, opt_grads=dict(self._opt_params),
                                  lowp_out=self._lowp_out,
                                  device=self.flats[0].device if self.flats else torch.device("cpu"))
+        param_access.register(self, self._flat_of_params())
+
+    def _flat_of_params(self):
+        return [p for flat in self.flats for p in flat.params]
+
+    def fragment(self, param: torch.nn.Parameter) -> param_access.ParamFragment | None:
+        """Where `param`'s values live (every rank holds all of them; see `zero/fragments.py`)."""
+        flat = self._flat_of.get(id(param))
+        if flat is None or flat.params[flat.index[id(param)]] is not param:
+            return None
+        i = flat.index[id(param)]
+        target = flat.optimizer_view(param)
+        return param_access.ParamFragment(shape=param.shape, owned=Range(0, param.numel()), master=target.detach().view(-1),
+                                  grad=flat.grad_views[i].view(-1), optimizer_tensor=target, state_offset=0,
+                                  comm=None, lp_full=flat.lp_views[i] if flat.has_master else None)
 
     # ---------------------------------------------------------------- set-up
     def _master_grad_flat(self, flat: FlatParams) -> torch.Tensor:

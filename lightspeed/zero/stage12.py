@@ -45,6 +45,7 @@ from lightspeed.offload.nvme import NvmeSwapper
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
+from lightspeed.zero import param_access
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
@@ -164,10 +165,32 @@ class ShardedStrategy:
                 swapper, optimizer, [SubGroup(f"shard{i}", [s.master], [s.master]) for i, s in enumerate(stepped)],
                 buffer_count=self.offload.optimizer_buffer_count)
             self._swap.all_out()
+        param_access.register(self, self._shard_of_params())
         for s in self.shards:
             if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
                 for p, g in zip(s.flat.params, s.flat.grad_views):
                     p.grad = g
+
+    def _shard_of_params(self):
+        return [p for s in self.shards for p in s.flat.params]
+
+    def fragment(self, param: torch.nn.Parameter) -> param_access.ParamFragment | None:
+        """Where `param`'s values live: this rank's chunk of its bucket (see `zero/param_access.py`)."""
+        shard = self._shard_of.get(id(param))
+        i = shard.flat.index.get(id(param)) if shard is not None else None
+        if i is None or shard.flat.params[i] is not param:
+            return None
+        r = shard.flat.param_range(i)
+        owned, start = Range(0, 0), 0
+        for chunk, pos in shard.chunks:
+            inter = r.intersect(chunk)
+            if inter.numel:
+                owned, start = inter.shift(-r.start), pos + inter.start - chunk.start
+                break
+        end = start + owned.numel
+        return param_access.ParamFragment(shape=param.shape, owned=owned, master=shard.master[start:end],
+                                  grad=shard.grad[start:end], optimizer_tensor=shard.master, state_offset=start,
+                                  comm=self.comm, lp_full=shard.flat.lp_views[i])
 
     @staticmethod
     def _param_groups(module: torch.nn.Module, optimizer):

@@ -278,8 +278,8 @@ def _init_worker(seed: int):
     torch.manual_seed(100 + dist.get_rank())  # ranks disagree: Init must not depend on it
     with Init(seed=seed):
         model = GPT(GPT_CONFIG)
-    all_meta = all(p.is_meta for p in model.parameters())
-    total = sum(p.numel() for p in model.parameters())
+    all_meta = all(p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())  # partitioned placeholders
+    total = sum(p.ds_numel for p in model.parameters())
     largest_unit = max(sum(p.numel() for _, p in u.owned()) for u in choose_units(build_model("gpt")))
     engines = []
     got = train("gpt", cfg, steps=8, model=model, engine_out=engines)

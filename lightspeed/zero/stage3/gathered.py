@@ -1,8 +1,10 @@
 """User-facing access to partitioned parameters outside the hooks: `GatheredParameters` (read, or
 modify on one rank and write back into every rank's shards) and `register_external_parameter`.
 
-Owns: those two entry points. Must not: schedule anything itself (it asks the groups' coordinator).
-Parameters that no stage-3 strategy manages are ignored by both, as DeepSpeed ignores them.
+Owns: those two entry points. Must not: schedule anything itself (it asks the groups' coordinator: a
+strategy's, or `init.StandaloneScheduler` for a model partitioned by `zero.Init` and not yet handed to
+`initialize()`). Parameters that are not partitioned are ignored by `GatheredParameters`, as DeepSpeed
+ignores them; `register_external_parameter` keeps them until a strategy takes their module.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Iterable
 
 import torch
 
+from lightspeed.zero.stage3.init import StandaloneScheduler
 from lightspeed.zero.stage3.param_group import ParamGroup, param_state
 
 # module -> parameters registered as external before a strategy managed them (e.g. inside Init)
@@ -43,7 +46,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     """Gather `parameter`'s group around `module`'s forward and backward (DeepSpeed's API). Rarely
     needed: uses outside the owning module are found automatically during forward."""
     st = param_state(parameter)
-    if st is None:
+    if st is None or isinstance(st.group.coordinator, StandaloneScheduler):  # no strategy yet (e.g. inside Init)
         _PENDING.setdefault(module, []).append(parameter)
     else:
         st.group.coordinator.register_external(module, [st.group])
@@ -65,10 +68,12 @@ class GatheredParameters:
         self.groups = _groups_of(self.params) if enabled else []
 
     def __enter__(self):
+        if self.enabled and self.fwd_module is not None:
+            for p in self.params:
+                if param_state(p) is not None:
+                    register_external_parameter(self.fwd_module, p)
         for g in self.groups:
             g.pins += 1
-            if self.fwd_module is not None:
-                g.coordinator.register_external(self.fwd_module, [g])
         for g in self.groups:
             g.coordinator.fetch(g)
         for g in self.groups:

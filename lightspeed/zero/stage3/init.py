@@ -1,28 +1,48 @@
 """`zero.Init`: build a model so that no rank ever holds all of it, and the rule that gives each
-parameter its initial value when the stage-3 strategy materializes the model one module at a time.
+parameter its initial value, one module at a time.
 
-Owns: the construction context and the initialization rule. Must not: shard or communicate (the
-strategy materializes and shards; it calls `materialize_module` one module at a time).
+Owns: the construction context, the initialization rule, and the storage of an `Init`-built model's
+shards until a stage-3 strategy takes them over (`take_init_groups`). Must not: schedule gathers
+for training (the strategy's coordinator does).
 
-Note (how initial values are produced under Init):
+Note (how a model is partitioned under Init):
     Inside `Init`, every parameter registered on a module is replaced, at registration, by a meta
-    tensor of the same shape and dtype (through torch's global parameter-registration hook; buffers
-    stay real). Constructor code that initializes parameters therefore runs on meta tensors and
-    has no effect. When `initialize()` builds the stage-3 strategy, the strategy walks
-    `model.named_modules()`; for the module at position `index` that owns parameters (first owner of
-    a tied parameter), it allocates those parameters, in their constructed dtype, on the training
-    device, and with the global RNG forked and seeded with `seed + index` runs:
+    `ZeroParameter` of the same shape and dtype (torch's global parameter-registration hook; buffers
+    stay real), so constructor code runs on meta tensors: nothing is allocated and it has no effect.
+    On leaving the outermost `Init` block, the models built inside (their roots are found through
+    torch's global module-registration hook) are partitioned one module at a time, in
+    `named_modules()` order: the module's own meta parameters are allocated on the device
+    (`cuda:<local_rank>`, or the CPU), given their initial values by the rule below, broadcast from
+    rank 0, and stored as one `ParamGroup` per `requires_grad` value holding only this rank's
+    `1/world` slice (`with_grads=False`: no gradient shard); each parameter is then an empty
+    placeholder on the device. So the peak is one module's parameters, never the model.
+    The rule, for the module at position `index` of its root's `named_modules()` (first owner of a
+    tied parameter), run with the global RNG forked and seeded with `seed + index`:
         1. `module.reset_parameters()`, if the module defines it (what torch layers run when built);
         2. then `root._init_weights(module)`, if the root model defines it (the Hugging Face rule);
         3. when neither exists, the parameters are zero (with a warning naming them).
     Only the module's own parameters change: any other parameter the initializer could reach (a
-    child's, or a tied one owned elsewhere) is swapped for a meta stand-in meanwhile. The values are
-    then cast to the training dtype, broadcast from rank 0, and only this rank's slice is kept.
-    `seed` is `Init(seed=...)`, or else drawn from rank 0's global RNG state at `Init.__enter__`
-    (without advancing it). So a model's whole-model init code (e.g. a GPT's `init_weights()`
-    looping over all modules) does not run under Init; `initialize_module_weights(model, seed)`
-    applies the same rule to a normally built model, which then starts from exactly the values it
-    would get under `Init(seed=seed)` (on the same device type).
+    child's, or a tied one owned elsewhere) is swapped for a meta stand-in meanwhile. `seed` is
+    `Init(seed=...)`, or else drawn from rank 0's global RNG state at `Init.__enter__` (without
+    advancing it). So a model's whole-model init code (e.g. a GPT's `init_weights()` looping over all
+    modules) does not run under Init; `initialize_module_weights(model, seed)` applies the same rule
+    to a normally built model, which then starts from exactly the values it gets under
+    `Init(seed=seed)` (on the same device type). Under transformers' `no_init_weights` (which it
+    enters with Init) the rule's init calls do nothing, and transformers then writes the real values
+    through `GatheredParameters(..., modifier_rank=0)`.
+    Between the block and `initialize()`, the shards live in these per-module groups, scheduled by
+    `StandaloneScheduler` (gathered only inside `GatheredParameters`, released on leaving it: a
+    write on the modifier rank is broadcast and lands in every rank's shard). The stage-3 strategy
+    then takes the groups over (`take_init_groups`): for each of its units it gathers the unit's
+    values from them and builds its own groups, so the peak there is one unit. A model built with
+    meta parameters by other means (`OnDevice("meta")`) is still materialized by the strategy with
+    the same rule.
+    This is how a Hugging Face `from_pretrained` under ZeRO-3 loads (transformers 5.x): it builds
+    the model inside `deepspeed.zero.Init`, then `_load_state_dict_into_zero3_model` walks the
+    modules and, per module, gathers its parameters with `GatheredParameters(params,
+    modifier_rank=0)` while rank 0 alone copies the checkpoint's tensors in (`_load_from_state_dict`);
+    missing weights are initialized the same way. So the loaded values reach every rank's shard, and
+    the most any rank holds whole is one module's parameters.
 """
 
 from __future__ import annotations
@@ -32,9 +52,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.nn.modules.module import register_module_module_registration_hook
 
+from lightspeed._utils.device import default_device
 from lightspeed._utils.init_on_device import ParameterRegistrationContext
 from lightspeed._utils.logging import get_logger, warn_once
+from lightspeed.comm.collectives import Communicator
+from lightspeed.comm.groups import ParallelGroups
+from lightspeed.comm.init import detect_launch_env, init_distributed
+from lightspeed.config.parse import read_source
+from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
+from lightspeed.zero.stage3.zero_param import ZeroParameter
 
 logger = get_logger(__name__)
 
@@ -46,10 +74,18 @@ class InitRecord:
 
 # Modules that got parameters inside an Init context -> that context's record (modules hash by identity).
 _RECORDS: "weakref.WeakKeyDictionary[torch.nn.Module, InitRecord]" = weakref.WeakKeyDictionary()
+# Module -> the groups holding the shards of the parameters it owned when its Init block ended.
+_INIT_GROUPS: "weakref.WeakKeyDictionary[torch.nn.Module, list[ParamGroup]]" = weakref.WeakKeyDictionary()
+_ACTIVE: list["Init"] = []  # the Init blocks being run; only the outermost one partitions
 
 
 def init_record(module: torch.nn.Module) -> InitRecord | None:
     return _RECORDS.get(module)
+
+
+def take_init_groups(module: torch.nn.Module) -> list[ParamGroup]:
+    """Remove and return the Init groups of `module` (the strategy takes their values over)."""
+    return _INIT_GROUPS.pop(module, [])
 
 
 def seed_from_global_rng() -> int:
@@ -58,40 +94,194 @@ def seed_from_global_rng() -> int:
     return int(torch.randint(0, 2**62, (), generator=g))
 
 
-class Init(ParameterRegistrationContext):
-    """Context manager: models constructed inside hold meta parameters; the stage-3 strategy built by
-    `lightspeed.initialize` materializes them shard by shard (see the Note of this module).
+class StandaloneScheduler:
+    """Gathers and releases groups that no strategy schedules (Init's): a group is gathered while some
+    `GatheredParameters` holds it and released when the last one leaves. (External parameters
+    registered meanwhile wait in `gathered.py` for the strategy.)"""
 
-    DeepSpeed's signature. `remote_device` "cpu"/"nvme" (parameter offload) is not implemented;
-    `data_parallel_group`, `mpu`, `config(_dict_or_path)` and `pin_memory` are accepted (the engine's
-    data-parallel group and config decide the sharding); `dtype` is accepted and ignored (parameters
-    are initialized in their constructed dtype and cast to the config's training dtype); `module`, an
-    already built model, is left as it is (the strategy shards real parameters directly). `seed`
-    (lightspeed's addition) fixes the initialization seed.
+    def fetch(self, g: ParamGroup) -> None:
+        g.gather()
+
+    def fetch_now(self, groups) -> None:
+        for g in groups:
+            g.gather()
+        for g in groups:
+            g.wait()
+
+    def release(self, g: ParamGroup, force: bool = False) -> None:
+        if g.state != RELEASED and (force or g.pins == 0):
+            g.release()
+
+
+_STANDALONE = StandaloneScheduler()
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    """The training dtype a DeepSpeed config asks for (fp16 / bf16 sections), or None."""
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+        section = config.get(key)
+        if isinstance(section, dict) and section.get("enabled") is True:
+            return dtype
+    return None
+
+
+class Init(ParameterRegistrationContext):
+    """Context manager: models constructed inside are partitioned over the data-parallel group as the
+    block ends, one module at a time (see the Note of this module); `lightspeed.initialize` with
+    ZeRO stage 3 then trains them without ever gathering the whole model.
+
+    DeepSpeed's signature. The group is `data_parallel_group`, else `mpu`'s data-parallel group, else
+    the world (torch.distributed is started from the launcher's environment when it is not yet).
+    `dtype`, else the config's fp16/bf16 (`config_dict_or_path`, or its older name `config`), else
+    the constructed dtype, is the dtype the shards are stored in. `module`, an already built model,
+    is partitioned at once. Parameter offload (`remote_device` "cpu"/"nvme", or the config's
+    `zero_optimization.offload_param`), hpZ (`zero_param_parallel_group`), quantized weights and
+    `param_swapper` are not implemented and raise. `mem_efficient_linear` and `pin_memory` are
+    accepted: the first replaces F.linear in DeepSpeed to free gathered weights early, which the
+    release of each group's storage already does here; the second matters only with offload.
+    `seed` (lightspeed's addition) fixes the initialization seed. Nested blocks partition once, at
+    the outermost one's end.
     """
 
-    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group=None, config_dict_or_path=None,
-                 remote_device=None, pin_memory: bool = False, config=None, enabled: bool = True, dtype=None,
-                 mpu=None, *, seed: int | None = None):
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group=None,
+                 mem_efficient_linear: bool = True, remote_device=None, pin_memory: bool = False,
+                 config_dict_or_path=None, config=None, enabled: bool = True, dtype=None, mpu=None,
+                 zero_param_parallel_group=None, zero_quantized_weights: bool = False,
+                 zero_quantized_nontrainable_weights: bool = False, sequence_data_parallel_group=None,
+                 param_swapper=None, *, seed: int | None = None):
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        ds_config = read_source(source)[0] if source is not None else {}
+        offload = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
+        if remote_device is None and isinstance(offload, dict) and str(offload.get("device", "none")) != "none":
+            remote_device = offload.get("device")
         if remote_device is not None and str(remote_device).lower() in ("cpu", "nvme"):
-            raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}): parameter offload is not "
+            raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}) / zero_optimization.offload_param: "
+                                      "parameter offload is not implemented yet")
+        if zero_param_parallel_group is not None:
+            raise NotImplementedError("zero.Init(zero_param_parallel_group=...): hpZ (zero_hpz_partition_size) "
+                                      "is not implemented yet")
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+            raise NotImplementedError("zero.Init(zero_quantized_weights=...): quantized weights (ZeRO++ qwZ) are "
+                                      "not implemented yet")
+        if sequence_data_parallel_group is not None:
+            raise NotImplementedError("zero.Init(sequence_data_parallel_group=...): sequence parallelism is not "
                                       "implemented yet")
+        if param_swapper is not None:
+            raise NotImplementedError("zero.Init(param_swapper=...): NVMe parameter swapping is not implemented yet")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"zero.Init(dtype=...): expected a floating-point torch dtype (got {dtype!r})")
-        self.module, self.enabled, self.seed = module, enabled, seed
+        self.enabled, self.seed = enabled, seed
+        self.dtype = dtype if dtype is not None else _config_dtype(ds_config)
+        self._group_source = (data_parallel_group, mpu)
         self._record: InitRecord | None = None
+        self._created: list[torch.nn.Parameter] = []  # the meta parameters this block made
+        self._modules: dict[int, torch.nn.Module] = {}  # id -> module that got parameters or children here
+        self._children: set[int] = set()  # ids of modules registered as a child of another
+        self._module_hook = None
+        self._outermost = False
+        if module is not None and enabled:
+            self._partition_built(module)
+
+    # ---------------------------------------------------------------- where and how
+    def _comm(self) -> Communicator:
+        group, mpu = self._group_source
+        if detect_launch_env().world_size > 1:
+            init_distributed()  # DeepSpeed's Init starts torch.distributed too; a no-op once it is
+        if group is not None:
+            return Communicator(group)
+        groups = ParallelGroups.build(mpu)
+        return Communicator(groups.dp_group, groups.dp_world_size)
+
+    # ---------------------------------------------------------------- the block
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        self._outermost = not _ACTIVE
+        _ACTIVE.append(self)
+        if self._outermost:
+            super().__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.enabled:
+            return
+        _ACTIVE.pop()
+        if self._outermost:
+            super().__exit__(exc_type, exc, tb)
 
     def _enter(self) -> None:
         self._record = InitRecord(self.seed if self.seed is not None else seed_from_global_rng())
+        self._module_hook = register_module_module_registration_hook(self._on_register_module)
+
+    def _exit(self, exc_type, exc, tb) -> None:
+        self._module_hook.remove()
+        self._module_hook = None
+        if exc_type is None:
+            self._partition_created()
+        self._created.clear()
+        self._modules.clear()
+        self._children.clear()
+
+    def _on_register_module(self, module: torch.nn.Module, name: str, submodule):
+        self._modules.setdefault(id(module), module)
+        if submodule is not None:
+            self._modules.setdefault(id(submodule), submodule)
+            self._children.add(id(submodule))
+        return None
 
     def _on_register(self, module: torch.nn.Module, name: str, param):
         if param is None:
             return None
         _RECORDS[module] = self._record
+        self._modules.setdefault(id(module), module)
         if param.is_meta:
-            return None  # already deferred (a tied parameter, or a nested Init)
-        return torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                                  requires_grad=param.requires_grad)
+            return None  # already deferred (a tied parameter)
+        dtype = self.dtype if self.dtype is not None and param.is_floating_point() else param.dtype
+        meta = ZeroParameter(torch.empty(param.shape, dtype=dtype, device="meta"), requires_grad=param.requires_grad)
+        self._created.append(meta)
+        return meta
+
+    # ---------------------------------------------------------------- partitioning
+    def _partition_created(self) -> None:
+        created = {id(p) for p in self._created}
+        roots = [m for key, m in self._modules.items() if key not in self._children]
+        comm = self._comm()
+        seed = torch.tensor([self._record.seed], dtype=torch.int64, device=default_device())
+        comm.broadcast(seed, src=0)
+        device = default_device()
+        for root in roots:
+            for index, mname, module, owned in owned_params(root):
+                mine = [(n, p) for n, p in owned if id(p) in created and p.is_meta]
+                if mine:
+                    materialize_module(root, module, index, mine, int(seed.item()), device, _logical_shape)
+                    self._store(module, mine, comm, device)
+
+    def _partition_built(self, model: torch.nn.Module) -> None:
+        """`Init(module=model)`: partition an already built model's parameters as they are."""
+        comm, device = self._comm(), default_device()
+        for _, _, module, owned in owned_params(model):
+            plain = [(n, p) for n, p in owned if not p.is_meta and param_state(p) is None]
+            if plain:
+                self._store(module, plain, comm, device)
+
+    def _store(self, module: torch.nn.Module, owned, comm: Communicator, device: torch.device) -> None:
+        """Keep only this rank's slice of `owned` (full values now): one group per (requires_grad, dtype)."""
+        kinds: dict[tuple[bool, torch.dtype], list] = {}
+        for n, p in owned:
+            if not p.is_floating_point():
+                raise TypeError(f"zero.Init partitions floating-point parameters only ({n} is {p.dtype})")
+            kinds.setdefault((p.requires_grad, self.dtype or p.dtype), []).append((n, p))
+        for (_, dtype), items in kinds.items():
+            g = ParamGroup(f"init:{type(module).__name__}", [p for _, p in items], [n for n, _ in items],
+                           [p.detach() for _, p in items], comm, dtype=dtype, device=device, grad_dtype=dtype,
+                           keep_master=False, with_grads=False)
+            g.coordinator = _STANDALONE
+            _INIT_GROUPS.setdefault(module, []).append(g)
+
+
+def _logical_shape(p: torch.nn.Parameter) -> torch.Size:
+    st = param_state(p)
+    return torch.Size(st.shape) if st is not None else p.shape
 
 
 def owned_params(root: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]]:
@@ -120,9 +310,9 @@ def materialize_module(root: torch.nn.Module, module: torch.nn.Module, index: in
     initial values by the rule of this module's Note. `shape_of(p)` is p's logical shape (a stage-3
     parameter that is already sharded has an empty `.data`)."""
     for _, p in owned:
-        if p.is_meta:
-            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                           requires_grad=p.requires_grad))
+        if p.is_meta:  # the class is kept (a ZeroParameter stays one)
+            torch.utils.swap_tensors(p, type(p)(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                requires_grad=p.requires_grad))
     owned_ids = {id(p) for _, p in owned}
     stand_ins = []
     for p in module.parameters():

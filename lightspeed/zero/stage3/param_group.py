@@ -35,6 +35,7 @@ back first.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any, Sequence
 
@@ -44,12 +45,14 @@ from lightspeed._utils.flat import FlatLayout, flat_views
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.zero.partition import Range, shard_range
+from lightspeed.zero.stage3.zero_param import as_zero_parameter
 
 RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
 
 # id(param) -> ParamState. Values are weak: an entry lives exactly as long as its strategy's groups.
 # ParamState holds its parameter strongly, so the id cannot be reused while the entry exists.
 _REGISTRY: "weakref.WeakValueDictionary[int, ParamState]" = weakref.WeakValueDictionary()
+_DS_IDS = itertools.count()  # DeepSpeed's ds_id: a number per partitioned parameter, kept when it changes group
 
 
 def param_state(param: torch.Tensor) -> "ParamState | None":
@@ -61,11 +64,13 @@ def param_state(param: torch.Tensor) -> "ParamState | None":
 class ParamState:
     """Where one parameter lives: its logical shape, its group and its element range in the group."""
 
-    __slots__ = ("param", "name", "shape", "group", "index", "__weakref__")
+    __slots__ = ("param", "name", "shape", "group", "index", "ds_id", "__weakref__")
 
     def __init__(self, param: torch.nn.Parameter, name: str, group: "ParamGroup", index: int):
+        previous = param_state(param)
         self.param, self.name, self.group, self.index = param, name, group, index
         self.shape = group.layout.shapes[index]
+        self.ds_id = previous.ds_id if previous is not None else next(_DS_IDS)
 
     @property
     def range(self) -> Range:
@@ -112,10 +117,11 @@ class ParamGroup:
     def __init__(self, name: str, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  values: Sequence[torch.Tensor], comm: Communicator, *, dtype: torch.dtype, device: torch.device,
                  grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True,
-                 offload: OffloadPolicy | None = None):
+                 offload: OffloadPolicy | None = None, with_grads: bool = True):
         """`values[i]` holds the full value of `params[i]` (any dtype/device). Every rank passes its own
         values and rank 0's win (broadcast), so all ranks start identical. `fp32_grad_copy=False` (the
-        fused optimizer step reads low-precision gradients itself) skips the fp32 gradient shard."""
+        fused optimizer step reads low-precision gradients itself) skips the fp32 gradient shard;
+        `with_grads=False` (a group that only stores values, as `zero.Init`'s) has no gradient shard."""
         self.name, self.comm, self.dtype, self.device, self.stream = name, comm, dtype, device, stream
         self.params = list(params)
         self.trainable = self.params[0].requires_grad
@@ -140,6 +146,8 @@ class ParamGroup:
         self.views = flat_views(full, self.layout)
         self._nbytes = full.untyped_storage().nbytes()
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
+        for p in self.params:
+            as_zero_parameter(p)
         self.states = [ParamState(p, n, self, i) for i, (p, n) in enumerate(zip(self.params, names))]
         for st in self.states:
             _REGISTRY[id(st.param)] = st
@@ -158,7 +166,7 @@ class ParamGroup:
             self.master_shard = self.lp_shard.to(device=device, dtype=torch.float32, copy=True)
         else:
             self.master_shard = None
-        self.grad_shard = torch.zeros(n, dtype=grad_dtype, device=device) if self.trainable else None
+        self.grad_shard = torch.zeros(n, dtype=grad_dtype, device=device) if self.trainable and with_grads else None
         if host_master:
             self.master_grad_shard = offload.host_empty(n, torch.float32, device, pin=offload.optimizer_pin_memory)
             self.master_grad_shard.zero_()
@@ -253,6 +261,17 @@ class ParamGroup:
         if self.swapper is not None:
             self.swapper.mark_dirty(self.lp_shard)
             self.lp_out()
+
+    def discard(self) -> None:
+        """Free this group's storage; parameters another group now manages (a stage-3 strategy taking
+        over `zero.Init`'s groups) are left alone, the others get the empty placeholder."""
+        for p, st in zip(self.params, self.states):
+            if param_state(p) is st:
+                p.data = self.placeholder
+        self.full_flat.untyped_storage().resize_(0)
+        self.lp_shard = self.lp_shard.new_empty(0)
+        self.state = RELEASED
+        self._handle = None
 
     def refresh(self) -> None:
         """Re-gather a gathered group after its lp shard changed (no-op when released)."""

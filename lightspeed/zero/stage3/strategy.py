@@ -45,11 +45,13 @@ from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.zero import param_access
 from lightspeed.zero.partition import Range
 from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
 from lightspeed.zero.stage3.gathered import take_pending_external
-from lightspeed.zero.stage3.init import init_record, materialize_module, seed_from_global_rng
+from lightspeed.zero.stage3.init import (StandaloneScheduler, init_record, materialize_module, seed_from_global_rng,
+                                         take_init_groups)
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.units import LeafRule, choose_units
 from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
@@ -140,6 +142,7 @@ class Stage3Strategy:
         self.setup_peak_numel = 0  # most full-size parameter elements alive at once while sharding
         self.units = choose_units(module, self.options.leaf_rule)
         self.groups = self._build_groups(opt_index, stream)
+        self._group_set = set(self.groups)
         self._mark_persistent()
         self._opt_params: list[tuple[torch.Tensor, torch.Tensor]] = []  # (optimizer's tensor, its grad)
         self._opt_pieces: dict[int, list[tuple[Range, torch.Tensor, int]]] = {}  # id(group) -> its optimizer tensors
@@ -166,6 +169,30 @@ class Stage3Strategy:
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
                                        units=[u.module for u in self.units], unit_of=unit_of)
+        param_access.register(self, [p for g in self.groups for p in g.params])
+
+    def fragment(self, param: torch.nn.Parameter) -> param_access.ParamFragment | None:
+        """Where `param`'s values live: this rank's range of its group (see `zero/param_access.py`)."""
+        st = param_state(param)
+        if st is None or st.group not in self._group_set:
+            return None
+        g, r = st.group, st.range
+        inter = r.intersect(g.shard)
+        own = g.local(r) if inter.numel else Range(0, 0)
+        owned = inter.shift(-r.start) if inter.numel else Range(0, 0)
+        tensor, offset = g.optimizer_shard, own.start
+        for piece, _ in self._opt_params:  # the optimizer keeps state per piece of the shard
+            start = piece.storage_offset() - g.optimizer_shard.storage_offset()
+            if piece.untyped_storage().data_ptr() == g.optimizer_shard.untyped_storage().data_ptr() \
+                    and start <= own.start and own.end <= start + piece.numel():
+                tensor, offset = piece, own.start - start
+                break
+        grad = g.grad_shard[own.start:own.end] if g.grad_shard is not None else None
+        return param_access.ParamFragment(shape=torch.Size(st.shape), owned=owned,
+                                  master=g.optimizer_shard[own.start:own.end], grad=grad, optimizer_tensor=tensor,
+                                  state_offset=offset, comm=g.comm,
+                                  lp_owned=g.lp_shard[own.start:own.end] if g.master_shard is not None else None,
+                                  after_write=g.refresh, local=True)
 
     # ---------------------------------------------------------------- set-up
     @staticmethod
@@ -206,11 +233,17 @@ class Stage3Strategy:
         unit_numels = [sum(math.prod(shape_of(p)) for _, _, _, owned in u.members for _, p in owned) for u in self.units]
         what = "materializing and partitioning" if seeds else "partitioning"
         bar = progress(total=sum(unit_numels), desc=f"ZeRO-3: {what} parameters", unit="param", unit_scale=True)
+        init_groups: list[ParamGroup] = []  # zero.Init's groups, gathered as their values are taken over
         for unit, unit_numel in zip(self.units, unit_numels):
             for index, mname, m, owned in unit.members:
                 for _, p in owned:
                     if not p.is_floating_point():
                         raise TypeError(f"ZeRO stage 3 shards floating-point parameters only ({mname} has {p.dtype})")
+                    st = param_state(p)
+                    if st is not None and isinstance(st.group.coordinator, StandaloneScheduler):
+                        if st.group not in init_groups:
+                            init_groups.append(st.group)
+                        st.group.wait()  # gathered: `p.data` is the full value until the new group takes it
                 if index in seeds:
                     materialize_module(self.module, m, index, owned, seeds[index], self.device, shape_of)
             owned = unit.owned()
@@ -236,8 +269,17 @@ class Stage3Strategy:
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
                 full_numel -= g.layout.numel  # the values now live in the group's shard only
+            for ig in [ig for ig in init_groups if all(param_state(p) is not st for p, st in zip(ig.params, ig.states))]:
+                ig.discard()  # every parameter it held belongs to a group of this strategy now
+                init_groups.remove(ig)
             bar.update(unit_numel)
         bar.close()
+        for m in self.module.modules():
+            for ig in take_init_groups(m):  # also the groups of parameters no longer in the model
+                if ig not in init_groups:
+                    ig.discard()
+        for ig in init_groups:
+            ig.discard()
         return groups
 
     def _uses(self) -> dict[int, list[ParamGroup]]:

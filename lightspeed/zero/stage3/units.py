@@ -21,6 +21,9 @@ Note (the unit rule): the unit modules are
     A leaf inside a unit's region that contains no unit changes nothing (the unit already gathers it
     whole): leaves only ever coarsen, as the threshold does in DeepSpeed, where the default unit is
     every parameter-owning module.
+    - modules marked from code with `set_z3_leaf_modules(model, classes)` (DeepSpeed's function,
+         which accelerate calls for MoE blocks); the marks are kept in a weak set here, not on the
+         modules.
 Every module belongs to its nearest unit ancestor (itself, if a unit), and a unit's *region* is the
 modules that belong to it. A unit's parameter groups are the parameters first registered in its
 region (one group per `requires_grad` value); a parameter registered in several places (tied)
@@ -33,6 +36,7 @@ forward) needs `GatheredParameters`, as with FSDP2. The rule uses no model-speci
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +74,53 @@ class Unit:
 
     def owned(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [item for _, _, _, own in self.members for item in own]
+
+
+_MARKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # leaves set from code
+
+
+def _matching(model: torch.nn.Module, leaf_module_classes) -> list[torch.nn.Module]:
+    wanted = list(leaf_module_classes)
+    if not wanted or not all(isinstance(c, (type, str)) for c in wanted):
+        raise ValueError("set_z3_leaf_modules: leaf_module_classes must be a non-empty list of module classes "
+                         f"or class names (got {leaf_module_classes!r})")
+
+    def match(m: torch.nn.Module) -> bool:
+        return any(isinstance(m, c) if isinstance(c, type) else type(m).__name__ == c for c in wanted)
+
+    return [m for m in model.modules() if match(m)]
+
+
+def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True):
+    """DeepSpeed's `deepspeed.utils.set_z3_leaf_modules`: the modules of `model` that are instances of
+    (or whose class is named by) `leaf_module_classes` become ZeRO-3 leaf modules (gathered whole, see
+    this module's Note); call it before `initialize()`. Returns the modules marked."""
+    found = _matching(model, leaf_module_classes)
+    if not found and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules: no module of {leaf_module_classes!r} in the model")
+    for m in found:
+        _MARKED.add(m)
+    return found
+
+
+def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True):
+    """Undo `set_z3_leaf_modules` for those classes; returns the modules unmarked."""
+    found = _matching(model, leaf_module_classes)
+    if not found and raise_if_not_found:
+        raise ValueError(f"unset_z3_leaf_modules: no module of {leaf_module_classes!r} in the model")
+    for m in found:
+        _MARKED.discard(m)
+    return found
+
+
+def z3_leaf_module(module: torch.nn.Module) -> bool:
+    """True when `module` was marked a leaf by `set_z3_leaf_modules`."""
+    return module in _MARKED
+
+
+def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` marked by `set_z3_leaf_modules`."""
+    return [m for m in model.modules() if m in _MARKED]
 
 
 def _has_params(m: torch.nn.Module) -> bool:
@@ -112,7 +163,8 @@ def choose_units(root: torch.nn.Module, rule: LeafRule = LeafRule()) -> list[Uni
     def is_leaf(m: torch.nn.Module, name: str) -> bool:
         if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             return False  # no forward of their own: their hooks would never run
-        return rule.named(m, name) or gran.get(id(m), sys.maxsize) <= rule.granularity_threshold
+        return (rule.named(m, name) or m in _MARKED
+                or gran.get(id(m), sys.maxsize) <= rule.granularity_threshold)
 
     unit_ids: set[int] = {id(root)}
     seen: set[int] = {id(root)}

@@ -17,6 +17,7 @@ from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy, initialize_mod
 from lightspeed.zero.stage3.init import owned_params
 from lightspeed.zero.stage3.param_group import GATHERED, RELEASED, ParamGroup, reduce_scaling
 from lightspeed.zero.stage3.units import LeafRule, choose_units
+from lightspeed.zero.stage3.zero_param import ZeroParameter, ZeroParamStatus
 
 REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:
@@ -26,6 +27,13 @@ from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 TINY_GPT = GPTConfig.preset("demo", n_layer=1, n_embd=16, n_head=2, block_size=8)
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    # zero.Init partitions onto the training device (cuda:<local_rank> where there is one); these
+    # tests compare with CPU-built models, whose initial values come from the CPU generator
+    monkeypatch.setenv("LIGHTSPEED_ACCELERATOR", "cpu")
 
 
 def comm1():
@@ -107,10 +115,18 @@ def test_untested_optimizer_is_refused_unless_allowed():
     _strategy(TinyMLP(), Lamb(TinyMLP().parameters()), allow_untested_optimizer=True)
 
 
-def test_init_defers_parameters_and_keeps_buffers():
+def test_init_partitions_parameters_and_keeps_buffers():
     with Init(seed=3):
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-    assert all(p.is_meta for p in model.parameters())
+    assert all(type(p) is ZeroParameter and p.numel() == 0 for p in model.parameters())
+    w = model[0].weight
+    assert w.ds_shape == (8, 4) and w.ds_numel == 32 and w.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    assert w.ds_tensor.numel() == 32  # one process: this rank holds every element
+    with GatheredParameters(w):
+        assert w.shape == (8, 4) and w.ds_status == ZeroParamStatus.AVAILABLE
+        assert torch.equal(w, initialize_module_weights(torch.nn.Linear(4, 8), 3 + 1).weight)
+    assert w.numel() == 0
+    assert not hasattr(torch.nn.Parameter(torch.ones(1)), "ds_numel")
     assert not model[1].running_var.is_meta and torch.equal(model[1].running_var, torch.ones(8))
     with pytest.raises(NotImplementedError, match="offload"):
         Init(remote_device="cpu")
@@ -158,3 +174,64 @@ def test_gathered_parameters_modify_writes_lp_and_master_shards():
     assert torch.equal(s.module_state_dict()["fc2.bias"].float(), torch.arange(5.0))
     with GatheredParameters([model.fc2.bias, model.fc1.weight]) as (b, w):
         assert b.shape == (5,) and w.shape == (37, 13)
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+
+def test_set_z3_leaf_modules_makes_units_from_code():
+    from lightspeed.zero.stage3.units import (get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules,
+                                              z3_leaf_module)
+
+    model = torch.nn.Sequential(_Experts(), torch.nn.Linear(4, 4))
+    assert [u.name for u in choose_units(model)] == ["<root>", "0", "0.experts.0", "0.experts.1", "0.experts.2", "1"]
+    assert set_z3_leaf_modules(model, ["_Experts"]) == [model[0]]
+    assert z3_leaf_module(model[0]) and get_z3_leaf_modules(model) == [model[0]]
+    assert [u.name for u in choose_units(model)] == ["<root>", "0", "1"]  # the experts are gathered as one
+    assert unset_z3_leaf_modules(model, [_Experts]) == [model[0]] and not z3_leaf_module(model[0])
+    assert len(choose_units(model)) == 6
+    with pytest.raises(ValueError, match="no module"):
+        set_z3_leaf_modules(model, [torch.nn.Conv1d])
+    assert set_z3_leaf_modules(model, [torch.nn.Conv1d], raise_if_not_found=False) == []
+
+
+def test_init_signature_dtype_config_module_and_nesting():
+    with Init(dtype=torch.bfloat16, seed=1):
+        a = torch.nn.Linear(4, 4)
+    with Init(config_dict_or_path={"bf16": {"enabled": True}}, seed=1):
+        b = torch.nn.Linear(4, 4)
+    for layer in (a, b):
+        assert param_state(layer.weight).group.lp_shard.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
+    with pytest.raises(NotImplementedError, match="offload"):
+        Init(config_dict_or_path={"zero_optimization": {"offload_param": {"device": "cpu"}}})
+    with pytest.raises(NotImplementedError, match="hpZ"):
+        Init(zero_param_parallel_group=object())
+    built = torch.nn.Linear(3, 2)
+    value = built.weight.detach().clone()
+    Init(module=built)  # an already built model is partitioned at once
+    assert built.weight.numel() == 0 and built.weight.ds_shape == (2, 3)
+    with GatheredParameters(built.weight):
+        assert torch.equal(built.weight, value)
+    with Init(seed=2):  # nested blocks partition once, when the outermost ends
+        with Init(seed=3):
+            inner = torch.nn.Linear(2, 2)
+        assert inner.weight.is_meta
+    assert inner.weight.numel() == 0 and param_state(inner.weight) is not None
+
+
+def test_init_model_is_taken_over_by_the_strategy_with_pending_external_parameters():
+    from lightspeed.zero import register_external_parameter
+    from lightspeed.zero.stage3.init import StandaloneScheduler
+
+    with Init(seed=4):
+        model = GPT(TINY_GPT)
+        register_external_parameter(model.blocks[0], model.wte.weight)  # before any strategy exists
+    ds_id = model.wte.weight.ds_id
+    assert isinstance(param_state(model.wte.weight).group.coordinator, StandaloneScheduler)
+    s = _strategy(model)
+    st = param_state(model.wte.weight)
+    assert st.group in s.groups and model.wte.weight.ds_id == ds_id  # same id after the take-over
+    assert st.group in s.coordinator.uses[id(model.blocks[0])]

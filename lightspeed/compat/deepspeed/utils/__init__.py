@@ -1,5 +1,7 @@
 """`deepspeed.utils`: the logger, `log_dist`, `RepeatingLoader`, `OnDevice`, `groups`, and the comm
-functions DeepSpeed re-exports here (`is_initialized`)."""
+functions DeepSpeed re-exports here (`is_initialized`), ZeRO-3 leaf modules set from code
+(`set_z3_leaf_modules`, ...: lightspeed.zero.stage3.units) and the parameter accessors
+(`safe_get_full_fp32_param`, ...: lightspeed.zero.param_access)."""
 
 import importlib
 import logging
@@ -7,8 +9,8 @@ import logging
 from lightspeed._utils.init_on_device import OnDevice
 from lightspeed._utils.logging import current_rank, get_logger
 from lightspeed.comm.api import get_local_rank, is_initialized
-from lightspeed.compat.deepspeed._missing import missing_function
 from lightspeed.runtime.dataloader import RepeatingLoader
+from lightspeed.zero.stage3.units import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
 logger = get_logger("lightspeed")
 
@@ -21,25 +23,15 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
         get_logger("lightspeed.log_dist").log(level, "[Rank %d] %s", rank, message, extra={"all_ranks": True})
 
 
-_LEAF = ("ZeRO-3 leaf modules set from code (the config's zero_optimization.leaf_module and "
-         "stage3_module_granularity_threshold are built)")
-set_z3_leaf_modules = missing_function("deepspeed.utils.set_z3_leaf_modules", _LEAF)
-unset_z3_leaf_modules = missing_function("deepspeed.utils.unset_z3_leaf_modules", _LEAF)
-get_z3_leaf_modules = missing_function("deepspeed.utils.get_z3_leaf_modules", _LEAF)
-z3_leaf_module = missing_function("deepspeed.utils.z3_leaf_module", _LEAF)
-
-
 def __getattr__(name: str):
     if name in ("groups", "zero_to_fp32"):
         return importlib.import_module(f"{__name__}.{name}")
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                 "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
                 "safe_get_local_grad", "safe_get_local_optimizer_state"):
-        import lightspeed.zero as zero
+        from lightspeed.zero import param_access as fragments
 
-        if hasattr(zero, name):
-            return getattr(zero, name)
-        raise NotImplementedError(f"deepspeed.utils.{name}: not implemented in lightspeed yet")
+        return getattr(fragments, name)
     raise AttributeError(f"module 'deepspeed.utils' (lightspeed) has no attribute {name!r}")
 
 

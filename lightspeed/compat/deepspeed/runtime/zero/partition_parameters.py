@@ -1,12 +1,12 @@
-"""`deepspeed.runtime.zero.partition_parameters`: where DeepSpeed defines `Init`, `GatheredParameters`
-and `register_external_parameter` (lightspeed.zero's objects), and the two names transformers'
-`prevent_arange_dtype_change` swaps around `from_pretrained` under ZeRO-3.
+"""`deepspeed.runtime.zero.partition_parameters`: where DeepSpeed defines `Init`, `GatheredParameters`,
+`register_external_parameter` and `ZeroParamStatus` (lightspeed.zero's objects), and the two names
+transformers' `prevent_arange_dtype_change` swaps around `from_pretrained` under ZeRO-3.
 
 Note: the tensor-constructor hook
     DeepSpeed's Init wraps torch's tensor constructors through `zero_wrapper_for_fp_tensor_constructor`,
     casting floating tensors made inside to the config's dtype and device; transformers replaces that
     hook for `torch.arange` (`_orig_torch_arange`) so RoPE buffers keep their dtype. lightspeed's Init
-    wraps no constructor (parameters become meta at registration, buffers stay as built), so nothing
+    wraps no constructor (parameters are redirected at registration, buffers stay as built), so nothing
     here reads the hook: transformers' swap has nothing to undo, which is the outcome it wants. The
     function is DeepSpeed's, for callers that use it directly.
 """
@@ -14,6 +14,7 @@ Note: the tensor-constructor hook
 import torch
 
 from lightspeed.zero import GatheredParameters, Init, register_external_parameter
+from lightspeed.zero.stage3.zero_param import ZeroParameter, ZeroParamStatus
 
 _orig_torch_arange = torch.arange
 
@@ -31,4 +32,5 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, tar
     return wrapped_fn
 
 
-__all__ = ["GatheredParameters", "Init", "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParameter", "register_external_parameter",
+           "zero_wrapper_for_fp_tensor_constructor"]

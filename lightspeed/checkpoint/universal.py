@@ -79,7 +79,7 @@ class LightspeedSource:
         self.index: dict[str, list[_Saved]] = {}
         self.order: list[str] = []
         sizes = [p.stat().st_size if p.exists() else 0 for p in self.paths]
-        with progress(total=sum(sizes), desc=f"checking checkpoint {reader.path.name}", unit="B", unit_scale=True,
+        with progress(total=sum(sizes), desc=f"loading checkpoint {reader.path.name}", unit="B", unit_scale=True,
                       unit_divisor=1024) as bar:
             for i, ((name, writer_rank), path) in enumerate(zip(files, self.paths)):
                 self._open(i, reader.load(name, writer_rank=writer_rank, mmap=True), path)

@@ -86,8 +86,8 @@ def test_sharded_checkpoint_resume_is_identical(tmp_path, stage):
     for first, uninterrupted, resumed in run_world(_resume_worker, 2, str(tmp_path), cfg):
         assert resumed == uninterrupted
     files = sorted(p.name for p in (tmp_path / "global_step4").iterdir())
-    assert files == ["model_states.pt", "optim_states_rank0.pt", "optim_states_rank1.pt", "rng_rank0.pt",
-                     "rng_rank1.pt"]
+    assert files == ["checksums_rank0.json", "checksums_rank1.json", "model_states.pt", "optim_states_rank0.pt",
+                     "optim_states_rank1.pt", "rng_rank0.pt", "rng_rank1.pt"]
 
 
 def _gpt_losses(stage: int, steps: int = 6):

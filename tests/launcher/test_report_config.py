@@ -122,7 +122,7 @@ def test_config_check_on_real_configs(cli, name, code, expected):
 
 
 def test_config_check_runs_initializes_validation_and_lists_unimplemented_settings_with_problems(cli, tmp_path):
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 7}, "wandb": {"enabled": True},
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 7}, "trackio": {"enabled": True},
               "optimizer": {"type": "Adam", "params": {"lr": "fast", "weight_decy": 0.1}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -5}}}
     (tmp_path / "c.json").write_text(json.dumps(config))
@@ -135,6 +135,6 @@ def test_config_check_runs_initializes_validation_and_lists_unimplemented_settin
         '  optimizer.params.weight_decy: unknown key; did you mean "weight_decay"?',
         "  scheduler.params.warmup_num_steps: must be a positive integer (got -5)",
         "not implemented yet in lightspeed (1; lightspeed.initialize refuses them):",
-        "  wandb.enabled=true is not implemented yet",
+        "  trackio.enabled=true is not implemented yet",
         "result: invalid",
     ]

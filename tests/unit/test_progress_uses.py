@@ -44,7 +44,7 @@ class Recorder:
 @pytest.fixture
 def bars(monkeypatch):
     Recorder.made = []
-    for module in ("lightspeed.zero.stage3.strategy", "lightspeed.checkpoint.engine_checkpoint",
+    for module in ("lightspeed.zero.stage3.strategy", "lightspeed.checkpoint.universal",
                    "lightspeed.inference.checkpoint", "lightspeed.inference.engine"):
         monkeypatch.setattr(f"{module}.progress", Recorder)
     return Recorder.made
@@ -65,8 +65,9 @@ def test_stage3_partitioning_bar_counts_every_parameter(bars, under_init):
     lightspeed.initialize(model=model, config=STAGE3, dist_init_required=False)
     (bar,) = bars
     assert bar.total == bar.n == numel and bar.closed
-    assert bar.desc == ("ZeRO-3: materializing and partitioning parameters" if under_init
-                        else "ZeRO-3: partitioning parameters")
+    # under zero.Init the model was materialized and partitioned as the block ended: initialize() only
+    # takes its groups over
+    assert bar.desc == "ZeRO-3: partitioning parameters"
 
 
 def test_engine_checkpoint_loading_bar_counts_the_files_bytes(bars, tmp_path):
@@ -75,7 +76,7 @@ def test_engine_checkpoint_loading_bar_counts_the_files_bytes(bars, tmp_path):
     bars.clear()
     engine.load_checkpoint(tmp_path, tag="t")
     (bar,) = bars
-    files = sum(f.stat().st_size for f in (tmp_path / "t").iterdir())
+    files = sum(f.stat().st_size for f in (tmp_path / "t").iterdir() if f.name.startswith("optim_states"))
     assert bar.total == bar.n == files and bar.closed and bar.desc == "loading checkpoint t"
 
 

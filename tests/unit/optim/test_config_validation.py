@@ -58,14 +58,14 @@ def test_a_valid_config_passes_both_and_nothing_is_kept_or_logged(ls_caplog):
 
 
 def test_every_problem_and_every_unimplemented_setting_at_once():
-    config = {**BATCH, "zero_optimization": {"stage": 7}, "wandb": {"enabled": True},
+    config = {**BATCH, "zero_optimization": {"stage": 7}, "trackio": {"enabled": True},
               "optimizer": {"type": "Adam", "params": {"lr": -1}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}
     found = validate_training_config(config, world_size=1)
     assert found.problems == ["zero_optimization.stage: must be 0, 1, 2 or 3 (got 7)",
                               "optimizer.params.lr: must be a number >= 0 (got -1)",
                               "scheduler.params.warmup_num_steps: must be a positive integer (got 0)"]
-    assert found.unimplemented == ["wandb.enabled=true is not implemented yet"]
+    assert found.unimplemented == ["trackio.enabled=true is not implemented yet"]
 
 
 def test_an_unimplemented_optimizer_is_listed_not_reported_as_a_problem():

@@ -17,7 +17,7 @@ OPT = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}
 
 
 def _stage(stage: int, bf16: bool):
-    from lightspeed.zero import fragments as f
+    from lightspeed.zero import param_access as f
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = {"train_batch_size": 4 * world, "gradient_accumulation_steps": 2, "optimizer": OPT,
@@ -93,7 +93,7 @@ def test_accessors_agree_at_every_stage(bf16):
 
 
 def _grad_worker():
-    from lightspeed.zero.fragments import safe_get_full_grad
+    from lightspeed.zero.param_access import safe_get_full_grad
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model = TinyMLP()

@@ -9,7 +9,10 @@ from typing import Any, Protocol
 
 import torch
 
+from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
+from lightspeed.config.errors import ConfigError
+from lightspeed.optim.onebit.base import ReducesOwnGradients
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.reduce import ReduceOptions
 from lightspeed.zero.sharded_step import StepResult
@@ -64,13 +67,19 @@ def strategy_places_params(cfg) -> bool:
 def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPolicy,
                     comm: Communicator, device: torch.device | None = None) -> ShardingStrategy:
     stage = cfg.zero_optimization.stage
+    if isinstance(optimizer, ReducesOwnGradients) and stage != 0:
+        raise ConfigError(f"zero_optimization.stage: {type(optimizer).__name__} communicates compressed momentum "
+                          f"instead of gradients and runs at ZeRO stage 0 only (got stage {stage})")
+    collectives = Collectives.default(comm)
     if stage == 0:
-        return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy))
+        return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy), collectives=collectives)
     if stage in (1, 2):
         return ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
-                               allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer))
+                               allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer),
+                               collectives=collectives)
     if stage == 3:
         from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy
 
-        return Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy), device=device)
+        return Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy), device=device,
+                              collectives=collectives)
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")

@@ -7,9 +7,11 @@ and writes the low-precision parameters in one pass) or unfused (fp32 gradient c
 then `optimizer.step()`). Must not: know a stage, reduce gradients, or write parameters back (the
 strategy does that after the step: copy, all-gather or release).
 
-Note (agreement): `agree` is the communicator over which the shards differ (the data-parallel group of
-the sharded stages), or None when every rank holds the same whole gradients (stage 0), where no
-collective is needed: each rank reaches the same decision on its own.
+Note (agreement): `agree` is the all-reduce over the group in which the shards differ (the
+data-parallel group of the sharded stages), or None when every rank holds the same whole gradients
+(stage 0), where no collective is needed: each rank reaches the same decision on its own. With
+`agree_norm=False` only the inf/nan decision is agreed and each rank's norm is its own: the case of
+an optimizer that reduces the gradients itself (one-bit), whose ranks step on local gradients.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightspeed.comm.collectives import Communicator
+from lightspeed.comm.codecs import AllReduce
 from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
 
@@ -54,22 +56,22 @@ class ShardViews:
 
 
 def sharded_step(views: ShardViews, loss_scale: float | None, max_norm: float, *, check_overflow: bool,
-                 agree: Communicator | None) -> StepResult:
+                 agree: AllReduce | None, agree_norm: bool = True) -> StepResult:
     """One optimizer step over `views` (see the module docstring). `loss_scale` None means no loss
     scaling; `check_overflow` skips the step when any gradient holds inf/nan on any rank of `agree`."""
     if check_overflow:
         flags = [flat_has_inf_or_nan(g).reshape(1) for g in views.grads]
         flag = torch.cat(flags).amax() if flags else torch.zeros((), device=views.device)
         if agree is not None:
-            agree.all_reduce(flag, op="max")
+            agree(flag, op="max")
         if bool(flag):
             return StepResult(False, None)
     for grad, master_grad in zip(views.grads, views.master_grads):
         if master_grad is not grad:
             master_grad.copy_(grad)
     sq = squared_norm(views.master_grads).to(views.device)
-    if agree is not None:
-        agree.all_reduce(sq)
+    if agree is not None and agree_norm:
+        agree(sq)
     scale = loss_scale or 1.0
     norm = sq.sqrt() / scale
     coef = grad_coefficient(norm, scale, max_norm) if scale != 1.0 or max_norm > 0 else None

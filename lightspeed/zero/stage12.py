@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
@@ -63,7 +64,8 @@ class ShardedStrategy:
     state_is_replicated = False
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
-                 comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False):
+                 comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False,
+                 collectives: Collectives | None = None):
         assert stage in (1, 2)
         check_optimizer(optimizer, allow_untested_optimizer, stage)
         # fused ZeRO step: the optimizer reads the reduced (low-precision) gradient shard itself,
@@ -71,6 +73,7 @@ class ShardedStrategy:
         self._fused = fused_step(optimizer)
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
+        self.collectives = collectives or Collectives.default(comm)
         world, rank = comm.world_size, comm.rank
         names = {id(p): n for n, p in module.named_parameters()}
         self.shards: list[Shard] = []
@@ -157,7 +160,7 @@ class ShardedStrategy:
             out = flat.lp_flat[bucket.start:bucket.start + bucket.padded_numel]
             # gloo may not accept an input that aliases the output; NCCL handles in-place all-gather
             chunk = flat.lp_flat[flat_slice]
-            self.comm.all_gather(out, chunk if chunk.is_cuda else chunk.clone())
+            self.collectives.all_gather(out, chunk if chunk.is_cuda else chunk.clone())
 
     def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
         for s in self.shards:
@@ -206,7 +209,7 @@ class ShardedStrategy:
                                      device=bucket.flat.device)
             send, post = self.reduce.prepare(staged, world)
         out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
-        handle = self.comm.reduce_scatter(out, send, async_op=True)
+        handle = self.collectives.reduce_scatter(out, send, async_op=True)
         pending = PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
         if not self.reduce.overlap_comm:
             pending.wait()
@@ -225,7 +228,8 @@ class ShardedStrategy:
     def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
         self.buckets.wait()
         check = check_overflow if check_overflow is not None else loss_scale is not None
-        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check,
+                               agree=self.collectives.all_reduce)
         if result.applied:
             for s in self.shards:
                 if s.stepped:

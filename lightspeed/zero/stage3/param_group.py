@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from lightspeed._utils.flat import FlatLayout, flat_views
+from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.zero.partition import Range, shard_range
 
@@ -94,11 +95,13 @@ class ParamGroup:
 
     def __init__(self, name: str, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  values: Sequence[torch.Tensor], comm: Communicator, *, dtype: torch.dtype, device: torch.device,
-                 grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True):
+                 grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True,
+                 collectives: Collectives | None = None):
         """`values[i]` holds the full value of `params[i]` (any dtype/device). Every rank passes its own
         values and rank 0's win (broadcast), so all ranks start identical. `fp32_grad_copy=False` (the
         fused optimizer step reads low-precision gradients itself) skips the fp32 gradient shard."""
         self.name, self.comm, self.dtype, self.device, self.stream = name, comm, dtype, device, stream
+        self.collectives = collectives or Collectives.default(comm)
         self.params = list(params)
         self.trainable = self.params[0].requires_grad
         assert all(p.requires_grad == self.trainable for p in self.params)
@@ -158,9 +161,9 @@ class ParamGroup:
         if self.stream is not None:
             self.stream.wait_current()  # outside the context: the side stream waits for the compute stream
             with self.stream.context():
-                self._handle = self.comm.all_gather(self.full_flat, self.lp_shard, async_op=True)
+                self._handle = self.collectives.all_gather(self.full_flat, self.lp_shard, async_op=True)
         else:
-            self._handle = self.comm.all_gather(self.full_flat, self.lp_shard, async_op=True)
+            self._handle = self.collectives.all_gather(self.full_flat, self.lp_shard, async_op=True)
         self.state = INFLIGHT
 
     def wait(self) -> None:
@@ -189,7 +192,7 @@ class ParamGroup:
         """Re-gather a gathered group after its lp shard changed (no-op when released)."""
         if self.state != RELEASED:
             self.wait()
-            self.comm.all_gather(self.full_flat, self.lp_shard)
+            self.collectives.all_gather(self.full_flat, self.lp_shard)
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self, prescale: bool, predivide: float, reduce_dtype: torch.dtype | None) -> PendingGrad:
@@ -206,7 +209,7 @@ class ParamGroup:
         if pre != 1.0:
             send.mul_(pre)
         out = send.new_empty(self.shard_numel)
-        handle = self.comm.reduce_scatter(out, send, async_op=True)
+        handle = self.collectives.reduce_scatter(out, send, async_op=True)
         return PendingGrad(handle, out, send, post, self.grad_shard)
 
     # ------------------------------------------------------------------ values in and out

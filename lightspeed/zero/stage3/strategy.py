@@ -36,6 +36,7 @@ import torch
 
 from lightspeed._utils.device import Stream
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.partition import Range
@@ -99,13 +100,15 @@ class Stage3Strategy:
     state_is_replicated = False  # each rank holds its own slices: every rank writes its file
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
-                 comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None):
+                 comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None,
+                 *, collectives: Collectives | None = None):
         self.options = options or Stage3Options()
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
         self._fused = fused_step(optimizer)  # the optimizer unscales, clips and writes the lp shards
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
+        self.collectives = collectives or Collectives.default(comm)
         self.device = torch.device(device) if device is not None else self._infer_device(module)
         self.gather_16bit_weights_on_model_save = self.options.gather_16bit_weights_on_model_save
         stream = Stream(self.device) if self.device.type == "cuda" else None
@@ -175,7 +178,7 @@ class Stage3Strategy:
                 sel.sort(key=lambda item: opt_index.get(id(item[1]), last))
                 name = unit.name + ("" if trainable else " (frozen)")
                 g = ParamGroup(name, [p for _, p in sel], [n for n, _ in sel], [p.detach() for _, p in sel], self.comm,
-                               dtype=self.policy.param_dtype, device=self.device,
+                               collectives=self.collectives, dtype=self.policy.param_dtype, device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
                                keep_master=self.policy.master_dtype is not None, stream=stream,
                                fp32_grad_copy=not self._fused)
@@ -258,7 +261,8 @@ class Stage3Strategy:
         use)."""
         self.coordinator.wait_reduces()
         check = check_overflow if check_overflow is not None else loss_scale is not None
-        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check,
+                              agree=self.collectives.all_reduce)
         if not result.applied:
             return result
         if not self._views.optimizer_writes_lowp:

@@ -75,6 +75,13 @@ class Communicator:
         self.rank = dist.get_rank(group) if dist.is_initialized() and world_size > 1 else 0
         self.stats = stats if stats is not None else CommStats()
 
+    @property
+    def backend(self) -> str | None:
+        """The group's backend name ("gloo", "nccl", ...), or None without a process group."""
+        if not dist.is_initialized():
+            return None
+        return str(dist.get_backend(self.group)).lower()
+
     def _issue(self, name: str, tensor: torch.Tensor, nbytes: int, call: Callable[[bool], Any], async_op: bool):
         """Run `call(async_op)`; when the comms logger profiles `name`, run it to completion and time it."""
         if not COMMS_LOGGER.profiles(name):

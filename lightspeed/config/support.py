@@ -9,7 +9,8 @@ Implemented today, hence absent: the batch triad, steps_per_print, wall_clock_br
 gradient_clipping, prescale_gradients, gradient_predivide_factor, optimizer, scheduler, fp16 (not
 auto_cast, not fp16_master_weights_and_grads), bf16, ZeRO stage 0, data_types.grad_accum_dtype,
 communication_data_type, checkpoint.tag_validation, memory_breakdown, dump_state; also
-dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
+dataloader_drop_last (the engine's deepspeed_io), the one-bit optimizers (OneBitAdam, ZeroOneAdam,
+OneBitLamb) and comms_logger and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``).
 ``aio`` is not listed: it only matters with NVMe offload, which is.
 """
@@ -82,8 +83,6 @@ def _offload(block: str, device: str) -> Unimplemented:
 
 IMPLEMENTED_STAGES = (0, 1, 2, 3)  # ZeRO stages the engine runs; the others raise NotImplementedError
 
-_ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
-
 UNIMPLEMENTED: list[Unimplemented] = [
     # ZeRO
     Unimplemented("zero_optimization.stage", lambda cfg: cfg.zero_optimization.stage not in IMPLEMENTED_STAGES),
@@ -113,10 +112,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     Unimplemented("gradient_allreduce_op", lambda cfg: cfg.gradient_allreduce_op != "mean"),
     Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
     Unimplemented("sequence_parallel_size", lambda cfg: (cfg.sequence_parallel_size or 1) > 1),
-    Unimplemented(
-        "optimizer.type",
-        lambda cfg: cfg.optimizer is not None and cfg.optimizer.type.lower() in _ONEBIT_OPTIMIZERS,
-    ),
     # Features
     _changed("activation_checkpointing"),
     _changed("pipeline"),
@@ -137,7 +132,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("csv_monitor.enabled"),
     _flag("comet.enabled"),
     _flag("trackio.enabled"),
-    _flag("comms_logger.enabled"),
     # Training-efficiency research features
     Unimplemented(
         "compression_training",

@@ -9,6 +9,7 @@ import torch
 from lightspeed import config as config_mod
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm import comms_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
@@ -39,7 +40,7 @@ def _config_source(args, config, config_params):
     return config
 
 
-def _build_optimizer(optimizer, cfg, module, model_parameters):
+def _build_optimizer(optimizer, cfg, module, model_parameters, comm: Communicator):
     params = list(model_parameters) if model_parameters is not None else list(module.parameters())
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer: given both in the config and to initialize(); pass one")
@@ -48,7 +49,7 @@ def _build_optimizer(optimizer, cfg, module, model_parameters):
     if callable(optimizer):
         return optimizer(params)
     if cfg.optimizer is not None:
-        return build_optimizer(cfg.optimizer, params)
+        return build_optimizer(cfg.optimizer, params, comm=comm)
     return None
 
 
@@ -97,8 +98,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             raise ConfigError(f"zero_optimization.stage: a model built under lightspeed.zero.Init (meta parameters) "
                               f"needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
-    optimizer = _build_optimizer(optimizer, cfg, model, model_parameters)
     comm = Communicator(groups.dp_group, groups.dp_world_size)
+    comms_logger.configure(cfg.comms_logger)
+    optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device)
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there

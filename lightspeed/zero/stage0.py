@@ -183,8 +183,16 @@ class Stage0Strategy:
                 for flat in self.flats for p in flat.params]
 
     def state_dict(self) -> dict[str, Any]:
-        return fragments_state_dict(self.fragments(), self.optimizer, stage=0, dp_world_size=self.comm.world_size,
-                                    dp_rank=self.comm.rank)
+        # an optimizer with per-rank state (one-bit error feedback) gathers it into its param groups, which
+        # rank 0 writes with the rest; every rank calls state_dict, so the gather is collective
+        if self._owner is not None:
+            self._owner.gather_error_feedback()
+        try:
+            return fragments_state_dict(self.fragments(), self.optimizer, stage=0,
+                                        dp_world_size=self.comm.world_size, dp_rank=self.comm.rank)
+        finally:
+            if self._owner is not None:
+                self._owner.drop_gathered_error_feedback()
 
     def masters_loaded(self) -> None:
         """The fp32 masters were overwritten (a checkpoint): make the parameters follow them."""

@@ -36,10 +36,13 @@ def unpack_signs(packed: torch.Tensor, numel: int, scales: torch.Tensor | None =
         raise ValueError(f"unpack_signs: need uint8 with at least {(numel + 7) // 8} bytes, got {packed.dtype} "
                          f"[{packed.numel()}]")
     bits = (packed.reshape(-1, 1) & _weights(packed.device)) != 0
-    out = bits.reshape(-1)[:numel].to(dtype).mul_(2).sub_(1)
-    if scales is not None:
+    out = bits.reshape(-1)[:numel].to(torch.float32).mul_(2).sub_(1)
+    if scales is not None:  # in fp32, then one rounding to `dtype`
         if chunk is None or chunk <= 0 or scales.numel() * chunk < numel:
             raise ValueError(f"unpack_signs: {scales.numel()} scales of chunk {chunk} do not cover {numel} elements")
-        out = out.view(-1, chunk).mul_(scales.reshape(-1, 1)[: numel // chunk].to(dtype)).reshape(-1) \
-            if numel % chunk == 0 else out.mul_(scales.to(dtype).repeat_interleave(chunk)[:numel])
-    return out
+        scales = scales.reshape(-1).to(torch.float32)
+        if numel % chunk == 0:
+            out = out.view(-1, chunk).mul_(scales[: numel // chunk, None]).reshape(-1)
+        else:
+            out = out.mul_(scales.repeat_interleave(chunk)[:numel])
+    return out if dtype == torch.float32 else out.to(dtype)

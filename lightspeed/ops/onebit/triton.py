@@ -2,7 +2,8 @@
 
 `pack_signs`: one program per BLOCK bytes reads [BLOCK, 8] elements and sums their shifted sign bits.
 `unpack_signs`: one program per BLOCK elements reads each element's byte, picks its bit and writes
-+1 / -1, times its chunk's scale when there are scales.
++1 / -1, or +-scale of its chunk when there are scales . The kernel writes fp32 (the
+optimizers' dtype); another output dtype is one torch cast of that, so it rounds as the reference.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _unpack_kernel(packed_ptr, scale_ptr, out_ptr, n, chunk, HAS_SCALE: tl.const
     val = bit.to(tl.float32) * 2.0 - 1.0
     if HAS_SCALE:
         val = val * tl.load(scale_ptr + idx // chunk, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + idx, val.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + idx, val, mask=mask)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
@@ -54,10 +55,10 @@ def unpack_signs(packed: torch.Tensor, numel: int, scales: torch.Tensor | None =
                          f"[{packed.numel()}]")
     if scales is not None and (chunk is None or chunk <= 0 or scales.numel() * chunk < numel):
         raise ValueError(f"unpack_signs: {scales.numel()} scales of chunk {chunk} do not cover {numel} elements")
-    out = torch.empty(numel, dtype=dtype, device=packed.device)
+    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     if numel:
         scale_arg = scales.reshape(-1).contiguous() if scales is not None else out
         _unpack_kernel[(triton.cdiv(numel, UNPACK_BLOCK),)](packed.contiguous(), scale_arg, out, numel,
                                                             chunk or 1, HAS_SCALE=scales is not None,
                                                             BLOCK=UNPACK_BLOCK)
-    return out
+    return out if dtype == torch.float32 else out.to(dtype)

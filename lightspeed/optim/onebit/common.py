@@ -11,9 +11,12 @@ parameter (the server error is this rank's chunk of the flat buffer), so they ca
 exp_avg. `gather_error_feedback()` (called by the strategy, on every rank, while it builds its state
 dict) puts every rank's buffers into the first param group under `ERROR_FEEDBACK_KEY`, which the
 checkpoint saves with the group's hyperparameters; `load_state_dict` takes this rank's row back out.
-At the same world size the resumed run continues bit for bit; at another world size the buffers
-cannot be re-cut (the chunks are per rank) and start from zero, as DeepSpeed always does on load (its
-own note: an occasional reset does not hurt convergence), with a warning.
+The same goes for state that differs between ranks for a while (0/1 Adam's local steps: parameters,
+momentum and the summed local moves), for which the saved fragments hold rank 0's values. At the same
+world size the resumed run continues bit for bit; at another world size the buffers cannot be re-cut
+(the chunks are per rank) and start from zero, as DeepSpeed always does on load (its own note: an
+occasional reset does not hurt convergence), and every rank continues from rank 0's state, with a
+warning.
 
 Note (DeepSpeed's keys): `comm_backend_name` left unset (or "nccl" on an NCCL group, "hccl" on an HCCL
 group, "compressed", whose meaning is the same exchange over the group's backend) compresses over the
@@ -123,24 +126,48 @@ class OneBitOptimizer(torch.optim.Optimizer):
             pos += t.numel()
 
     # ------------------------------------------------------------------ checkpoints
+    #: optimizer-state keys whose values differ from rank to rank (0/1 Adam's local steps), and whether
+    #: the parameters themselves do
+    per_rank_state: tuple[str, ...] = ()
+    per_rank_params = False
+
+    def _with_state(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if "exp_avg" in self.state.get(p, {})]
+
+    def _rank_rows(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors that differ from other ranks', each flat."""
+        rows: dict[str, torch.Tensor] = {}
+        if self._errors is not None:
+            rows["worker"], rows["server"] = self._errors
+        params = self._with_state()
+        if params:
+            for key in self.per_rank_state:
+                rows[key] = torch.cat([self.state[p][key].reshape(-1).float() for p in params])
+            if self.per_rank_params:
+                rows["param"] = torch.cat([p.detach().reshape(-1).float() for p in params])
+        return rows
+
     def gather_error_feedback(self) -> None:
-        """Collective: every rank's error buffers into param_groups[0][ERROR_FEEDBACK_KEY]."""
+        """Collective: every rank's error buffers (and other per-rank state) into
+        param_groups[0][ERROR_FEEDBACK_KEY], one row per rank."""
         self.drop_gathered_error_feedback()
-        if self._errors is None or self.world_size == 1:
+        if self.world_size == 1:
             return
         comm, world = self.codec.comm, self.world_size
-        rows = []
-        for e in self._errors:
-            out = torch.empty(world * e.numel(), dtype=e.dtype, device=e.device)
-            comm.all_gather(out, e.clone())
-            rows.append(out.view(world, -1).cpu())
-        self.param_groups[0][ERROR_FEEDBACK_KEY] = {"world_size": world, "numel": self._errors_numel,
-                                                    "block": self.codec.block, "worker": rows[0], "server": rows[1]}
+        gathered = {}
+        for key, row in self._rank_rows().items():
+            out = torch.empty(world * row.numel(), dtype=row.dtype, device=row.device)
+            comm.all_gather(out, row.clone())
+            gathered[key] = out.view(world, -1).cpu()
+        if gathered:
+            self.param_groups[0][ERROR_FEEDBACK_KEY] = {"world_size": world, "numel": self._errors_numel,
+                                                        "block": self.codec.block, "rows": gathered}
 
     def drop_gathered_error_feedback(self) -> None:
         for g in self.param_groups:
             g.pop(ERROR_FEEDBACK_KEY, None)
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         saved = None
         for g in state_dict.get("param_groups", []):
@@ -155,11 +182,20 @@ class OneBitOptimizer(torch.optim.Optimizer):
             return
         if saved["world_size"] != self.world_size or saved["block"] != self.codec.block:
             logger.warning("%s: the checkpoint's error-feedback buffers belong to %d ranks (this run has %d); they "
-                           "start from zero", type(self).__name__, saved["world_size"], self.world_size)
+                           "start from zero, and every rank continues from data-parallel rank 0's state",
+                           type(self).__name__, saved["world_size"], self.world_size)
             return
-        rank = self.codec.comm.rank
-        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
-        worker, server = self.codec.error_buffers(int(saved["numel"]), device)
-        worker.copy_(saved["worker"][rank])
-        server.copy_(saved["server"][rank])
-        self._errors, self._errors_numel = (worker, server), int(saved["numel"])
+        rank, rows = self.codec.comm.rank, saved["rows"]
+        params = self._with_state()
+        for key in [k for k in rows if k not in ("worker", "server")]:
+            flat, pos = rows[key][rank], 0
+            for p in params:
+                target = p if key == "param" else self.state[p][key]
+                target.view(-1).copy_(flat[pos:pos + p.numel()].to(target.dtype))
+                pos += p.numel()
+        if "worker" in rows:
+            device = params[0].device if params else torch.device("cpu")
+            worker, server = self.codec.error_buffers(int(saved["numel"]), device)
+            worker.copy_(rows["worker"][rank])
+            server.copy_(rows["server"][rank])
+            self._errors, self._errors_numel = (worker, server), int(saved["numel"])

@@ -32,6 +32,10 @@ _COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_c
 
 
 class ZeroOneAdam(OneBitOptimizer):
+    # between two synchronizations of the local steps, each rank has moved its own parameters
+    per_rank_state = ("exp_avg", "momentum_accumulator")
+    per_rank_params = True
+
     def __init__(self, params: Iterable, *, codec: OneBitAllReduce, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  var_freeze_step: int = 100000, var_update_scaler: int = 16, local_step_scaler: int = 32678,

@@ -22,6 +22,7 @@ Note (one per process): like `deepspeed.comm`'s logger this is process-wide stat
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -69,6 +70,17 @@ def human_size(nbytes: int) -> str:
     return f"{round(nbytes / 1024 ** i, 2)} {units[i]}"
 
 
+def _caller() -> str:
+    """The first function outside lightspeed/comm/ on the stack: the one that asked for the collective."""
+    frame = sys._getframe(1)
+    while frame is not None and _COMM_DIR in frame.f_code.co_filename:
+        frame = frame.f_back
+    return frame.f_code.co_name if frame is not None else "?"
+
+
+_COMM_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 @dataclass
 class _Record:
     count: int = 0
@@ -109,8 +121,8 @@ class CommsLogger:
     def record(self, op: str, latency_ms: float, nbytes: int, world_size: int) -> None:
         algbw, busbw = bandwidths(op, nbytes, latency_ms, world_size)
         name = op
-        if self.debug:  # the function that asked for the collective, two frames above the Communicator
-            name = f"{op} | [Caller Func: {sys._getframe(3).f_code.co_name}]"
+        if self.debug:
+            name = f"{op} | [Caller Func: {_caller()}]"
         rec = self.records.setdefault(name, {}).setdefault(nbytes, _Record())
         rec.count += 1
         rec.latencies.append(latency_ms)

@@ -181,9 +181,13 @@ def configure(cfg) -> None:
     COMMS_LOGGER.configure(cfg)
 
 
-def log_summary(show_straggler: bool = False) -> str:
-    """Log (rank 0) the summary of every profiled collective so far; returns the table. Every rank of
-    the default group must call it when `show_straggler` is set."""
+def log_summary(show_straggler: bool = False, return_dict: bool = False):
+    """Log (rank 0) the summary of every profiled collective so far and return the table, or with
+    `return_dict` DeepSpeed's record dict ({op: {message size: [count, latencies, algbw, busbw]}}).
+    Every rank of the default group must call it when `show_straggler` is set."""
     table = COMMS_LOGGER.summary(show_straggler=show_straggler)
     logger.info("communication summary:\n%s", table)
+    if return_dict:
+        return {name: {size: [r.count, list(r.latencies), list(r.algbw), list(r.busbw)] for size, r in sizes.items()}
+                for name, sizes in COMMS_LOGGER.records.items()}
     return table

@@ -40,6 +40,8 @@ def _train(comms_logger: dict, stage: int, straggler: bool):
     from lightspeed.comm.comms_logger import COMMS_LOGGER
 
     counts = {name: sum(r.count for r in sizes.values()) for name, sizes in COMMS_LOGGER.records.items()}
+    records = lightspeed.comm.log_summary(return_dict=True)
+    assert {name: sum(v[0] for v in sizes.values()) for name, sizes in records.items()} == counts
     return table, counts
 
 

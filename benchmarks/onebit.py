@@ -37,7 +37,7 @@ PRESETS = {"small": dict(n_layer=2, n_head=4, n_embd=64, block_size=64), "demo":
 
 
 def optimizers(steps: int, lr: float, lamb_lr: float, local_step_scaler: int, local_step_clipper: int,
-               weight_decay: float) -> dict[str, dict]:
+               weight_decay: float, var_freeze_step: int | None = None) -> dict[str, dict]:
     """The optimizer sections compared; the one-bit ones leave warm-up after 20% of the steps. LAMB's
     trust ratio makes each step move a tensor by about lr times its norm, hence its own learning rate."""
     warm = max(steps // 5, 1)
@@ -46,7 +46,7 @@ def optimizers(steps: int, lr: float, lamb_lr: float, local_step_scaler: int, lo
     return {
         "AdamW": {"type": "AdamW", "params": common},
         "OneBitAdam": {"type": "OneBitAdam", "params": {**common, "freeze_step": warm}},
-        "ZeroOneAdam": {"type": "ZeroOneAdam", "params": {**common, "var_freeze_step": warm,
+        "ZeroOneAdam": {"type": "ZeroOneAdam", "params": {**common, "var_freeze_step": var_freeze_step or warm,
                                                           "local_step_scaler": local_step_scaler,
                                                           "local_step_clipper": local_step_clipper}},
         "Lamb": {"type": "Lamb", "params": {**lamb, "bias_correction": False}},
@@ -103,7 +103,7 @@ def _train_one(name: str, optimizer: dict, args_dict: dict) -> dict:
 def cpu_main(args) -> None:
     rows = []
     for name, opt in optimizers(args.steps, args.lr, args.lamb_lr, args.local_step_scaler,
-                                args.local_step_clipper, args.weight_decay).items():
+                                args.local_step_clipper, args.weight_decay, args.var_freeze_step).items():
         if args.only and name not in args.only:
             continue
         row = run_world(_train_one, args.world, name, opt, vars(args), timeout=args.timeout)[0]
@@ -173,6 +173,7 @@ def main(argv=None) -> None:
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lamb_lr", type=float, default=2e-2)
+    p.add_argument("--var_freeze_step", type=int, default=None, help="0/1 Adam's (default: 20%% of the steps)")
     p.add_argument("--weight_decay", type=float, default=0.1, help="examples/ds_config.json's")
     p.add_argument("--local_step_scaler", type=int, default=32678, help="0/1 Adam's (DeepSpeed's default)")
     p.add_argument("--local_step_clipper", type=int, default=16, help="0/1 Adam's (DeepSpeed's default)")

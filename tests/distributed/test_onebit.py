@@ -244,3 +244,22 @@ def test_resume_at_another_world_size_restarts_error_feedback(tmp_path):
     run_world(_save_only, 2, RESUME["onebit-adam"], path)
     losses, reset = run_world(_load_other_world, 4, RESUME["onebit-adam"], path)[0]
     assert reset and all(torch.isfinite(torch.tensor(losses)))
+
+
+# ---------------------------------------------------------------------------------------------- 0/1 Adam's schedule
+def _zero_one_schedule():
+    opt = {"type": "ZeroOneAdam", "params": {"lr": 3e-3, "var_freeze_step": 8, "var_update_scaler": 2,
+                                             "local_step_scaler": 2, "local_step_clipper": 4}}
+    run = _train(_config(opt), 16)
+    kinds = []
+    for total, reduce in zip(run["bytes"], run["all_reduce_bytes"]):
+        kinds.append("E" if reduce and total == reduce else "C" if total and not reduce else "L" if not total else "?")
+    return "".join(kinds)
+
+
+def test_zero_one_adam_follows_deepspeeds_schedule():
+    # steps 1-9: the variance is updated on exact steps (E: the strategy all-reduces), every step while the
+    # interval is 1, then every 2nd, then every 4th (var_update_scaler 2); the others compress the
+    # gradients (C). From step 10 the variance is frozen: local steps (L) with a compressed
+    # synchronization (C) every 1, 1, then 2, then 4 steps (local_step_scaler 2, clipper 4)
+    assert run_world(_zero_one_schedule, 2)[0] == "EECECECEC" + "CCCLLLC"

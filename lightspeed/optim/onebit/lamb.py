@@ -56,6 +56,7 @@ class OneBitLamb(OneBitOptimizer):
         self.coeff_beta, self.factor_max, self.factor_min = float(coeff_beta), float(factor_max), float(factor_min)
         self.factor_threshold = float(factor_threshold)
         self.lamb_coeffs: list[float] = []
+        self._index: dict[int, int] = {}  # id(param) -> its position in its group (the scalars' index)
 
     def owns_gradient_reduction(self) -> bool:
         return self.world_size > 1 and self.steps_done() >= self.freeze_step
@@ -65,7 +66,11 @@ class OneBitLamb(OneBitOptimizer):
         n = len(group["params"])
         table = group.setdefault(SCALARS_KEY, {"lamb_coeff_freeze": [0.0] * n, "last_factor": [1.0] * n,
                                                "scaling_coeff": [None] * n})
-        return table, next(i for i, q in enumerate(group["params"]) if q is p)
+        index = self._index.get(id(p))
+        if index is None or group["params"][index] is not p:  # built once (and again if the groups change)
+            self._index = {id(q): i for g in self.param_groups for i, q in enumerate(g["params"])}
+            index = self._index[id(p)]
+        return table, index
 
     def _denom(self, v: torch.Tensor, group: dict) -> torch.Tensor:
         return (v + group["eps"]).sqrt() if self.eps_inside_sqrt else v.sqrt().add_(group["eps"])

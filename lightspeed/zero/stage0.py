@@ -8,6 +8,11 @@ stages are tested against.
 Owns: flattening the module's trainable parameters, the gradient hooks, bucketed all-reduce with
 DeepSpeed's prescale / predivide semantics, the fp16 overflow check, clipping and the optimizer step
 on master weights. Must not: touch the loss scaler's state or the LR schedule (the engine does).
+
+Note (one-bit optimizers): an optimizer that `ReducesOwnGradients` is asked at each boundary backward
+whether it wants the gradients left local; then no bucket is all-reduced, the inf/nan decision is
+agreed across ranks and each rank clips by its own norm. Its per-rank state (error feedback, 0/1
+Adam's local steps) is gathered into the state rank 0 writes.
 """
 
 from __future__ import annotations

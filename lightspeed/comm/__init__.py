@@ -1,7 +1,8 @@
 """Communication: the only package that imports torch.distributed.
 
 `init.py` starts the process group, `groups.py` holds the run's `ParallelGroups`, `collectives.py`
-the `Communicator` the runtime uses. DeepSpeed's module-level `deepspeed.comm` functions
+the `Communicator` the runtime uses, `codecs.py` the collective objects strategies are handed, and
+`comms_logger.py` DeepSpeed's comms logger (`log_summary`). DeepSpeed's module-level `deepspeed.comm` functions
 (`get_rank`, `all_reduce`, `all_gather_into_tensor`, ...) live in `api.py` and are reachable here
 (`lightspeed.comm.get_rank()`), imported on first use so `import lightspeed.comm` stays light.
 """
@@ -17,6 +18,10 @@ __all__ = list(_API)
 
 
 def __getattr__(name: str):
+    if name == "log_summary":
+        from lightspeed.comm.comms_logger import log_summary
+
+        return log_summary
     if name in _API:
         from lightspeed.comm import api
 

@@ -6,8 +6,9 @@ Owns: those module-level functions. Must not: hold process groups of its own (li
 passes `ParallelGroups` around and issues its collectives through `Communicator`), or start
 torch.distributed implicitly (`init_distributed` does that, explicitly).
 
-`prof`, `log_name` and `debug` are accepted for DeepSpeed's signatures and belong to the comms logger,
-a later feature: `configure` and `log_summary` raise NotImplementedError naming `comms_logger`.
+`prof`, `log_name` and `debug` are accepted for DeepSpeed's signatures; these functions call torch
+directly, so the comms logger (`comm/comms_logger.py`, `configure`, `log_summary`) times the runtime's
+collectives, not these.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ from lightspeed.comm.collectives import all_gather_single, reduce_scatter_single
 from lightspeed.comm.init import init_distributed
 
 ReduceOp = dist.ReduceOp
-
-_COMMS_LOGGER = ("the comms_logger feature (DeepSpeed's communication logging) is not implemented in "
-                 "lightspeed yet")
 
 
 def _require_initialized(what: str) -> None:
@@ -189,11 +187,24 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
 
 
 def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None):
-    raise NotImplementedError(f"comm.configure: {_COMMS_LOGGER}")
+    """DeepSpeed's `deepspeed.comm.configure`: the comms logger from a config's `comms_logger` section
+    (`deepspeed_config`: a loaded config or anything with `.comms_logger`), then the keyword overrides."""
+    from lightspeed.comm.comms_logger import COMMS_LOGGER
+
+    if deepspeed_config is not None:
+        COMMS_LOGGER.configure(getattr(deepspeed_config, "comms_logger", deepspeed_config))
+    for key, value in (("enabled", enabled), ("prof_all", prof_all), ("verbose", verbose), ("debug", debug)):
+        if value is not None:
+            setattr(COMMS_LOGGER, key, bool(value))
+    if prof_ops is not None:
+        COMMS_LOGGER.prof_ops = list(prof_ops)
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False):
-    raise NotImplementedError(f"comm.log_summary: {_COMMS_LOGGER}")
+    """DeepSpeed's `deepspeed.comm.log_summary` (see `comm/comms_logger.py`)."""
+    from lightspeed.comm.comms_logger import log_summary as _log_summary
+
+    return _log_summary(show_straggler=show_straggler, return_dict=return_dict)
 
 
 __all__ = [

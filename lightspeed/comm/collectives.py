@@ -1,10 +1,12 @@
-"""Collectives over one process group, with byte counting. The only place collectives are issued.
+"""Collectives over one process group. The only place collectives are issued.
 
 Every call returns a handle with `wait()`; at world size 1 nothing is sent and the handle is a no-op.
-Bytes are counted as the payload each rank contributes (the tensor's size in bytes), per op, so the
-engine can report communication volume per step. Every blocking wait (a synchronous call, or `wait()`
-on a returned handle) runs under the process's collective watchdog when `init_distributed` installed
-one, so a rank stuck in a collective says which one (comm/watchdog.py).
+Bytes on the wire are counted by the collective objects of `comm/codecs.py` (which know the payload),
+into the `CommStats` this communicator carries for the run. When the comms logger is on
+(`comm/comms_logger.py`), every profiled op is timed here, synchronously.
+Every blocking wait (a synchronous call, or `wait()` on a returned handle) runs under the process's
+collective watchdog when `init_distributed` installed one, so a rank stuck in a collective says which
+one (comm/watchdog.py).
 
 Note: torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of
 all_gather_single / reduce_scatter_single (same signatures), while torch 2.11 lacks the new names;
@@ -13,13 +15,17 @@ the choice is made once here by feature detection.
 
 from __future__ import annotations
 
+import contextlib
+
+import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from lightspeed.comm import watchdog
+from lightspeed.comm.comms_logger import COMMS_LOGGER
 
 # all_gather_single(output, input, group=, async_op=) / reduce_scatter_single(output, input, op=, group=,
 # async_op=): torch's newest names for the flat-tensor collectives, or the older ones they replace.
@@ -65,8 +71,8 @@ class CommStats:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def add(self, op: str, tensor: torch.Tensor) -> None:
-        self.bytes[op] += tensor.numel() * tensor.element_size()
+    def add(self, op: str, nbytes: int) -> None:
+        self.bytes[op] += int(nbytes)
         self.calls[op] += 1
 
     def total_bytes(self) -> int:
@@ -77,8 +83,13 @@ class CommStats:
         self.calls.clear()
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 class Communicator:
-    """Collectives on one group (None = the default group). `world_size` 1 short-circuits them all."""
+    """Collectives on one group (None = the default group). `world_size` 1 short-circuits them all.
+    `stats` is the run's byte tally, written by the collective objects built on this communicator."""
 
     def __init__(self, group: Any = None, world_size: int | None = None, stats: CommStats | None = None):
         self.group = group
@@ -88,37 +99,75 @@ class Communicator:
         self.rank = dist.get_rank(group) if dist.is_initialized() and world_size > 1 else 0
         self.stats = stats if stats is not None else CommStats()
 
+    @property
+    def backend(self) -> str | None:
+        """The group's backend name ("gloo", "nccl", ...), or None without a process group."""
+        if not dist.is_initialized():
+            return None
+        return str(dist.get_backend(self.group)).lower()
+
+    def _issue(self, name: str, tensor: torch.Tensor, nbytes: int, call: Callable[[bool], Any], async_op: bool):
+        """Run `call(async_op)`, its blocking wait under the watchdog when one is installed (comm/watchdog.py);
+        when the comms logger profiles `name`, run it to completion and time it."""
+        dog = watchdog.current()
+        what = (name, nbytes, self.world_size)
+        if COMMS_LOGGER.profiles(name):
+            sync = torch.cuda.synchronize if tensor.is_cuda else (lambda: None)
+            sync()
+            start = time.perf_counter()
+            with dog.watch(what) if dog is not None else contextlib.nullcontext():
+                work = call(True)
+                if work is not None:
+                    work.wait()
+            sync()
+            COMMS_LOGGER.record(name, (time.perf_counter() - start) * 1e3, nbytes, self.world_size)
+            return DONE
+        if dog is None:
+            work = call(async_op)
+            return work if async_op else DONE
+        if async_op:
+            return _Watched(call(True), what, dog)
+        with dog.watch(what):
+            call(False)
+        return DONE
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
         if self.world_size == 1:
             return DONE
-        self.stats.add("all_reduce", tensor)
-        return self._run(f"all_reduce ({op})", tensor, async_op,
-                         lambda: dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op))
+        return self._issue("all_reduce", tensor, _nbytes(tensor),
+                           lambda a: dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=a), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False):
         if self.world_size == 1:
             output.copy_(input)
             return DONE
-        self.stats.add("reduce_scatter", input)
-        return self._run(f"reduce_scatter ({op})", input, async_op,
-                         lambda: _REDUCE_SCATTER(output, input, op=_OPS[op], group=self.group, async_op=async_op))
+        # message size: this rank's part, as DeepSpeed's logger reads it (its bandwidth multiplies by n)
+        return self._issue("reduce_scatter", input, _nbytes(output),
+                           lambda a: _REDUCE_SCATTER(output, input, op=_OPS[op], group=self.group, async_op=a),
+                           async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:
             output.copy_(input)
             return DONE
-        self.stats.add("all_gather", output)
-        return self._run("all_gather", output, async_op,
-                         lambda: _ALL_GATHER(output, input, group=self.group, async_op=async_op))
+        return self._issue("all_gather", input, _nbytes(input),
+                           lambda a: _ALL_GATHER(output, input, group=self.group, async_op=a), async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Equal splits along dim 0: rank r's part i of `input` lands in part r of rank i's `output`."""
+        if self.world_size == 1:
+            output.copy_(input)
+            return DONE
+        return self._issue("all_to_all_single", input, _nbytes(input),
+                           lambda a: dist.all_to_all_single(output, input, group=self.group, async_op=a), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Broadcast from the rank whose rank *within this group* is `src`."""
         if self.world_size == 1:
             return DONE
-        self.stats.add("broadcast", tensor)
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return self._run(f"broadcast (from rank {global_src})", tensor, async_op,
-                         lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op))
+        return self._issue("broadcast", tensor, _nbytes(tensor),
+                           lambda a: dist.broadcast(tensor, src=global_src, group=self.group, async_op=a), async_op)
 
     def barrier(self) -> None:
         if self.world_size > 1:

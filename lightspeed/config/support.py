@@ -12,7 +12,8 @@ communication_data_type, checkpoint.tag_validation, checkpoint.writer (type PYTH
 memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
-monitors (``lightspeed.monitor``) and flops_profiler (``lightspeed.profiling``).
+monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), the one-bit optimizers
+(OneBitAdam, ZeroOneAdam, OneBitLamb) and comms_logger.
 ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
 (`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """
@@ -80,8 +81,6 @@ def _changed(path: str) -> Unimplemented:
 
 IMPLEMENTED_STAGES = (0, 1, 2, 3)  # ZeRO stages the engine runs; the others raise NotImplementedError
 
-_ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
-
 UNIMPLEMENTED: list[Unimplemented] = [
     # ZeRO
     Unimplemented("zero_optimization.stage", lambda cfg: cfg.zero_optimization.stage not in IMPLEMENTED_STAGES),
@@ -107,10 +106,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     Unimplemented("gradient_allreduce_op", lambda cfg: cfg.gradient_allreduce_op != "mean"),
     Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
     Unimplemented("sequence_parallel_size", lambda cfg: (cfg.sequence_parallel_size or 1) > 1),
-    Unimplemented(
-        "optimizer.type",
-        lambda cfg: cfg.optimizer is not None and cfg.optimizer.type.lower() in _ONEBIT_OPTIMIZERS,
-    ),
     # Features
     _changed("activation_checkpointing"),
     _changed("pipeline"),
@@ -136,7 +131,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("disable_python_gc"),
     # Monitoring and profiling
     _flag("trackio.enabled"),
-    _flag("comms_logger.enabled"),
     # Training-efficiency research features
     Unimplemented(
         "compression_training",

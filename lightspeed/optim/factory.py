@@ -23,6 +23,10 @@ optimizer steps host tensors, so the families map to their CPU kernels as DeepSp
 AdamW to CPUAdam (DeepSpeedCPUAdam), Adagrad to CPUAdagrad, Lion to CPULion; `torch_adam` still builds
 torch.optim's (whose CPU path is torch's own).
 
+Note [one-bit optimizers]: OneBitAdam, ZeroOneAdam and OneBitLamb (lightspeed.optim.onebit) take
+DeepSpeed's params and a compressed all-reduce built here over the data-parallel communicator
+`comm` (required for them); see lightspeed.optim.onebit for their semantics and backend keys.
+
 Note [fused families]: Lamb, Lion and Adagrad build lightspeed.ops' FusedLamb / FusedLion /
 FusedAdagrad (Triton on CUDA, reference on CPU). Adagrad params outside FusedAdagrad's (lr, lr_decay,
 weight_decay, initial_accumulator_value, eps), e.g. `maximize` or `foreach`, build torch.optim.Adagrad
@@ -32,34 +36,35 @@ instead, and the log says so.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Iterable
+from typing import Annotated, Any, Iterable, Optional
 
 import torch
 from pydantic import BeforeValidator, ValidationError
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.config.base import Bool, Float, Section, problems_from, show, suggest
+from lightspeed.comm.collectives import Communicator
+from lightspeed.comm.onebit import OneBitAllReduce
+from lightspeed.config.base import Bool, Float, Int, Section, Str, problems_from, show, suggest
 from lightspeed.config.errors import ConfigError
 from lightspeed.ops.adagrad import CPUAdagrad, FusedAdagrad
 from lightspeed.ops.adam import CPUAdam, FusedAdam
 from lightspeed.ops.lamb import FusedLamb
 from lightspeed.ops.lion import CPULion, FusedLion
+from lightspeed.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 from lightspeed.optim.schedules import kwargs_problems, read_section
 
 logger = get_logger(__name__)
 
 __all__ = ["build_optimizer", "make_optimizer"]
 
+_ONEBIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 _NOT_IMPLEMENTED = {
-    "onebitadam": "OneBitAdam",
-    "zerooneadam": "ZeroOneAdam",
-    "onebitlamb": "OneBitLamb",
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
     "musgd": "MuSGD",
     "muon": "Muon",
 }
-_DISPLAY_NAMES = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", *_NOT_IMPLEMENTED.values()]
+_DISPLAY_NAMES = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", *_ONEBIT.values(), *_NOT_IMPLEMENTED.values()]
 
 
 def _check_betas(value):
@@ -107,6 +112,43 @@ class _FusedLionParams(Section):
     betas: Betas = (0.9, 0.999)
     weight_decay: NonNegFloat = 0.0
     set_grad_none: Bool = True
+
+
+class _OneBitCommon(Section):
+    lr: NonNegFloat = 1e-3
+    betas: Betas = (0.9, 0.999)
+    eps: NonNegFloat = 1e-8
+    eps_inside_sqrt: Bool = False
+    weight_decay: NonNegFloat = 0.0
+    amsgrad: Bool = False
+    cuda_aware: Bool = False
+    comm_backend_name: Optional[Str] = None
+    bias_correction: Optional[Bool] = None
+
+
+class _OneBitAdamParams(_OneBitCommon):
+    freeze_step: Int(ge=0) = 100000
+
+
+class _ZeroOneAdamParams(_OneBitCommon):
+    var_freeze_step: Int(ge=0) = 100000
+    var_update_scaler: Int(ge=1) = 16
+    local_step_scaler: Int(ge=1) = 32678
+    local_step_clipper: Int(ge=1) = 16
+
+
+class _OneBitLambParams(_OneBitCommon):
+    freeze_step: Int(ge=0) = 100000
+    max_coeff: NonNegFloat = 10.0
+    min_coeff: NonNegFloat = 0.01
+    coeff_beta: Float(ge=0, le=1) = 0.9
+    factor_max: NonNegFloat = 4.0
+    factor_min: NonNegFloat = 0.5
+    factor_threshold: NonNegFloat = 0.1
+
+
+_ONEBIT_PARAMS = {"onebitadam": (_OneBitAdamParams, OneBitAdam), "zerooneadam": (_ZeroOneAdamParams, ZeroOneAdam),
+                  "onebitlamb": (_OneBitLambParams, OneBitLamb)}
 
 
 class _TorchCommonParams(Section):
@@ -206,21 +248,34 @@ def _torch_class(type_name: str) -> type:
     raise ConfigError(f"optimizer.type: unknown optimizer {show(type_name)}{hint}")
 
 
-def build_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: bool = False) -> torch.optim.Optimizer:
-    """The optimizer named by `optimizer_config` (`.type`/`.params`, or a dict) over
-    `model_parameters` (tensors or param-group dicts, whose own keys override the params).
+def _onebit(name: str, param_groups: list, params: dict, comm: Communicator | None):
+    """A one-bit optimizer over a compressed all-reduce on `comm` (the data-parallel communicator)."""
+    model, cls = _ONEBIT_PARAMS[name]
+    if comm is None:
+        raise ConfigError(f"optimizer.type: {_ONEBIT[name]} communicates by itself and needs the data-parallel "
+                          "communicator (build_optimizer(..., comm=...); initialize() passes it)")
+    hyper = _validate(model, params)
+    return cls(param_groups, codec=OneBitAllReduce(comm), group_backend=comm.backend, **hyper)
 
-    Bad types and params raise ConfigError naming `optimizer.type` / `optimizer.params.<key>`; the
-    one-bit optimizers, MuAdam/MuAdamW/MuSGD and Muon raise NotImplementedError. `cpu_offload`
-    builds the CPU kernels (see Note [optimizer offload]).
+
+def build_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: bool = False,
+                    comm: Communicator | None = None) -> torch.optim.Optimizer:
+    """The optimizer named by `optimizer_config` (`.type`/`.params`, or a dict) over
+    `model_parameters` (tensors or param-group dicts, whose own keys override the params). `comm` is
+    the data-parallel communicator, needed by the one-bit optimizers only; `cpu_offload` builds the CPU
+    kernels (see Note [optimizer offload]).
+
+    Bad types and params raise ConfigError naming `optimizer.type` / `optimizer.params.<key>`;
+    MuAdam/MuAdamW/MuSGD and Muon raise NotImplementedError.
     """
-    optimizer = make_optimizer(optimizer_config, model_parameters, cpu_offload)
+    optimizer = make_optimizer(optimizer_config, model_parameters, cpu_offload, comm)
     logger.info(f"optimizer: {read_section(optimizer_config, 'optimizer')[0]} -> "
                 f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
     return optimizer
 
 
-def make_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: bool = False) -> torch.optim.Optimizer:
+def make_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: bool = False,
+                   comm: Communicator | None = None) -> torch.optim.Optimizer:
     """`build_optimizer` without the log line."""
     type_name, params = read_section(optimizer_config, "optimizer")
     param_groups = list(model_parameters)
@@ -235,7 +290,8 @@ def make_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: bo
     if name in _NOT_IMPLEMENTED:
         raise NotImplementedError(f"optimizer.type: {_NOT_IMPLEMENTED[name]} is not implemented in lightspeed yet")
     try:
-        return _build(name, type_name, param_groups, params, cpu_offload)
+        return _onebit(name, param_groups, params, comm) if name in _ONEBIT else _build(
+            name, type_name, param_groups, params, cpu_offload)
     except (TypeError, ValueError) as error:
         if isinstance(error, ConfigError):
             raise

@@ -19,6 +19,7 @@ import torch
 
 from lightspeed.config.errors import ConfigError
 from lightspeed.config.loader import Validation, validate
+from lightspeed.comm.collectives import Communicator
 from lightspeed.optim.factory import make_optimizer
 from lightspeed.optim.schedules import make_scheduler
 
@@ -34,7 +35,7 @@ def _probe_optimizer(optimizer_config, num_groups: int) -> torch.optim.Optimizer
     optimizer comes from code, or its section is invalid."""
     if optimizer_config is not None:
         try:
-            return make_optimizer(optimizer_config, _probe_groups(num_groups))
+            return make_optimizer(optimizer_config, _probe_groups(num_groups), comm=Communicator(None, 1))
         except (ConfigError, NotImplementedError):
             pass  # reported by optimizer_problems
     return torch.optim.AdamW(_probe_groups(num_groups), lr=1e-3)
@@ -43,7 +44,7 @@ def _probe_optimizer(optimizer_config, num_groups: int) -> torch.optim.Optimizer
 def optimizer_problems(optimizer_config) -> tuple[list[str], list[str]]:
     """(problems, unimplemented) of an `optimizer` section (a config section or a dict)."""
     try:
-        make_optimizer(optimizer_config, _probe_groups(1))
+        make_optimizer(optimizer_config, _probe_groups(1), comm=Communicator(None, 1))
     except ConfigError as error:
         return list(error.problems), []
     except NotImplementedError as error:

@@ -284,9 +284,12 @@ class LightspeedEngine(torch.nn.Module):
         if self.timers.enabled:
             times = self.timers.elapsed_ms()
             parts = " ".join(f"{k} {v / steps:.2f}" for k, v in sorted(times.items()))
-            comm_bytes = self.comm.stats.total_bytes() / steps
-            self.comm.stats.reset()
-            logger.info("time per step (ms): %s | communication %s per step", parts, human_bytes(comm_bytes))
+            stats = self.comm.stats
+            by_op = ", ".join(f"{op} {human_bytes(n / steps)}" for op, n in sorted(stats.bytes.items()) if n)
+            comm_bytes = stats.total_bytes() / steps
+            stats.reset()
+            logger.info("time per step (ms): %s | communication %s per step%s", parts, human_bytes(comm_bytes),
+                        f" ({by_op})" if by_op else "")
 
     # ------------------------------------------------------------------ data
     def deepspeed_io(self, dataset, batch_size: int | None = None, route=None, pin_memory: bool = True,

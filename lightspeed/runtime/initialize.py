@@ -9,6 +9,7 @@ import torch
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm import comms_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
@@ -53,7 +54,7 @@ def _config_source(args, config, config_params):
     return config
 
 
-def _build_optimizer(optimizer, cfg, module, model_parameters, cpu_offload: bool = False):
+def _build_optimizer(optimizer, cfg, module, model_parameters, comm: Communicator, cpu_offload: bool = False):
     params = list(model_parameters) if model_parameters is not None else list(module.parameters())
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer: given both in the config and to initialize(); pass one")
@@ -62,7 +63,7 @@ def _build_optimizer(optimizer, cfg, module, model_parameters, cpu_offload: bool
     if callable(optimizer):
         return optimizer(params)
     if cfg.optimizer is not None:
-        return build_optimizer(cfg.optimizer, params, cpu_offload=cpu_offload)
+        return build_optimizer(cfg.optimizer, params, cpu_offload=cpu_offload, comm=comm)
     return None
 
 
@@ -124,10 +125,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                               f"needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
     client_optimizer = optimizer is not None
-    optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, cpu_offload=offload.offloads_optimizer)
+    comm = Communicator(groups.dp_group, groups.dp_world_size)
+    comms_logger.configure(cfg.comms_logger)
+    optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
-    comm = Communicator(groups.dp_group, groups.dp_world_size)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there

@@ -9,8 +9,11 @@ from typing import Any, Protocol
 
 import torch
 
+from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.config.errors import ConfigError
+from lightspeed.optim.onebit.base import ReducesOwnGradients
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.reduce import ReduceOptions
 from lightspeed.zero.sharded_step import StepResult
@@ -74,14 +77,19 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
     """The strategy of `cfg`'s ZeRO stage; `offload` (default: none) says where its state lives."""
     stage = cfg.zero_optimization.stage
     offload = offload if offload is not None else OffloadPolicy()
+    if isinstance(optimizer, ReducesOwnGradients) and stage != 0:
+        raise ConfigError(f"zero_optimization.stage: {type(optimizer).__name__} communicates compressed momentum "
+                          f"instead of gradients and runs at ZeRO stage 0 only (got stage {stage})")
+    collectives = Collectives.default(comm)
     if stage == 0:
-        return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy))
+        return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy), collectives=collectives)
     if stage in (1, 2):
         return ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
-                               allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload)
+                               allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload,
+                               collectives=collectives)
     if stage == 3:
         from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy
 
         return Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy), device=device,
-                              offload=offload)
+                              offload=offload, collectives=collectives)
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")

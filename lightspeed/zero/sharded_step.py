@@ -7,10 +7,13 @@ and writes the low-precision parameters in one pass) or unfused (fp32 gradient c
 then `optimizer.step()`). Must not: know a stage, reduce gradients, or write parameters back (the
 strategy does that after the step: copy, all-gather or release).
 
-Note (agreement): `agree` is the communicator over which the shards differ (the data-parallel group of
-the sharded stages), or None when every rank holds the same whole gradients (stage 0), where no
-collective is needed: each rank reaches the same decision on its own.
+Note (agreement): `agree` is the all-reduce over the group in which the shards differ (the
+data-parallel group of the sharded stages), or None when every rank holds the same whole gradients
+(stage 0), where no collective is needed: each rank reaches the same decision on its own. With
+`agree_norm=False` only the inf/nan decision is agreed and each rank's norm is its own: the case of
+an optimizer that reduces the gradients itself (one-bit), whose ranks step on local gradients.
 """
+
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightspeed.comm.collectives import Communicator
+from lightspeed.comm.codecs import AllReduce
 from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
 
@@ -63,7 +66,7 @@ class ShardViews:
 
 
 def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *, check_overflow: bool,
-                 agree: Communicator | None) -> tuple[StepResult, torch.Tensor | None]:
+                 agree: AllReduce | None, agree_norm: bool = True) -> tuple[StepResult, torch.Tensor | None]:
     """Everything of the step before the optimizer: the overflow decision, the copy of the gradients
     into `master_grads`, the global norm, and the unscale/clip coefficient (applied to `master_grads`
     here when the step is unfused). Returns the result and the coefficient `apply_step` needs."""
@@ -71,15 +74,15 @@ def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *
         flags = [flat_has_inf_or_nan(g).reshape(1) for g in views.grads]
         flag = torch.cat(flags).amax() if flags else torch.zeros((), device=views.device)
         if agree is not None:
-            agree.all_reduce(flag, op="max")
+            agree(flag, op="max")
         if bool(flag):
             return StepResult(False, None), None
     for grad, master_grad in zip(views.grads, views.master_grads):
         if master_grad is not grad and not (views.master_grads_filled and id(master_grad) in views.early_filled):
             master_grad.copy_(grad)
     sq = squared_norm(views.norm_grads if views.norm_grads is not None else views.master_grads).to(views.device)
-    if agree is not None:
-        agree.all_reduce(sq)
+    if agree is not None and agree_norm:
+        agree(sq)
     scale = loss_scale or 1.0
     norm = sq.sqrt() / scale
     coef = grad_coefficient(norm, scale, max_norm) if scale != 1.0 or max_norm > 0 else None
@@ -107,10 +110,11 @@ def apply_step(views: ShardViews, coef: torch.Tensor | None, optimizer: torch.op
 
 
 def sharded_step(views: ShardViews, loss_scale: float | None, max_norm: float, *, check_overflow: bool,
-                 agree: Communicator | None) -> StepResult:
+                 agree: AllReduce | None, agree_norm: bool = True) -> StepResult:
     """One optimizer step over `views` (see the module docstring). `loss_scale` None means no loss
     scaling; `check_overflow` skips the step when any gradient holds inf/nan on any rank of `agree`."""
-    result, coef = prepare_step(views, loss_scale, max_norm, check_overflow=check_overflow, agree=agree)
+    result, coef = prepare_step(views, loss_scale, max_norm, check_overflow=check_overflow, agree=agree,
+                                agree_norm=agree_norm)
     if result.applied:
         apply_step(views, coef)
     return result

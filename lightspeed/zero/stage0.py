@@ -8,6 +8,11 @@ stages are tested against.
 Owns: flattening the module's trainable parameters, the gradient hooks, bucketed all-reduce with
 DeepSpeed's prescale / predivide semantics, the fp16 overflow check, clipping and the optimizer step
 on master weights. Must not: touch the loss scaler's state or the LR schedule (the engine does).
+
+Note (one-bit optimizers): an optimizer that `ReducesOwnGradients` is asked at each boundary backward
+whether it wants the gradients left local; then no bucket is all-reduced, the inf/nan decision is
+agreed across ranks and each rank clips by its own norm. Its per-rank state (error feedback, 0/1
+Adam's local steps) is gathered into the state rank 0 writes.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from typing import Any
 
 import torch
 
+from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
+from lightspeed.optim.onebit.base import ReducesOwnGradients
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero import param_access
@@ -54,8 +61,12 @@ class Stage0Strategy:
     state_is_replicated = True  # every rank holds the same state: rank 0 alone writes it
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
-                 comm: Communicator, reduce: ReduceOptions):
+                 comm: Communicator, reduce: ReduceOptions, *, collectives: Collectives | None = None):
         self.module, self.optimizer, self.policy, self.comm, self.reduce = module, optimizer, policy, comm, reduce
+        self.collectives = collectives or Collectives.default(comm)
+        # an optimizer that reduces for itself (one-bit) says, per step, whether gradients stay local
+        self._owner = optimizer if isinstance(optimizer, ReducesOwnGradients) else None
+        self._reduce_here = True
         grad_dtype = policy.grad_accum_dtype
         self.flats = [FlatParams(params, grad_dtype, keep_master=policy.master_dtype is not None,
                                  bucket_numel=reduce.bucket_numel)
@@ -137,6 +148,7 @@ class Stage0Strategy:
         self._boundary = is_boundary
         if is_boundary:
             self.buckets.reset()
+            self._reduce_here = self._owner is None or not self._owner.owns_gradient_reduction()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         flat = self._flat_of[id(param)]
@@ -149,9 +161,11 @@ class Stage0Strategy:
         if self._boundary:
             self.buckets.mark_ready(param)
 
-    def _launch(self, bucket: Bucket) -> PendingReduce:
+    def _launch(self, bucket: Bucket) -> PendingReduce | None:
+        if not self._reduce_here:  # the optimizer communicates (compressed) what these gradients feed
+            return None
         buf, post = self.reduce.prepare(bucket.grad, self.comm.world_size)
-        return PendingReduce(self.comm.all_reduce(buf, async_op=True), buf, bucket.grad, post)
+        return PendingReduce(self.collectives.all_reduce(buf, async_op=True), buf, bucket.grad, post)
 
     def backward_end(self) -> None:
         if self._boundary:
@@ -168,8 +182,12 @@ class Stage0Strategy:
         a loss scale) skips the step on inf/nan gradients, as fp16 and bf16.check_grad_overflow do."""
         self.buckets.wait()
         check = check_overflow if check_overflow is not None else loss_scale is not None
-        # gradients are identical on every rank here, so every rank reaches the same decision alone
-        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=None)
+        # reduced gradients are identical on every rank, so every rank reaches the same decision alone;
+        # local ones (the optimizer reduces) need the inf/nan decision agreed, and each rank clips by its
+        # own norm, as DeepSpeed's one-bit optimizers do
+        local = not self._reduce_here
+        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check,
+                              agree=self.collectives.all_reduce if local else None, agree_norm=False)
         if result.applied and not self._views.optimizer_writes_lowp:
             for flat in self.flats:
                 flat.copy_master_to_params()
@@ -187,8 +205,16 @@ class Stage0Strategy:
                 for flat in self.flats for p in flat.params]
 
     def state_dict(self) -> dict[str, Any]:
-        return fragments_state_dict(self.fragments(), self.optimizer, stage=0, dp_world_size=self.comm.world_size,
-                                    dp_rank=self.comm.rank)
+        # an optimizer with per-rank state (one-bit error feedback) gathers it into its param groups, which
+        # rank 0 writes with the rest; every rank calls state_dict, so the gather is collective
+        if self._owner is not None:
+            self._owner.gather_error_feedback()
+        try:
+            return fragments_state_dict(self.fragments(), self.optimizer, stage=0,
+                                        dp_world_size=self.comm.world_size, dp_rank=self.comm.rank)
+        finally:
+            if self._owner is not None:
+                self._owner.drop_gathered_error_feedback()
 
     def masters_loaded(self) -> None:
         """The fp32 masters were overwritten (a checkpoint): make the parameters follow them."""

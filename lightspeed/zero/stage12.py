@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from lightspeed._utils.device import Stream
+from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.nvme import NvmeSwapper
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
@@ -81,7 +82,7 @@ class ShardedStrategy:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False,
-                 offload: OffloadPolicy | None = None):
+                 offload: OffloadPolicy | None = None, collectives: Collectives | None = None):
         assert stage in (1, 2)
         check_optimizer(optimizer, allow_untested_optimizer, stage)
         self.offload = offload if offload is not None else OffloadPolicy()
@@ -94,6 +95,7 @@ class ShardedStrategy:
         self._fused = fused_step(optimizer) and not host
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
+        self.collectives = collectives or Collectives.default(comm)
         world, rank = comm.world_size, comm.rank
         names = {id(p): n for n, p in module.named_parameters()}
         self.shards: list[Shard] = []
@@ -227,7 +229,7 @@ class ShardedStrategy:
             out = flat.lp_flat[bucket.start:bucket.start + bucket.padded_numel]
             # gloo may not accept an input that aliases the output; NCCL handles in-place all-gather
             chunk = flat.lp_flat[flat_slice]
-            self.comm.all_gather(out, chunk if chunk.is_cuda else chunk.clone())
+            self.collectives.all_gather(out, chunk if chunk.is_cuda else chunk.clone())
 
     def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
         self._masters_in()
@@ -290,7 +292,7 @@ class ShardedStrategy:
                                      device=bucket.flat.device)
             send, post = self.reduce.prepare(staged, world)
         out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
-        handle = self.comm.reduce_scatter(out, send, async_op=True)
+        handle = self.collectives.reduce_scatter(out, send, async_op=True)
         pending = PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
         if self._boundary and self._to_host is not None:
             dev = shard.grad[pos:pos + chunk.numel]
@@ -322,13 +324,13 @@ class ShardedStrategy:
         if self._background is not None:
             return self._overlapped_step(loss_scale, max_norm, check)
         if self._swap is not None:
-            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
             if result.applied and self.optimizer is not None:
                 stepped = [s for s in self.shards if s.stepped]
                 self._swap.step(self._views.opt_grads, self.optimizer,
                                 lambda i: self._all_gather_params(stepped[i]))
             return result
-        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
         if result.applied:
             self._write_back()
         return result
@@ -342,7 +344,7 @@ class ShardedStrategy:
         """Apply the previous step's update to the parameters, then start this step's update in the
         background (see `offload/overlap.py`)."""
         self.flush()
-        result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
         if result.applied and self.optimizer is not None:
             snapshot = optimizer_snapshot(self.optimizer)
             self._background.launch(lambda: apply_step(self._views, coef, snapshot))

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import torch
 
 from lightspeed._utils.flat import FlatLayout, flat_views
+from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.zero.partition import Range, shard_range
@@ -117,12 +118,14 @@ class ParamGroup:
     def __init__(self, name: str, params: Sequence[torch.nn.Parameter], names: Sequence[str],
                  values: Sequence[torch.Tensor], comm: Communicator, *, dtype: torch.dtype, device: torch.device,
                  grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True,
-                 offload: OffloadPolicy | None = None, with_grads: bool = True):
+                 offload: OffloadPolicy | None = None, with_grads: bool = True,
+                 collectives: Collectives | None = None):
         """`values[i]` holds the full value of `params[i]` (any dtype/device). Every rank passes its own
         values and rank 0's win (broadcast), so all ranks start identical. `fp32_grad_copy=False` (the
         fused optimizer step reads low-precision gradients itself) skips the fp32 gradient shard;
         `with_grads=False` (a group that only stores values, as `zero.Init`'s) has no gradient shard."""
         self.name, self.comm, self.dtype, self.device, self.stream = name, comm, dtype, device, stream
+        self.collectives = collectives or Collectives.default(comm)
         self.params = list(params)
         self.trainable = self.params[0].requires_grad
         assert all(p.requires_grad == self.trainable for p in self.params)
@@ -204,9 +207,9 @@ class ParamGroup:
         if self.stream is not None:
             self.stream.wait_current()  # outside the context: the side stream waits for the compute stream
             with self.stream.context():
-                self._handle = self.comm.all_gather(self.full_flat, self._device_shard(), async_op=True)
+                self._handle = self.collectives.all_gather(self.full_flat, self._device_shard(), async_op=True)
         else:
-            self._handle = self.comm.all_gather(self.full_flat, self._device_shard(), async_op=True)
+            self._handle = self.collectives.all_gather(self.full_flat, self._device_shard(), async_op=True)
         self.state = INFLIGHT
 
     def _device_shard(self) -> torch.Tensor:
@@ -277,7 +280,7 @@ class ParamGroup:
         """Re-gather a gathered group after its lp shard changed (no-op when released)."""
         if self.state != RELEASED:
             self.wait()
-            self.comm.all_gather(self.full_flat, self._device_shard())
+            self.collectives.all_gather(self.full_flat, self._device_shard())
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self, prescale: bool, predivide: float, reduce_dtype: torch.dtype | None) -> PendingGrad:
@@ -294,7 +297,7 @@ class ParamGroup:
         if pre != 1.0:
             send.mul_(pre)
         out = send.new_empty(self.shard_numel)
-        handle = self.comm.reduce_scatter(out, send, async_op=True)
+        handle = self.collectives.reduce_scatter(out, send, async_op=True)
         to_host = (self.grads_to_host, self.master_grad_shard) if self.grads_to_host is not None else None
         return PendingGrad(handle, out, send, post, self.grad_shard, to_host)
 

@@ -39,6 +39,7 @@ import torch
 from lightspeed._utils.device import Stream
 from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed._utils.progress import progress
+from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.nvme import NvmeSwapper
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
@@ -124,7 +125,7 @@ class Stage3Strategy:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None,
-                 offload: OffloadPolicy | None = None):
+                 offload: OffloadPolicy | None = None, *, collectives: Collectives | None = None):
         self.options = options or Stage3Options()
         self.offload = offload if offload is not None else OffloadPolicy()
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
@@ -133,6 +134,7 @@ class Stage3Strategy:
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
+        self.collectives = collectives or Collectives.default(comm)
         self.device = torch.device(device) if device is not None else self._infer_device(module)
         self.gather_16bit_weights_on_model_save = self.options.gather_16bit_weights_on_model_save
         stream = Stream(self.device) if self.device.type == "cuda" else None
@@ -262,7 +264,7 @@ class Stage3Strategy:
                     else:
                         offloaded_numel += numel
                 g = ParamGroup(name, [p for _, p in sel], [n for n, _ in sel], [p.detach() for _, p in sel], self.comm,
-                               dtype=self.policy.param_dtype, device=self.device,
+                               collectives=self.collectives, dtype=self.policy.param_dtype, device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
                                keep_master=self.policy.master_dtype is not None, stream=stream,
                                fp32_grad_copy=not self._fused, offload=offload)
@@ -417,13 +419,13 @@ class Stage3Strategy:
         if self._background is not None:
             return self._overlapped_step(loss_scale, max_norm, check)
         if self._swap is not None:
-            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
             if result.applied and self.optimizer is not None:
                 stepped = [g for g in self._trainable() if g.offload.offloads_optimizer]
                 self._swap.step(self._views.opt_grads, self.optimizer, lambda i: stepped[i].copy_master_to_lp())
                 self.coordinator.release_all(force=True)
             return result
-        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
         if not result.applied:
             return result
         self._write_back()
@@ -439,7 +441,7 @@ class Stage3Strategy:
         """Apply the previous step's update to the lp shards, then start this step's update in the
         background (see `offload/overlap.py`)."""
         self.flush()
-        result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.comm)
+        result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
         if result.applied and self.optimizer is not None:
             snapshot = optimizer_snapshot(self.optimizer)
             self._background.launch(lambda: apply_step(self._views, coef, snapshot))

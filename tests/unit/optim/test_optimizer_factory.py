@@ -175,9 +175,38 @@ def test_several_problems_reported_together():
 
 
 @pytest.mark.parametrize("type_name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "onebitadam"])
-def test_one_bit_optimizers_are_not_implemented(type_name):
-    with pytest.raises(NotImplementedError, match="optimizer.type"):
+def test_one_bit_optimizers_need_the_communicator(type_name):
+    with pytest.raises(ConfigError, match="optimizer.type: .* needs the data-parallel communicator"):
         build_optimizer({"type": type_name, "params": {"lr": 1e-3}}, _params())
+
+
+@pytest.mark.parametrize("type_name,cls", [("OneBitAdam", "OneBitAdam"), ("zerooneadam", "ZeroOneAdam"),
+                                           ("ONEBITLAMB", "OneBitLamb")])
+def test_one_bit_optimizers_are_built_with_deepspeed_params(type_name, cls):
+    from lightspeed.comm.collectives import Communicator
+
+    params = {"lr": 2e-3, "weight_decay": 0.01, "cuda_aware": False}
+    extra = {"OneBitAdam": {"freeze_step": 7}, "ZeroOneAdam": {"var_freeze_step": 9, "local_step_clipper": 4},
+             "OneBitLamb": {"freeze_step": 5, "coeff_beta": 0.8, "factor_max": 3.0}}[cls]
+    opt = build_optimizer({"type": type_name, "params": {**params, **extra}}, _params(), comm=Communicator())
+    assert type(opt).__name__ == cls and opt.param_groups[0]["lr"] == 2e-3
+    for key, value in extra.items():
+        assert getattr(opt, key) == value
+
+
+def test_one_bit_optimizer_params_are_checked():
+    from lightspeed.comm.collectives import Communicator
+
+    with pytest.raises(ConfigError, match="optimizer.params.freeze_stepp"):
+        build_optimizer({"type": "OneBitAdam", "params": {"freeze_stepp": 3}}, _params(), comm=Communicator())
+    with pytest.raises(ConfigError, match="optimizer.params.local_step_clipper"):
+        build_optimizer({"type": "ZeroOneAdam", "params": {"local_step_clipper": 0}}, _params(), comm=Communicator())
+    with pytest.raises(NotImplementedError, match="comm_backend_name: .*MPI"):
+        build_optimizer({"type": "OneBitLamb", "params": {"comm_backend_name": "mpi"}}, _params(),
+                        comm=Communicator())
+    with pytest.raises(ConfigError, match="comm_backend_name"):
+        build_optimizer({"type": "OneBitLamb", "params": {"comm_backend_name": "ucx"}}, _params(),
+                        comm=Communicator())
 
 
 def test_empty_parameter_list():

@@ -195,7 +195,6 @@ def test_names_transformers_and_accelerate_use():
     (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(),
      "Ulysses sequence parallelism"),
     (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter(None), "Ulysses"),
-    (lambda ds: ds.comm.log_summary(), "comms_logger"),
     (lambda ds: ds.accelerator.set_accelerator(None), "custom accelerators"),
 ])
 def test_missing_features_raise_naming_them(call, feature):

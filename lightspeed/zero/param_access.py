@@ -158,6 +158,21 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     return _assemble(frag, frag.grad, _device(frag))
 
 
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Write `value` (the full reduced gradient, as `safe_get_full_grad` gives it) into this rank's part of
+    the gradient the step will read; between the boundary backward and `engine.step()`."""
+    strategy, frag = _locate(param)
+    if frag is None or frag.grad is None:
+        return
+    strategy.wait_gradients()  # an in-flight reduction would land on top of the value
+    flat = value.detach().reshape(-1)
+    if flat.numel() != frag.numel:
+        raise ValueError(f"safe_set_full_grad: value has {flat.numel()} elements, the parameter "
+                         f"{tuple(frag.shape)} has {frag.numel}")
+    with torch.no_grad():
+        frag.grad.copy_(flat[frag.owned.start:frag.owned.end])
+
+
 def _local(param, name: str) -> tuple[Any, ParamFragment]:
     strategy, frag = _locate(param)
     if frag is None or not frag.local:
@@ -183,6 +198,34 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
     return frag.optimizer_state(strategy.optimizer, optim_state_key)
 
 
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Write this rank's elements of a ZeRO-3 parameter's fp32 value (and its low-precision copy)."""
+    _, frag = _local(param, "safe_set_local_fp32_param")
+    with torch.no_grad():
+        frag.master.copy_(value.detach().reshape(-1))
+        if frag.lp_owned is not None:
+            frag.lp_owned.copy_(value.detach().reshape(-1))
+    if frag.after_write is not None:
+        frag.after_write()
+
+
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Write this rank's elements of a ZeRO-3 parameter's reduced gradient."""
+    strategy, frag = _local(param, "safe_set_local_grad")
+    strategy.wait_gradients()
+    if frag.grad is not None:
+        with torch.no_grad():
+            frag.grad.copy_(value.detach().reshape(-1))
+
+
+def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Write this rank's elements of a ZeRO-3 parameter's optimizer state `optim_state_key`."""
+    strategy, frag = _local(param, "safe_set_local_optimizer_state")
+    with torch.no_grad():
+        frag.optimizer_state(strategy.optimizer, optim_state_key).copy_(value.detach().reshape(-1))
+
+
 __all__ = ["ParamFragment", "register", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"]

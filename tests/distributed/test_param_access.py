@@ -35,6 +35,8 @@ def _stage(stage: int, bf16: bool):
             if step == 1 and micro == 1:  # after the boundary's backward, before the step
                 out["grads"] = {n: f.safe_get_full_grad(p).float().clone() for n, p in model.named_parameters()
                                 if p.requires_grad}
+                f.safe_set_full_grad(model.fc2.bias, torch.full((5,), 0.25))  # written where the step reads
+                out["set_grad"] = f.safe_get_full_grad(model.fc2.bias).float().clone()
             engine.step()
     for n, p in model.named_parameters():
         out["fp32"][n] = f.safe_get_full_fp32_param(p)
@@ -53,9 +55,13 @@ def _stage(stage: int, bf16: bool):
         local = f.safe_get_local_fp32_param(w)
         n = torch.tensor([local.numel()])
         dist.all_reduce(n)
-        out["local"] = (int(n), bool((local == 0.5).all()),
+        f.safe_set_local_optimizer_state(w, torch.full((local.numel(),), 3.0), "exp_avg")
+        f.safe_set_local_fp32_param(w, torch.full((local.numel(),), 0.75))
+        out["local"] = (int(n), bool((f.safe_get_local_fp32_param(w) == 0.75).all()),
                         f.safe_get_local_grad(w).numel() == local.numel(),
-                        bool((f.safe_get_local_optimizer_state(w, "exp_avg_sq") == 2.0).all()))
+                        bool((f.safe_get_local_optimizer_state(w, "exp_avg_sq") == 2.0).all()),
+                        bool((f.safe_get_full_optimizer_state(w, "exp_avg") == 3.0).all()),
+                        bool((f.safe_get_full_fp32_param(w) == 0.75).all()))
     else:
         with pytest.raises(ValueError, match="ZeRO-3"):
             f.safe_get_local_fp32_param(w)
@@ -88,7 +94,9 @@ def test_accessors_agree_at_every_stage(bf16):
             fp32, state, lp = r[stage]["set"]
             assert torch.equal(fp32, torch.full((37, 13), 0.5)) and torch.equal(state, torch.full((37, 13), 2.0))
             assert torch.equal(lp, torch.full((37, 13), 0.5)), stage
-        assert r[3]["local"] == (37 * 13, True, True, True)
+        assert r[3]["local"] == (37 * 13, True, True, True, True, True)
+        for stage in (0, 1, 2, 3):
+            torch.testing.assert_close(r[stage]["set_grad"], torch.full((5,), 0.25), msg=f"stage {stage}")
     assert torch.equal(results[0][3]["fp32"]["fc1.weight"], results[1][3]["fp32"]["fc1.weight"])
 
 

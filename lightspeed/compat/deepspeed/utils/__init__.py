@@ -28,7 +28,8 @@ def __getattr__(name: str):
         return importlib.import_module(f"{__name__}.{name}")
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                 "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
-                "safe_get_local_grad", "safe_get_local_optimizer_state"):
+                "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_full_grad",
+                "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"):
         from lightspeed.zero import param_access as fragments
 
         return getattr(fragments, name)

@@ -106,11 +106,12 @@ class Communicator:
             return None
         return str(dist.get_backend(self.group)).lower()
 
-    def _issue(self, name: str, tensor: torch.Tensor, nbytes: int, call: Callable[[bool], Any], async_op: bool):
+    def _issue(self, name: str, tensor: torch.Tensor, nbytes: int, call: Callable[[bool], Any], async_op: bool,
+               desc: str | None = None):
         """Run `call(async_op)`, its blocking wait under the watchdog when one is installed (comm/watchdog.py);
         when the comms logger profiles `name`, run it to completion and time it."""
         dog = watchdog.current()
-        what = (name, nbytes, self.world_size)
+        what = (desc or name, tensor.numel() * tensor.element_size(), self.world_size)
         if COMMS_LOGGER.profiles(name):
             sync = torch.cuda.synchronize if tensor.is_cuda else (lambda: None)
             sync()
@@ -135,7 +136,8 @@ class Communicator:
         if self.world_size == 1:
             return DONE
         return self._issue("all_reduce", tensor, _nbytes(tensor),
-                           lambda a: dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=a), async_op)
+                           lambda a: dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=a), async_op,
+                           desc=f"all_reduce ({op})")
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False):
         if self.world_size == 1:
@@ -144,7 +146,7 @@ class Communicator:
         # message size: this rank's part, as DeepSpeed's logger reads it (its bandwidth multiplies by n)
         return self._issue("reduce_scatter", input, _nbytes(output),
                            lambda a: _REDUCE_SCATTER(output, input, op=_OPS[op], group=self.group, async_op=a),
-                           async_op)
+                           async_op, desc=f"reduce_scatter ({op})")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:
@@ -167,7 +169,8 @@ class Communicator:
             return DONE
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         return self._issue("broadcast", tensor, _nbytes(tensor),
-                           lambda a: dist.broadcast(tensor, src=global_src, group=self.group, async_op=a), async_op)
+                           lambda a: dist.broadcast(tensor, src=global_src, group=self.group, async_op=a), async_op,
+                           desc=f"broadcast (from rank {global_src})")
 
     def barrier(self) -> None:
         if self.world_size > 1:

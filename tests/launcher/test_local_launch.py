@@ -101,7 +101,10 @@ def test_a_stalled_rank_ends_the_job_at_the_comm_timeout_with_every_ranks_stacks
     rank1 = proc.stderr.split("--- stacks of rank 1")[1]
     rank0 = proc.stderr.split("--- stacks of rank 0")[1].split("--- stacks of rank 1")[0]
     assert "stall_job.py\", line 27 in <module>" in rank0
-    assert f"stall_job.py\", line {24 if mode == 'stop' else 26} in <module>" in rank1
+    if mode == "stop":  # resumed to dump its stacks, the stopped rank may already be in the next collective
+        assert "stall_job.py\", line 24 in <module>" in rank1 or "stall_job.py\", line 27 in <module>" in rank1
+    else:
+        assert "stall_job.py\", line 26 in <module>" in rank1
     assert ("(was stopped)" in proc.stderr) == (mode == "stop")
 
 

@@ -58,10 +58,13 @@ def test_accelerator_on_cpu(monkeypatch):
     # memory: this process's resident set, and the machine's
     acc.reset_peak_memory_stats()
     base = acc.memory_allocated()
-    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    import mmap
+
+    big = mmap.mmap(-1, 64 * 2**20)  # 64 MiB of fresh pages (an allocator could reuse resident ones), touched
+    big.write(b"\x01" * (64 * 2**20))
     assert acc.memory_allocated() > base + 32 * 2**20
     assert acc.max_memory_allocated() >= acc.memory_allocated()
-    del big
+    big.close()
     acc.reset_peak_memory_stats()
     assert acc.max_memory_allocated() < base + 48 * 2**20
     assert acc.memory_stats()["allocated_bytes.all.current"] > 0

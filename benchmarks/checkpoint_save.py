@@ -9,7 +9,8 @@ Claims:
      (xxh3_64 over the state's bytes, when `xxhash` is installed) and the save through a Python file
      object (the writer before this one).
   2. A background save holds training only for the host snapshot: stall per save, sync vs async,
-     and the mean step time while the writer works, against steps with no save.
+     and the median step time while the writer works (training goes on until it is done), against
+     steps with no save.
   Also: the verified load (every record's CRC-32 recomputed) against an unverified torch.load.
 
 The model is an MLP language model (embedding, `--layers` blocks of h -> 4h -> h, head), trained by
@@ -181,20 +182,25 @@ def measure_stall(args, root: str, decoupled: bool) -> dict[str, float]:
     engine = make_engine(args, decoupled)
     timed_steps(engine, args, args.warmup)
     base = timed_steps(engine, args, args.steps)
-    stalls, during = [], []
+    stalls, during, overlapped = [], [], []
     for i in range(args.saves):
         sync()
         t0 = time.perf_counter()
         engine.save_checkpoint(os.path.join(root, "async" if decoupled else "sync"), tag=f"s{i}")
         stalls.append(time.perf_counter() - t0)
-        during.extend(timed_steps(engine, args, args.steps))  # a background writer works during these
+        # a background writer works during these: train on until it is done (at most --max-steps)
+        steps = 0
+        while steps < args.steps or (engine._checkpoint_writer.writing and steps < args.max_steps):
+            during.extend(timed_steps(engine, args, 1))
+            steps += 1
         sync()
         t0 = time.perf_counter()
         engine.wait_checkpoint()
         stalls[-1] += time.perf_counter() - t0  # whatever the steps did not hide
+        overlapped.append(steps)
         shutil.rmtree(os.path.join(root, "async" if decoupled else "sync", f"s{i}"))  # one save on disk at a time
     return {"stall_s": statistics.median(stalls), "step_s": statistics.median(base),
-            "step_during_s": statistics.median(during)}
+            "step_during_s": statistics.median(during), "steps_during": statistics.median(overlapped)}
 
 
 def measure_deepspeed_stall(args, root: str) -> dict[str, float]:
@@ -237,7 +243,9 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--repeats", type=int, default=3, help="saves per variant for the checksum cost (median)")
     p.add_argument("--saves", type=int, default=2, help="saves per mode for the stall (median)")
-    p.add_argument("--steps", type=int, default=4, help="training steps after each save")
+    p.add_argument("--steps", type=int, default=4, help="training steps after each save (at least)")
+    p.add_argument("--max-steps", type=int, default=5000,
+                   help="background saves: train on while the writer works, up to this many steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs")
@@ -280,7 +288,7 @@ def main() -> None:
             r = measure_stall(args, root, decoupled)
             name = "background" if decoupled else "synchronous"
             print(f"  {name:<12} stall {r['stall_s'] * 1e3:9.1f} ms   step {r['step_s'] * 1e3:8.1f} ms, "
-                  f"while writing {r['step_during_s'] * 1e3:8.1f} ms")
+                  f"after the save {r['step_during_s'] * 1e3:8.1f} ms ({r['steps_during']:.0f} steps)")
         if args.deepspeed:
             r = measure_deepspeed_stall(args, root)
             print(f"  {'DeepSpeed':<12} stall {r['stall_s'] * 1e3:9.1f} ms   step {r['step_s'] * 1e3:8.1f} ms "

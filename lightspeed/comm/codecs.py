@@ -122,30 +122,31 @@ class ParamGather:
     """The all-gathers of one stage-3 parameter group: `gather(output, shard)` fills `output` (the
     group's padded flat buffer) from every rank's shard.
 
-    With `node_gather` (ZeRO++'s hpZ, `zero_hpz_partition_size` = P ranks per partition): the first
+    With `partition_gather` (ZeRO++'s hpZ, `zero_hpz_partition_size` = P ranks per partition, over this
+    rank's partition group of P consecutive ranks, in which it has index `partition_rank`): the first
     gather after the shard changed runs over the whole data-parallel group and keeps this rank's
     secondary shard (the payload rows of the P-th of the buffer this rank holds within its partition
     group); the gathers that follow (backward, and the next micro-steps' forwards) read the secondary
     shards within the partition group only. `shard_changed()` (after an optimizer step or a load) drops
     it, so the next gather refreshes it."""
 
-    def __init__(self, all_gather, node_gather=None, node_size: int = 1, node_rank: int = 0):
-        self.all_gather, self.node_gather = all_gather, node_gather
-        self.node_size, self.node_rank = node_size, node_rank
+    def __init__(self, all_gather, partition_gather=None, partition_size: int = 1, partition_rank: int = 0):
+        self.all_gather, self.partition_gather = all_gather, partition_gather
+        self.partition_size, self.partition_rank = partition_size, partition_rank
         self._secondary: tuple[torch.Tensor, ...] | None = None
 
     def __call__(self, output: torch.Tensor, shard, async_op: bool = False):
-        if self.node_gather is None:
+        if self.partition_gather is None:
             return self.all_gather(output, shard, async_op=async_op)
         if self._secondary is not None:
-            handle, _ = self.node_gather.gather_payload(output, self._secondary, async_op=async_op)
+            handle, _ = self.partition_gather.gather_payload(output, self._secondary, async_op=async_op)
             return handle
         handle, gathered = self.all_gather.gather_payload(output, self.all_gather.encode(shard), async_op=async_op)
         return _Then(handle, lambda: self._keep(gathered))
 
     def _keep(self, gathered: tuple[torch.Tensor, ...]) -> None:
-        rows = gathered[0].shape[0] // self.node_size
-        start = self.node_rank * rows
+        rows = gathered[0].shape[0] // self.partition_size
+        start = self.partition_rank * rows
         # copies: the exact payload is a view of the output, whose storage is freed at release
         self._secondary = tuple(t[start:start + rows].clone() for t in gathered)
 

@@ -7,16 +7,18 @@ Must not: know parameter groups; each piece is an object the groups call like th
 - qwZ: every parameter all-gather sends int8 codes and block scales (`QuantizedAllGather`); the fp32
   masters and the lp shards stay as they are, only the gathered copy is quantized.
 - hpZ: each group's `ParamGather` keeps a secondary shard within its partition group of P consecutive
-  ranks after the first gather of a step, and gathers from it within the group until the shard changes.
+  ranks after the first gather of a step, and gathers from it within the group until the shard changes
+  (P usually a machine's ranks; DeepSpeed's `zero_hpz_partition_size` meaning).
   With qwZ the secondary shard is the received int8 payload (so the backward gathers re-quantize
   nothing). *Changed*: DeepSpeed gathers each forward from the primary shards; here a forward that
   finds a secondary shard made since the last step (micro-steps of gradient accumulation) reads it.
-- qgZ: the gradient reduce-scatter is `QuantizedReduceScatter`, with nodes of `ranks_per_node()` ranks.
+- qgZ: the gradient reduce-scatter is `QuantizedReduceScatter`, with nodes of `ranks_per_node()` ranks
+  (DeepSpeed: the visible device count), whatever P is.
 - frozen weights: a group of parameters with requires_grad=False keeps its shard as a `QuantizedShard`
   and gathers it as stored, int8 codes and scales.
 
-Byte counts: the ZeRO++ objects also count the bytes that cross nodes (`CommStats.inter_node_bytes`),
-with nodes of P ranks under hpZ and of `ranks_per_node()` otherwise.
+Byte counts: the objects also count the bytes that cross machines of `ranks_per_node()` ranks
+(`CommStats.inter_node_bytes`).
 """
 
 from __future__ import annotations
@@ -43,23 +45,23 @@ def zeropp_collectives(comm: Communicator, zero) -> Collectives:
     hpz = int(zero.zero_hpz_partition_size) if zero.zero_hpz_partition_size > 1 else 1
     if hpz > 1 and (hpz > world or world % hpz):
         raise ConfigError(f"{HPZ_KEY}: {hpz} ranks per partition must divide the data-parallel world size ({world})")
-    node_size = hpz if hpz > 1 else ranks_per_node(world)
-    inter = (world - node_size) / world if world > 1 else 0.0
-    exact = AllGather(comm, inter_node_fraction=inter if hpz > 1 else None)
-    quant = QuantizedAllGather(comm, inter_node_fraction=inter)
+    node_size = ranks_per_node(world)  # a machine's ranks: what "inter-node" counts and qgZ's stages use
+    exact = AllGather(comm, inter_node_fraction=_inter_fraction(world, node_size))
+    quant = QuantizedAllGather(comm, inter_node_fraction=_inter_fraction(world, node_size))
     partition = NodeComms.build(comm, hpz, HPZ_KEY) if hpz > 1 else None
     node_exact = node_quant = None
     if partition is not None:
-        node_exact = AllGather(partition.intra, comm.stats, name="all_gather_intra_node", inter_node_fraction=0.0)
+        inside = _inter_fraction(hpz, node_size)
+        node_exact = AllGather(partition.intra, comm.stats, name="all_gather_intra_node", inter_node_fraction=inside)
         node_quant = QuantizedAllGather(partition.intra, comm.stats, name="quantized_all_gather_intra_node",
-                                        inter_node_fraction=0.0)
+                                        inter_node_fraction=inside)
 
     def param_gather(trainable: bool) -> ParamGather:
         quantized = zero.zero_quantized_weights or (not trainable and zero.zero_quantized_nontrainable_weights)
         base, node = (quant, node_quant) if quantized else (exact, node_exact)
         if partition is None:
             return ParamGather(base)
-        return ParamGather(base, node, node_size=hpz, node_rank=partition.node_rank)
+        return ParamGather(base, node, partition_size=hpz, partition_rank=partition.node_rank)
 
     def store_shard(shard, trainable: bool):
         if not trainable and zero.zero_quantized_nontrainable_weights:
@@ -69,7 +71,13 @@ def zeropp_collectives(comm: Communicator, zero) -> Collectives:
     reduce_scatter = ReduceScatter(comm)
     if zero.zero_quantized_gradients:
         key = "zero_optimization.zero_quantized_gradients"
-        grad_nodes = partition if partition is not None and node_size == hpz else NodeComms.build(comm, node_size, key)
-        reduce_scatter = QuantizedReduceScatter(comm, grad_nodes)
+        same = partition is not None and hpz == node_size
+        reduce_scatter = QuantizedReduceScatter(comm, partition if same else NodeComms.build(comm, node_size, key))
     return Collectives(comm, AllReduce(comm), reduce_scatter, exact, param_gathers=param_gather,
                        shard_store=store_shard)
+
+
+def _inter_fraction(group_size: int, node_size: int) -> float:
+    """The share of a gather over `group_size` consecutive ranks that comes from other machines of
+    `node_size` ranks (groups and machines aligned, as consecutive ranks are)."""
+    return max(group_size - node_size, 0) / group_size

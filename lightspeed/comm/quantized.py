@@ -120,6 +120,10 @@ class QuantizedAllGather(AllGather):
         def finish():
             h1.wait()
             h2.wait()
+            if all_codes.is_cuda:  # allocated on the gather's (side) stream, read on the current one
+                stream = torch.cuda.current_stream(all_codes.device)
+                all_codes.record_stream(stream)
+                all_scales.record_stream(stream)
             dequantize(all_codes, all_scales, n, WEIGHT_BITS, self.block, out=output)
 
         if not async_op:

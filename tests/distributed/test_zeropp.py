@@ -217,13 +217,30 @@ def _round_trip(save_dir: str):
     masters = [safe_get_full_fp32_param(p) for p in fresh.module.parameters() if p.requires_grad]
     plain_masters = [safe_get_full_fp32_param(p) for p in plain.module.parameters() if p.requires_grad]
     resumed_masters = all(torch.equal(a, b) for a, b in zip(masters, plain_masters))
-    return {"after": after, "again": again, "same_masters": resumed_masters, "num": len(masters)}
+    # gradient accumulation: the second micro-step's forward reads hpZ's secondary shards too
+    gas = {}
+    for name in ("plain", "hpz", "all"):
+        cfg = _config(OPTIONS[name], bf16=False)
+        cfg["gradient_accumulation_steps"] = 2
+        engine, *_ = lightspeed.initialize(model=_Model(), config=cfg)
+        losses, wire, _ = _train(engine, 0, 8)
+        gas[name] = {"losses": losses, "bytes": wire}
+    return {"after": after, "again": again, "same_masters": resumed_masters, "num": len(masters), "gas": gas}
 
 
-def test_checkpoint_round_trip(tmp_path):
+def test_checkpoint_round_trip_and_accumulation(tmp_path):
     for r in run_world(_round_trip, WORLD, str(tmp_path), env=NODE_ENV):
         assert r["after"] == r["again"]  # resuming repeats the run exactly (hpZ shards refreshed on load)
         assert r["same_masters"] and r["num"] == 8
+        gas = r["gas"]
+        assert gas["hpz"]["losses"] == gas["plain"]["losses"]
+        # one gather over the whole group per optimizer step; the other gathers of its two micro-steps'
+        # forwards and backwards stay within the partition
+        hpz, plain_bytes = gas["hpz"]["bytes"], gas["plain"]["bytes"]
+        assert hpz["all_gather"] + hpz["all_gather_intra_node"] == plain_bytes["all_gather"]
+        assert hpz["all_gather"] * 4 <= plain_bytes["all_gather"]
+        plain, both = torch.tensor(gas["plain"]["losses"]), torch.tensor(gas["all"]["losses"])
+        assert ((both - plain).abs() / plain).max() < TOLERANCE["all"]
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -76,7 +76,8 @@ def codec_part(args, device: str) -> list[dict]:
     block_numel = 12 * h * h + 13 * h  # attention (4 h x h) + MLP (h x 4h, 4h x h), biases and two norms
     total = layers * block_numel + 50304 * h  # + the tied embedding
     rows = []
-    for name, n in ((f"one block ({block_numel / 1e6:.1f}M)", block_numel), (f"whole model ({total / 1e9:.2f}B)", total)):
+    buffers = ((f"one block ({block_numel / 1e6:.1f}M)", block_numel), (f"whole model ({total / 1e9:.2f}B)", total))
+    for name, n in buffers:
         x = torch.randn(n, device=device, dtype=torch.bfloat16)
         codes, scales = quantize(x, WEIGHT_BITS, WEIGHT_BLOCK)
         out = torch.empty_like(x)

@@ -94,7 +94,8 @@ class QuantizedAllGather(AllGather):
     def encode(self, shard) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(shard, QuantizedShard):
             if shard.block != self.block:
-                raise ValueError(f"QuantizedAllGather: shard quantized in blocks of {shard.block}, expected {self.block}")
+                raise ValueError(f"QuantizedAllGather: shard quantized in blocks of {shard.block}, "
+                                 f"expected {self.block}")
             return shard.codes, shard.scales
         return quantize(shard.reshape(1, -1), WEIGHT_BITS, self.block)
 
@@ -181,7 +182,8 @@ class QuantizedReduceScatter:
         local = self.nodes.node_size
         nodes, chunk = world // local, input.numel() // world
         if chunk * world != input.numel() or output.numel() != chunk:
-            raise ValueError(f"QuantizedReduceScatter: {input.numel()} elements over {world} ranks into {output.numel()}")
+            raise ValueError(f"QuantizedReduceScatter: {input.numel()} elements over {world} ranks into "
+                             f"{output.numel()}")
         # [node m, local l, chunk] -> [local l, node m, chunk]: row (l, m) is the chunk of rank m * L + l
         rows = input.reshape(nodes, local, chunk).transpose(0, 1).reshape(local * nodes, chunk)
         if local > 1:

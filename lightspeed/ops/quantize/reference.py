@@ -67,9 +67,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, n: int, bits: int = 8,
     check(bits, block)
     codes, scales = _as_rows(codes), _as_rows(scales)
     r = codes.shape[0]
-    if codes.dtype != torch.uint8 or codes.shape[1] != code_bytes(n, bits) or tuple(scales.shape) != (r, num_blocks(n, block)):
+    nb = num_blocks(n, block)
+    if codes.dtype != torch.uint8 or codes.shape[1] != code_bytes(n, bits) or tuple(scales.shape) != (r, nb):
         raise ValueError(f"dequantize: {r} rows of {n} elements at {bits} bits need uint8 codes [{r}, "
-                         f"{code_bytes(n, bits)}] and scales [{r}, {num_blocks(n, block)}], got {codes.dtype} "
+                         f"{code_bytes(n, bits)}] and scales [{r}, {nb}], got {codes.dtype} "
                          f"{tuple(codes.shape)} and {tuple(scales.shape)}")
     if bits == 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=2).view(r, -1)[:, :n]

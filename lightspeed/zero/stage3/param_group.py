@@ -24,6 +24,13 @@ backward re-gathers into the same storage object, so the saved views read the ri
 Consequence: a tensor derived from a parameter in forward (e.g. `p.detach()`) must not be read after
 the group is released; the pre-backward hooks re-gather before any module's backward.
 
+Note (ZeRO++): what goes on the wire is not decided here. Each group gathers through its own
+`ParamGather` (`comm/codecs.py`), made by the strategy's `Collectives` (int8 payloads for qwZ, hpZ's
+secondary shard kept inside it), reduce-scatters through `collectives.reduce_scatter` (qgZ's
+hierarchical int4 one), and keeps its lp shard in the form `collectives.store_shard` gives (a frozen
+group's `QuantizedShard` under `zero_quantized_nontrainable_weights`). Whatever writes the lp shard
+calls `shard_changed()`, so the hpZ secondary shard is made afresh by the next gather.
+
 Note (offload, `OffloadPolicy`): with the optimizer offloaded, `master_shard` and `master_grad_shard`
 are host fp32 buffers (for fp32 parameters too: the device keeps `lp_shard`, the host the master).
 With the parameters offloaded, `lp_shard` is a host buffer: a gather copies it to the device (on the

@@ -46,7 +46,7 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 class QuantizedShard:
     """A shard kept as int8 codes [1, code bytes] and fp32 scales [1, blocks] (ZeRO++'s
     `zero_quantized_nontrainable_weights`), with `numel` values of `dtype`. Reading a range gives a
-    dequantized copy; writes re-quantize the whole shard."""
+    dequantized copy; writing one (`shard[a:b] = values`, `copy_`) re-quantizes the whole shard."""
 
     def __init__(self, values: torch.Tensor, block: int = WEIGHT_BLOCK):
         self.block, self.dtype, self.device = block, values.dtype, values.device
@@ -70,9 +70,9 @@ class QuantizedShard:
         self.codes, self.scales = quantize(values.reshape(1, -1).to(self.dtype), WEIGHT_BITS, self.block)
         return self
 
-    def write(self, start: int, values: torch.Tensor) -> None:
+    def __setitem__(self, index: slice, values: torch.Tensor) -> None:
         full = self.dequantize()
-        full[start:start + values.numel()].copy_(values.reshape(-1))
+        full[index] = values
         self.copy_(full)
 
 

@@ -324,11 +324,7 @@ class ParamGroup:
             src_start = own.start + self.shard.start - r.start
             flat = value.detach().reshape(-1)
             self.lp_in()
-            values = flat[src_start:src_start + own.numel]
-            if isinstance(self.lp_shard, torch.Tensor):
-                self.lp_shard[own.start:own.end].copy_(values)
-            else:  # a stored quantized shard re-quantizes
-                self.lp_shard.write(own.start, values)
+            self.lp_shard[own.start:own.end] = flat[src_start:src_start + own.numel]  # a quantized shard re-quantizes
             self._lp_written()
             self.shard_changed()
 

@@ -2,7 +2,8 @@
 
 `init.py` starts the process group, `groups.py` holds the run's `ParallelGroups`, `collectives.py`
 the `Communicator` the runtime uses, `codecs.py` the collective objects strategies are handed, and
-`comms_logger.py` DeepSpeed's comms logger (`log_summary`). DeepSpeed's module-level `deepspeed.comm` functions
+`comms_logger.py` DeepSpeed's comms logger (`log_summary`), `onebit.py` the one-bit all-reduce, and ZeRO++'s
+pieces: `quantized.py` (int8 weight gather, int4 hierarchical reduce-scatter), `node_groups.py`, `zeropp.py`. DeepSpeed's module-level `deepspeed.comm` functions
 (`get_rank`, `all_reduce`, `all_gather_into_tensor`, ...) live in `api.py` and are reachable here
 (`lightspeed.comm.get_rank()`), imported on first use so `import lightspeed.comm` stays light.
 """

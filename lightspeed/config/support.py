@@ -13,7 +13,9 @@ memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), the one-bit optimizers
-(OneBitAdam, ZeroOneAdam, OneBitLamb) and comms_logger.
+(OneBitAdam, ZeroOneAdam, OneBitLamb), comms_logger and ZeRO++ at stage 3 (zero_quantized_weights,
+zero_quantized_nontrainable_weights, zero_quantized_gradients, zero_hpz_partition_size; ``lightspeed.comm.zeropp``;
+its LoCo error feedback, zeropp_loco_param, stays below).
 ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
 (`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """
@@ -79,17 +81,24 @@ def _changed(path: str) -> Unimplemented:
     return Unimplemented(path, lambda cfg: bool(_get(cfg, path).non_default()), describe)
 
 
+def _zeropp(entry: Unimplemented) -> Unimplemented:
+    """A ZeRO++ setting: built at stage 3, refused at the other stages."""
+    return Unimplemented(entry.path, lambda cfg: entry.active(cfg) and cfg.zero_optimization.stage != 3,
+                         entry.describe)
+
+
 IMPLEMENTED_STAGES = (0, 1, 2, 3)  # ZeRO stages the engine runs; the others raise NotImplementedError
 
 UNIMPLEMENTED: list[Unimplemented] = [
     # ZeRO
     Unimplemented("zero_optimization.stage", lambda cfg: cfg.zero_optimization.stage not in IMPLEMENTED_STAGES),
     _flag("zero_optimization.stage3_use_all_reduce_for_fetch_params"),
-    _flag("zero_optimization.zero_quantized_weights"),
-    _flag("zero_optimization.zero_quantized_nontrainable_weights"),
-    _flag("zero_optimization.zero_quantized_gradients"),
-    _above("zero_optimization.zero_hpz_partition_size", 1),
     _set("zero_optimization.zeropp_loco_param"),
+    # ZeRO++ is built for stage 3 (lightspeed.comm.zeropp); DeepSpeed's stages 1 and 2 do not use it either
+    _zeropp(_flag("zero_optimization.zero_quantized_weights")),
+    _zeropp(_flag("zero_optimization.zero_quantized_nontrainable_weights")),
+    _zeropp(_flag("zero_optimization.zero_quantized_gradients")),
+    _zeropp(_above("zero_optimization.zero_hpz_partition_size", 1)),
     _above("zero_optimization.mics_shard_size", 0),
     _flag("zero_optimization.mics_hierarchical_params_gather"),
     _set("zero_optimization.zenflow"),

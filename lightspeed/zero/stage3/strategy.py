@@ -179,6 +179,9 @@ class Stage3Strategy:
         if st is None or st.group not in self._group_set:
             return None
         g, r = st.group, st.range
+        if not isinstance(g.lp_shard, torch.Tensor):
+            raise NotImplementedError(f"zero_optimization.zero_quantized_nontrainable_weights: {st.name} is stored "
+                                      f"quantized; its fragment cannot be read or written in place")
         inter = r.intersect(g.shard)
         own = g.local(r) if inter.numel else Range(0, 0)
         owned = inter.shift(-r.start) if inter.numel else Range(0, 0)
@@ -410,8 +413,10 @@ class Stage3Strategy:
         return self._runner.step(loss_scale, max_norm, check_overflow)
 
     def _write_back(self) -> None:
-        if not self._views.optimizer_writes_lowp:
-            for g in self._trainable():
+        for g in self._trainable():
+            if self._views.optimizer_writes_lowp:
+                g.shard_changed()  # the optimizer wrote the lp shard itself
+            else:
                 g.copy_master_to_lp()
         self.coordinator.release_all(force=True)
 

@@ -141,6 +141,14 @@ def test_bytes_on_the_wire(runs):
     assert _moved(both) * bound <= _moved(plain), (_moved(both), _moved(plain))
 
 
+def test_all_options_cross_nodes_with_a_quarter_of_the_bytes(runs):
+    """ZeRO++'s claim, in inter-node bytes: with two nodes half of every plain gather and reduction
+    crosses between them; with all four options on, at most a quarter of that does (fp32 and bf16)."""
+    r = runs[0]
+    plain_inter = _moved(r["plain"]["bytes"]) / 2
+    assert 0 < _moved(r["all"]["inter"]) * 4 <= plain_inter, (_moved(r["all"]["inter"]), plain_inter)
+
+
 def test_hpz_inter_node_bytes(runs):
     r = runs[0]
     qwz, both = r["qwz"]["inter"], r["all"]["inter"]

@@ -217,6 +217,27 @@ def test_kept_inputs_give_the_same_gradients(options):
         assert all(torch.equal(grads[n], g) for n, g in plain_grads.items())
 
 
+def test_configure_takes_deepspeeds_config_object_and_partition_needs_even_splits():
+    from lightspeed.compat.deepspeed.runtime.config import DeepSpeedConfig
+
+    checkpointing.configure(None, deepspeed_config=DeepSpeedConfig(
+        {"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": True}}))
+    assert settings.SETTINGS.options.cpu_checkpointing
+    checkpointing.configure(_Mpu(rank=0, size=2), partition_activations=True)
+    with pytest.raises(ValueError, match="does not split evenly over the model-parallel group of 2"):
+        checkpointing.checkpoint(torch.nn.Linear(3, 3), torch.randn(1, 3, requires_grad=True))
+    assert lightspeed.checkpointing is checkpointing
+
+
+def test_profile_logs_each_forward_and_backward(ls_caplog):
+    ls_caplog.set_level(logging.INFO, logger="lightspeed")
+    checkpointing.configure(None, profile=True, synchronize=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    checkpointing.checkpoint(torch.nn.Linear(3, 3), x).sum().backward()
+    text = ls_caplog.text
+    assert "activation checkpointing: forward" in text and "activation checkpointing: backward" in text
+
+
 def test_contiguous_buffers_hold_number_checkpoints():
     checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=2)
     model = CheckpointedNet("reentrant", num_blocks=3)

@@ -9,8 +9,8 @@ kept (`saved_inputs.py`) or read the config (`settings.py` hands the options ove
 Both keep the inputs as the settings say (whole, on the host, partitioned over the model-parallel
 group), take a snapshot of the host and device generators and of the RNG tracker before running
 `function`, and replay it for the recomputation, so dropout draws the same masks twice. Outputs follow
-DeepSpeed: a tensor, or a tuple of everything `function` returned (a sequence of one element comes
-back as that element); non-floating-point tensor outputs are not differentiable.
+DeepSpeed: one output alone (a tensor, or a sequence of one element: that element), several as a
+tuple of everything `function` returned; non-floating-point tensor outputs are not differentiable.
 
 Note (recomputation under ZeRO-3): the recomputed forward runs inside the engine's backward. The
 stage-3 coordinator knows that a forward hook firing between `backward_start` and `backward_end` is a
@@ -70,33 +70,35 @@ def _check_backward_kind() -> None:
                            "use .backward()")
 
 
-def _as_sequence(outputs: Any) -> tuple[Any, bool]:
-    """(outputs as a tuple, whether `function` returned a single tensor)."""
+def _as_sequence(outputs: Any) -> tuple:
+    """`function`'s outputs as a tuple (a single tensor as a tuple of one)."""
     if torch.is_tensor(outputs):
-        return (outputs,), True
+        return (outputs,)
     if isinstance(outputs, (tuple, list)):
-        return tuple(outputs), False
+        return tuple(outputs)
     raise TypeError(f"activation checkpointing: the checkpointed function must return a tensor or a tuple/list "
                     f"(got {type(outputs).__name__})")
 
 
-def _deepspeed_result(outputs: tuple) -> Any:
+def _deepspeed_result(outputs: list | tuple) -> Any:
+    """DeepSpeed's return convention: one output alone, several as a tuple."""
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 class CheckpointFunction(torch.autograd.Function):
-    """The reentrant checkpoint. `apply(run_function, shape, *args)`: `shape` is a list the forward
-    fills with the positions and values of `run_function`'s non-tensor outputs."""
+    """The reentrant checkpoint, with DeepSpeed's signature: `apply(run_function, all_outputs, *args)`
+    returns the tensor outputs and appends every output of `run_function` (tensors and other objects,
+    in order) to the list `all_outputs`."""
 
     @staticmethod
-    def forward(ctx, run_function: Callable, shape: list, *args):
+    def forward(ctx, run_function: Callable, all_outputs: list, *args):
         options = SETTINGS.options
         with _Boundary(options, "forward"):
             saved = _keep_inputs(args)
             ctx.run_function, ctx.saved, ctx.options = run_function, saved, options
             ctx.rng = RngSnapshot.take()
             with torch.no_grad():
-                outputs, single = _as_sequence(run_function(*args))
+                outputs = _as_sequence(run_function(*args))
             if options.contiguous_memory_optimization:
                 # slots of shared buffers: their one version counter moves as later checkpoints fill
                 # other slots, which autograd's saved-tensor check would take for an in-place change
@@ -105,8 +107,7 @@ class CheckpointFunction(torch.autograd.Function):
                 ctx.save_for_backward(*saved.tensors)  # kept through autograd, so saved-tensor hooks see them
                 ctx.kept = None
             saved.tensors = []
-        shape.append(single)
-        shape.extend((i, o) for i, o in enumerate(outputs) if not torch.is_tensor(o))
+        all_outputs.extend(outputs)
         tensors = [o for o in outputs if torch.is_tensor(o)]
         ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point()])
         return tuple(tensors)
@@ -114,13 +115,16 @@ class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         _check_backward_kind()
+        if ctx.saved is None:
+            raise RuntimeError("activation checkpointing: a second backward through a checkpoint (retain_graph) "
+                               "is not supported: the first one freed its inputs")
         options = ctx.options
         with _Boundary(options, "backward"):
             if options.contiguous_memory_optimization:
                 SETTINGS.contiguous.clear()  # the next forward fills new buffers; these live on in the contexts
             inputs = ctx.saved.unpack(ctx.kept if ctx.kept is not None else ctx.saved_tensors)
             with ctx.rng.replayed(), torch.enable_grad():
-                outputs, _ = _as_sequence(ctx.run_function(*inputs))
+                outputs = _as_sequence(ctx.run_function(*inputs))
             tensors = [o for o in outputs if torch.is_tensor(o)]
             pairs = [(o, g) for o, g in zip(tensors, grads) if o.requires_grad]
             if pairs:
@@ -132,14 +136,11 @@ class CheckpointFunction(torch.autograd.Function):
 def checkpoint(function: Callable, *args) -> Any:
     """Run `function(*args)` without keeping its activations; backward reruns it (DeepSpeed's
     `deepspeed.checkpointing.checkpoint`, reentrant). Inputs are kept as `configure()` said."""
-    shape: list = []
-    tensors = CheckpointFunction.apply(function, shape, *args)
-    single, others = shape[0], dict(shape[1:])
-    if single:
-        return tensors[0]
-    it = iter(tensors)
-    outputs = [others[i] if i in others else next(it) for i in range(len(tensors) + len(others))]
-    return _deepspeed_result(tuple(outputs))
+    all_outputs: list = []
+    tensors = iter(CheckpointFunction.apply(function, all_outputs, *args))
+    # the tensors apply returned are the ones autograd links to the checkpoint (an output that is one of the
+    # inputs comes back as a new view, so all_outputs' own entry would not carry the gradient)
+    return _deepspeed_result([next(tensors) if torch.is_tensor(o) else o for o in all_outputs])
 
 
 class _Placeholder:
@@ -194,5 +195,5 @@ def non_reentrant_checkpoint(function: Callable, *args) -> Any:
             return recomputed[holder]
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            outputs, single = _as_sequence(function(*args))
-    return outputs[0] if single else _deepspeed_result(outputs)
+            outputs = _as_sequence(function(*args))
+    return _deepspeed_result(outputs)

@@ -359,10 +359,16 @@ class Coordinator:
             self._prefetch()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        g = param_state(param).group
+        st = param_state(param)
+        g = st.group
         key = id(g)
         if key in self._reduced:
-            return
+            # its reduce-scatter has gone: this gradient would be lost. Reentrant activation checkpointing
+            # runs one backward per checkpoint, so a parameter used in two checkpoints gets here
+            raise RuntimeError(f"ZeRO-3: parameter {st.name} received a gradient after its group was reduced in this "
+                               "backward (a parameter used in two reentrant activation checkpoints, or a second "
+                               "backward?); use non_reentrant_checkpoint or torch.utils.checkpoint(use_reentrant=False)"
+                               " for such layers, and call engine.backward once per micro-step")
         self._ready[key] = self._ready.get(key, 0) + 1
         if self._ready[key] == len(g.params):
             self._reduce(g)

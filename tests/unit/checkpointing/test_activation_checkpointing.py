@@ -95,6 +95,21 @@ def test_outputs_follow_deepspeed():
     assert torch.allclose(x.grad, expected)
     with pytest.raises(TypeError, match="tensor or a tuple"):
         checkpointing.checkpoint(lambda t: {"a": t}, x)
+    x.grad = None
+    same = checkpointing.checkpoint(lambda t: t, x)  # an input returned as is still carries the gradient
+    (same * 3).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+    all_outputs = []  # DeepSpeed's signature, called directly
+    tensors = checkpointing.CheckpointFunction.apply(lambda t: (lin(t), 7), all_outputs, x)
+    assert len(tensors) == 1 and all_outputs[1] == 7 and torch.is_tensor(all_outputs[0])
+
+
+def test_a_second_backward_through_a_checkpoint_is_refused():
+    x = torch.randn(2, 3, requires_grad=True)
+    out = checkpointing.checkpoint(torch.nn.Linear(3, 3), x).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.backward()
 
 
 def test_reentrant_refuses_autograd_grad_and_non_reentrant_allows_it():
@@ -321,3 +336,42 @@ def test_zero3_recomputation_keeps_the_trace(mode, ls_caplog):
     forward = traces["plain"][0][:len(CheckpointedNet().blocks) + 3]
     assert traces[mode][0][:len(forward)] == forward  # the forward order, then the backward's, once
     assert "module order differs" not in ls_caplog.text
+
+
+class _Twice(torch.nn.Module):
+    """Runs one layer twice, each time through `ckpt`."""
+
+    def __init__(self, ckpt):
+        super().__init__()
+        torch.manual_seed(0)
+        self.ckpt = ckpt
+        self.inp = torch.nn.Linear(4, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        x = self.inp(x)
+        for _ in range(2):
+            x = self.ckpt(self.layers[0], x) if self.ckpt else self.layers[0](x)
+        return F.mse_loss(self.head(x), y)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_layer_in_two_reentrant_checkpoints_is_refused_not_lost(stage):
+    """Each reentrant checkpoint runs its own backward, so the layer's gradient arrives twice; ZeRO-3
+    had reduced the group after the first and would have lost the second. The non-reentrant one equals
+    the plain model."""
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    losses = {}
+    for ckpt in (None, checkpointing.non_reentrant_checkpoint):
+        engine = _engine(_Twice(ckpt), stage=stage)
+        losses[ckpt] = []
+        for _ in range(2):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses[ckpt].append(loss.item())
+    assert losses[None] == losses[checkpointing.non_reentrant_checkpoint]
+    engine = _engine(_Twice(checkpointing.checkpoint), stage=stage)
+    with pytest.raises(RuntimeError, match="gradient"):
+        engine.backward(engine(x, y))

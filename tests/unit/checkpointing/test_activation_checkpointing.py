@@ -375,3 +375,23 @@ def test_a_layer_in_two_reentrant_checkpoints_is_refused_not_lost(stage):
     engine = _engine(_Twice(checkpointing.checkpoint), stage=stage)
     with pytest.raises(RuntimeError, match="gradient"):
         engine.backward(engine(x, y))
+
+
+@pytest.mark.parametrize("ckpt", ["checkpoint", "non_reentrant_checkpoint"])
+def test_flops_profiler_does_not_count_the_recomputation(ckpt):
+    from lightspeed.profiling.flops_profiler import FlopsProfiler
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            return getattr(checkpointing, ckpt)(self.block, x)
+
+    model = Model()
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()  # the backward reruns the block
+    assert prof.get_total_flops() == 2 * 4 * 8 * 8  # the forward's matmul once: the rerun is not counted
+    prof.end_profile()

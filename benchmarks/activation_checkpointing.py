@@ -131,7 +131,8 @@ def print_table(results: list[Result]) -> None:
     for r in results:
         t = r.ms_per_step / base.ms_per_step if base.ms_per_step == base.ms_per_step else float("nan")
         m = r.peak_gib / base.peak_gib if base.peak_gib == base.peak_gib else float("nan")
-        print(f"{r.name:<24}{r.ms_per_step:>10.1f}{t:>8.2f}{r.tokens_per_s:>12.0f}{r.peak_gib:>10.2f}{m:>10.2f}  {r.note}")
+        print(f"{r.name:<24}{r.ms_per_step:>10.1f}{t:>8.2f}{r.tokens_per_s:>12.0f}{r.peak_gib:>10.2f}{m:>10.2f}"
+              f"  {r.note}")
 
 
 def longest(args, mode: str, start: int) -> int:
@@ -191,7 +192,7 @@ def main():
     if not args.skip_table:
         print_table([child(args, m, args.micro, args.seq) for m in modes])
     if args.max_seq:
-        print(f"\n== longest sequence at micro batch 1 (one full step; granularity seq/4)", flush=True)
+        print("\n== longest sequence at micro batch 1 (one full step; granularity seq/4)", flush=True)
         found = {m: longest(args, m, args.seq) for m in (BASELINE, "checkpoint+cpu")}
         base = found[BASELINE]
         for m, seq in found.items():

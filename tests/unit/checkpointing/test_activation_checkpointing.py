@@ -213,6 +213,9 @@ def test_configure_from_a_file_and_bad_combinations(tmp_path):
         checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True)
     with pytest.raises(ConfigError, match="number_checkpoints"):
         checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"number_checkpoints": 0}})
+    with pytest.raises(ConfigError, match="contiguous_memory_optimization: needs activation_checkpointing.partition"):
+        lightspeed.config.load({"train_batch_size": 1, "activation_checkpointing": {
+            "contiguous_memory_optimization": True, "number_checkpoints": 2}})
     with pytest.raises(TypeError, match="get_model_parallel_rank"):
         checkpointing.configure(object())
 

@@ -170,6 +170,7 @@ def main():
     ap.add_argument("--max-seq", action="store_true", help="also search the longest trainable sequence")
     ap.add_argument("--max-seq-limit", type=int, default=1 << 20)
     ap.add_argument("--skip-table", action="store_true", help="only the --max-seq search (from --seq on)")
+    ap.add_argument("--max-seq-modes", default=f"{BASELINE},checkpoint+cpu", help="the modes --max-seq searches")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # mode:micro:seq, run in a child
@@ -193,8 +194,8 @@ def main():
         print_table([child(args, m, args.micro, args.seq) for m in modes])
     if args.max_seq:
         print("\n== longest sequence at micro batch 1 (one full step; granularity seq/4)", flush=True)
-        found = {m: longest(args, m, args.seq) for m in (BASELINE, "checkpoint+cpu")}
-        base = found[BASELINE]
+        found = {m: longest(args, m, args.seq) for m in args.max_seq_modes.split(",") if m.strip()}
+        base = found.get(BASELINE)
         for m, seq in found.items():
             print(f"{m:<24}{seq:>10} tokens{seq / base if base else float('nan'):>8.2f}x")
 

@@ -28,6 +28,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.checkpointing.saved_inputs import ContiguousPartitions, ModelParallel
 from lightspeed.config.errors import ConfigError
 from lightspeed.config.features import ActivationCheckpointingConfig
+from lightspeed.config.loader import load
 
 logger = get_logger(__name__)
 
@@ -83,8 +84,6 @@ def _section_from(deepspeed_config: Any, mpu: Any) -> ActivationCheckpointingCon
     section = getattr(deepspeed_config, "activation_checkpointing_config", None)
     if isinstance(section, ActivationCheckpointingConfig):
         return section
-    from lightspeed.config import load
-
     # the batch triad is checked against the data-parallel size, which an mpu may make smaller than the world
     dp_size = mpu.get_data_parallel_world_size() if hasattr(mpu, "get_data_parallel_world_size") else None
     return load(deepspeed_config, world_size=dp_size, check_support=False).activation_checkpointing

@@ -72,7 +72,7 @@ def _net_run(stage: int, mode: str, mpu=None, ckpt: dict | None = None, dp: int 
     model = CheckpointedNet(mode, tracked=mpu is None)
     engine, *_ = lightspeed.initialize(model=model, config=_config(stage, 4, dp or dist.get_world_size()), mpu=mpu)
     checkpointing.model_parallel_cuda_manual_seed(7)
-    rank = dist.get_rank() if mpu is None else 0  # model-parallel ranks see the same data
+    rank = dist.get_rank() if mpu is None else mpu.get_data_parallel_rank()  # model-parallel ranks: the same data
     return _train(engine, _net_batches(rank), lambda e, b: e(*b), engine.module.blocks[0])
 
 
@@ -142,31 +142,36 @@ def test_checkpointed_equals_plain_at_every_stage():
 
 
 class TensorParallelMpu:
-    """Megatron-style mpu: every rank in one model-parallel group, each rank its own data-parallel group."""
+    """Megatron-style mpu: consecutive ranks in model-parallel groups of `mp`, the ranks at the same
+    place in each of those in one data-parallel group."""
 
-    def __init__(self):
+    def __init__(self, mp: int | None = None):
         world, rank = dist.get_world_size(), dist.get_rank()
-        self.mp_group = dist.new_group(list(range(world)))
-        self.dp_groups = [dist.new_group([r]) for r in range(world)]  # every rank takes part in each new_group
-        self.rank = rank
+        self.mp = mp or world
+        self.dp = world // self.mp
+        # every rank takes part in creating every group
+        mp_groups = [dist.new_group(list(range(i * self.mp, (i + 1) * self.mp))) for i in range(self.dp)]
+        dp_groups = [dist.new_group(list(range(j, world, self.mp))) for j in range(self.mp)]
+        self.mp_rank, self.dp_rank = rank % self.mp, rank // self.mp
+        self.mp_group, self.dp_group = mp_groups[self.dp_rank], dp_groups[self.mp_rank]
 
     def get_model_parallel_rank(self):
-        return self.rank
+        return self.mp_rank
 
     def get_model_parallel_world_size(self):
-        return dist.get_world_size()
+        return self.mp
 
     def get_model_parallel_group(self):
         return self.mp_group
 
     def get_data_parallel_rank(self):
-        return 0
+        return self.dp_rank
 
     def get_data_parallel_world_size(self):
-        return 1
+        return self.dp
 
     def get_data_parallel_group(self):
-        return self.dp_groups[self.rank]
+        return self.dp_group
 
 
 def _kept_bytes(options: dict, mpu) -> int:
@@ -201,3 +206,24 @@ def test_partitioned_inputs_give_the_gradients_of_whole_ones():
             _same(r["plain"], r[name], name)
         assert r["bytes"]["partitioned"] * 2 == r["bytes"]["whole"] == 8 * 16 * 4
     assert results[0]["partitioned"]["losses"] == results[1]["partitioned"]["losses"]  # one model, two ranks
+
+
+def _partitioned_with_data_parallel():
+    """World 4 = 2 data-parallel x 2 model-parallel: ZeRO shards over the data-parallel group while the
+    checkpoints partition over the model-parallel one."""
+    mpu = TensorParallelMpu(mp=2)
+    out = {}
+    for stage in (2, 3):
+        out[("plain", stage)] = _net_run(stage, "plain", mpu=mpu, dp=2)
+        out[("partitioned", stage)] = _net_run(stage, "reentrant", mpu=mpu, ckpt={"partition_activations": True},
+                                               dp=2)
+    return out
+
+
+def test_partitioned_inputs_under_zero_with_data_parallel_world_size_4():
+    results = run_world(_partitioned_with_data_parallel, 4)
+    for r in results:
+        for stage in (2, 3):
+            _same(r[("plain", stage)], r[("partitioned", stage)], ("partitioned", stage))
+    assert results[0][("partitioned", 3)]["losses"] == results[1][("partitioned", 3)]["losses"]  # one mp group
+    assert results[0][("partitioned", 3)]["losses"] != results[2][("partitioned", 3)]["losses"]  # other data

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lightspeed.checkpointing import checkpoint, get_cuda_rng_tracker, non_reentrant_checkpoint
 
-MODES = ("plain", "reentrant", "non_reentrant", "torch")
+MODES = ("plain", "reentrant", "non_reentrant", "torch", "torch_non_reentrant")
 
 
 class DropoutBlock(torch.nn.Module):
@@ -30,10 +30,10 @@ class DropoutBlock(torch.nn.Module):
 
 class CheckpointedNet(torch.nn.Module):
     """An input linear, `num_blocks` DropoutBlocks and a linear head; `mode` picks how each block runs: "plain",
-    "reentrant" (`checkpoint`), "non_reentrant" (`non_reentrant_checkpoint`) or "torch"
-    (torch.utils.checkpoint, reentrant, as Hugging Face's gradient checkpointing calls it). `tracked`:
+    "reentrant" (`checkpoint`), "non_reentrant" (`non_reentrant_checkpoint`), "torch" or
+    "torch_non_reentrant" (torch.utils.checkpoint, as Hugging Face's gradient checkpointing calls it). `tracked`:
     the blocks also drop out on the RNG tracker's stream, which torch.utils.checkpoint does not replay
-    (lightspeed's and DeepSpeed's checkpoints do), so "torch" needs `tracked=False`."""
+    (lightspeed's and DeepSpeed's checkpoints do), so the "torch" modes need `tracked=False`."""
 
     def __init__(self, mode: str = "plain", dim: int = 8, num_blocks: int = 3, seed: int = 0, tracked: bool = True):
         super().__init__()
@@ -50,8 +50,8 @@ class CheckpointedNet(torch.nn.Module):
             return checkpoint(block, x)
         if self.mode == "non_reentrant":
             return non_reentrant_checkpoint(block, x)
-        if self.mode == "torch":
-            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        if self.mode in ("torch", "torch_non_reentrant"):
+            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.mode == "torch")
         return block(x)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
     Unimplemented("sequence_parallel_size", lambda cfg: (cfg.sequence_parallel_size or 1) > 1),
     # Features
-    _changed("activation_checkpointing"),
     _changed("pipeline"),
     _flag("checkpoint.load_universal"),
     _flag("checkpoint.use_node_local_storage"),

@@ -9,6 +9,7 @@ import torch
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
+from lightspeed.checkpointing import apply_activation_checkpointing
 from lightspeed.comm import comms_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
@@ -130,6 +131,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
+    # DeepSpeed wraps no module for `activation_checkpointing`: the block configures checkpoint() (see there)
+    model = apply_activation_checkpointing(model, cfg, mpu)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there

@@ -191,9 +191,6 @@ def test_names_transformers_and_accelerate_use():
     (lambda ds: ds.zero.MiCS_Init(), "MiCS"),
     (lambda ds: ds.zero.TiledLinear(2, 2), "tiled linear"),
     (lambda ds: ds.checkpoint.DeepSpeedCheckpoint("dir"), "universal checkpoints"),
-    (lambda ds: ds.checkpointing.CheckpointFunction(), "activation checkpointing"),
-    (lambda ds: ds.checkpointing.checkpoint(lambda x: x, torch.ones(1)), "activation checkpointing"),
-    (lambda ds: ds.checkpointing.configure(None), "activation checkpointing"),
     (lambda ds: ds.utils.groups._get_sequence_parallel_group(), "sequence parallelism"),
     (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(),
      "Ulysses sequence parallelism"),
@@ -204,8 +201,17 @@ def test_missing_features_raise_naming_them(call, feature):
     ds = importlib.import_module("lightspeed.compat.deepspeed")
     with pytest.raises(NotImplementedError, match=feature):
         call(ds)
-    assert ds.checkpointing.is_configured() is False
     assert hasattr(ds.utils, "set_z3_leaf_modules") and hasattr(ds, "PipelineModule")  # names exist, as DeepSpeed's
+
+
+def test_checkpointing_is_lightspeeds():
+    ds = importlib.import_module("lightspeed.compat.deepspeed")
+    import lightspeed.checkpointing as ls
+
+    for name in ("checkpoint", "configure", "is_configured", "reset", "get_cuda_rng_tracker", "CudaRNGStatesTracker",
+                 "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint", "CheckpointFunction"):
+        assert getattr(ds.checkpointing, name) is getattr(ls, name)
+        assert getattr(ds.runtime.activation_checkpointing.checkpointing, name) is getattr(ls, name)
 
 
 def test_zero_to_fp32_is_lightspeeds_consolidation():

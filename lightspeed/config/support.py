@@ -13,7 +13,8 @@ memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), the one-bit optimizers
-(OneBitAdam, ZeroOneAdam, OneBitLamb) and comms_logger.
+(OneBitAdam, ZeroOneAdam, OneBitLamb), comms_logger and sequence_parallel_size (Ulysses,
+``lightspeed.sequence``).
 ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
 (`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """
@@ -105,7 +106,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("sparse_gradients"),
     Unimplemented("gradient_allreduce_op", lambda cfg: cfg.gradient_allreduce_op != "mean"),
     Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
-    Unimplemented("sequence_parallel_size", lambda cfg: (cfg.sequence_parallel_size or 1) > 1),
     # Features
     _changed("activation_checkpointing"),
     _changed("pipeline"),

@@ -129,7 +129,17 @@ class LightspeedEngine(torch.nn.Module):
 
     @property
     def dp_world_size(self) -> int:
+        """Data-parallel replicas (ranks of one sequence-parallel group count once)."""
         return self.groups.dp_world_size
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Ranks ZeRO reduces gradients and partitions state over: dp x sp."""
+        return self.groups.seq_dp_world_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.groups.sp_world_size
 
     def set_total_steps(self, num_steps: int | None) -> None:
         """How many optimizer steps this run takes (None: unknown), for the ETA in the step log line.
@@ -321,11 +331,11 @@ class LightspeedEngine(torch.nn.Module):
                          "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps},
             "client_state": dict(client_state or {}),
             "zero_stage": self.zero_optimization_stage(),
-            "dp_world_size": self.dp_world_size,
+            "dp_world_size": self.seq_dp_world_size,  # the ranks that wrote shards (dp x sp)
         }
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=self.strategy.state_dict(),
                                strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
-                               dp_rank=self.groups.dp_rank, save_latest=save_latest,
+                               dp_rank=self.groups.seq_dp_rank, save_latest=save_latest,
                                writer=self._checkpoint_writer, tag_validation=self.config.checkpoint.tag_validation)
         return True
 
@@ -387,7 +397,7 @@ class LightspeedEngine(torch.nn.Module):
             trainable = [n for n, p in self.module.named_parameters() if p.requires_grad]
             self._first_name = {n: first_names(self.module)[id(p)]
                                 for n, p in self.module.named_parameters(remove_duplicate=False)}
-            opened = open_source(load_dir, tag, dp_rank=self.groups.dp_rank, param_names=trainable)
+            opened = open_source(load_dir, tag, dp_rank=self.groups.seq_dp_rank, param_names=trainable)
             read = None
             if opened is not None:
                 path, source, rng = opened
@@ -427,7 +437,7 @@ class LightspeedEngine(torch.nn.Module):
         saved_world = int(extra.get("dp_world_size") or 0)
         if rng is not None:
             set_rng_state(rng)
-        elif self.groups.dp_rank >= saved_world:
+        elif self.groups.seq_dp_rank >= saved_world:
             logger.info("checkpoint %s was saved by %d ranks: ranks from %d on keep their own RNG state", path,
                         saved_world, saved_world)
         return path, client_state
@@ -462,7 +472,7 @@ class LightspeedEngine(torch.nn.Module):
 
     def _agree_or_raise(self, failed: BaseException | None) -> None:
         """Every rank learns whether any rank failed to read the checkpoint, and then all raise."""
-        flag = torch.tensor([0.0 if failed is None else float(self.groups.dp_rank + 1)], device=self.device)
+        flag = torch.tensor([0.0 if failed is None else float(self.groups.seq_dp_rank + 1)], device=self.device)
         self.comm.all_reduce(flag, op="max")
         if failed is not None:
             raise failed if isinstance(failed, CheckpointError) else CheckpointError(str(failed)) from failed

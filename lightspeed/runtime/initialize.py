@@ -1,5 +1,6 @@
-"""`initialize()`: DeepSpeed's entry point. Builds, in order: process groups, the validated config,
-the precision policy, the module on its device and dtype, the optimizer, the sharding strategy, the
+"""`initialize()`: DeepSpeed's entry point. Builds, in order: process groups (with the sequence-parallel
+ones when `sequence_parallel_size` > 1), the validated config, the model transforms (sequence
+parallelism), the precision policy, the module on its device and dtype, the optimizer, the sharding strategy, the
 loss scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader,
 and hands them to the engine."""
 
@@ -14,6 +15,8 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
 from lightspeed.config.errors import ConfigError
+from lightspeed.config.model import LightspeedConfig
+from lightspeed.config.parse import read_source
 from lightspeed.monitor import MonitorMaster
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.ops.adagrad import CPUAdagrad
@@ -26,6 +29,7 @@ from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
+from lightspeed.sequence import apply_sequence_parallel
 
 logger = get_logger(__name__)
 
@@ -91,6 +95,21 @@ def _build_scheduler(lr_scheduler, cfg, optimizer):
     return None
 
 
+def _build_groups(mpu, source) -> ParallelGroups:
+    """The process groups, before the config is validated: the batch triad counts data-parallel replicas,
+    which `sequence_parallel_size` (read here from the raw config) divides the world into."""
+    if isinstance(source, LightspeedConfig):
+        configured = source.sequence_parallel_size
+    else:
+        configured = read_source(source)[0].get("sequence_parallel_size")
+    if configured is not None and (isinstance(configured, bool) or not isinstance(configured, int) or configured < 1):
+        raise ConfigError(f"sequence_parallel_size: must be a positive integer (got {configured!r})")
+    try:
+        return ParallelGroups.build(mpu, configured)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _place(model: torch.nn.Module, device: torch.device, policy) -> None:
     model.to(device=device)
     if policy.param_dtype != torch.float32:
@@ -113,8 +132,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     source = _config_source(args, config, config_params)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    groups = ParallelGroups.build(mpu)
+    groups = _build_groups(mpu, source)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
+    apply_sequence_parallel(model, groups.sp_world_size, cfg.train_micro_batch_size_per_gpu)
     policy = policy_from_config(cfg)
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
@@ -125,7 +145,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                               f"needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
     client_optimizer = optimizer is not None
-    comm = Communicator(groups.dp_group, groups.dp_world_size)
+    comm = Communicator(groups.seq_dp_group, groups.seq_dp_world_size)  # ZeRO's group: dp x sp
     comms_logger.configure(cfg.comms_logger)
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
@@ -148,8 +168,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if training_data is not None:
         dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
         engine.training_dataloader = dataloader
-    logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, micro batch %d x %d accumulation "
+    logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, sp %d, micro batch %d x %d accumulation "
                 "steps = %d global, device %s", cfg.zero_optimization.stage, policy.param_dtype,
-                groups.dp_world_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                groups.dp_world_size, groups.sp_world_size, cfg.train_micro_batch_size_per_gpu,
+                cfg.gradient_accumulation_steps,
                 cfg.train_batch_size, device)
     return engine, optimizer, dataloader, lr_scheduler

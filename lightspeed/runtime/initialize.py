@@ -1,5 +1,5 @@
-"""`initialize()`: DeepSpeed's entry point. Builds, in order: process groups, the validated config,
-the precision policy, the module on its device and dtype, the optimizer, the sharding strategy, the
+"""`initialize()`: DeepSpeed's entry point. Builds, in order: the topology (process groups), the validated
+config, the precision policy, the model transforms (model_transforms.py), the module on its device and dtype, the optimizer, the sharding strategy, the
 loss scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader,
 and hands them to the engine."""
 
@@ -13,7 +13,10 @@ from lightspeed.comm import comms_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
+from lightspeed.comm.topology import Topology, TopologyError
+from lightspeed.config import LightspeedConfig
 from lightspeed.config.errors import ConfigError
+from lightspeed.config.parse import read_source
 from lightspeed.monitor import MonitorMaster
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.ops.adagrad import CPUAdagrad
@@ -25,6 +28,7 @@ from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
+from lightspeed.runtime.model_transforms import apply_model_transforms
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
 
 logger = get_logger(__name__)
@@ -91,6 +95,23 @@ def _build_scheduler(lr_scheduler, cfg, optimizer):
     return None
 
 
+def _mesh_sizes(source) -> dict[str, int]:
+    """The mesh dims the config asks for, read before it is validated (validation needs the dp size)."""
+    raw = source.raw if isinstance(source, LightspeedConfig) else read_source(source)[0]
+    tp_section = raw.get("tensor_parallel") if isinstance(raw, dict) else None
+    tp = tp_section.get("autotp_size", 1) if isinstance(tp_section, dict) else 1
+    if tp is None or tp == 0:  # DeepSpeed's default of 0 means "off"
+        tp = 1
+    return {"tp": tp}
+
+
+def _build_topology(source, mpu) -> Topology:
+    try:
+        return Topology.build(mpu=mpu, **_mesh_sizes(source))
+    except TopologyError as error:
+        raise ConfigError(str(error)) from None
+
+
 def _place(model: torch.nn.Module, device: torch.device, policy) -> None:
     model.to(device=device)
     if policy.param_dtype != torch.float32:
@@ -113,9 +134,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     source = _config_source(args, config, config_params)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    groups = ParallelGroups.build(mpu)
+    topology = _build_topology(source, mpu)
+    groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
     policy = policy_from_config(cfg)
+    model = apply_model_transforms(model, cfg, topology)
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself

@@ -145,3 +145,33 @@ class SequenceParallelMPU:
 
     def get_data_parallel_rank(self) -> int:
         return self.groups.dp_rank
+
+
+def sequence_parallel_mpu(mpu: Any, sp_size: int, tp_size: int = 1) -> Any:
+    """The `mpu` the topology is built from, given the caller's `mpu` and the config's `sp_size` (1 when
+    unset): the caller's when it has sp groups (its size must agree with a configured one); else, when
+    sp groups are recorded or configured, a `SequenceParallelMPU` over the record (built here if needed);
+    else the caller's (a Megatron-style mpu, or None)."""
+    if hasattr(mpu, "get_sequence_parallel_world_size"):
+        given = int(mpu.get_sequence_parallel_world_size())
+        if sp_size > 1 and sp_size != given:
+            raise ValueError(f"{KEY}={sp_size} in the config, but the mpu passed to initialize() has "
+                             f"sequence-parallel groups of {given}")
+        return mpu
+    recorded = current_sequence_groups()
+    if recorded is not None and sp_size > 1 and recorded.sp_world_size != sp_size:
+        raise ValueError(f"{KEY}={sp_size} in the config, but this process built sequence-parallel groups of "
+                         f"{recorded.sp_world_size}")
+    if recorded is None and sp_size == 1:
+        return mpu
+    if recorded is not None and recorded.sp_world_size == 1:
+        return mpu
+    if mpu is not None:
+        raise NotImplementedError(f"{KEY}: sequence parallelism with a Megatron-style mpu that has no sequence-"
+                                  "parallel groups (get_sequence_parallel_world_size) is not implemented")
+    if tp_size > 1:
+        raise NotImplementedError(f"{KEY}: sequence parallelism together with tensor parallelism "
+                                  "(tensor_parallel.autotp_size > 1) is not implemented")
+    # a recorded group here also covers a config that does not name sequence_parallel_size: ZeRO must
+    # still reduce over dp x sp, or the sp ranks' partial gradients would never be summed
+    return SequenceParallelMPU(recorded if recorded is not None else initialize_sequence_parallel(sp_size))

@@ -1,6 +1,7 @@
-"""`initialize()`: DeepSpeed's entry point. Builds, in order: process groups (with the sequence-parallel
-ones when `sequence_parallel_size` > 1), the validated config, the model transforms (sequence
-parallelism), the precision policy, the module on its device and dtype, the optimizer, the sharding strategy, the
+"""`initialize()`: DeepSpeed's entry point. Builds, in order: the topology (process groups, with the
+sequence-parallel ones when `sequence_parallel_size` > 1), the validated config, the precision policy, the
+model transforms (model_transforms.py: sequence parallelism), the module on its device and dtype, the
+optimizer, the sharding strategy, the
 loss scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader,
 and hands them to the engine."""
 
@@ -14,8 +15,10 @@ from lightspeed.comm import comms_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
+from lightspeed.comm.sequence_groups import sequence_parallel_mpu
+from lightspeed.comm.topology import Topology, TopologyError
+from lightspeed.config import LightspeedConfig
 from lightspeed.config.errors import ConfigError
-from lightspeed.config.model import LightspeedConfig
 from lightspeed.config.parse import read_source
 from lightspeed.monitor import MonitorMaster
 from lightspeed.offload.policy import OffloadPolicy
@@ -28,8 +31,8 @@ from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
+from lightspeed.runtime.model_transforms import apply_model_transforms
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
-from lightspeed.sequence import apply_sequence_parallel
 
 logger = get_logger(__name__)
 
@@ -95,19 +98,28 @@ def _build_scheduler(lr_scheduler, cfg, optimizer):
     return None
 
 
-def _build_groups(mpu, source) -> ParallelGroups:
-    """The process groups, before the config is validated: the batch triad counts data-parallel replicas,
-    which `sequence_parallel_size` (read here from the raw config) divides the world into."""
-    if isinstance(source, LightspeedConfig):
-        configured = source.sequence_parallel_size
-    else:
-        configured = read_source(source)[0].get("sequence_parallel_size")
-    if configured is not None and (isinstance(configured, bool) or not isinstance(configured, int) or configured < 1):
-        raise ConfigError(f"sequence_parallel_size: must be a positive integer (got {configured!r})")
+def _mesh_sizes(source) -> dict[str, int]:
+    """The mesh dims the config asks for, read before it is validated (validation needs the dp size)."""
+    raw = source.raw if isinstance(source, LightspeedConfig) else read_source(source)[0]
+    tp_section = raw.get("tensor_parallel") if isinstance(raw, dict) else None
+    tp = tp_section.get("autotp_size", 1) if isinstance(tp_section, dict) else 1
+    if tp is None or tp == 0:  # DeepSpeed's default of 0 means "off"
+        tp = 1
+    sp = raw.get("sequence_parallel_size") if isinstance(raw, dict) else None
+    if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
+        raise ConfigError(f"sequence_parallel_size: must be a positive integer (got {sp!r})")
+    return {"tp": tp, "sp": sp or 1}
+
+
+def _build_topology(source, mpu) -> Topology:
+    sizes = _mesh_sizes(source)
     try:
-        return ParallelGroups.build(mpu, configured)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+        # the sequence-parallel groups are this process's record (register_with_transformers or the user
+        # may have built them before initialize); the topology takes them through an mpu
+        mpu = sequence_parallel_mpu(mpu, sizes["sp"], sizes["tp"])
+        return Topology.build(mpu=mpu, **sizes)
+    except (TopologyError, ValueError) as error:
+        raise ConfigError(str(error)) from None
 
 
 def _place(model: torch.nn.Module, device: torch.device, policy) -> None:
@@ -132,10 +144,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     source = _config_source(args, config, config_params)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    groups = _build_groups(mpu, source)
+    topology = _build_topology(source, mpu)
+    groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
-    apply_sequence_parallel(model, groups.sp_world_size, cfg.train_micro_batch_size_per_gpu)
     policy = policy_from_config(cfg)
+    model = apply_model_transforms(model, cfg, topology)
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself

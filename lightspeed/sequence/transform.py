@@ -16,16 +16,19 @@ from __future__ import annotations
 import torch
 
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm.topology import Topology
 from lightspeed.sequence.layer import DistributedAttention
 from lightspeed.sequence.ulysses_hf import UlyssesSPAttentionHF, check_heads, is_registered
 
 logger = get_logger(__name__)
 
 
-def apply_sequence_parallel(model: torch.nn.Module, sp_world_size: int, micro_batch_size: int) -> torch.nn.Module:
-    """Prepare `model` for Ulysses over `sp_world_size` ranks (a no-op at 1); returns the model."""
+def apply_sequence_parallel(model: torch.nn.Module, cfg, topology: Topology) -> torch.nn.Module:
+    """Prepare `model` for Ulysses over the topology's sp dim (a no-op at size 1); returns the model."""
+    sp_world_size = topology.size("sp")
     if sp_world_size <= 1:
         return model
+    micro_batch_size = cfg.train_micro_batch_size_per_gpu
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     num_heads = getattr(text_config, "num_attention_heads", None)

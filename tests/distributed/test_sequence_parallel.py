@@ -267,3 +267,34 @@ def test_data_loader_adapter_errors():
     assert run_world(_adapter_errors_worker, 2) == [True, True]
 
 
+
+
+# ---------------------------------------------------------------- checkpoints under sp: shards per dp x sp rank
+def _checkpoint_worker(stage: int, save_dir: str):
+    torch.manual_seed(0)
+    groups = initialize_sequence_parallel(SP)
+    chunk = SEQ // SP
+    mine = slice(groups.sp_rank * chunk, (groups.sp_rank + 1) * chunk)
+
+    def step(engine, batches):
+        x, y = batches[groups.dp_rank]
+        loss = sequence_parallel_loss(engine(x[:, mine], y[:, mine]), y[:, mine].numel())
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    data = _attention_batches(dist.get_world_size() // SP, 3)
+    engine, _, _, _ = lightspeed.initialize(model=AttentionBlock(groups.sp_group, SP), config=_config(stage))
+    step(engine, data[0])
+    engine.save_checkpoint(save_dir, tag="one")
+    expected = [step(engine, batches) for batches in data[1:]]
+    torch.manual_seed(1)  # different initial weights: the load must bring the saved ones
+    fresh, _, _, _ = lightspeed.initialize(model=AttentionBlock(groups.sp_group, SP), config=_config(stage))
+    fresh.load_checkpoint(save_dir, tag="one")
+    return expected, [step(fresh, batches) for batches in data[1:]]
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_checkpoint_resumes_under_sequence_parallelism(stage, tmp_path):
+    for expected, resumed in run_world(_checkpoint_worker, 4, stage, str(tmp_path)):
+        assert resumed == pytest.approx(expected, rel=1e-6, abs=1e-7)

@@ -141,6 +141,11 @@ class LightspeedEngine(torch.nn.Module):
     def sequence_parallel_size(self) -> int:
         return self.groups.sp_world_size
 
+    @property
+    def seq_parallel_group(self):
+        """The Ulysses group (None without sequence parallelism), DeepSpeed's engine attribute."""
+        return self.groups.sp_group if self.groups.sp_world_size > 1 else None
+
     def set_total_steps(self, num_steps: int | None) -> None:
         """How many optimizer steps this run takes (None: unknown), for the ETA in the step log line.
         Without it the LR scheduler's own total is used (WarmupDecayLR / WarmupCosineLR

@@ -145,7 +145,9 @@ UNIMPLEMENTED: list[Unimplemented] = [
     # Sections kept as free dicts
     _flag("compile.deepcompile"),
     _flag("compile.enabled"),
-    _above("tensor_parallel.autotp_size", 1),
+    _flag("tensor_parallel.tp_overlap_comm"),
+    _set("tensor_parallel.injection_policy_tuple"),
+    _flag("tensor_parallel.replace_with_kernel_inject"),
     _flag("expert_parallel.enabled"),
     _flag("nebula.enabled"),
     _flag("datastates.enabled"),

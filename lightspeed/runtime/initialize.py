@@ -31,7 +31,9 @@ from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
-from lightspeed.runtime.model_transforms import apply_model_transforms
+from lightspeed.runtime.model_transforms import apply_model_transforms, tensor_parallel_sharded
+from lightspeed.comm.codecs import AllReduce
+from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
 
 logger = get_logger(__name__)
@@ -148,6 +150,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
     policy = policy_from_config(cfg)
+    if topology.size("tp") > 1 and split_tp_size(model) == 1 and (
+            isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None):
+        raise ConfigError("tensor_parallel.autotp_size: initialize() splits the model, so an optimizer or "
+                          "model_parameters built from the whole model would hold stale parameters; let the config "
+                          "(or a callable) build the optimizer, or split the model first with tp_model_init()")
     model = apply_model_transforms(model, cfg, topology)
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
@@ -164,6 +171,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
+    if topology.size("tp") > 1 and optimizer is not None:
+        strategy.use_tensor_parallel(tensor_parallel_sharded(model),
+                                     AllReduce(Communicator(topology.group("tp"), topology.size("tp"))))
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)

@@ -16,12 +16,14 @@ from collections.abc import Callable
 from torch import nn
 
 from lightspeed.comm.topology import Topology
+from lightspeed.parallel.autotp import tensor_parallel_transform
 from lightspeed.sequence import apply_sequence_parallel
 
 ModelTransform = Callable[[nn.Module, object, Topology], nn.Module]
 
 # (name, transform), applied in this order; a feature joins the sequence at its place when it is built
 TRANSFORMS: tuple[tuple[str, ModelTransform], ...] = (
+    ("tensor_parallel", tensor_parallel_transform),
     ("sequence_parallel", apply_sequence_parallel),
 )
 
@@ -32,3 +34,15 @@ def apply_model_transforms(model: nn.Module, cfg, topology: Topology,
     for _name, transform in transforms:
         model = transform(model, cfg, topology)
     return model
+
+
+def tensor_parallel_sharded(model: nn.Module):
+    """`is_sharded(name)` for the gradient norm (comm/topology.py's Note): the parameters of layers split by
+    tensor parallelism, except a row-parallel bias, and those a Megatron-style model marks as split
+    (`tensor_model_parallel` or `model_parallel` true, read as DeepSpeed reads them)."""
+    from lightspeed.parallel.tensor_parallel import tp_layouts
+
+    names = {name for name, layout in tp_layouts(model).items() if layout.sharded}
+    names |= {name for name, p in model.named_parameters()
+              if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)}
+    return names.__contains__

@@ -73,8 +73,10 @@ def init_inference(model, config=None, **kwargs):
 
 
 def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
-    raise NotImplementedError("deepspeed.tp_model_init: AutoTP training (tensor_parallel.autotp_size) is not "
-                              "implemented in lightspeed yet")
+    """`deepspeed.tp_model_init`; see `lightspeed.tp_model_init`."""
+    from lightspeed.parallel.autotp import tp_model_init as _tp_model_init
+
+    return _tp_model_init(model, tp_size, dtype, config=config, **kwargs)
 
 
 def __getattr__(name: str):
@@ -87,4 +89,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "OnDevice", "add_config_arguments", "get_accelerator",
-           "init_distributed", "init_inference", "initialize", "logger", "__version__", *_SUBMODULES]
+           "init_distributed", "init_inference", "initialize", "logger", "tp_model_init", "__version__", *_SUBMODULES]

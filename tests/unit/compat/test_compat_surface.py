@@ -196,7 +196,6 @@ def test_names_transformers_and_accelerate_use():
 
 
 @pytest.mark.parametrize("call, feature", [
-    (lambda ds: ds.tp_model_init(None, 2, torch.float16), "AutoTP training"),
     (lambda ds: ds.PipelineModule(layers=[]), "pipeline parallelism"),
     (lambda ds: ds.pipe.LayerSpec(torch.nn.Linear, 2, 2), "pipeline parallelism"),
     (lambda ds: ds.zero.MiCS_Init(), "MiCS"),

@@ -76,6 +76,9 @@ def build_sequence_groups(sp_size: int) -> SequenceGroups:
         group = dist.new_group(ranks) if dp_size < world_size else None
         if rank in ranks:
             dp_group = group
+    # a rank's connection into a group it alone holds still goes through the store rank 0 serves: no rank
+    # moves on (and might exit) until every rank has its groups
+    dist.barrier()
     return SequenceGroups(sp_world_size=sp_size, sp_group=sp_group, sp_rank=rank % sp_size,
                           dp_world_size=dp_size, dp_group=dp_group, dp_rank=rank // sp_size,
                           seq_dp_world_size=world_size, seq_dp_group=None, seq_dp_rank=rank)

@@ -123,7 +123,7 @@ def _attention_worker(stage: int, steps: int):
     return groups.dp_rank, losses, grads
 
 
-@pytest.mark.parametrize("world, stage", [(2, 0), (2, 3), (4, 1), (4, 2)])
+@pytest.mark.parametrize("world, stage", [(2, 2), (4, 1)])  # stages 0 and 3: the Llama test
 def test_distributed_attention_matches_single_process(world, stage):
     steps = 3
     ref_losses, ref_grads = _attention_reference(world // SP, steps)
@@ -206,7 +206,8 @@ def _llama_worker(stage: int, register: bool):
     return groups.dp_rank, losses, grads
 
 
-@pytest.mark.parametrize("world, stage, register", [(2, 0, True), (2, 2, False), (4, 3, True)])
+# register=False: `sequence_parallel_size` in the config alone registers the model (the sp model transform)
+@pytest.mark.parametrize("world, stage, register", [(2, 0, False), (4, 3, True)])
 def test_hf_llama_matches_single_process(world, stage, register):
     ref_losses, ref_grads = _llama_reference(world)
     for dp_rank, losses, grads in run_world(_llama_worker, world, stage, register):

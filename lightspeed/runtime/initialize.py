@@ -141,7 +141,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
     policy = policy_from_config(cfg)
-    if topology.size("tp") > 1 and split_tp_size(model) == 1 and (
+    if cfg.tensor_parallel.tp_size > 1 and split_tp_size(model) == 1 and (
             isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None):
         raise ConfigError("tensor_parallel.autotp_size: initialize() splits the model, so an optimizer or "
                           "model_parameters built from the whole model would hold stale parameters; let the config "
@@ -162,6 +162,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
+    if topology.size("tp") > 1 and cfg.zero_optimization.stage == 3:
+        # an mpu's model-parallel group (the autotp case is refused by the transform, naming the section)
+        raise NotImplementedError(f"ZeRO stage 3 with tensor parallelism (an mpu with model-parallel size "
+                                  f"{topology.size('tp')}) is not implemented")
     if topology.size("tp") > 1 and optimizer is not None:
         strategy.use_tensor_parallel(tensor_parallel_sharded(model),
                                      AllReduce(Communicator(topology.group("tp"), topology.size("tp"))))

@@ -10,6 +10,7 @@ import torch
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm import comms_logger
+from lightspeed.comm.codecs import AllReduce
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
@@ -24,13 +25,12 @@ from lightspeed.ops.adam import CPUAdam
 from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
+from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
 from lightspeed.runtime.model_transforms import apply_model_transforms, tensor_parallel_sharded
-from lightspeed.comm.codecs import AllReduce
-from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
 
 logger = get_logger(__name__)
@@ -156,7 +156,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                               f"needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
     client_optimizer = optimizer is not None
-    comm = Communicator(groups.dp_group, groups.dp_world_size)
+    # ZeRO partitions and reduces over dp x sp (the dp group while sp is 1): comm/topology.py's Note
+    comm = Communicator(topology.grad_reduce_group, topology.size("dp_sp"))
     comms_logger.configure(cfg.comms_logger)
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:

@@ -163,13 +163,17 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
-    if topology.size("tp") > 1 and cfg.zero_optimization.stage == 3:
-        # an mpu's model-parallel group (the autotp case is refused by the transform, naming the section)
-        raise NotImplementedError(f"ZeRO stage 3 with tensor parallelism (an mpu with model-parallel size "
-                                  f"{topology.size('tp')}) is not implemented")
-    if topology.size("tp") > 1 and optimizer is not None:
-        strategy.use_tensor_parallel(tensor_parallel_sharded(model),
-                                     AllReduce(Communicator(topology.group("tp"), topology.size("tp"))))
+    if topology.size("tp") > 1:
+        sharded = tensor_parallel_sharded(model)
+        if cfg.zero_optimization.stage == 3:
+            # an mpu's model-parallel group (autotp at stage 3 is refused by the transform): a model replicated
+            # over it is counted once by the dp norm as it is; parameters split over it are not built at stage 3
+            if sharded:
+                raise NotImplementedError(f"ZeRO stage 3 with tensor_parallel parameters from the mpu's model-parallel "
+                                          f"group (e.g. {min(sharded)}) is not implemented")
+        elif optimizer is not None:
+            strategy.use_tensor_parallel(sharded.__contains__,
+                                         AllReduce(Communicator(topology.group("tp"), topology.size("tp"))))
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)

@@ -165,18 +165,28 @@ def tensor_parallel_transform(model: nn.Module, cfg, topology: Topology) -> nn.M
 def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None, config=None, **kwargs) -> nn.Module:
     """DeepSpeed's `deepspeed.tp_model_init`: split `model` for tensor parallelism over `tp_size` ranks
     (contiguous ranks form a tp group; torch.distributed must be initialized), cast it to `dtype`, and
-    return it. `config` is a `tensor_parallel` section (dict) for `preset_model` / `partition_config`;
-    `initialize()` later finds the model split and keeps it."""
+    return it. `config` is the ds_config (a dict, as transformers passes it, or a loaded config) whose
+    `tensor_parallel` section may name a `preset_model` or a `partition_config`; `initialize()` later
+    finds the model split and keeps it."""
     if kwargs:
         raise TypeError(f"tp_model_init() got unexpected keyword arguments {sorted(kwargs)}")
-    if isinstance(config, dict):
-        config = TensorParallelConfig.model_validate({**config, "autotp_size": tp_size})
-    elif config is None:
-        config = TensorParallelConfig(autotp_size=tp_size)
+    section = getattr(config, "tensor_parallel", None) if config is not None and not isinstance(config, dict) \
+        else (config or {}).get("tensor_parallel")
+    if isinstance(section, TensorParallelConfig):
+        section = section.model_dump()
+    section = dict(section or {})
+    if section.get("autotp_size") not in (None, 0, 1, tp_size):
+        raise ConfigError(f"tensor_parallel.autotp_size={section['autotp_size']} disagrees with tp_model_init's "
+                          f"tp_size={tp_size}")
+    section["autotp_size"] = tp_size
+    try:
+        tp_config = TensorParallelConfig.model_validate(section)
+    except ValueError as error:
+        raise ConfigError(f"tensor_parallel: {error}") from None
     topology = Topology.build(tp=tp_size)
     if split_tp_size(model) > 1:
         raise ValueError("tp_model_init: the model is split for tensor parallelism already")
-    plan = config_plan(model, config)
+    plan = config_plan(model, tp_config)
     apply_tensor_parallel(model, Communicator(topology.group("tp"), tp_size), plan)
     if dtype is not None:
         model.to(dtype=dtype)

@@ -10,8 +10,9 @@ quantized layers (inference checks those through `build_plan`'s `check`).
 Note: [the plan] "colwise" layers keep rows r*N/tp .. (r+1)*N/tp of the weight [N, K] (and of the bias):
 their output is this rank's slice of the features (its attention heads, its MLP columns). "rowwise"
 layers keep columns r*K/tp .. of the weight, read that slice of their input (which the colwise layers
-before them produced), and their outputs are summed over the group; the bias is kept on rank 0 only
-(zeros elsewhere), so the sum adds it once. The plan comes from `injection_policy` (DeepSpeed's form:
+before them produced), and their outputs are summed over the group; for inference (`Slice.bias`) the bias
+is kept on rank 0 only (zeros elsewhere), so the sum adds it once (training keeps it whole on every rank and
+adds it after the sum: parallel/tensor_parallel.py). The plan comes from `injection_policy` (DeepSpeed's form:
 {block class or its name: (names of the row-parallel linears in the block)}, every other nn.Linear in
 the block column-parallel), else from the Hugging Face config's `base_model_tp_plan` ({"layers.*.
 self_attn.q_proj": "colwise", ...}: "colwise" / "rowwise" entries; others raise). Attention modules

@@ -12,6 +12,7 @@ import torch
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm import comms_logger
+from lightspeed.comm.codecs import AllReduce
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
@@ -27,13 +28,12 @@ from lightspeed.ops.adam import CPUAdam
 from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
+from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
 from lightspeed.runtime.model_transforms import apply_model_transforms, tensor_parallel_sharded
-from lightspeed.comm.codecs import AllReduce
-from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
 
 logger = get_logger(__name__)
@@ -150,7 +150,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
     policy = policy_from_config(cfg)
-    if topology.size("tp") > 1 and split_tp_size(model) == 1 and (
+    if cfg.tensor_parallel.tp_size > 1 and split_tp_size(model) == 1 and (
             isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None):
         raise ConfigError("tensor_parallel.autotp_size: initialize() splits the model, so an optimizer or "
                           "model_parameters built from the whole model would hold stale parameters; let the config "
@@ -165,15 +165,24 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                               f"needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
     client_optimizer = optimizer is not None
-    comm = Communicator(groups.seq_dp_group, groups.seq_dp_world_size)  # ZeRO's group: dp x sp
+    # ZeRO partitions and reduces over dp x sp (the dp group while sp is 1): comm/topology.py's Note
+    comm = Communicator(topology.grad_reduce_group, topology.size("dp_sp"))
     comms_logger.configure(cfg.comms_logger)
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
-    if topology.size("tp") > 1 and optimizer is not None:
-        strategy.use_tensor_parallel(tensor_parallel_sharded(model),
-                                     AllReduce(Communicator(topology.group("tp"), topology.size("tp"))))
+    if topology.size("tp") > 1:
+        sharded = tensor_parallel_sharded(model)
+        if cfg.zero_optimization.stage == 3:
+            # an mpu's model-parallel group (autotp at stage 3 is refused by the transform): a model replicated
+            # over it is counted once by the dp norm as it is; parameters split over it are not built at stage 3
+            if sharded:
+                raise NotImplementedError(f"ZeRO stage 3 with tensor_parallel parameters from the mpu's model-parallel "
+                                          f"group (e.g. {min(sharded)}) is not implemented")
+        elif optimizer is not None:
+            strategy.use_tensor_parallel(sharded.__contains__,
+                                         AllReduce(Communicator(topology.group("tp"), topology.size("tp"))))
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)

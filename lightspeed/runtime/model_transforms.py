@@ -36,13 +36,14 @@ def apply_model_transforms(model: nn.Module, cfg, topology: Topology,
     return model
 
 
-def tensor_parallel_sharded(model: nn.Module):
-    """`is_sharded(name)` for the gradient norm (comm/topology.py's Note): the parameters of layers split by
-    tensor parallelism, except a row-parallel bias, and those a Megatron-style model marks as split
-    (`tensor_model_parallel` or `model_parallel` true, read as DeepSpeed reads them)."""
+def tensor_parallel_sharded(model: nn.Module) -> set[str]:
+    """The names of the parameters split over the tensor-parallel group, for the gradient norm
+    (comm/topology.py's Note): those of layers split by tensor parallelism, except a row-parallel bias,
+    and those a Megatron-style model marks as split (`tensor_model_parallel` or `model_parallel` true,
+    read as DeepSpeed reads them)."""
     from lightspeed.parallel.tensor_parallel import tp_layouts
 
     names = {name for name, layout in tp_layouts(model).items() if layout.sharded}
     names |= {name for name, p in model.named_parameters()
               if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)}
-    return names.__contains__
+    return names

@@ -1,7 +1,9 @@
 """`deepspeed.utils.groups`: DeepSpeed's process-group registry, over the one record lightspeed keeps
-(the sequence-parallel groups of `lightspeed.comm.sequence_groups`; without them, data parallelism is
-the whole world). transformers' sequence-parallel loss calls `_get_sequence_parallel_group()`. The
-expert- and tensor-parallel groups belong to features not built yet and raise NotImplementedError."""
+(the sequence-parallel groups of `lightspeed.comm.sequence_groups`; without them, as DeepSpeed without an
+mpu, data parallelism is the whole world: under tensor parallelism the engine's
+`groups.topology.group("dp")` is the data-parallel group). transformers' sequence-parallel loss calls
+`_get_sequence_parallel_group()`. The expert-parallel groups raise NotImplementedError (not built); the
+tensor-parallel group is the engine's `groups.topology.group("tp")`."""
 
 from lightspeed.comm import api
 from lightspeed.comm.sequence_groups import as_group, current_sequence_groups
@@ -62,5 +64,6 @@ def _get_sequence_data_parallel_rank() -> int:
 
 _get_expert_parallel_group = _missing("_get_expert_parallel_group", "expert parallelism (MoE)")
 _get_expert_data_parallel_group = _missing("_get_expert_data_parallel_group", "expert parallelism (MoE)")
-_get_model_parallel_group = _missing("_get_model_parallel_group", "tensor parallelism in training")
-_get_tensor_model_parallel_group = _missing("_get_tensor_model_parallel_group", "tensor parallelism in training")
+_TP = "a module-level tensor-parallel group (tensor parallelism is built; its group lives in the engine's Topology)"
+_get_model_parallel_group = _missing("_get_model_parallel_group", _TP)
+_get_tensor_model_parallel_group = _missing("_get_tensor_model_parallel_group", _TP)

@@ -93,6 +93,8 @@ def all_gather_tensors(x: torch.Tensor, group: Any) -> list[torch.Tensor]:
     world = _world(group)
     if world == 1:
         return [x]
+    if x.dtype == torch.bool:  # travels as bytes: not every backend reduces or gathers bool
+        return [t.bool() for t in all_gather_tensors(x.to(torch.uint8), group)]
     shapes: list[Any] = [None] * world
     dist.all_gather_object(shapes, tuple(x.shape), group=group)
     # equal-sized messages (some backends need them): each rank's elements, flat, padded to the longest

@@ -157,7 +157,8 @@ def _llama_batches(world: int):
         ids = torch.randint(0, 64, (BATCH, LLAMA_SEQ), generator=gen)
         labels = ids.clone()
         labels[:, :3 + 2 * rank] = -100
-        batches.append({"input_ids": ids, "labels": labels})
+        # a bool [b, s] tensor is sliced like the others (Ulysses drops the attention mask itself)
+        batches.append({"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids, dtype=torch.bool)})
     return batches
 
 
@@ -195,6 +196,7 @@ def _llama_worker(stage: int, register: bool):
     losses, grads = [], []
     for batch in adapter:
         assert batch["input_ids"].shape == (BATCH, (LLAMA_SEQ + 1) // SP) and "labels" not in batch
+        assert batch["attention_mask"].dtype == torch.bool and batch["attention_mask"].shape == batch["input_ids"].shape
         shift = batch["shift_labels"]
         out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=shift,
                      shift_labels=shift)

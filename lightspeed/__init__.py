@@ -24,6 +24,14 @@ def init_inference(*args, **kwargs):
     return _init_inference(*args, **kwargs)
 
 
+def tp_model_init(model, tp_size: int, dtype=None, config=None, **kwargs):
+    """DeepSpeed's `tp_model_init`: split `model` for tensor-parallel training over `tp_size` ranks; see
+    :func:`lightspeed.parallel.autotp.tp_model_init`."""
+    from lightspeed.parallel.autotp import tp_model_init as _tp_model_init
+
+    return _tp_model_init(model, tp_size, dtype, config=config, **kwargs)
+
+
 def register_as_deepspeed(override: bool = False) -> None:
     """Make `import deepspeed` give lightspeed's DeepSpeed-compatible API (and report a `deepspeed`
     distribution to importlib.metadata); see :mod:`lightspeed.compat.registration`."""
@@ -61,4 +69,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["ConfigError", "OnDevice", "add_config_arguments", "initialize", "init_distributed", "init_inference",
-           "register_as_deepspeed", "__version__"]
+           "register_as_deepspeed", "tp_model_init", "__version__"]

@@ -167,7 +167,8 @@ class LightspeedSource:
         return {"lr_scheduler": shared.get("lr_scheduler"), "loss_scaler": shared.get("loss_scaler"),
                 "counters": shared.get("counters"), "client_state": shared.get("client_state"),
                 "zero_stage": shared.get("zero_stage"), "dp_world_size": shared.get("dp_world_size"),
-                "excluded_frozen_parameters": shared.get("excluded_frozen_parameters"), "source": "lightspeed"}
+                "excluded_frozen_parameters": shared.get("excluded_frozen_parameters"),
+                "tensor_parallel": shared.get("tensor_parallel"), "source": "lightspeed"}
 
     # ------------------------------------------------------------------ ranges
     def _pieces(self, name: str) -> list[_Saved]:

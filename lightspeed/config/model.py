@@ -2,7 +2,7 @@
 
 Every top-level key DeepSpeed reads for training is a field named exactly as the key, with
 DeepSpeed's default. After `config.load()` the batch triad holds ints. Sections too large and too
-rarely used to model (``compile``, ``tensor_parallel``, ``expert_parallel``, ...) are kept as free
+rarely used to model (``compile``, ``expert_parallel``, ...) are kept as free
 dicts. This module must not read files or touch the environment: that is `loader.py`'s job.
 """
 
@@ -28,6 +28,7 @@ from lightspeed.config.monitoring import (
 )  # fmt: skip
 from lightspeed.config.optimizer import OptimizerConfig, SchedulerConfig
 from lightspeed.config.precision import AMPConfig, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
+from lightspeed.config.tensor_parallel import TensorParallelConfig
 from lightspeed.config.zero import ZeroConfig, zero_problems
 
 CommDtype = Choice("fp16", "bf16", "fp32", normalize=str.lower)
@@ -123,9 +124,10 @@ class LightspeedConfig(Section):
     use_data_before_expert_parallelism: Bool = False
     disable_python_gc: Bool = False
 
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+
     # Sections kept as free dicts (large, fast-moving schemas nothing here consumes yet)
     compile: FreeDict = {}
-    tensor_parallel: FreeDict = {}
     expert_parallel: FreeDict = {}
     nebula: FreeDict = {}
     datastates: FreeDict = {}

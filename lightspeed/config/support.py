@@ -13,9 +13,9 @@ memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), the one-bit optimizers
-(OneBitAdam, ZeroOneAdam, OneBitLamb), comms_logger and ZeRO++ at stage 3 (zero_quantized_weights,
-zero_quantized_nontrainable_weights, zero_quantized_gradients, zero_hpz_partition_size; ``lightspeed.comm.zeropp``;
-its LoCo error feedback, zeropp_loco_param, stays below).
+(OneBitAdam, ZeroOneAdam, OneBitLamb), comms_logger, sequence_parallel_size (Ulysses, ``lightspeed.sequence``)
+and ZeRO++ at stage 3 (zero_quantized_weights, zero_quantized_nontrainable_weights, zero_quantized_gradients,
+zero_hpz_partition_size; ``lightspeed.comm.zeropp``; its LoCo error feedback, zeropp_loco_param, stays below).
 ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
 (`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """
@@ -114,7 +114,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("sparse_gradients"),
     Unimplemented("gradient_allreduce_op", lambda cfg: cfg.gradient_allreduce_op != "mean"),
     Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
-    Unimplemented("sequence_parallel_size", lambda cfg: (cfg.sequence_parallel_size or 1) > 1),
     # Features
     _changed("pipeline"),
     _flag("checkpoint.load_universal"),
@@ -153,7 +152,9 @@ UNIMPLEMENTED: list[Unimplemented] = [
     # Sections kept as free dicts
     _flag("compile.deepcompile"),
     _flag("compile.enabled"),
-    _above("tensor_parallel.autotp_size", 1),
+    _flag("tensor_parallel.tp_overlap_comm"),
+    _set("tensor_parallel.injection_policy_tuple"),
+    _flag("tensor_parallel.replace_with_kernel_inject"),
     _flag("expert_parallel.enabled"),
     _flag("nebula.enabled"),
     _flag("datastates.enabled"),

@@ -14,7 +14,6 @@ loads saved packed experts back into QuantizedExperts.
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 from torch import nn
@@ -22,37 +21,11 @@ from torch import nn
 from lightspeed._utils.logging import get_logger
 from lightspeed._utils.progress import progress
 from lightspeed.inference.quantized_linear import QuantizedLinear
+from lightspeed.parallel.module_kinds import experts_layout  # noqa: F401 (re-exported)
 from lightspeed.ops.wquant import MAX_GROUPED_ROWS, QuantizedWeight, grouped_quantized_matmul, reserve_grouped_scratch
 from lightspeed.ops.wquant.reference import check_quant_args
 
 logger = get_logger(__name__)
-
-_FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
-# transformers' `use_experts_implementation` flags, and the values the eager loop below reproduces
-_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-          "has_post_expert_norm": False}
-
-
-def experts_layout(module: nn.Module) -> tuple[int, int, int] | str | None:
-    """(experts, hidden, intermediate) of a transformers experts module whose weights `QuantizedExperts`
-    can hold, a reason string for one it cannot, None for any other module."""
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
-        return None
-    for flag, want in _FLAGS.items():
-        if getattr(module, flag, want) != want:
-            return f"{flag}={getattr(module, flag)!r} (the eager loop here has {flag}={want})"
-    try:
-        params = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        params = []
-    if tuple(params[:3]) != _FORWARD_ARGS or not callable(getattr(module, "act_fn", None)):
-        return "its forward is not (hidden_states, top_k_index, top_k_weights) with an act_fn"
-    experts, two_inter, hidden = gate_up.shape
-    if down.dim() != 3 or two_inter % 2 or tuple(down.shape) != (experts, hidden, two_inter // 2):
-        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not match"
-    return experts, hidden, two_inter // 2
-
 
 class QuantizedExperts(nn.Module):
     """A MoE block's experts, each expert's gate|up [2I, H] and down [H, I] matrices a QuantizedLinear

@@ -18,27 +18,7 @@ from torch import nn
 
 from lightspeed.ops.wquant import QuantizedWeight, dequantize, quantize, quantized_matmul, reserve_scratch
 from lightspeed.ops.wquant.reference import LAYOUT_VERSION, PACK_TILE, check_quant_args, plane_specs
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' Conv1D (GPT-2): a linear layer with weight [in, out]; recognised without importing
-    transformers."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(getattr(module, "weight", None),
-                                                                                       torch.Tensor)
-
-
-def linear_dims(module: nn.Module) -> tuple[int, int]:
-    """(out_features, in_features) of an nn.Linear, a transformers Conv1D (weight [in, out]) or a
-    QuantizedLinear."""
-    if isinstance(module, QuantizedLinear):
-        return module.out_features, module.in_features
-    if is_conv1d(module):
-        return module.weight.shape[1], module.weight.shape[0]
-    return module.weight.shape[0], module.weight.shape[1]
-
-
-def is_linear(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)
+from lightspeed.parallel.module_kinds import is_conv1d, is_linear, linear_dims  # noqa: F401 (re-exported)
 
 
 def _plane_shapes(fmt: str, n: int, k: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

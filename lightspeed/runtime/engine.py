@@ -24,12 +24,14 @@ from lightspeed.checkpoint.atomic import atomic_torch_save
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.module_state import check_module_state
 from lightspeed.checkpoint.rng import set_rng_state
+from lightspeed.checkpoint.tensor_parallel import check_tp_record, tp_load_dir, tp_record, tp_save_dir
 from lightspeed.checkpoint.universal import apply_training_state, open_source, read_training_state
 from lightspeed.zero.fragments import first_names
 from lightspeed.checkpoint.writer import CheckpointWriter, options_from_config
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.monitor import MonitorMaster
+from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
 from lightspeed.optim.schedules import scheduled_steps
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
@@ -50,6 +52,10 @@ class LightspeedEngine(torch.nn.Module):
         self.module = module
         self.config = config
         self.groups = groups
+        topology = groups.topology
+        tp_size = topology.size("tp") if topology is not None else 1
+        # the tensor-parallel group, for whole-tensor saves and the checkpoint layout (None without tp)
+        self._tp_comm = Communicator(topology.group("tp"), tp_size) if tp_size > 1 else None
         self.comm = comm
         self.device = device
         self.policy = policy
@@ -129,7 +135,22 @@ class LightspeedEngine(torch.nn.Module):
 
     @property
     def dp_world_size(self) -> int:
+        """Data-parallel replicas (ranks of one sequence-parallel group count once)."""
         return self.groups.dp_world_size
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Ranks ZeRO reduces gradients and partitions state over: dp x sp."""
+        return self.groups.seq_dp_world_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.groups.sp_world_size
+
+    @property
+    def seq_parallel_group(self):
+        """The Ulysses group (None without sequence parallelism), DeepSpeed's engine attribute."""
+        return self.groups.sp_group if self.groups.sp_world_size > 1 else None
 
     def set_total_steps(self, num_steps: int | None) -> None:
         """How many optimizer steps this run takes (None: unknown), for the ETA in the step log line.
@@ -321,13 +342,26 @@ class LightspeedEngine(torch.nn.Module):
                          "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps},
             "client_state": dict(client_state or {}),
             "zero_stage": self.zero_optimization_stage(),
-            "dp_world_size": self.dp_world_size,
+            "dp_world_size": self.seq_dp_world_size,  # the ranks that wrote shards (dp x sp)
         }
-        engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=self.strategy.state_dict(),
+        strategy_state = self.strategy.state_dict()
+        if self._tp_comm is not None:  # each tp rank's column writes its own slices (checkpoint/tensor_parallel.py)
+            record = self._tp_record()
+            shared["tensor_parallel"] = record
+            strategy_state = {**strategy_state, "tensor_parallel": record}
+            save_dir = tp_save_dir(save_dir, self._tp_comm.world_size, self._tp_comm.rank)
+        engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=strategy_state,
                                strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
-                               dp_rank=self.groups.dp_rank, save_latest=save_latest,
+                               dp_rank=self.groups.seq_dp_rank, save_latest=save_latest,
                                writer=self._checkpoint_writer, tag_validation=self.config.checkpoint.tag_validation)
         return True
+
+    def _tp_record(self) -> dict:
+        return tp_record(self.module, self._tp_comm.world_size, self._tp_comm.rank)
+
+    def _whole_tensors(self, state: dict) -> dict:
+        """`state` with tensor-parallel slices gathered into whole tensors (collective over the tp group)."""
+        return state if self._tp_comm is None else gather_tp_state(state, tp_layouts(self.module), self._tp_comm)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """The whole module state_dict gathered from the ZeRO-3 shards, parameters in the training dtype
@@ -365,7 +399,7 @@ class LightspeedEngine(torch.nn.Module):
             logger.warning("did not save the model %s: zero_optimization.stage3_gather_16bit_weights_on_model_save "
                            "is false", path)
             return False
-        state = self.strategy.module_state_dict()
+        state = self._whole_tensors(self.strategy.module_state_dict())
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
@@ -387,12 +421,19 @@ class LightspeedEngine(torch.nn.Module):
             trainable = [n for n, p in self.module.named_parameters() if p.requires_grad]
             self._first_name = {n: first_names(self.module)[id(p)]
                                 for n, p in self.module.named_parameters(remove_duplicate=False)}
-            opened = open_source(load_dir, tag, dp_rank=self.groups.dp_rank, param_names=trainable)
+            tp_size, tp_rank = (1, 0) if self._tp_comm is None else (self._tp_comm.world_size, self._tp_comm.rank)
+            load_dir = tp_load_dir(load_dir, tp_size, tp_rank)
+            opened = open_source(load_dir, tag, dp_rank=self.groups.seq_dp_rank, param_names=trainable)
             read = None
             if opened is not None:
                 path, source, rng = opened
                 source_params = set(source.param_names())
                 extra = source.extra()
+                if self._tp_comm is not None:
+                    check_tp_record(extra.get("tensor_parallel"), self._tp_record(), path)
+                elif extra.get("tensor_parallel") is not None:
+                    raise CheckpointError(f"{path}: saved with tensor parallelism (tp size "
+                                          f"{extra['tensor_parallel'].get('tp_size')}); this run has none")
                 module_state = self._module_state_to_load(source, load_module_only)
                 excluded = set(extra.get("excluded_frozen_parameters") or ())
                 excluded |= {k for k in self.strategy.module_shapes() if k not in module_state
@@ -427,7 +468,7 @@ class LightspeedEngine(torch.nn.Module):
         saved_world = int(extra.get("dp_world_size") or 0)
         if rng is not None:
             set_rng_state(rng)
-        elif self.groups.dp_rank >= saved_world:
+        elif self.groups.seq_dp_rank >= saved_world:
             logger.info("checkpoint %s was saved by %d ranks: ranks from %d on keep their own RNG state", path,
                         saved_world, saved_world)
         return path, client_state
@@ -462,7 +503,7 @@ class LightspeedEngine(torch.nn.Module):
 
     def _agree_or_raise(self, failed: BaseException | None) -> None:
         """Every rank learns whether any rank failed to read the checkpoint, and then all raise."""
-        flag = torch.tensor([0.0 if failed is None else float(self.groups.dp_rank + 1)], device=self.device)
+        flag = torch.tensor([0.0 if failed is None else float(self.groups.seq_dp_rank + 1)], device=self.device)
         self.comm.all_reduce(flag, op="max")
         if failed is not None:
             raise failed if isinstance(failed, CheckpointError) else CheckpointError(str(failed)) from failed

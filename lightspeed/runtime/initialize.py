@@ -1,5 +1,7 @@
-"""`initialize()`: DeepSpeed's entry point. Builds, in order: process groups, the validated config,
-the precision policy, the module on its device and dtype, the optimizer, the sharding strategy, the
+"""`initialize()`: DeepSpeed's entry point. Builds, in order: the topology (process groups, with the
+sequence-parallel ones when `sequence_parallel_size` > 1), the validated config, the precision policy, the
+model transforms (model_transforms.py: sequence parallelism), the module on its device and dtype, the
+optimizer, the sharding strategy, the
 loss scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader,
 and hands them to the engine."""
 
@@ -11,10 +13,15 @@ from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpointing import apply_activation_checkpointing
 from lightspeed.comm import comms_logger
+from lightspeed.comm.codecs import AllReduce
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
+from lightspeed.comm.sequence_groups import sequence_parallel_mpu
+from lightspeed.comm.topology import Topology, TopologyError
+from lightspeed.config import LightspeedConfig
 from lightspeed.config.errors import ConfigError
+from lightspeed.config.parse import read_source
 from lightspeed.monitor import MonitorMaster
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.ops.adagrad import CPUAdagrad
@@ -22,10 +29,12 @@ from lightspeed.ops.adam import CPUAdam
 from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
+from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
+from lightspeed.runtime.model_transforms import apply_model_transforms, tensor_parallel_sharded
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
 
 logger = get_logger(__name__)
@@ -92,6 +101,30 @@ def _build_scheduler(lr_scheduler, cfg, optimizer):
     return None
 
 
+def _mesh_sizes(source) -> dict[str, int]:
+    """The mesh dims the config asks for, read before it is validated (validation needs the dp size)."""
+    raw = source.raw if isinstance(source, LightspeedConfig) else read_source(source)[0]
+    tp_section = raw.get("tensor_parallel") if isinstance(raw, dict) else None
+    tp = tp_section.get("autotp_size", 1) if isinstance(tp_section, dict) else 1
+    if tp is None or tp == 0:  # DeepSpeed's default of 0 means "off"
+        tp = 1
+    sp = raw.get("sequence_parallel_size") if isinstance(raw, dict) else None
+    if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
+        raise ConfigError(f"sequence_parallel_size: must be a positive integer (got {sp!r})")
+    return {"tp": tp, "sp": sp or 1}
+
+
+def _build_topology(source, mpu) -> Topology:
+    sizes = _mesh_sizes(source)
+    try:
+        # the sequence-parallel groups are this process's record (register_with_transformers or the user
+        # may have built them before initialize); the topology takes them through an mpu
+        mpu = sequence_parallel_mpu(mpu, sizes["sp"], sizes["tp"])
+        return Topology.build(mpu=mpu, **sizes)
+    except (TopologyError, ValueError) as error:
+        raise ConfigError(str(error)) from None
+
+
 def _place(model: torch.nn.Module, device: torch.device, policy) -> None:
     model.to(device=device)
     if policy.param_dtype != torch.float32:
@@ -114,9 +147,16 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     source = _config_source(args, config, config_params)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    groups = ParallelGroups.build(mpu)
+    topology = _build_topology(source, mpu)
+    groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
     policy = policy_from_config(cfg)
+    if cfg.tensor_parallel.tp_size > 1 and split_tp_size(model) == 1 and (
+            isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None):
+        raise ConfigError("tensor_parallel.autotp_size: initialize() splits the model, so an optimizer or "
+                          "model_parameters built from the whole model would hold stale parameters; let the config "
+                          "(or a callable) build the optimizer, or split the model first with tp_model_init()")
+    model = apply_model_transforms(model, cfg, topology)
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself
@@ -126,7 +166,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                               f"needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
     client_optimizer = optimizer is not None
-    comm = Communicator(groups.dp_group, groups.dp_world_size)
+    # ZeRO partitions and reduces over dp x sp (the dp group while sp is 1): comm/topology.py's Note
+    comm = Communicator(topology.grad_reduce_group, topology.size("dp_sp"))
     comms_logger.configure(cfg.comms_logger)
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
@@ -134,6 +175,17 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # DeepSpeed wraps no module for `activation_checkpointing`: the block configures checkpoint() (see there)
     model = apply_activation_checkpointing(model, cfg, mpu)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
+    if topology.size("tp") > 1:
+        sharded = tensor_parallel_sharded(model)
+        if cfg.zero_optimization.stage == 3:
+            # an mpu's model-parallel group (autotp at stage 3 is refused by the transform): a model replicated
+            # over it is counted once by the dp norm as it is; parameters split over it are not built at stage 3
+            if sharded:
+                raise NotImplementedError(f"ZeRO stage 3 with tensor_parallel parameters from the mpu's model-parallel "
+                                          f"group (e.g. {min(sharded)}) is not implemented")
+        elif optimizer is not None:
+            strategy.use_tensor_parallel(sharded.__contains__,
+                                         AllReduce(Communicator(topology.group("tp"), topology.size("tp"))))
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)
@@ -151,8 +203,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if training_data is not None:
         dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
         engine.training_dataloader = dataloader
-    logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, micro batch %d x %d accumulation "
+    logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, sp %d, micro batch %d x %d accumulation "
                 "steps = %d global, device %s", cfg.zero_optimization.stage, policy.param_dtype,
-                groups.dp_world_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                groups.dp_world_size, groups.sp_world_size, cfg.train_micro_batch_size_per_gpu,
+                cfg.gradient_accumulation_steps,
                 cfg.train_batch_size, device)
     return engine, optimizer, dataloader, lr_scheduler

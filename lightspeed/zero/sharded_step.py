@@ -12,18 +12,51 @@ data-parallel group of the sharded stages), or None when every rank holds the sa
 (stage 0), where no collective is needed: each rank reaches the same decision on its own. With
 `agree_norm=False` only the inf/nan decision is agreed and each rank's norm is its own: the case of
 an optimizer that reduces the gradients itself (one-bit), whose ranks step on local gradients.
+
+Note (tensor parallelism): with `views.tp` set, the ranks of the tensor-parallel group hold different
+slices of the split layers and the same values of every other parameter (comm/topology.py's Note on the
+global norm). The squares of the split parameters' gradients are summed over the tp group; the
+replicated ones are counted as they are (once per tp rank's identical copy, so not summed over tp);
+then the data-parallel agreement sums both as before. The inf/nan decision is agreed over tp as well.
 """
 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.precision.overflow import flat_has_inf_or_nan
+from lightspeed.zero.fragments import Fragment
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
+
+
+@dataclass
+class TensorParallelNorm:
+    """The norm's split under tensor parallelism (see the Note): gradient views of the tp-split
+    parameters' fragments and of the replicated ones, together covering the norm's tensors, and the
+    all-reduce over the tensor-parallel group."""
+
+    sharded: list[torch.Tensor]
+    replicated: list[torch.Tensor]
+    all_reduce: AllReduce
+
+    @classmethod
+    def from_fragments(cls, fragments: Iterable[Fragment], opt_grads: dict[torch.Tensor, torch.Tensor],
+                       is_sharded: Callable[[str], bool], all_reduce: AllReduce) -> "TensorParallelNorm":
+        """From the fragments a strategy holds: each fragment's gradient is its owner's gradient
+        (`opt_grads[owner]`) at the fragment's offset."""
+        sharded, replicated = [], []
+        for fragment in fragments:
+            grad = opt_grads.get(fragment.owner)
+            if grad is None:
+                raise ValueError(f"tensor parallelism: no gradient for the optimizer tensor holding {fragment.name}")
+            view = grad.view(-1)[fragment.offset:fragment.offset + fragment.numel]
+            (sharded if is_sharded(fragment.name) else replicated).append(view)
+        return cls(sharded, replicated, all_reduce)
 
 
 @dataclass
@@ -53,6 +86,7 @@ class ShardViews:
     lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
     norm_grads: list[torch.Tensor] | None = None
+    tp: TensorParallelNorm | None = None  # set under tensor parallelism (see the Note)
     # optimizer offload copies each reduced shard to its host `master_grads` entry as it completes:
     # `early_filled` holds the ids of those entries, and `master_grads_filled` (set by the strategy
     # for one step) says the copies of this step were made, so the step does not copy them again
@@ -75,12 +109,19 @@ def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *
         flag = torch.cat(flags).amax() if flags else torch.zeros((), device=views.device)
         if agree is not None:
             agree(flag, op="max")
+        if views.tp is not None:
+            views.tp.all_reduce(flag, op="max")
         if bool(flag):
             return StepResult(False, None), None
     for grad, master_grad in zip(views.grads, views.master_grads):
         if master_grad is not grad and not (views.master_grads_filled and id(master_grad) in views.early_filled):
             master_grad.copy_(grad)
-    sq = squared_norm(views.norm_grads if views.norm_grads is not None else views.master_grads).to(views.device)
+    if views.tp is None:
+        sq = squared_norm(views.norm_grads if views.norm_grads is not None else views.master_grads).to(views.device)
+    else:
+        sq = squared_norm(views.tp.sharded).to(views.device)
+        views.tp.all_reduce(sq)
+        sq = sq + squared_norm(views.tp.replicated).to(views.device)
     if agree is not None and agree_norm:
         agree(sq)
     scale = loss_scale or 1.0

@@ -33,7 +33,7 @@ from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import fused_step
 from lightspeed.zero.partition import Range
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
-from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
+from lightspeed.zero.sharded_step import ShardViews, TensorParallelNorm, StepResult, sharded_step
 
 __all__ = ["Stage0Strategy", "StepResult", "broadcast_unflattened", "group_trainable_params"]
 
@@ -196,6 +196,15 @@ class Stage0Strategy:
     def zero_grad(self) -> None:
         for flat in self.flats:
             flat.grad_flat.zero_()
+
+    def use_tensor_parallel(self, is_sharded, all_reduce) -> None:
+        """Count the gradient norm under tensor parallelism: the squares of parameters `is_sharded(name)`
+        says are split summed over the tp group by `all_reduce`, the replicated ones once
+        (sharded_step.py's Note)."""
+        if self._views.norm_grads is not None:
+            raise NotImplementedError("tensor_parallel.autotp_size > 1 with offload_optimizer is not implemented")
+        self._views.tp = TensorParallelNorm.from_fragments(self.fragments(), self._views.opt_grads, is_sharded,
+                                                           all_reduce)
 
     # ---------------------------------------------------------------- state
     def fragments(self) -> list[Fragment]:

@@ -54,7 +54,7 @@ from lightspeed.zero.partition import Range, owned_chunks
 from lightspeed.zero.reduce import PendingReduce, PendingToHost, ReduceOptions
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
-from lightspeed.zero.sharded_step import ShardViews, StepResult
+from lightspeed.zero.sharded_step import ShardViews, StepResult, TensorParallelNorm
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage0 import broadcast_unflattened
 
@@ -326,6 +326,15 @@ class ShardedStrategy:
             s.grad.zero_()
             if s.flat.grad_flat is not None:
                 s.flat.grad_flat.zero_()
+
+    def use_tensor_parallel(self, is_sharded, all_reduce) -> None:
+        """Count the gradient norm under tensor parallelism: the squares of parameters `is_sharded(name)`
+        says are split summed over the tp group by `all_reduce`, the replicated ones once
+        (sharded_step.py's Note)."""
+        if self._views.norm_grads is not None:
+            raise NotImplementedError("tensor_parallel.autotp_size > 1 with offload_optimizer is not implemented")
+        self._views.tp = TensorParallelNorm.from_fragments(self.fragments(), self._views.opt_grads, is_sharded,
+                                                           all_reduce)
 
     # ---------------------------------------------------------------- state
     def fragments(self) -> list[Fragment]:

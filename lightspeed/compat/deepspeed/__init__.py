@@ -2,7 +2,7 @@
 
 Thin re-exports and adapters of lightspeed's own objects under DeepSpeed's names and signatures; no
 logic of its own. Submodules (`comm`, `zero`, `accelerator`, `runtime`, `ops`, `utils`, `checkpoint`,
-`checkpointing`, `launcher`, `pipe`) load on first use, so `import deepspeed` stays light. A DeepSpeed
+`checkpointing`, `launcher`, `pipe`, `sequence`) load on first use, so `import deepspeed` stays light. A DeepSpeed
 name whose feature lightspeed has not built exists and raises NotImplementedError naming that feature
 when called (`_missing.py`).
 """
@@ -21,8 +21,8 @@ __git_hash__ = None
 __git_branch__ = None
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-_SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "ops", "pipe", "runtime", "utils",
-               "zero")
+_SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "ops", "pipe", "runtime", "sequence",
+               "utils", "zero")
 # name -> (module, attribute), imported on first access
 _LAZY = {
     "DeepSpeedEngine": ("lightspeed.compat.deepspeed.runtime.engine", "DeepSpeedEngine"),
@@ -73,8 +73,10 @@ def init_inference(model, config=None, **kwargs):
 
 
 def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
-    raise NotImplementedError("deepspeed.tp_model_init: AutoTP training (tensor_parallel.autotp_size) is not "
-                              "implemented in lightspeed yet")
+    """`deepspeed.tp_model_init`; see `lightspeed.tp_model_init`."""
+    from lightspeed.parallel.autotp import tp_model_init as _tp_model_init
+
+    return _tp_model_init(model, tp_size, dtype, config=config, **kwargs)
 
 
 def __getattr__(name: str):
@@ -87,4 +89,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "OnDevice", "add_config_arguments", "get_accelerator",
-           "init_distributed", "init_inference", "initialize", "logger", "__version__", *_SUBMODULES]
+           "init_distributed", "init_inference", "initialize", "logger", "tp_model_init", "__version__", *_SUBMODULES]

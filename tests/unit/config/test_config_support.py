@@ -69,7 +69,7 @@ def test_stage_message_and_all_named_at_once():
         ({"checkpoint": {"writer": {"type": "python", "io_multiplier": 2}}}, "checkpoint.writer.io_multiplier=2"),
         ({"checkpoint": {"checkpoint_serialization": False}}, "checkpoint.checkpoint_serialization=false (torch's legacy, non-zip file format)"),
         ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal=true"),
-        ({"tensor_parallel": {"autotp_size": 4}}, "tensor_parallel.autotp_size=4"),
+        ({"tensor_parallel": {"tp_overlap_comm": True}}, "tensor_parallel.tp_overlap_comm=true"),
     ],
 )  # fmt: skip
 def test_registered_feature_is_named(config, expected):

@@ -142,9 +142,13 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("progressive_layer_drop.enabled"),
     _set("sparse_attention"),
     _flag("eigenvalue.enabled"),
-    # Sections kept as free dicts
-    _flag("compile.deepcompile"),
-    _flag("compile.enabled"),
+    # Sections kept as free dicts (compile is a modelled section: see config/compiler.py)
+    Unimplemented(
+        "compile.deepcompile",
+        lambda cfg: bool(cfg.compile.deepcompile_settings()),
+        lambda cfg: "compile.deepcompile (DeepCompile, DeepSpeed's compiler passes; engine.compile() is built; set: "
+        + ", ".join(f"{k}={show(v)}" for k, v in cfg.compile.deepcompile_settings().items()) + ")",
+    ),
     _above("tensor_parallel.autotp_size", 1),
     _flag("expert_parallel.enabled"),
     _flag("nebula.enabled"),

@@ -144,6 +144,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     engine = LightspeedEngine(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
                               strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
                               loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler)
+    if cfg.compile.enabled:  # DeepSpeed's first compile section: compile at initialize()
+        engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     dataloader = None
     if training_data is not None:
         dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)

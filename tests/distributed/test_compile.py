@@ -65,9 +65,9 @@ def train(name: str, stage: int, compiled: bool, bf16: bool = False, float8: dic
         engine.compile(backend="aot_eager")
         assert engine.is_compiled
     g = torch.Generator().manual_seed(1 + dist.get_rank())
+    x = torch.randint(0, VOCAB, (2, 17), generator=g)  # one batch per rank, every step: the loss must fall
     losses = []
     for _ in range(STEPS):
-        x = torch.randint(0, VOCAB, (2, 17), generator=g)
         loss = engine(x[:, :-1], x[:, 1:]) if name == "gpt" else engine(input_ids=x[:, :-1], labels=x[:, :-1]).loss
         engine.backward(loss)
         engine.step()
@@ -76,9 +76,9 @@ def train(name: str, stage: int, compiled: bool, bf16: bool = False, float8: dic
     return losses, breaks, counters["stats"]["unique_graphs"]
 
 
-def _compiled_matches_eager(stages, models):
+def _compiled_matches_eager(runs):
     out = {}
-    for name in models:
+    for name, stages in runs:
         for stage in stages:
             eager, _, _ = train(name, stage, compiled=False)
             compiled, breaks, graphs = train(name, stage, compiled=True)
@@ -86,9 +86,12 @@ def _compiled_matches_eager(stages, models):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_compiled_matches_eager_without_graph_breaks(world):
-    results = run_world(_compiled_matches_eager, world, [0, 1, 2, 3], ["gpt", "hf-gpt2"], timeout=280)
+# world size 2 repeats what differs with the world (reduce-scatter, sharded gathers); HF GPT-2 there
+# at stage 3 only, the stage whose hooks meet the compiled regions most
+@pytest.mark.parametrize("world,runs", [(1, [("gpt", [0, 1, 2, 3]), ("hf-gpt2", [0, 1, 2, 3])]),
+                                        (2, [("gpt", [0, 1, 2, 3]), ("hf-gpt2", [3])])])
+def test_compiled_matches_eager_without_graph_breaks(world, runs):
+    results = run_world(_compiled_matches_eager, world, runs, timeout=280)
     for rank_result in results:
         for (name, stage), (eager, compiled, breaks, graphs) in rank_result.items():
             where = f"{name} stage {stage} world {world}"

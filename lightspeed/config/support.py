@@ -13,7 +13,8 @@ memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), the one-bit optimizers
-(OneBitAdam, ZeroOneAdam, OneBitLamb) and comms_logger.
+(OneBitAdam, ZeroOneAdam, OneBitLamb) and comms_logger; compile (enabled, backend, kwargs) and
+float8 (``config/compiler.py``), less DeepCompile's keys, which are refused below.
 ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
 (`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """

@@ -5,13 +5,17 @@ Owns: readiness bookkeeping and the launch order. Must not: decide how a bucket 
 `launch` callable given by the strategy does: all-reduce for stage 0, reduce-scatter later).
 
 Note (launch order): every rank must issue collectives in the same order, so buckets are launched in
-index order only: a bucket that becomes ready early waits until all buckets before it have been
-launched. Parameters that got no gradient in this backward (unused in forward) are launched by
+a fixed order only (index order, or with `reverse` its reverse, the order in which backward completes
+the buckets of a model whose parameters are registered in forward order): a bucket that becomes ready
+early waits until all buckets before it in that order have been launched. With `max_inflight`, the
+oldest launched reduction is finished as soon as more are in flight, so the temporary buffers of at
+most that many reductions are alive at once (stage 2's staging buffers). Parameters that got no gradient in this backward (unused in forward) are launched by
 `flush()` at the end of backward, again in index order.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,8 +49,11 @@ class Bucket:
 class GradBuckets:
     """Buckets over one or more FlatParams, launched in a fixed order by `launch(bucket) -> handle`."""
 
-    def __init__(self, flats: list[FlatParams], launch: Callable[[Bucket], Any]):
+    def __init__(self, flats: list[FlatParams], launch: Callable[[Bucket], Any], *, reverse: bool = False,
+                 max_inflight: int | None = None):
         self.launch_fn = launch
+        self.max_inflight = max_inflight
+        self._inflight: deque[Bucket] = deque()
         self.buckets: list[Bucket] = []
         self.where: dict[int, tuple[Bucket, int]] = {}  # id(param) -> (bucket, param index)
         for flat in flats:
@@ -56,6 +63,9 @@ class GradBuckets:
                 self.buckets.append(bucket)
                 for i in range(plan.first, plan.last):
                     self.where[id(flat.params[i])] = (bucket, i)
+        self._order = list(range(len(self.buckets)))
+        if reverse:
+            self._order.reverse()
         self._next = 0
         self.reset()
 
@@ -65,6 +75,7 @@ class GradBuckets:
             b.handle = None
             b.marked.clear()
         self._next = 0
+        self._inflight.clear()
 
     def mark_ready(self, param: torch.nn.Parameter) -> None:
         bucket, index = self.where[id(param)]
@@ -77,15 +88,22 @@ class GradBuckets:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].num_pending == 0:
-            bucket = self.buckets[self._next]
+        while self._next < len(self._order) and self.buckets[self._order[self._next]].num_pending == 0:
+            bucket = self.buckets[self._order[self._next]]
             bucket.handle = self.launch_fn(bucket)
             self._next += 1
+            if self.max_inflight is not None and bucket.handle is not None:
+                self._inflight.append(bucket)
+                if len(self._inflight) > self.max_inflight:
+                    oldest = self._inflight.popleft()
+                    if oldest.handle is not None:
+                        oldest.handle.wait()
+                        oldest.handle = None
 
     def flush(self) -> None:
         """Launch every bucket not launched yet (parameters without gradients count as ready)."""
-        for bucket in self.buckets[self._next:]:
-            bucket.num_pending = 0
+        for index in self._order[self._next:]:
+            self.buckets[index].num_pending = 0
         self._launch_ready()
 
     def wait(self) -> None:
@@ -94,3 +112,4 @@ class GradBuckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
+        self._inflight.clear()

@@ -5,12 +5,12 @@ Owns: readiness bookkeeping and the launch order. Must not: decide how a bucket 
 `launch` callable given by the strategy does: all-reduce for stage 0, reduce-scatter later).
 
 Note (launch order): every rank must issue collectives in the same order, so buckets are launched in
-a fixed order only (index order, or with `reverse` its reverse, the order in which backward completes
-the buckets of a model whose parameters are registered in forward order): a bucket that becomes ready
-early waits until all buckets before it in that order have been launched. With `max_inflight`, the
-oldest launched reduction is finished as soon as more are in flight, so the temporary buffers of at
-most that many reductions are alive at once (stage 2's staging buffers). Parameters that got no gradient in this backward (unused in forward) are launched by
-`flush()` at the end of backward, again in index order.
+index order only (FlatParams lays the parameters out last first, so index order is the order in which
+backward completes them): a bucket that becomes ready early waits until all buckets before it have
+been launched. Parameters that got no gradient in this backward (unused in forward) are launched
+by `flush()` at the end of backward, again in index order. With `max_inflight`, the oldest launched
+reduction is finished as soon as more are in flight, so the temporary buffers of at most that many
+reductions are alive at once (stage 2's staging buffers), not every bucket's until the step.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ class Bucket:
 class GradBuckets:
     """Buckets over one or more FlatParams, launched in a fixed order by `launch(bucket) -> handle`."""
 
-    def __init__(self, flats: list[FlatParams], launch: Callable[[Bucket], Any], *, reverse: bool = False,
-                 max_inflight: int | None = None):
+    def __init__(self, flats: list[FlatParams], launch: Callable[[Bucket], Any], *, max_inflight: int | None = None):
         self.launch_fn = launch
         self.max_inflight = max_inflight
         self._inflight: deque[Bucket] = deque()
@@ -63,9 +62,6 @@ class GradBuckets:
                 self.buckets.append(bucket)
                 for i in range(plan.first, plan.last):
                     self.where[id(flat.params[i])] = (bucket, i)
-        self._order = list(range(len(self.buckets)))
-        if reverse:
-            self._order.reverse()
         self._next = 0
         self.reset()
 
@@ -88,8 +84,8 @@ class GradBuckets:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next < len(self._order) and self.buckets[self._order[self._next]].num_pending == 0:
-            bucket = self.buckets[self._order[self._next]]
+        while self._next < len(self.buckets) and self.buckets[self._next].num_pending == 0:
+            bucket = self.buckets[self._next]
             bucket.handle = self.launch_fn(bucket)
             self._next += 1
             if self.max_inflight is not None and bucket.handle is not None:
@@ -102,8 +98,8 @@ class GradBuckets:
 
     def flush(self) -> None:
         """Launch every bucket not launched yet (parameters without gradients count as ready)."""
-        for index in self._order[self._next:]:
-            self.buckets[index].num_pending = 0
+        for bucket in self.buckets[self._next:]:
+            bucket.num_pending = 0
         self._launch_ready()
 
     def wait(self) -> None:

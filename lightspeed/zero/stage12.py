@@ -138,8 +138,8 @@ class ShardedStrategy:
                 frozen = [p for p in group["params"] if id(p) not in self._shard_of]
                 group["params"] = group.pop("_shards", []) + frozen
         self._staging: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> staged gradients
-        # stage 2: launched as backward completes them, at most MAX_INFLIGHT_REDUCES staging buffers alive
-        self.buckets = GradBuckets([s.flat for s in self.shards], self._launch, reverse=stage == 2,
+        # stage 2: at most MAX_INFLIGHT_REDUCES staging buffers alive (not every bucket's until the step)
+        self.buckets = GradBuckets([s.flat for s in self.shards], self._launch,
                                    max_inflight=MAX_INFLIGHT_REDUCES if stage == 2 else None)
         # GradBuckets numbers the buckets flat by flat, plan by plan: the same order as the chunks
         self._targets = [(s, r, pos) for s in self.shards for r, pos in s.chunks]

@@ -12,6 +12,12 @@ process (world size 1, NCCL), so peak memory is the run's own; inductor's on-dis
 between runs, so a graph compiled once (ZeRO-1's and ZeRO-2's are the same) is cheap the second time.
 One table per model with ms/step, the ratio to plain eager, MFU (H200 bf16 dense peak) and peak memory.
 --smoke: a tiny model on CPU/gloo with the aot_eager backend, to keep the script alive without a GPU.
+
+On one H200, split in two so that each finishes well inside 8 minutes (each compiled run pays its
+inductor compile in its first warm-up step; the parent prints each run's wall time):
+
+    python benchmarks/compile.py --models gpt2-medium hf-gpt2-medium
+    python benchmarks/compile.py --models 1.3b
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -180,6 +187,7 @@ def main():
             env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(29600 + len(results)))
             one = f"{model}:{system}:{stage}:{int(compiled)}:{int(float8)}"
+            began = time.perf_counter()
             proc = subprocess.run([sys.executable, __file__, *passthrough, "--one", one], env=env,
                                   capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -188,8 +196,8 @@ def main():
                 results.append(Result(one, note=f"failed: {tail[:160]}"))
             else:
                 results.append(Result(**json.loads(line[len("RESULT "):])))
-            print(f"  {results[-1].name}: {results[-1].ms_per_step:.1f} ms/step, {results[-1].peak_gib:.2f} GiB",
-                  flush=True)
+            print(f"  {results[-1].name}: {results[-1].ms_per_step:.1f} ms/step, {results[-1].peak_gib:.2f} GiB "
+                  f"({time.perf_counter() - began:.0f} s)", flush=True)
         print_table(results, BASELINE)
 
 

@@ -1,5 +1,5 @@
 """engine.compile() at ZeRO stages 0-3 on real gloo processes: dynamo's counters show no graph break
-for the demo GPT and a tiny HF GPT-2, and compiled losses agree with eager ones (fp32 to rounding,
+for the demo GPT and a tiny HF GPT-2 (and HF Llama at stages 0 and 3), and compiled losses agree with eager ones (fp32 to rounding,
 bf16 within its tolerance); float8 training (emulated on CPU) composes with every stage and compile.
 
 The backend is "aot_eager" (dynamo and AOTAutograd, no code generation) to keep the tests fast on
@@ -37,9 +37,16 @@ def build(name: str, n_embd: int = 32) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
         return GPT(GPTConfig.preset("demo", vocab_size=VOCAB, n_layer=2, n_embd=n_embd, n_head=2, block_size=16))
-    from transformers import GPT2Config, GPT2LMHeadModel
+    if name == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=n_embd, n_layer=2, n_head=2))
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=n_embd, intermediate_size=2 * n_embd,
+                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                             max_position_embeddings=32))
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=n_embd, n_layer=2, n_head=2))
     # transformers logs a one-time warning from `loss_function` when `loss_type` is unset, and a
     # logging call inside a compiled region is a graph break of the model's own code
     model.loss_type = "ForCausalLM"
@@ -88,7 +95,7 @@ def _compiled_matches_eager(runs):
 
 # world size 2 repeats what differs with the world (reduce-scatter, sharded gathers); HF GPT-2 there
 # at stage 3 only, the stage whose hooks meet the compiled regions most
-@pytest.mark.parametrize("world,runs", [(1, [("gpt", [0, 1, 2, 3]), ("hf-gpt2", [0, 1, 2, 3])]),
+@pytest.mark.parametrize("world,runs", [(1, [("gpt", [0, 1, 2, 3]), ("hf-gpt2", [0, 1, 2, 3]), ("hf-llama", [0, 3])]),
                                         (2, [("gpt", [0, 1, 2, 3]), ("hf-gpt2", [3])])])
 def test_compiled_matches_eager_without_graph_breaks(world, runs):
     results = run_world(_compiled_matches_eager, world, runs, timeout=280)

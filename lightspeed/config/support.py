@@ -13,9 +13,11 @@ memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), the one-bit optimizers
-(OneBitAdam, ZeroOneAdam, OneBitLamb), comms_logger, sequence_parallel_size (Ulysses, ``lightspeed.sequence``)
-and ZeRO++ at stage 3 (zero_quantized_weights, zero_quantized_nontrainable_weights, zero_quantized_gradients,
-zero_hpz_partition_size; ``lightspeed.comm.zeropp``; its LoCo error feedback, zeropp_loco_param, stays below).
+(OneBitAdam, ZeroOneAdam, OneBitLamb), comms_logger, sequence_parallel_size (Ulysses, ``lightspeed.sequence``),
+ZeRO++ at stage 3 (zero_quantized_weights, zero_quantized_nontrainable_weights, zero_quantized_gradients,
+zero_hpz_partition_size; ``lightspeed.comm.zeropp``; its LoCo error feedback, zeropp_loco_param, stays below);
+compile (enabled, backend, kwargs) and float8 (``config/compiler.py``), less DeepCompile's keys, which are
+refused below.
 ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
 (`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """
@@ -149,9 +151,13 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("progressive_layer_drop.enabled"),
     _set("sparse_attention"),
     _flag("eigenvalue.enabled"),
-    # Sections kept as free dicts
-    _flag("compile.deepcompile"),
-    _flag("compile.enabled"),
+    # Sections kept as free dicts (compile is a modelled section: see config/compiler.py)
+    Unimplemented(
+        "compile.deepcompile",
+        lambda cfg: bool(cfg.compile.deepcompile_settings()),
+        lambda cfg: "compile.deepcompile (DeepCompile, DeepSpeed's compiler passes; engine.compile() is built; set: "
+        + ", ".join(f"{k}={show(v)}" for k, v in cfg.compile.deepcompile_settings().items()) + ")",
+    ),
     _flag("tensor_parallel.tp_overlap_comm"),
     _set("tensor_parallel.injection_policy_tuple"),
     _flag("tensor_parallel.replace_with_kernel_inject"),

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightspeed._utils.accelerator import get_accelerator
 from lightspeed._utils.logging import get_logger
 from lightspeed._utils.progress import format_duration
 from lightspeed._utils.sizes import human_bytes
@@ -76,6 +77,7 @@ class LightspeedEngine(torch.nn.Module):
         self._last_print = (time.perf_counter(), 0)
         self._total_steps: int | None = None
         self._memory_logged = False
+        self._compiled = False
         self.monitor = monitor  # DeepSpeed's engine.monitor: write_events([(name, value, step)])
         self.step_profiler = step_profiler
         self.flops_profiler = step_profiler.profiler  # DeepSpeed's engine.flops_profiler (None when off)
@@ -195,7 +197,11 @@ class LightspeedEngine(torch.nn.Module):
 
     def forward(self, *inputs, **kwargs):
         self.timers.start("forward")
-        out = self.module(*inputs, **kwargs)
+        if self._compiled and self.strategy.needs_eager_forward():
+            with torch.compiler.set_stance("force_eager"):
+                out = self.module(*inputs, **kwargs)
+        else:
+            out = self.module(*inputs, **kwargs)
         self.timers.stop("forward")
         return out
 
@@ -378,9 +384,42 @@ class LightspeedEngine(torch.nn.Module):
             state = {k: v for k, v in state.items() if k not in frozen}
         return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
 
-    def compile(self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled: bool = False):
-        raise NotImplementedError("engine.compile(): compiling the engine (DeepSpeed's engine.compile and "
-                                  "DeepCompile) is not implemented in lightspeed yet")
+    def compile(self, backend=None, compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """torch.compile the module in place, region by region, with the strategy's hooks outside every
+        compiled graph (DeepSpeed's `engine.compile`; accelerate calls it with `backend`,
+        `compile_kwargs`). `backend`: a torch.compile backend name or callable (default: the
+        accelerator's, "inductor"); `compile_kwargs`: torch.compile's other arguments (mode, fullgraph,
+        dynamic, options). The strategy names the regions: the whole module at stages 0-2, and at
+        stage 3 each innermost unit (Note: compiled regions in zero/stage3/units.py). A second call
+        logs a warning and changes nothing. `schedule` (DeepCompile's pass schedule) and
+        `compiled_autograd_enabled` are refused: DeepCompile and compiled autograd are not built."""
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...): DeepCompile's pass schedule (compile.deepcompile) "
+                                      "is not implemented")
+        if compiled_autograd_enabled:
+            raise NotImplementedError("engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                                      "implemented (the backward runs the compiled regions' backward graphs)")
+        if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
+            raise TypeError(f"engine.compile: compile_kwargs must be a dict (got {type(compile_kwargs).__name__})")
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            raise ValueError("engine.compile: give the backend as `backend`, not inside compile_kwargs")
+        if self._compiled:
+            logger.warning("engine.compile(): the module is already compiled; nothing changed")
+            return
+        backend = backend or get_accelerator().get_compile_backend() or "inductor"
+        regions = self.strategy.compile_regions()
+        for region in regions:
+            region.compile(backend=backend, **kwargs)  # in place: hooks and parameters stay as they are
+        self._compiled = True
+        logger.info("compiled %d region(s) with backend %s", len(regions),
+                    backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend)))
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile()` (or `compile.enabled` in the config) compiled the module."""
+        return self._compiled
 
     def wait_checkpoint(self) -> None:
         """Wait for a background (`checkpoint.writer.decoupled`) save to be complete on every rank;

@@ -30,6 +30,7 @@ from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
 from lightspeed.parallel.tensor_parallel import split_tp_size
+from lightspeed.precision.float8 import convert_to_float8
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
@@ -157,6 +158,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                           "model_parameters built from the whole model would hold stale parameters; let the config "
                           "(or a callable) build the optimizer, or split the model first with tp_model_init()")
     model = apply_model_transforms(model, cfg, topology)
+    convert_to_float8(model, cfg.float8)  # after the split layers exist, before anything is placed or sharded
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself
@@ -199,6 +201,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     engine = LightspeedEngine(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
                               strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
                               loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler)
+    if cfg.compile.enabled:  # DeepSpeed's first compile section: compile at initialize()
+        engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     dataloader = None
     if training_data is not None:
         dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)

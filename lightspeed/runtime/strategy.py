@@ -44,6 +44,14 @@ class ShardingStrategy(Protocol):
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]: ...
 
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The modules `engine.compile()` compiles in place, each with its hooks outside its graph."""
+        ...
+
+    def needs_eager_forward(self) -> bool:
+        """True when the next forward must run its compiled regions eagerly (the strategy watches it)."""
+        ...
+
     def module_state_dict(self) -> dict[str, Any]:
         """The module's full state_dict (stage 3 gathers the partitioned parameters)."""
         ...

@@ -58,6 +58,8 @@ from lightspeed.zero.sharded_step import ShardViews, StepResult, TensorParallelN
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage0 import broadcast_unflattened
 
+MAX_INFLIGHT_REDUCES = 2  # stage 2: reductions in flight at once (each holds a bucket-sized staging buffer)
+
 @dataclass
 class Shard:
     """One flat buffer and this rank's part of it."""
@@ -136,7 +138,9 @@ class ShardedStrategy:
                 frozen = [p for p in group["params"] if id(p) not in self._shard_of]
                 group["params"] = group.pop("_shards", []) + frozen
         self._staging: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> staged gradients
-        self.buckets = GradBuckets([s.flat for s in self.shards], self._launch)
+        # stage 2: at most MAX_INFLIGHT_REDUCES staging buffers alive (not every bucket's until the step)
+        self.buckets = GradBuckets([s.flat for s in self.shards], self._launch,
+                                   max_inflight=MAX_INFLIGHT_REDUCES if stage == 2 else None)
         # GradBuckets numbers the buckets flat by flat, plan by plan: the same order as the chunks
         self._targets = [(s, r, pos) for s in self.shards for r, pos in s.chunks]
         self._boundary = True
@@ -285,7 +289,13 @@ class ShardedStrategy:
                 staged = torch.zeros(bucket.numel, dtype=self.reduce.reduce_dtype or self.policy.grad_accum_dtype,
                                      device=bucket.flat.device)
             send, post = self.reduce.prepare(staged, world)
-        out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
+        offset = chunk.start - bucket.start
+        if self.stage == 2 and send.is_cuda and offset == self.comm.rank * chunk.numel:
+            # NCCL's in-place reduce-scatter (output = this rank's chunk of the input): the staging
+            # buffer is temporary, so no second bucket-sized buffer is needed
+            out = send.narrow(0, offset, chunk.numel)
+        else:  # gloo may not accept an output aliasing the input; stage 1 sends grad_flat itself
+            out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
         handle = self.collectives.reduce_scatter(out, send, async_op=True)
         pending = PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
         if self._boundary and self._runner.to_host is not None:
@@ -376,6 +386,14 @@ class ShardedStrategy:
 
     def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         self.module.load_state_dict(state, strict=strict)
+
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The modules `engine.compile()` compiles in place: the whole module (the gradient hooks sit on
+        the parameters and run from autograd, outside any compiled graph)."""
+        return [self.module]
+
+    def needs_eager_forward(self) -> bool:
+        return False
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         tally = MemoryTally(self._runner.swap_location)

@@ -149,9 +149,13 @@ class Coordinator:
         self._reduced: set[int] = set()
         self._pending: deque = deque()
         self._handles = []
+        # torch.compiler.disable: a compiled unit (engine.compile) runs its hooks from inside its
+        # compiled frame, and torch.compile would otherwise trace them (gathers, collectives, the
+        # trace's Python state); disabled, they run eagerly before and after the unit's graph
+        pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
         for m in (units if units is not None else root.modules()):
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(pre))
+            self._handles.append(m.register_forward_hook(post, always_call=True))
         for g in groups:
             if g.trainable:
                 for p in g.params:
@@ -305,12 +309,17 @@ class Coordinator:
             finally:
                 self._busy = False
 
+    def detects_external(self) -> bool:
+        """Whether the next forward runs under the external-use mode (its ops must then run eagerly
+        for the mode to see them: torch.compile would trace the mode's Python into the graph)."""
+        detect = self.schedule.external_detection
+        return detect == "always" or (detect == "trace" and not self._trace_done)
+
     def _begin_forward(self) -> None:
         self._pos, self._cursor, self._trace_ok = 0, 0, True
         if not self._trace_done:
             self._trace = []
-        detect = self.schedule.external_detection
-        if detect == "always" or (detect == "trace" and not self._trace_done):
+        if self.detects_external():
             self._mode = _ExternalUseMode(self)
             self._mode.__enter__()
 

@@ -54,7 +54,7 @@ from lightspeed.zero.stage3.gathered import take_pending_external
 from lightspeed.zero.stage3.init import (StandaloneScheduler, init_record, materialize_module, seed_from_global_rng,
                                          take_init_groups)
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
-from lightspeed.zero.stage3.units import LeafRule, choose_units
+from lightspeed.zero.stage3.units import LeafRule, choose_units, compile_regions
 from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
@@ -527,6 +527,15 @@ class Stage3Strategy:
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
         self._masters_out()
+
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The modules `engine.compile()` compiles in place: no unit's hooks inside any (see units.py)."""
+        return compile_regions(self.module, [u.module for u in self.units])
+
+    def needs_eager_forward(self) -> bool:
+        """True while forwards run under the coordinator's external-use mode (the first forward and
+        backward, with the default `external_detection`): compiled regions then run eagerly."""
+        return self.coordinator.detects_external()
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category (gathered buffers count while they are held)."""

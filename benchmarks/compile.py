@@ -167,6 +167,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-float8", action="store_true", help="skip the float8 run at 1.3B")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (keeps the script alive in CI)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="SYSTEM:STAGE:COMPILED:FLOAT8",
+                    help="run only these (e.g. plain:0:1:0 lightspeed:2:1:0); the baseline is always run")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # model:system:stage:compiled:float8
     args = ap.parse_args()
     if args.smoke:
@@ -177,13 +179,18 @@ def main():
         result = run_one(args, model, system, int(stage), compiled == "1", float8 == "1")
         print("RESULT " + json.dumps(asdict(result)), flush=True)
         return
-    passthrough = [a for a in sys.argv[1:]]
+    passthrough = [a for a in sys.argv[1:] if a not in (args.only or [])]
+    passthrough = [a for a in passthrough if a != "--only"]
     for model in args.models:
         hw = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
         print(f"\n== {model}: micro batch {args.micro} x seq {args.seq}, {hw}, torch {torch.__version__}, "
               f"world size 1, each run in a fresh process", flush=True)
         results = []
-        for system, stage, compiled, float8 in runs_for(model, not args.no_float8 and not args.smoke):
+        chosen = runs_for(model, not args.no_float8 and not args.smoke)
+        if args.only:
+            keep = set(args.only) | {"plain:0:0:0"}
+            chosen = [r for r in chosen if f"{r[0]}:{r[1]}:{int(r[2])}:{int(r[3])}" in keep]
+        for system, stage, compiled, float8 in chosen:
             env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(29600 + len(results)))
             one = f"{model}:{system}:{stage}:{int(compiled)}:{int(float8)}"

@@ -9,7 +9,8 @@ Claims:
      (xxh3_64 over the state's bytes, when `xxhash` is installed) and the save through a Python file
      object (the writer before this one).
   2. A background save holds training only for the host snapshot: stall per save, sync vs async,
-     and the mean step time while the writer works, against steps with no save.
+     and the median step time while the writer works (training goes on until it is done), against
+     steps with no save.
   Also: the verified load (every record's CRC-32 recomputed) against an unverified torch.load.
 
 The model is an MLP language model (embedding, `--layers` blocks of h -> 4h -> h, head), trained by
@@ -181,19 +182,26 @@ def measure_stall(args, root: str, decoupled: bool) -> dict[str, float]:
     engine = make_engine(args, decoupled)
     timed_steps(engine, args, args.warmup)
     base = timed_steps(engine, args, args.steps)
-    stalls, during = [], []
+    stalls, during, overlapped = [], [], []
     for i in range(args.saves):
         sync()
         t0 = time.perf_counter()
         engine.save_checkpoint(os.path.join(root, "async" if decoupled else "sync"), tag=f"s{i}")
         stalls.append(time.perf_counter() - t0)
-        during.extend(timed_steps(engine, args, args.steps))  # a background writer works during these
+        # a background writer works during these: train on until it is done (at most --max-steps)
+        steps = 0
+        while steps < args.steps or (engine._checkpoint_writer.writing and steps < args.max_steps):
+            during.extend(timed_steps(engine, args, 1))
+            steps += 1
         sync()
         t0 = time.perf_counter()
         engine.wait_checkpoint()
         stalls[-1] += time.perf_counter() - t0  # whatever the steps did not hide
-    return {"stall_s": statistics.median(stalls), "step_s": statistics.median(base),
-            "step_during_s": statistics.median(during)}
+        overlapped.append(steps)
+        shutil.rmtree(os.path.join(root, "async" if decoupled else "sync", f"s{i}"))  # one save on disk at a time
+    return {"stall_s": statistics.median(stalls[1:] or stalls), "first_stall_s": stalls[0],
+            "step_s": statistics.median(base), "step_during_s": statistics.median(during),
+            "steps_during": statistics.median(overlapped)}
 
 
 def measure_deepspeed_stall(args, root: str) -> dict[str, float]:
@@ -219,9 +227,10 @@ def measure_deepspeed_stall(args, root: str) -> dict[str, float]:
         engine.save_checkpoint(os.path.join(root, "deepspeed"), tag=f"s{i}")
         sync()
         stalls.append(time.perf_counter() - t0)
+        saved = dir_bytes(os.path.join(root, "deepspeed", f"s{i}"))
+        shutil.rmtree(os.path.join(root, "deepspeed", f"s{i}"))
         timed_steps(engine, args, args.steps)
-    return {"stall_s": statistics.median(stalls), "step_s": statistics.median(base),
-            "bytes": dir_bytes(os.path.join(root, "deepspeed", f"s{args.saves - 1}"))}
+    return {"stall_s": statistics.median(stalls), "step_s": statistics.median(base), "bytes": saved}
 
 
 def main() -> None:
@@ -235,45 +244,54 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--repeats", type=int, default=3, help="saves per variant for the checksum cost (median)")
     p.add_argument("--saves", type=int, default=2, help="saves per mode for the stall (median)")
-    p.add_argument("--steps", type=int, default=4, help="training steps after each save")
+    p.add_argument("--steps", type=int, default=4, help="training steps after each save (at least)")
+    p.add_argument("--max-steps", type=int, default=5000,
+                   help="background saves: train on while the writer works, up to this many steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs")
     p.add_argument("--deepspeed", action="store_true", help="also time DeepSpeed's save (must be importable)")
+    p.add_argument("--stall-only", action="store_true", help="only part 2 (the training stall per save)")
     args = p.parse_args()
     if args.smoke:
         args.hidden, args.layers, args.vocab, args.seq, args.repeats, args.saves, args.steps = 64, 2, 256, 16, 1, 1, 2
     os.environ.setdefault("LIGHTSPEED_LOG_LEVEL", "WARNING")
     root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
     try:
-        engine = make_engine(args, decoupled=False)
-        num_params = sum(p.numel() for p in engine.module.parameters())
-        timed_steps(engine, args, 1)
-        cost = measure_checksum_cost(engine, root, args.repeats)
-        del engine
-        gb = cost["bytes"] / 1e9
-        print(f"model: {num_params / 1e6:.1f}M parameters, stage {args.stage}, "
-              f"{'bf16' if args.bf16 else 'fp32'}; checkpoint {gb:.3f} GB; device "
-              f"{'cuda' if torch.cuda.is_available() else 'cpu'}; files in {root}")
-        print("\n1. save time (median of %d), checksums vs none" % args.repeats)
-        extra = cost["with_s"] / cost["without_s"] - 1
-        print(f"  save with checksums      {cost['with_s']:8.3f} s  ({gb / cost['with_s']:.2f} GB/s)")
-        print(f"  save without checksums   {cost['without_s']:8.3f} s  -> checksums add {extra * 100:+.1f}%")
-        print(f"  fastest of each          {cost['with_min_s']:8.3f} s vs {cost['without_min_s']:.3f} s "
-              f"({(cost['with_min_s'] / cost['without_min_s'] - 1) * 100:+.1f}%; whole saves are noisy on a busy machine)")
-        print(f"  checksum step alone      {cost['entry_s']:8.4f} s = {cost['entry_s'] / cost['without_s'] * 100:.2f}% "
-              "of a save (read back from each file's zip directory)")
-        print(f"  (xxh3_64 over every tensor: {cost['xxh3_s']:.3f} s = "
-              f"{cost['xxh3_s'] / cost['without_s'] * 100:.1f}% of a save, not used)")
-        print(f"  (torch.save of the same files by path {cost['bypath_s']:.3f} s; through a Python file object, "
-              f"the previous writer, {cost['fileobj_s']:.3f} s; neither fsynced nor checksummed)")
-        print(f"  load, verified {cost['load_verified_s']:.3f} s; plain torch.load {cost['load_plain_s']:.3f} s")
-        print("\n2. training stall per save (median of %d saves; %d steps after each)" % (args.saves, args.steps))
+        if not args.stall_only:
+            engine = make_engine(args, decoupled=False)
+            num_params = sum(p.numel() for p in engine.module.parameters())
+            timed_steps(engine, args, 1)
+            cost = measure_checksum_cost(engine, root, args.repeats)
+            del engine
+            gb = cost["bytes"] / 1e9
+            print(f"model: {num_params / 1e6:.1f}M parameters, stage {args.stage}, "
+                  f"{'bf16' if args.bf16 else 'fp32'}; checkpoint {gb:.3f} GB; device "
+                  f"{'cuda' if torch.cuda.is_available() else 'cpu'}; files in {root}")
+            print("\n1. save time (median of %d), checksums vs none" % args.repeats)
+            extra = cost["with_s"] / cost["without_s"] - 1
+            print(f"  save with checksums      {cost['with_s']:8.3f} s  ({gb / cost['with_s']:.2f} GB/s)")
+            print(f"  save without checksums   {cost['without_s']:8.3f} s  -> checksums add {extra * 100:+.1f}%")
+            print(f"  fastest of each          {cost['with_min_s']:8.3f} s vs {cost['without_min_s']:.3f} s "
+                  f"({(cost['with_min_s'] / cost['without_min_s'] - 1) * 100:+.1f}%; whole saves are noisy on a busy machine)")
+            print(f"  checksum step alone      {cost['entry_s']:8.4f} s = {cost['entry_s'] / cost['without_s'] * 100:.2f}% "
+                  "of a save (read back from each file's zip directory)")
+            print(f"  (xxh3_64 over every tensor: {cost['xxh3_s']:.3f} s = "
+                  f"{cost['xxh3_s'] / cost['without_s'] * 100:.1f}% of a save, not used)")
+            print(f"  (torch.save of the same files by path {cost['bypath_s']:.3f} s; through a Python file object, "
+                  f"the previous writer, {cost['fileobj_s']:.3f} s; neither fsynced nor checksummed)")
+            print(f"  load, verified {cost['load_verified_s']:.3f} s; plain torch.load {cost['load_plain_s']:.3f} s")
+            for entry in os.listdir(root):  # section 1's files out of the way: the disk holds few saves
+                path = os.path.join(root, entry)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print("\n2. training stall per save (median of the saves after the first, of %d; at least %d steps "
+              "after each)" % (args.saves, args.steps))
         for decoupled in (False, True):
             r = measure_stall(args, root, decoupled)
             name = "background" if decoupled else "synchronous"
-            print(f"  {name:<12} stall {r['stall_s'] * 1e3:9.1f} ms   step {r['step_s'] * 1e3:8.1f} ms, "
-                  f"while writing {r['step_during_s'] * 1e3:8.1f} ms")
+            print(f"  {name:<12} stall {r['stall_s'] * 1e3:9.1f} ms (first save {r['first_stall_s'] * 1e3:.1f})   "
+                  f"step {r['step_s'] * 1e3:8.1f} ms, after the save {r['step_during_s'] * 1e3:8.1f} ms "
+                  f"({r['steps_during']:.0f} steps)")
         if args.deepspeed:
             r = measure_deepspeed_stall(args, root)
             print(f"  {'DeepSpeed':<12} stall {r['stall_s'] * 1e3:9.1f} ms   step {r['step_s'] * 1e3:8.1f} ms "

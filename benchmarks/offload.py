@@ -11,6 +11,12 @@ offloaded runs use DeepSpeed's offload block (`device: cpu, pin_memory: true`), 
 becomes CPUAdam in both engines. `--overlap-step` adds lightspeed's one-step-delayed CPU step;
 `--param` adds ZeRO-3 with the parameters offloaded too. `--smoke` runs a tiny model on CPU/gloo in
 seconds (peak GPU memory is then n/a).
+
+`--bound` first measures what bounds an offloaded step on this machine: a pinned 1 GiB copy each way
+between host and device, and one CPUAdam step over the model's parameter count in fp32 (its memory
+traffic: parameter, two moments and gradient read, three written). The floor it prints for one step
+is the gradient copy to the host (bf16), the parameter copy back (bf16) and that CPU step, in series:
+what an offloaded step costs beyond the GPU's forward and backward unless the pieces overlap.
 """
 
 from __future__ import annotations
@@ -91,8 +97,51 @@ def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
     return result
 
 
+def measure_bound(num_params: int) -> None:
+    """Host-device bandwidth (pinned, 1 GiB each way) and one CPUAdam step over `num_params` fp32."""
+    import time
+
+    from lightspeed.ops.adam import CPUAdam
+
+    if torch.cuda.is_available():
+        n = 1 << 30
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        rates = {}
+        for name, (dst, src) in {"host->device": (dev, host), "device->host": (host, dev)}.items():
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            rates[name] = 5 * n / (time.perf_counter() - t0) / 1e9
+            print(f"  pinned 1 GiB {name}: {rates[name]:.1f} GB/s", flush=True)
+        del host, dev
+    else:
+        rates = {"host->device": float("nan"), "device->host": float("nan")}
+    p = torch.nn.Parameter(torch.zeros(num_params))
+    p.grad = torch.randn(num_params) * 1e-3
+    opt = CPUAdam([p], lr=1e-4, weight_decay=0.1, adamw_mode=True)
+    opt.step()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    adam_s = min(times)
+    traffic = num_params * 4 * 7  # read p, m, v, g; write p, m, v
+    print(f"  CPUAdam over {num_params / 1e6:.0f}M fp32 params, {torch.get_num_threads()} threads: "
+          f"{adam_s * 1e3:.1f} ms ({traffic / adam_s / 1e9:.1f} GB/s of its memory traffic)", flush=True)
+    copies = num_params * 2 / (rates["device->host"] * 1e9) + num_params * 2 / (rates["host->device"] * 1e9)
+    print(f"  floor of the offloaded part of a step (bf16 gradients out, bf16 parameters in, CPU step, "
+          f"in series): {(copies + adam_s) * 1e3:.1f} ms", flush=True)
+    del p, opt
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--bound", action="store_true", help="also measure the host-device and CPU-step bound")
     ap.add_argument("--sizes", nargs="+", default=["gpt2-medium", "1.3b"])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--micro", type=int, default=8)
@@ -112,7 +161,7 @@ def main():
         size, system, stage, variant = args.one.split(":")
         print("RESULT " + json.dumps(asdict(run_one(args, size, system, int(stage), variant))), flush=True)
         return
-    passthrough = [a for a in sys.argv[1:] if a not in ("--deepspeed", "--overlap-step", "--param")]
+    passthrough = [a for a in sys.argv[1:] if a not in ("--deepspeed", "--overlap-step", "--param", "--bound")]
     for size in args.sizes:
         cfg = GPTConfig.preset(size, block_size=args.seq)
         with torch.device("meta"):
@@ -120,6 +169,8 @@ def main():
         hw = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
         print(f"\n== {size}: {num_params / 1e6:.0f}M params, micro batch {args.micro} x seq {args.seq}, {hw}, "
               f"torch {torch.__version__}, world size 1, each run in a fresh process", flush=True)
+        if args.bound:
+            measure_bound(num_params)
         runs = []
         for stage in args.stages:
             variants = ["none", "cpu"] + (["cpu-overlap"] if args.overlap_step else [])

@@ -48,7 +48,7 @@ def add_config_arguments(parser):
 
 
 # Subpackages reachable as attributes after a plain `import lightspeed` (`lightspeed.zero.Init()`).
-_SUBPACKAGES = ("comm", "compat", "config", "zero")
+_SUBPACKAGES = ("checkpointing", "comm", "compat", "config", "zero")
 
 
 def __getattr__(name: str):

@@ -172,6 +172,11 @@ class CheckpointWriter:
     def pending(self) -> bool:
         return self._pending is not None
 
+    @property
+    def writing(self) -> bool:
+        """True while a background save's thread still writes (`wait` then returns without joining)."""
+        return self._thread is not None and self._thread.is_alive()
+
     # ------------------------------------------------------------------------------------ the job
     def _background(self, job: _Job) -> None:
         error = self._run_job(job)

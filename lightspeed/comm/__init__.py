@@ -3,7 +3,8 @@
 `init.py` starts the process group, `topology.py` holds the run's mesh (`Topology`: dp / sp / tp groups),
 `groups.py` its data-parallel view `ParallelGroups`, `tp_autograd.py` the tensor-parallel autograd functions, `collectives.py`
 the `Communicator` the runtime uses, `codecs.py` the collective objects strategies are handed, and
-`comms_logger.py` DeepSpeed's comms logger (`log_summary`). DeepSpeed's module-level `deepspeed.comm` functions
+`comms_logger.py` DeepSpeed's comms logger (`log_summary`), `onebit.py` the one-bit all-reduce, and ZeRO++'s
+pieces: `quantized.py` (int8 weight gather, int4 hierarchical reduce-scatter), `node_groups.py`, `zeropp.py`. DeepSpeed's module-level `deepspeed.comm` functions
 (`get_rank`, `all_reduce`, `all_gather_into_tensor`, ...) live in `api.py` and are reachable here
 (`lightspeed.comm.get_rank()`), imported on first use so `import lightspeed.comm` stays light.
 """

@@ -65,15 +65,20 @@ class _Watched:
 
 
 class CommStats:
-    """Bytes and call counts per collective since the last `reset()`."""
+    """Bytes and call counts per collective since the last `reset()`. `inter_node_bytes` holds, for the
+    collectives that know the node layout (ZeRO++'s hierarchical ones), the part of their bytes that
+    crosses nodes (already included in `bytes`)."""
 
     def __init__(self):
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.inter_node_bytes: dict[str, int] = defaultdict(int)
 
-    def add(self, op: str, nbytes: int) -> None:
+    def add(self, op: str, nbytes: int, inter_node: int | None = None) -> None:
         self.bytes[op] += int(nbytes)
         self.calls[op] += 1
+        if inter_node is not None:
+            self.inter_node_bytes[op] += int(inter_node)
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
@@ -81,6 +86,7 @@ class CommStats:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.inter_node_bytes.clear()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -159,6 +159,13 @@ class HybridEngineConfig(Section):
 def feature_problems(cfg) -> list[str]:
     """Rules across keys of these sections."""
     out = []
+    ac = cfg.activation_checkpointing  # DeepSpeed asserts these in deepspeed.checkpointing.configure
+    if ac.contiguous_memory_optimization and not ac.partition_activations:
+        out.append("activation_checkpointing.contiguous_memory_optimization: needs "
+                   "activation_checkpointing.partition_activations true (it lays out the partitions)")
+    if ac.contiguous_memory_optimization and not ac.number_checkpoints:
+        out.append("activation_checkpointing.contiguous_memory_optimization: needs "
+                   "activation_checkpointing.number_checkpoints (the buffers hold that many checkpoints)")
     at = cfg.autotuning
     if at.end_profile_step < at.start_profile_step:
         out.append(

@@ -2,7 +2,7 @@
 
 Every top-level key DeepSpeed reads for training is a field named exactly as the key, with
 DeepSpeed's default. After `config.load()` the batch triad holds ints. Sections too large and too
-rarely used to model (``compile``, ``expert_parallel``, ...) are kept as free
+rarely used to model (``expert_parallel``, ...) are kept as free
 dicts. This module must not read files or touch the environment: that is `loader.py`'s job.
 """
 
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 from pydantic import BeforeValidator, PrivateAttr
 
 from lightspeed.config.base import Bool, Choice, Float, FreeDict, PosInt, Section, as_int, expectation
+from lightspeed.config.compiler import CompileConfig, Float8Config
 from lightspeed.config.efficiency import (
     CompressionTrainingConfig, CurriculumLearningConfig, DataEfficiencyConfig, EigenvalueConfig,
     ProgressiveLayerDropConfig, SparseAttentionConfig,
@@ -126,8 +127,11 @@ class LightspeedConfig(Section):
 
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
 
+    # Compiler and float8 training (lightspeed's own section: DeepSpeed has none)
+    compile: CompileConfig = CompileConfig()
+    float8: Float8Config = Float8Config()
+
     # Sections kept as free dicts (large, fast-moving schemas nothing here consumes yet)
-    compile: FreeDict = {}
     expert_parallel: FreeDict = {}
     nebula: FreeDict = {}
     datastates: FreeDict = {}

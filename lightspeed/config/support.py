@@ -13,7 +13,11 @@ memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), the one-bit optimizers
-(OneBitAdam, ZeroOneAdam, OneBitLamb) and comms_logger.
+(OneBitAdam, ZeroOneAdam, OneBitLamb), comms_logger, sequence_parallel_size (Ulysses, ``lightspeed.sequence``),
+ZeRO++ at stage 3 (zero_quantized_weights, zero_quantized_nontrainable_weights, zero_quantized_gradients,
+zero_hpz_partition_size; ``lightspeed.comm.zeropp``; its LoCo error feedback, zeropp_loco_param, stays below);
+compile (enabled, backend, kwargs) and float8 (``config/compiler.py``), less DeepCompile's keys, which are
+refused below.
 ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
 (`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """
@@ -79,17 +83,24 @@ def _changed(path: str) -> Unimplemented:
     return Unimplemented(path, lambda cfg: bool(_get(cfg, path).non_default()), describe)
 
 
+def _zeropp(entry: Unimplemented) -> Unimplemented:
+    """A ZeRO++ setting: built at stage 3, refused at the other stages."""
+    return Unimplemented(entry.path, lambda cfg: entry.active(cfg) and cfg.zero_optimization.stage != 3,
+                         entry.describe)
+
+
 IMPLEMENTED_STAGES = (0, 1, 2, 3)  # ZeRO stages the engine runs; the others raise NotImplementedError
 
 UNIMPLEMENTED: list[Unimplemented] = [
     # ZeRO
     Unimplemented("zero_optimization.stage", lambda cfg: cfg.zero_optimization.stage not in IMPLEMENTED_STAGES),
     _flag("zero_optimization.stage3_use_all_reduce_for_fetch_params"),
-    _flag("zero_optimization.zero_quantized_weights"),
-    _flag("zero_optimization.zero_quantized_nontrainable_weights"),
-    _flag("zero_optimization.zero_quantized_gradients"),
-    _above("zero_optimization.zero_hpz_partition_size", 1),
     _set("zero_optimization.zeropp_loco_param"),
+    # ZeRO++ is built for stage 3 (lightspeed.comm.zeropp); DeepSpeed's stages 1 and 2 do not use it either
+    _zeropp(_flag("zero_optimization.zero_quantized_weights")),
+    _zeropp(_flag("zero_optimization.zero_quantized_nontrainable_weights")),
+    _zeropp(_flag("zero_optimization.zero_quantized_gradients")),
+    _zeropp(_above("zero_optimization.zero_hpz_partition_size", 1)),
     _above("zero_optimization.mics_shard_size", 0),
     _flag("zero_optimization.mics_hierarchical_params_gather"),
     _set("zero_optimization.zenflow"),
@@ -105,9 +116,7 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("sparse_gradients"),
     Unimplemented("gradient_allreduce_op", lambda cfg: cfg.gradient_allreduce_op != "mean"),
     Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
-    Unimplemented("sequence_parallel_size", lambda cfg: (cfg.sequence_parallel_size or 1) > 1),
     # Features
-    _changed("activation_checkpointing"),
     _changed("pipeline"),
     _flag("checkpoint.load_universal"),
     _flag("checkpoint.use_node_local_storage"),
@@ -142,9 +151,13 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("progressive_layer_drop.enabled"),
     _set("sparse_attention"),
     _flag("eigenvalue.enabled"),
-    # Sections kept as free dicts
-    _flag("compile.deepcompile"),
-    _flag("compile.enabled"),
+    # Sections kept as free dicts (compile is a modelled section: see config/compiler.py)
+    Unimplemented(
+        "compile.deepcompile",
+        lambda cfg: bool(cfg.compile.deepcompile_settings()),
+        lambda cfg: "compile.deepcompile (DeepCompile, DeepSpeed's compiler passes; engine.compile() is built; set: "
+        + ", ".join(f"{k}={show(v)}" for k, v in cfg.compile.deepcompile_settings().items()) + ")",
+    ),
     _flag("tensor_parallel.tp_overlap_comm"),
     _set("tensor_parallel.injection_policy_tuple"),
     _flag("tensor_parallel.replace_with_kernel_inject"),

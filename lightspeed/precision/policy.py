@@ -87,8 +87,8 @@ def _short(dtype: torch.dtype) -> str:
 
 def policy_from_config(cfg: Any) -> PrecisionPolicy:
     """Resolve the policy from a config object or dict with DeepSpeed's ``fp16``, ``bf16``,
-    ``data_types.grad_accum_dtype``, ``data_types.param_dtype`` (checked, not chosen) and
-    ``communication_data_type``; missing sections mean DeepSpeed's defaults."""
+    ``data_types.grad_accum_dtype``, ``data_types.param_dtype`` (checked, not chosen),
+    ``communication_data_type`` and, with ``sequence_parallel_size`` > 1, ``seq_parallel_comm_data_type``; missing sections mean DeepSpeed's defaults."""
     fp16 = bool(_field(cfg, "fp16.enabled", False))
     bf16 = bool(_field(cfg, "bf16.enabled", False)) or bool(_field(cfg, "bfloat16.enabled", False))
     if fp16 and bf16:
@@ -104,6 +104,9 @@ def policy_from_config(cfg: Any) -> PrecisionPolicy:
         raise ConfigError(f"data_types.grad_accum_dtype: {_short(accum)} cannot accumulate {_short(param)} "
                           f'gradients; use "{_short(param)}" or "fp32" (got {_short(accum)!r})')
     reduce = parse_dtype(_field(cfg, "communication_data_type"), "communication_data_type") or param
+    if (_field(cfg, "sequence_parallel_size") or 1) > 1:
+        # DeepSpeed's rule: with sequence parallelism the gradients are reduced in this dtype (fp32 by default)
+        reduce = parse_dtype(_field(cfg, "seq_parallel_comm_data_type", "fp32"), "seq_parallel_comm_data_type")
 
     return PrecisionPolicy(
         param_dtype=param,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightspeed._utils.accelerator import get_accelerator
 from lightspeed._utils.logging import get_logger
 from lightspeed._utils.progress import format_duration
 from lightspeed._utils.sizes import human_bytes
@@ -76,6 +77,7 @@ class LightspeedEngine(torch.nn.Module):
         self._last_print = (time.perf_counter(), 0)
         self._total_steps: int | None = None
         self._memory_logged = False
+        self._compiled = False
         self.monitor = monitor  # DeepSpeed's engine.monitor: write_events([(name, value, step)])
         self.step_profiler = step_profiler
         self.flops_profiler = step_profiler.profiler  # DeepSpeed's engine.flops_profiler (None when off)
@@ -135,7 +137,22 @@ class LightspeedEngine(torch.nn.Module):
 
     @property
     def dp_world_size(self) -> int:
+        """Data-parallel replicas (ranks of one sequence-parallel group count once)."""
         return self.groups.dp_world_size
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Ranks ZeRO reduces gradients and partitions state over: dp x sp."""
+        return self.groups.seq_dp_world_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.groups.sp_world_size
+
+    @property
+    def seq_parallel_group(self):
+        """The Ulysses group (None without sequence parallelism), DeepSpeed's engine attribute."""
+        return self.groups.sp_group if self.groups.sp_world_size > 1 else None
 
     def set_total_steps(self, num_steps: int | None) -> None:
         """How many optimizer steps this run takes (None: unknown), for the ETA in the step log line.
@@ -180,7 +197,11 @@ class LightspeedEngine(torch.nn.Module):
 
     def forward(self, *inputs, **kwargs):
         self.timers.start("forward")
-        out = self.module(*inputs, **kwargs)
+        if self._compiled and self.strategy.needs_eager_forward():
+            with torch.compiler.set_stance("force_eager"):
+                out = self.module(*inputs, **kwargs)
+        else:
+            out = self.module(*inputs, **kwargs)
         self.timers.stop("forward")
         return out
 
@@ -327,7 +348,7 @@ class LightspeedEngine(torch.nn.Module):
                          "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps},
             "client_state": dict(client_state or {}),
             "zero_stage": self.zero_optimization_stage(),
-            "dp_world_size": self.dp_world_size,
+            "dp_world_size": self.seq_dp_world_size,  # the ranks that wrote shards (dp x sp)
         }
         strategy_state = self.strategy.state_dict()
         if self._tp_comm is not None:  # each tp rank's column writes its own slices (checkpoint/tensor_parallel.py)
@@ -337,7 +358,7 @@ class LightspeedEngine(torch.nn.Module):
             save_dir = tp_save_dir(save_dir, self._tp_comm.world_size, self._tp_comm.rank)
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=strategy_state,
                                strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
-                               dp_rank=self.groups.dp_rank, save_latest=save_latest,
+                               dp_rank=self.groups.seq_dp_rank, save_latest=save_latest,
                                writer=self._checkpoint_writer, tag_validation=self.config.checkpoint.tag_validation)
         return True
 
@@ -363,9 +384,42 @@ class LightspeedEngine(torch.nn.Module):
             state = {k: v for k, v in state.items() if k not in frozen}
         return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
 
-    def compile(self, backend=None, compile_kwargs=None, schedule=None, compiled_autograd_enabled: bool = False):
-        raise NotImplementedError("engine.compile(): compiling the engine (DeepSpeed's engine.compile and "
-                                  "DeepCompile) is not implemented in lightspeed yet")
+    def compile(self, backend=None, compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """torch.compile the module in place, region by region, with the strategy's hooks outside every
+        compiled graph (DeepSpeed's `engine.compile`; accelerate calls it with `backend`,
+        `compile_kwargs`). `backend`: a torch.compile backend name or callable (default: the
+        accelerator's, "inductor"); `compile_kwargs`: torch.compile's other arguments (mode, fullgraph,
+        dynamic, options). The strategy names the regions: the whole module at stages 0-2, and at
+        stage 3 each innermost unit (Note: compiled regions in zero/stage3/units.py). A second call
+        logs a warning and changes nothing. `schedule` (DeepCompile's pass schedule) and
+        `compiled_autograd_enabled` are refused: DeepCompile and compiled autograd are not built."""
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...): DeepCompile's pass schedule (compile.deepcompile) "
+                                      "is not implemented")
+        if compiled_autograd_enabled:
+            raise NotImplementedError("engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                                      "implemented (the backward runs the compiled regions' backward graphs)")
+        if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
+            raise TypeError(f"engine.compile: compile_kwargs must be a dict (got {type(compile_kwargs).__name__})")
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            raise ValueError("engine.compile: give the backend as `backend`, not inside compile_kwargs")
+        if self._compiled:
+            logger.warning("engine.compile(): the module is already compiled; nothing changed")
+            return
+        backend = backend or get_accelerator().get_compile_backend() or "inductor"
+        regions = self.strategy.compile_regions()
+        for region in regions:
+            region.compile(backend=backend, **kwargs)  # in place: hooks and parameters stay as they are
+        self._compiled = True
+        logger.info("compiled %d region(s) with backend %s", len(regions),
+                    backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend)))
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile()` (or `compile.enabled` in the config) compiled the module."""
+        return self._compiled
 
     def wait_checkpoint(self) -> None:
         """Wait for a background (`checkpoint.writer.decoupled`) save to be complete on every rank;
@@ -408,7 +462,7 @@ class LightspeedEngine(torch.nn.Module):
                                 for n, p in self.module.named_parameters(remove_duplicate=False)}
             tp_size, tp_rank = (1, 0) if self._tp_comm is None else (self._tp_comm.world_size, self._tp_comm.rank)
             load_dir = tp_load_dir(load_dir, tp_size, tp_rank)
-            opened = open_source(load_dir, tag, dp_rank=self.groups.dp_rank, param_names=trainable)
+            opened = open_source(load_dir, tag, dp_rank=self.groups.seq_dp_rank, param_names=trainable)
             read = None
             if opened is not None:
                 path, source, rng = opened
@@ -453,7 +507,7 @@ class LightspeedEngine(torch.nn.Module):
         saved_world = int(extra.get("dp_world_size") or 0)
         if rng is not None:
             set_rng_state(rng)
-        elif self.groups.dp_rank >= saved_world:
+        elif self.groups.seq_dp_rank >= saved_world:
             logger.info("checkpoint %s was saved by %d ranks: ranks from %d on keep their own RNG state", path,
                         saved_world, saved_world)
         return path, client_state
@@ -488,7 +542,7 @@ class LightspeedEngine(torch.nn.Module):
 
     def _agree_or_raise(self, failed: BaseException | None) -> None:
         """Every rank learns whether any rank failed to read the checkpoint, and then all raise."""
-        flag = torch.tensor([0.0 if failed is None else float(self.groups.dp_rank + 1)], device=self.device)
+        flag = torch.tensor([0.0 if failed is None else float(self.groups.seq_dp_rank + 1)], device=self.device)
         self.comm.all_reduce(flag, op="max")
         if failed is not None:
             raise failed if isinstance(failed, CheckpointError) else CheckpointError(str(failed)) from failed

@@ -1,5 +1,7 @@
-"""`initialize()`: DeepSpeed's entry point. Builds, in order: the topology (process groups), the validated
-config, the precision policy, the model transforms (model_transforms.py), the module on its device and dtype, the optimizer, the sharding strategy, the
+"""`initialize()`: DeepSpeed's entry point. Builds, in order: the topology (process groups, with the
+sequence-parallel ones when `sequence_parallel_size` > 1), the validated config, the precision policy, the
+model transforms (model_transforms.py: sequence parallelism), the module on its device and dtype, the
+optimizer, the sharding strategy, the
 loss scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader,
 and hands them to the engine."""
 
@@ -9,11 +11,13 @@ import torch
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
+from lightspeed.checkpointing import apply_activation_checkpointing
 from lightspeed.comm import comms_logger
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
+from lightspeed.comm.sequence_groups import sequence_parallel_mpu
 from lightspeed.comm.topology import Topology, TopologyError
 from lightspeed.config import LightspeedConfig
 from lightspeed.config.errors import ConfigError
@@ -26,6 +30,7 @@ from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
 from lightspeed.parallel.tensor_parallel import split_tp_size
+from lightspeed.precision.float8 import convert_to_float8
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
@@ -105,13 +110,19 @@ def _mesh_sizes(source) -> dict[str, int]:
     if tp is None or tp == 0:  # DeepSpeed's default of 0 means "off"
         tp = 1
     sp = raw.get("sequence_parallel_size") if isinstance(raw, dict) else None
-    return {"tp": tp, "sp": 1 if sp is None else sp}
+    if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
+        raise ConfigError(f"sequence_parallel_size: must be a positive integer (got {sp!r})")
+    return {"tp": tp, "sp": sp or 1}
 
 
 def _build_topology(source, mpu) -> Topology:
+    sizes = _mesh_sizes(source)
     try:
-        return Topology.build(mpu=mpu, **_mesh_sizes(source))
-    except TopologyError as error:
+        # the sequence-parallel groups are this process's record (register_with_transformers or the user
+        # may have built them before initialize); the topology takes them through an mpu
+        mpu = sequence_parallel_mpu(mpu, sizes["sp"], sizes["tp"])
+        return Topology.build(mpu=mpu, **sizes)
+    except (TopologyError, ValueError) as error:
         raise ConfigError(str(error)) from None
 
 
@@ -147,6 +158,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                           "model_parameters built from the whole model would hold stale parameters; let the config "
                           "(or a callable) build the optimizer, or split the model first with tp_model_init()")
     model = apply_model_transforms(model, cfg, topology)
+    convert_to_float8(model, cfg.float8)  # after the split layers exist, before anything is placed or sharded
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself
@@ -162,6 +174,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
+    # DeepSpeed wraps no module for `activation_checkpointing`: the block configures checkpoint() (see there)
+    model = apply_activation_checkpointing(model, cfg, mpu)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
     if topology.size("tp") > 1:
         sharded = tensor_parallel_sharded(model)
@@ -187,12 +201,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     engine = LightspeedEngine(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
                               strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
                               loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler)
+    if cfg.compile.enabled:  # DeepSpeed's first compile section: compile at initialize()
+        engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     dataloader = None
     if training_data is not None:
         dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
         engine.training_dataloader = dataloader
-    logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, micro batch %d x %d accumulation "
+    logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, sp %d, micro batch %d x %d accumulation "
                 "steps = %d global, device %s", cfg.zero_optimization.stage, policy.param_dtype,
-                groups.dp_world_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                groups.dp_world_size, groups.sp_world_size, cfg.train_micro_batch_size_per_gpu,
+                cfg.gradient_accumulation_steps,
                 cfg.train_batch_size, device)
     return engine, optimizer, dataloader, lr_scheduler

@@ -17,12 +17,14 @@ from torch import nn
 
 from lightspeed.comm.topology import Topology
 from lightspeed.parallel.autotp import tensor_parallel_transform
+from lightspeed.sequence import apply_sequence_parallel
 
 ModelTransform = Callable[[nn.Module, object, Topology], nn.Module]
 
 # (name, transform), applied in this order; a feature joins the sequence at its place when it is built
 TRANSFORMS: tuple[tuple[str, ModelTransform], ...] = (
     ("tensor_parallel", tensor_parallel_transform),
+    ("sequence_parallel", apply_sequence_parallel),
 )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
+from lightspeed.comm.zeropp import zeropp_collectives, zeropp_enabled
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.config.errors import ConfigError
 from lightspeed.optim.onebit.base import ReducesOwnGradients
@@ -42,6 +43,14 @@ class ShardingStrategy(Protocol):
     def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None: ...
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]: ...
+
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The modules `engine.compile()` compiles in place, each with its hooks outside its graph."""
+        ...
+
+    def needs_eager_forward(self) -> bool:
+        """True when the next forward must run its compiled regions eagerly (the strategy watches it)."""
+        ...
 
     def module_state_dict(self) -> dict[str, Any]:
         """The module's full state_dict (stage 3 gathers the partitioned parameters)."""
@@ -81,6 +90,8 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
         raise ConfigError(f"zero_optimization.stage: {type(optimizer).__name__} communicates compressed momentum "
                           f"instead of gradients and runs at ZeRO stage 0 only (got stage {stage})")
     collectives = Collectives.default(comm)
+    if zeropp_enabled(cfg.zero_optimization):
+        collectives = _zeropp(cfg, comm, offload)
     if stage == 0:
         return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy), collectives=collectives)
     if stage in (1, 2):
@@ -93,3 +104,17 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
         return Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy), device=device,
                               offload=offload, collectives=collectives)
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")
+
+
+def _zeropp(cfg, comm: Communicator, offload: OffloadPolicy) -> Collectives:
+    """ZeRO++'s collectives (stage 3 only, as DeepSpeed's)."""
+    z = cfg.zero_optimization
+    if z.stage != 3:
+        keys = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+                if getattr(z, k)] + (["zero_hpz_partition_size"] if z.zero_hpz_partition_size > 1 else [])
+        raise ConfigError(f"zero_optimization.{keys[0]}: ZeRO++ needs zero_optimization.stage 3 (got stage {z.stage})")
+    if z.zero_quantized_nontrainable_weights and offload.offloads_params:
+        raise NotImplementedError("zero_optimization.zero_quantized_nontrainable_weights with "
+                                  "zero_optimization.offload_param (quantized frozen shards in host memory) is not "
+                                  "implemented")
+    return zeropp_collectives(comm, z)

@@ -5,13 +5,17 @@ Owns: readiness bookkeeping and the launch order. Must not: decide how a bucket 
 `launch` callable given by the strategy does: all-reduce for stage 0, reduce-scatter later).
 
 Note (launch order): every rank must issue collectives in the same order, so buckets are launched in
-index order only: a bucket that becomes ready early waits until all buckets before it have been
-launched. Parameters that got no gradient in this backward (unused in forward) are launched by
-`flush()` at the end of backward, again in index order.
+index order only (FlatParams lays the parameters out last first, so index order is the order in which
+backward completes them): a bucket that becomes ready early waits until all buckets before it have
+been launched. Parameters that got no gradient in this backward (unused in forward) are launched
+by `flush()` at the end of backward, again in index order. With `max_inflight`, the oldest launched
+reduction is finished as soon as more are in flight, so the temporary buffers of at most that many
+reductions are alive at once (stage 2's staging buffers), not every bucket's until the step.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,8 +49,10 @@ class Bucket:
 class GradBuckets:
     """Buckets over one or more FlatParams, launched in a fixed order by `launch(bucket) -> handle`."""
 
-    def __init__(self, flats: list[FlatParams], launch: Callable[[Bucket], Any]):
+    def __init__(self, flats: list[FlatParams], launch: Callable[[Bucket], Any], *, max_inflight: int | None = None):
         self.launch_fn = launch
+        self.max_inflight = max_inflight
+        self._inflight: deque[Bucket] = deque()
         self.buckets: list[Bucket] = []
         self.where: dict[int, tuple[Bucket, int]] = {}  # id(param) -> (bucket, param index)
         for flat in flats:
@@ -65,6 +71,7 @@ class GradBuckets:
             b.handle = None
             b.marked.clear()
         self._next = 0
+        self._inflight.clear()
 
     def mark_ready(self, param: torch.nn.Parameter) -> None:
         bucket, index = self.where[id(param)]
@@ -81,6 +88,13 @@ class GradBuckets:
             bucket = self.buckets[self._next]
             bucket.handle = self.launch_fn(bucket)
             self._next += 1
+            if self.max_inflight is not None and bucket.handle is not None:
+                self._inflight.append(bucket)
+                if len(self._inflight) > self.max_inflight:
+                    oldest = self._inflight.popleft()
+                    if oldest.handle is not None:
+                        oldest.handle.wait()
+                        oldest.handle = None
 
     def flush(self) -> None:
         """Launch every bucket not launched yet (parameters without gradients count as ready)."""
@@ -94,3 +108,4 @@ class GradBuckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
+        self._inflight.clear()

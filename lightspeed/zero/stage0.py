@@ -244,6 +244,14 @@ class Stage0Strategy:
     def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         self.module.load_state_dict(state, strict=strict)  # copies into the lp_flat views in place
 
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The modules `engine.compile()` compiles in place: the whole module (the gradient hooks sit on
+        the parameters and run from autograd, outside any compiled graph)."""
+        return [self.module]
+
+    def needs_eager_forward(self) -> bool:
+        return False
+
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category."""
         tally = MemoryTally()

@@ -43,7 +43,6 @@ from lightspeed._utils.device import Stream
 from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.nvme import NvmeSwapper
-from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.zero import param_access
@@ -55,8 +54,11 @@ from lightspeed.zero.partition import Range, owned_chunks
 from lightspeed.zero.reduce import PendingReduce, PendingToHost, ReduceOptions
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
-from lightspeed.zero.sharded_step import ShardViews, TensorParallelNorm, StepResult, apply_step, prepare_step, sharded_step
+from lightspeed.zero.sharded_step import ShardViews, StepResult, TensorParallelNorm
+from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage0 import broadcast_unflattened
+
+MAX_INFLIGHT_REDUCES = 2  # stage 2: reductions in flight at once (each holds a bucket-sized staging buffer)
 
 @dataclass
 class Shard:
@@ -136,7 +138,9 @@ class ShardedStrategy:
                 frozen = [p for p in group["params"] if id(p) not in self._shard_of]
                 group["params"] = group.pop("_shards", []) + frozen
         self._staging: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> staged gradients
-        self.buckets = GradBuckets([s.flat for s in self.shards], self._launch)
+        # stage 2: at most MAX_INFLIGHT_REDUCES staging buffers alive (not every bucket's until the step)
+        self.buckets = GradBuckets([s.flat for s in self.shards], self._launch,
+                                   max_inflight=MAX_INFLIGHT_REDUCES if stage == 2 else None)
         # GradBuckets numbers the buckets flat by flat, plan by plan: the same order as the chunks
         self._targets = [(s, r, pos) for s in self.shards for r, pos in s.chunks]
         self._boundary = True
@@ -150,23 +154,22 @@ class ShardedStrategy:
             lowp_out={s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped},
             device=self.shards[0].grad.device if self.shards else torch.device("cpu"),
             norm_grads=[s.grad for s in self.shards] if host else None)
-        self._background = BackgroundStep() if self.offload.overlap_step else None
-        # early device-to-host gradient copies; not with overlap_step, whose background step still
-        # reads `master_grad` while the next backward runs
-        self._to_host = Stream(self._views.device) if host and not self.offload.overlap_step else None
-        if self._to_host is not None:
-            self._views.early_filled = frozenset(id(s.master_grad) for s in self.shards)
-        self._host_filled = False  # this step's boundary copies have been issued
-        self._writeback_pending = False  # overlap_step: an update is in the masters, not yet in the lp params
-        self._swap: SwappedOptimizerState | None = None
+        swap: SwappedOptimizerState | None = None
         if self.offload.optimizer == "nvme":
             swapper = NvmeSwapper(self.offload.optimizer_nvme_path, self.offload.aio,
                                   key="zero_optimization.offload_optimizer.nvme_path", name="optimizer")
             swapper.require_space(sum(s.master.numel() * 4 * 3 for s in stepped))  # master + two Adam moments
-            self._swap = SwappedOptimizerState(
+            swap = SwappedOptimizerState(
                 swapper, optimizer, [SubGroup(f"shard{i}", [s.master], [s.master]) for i, s in enumerate(stepped)],
                 buffer_count=self.offload.optimizer_buffer_count)
-            self._swap.all_out()
+            swap.all_out()
+        # early device-to-host gradient copies; not with overlap_step, whose background step still
+        # reads `master_grad` while the next backward runs
+        to_host = Stream(self._views.device) if host and not self.offload.overlap_step else None
+        self._runner = StepRunner(self._views, self.collectives.all_reduce, write_back=self._write_back,
+                                  to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
+                                  write_sub_group=lambda i: self._all_gather_params(stepped[i]),
+                                  copied_early=[s.master_grad for s in self.shards])
         param_access.register(self, self._shard_of_params())
         for s in self.shards:
             if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
@@ -240,20 +243,15 @@ class ShardedStrategy:
         broadcast_unflattened(self.comm, module)
 
     def _masters_in(self) -> None:
-        """NVMe: bring every master shard and optimizer state into host memory."""
-        if self._swap is not None:
-            self._swap.all_in()
+        self._runner.masters_in()
 
     def _masters_out(self) -> None:
-        if self._swap is not None:
-            self._swap.all_out()
+        self._runner.masters_out()
 
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
         self._boundary = is_boundary
-        self._host_filled = is_boundary and self._to_host is not None
-        if is_boundary and self._swap is not None:
-            self._swap.prefetch(0)  # NVMe: the first sub-group's read runs under backward
+        self._runner.backward_start(is_boundary)
         if is_boundary or self.stage == 2:
             self.buckets.reset()
 
@@ -291,12 +289,18 @@ class ShardedStrategy:
                 staged = torch.zeros(bucket.numel, dtype=self.reduce.reduce_dtype or self.policy.grad_accum_dtype,
                                      device=bucket.flat.device)
             send, post = self.reduce.prepare(staged, world)
-        out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
+        offset = chunk.start - bucket.start
+        if self.stage == 2 and send.is_cuda and offset == self.comm.rank * chunk.numel:
+            # NCCL's in-place reduce-scatter (output = this rank's chunk of the input): the staging
+            # buffer is temporary, so no second bucket-sized buffer is needed
+            out = send.narrow(0, offset, chunk.numel)
+        else:  # gloo may not accept an output aliasing the input; stage 1 sends grad_flat itself
+            out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
         handle = self.collectives.reduce_scatter(out, send, async_op=True)
         pending = PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
-        if self._boundary and self._to_host is not None:
+        if self._boundary and self._runner.to_host is not None:
             dev = shard.grad[pos:pos + chunk.numel]
-            pending = PendingToHost(pending, dev, shard.master_grad[pos:pos + chunk.numel], self._to_host)
+            pending = PendingToHost(pending, dev, shard.master_grad[pos:pos + chunk.numel], self._runner.to_host)
             pending.wait()  # queued on the copy stream: the compute stream goes on
             return pending
         if not self.reduce.overlap_comm:
@@ -315,55 +319,19 @@ class ShardedStrategy:
     # ---------------------------------------------------------------- step
     def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
         self.buckets.wait()
-        self._views.master_grads_filled = self._host_filled
-        if self._host_filled:
-            self._host_filled = False
-            self._to_host.make_current_wait()  # the device reads the reduced shard (overflow, norm)
-            self._to_host.synchronize()  # the CPU optimizer reads the host copies
-        check = check_overflow if check_overflow is not None else loss_scale is not None
-        if self._background is not None:
-            return self._overlapped_step(loss_scale, max_norm, check)
-        if self._swap is not None:
-            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
-            if result.applied and self.optimizer is not None:
-                stepped = [s for s in self.shards if s.stepped]
-                self._swap.step(self._views.opt_grads, self.optimizer,
-                                lambda i: self._all_gather_params(stepped[i]))
-            return result
-        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
-        if result.applied:
-            self._write_back()
-        return result
+        return self._runner.step(loss_scale, max_norm, check_overflow)
 
     def _write_back(self) -> None:
         for s in self.shards:
             if s.stepped:
                 self._all_gather_params(s, copy=not self._views.optimizer_writes_lowp)
 
-    def _overlapped_step(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
-        """Apply the previous step's update to the parameters, then start this step's update in the
-        background (see `offload/overlap.py`)."""
-        self.flush()
-        result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
-        if result.applied and self.optimizer is not None:
-            snapshot = optimizer_snapshot(self.optimizer)
-            self._background.launch(lambda: apply_step(self._views, coef, snapshot))
-            self._writeback_pending = True
-        return result
-
     def flush(self) -> None:
         """Finish an overlapped step still running and write its update into the parameters."""
-        if self._background is None:
-            return
-        self._background.wait()
-        if self._writeback_pending:
-            self._writeback_pending = False
-            self._write_back()
+        self._runner.flush()
 
     def zero_grad(self) -> None:
-        if self._to_host is not None:
-            self._to_host.make_current_wait()  # a copy still reading the shard finishes first
-            self._host_filled = False
+        self._runner.zero_grad()
         for s in self.shards:
             s.grad.zero_()
             if s.flat.grad_flat is not None:
@@ -419,8 +387,16 @@ class ShardedStrategy:
     def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         self.module.load_state_dict(state, strict=strict)
 
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The modules `engine.compile()` compiles in place: the whole module (the gradient hooks sit on
+        the parameters and run from autograd, outside any compiled graph)."""
+        return [self.module]
+
+    def needs_eager_forward(self) -> bool:
+        return False
+
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
-        tally = MemoryTally(self._swap.swapper.location if self._swap is not None else None)
+        tally = MemoryTally(self._runner.swap_location)
         for s in self.shards:
             tally.add_tensor("lp_params", s.flat.lp_flat)
             tally.add_tensor("master_params", s.master)

@@ -25,6 +25,16 @@ small model gathered from its first use until its backward). If an iteration dep
 trace (control flow changed), prefetching and reuse-keeping stop for the rest of that iteration;
 correctness never depends on the trace.
 
+Note (recomputation): activation checkpointing reruns a forward inside backward (lightspeed.checkpointing,
+torch.utils.checkpoint, Hugging Face's gradient checkpointing). The units of that rerun need their
+groups gathered like any forward, but the rerun is no new module order: its hooks are not recorded in
+the trace, do not move the trace position, prefetch nothing and leave the external-use detection
+off. The rerun's groups stay gathered after it: the backward of those very units follows at once
+(torch's non-reentrant checkpoint reads the rerun's saved views of the parameters right away, with no
+pre-backward hook in between), and their gradients' arrival or `backward_end` releases them as in any
+backward. A forward is a rerun when it starts between
+`backward_start` and `backward_end` while the autograd engine is running a backward on this thread.
+
 Note (external parameters): a parameter read outside its owner's forward (e.g. `self.wte.weight` in
 the top-level forward) is found by a TorchFunctionMode active during forward: the op that receives
 the released parameter triggers its gather, and the innermost running module gathers that group
@@ -50,6 +60,10 @@ from lightspeed.zero.stage3.param_group import GATHERED, RELEASED, ParamGroup, p
 logger = get_logger(__name__)
 
 MAX_INFLIGHT_REDUCES = 2  # bounds the full-size gradient buffers alive at once
+
+# -1 outside a backward; torch.utils.checkpoint asks the same. Where it is missing, the engine's backward
+# window alone decides (a backward that raised would then leave the window open until the next one).
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,8 @@ class Coordinator:
         self._stack: list[torch.nn.Module] = []
         self._mode: _ExternalUseMode | None = None
         self._busy = False
+        self._in_backward = False
+        self._rerun_depth = 0  # unit forwards of a recomputation now running
         # trace
         self._trace: list[torch.nn.Module] = []
         self._trace_done = False
@@ -133,9 +149,13 @@ class Coordinator:
         self._reduced: set[int] = set()
         self._pending: deque = deque()
         self._handles = []
+        # torch.compiler.disable: a compiled unit (engine.compile) runs its hooks from inside its
+        # compiled frame, and torch.compile would otherwise trace them (gathers, collectives, the
+        # trace's Python state); disabled, they run eagerly before and after the unit's graph
+        pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
         for m in (units if units is not None else root.modules()):
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(pre))
+            self._handles.append(m.register_forward_hook(post, always_call=True))
         for g in groups:
             if g.trainable:
                 for p in g.params:
@@ -231,7 +251,19 @@ class Coordinator:
         return self._cum_numel[occ[k]] - self._cum_numel[self._pos] < self.schedule.max_reuse_distance
 
     # ------------------------------------------------------------------ forward hooks
+    def recomputing(self) -> bool:
+        """True while a forward runs inside this coordinator's backward (activation checkpointing)."""
+        return self._in_backward and (_graph_task_id is None or _graph_task_id() != -1)
+
     def _pre_forward(self, module: torch.nn.Module, args) -> None:
+        if self._rerun_depth or self.recomputing():
+            self._rerun_depth += 1
+            groups = self.uses.get(id(module))
+            for g in groups or ():
+                g.pins += 1
+            if groups:
+                self.fetch_now(groups)
+            return
         if not self._stack:
             self._begin_forward()
         self._stack.append(module)
@@ -248,8 +280,18 @@ class Coordinator:
                 self._busy = False
 
     def _post_forward(self, module: torch.nn.Module, args, output) -> None:
+        if self._rerun_depth:
+            self._rerun_depth -= 1
+            self._after_forward(module, output, release=False)
+            return
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
+        self._after_forward(module, output)
+        if not self._stack:
+            self._end_forward()
+
+    def _after_forward(self, module: torch.nn.Module, output, release: bool = True) -> None:
+        """Unpin the unit's groups, hook its backward, release what the schedule does not keep."""
         groups = self.uses.get(id(module))
         if groups:
             self._busy = True
@@ -261,20 +303,23 @@ class Coordinator:
                     needs_grad = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
                     if needs_grad:
                         register_multi_grad_hook(needs_grad, lambda _grad, m=module: self._pre_backward(m), mode="any")
-                for g in groups:
+                for g in groups if release else ():
                     if g.pins == 0 and not g.persistent and not self._reused_soon(g):
                         self.release(g)
             finally:
                 self._busy = False
-        if not self._stack:
-            self._end_forward()
+
+    def detects_external(self) -> bool:
+        """Whether the next forward runs under the external-use mode (its ops must then run eagerly
+        for the mode to see them: torch.compile would trace the mode's Python into the graph)."""
+        detect = self.schedule.external_detection
+        return detect == "always" or (detect == "trace" and not self._trace_done)
 
     def _begin_forward(self) -> None:
         self._pos, self._cursor, self._trace_ok = 0, 0, True
         if not self._trace_done:
             self._trace = []
-        detect = self.schedule.external_detection
-        if detect == "always" or (detect == "trace" and not self._trace_done):
+        if self.detects_external():
             self._mode = _ExternalUseMode(self)
             self._mode.__enter__()
 
@@ -323,10 +368,16 @@ class Coordinator:
             self._prefetch()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        g = param_state(param).group
+        st = param_state(param)
+        g = st.group
         key = id(g)
         if key in self._reduced:
-            return
+            # its reduce-scatter has gone: this gradient would be lost. Reentrant activation checkpointing
+            # runs one backward per checkpoint, so a parameter used in two checkpoints gets here
+            raise RuntimeError(f"ZeRO-3: parameter {st.name} received a gradient after its group was reduced in this "
+                               "backward (a parameter used in two reentrant activation checkpoints, or a second "
+                               "backward?); use non_reentrant_checkpoint or torch.utils.checkpoint(use_reentrant=False)"
+                               " for such layers, and call engine.backward once per micro-step")
         self._ready[key] = self._ready.get(key, 0) + 1
         if self._ready[key] == len(g.params):
             self._reduce(g)
@@ -340,12 +391,15 @@ class Coordinator:
             self._pending.popleft().wait()
 
     def backward_start(self) -> None:
+        self._in_backward = True
+        self._rerun_depth = 0
         self._ready.clear()
         self._reduced.clear()
 
     def backward_end(self) -> None:
         """Reduce the groups whose gradients did not all arrive (unused params: zeros), in a fixed
         order so every rank issues the same collectives; wait; release everything not persistent."""
+        self._in_backward = False
         for g in self.groups:
             if g.trainable and id(g) not in self._reduced:
                 self._reduce(g)

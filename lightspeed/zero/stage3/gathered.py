@@ -98,4 +98,5 @@ class GatheredParameters:
                     p.data = view
             g.comm.broadcast(g.full_flat, src=self.modifier_rank)
             g.lp_shard.copy_(g.full_flat[g.shard.start:g.shard.end])
+            g.shard_changed()
             g.copy_lp_to_master()

@@ -163,16 +163,17 @@ class Init(ParameterRegistrationContext):
         if zero_quantized_weights or zero_quantized_nontrainable_weights:
             raise NotImplementedError("zero.Init(zero_quantized_weights=...): quantized weights (ZeRO++ qwZ) are "
                                       "not implemented yet")
-        if sequence_data_parallel_group is not None:
-            raise NotImplementedError("zero.Init(sequence_data_parallel_group=...): sequence parallelism is not "
-                                      "implemented yet")
+        if sequence_data_parallel_group is not None and data_parallel_group is not None:
+            raise ValueError("zero.Init: pass data_parallel_group or sequence_data_parallel_group, not both")
         if param_swapper is not None:
             raise NotImplementedError("zero.Init(param_swapper=...): NVMe parameter swapping is not implemented yet")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"zero.Init(dtype=...): expected a floating-point torch dtype (got {dtype!r})")
         self.enabled, self.seed = enabled, seed
         self.dtype = dtype if dtype is not None else _config_dtype(ds_config)
-        self._group_source = (data_parallel_group, mpu)
+        # with sequence parallelism ZeRO partitions over dp x sp (DeepSpeed's sequence-data-parallel group)
+        self._group_source = (data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group,
+                              mpu)
         self._record: InitRecord | None = None
         self._created: list[torch.nn.Parameter] = []  # the meta parameters this block made
         self._modules: dict[int, torch.nn.Module] = {}  # id -> module that got parameters or children here
@@ -190,7 +191,7 @@ class Init(ParameterRegistrationContext):
         if group is not None:
             return Communicator(group)
         groups = ParallelGroups.build(mpu)
-        return Communicator(groups.dp_group, groups.dp_world_size)
+        return Communicator(groups.seq_dp_group, groups.seq_dp_world_size)
 
     # ---------------------------------------------------------------- the block
     def __enter__(self):

@@ -24,6 +24,13 @@ backward re-gathers into the same storage object, so the saved views read the ri
 Consequence: a tensor derived from a parameter in forward (e.g. `p.detach()`) must not be read after
 the group is released; the pre-backward hooks re-gather before any module's backward.
 
+Note (ZeRO++): what goes on the wire is not decided here. Each group gathers through its own
+`ParamGather` (`comm/codecs.py`), made by the strategy's `Collectives` (int8 payloads for qwZ, hpZ's
+secondary shard kept inside it), reduce-scatters through `collectives.reduce_scatter` (qgZ's
+hierarchical int4 one), and keeps its lp shard in the form `collectives.store_shard` gives (a frozen
+group's `QuantizedShard` under `zero_quantized_nontrainable_weights`). Whatever writes the lp shard
+calls `shard_changed()`, so the hpZ secondary shard is made afresh by the next gather.
+
 Note (offload, `OffloadPolicy`): with the optimizer offloaded, `master_shard` and `master_grad_shard`
 are host fp32 buffers (for fp32 parameters too: the device keeps `lp_shard`, the host the master).
 With the parameters offloaded, `lp_shard` is a host buffer: a gather copies it to the device (on the
@@ -139,8 +146,9 @@ class ParamGroup:
         if offload.offloads_params:  # a swapped shard frees and re-allocates its storage: never pinned
             self.lp_shard = offload.host_copy(full[self.shard.start:self.shard.end], dtype, device,
                                               pin=offload.param_pin_memory and offload.param != "nvme")
-        else:
-            self.lp_shard = full[self.shard.start:self.shard.end].clone()
+        else:  # the collectives say in what form the shard is kept (ZeRO++ keeps frozen weights int8)
+            self.lp_shard = self.collectives.store_shard(full[self.shard.start:self.shard.end].clone(), self.trainable)
+        self._gather = self.collectives.param_gather(self.trainable)  # this group's all-gathers (hpZ state)
         self.swapper: Any = None  # NVMe parameter offload: reads `lp_shard` back before a gather
         # optimizer offload, at the accumulation boundary: the copy stream on which each completed
         # reduction of this group is copied to `master_grad_shard` (set by the strategy)
@@ -207,9 +215,9 @@ class ParamGroup:
         if self.stream is not None:
             self.stream.wait_current()  # outside the context: the side stream waits for the compute stream
             with self.stream.context():
-                self._handle = self.collectives.all_gather(self.full_flat, self._device_shard(), async_op=True)
+                self._handle = self._gather(self.full_flat, self._device_shard(), async_op=True)
         else:
-            self._handle = self.collectives.all_gather(self.full_flat, self._device_shard(), async_op=True)
+            self._handle = self._gather(self.full_flat, self._device_shard(), async_op=True)
         self.state = INFLIGHT
 
     def _device_shard(self) -> torch.Tensor:
@@ -272,15 +280,21 @@ class ParamGroup:
             if param_state(p) is st:
                 p.data = self.placeholder
         self.full_flat.untyped_storage().resize_(0)
-        self.lp_shard = self.lp_shard.new_empty(0)
+        self.lp_shard = torch.empty(0, dtype=self.dtype, device=self.lp_shard.device)
+        self._gather.shard_changed()
         self.state = RELEASED
         self._handle = None
 
     def refresh(self) -> None:
-        """Re-gather a gathered group after its lp shard changed (no-op when released)."""
+        """Re-gather a gathered group after its lp shard changed (released: the next gather reads it)."""
+        self.shard_changed()
         if self.state != RELEASED:
             self.wait()
-            self.collectives.all_gather(self.full_flat, self._device_shard())
+            self._gather(self.full_flat, self._device_shard()).wait()
+
+    def shard_changed(self) -> None:
+        """The lp shard was written: copies made from it (hpZ's secondary shard) are stale."""
+        self._gather.shard_changed()
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self, prescale: bool, predivide: float, reduce_dtype: torch.dtype | None) -> PendingGrad:
@@ -310,10 +324,14 @@ class ParamGroup:
             src_start = own.start + self.shard.start - r.start
             flat = value.detach().reshape(-1)
             self.lp_in()
-            self.lp_shard[own.start:own.end].copy_(flat[src_start:src_start + own.numel])
+            self.lp_shard[own.start:own.end] = flat[src_start:src_start + own.numel]  # a quantized shard re-quantizes
             self._lp_written()
+            self.shard_changed()
 
     def copy_master_to_lp(self) -> None:
+        """The lp shard from the master (a fp32 run without masters stepped or loaded the lp shard itself:
+        either way it may have changed)."""
+        self.shard_changed()
         if self.master_shard is not None:
             self.lp_in()
             self.lp_shard.copy_(self.master_shard)
@@ -328,7 +346,11 @@ class ParamGroup:
     def add_to(self, tally) -> None:
         """Count this group's bytes into a `MemoryTally`, each tensor where it lives (the tally's
         `locate` places swapped tensors on "nvme"); the gathered buffer counts while it is held."""
-        tally.add_tensor("lp_params", self.lp_shard)
+        if isinstance(self.lp_shard, torch.Tensor):
+            tally.add_tensor("lp_params", self.lp_shard)
+        else:  # a stored quantized shard
+            tally.add(self.device, "lp_params", self.lp_shard.nbytes)
+        tally.add(self.device, "lp_params", self._gather.secondary_bytes)
         if self.state != RELEASED:
             tally.add(self.device, "lp_params", self._nbytes)
         if self.master_shard is not None:

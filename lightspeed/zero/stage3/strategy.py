@@ -42,19 +42,19 @@ from lightspeed._utils.progress import progress
 from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.nvme import NvmeSwapper
-from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero import param_access
 from lightspeed.zero.partition import Range
-from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
+from lightspeed.zero.sharded_step import ShardViews, StepResult
+from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
 from lightspeed.zero.stage3.gathered import take_pending_external
 from lightspeed.zero.stage3.init import (StandaloneScheduler, init_record, materialize_module, seed_from_global_rng,
                                          take_init_groups)
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
-from lightspeed.zero.stage3.units import LeafRule, choose_units
+from lightspeed.zero.stage3.units import LeafRule, choose_units, compile_regions
 from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
@@ -157,16 +157,16 @@ class Stage3Strategy:
                                  master_grads=[g.master_grad_shard for g in trainable],
                                  opt_grads=dict(self._opt_params), lowp_out=self._lowp_out, device=self.device,
                                  norm_grads=[g.grad_shard for g in trainable] if host else None)
-        self._background = BackgroundStep() if self.offload.overlap_step else None
-        self._writeback_pending = False
         # early device-to-host gradient copies (not with overlap_step: its background step still reads
         # the host gradients while the next backward runs)
-        self._to_host = Stream(self.device) if host and not self.offload.overlap_step else None
-        if self._to_host is not None:
-            self._views.early_filled = frozenset(id(g.master_grad_shard) for g in trainable
-                                                 if g.offload.offloads_optimizer)
-        self._host_filled = False
-        self._swap = self._optimizer_swap() if self.offload.optimizer == "nvme" else None
+        to_host = Stream(self.device) if host and not self.offload.overlap_step else None
+        swap = self._optimizer_swap() if self.offload.optimizer == "nvme" else None
+        swapped = [g for g in trainable if g.offload.offloads_optimizer]
+        self._runner = StepRunner(self._views, self.collectives.all_reduce, write_back=self._write_back,
+                                  to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
+                                  write_sub_group=lambda i: swapped[i].copy_master_to_lp(),
+                                  after_swapped=lambda: self.coordinator.release_all(force=True),
+                                  copied_early=[g.master_grad_shard for g in swapped])
         self._param_swapper = self._param_swap() if self.offload.param == "nvme" else None
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
@@ -179,6 +179,9 @@ class Stage3Strategy:
         if st is None or st.group not in self._group_set:
             return None
         g, r = st.group, st.range
+        if not isinstance(g.lp_shard, torch.Tensor):
+            raise NotImplementedError(f"zero_optimization.zero_quantized_nontrainable_weights: {st.name} is stored "
+                                      f"quantized; its fragment cannot be read or written in place")
         inter = r.intersect(g.shard)
         own = g.local(r) if inter.numel else Range(0, 0)
         owned = inter.shift(-r.start) if inter.numel else Range(0, 0)
@@ -364,19 +367,17 @@ class Stage3Strategy:
         return swapper
 
     def _locate(self, t: torch.Tensor) -> str | None:
-        for swapper in (self._swap.swapper if self._swap is not None else None, self._param_swapper):
+        for swapper in (self._runner.swap.swapper if self._runner.swap is not None else None, self._param_swapper):
             where = swapper.location(t) if swapper is not None else None
             if where is not None:
                 return where
         return None
 
     def _masters_in(self) -> None:
-        if self._swap is not None:
-            self._swap.all_in()
+        self._runner.masters_in()
 
     def _masters_out(self) -> None:
-        if self._swap is not None:
-            self._swap.all_out()
+        self._runner.masters_out()
 
     def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
         """Parameters were broadcast group by group while sharding; buffers (kept whole) are here."""
@@ -387,12 +388,11 @@ class Stage3Strategy:
     def backward_start(self, is_boundary: bool) -> None:
         # DeepSpeed's stage 3 reduce-scatters at every micro-step; with the optimizer offloaded, the
         # boundary's reductions are also copied to the host as each completes
-        if self._to_host is not None:
-            self._host_filled = is_boundary
+        to_host = self._runner.to_host
+        if to_host is not None:
             for g in self._trainable():
-                g.grads_to_host = self._to_host if is_boundary and g.offload.offloads_optimizer else None
-        if is_boundary and self._swap is not None:
-            self._swap.prefetch(0)  # NVMe: the first sub-group's read runs under backward
+                g.grads_to_host = to_host if is_boundary and g.offload.offloads_optimizer else None
+        self._runner.backward_start(is_boundary)
         self.coordinator.backward_start()
 
     def backward_end(self) -> None:
@@ -410,57 +410,22 @@ class Stage3Strategy:
         optimizer on the fp32 shards and write the lp shards (gathered groups are then re-gathered on
         use)."""
         self.coordinator.wait_reduces()
-        self._views.master_grads_filled = self._host_filled
-        if self._host_filled:
-            self._host_filled = False
-            self._to_host.make_current_wait()
-            self._to_host.synchronize()  # the CPU optimizer reads the host copies
-        check = check_overflow if check_overflow is not None else loss_scale is not None
-        if self._background is not None:
-            return self._overlapped_step(loss_scale, max_norm, check)
-        if self._swap is not None:
-            result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
-            if result.applied and self.optimizer is not None:
-                stepped = [g for g in self._trainable() if g.offload.offloads_optimizer]
-                self._swap.step(self._views.opt_grads, self.optimizer, lambda i: stepped[i].copy_master_to_lp())
-                self.coordinator.release_all(force=True)
-            return result
-        result = sharded_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
-        if not result.applied:
-            return result
-        self._write_back()
-        return result
+        return self._runner.step(loss_scale, max_norm, check_overflow)
 
     def _write_back(self) -> None:
-        if not self._views.optimizer_writes_lowp:
-            for g in self._trainable():
+        for g in self._trainable():
+            if self._views.optimizer_writes_lowp:
+                g.shard_changed()  # the optimizer wrote the lp shard itself
+            else:
                 g.copy_master_to_lp()
         self.coordinator.release_all(force=True)
 
-    def _overlapped_step(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
-        """Apply the previous step's update to the lp shards, then start this step's update in the
-        background (see `offload/overlap.py`)."""
-        self.flush()
-        result, coef = prepare_step(self._views, loss_scale, max_norm, check_overflow=check, agree=self.collectives.all_reduce)
-        if result.applied and self.optimizer is not None:
-            snapshot = optimizer_snapshot(self.optimizer)
-            self._background.launch(lambda: apply_step(self._views, coef, snapshot))
-            self._writeback_pending = True
-        return result
-
     def flush(self) -> None:
         """Finish an overlapped step still running and write its update into the lp shards."""
-        if self._background is None:
-            return
-        self._background.wait()
-        if self._writeback_pending:
-            self._writeback_pending = False
-            self._write_back()
+        self._runner.flush()
 
     def zero_grad(self) -> None:
-        if self._to_host is not None:
-            self._to_host.make_current_wait()  # a copy still reading a shard finishes first
-            self._host_filled = False
+        self._runner.zero_grad()
         for g in self._trainable():
             g.grad_shard.zero_()
             for p in g.params:
@@ -562,6 +527,15 @@ class Stage3Strategy:
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
         self._masters_out()
+
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The modules `engine.compile()` compiles in place: no unit's hooks inside any (see units.py)."""
+        return compile_regions(self.module, [u.module for u in self.units])
+
+    def needs_eager_forward(self) -> bool:
+        """True while forwards run under the coordinator's external-use mode (the first forward and
+        backward, with the default `external_detection`): compiled regions then run eagerly."""
+        return self.coordinator.detects_external()
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category (gathered buffers count while they are held)."""

@@ -207,3 +207,41 @@ def choose_units(root: torch.nn.Module, rule: LeafRule = LeafRule()) -> list[Uni
     for entry in owned_params(root):
         unit_of[id(entry[2])].members.append(entry)
     return list(units.values())
+
+
+def compile_regions(root: torch.nn.Module, unit_modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules to torch.compile in place at stage 3 (Note: compiled regions): the largest subtrees
+    with no unit module below their top and with parameters, in `named_modules()` order.
+
+    Note (compiled regions): a compiled module's own hooks run outside its graph (torch.compile skips
+    `nn.Module._call_impl` and starts tracing at `forward`), but the hooks of modules called inside
+    that forward are traced into it, and the coordinator's (gathers, collectives, Python state) would
+    break the graph. So no compiled region may hold a unit module below its top: each innermost unit
+    (a transformer block) is one region, and a unit that holds units (the root) keeps its own
+    forward eager while each of its parameter-holding children without units inside (embeddings,
+    final norm, head) is a region of its own. FSDP2 users compile per block for the same reason."""
+    unit_ids = {id(m) for m in unit_modules}
+    below: dict[int, bool] = {}
+
+    def holds_unit_below(m: torch.nn.Module) -> bool:
+        if id(m) not in below:
+            below[id(m)] = any(id(c) in unit_ids or holds_unit_below(c) for c in m.children())
+        return below[id(m)]
+
+    out: list[torch.nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: torch.nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        callable_module = not isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        if callable_module and not holds_unit_below(m):
+            if _has_params(m):
+                out.append(m)
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(root)
+    return out

@@ -156,7 +156,8 @@ MODULES = ["", ".comm", ".zero", ".accelerator", ".runtime", ".runtime.engine", 
            ".runtime.zero.partition_parameters", ".runtime.sequence_parallel.ulysses_sp", ".ops", ".ops.adam",
            ".ops.adagrad", ".ops.lion", ".utils", ".utils.groups", ".checkpoint", ".checkpoint.utils",
            ".launcher.runner", ".checkpointing", ".pipe", ".utils.zero_to_fp32", ".accelerator.real_accelerator",
-           ".comm.comm", ".runtime.activation_checkpointing.checkpointing"]
+           ".comm.comm", ".runtime.activation_checkpointing.checkpointing",
+           ".runtime.sequence_parallel.parallel_state_sp", ".sequence", ".sequence.layer"]
 
 
 @pytest.mark.parametrize("suffix", MODULES)
@@ -182,6 +183,16 @@ def test_names_transformers_and_accelerate_use():
     assert ds.get_accelerator() is get_accelerator() and ds.utils.is_initialized() is False
     assert ds.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
     assert ds.runtime.utils.see_memory_usage("not forced") is None
+    from lightspeed.sequence import DistributedAttention, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+
+    ulysses = ds.runtime.sequence_parallel.ulysses_sp
+    assert ulysses.UlyssesSPAttentionHF is UlyssesSPAttentionHF
+    assert ulysses.UlyssesSPDataLoaderAdapter is UlyssesSPDataLoaderAdapter
+    assert ds.sequence.layer.DistributedAttention is DistributedAttention
+    # no sequence parallelism in this process: DeepSpeed's answers
+    groups = ds.utils.groups
+    assert groups._get_sequence_parallel_group() is None and groups._get_sequence_parallel_world_size() == 1
+    assert groups._get_sequence_parallel_rank() == 0
 
 
 @pytest.mark.parametrize("call, feature", [
@@ -190,21 +201,25 @@ def test_names_transformers_and_accelerate_use():
     (lambda ds: ds.zero.MiCS_Init(), "MiCS"),
     (lambda ds: ds.zero.TiledLinear(2, 2), "tiled linear"),
     (lambda ds: ds.checkpoint.DeepSpeedCheckpoint("dir"), "universal checkpoints"),
-    (lambda ds: ds.checkpointing.CheckpointFunction(), "activation checkpointing"),
-    (lambda ds: ds.checkpointing.checkpoint(lambda x: x, torch.ones(1)), "activation checkpointing"),
-    (lambda ds: ds.checkpointing.configure(None), "activation checkpointing"),
-    (lambda ds: ds.utils.groups._get_sequence_parallel_group(), "sequence parallelism"),
-    (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(),
-     "Ulysses sequence parallelism"),
-    (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter(None), "Ulysses"),
+    (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.TiledMLP(), "ALST tiled compute"),
+    (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.sequence_tiled_compute(None), "ALST tiled compute"),
     (lambda ds: ds.accelerator.set_accelerator(None), "custom accelerators"),
 ])
 def test_missing_features_raise_naming_them(call, feature):
     ds = importlib.import_module("lightspeed.compat.deepspeed")
     with pytest.raises(NotImplementedError, match=feature):
         call(ds)
-    assert ds.checkpointing.is_configured() is False
     assert hasattr(ds.utils, "set_z3_leaf_modules") and hasattr(ds, "PipelineModule")  # names exist, as DeepSpeed's
+
+
+def test_checkpointing_is_lightspeeds():
+    ds = importlib.import_module("lightspeed.compat.deepspeed")
+    import lightspeed.checkpointing as ls
+
+    for name in ("checkpoint", "configure", "is_configured", "reset", "get_cuda_rng_tracker", "CudaRNGStatesTracker",
+                 "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint", "CheckpointFunction"):
+        assert getattr(ds.checkpointing, name) is getattr(ls, name)
+        assert getattr(ds.runtime.activation_checkpointing.checkpointing, name) is getattr(ls, name)
 
 
 def test_zero_to_fp32_is_lightspeeds_consolidation():

@@ -89,3 +89,23 @@ def test_plan_pads_each_bucket_to_the_world_size_and_chunks_tile_it():
             seen.extend(range(r.start, r.end))
         assert shard_pos == total // 4
     assert sorted(seen) == list(range(total))
+
+
+def test_max_inflight_finishes_the_oldest_reduction():
+    class Pending:
+        def __init__(self, index):
+            self.index = index
+
+        def wait(self):
+            finished.append(self.index)
+
+    params = [torch.nn.Parameter(torch.zeros(5)) for _ in range(4)]
+    flat = FlatParams(params, torch.float32, keep_master=False, bucket_numel=5)
+    finished = []
+    buckets = GradBuckets([flat], lambda b: Pending(b.index), max_inflight=2)
+    assert len(buckets.buckets) == 4
+    for p in reversed(params):  # backward order: bucket 0 holds the last parameter
+        buckets.mark_ready(p)
+    assert finished == [0, 1]  # the third and fourth launches each finished the oldest in flight
+    buckets.wait()
+    assert finished == [0, 1, 2, 3]

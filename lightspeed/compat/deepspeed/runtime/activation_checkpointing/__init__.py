@@ -1,2 +1,1 @@
-"""`deepspeed.runtime.activation_checkpointing`: activation checkpointing is not built in lightspeed yet
-(see `checkpointing`)."""
+"""`deepspeed.runtime.activation_checkpointing`: see `checkpointing` (lightspeed.checkpointing)."""

@@ -1,15 +1,16 @@
-"""`deepspeed.runtime.sequence_parallel.ulysses_sp`: the names accelerate imports when a run asks for
-DeepSpeed's sequence parallelism (`ParallelismConfig(sp_backend="deepspeed")`). Importable, so the
-error says what is missing; every use raises NotImplementedError naming the feature."""
+"""`deepspeed.runtime.sequence_parallel.ulysses_sp`: the names accelerate and the HF Trainer use for
+DeepSpeed's sequence parallelism (`ParallelismConfig(sp_backend="deepspeed")`), from lightspeed.sequence.
+ALST's tiled compute (`TiledMLP`, `SequenceTiledCompute`, `TiledFusedLogitsLoss`) is not built."""
 
 from lightspeed.compat.deepspeed._missing import missing_class, missing_function
+from lightspeed.sequence import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
-_FEATURE = "Ulysses sequence parallelism (DeepSpeed's ALST, sequence_parallel_size > 1)"
+_TILED = "ALST tiled compute (sequence_tiled_compute, TiledMLP, TiledFusedLogitsLoss)"
+SequenceTiledCompute = missing_class("deepspeed.runtime.sequence_parallel.ulysses_sp.SequenceTiledCompute", _TILED)
+TiledMLP = missing_class("deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP", _TILED)
+TiledFusedLogitsLoss = missing_class("deepspeed.runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss", _TILED)
+sequence_tiled_compute = missing_function("deepspeed.runtime.sequence_parallel.ulysses_sp.sequence_tiled_compute",
+                                          _TILED)
 
-UlyssesSPAttentionHF = missing_class("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", _FEATURE)
-UlyssesSPAttentionHF.register_with_transformers = staticmethod(missing_function(
-    "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF.register_with_transformers", _FEATURE))
-UlyssesSPDataLoaderAdapter = missing_class(
-    "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", _FEATURE)
-
-__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
+__all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF",
+           "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute"]

@@ -1,0 +1,117 @@
+"""Collectives that autograd differentiates: the sequence <-> head all-to-all of Ulysses attention and an
+all-gather whose backward routes each rank's share of the gradient home.
+
+Owns: `seq_all_to_all` (DeepSpeed's `_SeqAllToAll`), `all_gather_autograd`, and `all_gather_tensors` (a
+no-grad gather of tensors whose shapes may differ by rank, for data loading). Must not: know about
+models, heads or batches beyond the dimensions it is told.
+
+Note: the all-to-all and its gradient
+    `seq_all_to_all(x, group, scatter_dim, gather_dim)` splits `x` into W equal pieces along
+    `scatter_dim`, sends piece j to rank j, and concatenates what it receives along `gather_dim` in rank
+    order. As a map from the W ranks' inputs to their outputs it is a permutation of elements, so its
+    adjoint is the inverse permutation: the same all-to-all with the two dimensions swapped. That is
+    the whole backward; nothing is summed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _all_to_all(x: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    world = _world(group)
+    if world == 1:
+        return x
+    scatter_dim, gather_dim = scatter_dim % x.dim(), gather_dim % x.dim()
+    size = x.shape[scatter_dim]
+    if size % world != 0:
+        raise ValueError(f"sequence all-to-all: dimension {scatter_dim} of a {tuple(x.shape)} tensor ({size}) is "
+                         f"not divisible by the sequence-parallel size {world}")
+    # [.., W*n, ..] -> [W, .., n, ..]: piece j (for rank j) becomes the leading, contiguous block
+    send = x.unflatten(scatter_dim, (world, size // world)).movedim(scatter_dim, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[j] came from rank j: its piece of the gathered dimension goes j-th along gather_dim
+    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _SeqAllToAll.apply(grad.contiguous(), ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def seq_all_to_all(x: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """All-to-all over `group` (None: the default group): `x` split along `scatter_dim`, the pieces from
+    every rank joined along `gather_dim`; differentiable. E.g. [b, s/W, h, d] with scatter 2, gather 1 ->
+    [b, s, h/W, d]."""
+    return _SeqAllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        world = _world(group)
+        ctx.rank = dist.get_rank(group) if world > 1 else 0
+        if world == 1:
+            return x.unsqueeze(0).clone()
+        out = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # every rank's output depends on this rank's input: its gradient is the sum over ranks of their
+        # gradients for slot `rank` (an all-reduce then a slice: gloo has no reduce-scatter of lists)
+        grad = grad.contiguous()
+        if _world(ctx.group) > 1:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
+
+
+def all_gather_autograd(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Stack of every rank's `x` (shape [W, *x.shape]), differentiable with respect to this rank's `x`."""
+    return _AllGather.apply(x, group)
+
+
+@torch.no_grad()
+def all_gather_tensors(x: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's `x`, in rank order, where the shapes may differ by rank (same dtype and rank count)."""
+    world = _world(group)
+    if world == 1:
+        return [x]
+    if x.dtype == torch.bool:  # travels as bytes: not every backend reduces or gathers bool
+        return [t.bool() for t in all_gather_tensors(x.to(torch.uint8), group)]
+    shapes: list[Any] = [None] * world
+    dist.all_gather_object(shapes, tuple(x.shape), group=group)
+    # equal-sized messages (some backends need them): each rank's elements, flat, padded to the longest
+    numels = [int(torch.Size(shape).numel()) for shape in shapes]
+    longest = max(numels)
+    flat = torch.zeros(longest, dtype=x.dtype, device=x.device)
+    flat[:x.numel()] = x.reshape(-1)
+    out = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(out, flat, group=group)
+    return [o[:n].reshape(shape) for o, n, shape in zip(out, numels, shapes)]
+
+
+def all_gather_objects(obj: Any, group: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order."""
+    world = _world(group)
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out

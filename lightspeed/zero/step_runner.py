@@ -1,0 +1,120 @@
+"""How a sharded strategy runs its step with the optimizer on the device, in host memory, on NVMe, or
+one step behind (``offload_optimizer.overlap_step``): one object every ZeRO stage above 0 drives.
+
+Owns: the choice among the plain step (`sharded_step`), the swapped step (each NVMe sub-group read,
+stepped, written back and swapped out in turn: `offload/swapped_step.py`) and the overlapped step
+(the optimizer step on a background thread: `offload/overlap.py`); the state those carry across
+calls (the side stream of the early device-to-host gradient copies and whether this step's copies
+were issued, the update not yet written into the parameters); and `flush`, which every reader of the
+parameters or masters calls first. Must not: know a stage or how parameters are laid out: the
+strategy hands `write_back` (all stepped shards into the low-precision parameters) and
+`write_sub_group(i)` (one swapped sub-group's shard), and reduces the gradients before `step`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from lightspeed._utils.device import Stream
+from lightspeed.comm.codecs import AllReduce
+from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
+from lightspeed.offload.swapped_step import SwappedOptimizerState
+from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
+
+
+class StepRunner:
+    """Runs `views`' step for one strategy; `agree` is the all-reduce over the group whose shards differ.
+
+    `to_host` is the stream of the early gradient copies to host memory (optimizer offload without
+    `overlap_step`), `swap` the NVMe-swapped optimizer state, `overlap` the one-step-delayed update.
+    `write_back()` writes every stepped master into the parameters; `write_sub_group(i)` writes the
+    i-th swapped sub-group's; `after_swapped()` runs once a swapped step has written them all.
+    `copied_early` are the host `master_grads` entries the strategy fills through `to_host`."""
+
+    def __init__(self, views: ShardViews, agree: AllReduce | None, *, write_back: Callable[[], None],
+                 to_host: Stream | None = None, swap: SwappedOptimizerState | None = None, overlap: bool = False,
+                 write_sub_group: Callable[[int], None] | None = None, after_swapped: Callable[[], None] | None = None,
+                 copied_early: list[torch.Tensor] = ()):
+        self.views = views
+        self.agree = agree
+        self.to_host = to_host
+        self.swap = swap
+        self._write_back = write_back
+        self._write_sub_group = write_sub_group
+        self._after_swapped = after_swapped
+        self._background = BackgroundStep() if overlap else None
+        self._writeback_pending = False  # overlap: an update is in the masters, not yet in the parameters
+        self.host_filled = False  # this step's boundary copies to the host have been issued
+        if to_host is not None:
+            views.early_filled = frozenset(id(g) for g in copied_early)
+
+    def backward_start(self, is_boundary: bool) -> None:
+        """A backward begins: at the boundary the gradient copies to the host are issued as each
+        reduction completes, and NVMe reads the first sub-group while backward runs."""
+        self.host_filled = is_boundary and self.to_host is not None
+        if is_boundary and self.swap is not None:
+            self.swap.prefetch(0)
+
+    def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
+        """One step over reduced gradients (the strategy waited for its reductions)."""
+        self.views.master_grads_filled = self.host_filled
+        if self.host_filled:
+            self.host_filled = False
+            self.to_host.make_current_wait()  # the device reads the reduced shards (overflow, norm)
+            self.to_host.synchronize()  # the CPU optimizer reads the host copies
+        check = check_overflow if check_overflow is not None else loss_scale is not None
+        if self._background is not None:
+            return self._overlapped(loss_scale, max_norm, check)
+        if self.swap is not None:
+            result, _ = prepare_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
+            if result.applied and self.views.optimizer is not None:
+                self.swap.step(self.views.opt_grads, self.views.optimizer, self._write_sub_group)
+                if self._after_swapped is not None:
+                    self._after_swapped()
+            return result
+        result = sharded_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
+        if result.applied:
+            self._write_back()
+        return result
+
+    def _overlapped(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
+        """Write the previous step's update into the parameters, then start this step's optimizer step
+        in the background (see `offload/overlap.py`)."""
+        self.flush()
+        result, coef = prepare_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
+        if result.applied and self.views.optimizer is not None:
+            snapshot = optimizer_snapshot(self.views.optimizer)
+            self._background.launch(lambda: apply_step(self.views, coef, snapshot))
+            self._writeback_pending = True
+        return result
+
+    def flush(self) -> None:
+        """Finish an overlapped step still running and write its update into the parameters."""
+        if self._background is None:
+            return
+        self._background.wait()
+        if self._writeback_pending:
+            self._writeback_pending = False
+            self._write_back()
+
+    def zero_grad(self) -> None:
+        """Before the gradient shards are zeroed: a copy to the host still reading them finishes."""
+        if self.to_host is not None:
+            self.to_host.make_current_wait()
+            self.host_filled = False
+
+    def masters_in(self) -> None:
+        """NVMe: bring every master shard and its optimizer state into host memory."""
+        if self.swap is not None:
+            self.swap.all_in()
+
+    def masters_out(self) -> None:
+        if self.swap is not None:
+            self.swap.all_out()
+
+    @property
+    def swap_location(self) -> Callable[[torch.Tensor], str | None] | None:
+        """Where a swapped tensor lives (for the memory breakdown), None without NVMe."""
+        return self.swap.swapper.location if self.swap is not None else None

@@ -1,0 +1,303 @@
+"""Ulysses sequence parallelism on real gloo processes, against one process on the whole sequence: the
+all-to-all's gradient, DistributedAttention in a plain model and a tiny HF Llama through
+register_with_transformers + UlyssesSPDataLoaderAdapter, at sp2 (world 2) and sp2 x dp2 (world 4), under
+ZeRO stages 0-3; and the errors for sizes that do not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lightspeed
+from lightspeed.comm.differentiable import seq_all_to_all
+from lightspeed.comm.sequence_groups import current_sequence_groups, initialize_sequence_parallel
+from lightspeed.config.errors import ConfigError
+from lightspeed.sequence import (DistributedAttention, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
+                                 sequence_parallel_loss)
+from lightspeed.testing.run_world import run_world
+from lightspeed.zero.param_access import safe_get_full_grad
+
+pytestmark = pytest.mark.dist
+
+RTOL, ATOL = 1e-5, 1e-7
+SP = 2
+
+
+# ---------------------------------------------------------------- the all-to-all and its gradient
+def _all_to_all_worker(sp: int):
+    groups = initialize_sequence_parallel(sp)
+    torch.manual_seed(0)
+    full = torch.randn(2, 8, 4, 3, dtype=torch.float64)  # [b, s, h, d], the same on every rank
+    weight = torch.randn(2, 8, 4, 3, dtype=torch.float64)
+    ref = full.clone().requires_grad_()
+    (ref.sin() * weight).sum().backward()  # the single-process computation
+    r, chunk, heads = groups.sp_rank, 8 // sp, 4 // sp
+    local = full[:, r * chunk:(r + 1) * chunk].clone().requires_grad_()
+    out = seq_all_to_all(local, groups.sp_group, 2, 1)  # -> [b, s, h/sp, d]
+    head_slice = slice(r * heads, (r + 1) * heads)
+    forward_ok = torch.equal(out, full[:, :, head_slice])
+    (out.sin() * weight[:, :, head_slice]).sum().backward()
+    back = seq_all_to_all(out.detach(), groups.sp_group, 1, 2)
+    return forward_ok, torch.equal(back, local.detach()), local.grad, ref.grad[:, r * chunk:(r + 1) * chunk]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_and_its_backward_match_single_process_autograd(world):
+    for forward_ok, round_trip_ok, grad, want in run_world(_all_to_all_worker, world, SP):
+        assert forward_ok and round_trip_ok
+        torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- DistributedAttention in a plain model
+HIDDEN, HEADS, SEQ, BATCH = 16, 4, 8, 2
+
+
+def _causal_sdpa(q, k, v):  # [b, s, h, d] in and out
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return out.transpose(1, 2)
+
+
+class AttentionBlock(torch.nn.Module):
+    """qkv projection, attention, output projection, per-token MSE (mean over this module's tokens)."""
+
+    def __init__(self, group=None, sp: int = 1):
+        super().__init__()
+        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.attn = DistributedAttention(_causal_sdpa, group, scatter_idx=2, gather_idx=1) if sp > 1 else None
+
+    def forward(self, x, y):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, HIDDEN // HEADS).unbind(2)
+        ctx = self.attn(q, k, v, 0) if self.attn is not None else _causal_sdpa(q, k, v)
+        return F.mse_loss(self.out(ctx.reshape(b, s, HIDDEN)).tanh(), y)
+
+
+def _attention_batches(dp: int, steps: int):
+    gen = torch.Generator().manual_seed(1)
+    return [[(torch.randn(BATCH, SEQ, HIDDEN, generator=gen), torch.randn(BATCH, SEQ, HIDDEN, generator=gen))
+             for _ in range(dp)] for _ in range(steps)]
+
+
+def _attention_reference(dp: int, steps: int):
+    torch.manual_seed(0)
+    model = AttentionBlock()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, grads = [], []
+    for batches in _attention_batches(dp, steps):
+        per_replica = [model(x, y) for x, y in batches]
+        loss = sum(per_replica) / dp
+        loss.backward()
+        losses.append([v.item() for v in per_replica])
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def _config(stage: int, **extra):
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "sequence_parallel_size": SP,
+            "zero_optimization": {"stage": stage}, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "steps_per_print": 1000, **extra}
+
+
+def _attention_worker(stage: int, steps: int):
+    torch.manual_seed(0)
+    groups = initialize_sequence_parallel(SP)
+    model = AttentionBlock(groups.sp_group, SP)
+    engine, _, _, _ = lightspeed.initialize(model=model, config=_config(stage))
+    assert (engine.dp_world_size, engine.seq_dp_world_size) == (dist.get_world_size() // SP, dist.get_world_size())
+    chunk = SEQ // SP
+    mine = slice(groups.sp_rank * chunk, (groups.sp_rank + 1) * chunk)
+    losses, grads = [], []
+    for batches in _attention_batches(engine.dp_world_size, steps):
+        x, y = batches[groups.dp_rank]
+        local = engine(x[:, mine], y[:, mine])  # mean over this rank's tokens
+        loss = sequence_parallel_loss(local, y[:, mine].numel())
+        engine.backward(loss)
+        losses.append(loss.item())
+        grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+        engine.step()
+    return groups.dp_rank, losses, grads
+
+
+@pytest.mark.parametrize("world, stage", [(2, 2), (4, 1)])  # stages 0 and 3: the Llama test
+def test_distributed_attention_matches_single_process(world, stage):
+    steps = 3
+    ref_losses, ref_grads = _attention_reference(world // SP, steps)
+    for dp_rank, losses, grads in run_world(_attention_worker, world, stage, steps):
+        assert losses == pytest.approx([step[dp_rank] for step in ref_losses], rel=RTOL, abs=ATOL)
+        for got, want in zip(grads, ref_grads):
+            for name, value in want.items():
+                torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+# ---------------------------------------------------------------- a tiny HF Llama, transformers' way
+LLAMA_SEQ = 15  # not a multiple of sp: the adapter pads
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config).float()
+
+
+def _llama_batches(world: int):
+    """One batch per rank (the loader each rank starts from); prompt tokens are -100 in labels, a different
+    number per batch, so the ranks' token counts differ."""
+    gen = torch.Generator().manual_seed(2)
+    batches = []
+    for rank in range(world):
+        ids = torch.randint(0, 64, (BATCH, LLAMA_SEQ), generator=gen)
+        labels = ids.clone()
+        labels[:, :3 + 2 * rank] = -100
+        # a bool [b, s] tensor is sliced like the others (Ulysses drops the attention mask itself)
+        batches.append({"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids, dtype=torch.bool)})
+    return batches
+
+
+def _llama_reference(world: int):
+    """sp micro-steps, one optimizer step each: step k averages, over the dp replicas d, the whole-sequence
+    loss of the batch of global rank d*sp + k (what the adapter hands the sp groups)."""
+    model = _llama()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batches, dp = _llama_batches(world), world // SP
+    losses, grads = [], []
+    for k in range(SP):
+        per_replica = [model(**batches[d * SP + k]).loss for d in range(dp)]
+        (sum(per_replica) / dp).backward()
+        losses.append([v.item() for v in per_replica])
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def _llama_worker(stage: int, register: bool):
+    model = _llama()
+    mpu = None
+    if register:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=SP,
+            micro_batch_size=BATCH, seq_length_is_variable=True)
+    engine, _, _, _ = lightspeed.initialize(model=model, config=_config(stage), mpu=mpu)
+    groups = current_sequence_groups()
+    loader = torch.utils.data.DataLoader([_llama_batches(dist.get_world_size())[dist.get_rank()]],
+                                         batch_size=None)
+    adapter = UlyssesSPDataLoaderAdapter(loader, sp_rank=groups.sp_rank, sp_group=groups.sp_group,
+                                         sp_world_size=groups.sp_world_size, device=torch.device("cpu"))
+    assert len(adapter) == SP
+    losses, grads = [], []
+    for batch in adapter:
+        assert batch["input_ids"].shape == (BATCH, (LLAMA_SEQ + 1) // SP) and "labels" not in batch
+        assert batch["attention_mask"].dtype == torch.bool and batch["attention_mask"].shape == batch["input_ids"].shape
+        shift = batch["shift_labels"]
+        out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=shift,
+                     shift_labels=shift)
+        loss = sequence_parallel_loss(out.loss, (shift != -100).sum())
+        engine.backward(loss)
+        losses.append(loss.item())
+        grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+        engine.step()
+    return groups.dp_rank, losses, grads
+
+
+# register=False: `sequence_parallel_size` in the config alone registers the model (the sp model transform)
+@pytest.mark.parametrize("world, stage, register", [(2, 0, False), (4, 3, True)])
+def test_hf_llama_matches_single_process(world, stage, register):
+    ref_losses, ref_grads = _llama_reference(world)
+    for dp_rank, losses, grads in run_world(_llama_worker, world, stage, register):
+        assert losses == pytest.approx([step[dp_rank] for step in ref_losses], rel=RTOL, abs=ATOL)
+        for got, want in zip(grads, ref_grads):
+            for name, value in want.items():
+                torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+# ---------------------------------------------------------------- sizes that do not fit
+def _bad_world_worker():
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size=3 does not divide the world size 2"):
+        lightspeed.initialize(model=torch.nn.Linear(2, 2), config=_config(0, sequence_parallel_size=3))
+    return True
+
+
+def _bad_heads_worker():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=24, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=3, num_key_value_heads=3, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 does not divide the model's 3 attention heads"):
+        lightspeed.initialize(model=LlamaForCausalLM(config), config=_config(0))
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 does not divide the model's 3 attention heads"):
+        UlyssesSPAttentionHF.register_with_transformers(LlamaForCausalLM(config), "sdpa", 2, micro_batch_size=1)
+    groups = initialize_sequence_parallel(SP)
+    with pytest.raises(ValueError, match="not divisible by the sequence-parallel size 2"):
+        DistributedAttention(_causal_sdpa, groups.sp_group)(*(torch.ones(4, 1, 3, 2) for _ in range(3)))
+    with pytest.raises(ValueError, match="already built with size 2"):
+        initialize_sequence_parallel(1)
+    return True
+
+
+def test_sizes_that_do_not_fit_are_refused_naming_the_key():
+    assert run_world(_bad_world_worker, 2) == [True, True]
+    assert run_world(_bad_heads_worker, 2) == [True, True]
+
+
+def test_one_process_cannot_be_sequence_parallel():
+    with pytest.raises(RuntimeError, match="sequence_parallel_size=2 needs torch.distributed"):
+        lightspeed.initialize(model=torch.nn.Linear(2, 2), config=_config(0), dist_init_required=False)
+
+
+def _adapter_errors_worker():
+    groups = initialize_sequence_parallel(SP)
+    loader = [{"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3, dtype=torch.long)}]
+    strict = UlyssesSPDataLoaderAdapter(loader, groups.sp_rank, groups.sp_group, SP, "cpu", pad_to_sp_multiple=False)
+    with pytest.raises(ValueError, match="sequence length 3 is not divisible by sequence_parallel_size=2"):
+        next(strict)
+    no_labels = UlyssesSPDataLoaderAdapter([{"input_ids": torch.ones(1, 4, dtype=torch.long)}], groups.sp_rank,
+                                           groups.sp_group, SP, "cpu")
+    with pytest.raises(ValueError, match="need `labels`"):
+        next(no_labels)
+    return True
+
+
+def test_data_loader_adapter_errors():
+    assert run_world(_adapter_errors_worker, 2) == [True, True]
+
+
+
+
+# ---------------------------------------------------------------- checkpoints under sp: shards per dp x sp rank
+def _checkpoint_worker(stage: int, save_dir: str):
+    torch.manual_seed(0)
+    groups = initialize_sequence_parallel(SP)
+    chunk = SEQ // SP
+    mine = slice(groups.sp_rank * chunk, (groups.sp_rank + 1) * chunk)
+
+    def step(engine, batches):
+        x, y = batches[groups.dp_rank]
+        loss = sequence_parallel_loss(engine(x[:, mine], y[:, mine]), y[:, mine].numel())
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    data = _attention_batches(dist.get_world_size() // SP, 3)
+    engine, _, _, _ = lightspeed.initialize(model=AttentionBlock(groups.sp_group, SP), config=_config(stage))
+    step(engine, data[0])
+    engine.save_checkpoint(save_dir, tag="one")
+    expected = [step(engine, batches) for batches in data[1:]]
+    torch.manual_seed(1)  # different initial weights: the load must bring the saved ones
+    fresh, _, _, _ = lightspeed.initialize(model=AttentionBlock(groups.sp_group, SP), config=_config(stage))
+    fresh.load_checkpoint(save_dir, tag="one")
+    return expected, [step(fresh, batches) for batches in data[1:]]
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_checkpoint_resumes_under_sequence_parallelism(stage, tmp_path):
+    for expected, resumed in run_world(_checkpoint_worker, 4, stage, str(tmp_path)):
+        assert resumed == pytest.approx(expected, rel=1e-6, abs=1e-7)

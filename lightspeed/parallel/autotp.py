@@ -143,17 +143,15 @@ def _checked(model: nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, 
 def tensor_parallel_transform(model: nn.Module, cfg, topology: Topology) -> nn.Module:
     """`initialize()`'s tensor-parallel step: split `model` over the topology's tp group as the config's
     `tensor_parallel` section says; a model `tp_model_init` split already is checked and kept."""
-    tp_size = topology.size("tp")
-    if tp_size > 1 and cfg.zero_optimization.stage == 3:
+    tp_size, want, done = topology.size("tp"), cfg.tensor_parallel.tp_size, split_tp_size(model)
+    if (want > 1 or done > 1) and cfg.zero_optimization.stage == 3:
         raise NotImplementedError("ZeRO stage 3 with tensor_parallel (autotp_size > 1) is not implemented; use "
                                   "stage 0, 1 or 2")
-    done = split_tp_size(model)
     if done > 1:
         if done != tp_size:
             raise ConfigError(f"tensor_parallel.autotp_size: the model is split for tp size {done}, the run's "
                               f"tensor-parallel size is {tp_size}")
         return model
-    want = cfg.tensor_parallel.tp_size
     if want == 1:  # tp from an mpu: the model's own (Megatron) layers are split already
         return model
     if want != tp_size:

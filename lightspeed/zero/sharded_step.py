@@ -58,6 +58,15 @@ class TensorParallelNorm:
             (sharded if is_sharded(fragment.name) else replicated).append(view)
         return cls(sharded, replicated, all_reduce)
 
+    @classmethod
+    def for_views(cls, views: "ShardViews", fragments: Iterable[Fragment], is_sharded: Callable[[str], bool],
+                  all_reduce: AllReduce) -> "TensorParallelNorm":
+        """The split for a strategy's `views`: parameters `is_sharded(name)` says are split have their
+        squares summed over the tp group by `all_reduce`, the replicated ones count once."""
+        if views.norm_grads is not None:
+            raise NotImplementedError("tensor_parallel.autotp_size > 1 with offload_optimizer is not implemented")
+        return cls.from_fragments(fragments, views.opt_grads, is_sharded, all_reduce)
+
 
 @dataclass
 class StepResult:

@@ -198,13 +198,8 @@ class Stage0Strategy:
             flat.grad_flat.zero_()
 
     def use_tensor_parallel(self, is_sharded, all_reduce) -> None:
-        """Count the gradient norm under tensor parallelism: the squares of parameters `is_sharded(name)`
-        says are split summed over the tp group by `all_reduce`, the replicated ones once
-        (sharded_step.py's Note)."""
-        if self._views.norm_grads is not None:
-            raise NotImplementedError("tensor_parallel.autotp_size > 1 with offload_optimizer is not implemented")
-        self._views.tp = TensorParallelNorm.from_fragments(self.fragments(), self._views.opt_grads, is_sharded,
-                                                           all_reduce)
+        """Count the gradient norm under tensor parallelism (sharded_step.py's Note)."""
+        self._views.tp = TensorParallelNorm.for_views(self._views, self.fragments(), is_sharded, all_reduce)
 
     # ---------------------------------------------------------------- state
     def fragments(self) -> list[Fragment]:

@@ -249,6 +249,49 @@ class Topology:
     def describe(self) -> str:
         return " x ".join(f"{dim}={getattr(self.shape, dim)}" for dim in MESH_DIMS)
 
+    def as_mpu(self) -> "MeshMpu":
+        """This topology as a Megatron-style `mpu` (for code that takes one: activation checkpointing)."""
+        return MeshMpu(self)
+
+
+class MeshMpu:
+    """The Megatron `mpu` interface over a `Topology`: data-parallel, model- (tensor-) parallel and
+    sequence-parallel group, rank and world size; groups are fetched on first use."""
+
+    def __init__(self, topology: Topology):
+        self._t = topology
+
+    def get_data_parallel_group(self):
+        return self._t.group("dp")
+
+    def get_data_parallel_rank(self) -> int:
+        return self._t.rank("dp")
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._t.size("dp")
+
+    def get_model_parallel_group(self):
+        return self._t.group("tp")
+
+    def get_model_parallel_rank(self) -> int:
+        return self._t.rank("tp")
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._t.size("tp")
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_sequence_parallel_group(self):
+        return self._t.group("sp")
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._t.rank("sp")
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self._t.size("sp")
+
 
 def _mpu_call(mpu, name: str) -> int:
     if not hasattr(mpu, name):

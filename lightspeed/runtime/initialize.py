@@ -1,9 +1,9 @@
 """`initialize()`: DeepSpeed's entry point. Builds, in order: the topology (process groups, with the
-sequence-parallel ones when `sequence_parallel_size` > 1), the validated config, the precision policy, the
-model transforms (model_transforms.py: sequence parallelism), the module on its device and dtype, the
-optimizer, the sharding strategy, the
-loss scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader,
-and hands them to the engine."""
+sequence-parallel ones when `sequence_parallel_size` > 1), the validated config, the precision policy,
+the model transforms (model_transforms.py: tensor and sequence parallelism, activation checkpointing),
+float8 conversion, the module on its device and dtype, the optimizer, the sharding strategy, the loss
+scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader, and
+hands them to the engine."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
-from lightspeed.checkpointing import apply_activation_checkpointing
 from lightspeed.comm import comms_logger
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.comm.collectives import Communicator
@@ -174,8 +173,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
-    # DeepSpeed wraps no module for `activation_checkpointing`: the block configures checkpoint() (see there)
-    model = apply_activation_checkpointing(model, cfg, mpu)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
     if topology.size("tp") > 1:
         sharded = tensor_parallel_sharded(model)

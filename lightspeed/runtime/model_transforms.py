@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from lightspeed.checkpointing import apply_activation_checkpointing
 from lightspeed.comm.topology import Topology
 from lightspeed.parallel.autotp import tensor_parallel_transform
 from lightspeed.sequence import apply_sequence_parallel
@@ -25,6 +26,10 @@ ModelTransform = Callable[[nn.Module, object, Topology], nn.Module]
 TRANSFORMS: tuple[tuple[str, ModelTransform], ...] = (
     ("tensor_parallel", tensor_parallel_transform),
     ("sequence_parallel", apply_sequence_parallel),
+    # DeepSpeed wraps no module for `activation_checkpointing`: the block configures checkpoint() over
+    # the model-parallel group (see lightspeed/checkpointing/settings.py)
+    ("activation_checkpointing", lambda model, cfg, topology: apply_activation_checkpointing(
+        model, cfg, topology.as_mpu())),
 )
 
 

@@ -45,7 +45,7 @@ KERNEL_FAMILIES: list[KernelFamily] = [
     KernelFamily("fused Lamb", "lightspeed.ops.lamb", ("FusedLamb",)),
     KernelFamily("fused Lion", "lightspeed.ops.lion", ("FusedLion",)),
     KernelFamily("fused Adagrad", "lightspeed.ops.adagrad", ("FusedAdagrad",)),
-    KernelFamily("quantization (ZeRO++, int8/int4)", "lightspeed.ops.quant", ()),
+    KernelFamily("quantization (ZeRO++, int8/int4)", "lightspeed.ops.quantize", ("quantize", "dequantize"), needs="cpu"),
     KernelFamily("one-bit compression", "lightspeed.ops.onebit", ("pack_signs", "unpack_signs"), needs="cpu"),
     KernelFamily("weight-only FP6/INT8/INT4 linear", "lightspeed.ops.wquant", ("quantized_matmul",),
                  min_capability=(8, 0)),

@@ -234,6 +234,12 @@ class NvmeSwapper:
             buf = self._local.buf = _bytes(self._local.tensor)
         return buf
 
+    def _spans(self, nbytes: int):
+        """(offset, length, length rounded up to the O_DIRECT block) of each IO chunk of a file."""
+        for pos in range(0, nbytes, self.chunk):
+            n = min(self.chunk, nbytes - pos)
+            yield pos, n, -(-n // self.block) * self.block
+
     def _open(self, path: str, write: bool) -> int:
         flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
         if self.direct:
@@ -245,17 +251,13 @@ class NvmeSwapper:
             src = _bytes(e.tensor)
             fd = self._open(e.path, True)
             try:
-                pos = 0
-                while pos < e.nbytes:
-                    n = min(self.chunk, e.nbytes - pos)
+                for pos, n, padded in self._spans(e.nbytes):
                     if self.direct:
                         buf = self._bounce()
                         buf[:n] = src[pos:pos + n]
-                        padded = -(-n // self.block) * self.block
                         _full_write(fd, buf[:padded], pos)
                     else:
                         _full_write(fd, src[pos:pos + n], pos)
-                    pos += n
             except OSError as err:
                 if err.errno == errno.ENOSPC:
                     raise RuntimeError(f"{self.key}: the swap file system {self.directory!r} is full") from err
@@ -269,17 +271,13 @@ class NvmeSwapper:
         dst = _bytes(e.tensor)
         fd = self._open(e.path, False)
         try:
-            pos = 0
-            while pos < e.nbytes:
-                n = min(self.chunk, e.nbytes - pos)
+            for pos, n, padded in self._spans(e.nbytes):
                 if self.direct:
                     buf = self._bounce()
-                    padded = -(-n // self.block) * self.block
                     _full_read(fd, buf[:padded], pos, n)
                     dst[pos:pos + n] = buf[:n]
                 else:
                     _full_read(fd, dst[pos:pos + n], pos, n)
-                pos += n
         finally:
             os.close(fd)
 

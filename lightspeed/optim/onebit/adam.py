@@ -54,10 +54,7 @@ class OneBitAdam(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         compressed = self.owns_gradient_reduction()
         stepped = self._stepped()
         for group, p in stepped:

@@ -94,6 +94,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def owns_gradient_reduction(self) -> bool:
         raise NotImplementedError
 
+    @staticmethod
+    def _closure_loss(closure):
+        """torch.optim's closure convention: re-evaluate the loss with gradients enabled."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     # ------------------------------------------------------------------ flat communication
     def _stepped(self) -> list[tuple[dict, torch.Tensor]]:
         """(group, param) of every parameter with a gradient, in group order."""

@@ -77,10 +77,7 @@ class OneBitLamb(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         stepped = self._stepped()
         self.lamb_coeffs = []
         if not stepped:

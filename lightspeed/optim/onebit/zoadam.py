@@ -76,10 +76,7 @@ class ZeroOneAdam(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         stepped = self._stepped()
         if not stepped:
             return loss

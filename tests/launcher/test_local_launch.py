@@ -129,5 +129,7 @@ def test_the_process_group_is_destroyed_before_interpreter_exit(tmp_path, home):
     proc = run_cli(["--num_procs", "2", SCRIPTS / "teardown_job.py", out], tmp_path, home, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(2):
-        threads = (out / f"rank{rank}.txt").read_text().split()
+        record = out / f"rank{rank}.txt"
+        assert record.exists(), f"rank {rank} wrote no thread record at exit: {proc.stderr[-3000:]}"
+        threads = record.read_text().split()
         assert "pt_gloo_runloop" not in threads, threads  # the threads that run (and release) collectives

@@ -14,8 +14,16 @@ import lightspeed
 out = sys.argv[1]
 
 
+def _thread_name(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except FileNotFoundError:  # the thread ended between listing and reading: it is not alive
+        return ""
+
+
 def record_threads():
-    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    names = sorted(n for n in map(_thread_name, os.listdir("/proc/self/task")) if n)
     with open(os.path.join(out, f"rank{os.environ['RANK']}.txt"), "w") as f:
         f.write("\n".join(names))
 

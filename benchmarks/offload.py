@@ -93,8 +93,41 @@ def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
     with torch.device("meta"):
         meta = GPT(cfg)
     result = finish(Result(name), ms, losses, meta, args)
+    if args.phases:
+        result.note = (result.note + "; " if result.note else "") + phases(engine, batches, name)
     dist.destroy_process_group()
     return result
+
+
+def phases(engine, batches, name: str) -> str:
+    """Forward + backward and `engine.step()` timed apart (synchronized between them, median of 3), and
+    the Python functions one `engine.step()` spends its time in (cProfile, printed)."""
+    import cProfile
+    import pstats
+    import time
+
+    from benchmarks.harness import sync
+
+    fb, st = [], []
+    for i in range(3):
+        b = batches[i % len(batches)]
+        sync()
+        t0 = time.perf_counter()
+        engine.backward(engine(b[:, :-1].to(engine.device), b[:, 1:].to(engine.device)))
+        sync()
+        t1 = time.perf_counter()
+        if i == 2:
+            prof = cProfile.Profile()
+            prof.enable()
+        engine.step()
+        sync()
+        if i == 2:
+            prof.disable()
+        st.append(time.perf_counter() - t1)
+        fb.append(t1 - t0)
+    print(f"-- {name}: where engine.step() spends its time (cumulative, top 14)")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(14)
+    return f"fwd+bwd {sorted(fb)[1] * 1e3:.1f} ms, step {sorted(st)[1] * 1e3:.1f} ms"
 
 
 def measure_bound(num_params: int) -> None:
@@ -151,6 +184,7 @@ def main():
     ap.add_argument("--overlap-step", action="store_true", help="also lightspeed's one-step-delayed CPU step")
     ap.add_argument("--param", action="store_true", help="also ZeRO-3 with the parameters offloaded")
     ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed's engine (must be importable)")
+    ap.add_argument("--phases", action="store_true", help="also time forward+backward and the step apart")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, in seconds")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # size:system:stage:variant, in a child
     args = ap.parse_args()
@@ -184,6 +218,8 @@ def main():
             proc = subprocess.run([sys.executable, __file__, *passthrough, "--one",
                                    f"{size}:{system}:{stage}:{variant}"], env=env, capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if args.phases:
+                print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
             if line is None:
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 results.append(Result(f"{system} ZeRO-{stage} {variant}", note=f"failed: {tail[:120]}"))

@@ -101,8 +101,9 @@ class MergedTPSource:
         records = [s.extra().get("tensor_parallel") for s in sources]
         for rank, record in enumerate(records):
             if not isinstance(record, dict) or record.get("tp_rank") != rank or record.get("tp_size") != len(sources):
+                said = {k: record.get(k) for k in ("tp_size", "tp_rank")} if isinstance(record, dict) else None
                 raise CheckpointError(f"{where}: {_SUBDIR.format(rank)} does not hold tp rank {rank} of "
-                                      f"{len(sources)} (its record: {record and {k: record.get(k) for k in ('tp_size', 'tp_rank')}})")
+                                      f"{len(sources)} (its record: {said})")
             if record.get("layouts") != records[0].get("layouts"):
                 raise CheckpointError(f"{where}: tp ranks 0 and {rank} saved different tensor-parallel plans")
         self.record = records[0]
@@ -246,9 +247,9 @@ def open_at_tp_size(load_dir, tag: str | None = None, *, dp_rank: int = 0, curre
         path, source, rng = opened
         saved = source.extra().get("tensor_parallel")
         if saved is not None:
-            raise CheckpointError(f"{path}: holds only tp rank {saved.get('tp_rank')}'s slices of a checkpoint saved at "
-                                  f"tp size {saved.get('tp_size')}; read the directory that holds the tp_rank_<RR>/ "
-                                  "directories")
+            raise CheckpointError(f"{path}: holds only tp rank {saved.get('tp_rank')}'s slices of a checkpoint saved "
+                                  f"at tp size {saved.get('tp_size')}; read the directory that holds the "
+                                  "tp_rank_<RR>/ directories")
         if current is None:
             return path, source, rng
         logger.info("checkpoint %s was saved without tensor parallelism: tp rank %d takes its slices", path,

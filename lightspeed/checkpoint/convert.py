@@ -56,8 +56,9 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def open_checkpoint(checkpoint_dir: str | os.PathLike | TrainingStateSource,
                     tag: str | int | None = None) -> TrainingStateSource:
     """The reader for what is in `checkpoint_dir`: DeepSpeed's files -> `DeepSpeedCheckpointSource`;
-    otherwise lightspeed's own reader (`lightspeed.checkpoint.universal.open_source`). A source given
-    instead of a path is returned as it is."""
+    otherwise lightspeed's own reader (`lightspeed.checkpoint.universal.open_source`), every tp rank's
+    slices joined into whole tensors for a tensor-parallel run's directory (`tensor_parallel.MergedTPSource`).
+    A source given instead of a path is returned as it is."""
     if isinstance(checkpoint_dir, TrainingStateSource) and not isinstance(checkpoint_dir, (str, os.PathLike)):
         return checkpoint_dir
     path = os.fspath(checkpoint_dir)
@@ -65,9 +66,11 @@ def open_checkpoint(checkpoint_dir: str | os.PathLike | TrainingStateSource,
         raise CheckpointError(f"{path}: checkpoint directory not found")
     if is_deepspeed_checkpoint(path):
         return DeepSpeedCheckpointSource(path, tag)
-    from lightspeed.checkpoint.universal import open_source  # after the DeepSpeed reader, which it imports
+    # after the DeepSpeed reader, which universal imports; a tensor-parallel checkpoint's tp ranks are
+    # merged into whole tensors there
+    from lightspeed.checkpoint.tensor_parallel import open_at_tp_size
 
-    opened = open_source(path, tag)
+    opened = open_at_tp_size(path, tag)
     if opened is None:
         raise CheckpointError(f"{path}: no checkpoint to read (no 'latest' file and no tag given)")
     return opened[1]

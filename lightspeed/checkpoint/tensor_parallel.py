@@ -1,14 +1,31 @@
-"""Checkpoints of a tensor-parallel run: where each tp rank's files go, and the record of the layout.
+"""Checkpoints of a tensor-parallel run: where each tp rank's files go, the record of the layout, and
+reading them at any tp size.
 
 Each rank of a tensor-parallel group holds different slices of the split layers, so the ranks of one tp
 column (the same tp rank, every dp rank) write a checkpoint of their own under
 `save_dir/tp_rank_<RR>/<tag>/`, through the same atomic protocol as a run without tensor parallelism
-(engine_checkpoint.py), and load from there. The module state and the fragments' manifest of each rank
-record the layout (`tensor_parallel`: the tp size and rank, and per split parameter its plan style, role,
-whole shape and whether the whole tensor is a transposed Conv1D), so a load at another tp size, a tp
-checkpoint loaded without tensor parallelism, or a plan that changed, is refused naming what differs.
-Loading at another tp size: consolidate with `engine.save_16bit_model` (whole tensors) and load those
-weights into a model split at the new size. Must not: communicate (the engine agrees failures).
+(engine_checkpoint.py). The module state and the fragments' manifest of each rank record the layout
+(`tensor_parallel`: the tp size and rank, and per split parameter its plan style, role, whole shape and
+whether the whole tensor is a transposed Conv1D).
+
+Owns: `tp_record`, `tp_save_dir`, and `open_at_tp_size`, which opens any checkpoint (tp or not, lightspeed's
+or DeepSpeed's) as a `TrainingStateSource` (source.py) in the layout a reader wants:
+    - the saved tp layout is this run's (same tp size and plan): this tp rank's own directory, as saved
+      (the fast path, nothing re-sliced);
+    - otherwise `MergedTPSource` joins every tp rank's checkpoint into whole tensors (each split
+      parameter's slices through `TPLayout.gather`, the inverse of the split the layers were made with;
+      replicated parameters from tp rank 0), and for a run with tensor parallelism `SlicedTPSource` cuts
+      this tp rank's slices out of them (`TPLayout.shard`, the split itself). Masters, elementwise
+      optimizer state (a split parameter's Adam moments are split like the parameter) and the module state
+      go through the same merge and split, so the fragments path (universal.py) then re-slices over the
+      data-parallel ranks and ZeRO stage as for any checkpoint: tp size, dp world size and stage change
+      together. A parameter whose whole shape differs from this run's is refused naming it.
+Consolidation (`zero_to_fp32`, `lightspeed convert`) reads the directory holding `tp_rank_<RR>/` through
+`MergedTPSource`; one tp rank's directory alone is refused (it holds slices). Must not: communicate (the
+engine agrees failures), or change an engine (the reader only reads; universal.py applies).
+
+Cost of a load at another tp size: every rank reads every tp rank's slices of the parameters it holds a
+part of, one whole parameter at a time (the last one kept, as fragments of one parameter come in a row).
 """
 
 from __future__ import annotations
@@ -18,8 +35,14 @@ from typing import Any
 
 import torch
 
+from lightspeed._utils.logging import get_logger
+from lightspeed.checkpoint.atomic import read_latest
 from lightspeed.checkpoint.errors import CheckpointError
-from lightspeed.parallel.tensor_parallel import tp_layouts
+from lightspeed.checkpoint.source import MASTER_KEY
+from lightspeed.checkpoint.universal import open_source
+from lightspeed.parallel.tensor_parallel import TPLayout, tp_layouts
+
+logger = get_logger(__name__)
 
 _SUBDIR = "tp_rank_{:02d}"
 
@@ -35,29 +58,232 @@ def tp_save_dir(save_dir, tp_size: int, tp_rank: int) -> Path:
     return Path(save_dir) / _SUBDIR.format(tp_rank) if tp_size > 1 else Path(save_dir)
 
 
-def tp_load_dir(load_dir, tp_size: int, tp_rank: int) -> Path:
-    """Where this tp rank reads; CheckpointError when `load_dir` was written at another tp size."""
+def record_layouts(record: dict[str, Any], where) -> dict[str, TPLayout]:
+    """{parameter name: TPLayout} of a saved (or this run's) `tp_record`."""
+    try:
+        size = int(record["tp_size"])
+        return {str(name): TPLayout(str(style), str(role), tuple(int(s) for s in shape), bool(transposed), size)
+                for name, (style, role, shape, transposed) in record["layouts"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{where}: malformed tensor_parallel record ({err})") from None
+
+
+def _has_state(source, name: str, key: str) -> bool:
+    if hasattr(source, "has_state"):
+        return source.has_state(name, key)
+    try:
+        source.read(name, key)
+    except KeyError:
+        return False
+    return True
+
+
+class _OneTensorCache:
+    """The last whole tensor read, so the fragments of one parameter (which come in a row) read it once."""
+
+    def __init__(self, produce):
+        self._produce, self._key, self._value = produce, None, None
+
+    def range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        if self._key != (name, key):
+            self._key = self._value = None  # dropped first: never two whole tensors alive
+            self._value = self._produce(name, key).reshape(-1)
+            self._key = (name, key)
+        return self._value[start:end].clone()
+
+
+class MergedTPSource:
+    """Every tp rank's checkpoint of one tag (`sources`, in tp rank order, each a `LightspeedSource`) as one
+    `TrainingStateSource` of whole tensors in the original module's layout (Conv1D [in, out] included)."""
+
+    def __init__(self, sources: list, where):
+        self.sources, self.where = sources, where
+        records = [s.extra().get("tensor_parallel") for s in sources]
+        for rank, record in enumerate(records):
+            if not isinstance(record, dict) or record.get("tp_rank") != rank or record.get("tp_size") != len(sources):
+                said = {k: record.get(k) for k in ("tp_size", "tp_rank")} if isinstance(record, dict) else None
+                raise CheckpointError(f"{where}: {_SUBDIR.format(rank)} does not hold tp rank {rank} of "
+                                      f"{len(sources)} (its record: {said})")
+            if record.get("layouts") != records[0].get("layouts"):
+                raise CheckpointError(f"{where}: tp ranks 0 and {rank} saved different tensor-parallel plans")
+        self.record = records[0]
+        self.layouts = record_layouts(self.record, where)
+        names = sources[0].param_names()
+        for rank, source in enumerate(sources):
+            if set(source.param_names()) != set(names):
+                raise CheckpointError(f"{where}: tp ranks 0 and {rank} saved different parameters")
+            for name in names:
+                layout = self.layouts.get(name)
+                want = layout.shard_shape(rank) if layout is not None else tuple(sources[0].param_shape(name))
+                if tuple(source.param_shape(name)) != want:
+                    raise CheckpointError(f"{where}: tp rank {rank}'s {name} has shape "
+                                          f"{tuple(source.param_shape(name))}, its saved layout says {want}")
+        self._cache = _OneTensorCache(self.read)
+
+    def _split(self, name: str) -> TPLayout | None:
+        layout = self.layouts.get(name)
+        return layout if layout is not None and layout.sharded else None
+
+    # ------------------------------------------------------------------ TrainingStateSource
+    def param_names(self) -> list[str]:
+        return self.sources[0].param_names()
+
+    def param_shape(self, name: str) -> torch.Size:
+        layout = self.layouts.get(name)
+        return torch.Size(layout.full_shape) if layout is not None else self.sources[0].param_shape(name)
+
+    def state_keys(self) -> list[str]:
+        return self.sources[0].state_keys()
+
+    def read(self, name: str, key: str = MASTER_KEY) -> torch.Tensor:
+        layout = self._split(name)
+        if layout is None:  # replicated: identical on every tp rank
+            return self.sources[0].read(name, key)
+        return layout.gather([source.read(name, key) for source in self.sources])
+
+    def read_range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        return self._cache.range(name, key, start, end)
+
+    def has_state(self, name: str, key: str) -> bool:
+        sources = self.sources if self._split(name) is not None else self.sources[:1]
+        return all(_has_state(source, name, key) for source in sources)
+
+    def module_state(self) -> dict[str, torch.Tensor]:
+        states = [source.module_state() for source in self.sources]
+        out = dict(states[0])  # replicated entries (and tied names sharing storage) as tp rank 0 saved them
+        for name, value in states[0].items():
+            layout = self._split(name)
+            if layout is None or not torch.is_tensor(value) or value.numel() == 0:
+                continue
+            if any(name not in state for state in states):
+                raise CheckpointError(f"{self.where}: {name} is missing from a tp rank's module state")
+            try:
+                out[name] = layout.gather([state[name] for state in states])
+            except (RuntimeError, ValueError) as err:
+                raise CheckpointError(f"{self.where}: the tp slices of {name} do not join ({err})") from None
+        return out
+
+    def optimizer_groups(self) -> list[dict[str, Any]]:
+        return self.sources[0].optimizer_groups()
+
+    def extra(self) -> dict[str, Any]:
+        # whole tensors: no tp layout left; what was saved stays readable under its own key
+        return {**self.sources[0].extra(), "tensor_parallel": None, "saved_tensor_parallel": self.record}
+
+
+class SlicedTPSource:
+    """A source of whole tensors (`whole`) seen as tp rank `record["tp_rank"]` of a run whose split
+    parameters are `record`'s (this run's `tp_record`): each split parameter, its optimizer state and its
+    module-state entry are this rank's slice; everything else is as `whole` has it."""
+
+    def __init__(self, whole, record: dict[str, Any]):
+        self.whole, self.record = whole, record
+        self.rank = int(record["tp_rank"])
+        self.layouts = record_layouts(record, "this run")
+        self._cache = _OneTensorCache(self.read)
+
+    def _layout(self, name: str, shape) -> TPLayout | None:
+        layout = self.layouts.get(name)
+        if layout is not None and tuple(shape) != layout.full_shape:
+            raise CheckpointError(f"checkpoint: parameter {name} has whole shape {tuple(shape)}, this run's is "
+                                  f"{layout.full_shape} (another model or plan)")
+        return layout
+
+    def param_names(self) -> list[str]:
+        return self.whole.param_names()
+
+    def param_shape(self, name: str) -> torch.Size:
+        shape = self.whole.param_shape(name)
+        layout = self._layout(name, shape)
+        return torch.Size(layout.shard_shape(self.rank)) if layout is not None else shape
+
+    def state_keys(self) -> list[str]:
+        return self.whole.state_keys()
+
+    def read(self, name: str, key: str = MASTER_KEY) -> torch.Tensor:
+        full = self.whole.read(name, key)
+        layout = self._layout(name, full.shape)
+        return layout.shard(full, self.rank) if layout is not None else full
+
+    def read_range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        return self._cache.range(name, key, start, end)
+
+    def has_state(self, name: str, key: str) -> bool:
+        return _has_state(self.whole, name, key)
+
+    def module_state(self) -> dict[str, torch.Tensor]:
+        out = dict(self.whole.module_state())
+        for name in self.layouts:
+            value = out.get(name)
+            if torch.is_tensor(value) and value.numel() > 0:  # empty: a ZeRO-3 placeholder, filled from the masters
+                out[name] = self._layout(name, value.shape).shard(value, self.rank)
+        return out
+
+    def optimizer_groups(self) -> list[dict[str, Any]]:
+        return self.whole.optimizer_groups()
+
+    def extra(self) -> dict[str, Any]:
+        return {**self.whole.extra(), "tensor_parallel": self.record}
+
+
+def _is_tp_layout(load_dir: Path, tag: str | None) -> bool:
+    """`load_dir` holds tp_rank_<RR>/ directories and no checkpoint of its own for `tag` (or `latest`)."""
+    if not (load_dir / _SUBDIR.format(0)).is_dir():
+        return False
+    return not ((load_dir / "latest").exists() if tag is None else (load_dir / str(tag)).is_dir())
+
+
+def open_at_tp_size(load_dir, tag: str | None = None, *, dp_rank: int = 0, current: dict[str, Any] | None = None,
+                    param_names=None):
+    """The checkpoint in `load_dir` as `(path, source, rng_state)` for tp rank `current["tp_rank"]` of a run
+    whose layout is `current` (its `tp_record`; None: a run without tensor parallelism, or consolidation,
+    which get whole tensors), or None when there is nothing to load (no `latest`, no tag). `dp_rank`,
+    `param_names`: as `universal.open_source`. CheckpointError when the checkpoint cannot be read so."""
     load_dir = Path(load_dir)
-    mine = load_dir / _SUBDIR.format(tp_rank)
-    if tp_size > 1:
-        if not mine.is_dir():
-            raise CheckpointError(f"{load_dir}: no {mine.name}/: the checkpoint was not saved by a run with "
-                                  f"tensor_parallel.autotp_size={tp_size} (load it at the tp size that saved it)")
-        return mine
-    if (load_dir / _SUBDIR.format(0)).is_dir() and not (load_dir / "latest").exists():
-        raise CheckpointError(f"{load_dir}: the checkpoint was saved with tensor parallelism (tp_rank_<R>/ "
-                              "directories); load it with the same tensor_parallel.autotp_size")
-    return load_dir
+    if not _is_tp_layout(load_dir, tag):
+        opened = open_source(load_dir, tag, dp_rank=dp_rank, param_names=param_names)
+        if opened is None:
+            return None
+        path, source, rng = opened
+        saved = source.extra().get("tensor_parallel")
+        if saved is not None:
+            raise CheckpointError(f"{path}: holds only tp rank {saved.get('tp_rank')}'s slices of a checkpoint saved "
+                                  f"at tp size {saved.get('tp_size')}; read the directory that holds the "
+                                  "tp_rank_<RR>/ directories")
+        if current is None:
+            return path, source, rng
+        logger.info("checkpoint %s was saved without tensor parallelism: tp rank %d takes its slices", path,
+                    current["tp_rank"])
+        return path, SlicedTPSource(source, current), rng
+    if tag is None:
+        tag = read_latest(load_dir / _SUBDIR.format(0))
+        if tag is None:
+            return None
+    rank = current["tp_rank"] if current is not None else 0
+    own = load_dir / _SUBDIR.format(rank)
+    probe_rank = rank if own.is_dir() else 0
+    path, probe, rng = _open_rank(load_dir, probe_rank, tag, dp_rank)
+    saved = probe.extra().get("tensor_parallel")
+    if current is not None and saved == current:  # this tp rank's own slices, as saved
+        return path, probe, rng
+    if not isinstance(saved, dict) or not isinstance(saved.get("tp_size"), int) or saved["tp_size"] < 1:
+        raise CheckpointError(f"{path}: no tensor_parallel record in a tp_rank_<RR>/ checkpoint")
+    sources = [probe if r == probe_rank else _open_rank(load_dir, r, tag, dp_rank)[1] for r in range(saved["tp_size"])]
+    whole = MergedTPSource(sources, load_dir)
+    if probe_rank != rank:
+        rng = None  # this tp rank did not exist in the saved run: its generators keep their state
+    if current is None:
+        return path, whole, rng
+    logger.info("checkpoint %s was saved at tp size %d: tp rank %d of %d re-slices its whole tensors", load_dir,
+                saved["tp_size"], rank, current["tp_size"])
+    return path, SlicedTPSource(whole, current), rng
 
 
-def check_tp_record(saved: dict[str, Any] | None, current: dict[str, Any], where) -> None:
-    """CheckpointError when the saved layout is not this run's."""
-    if saved is None:
-        raise CheckpointError(f"{where}: saved without tensor parallelism; this run has tp size {current['tp_size']}")
-    if saved.get("tp_size") != current["tp_size"] or saved.get("tp_rank") != current["tp_rank"]:
-        raise CheckpointError(f"{where}: saved by tp rank {saved.get('tp_rank')} of {saved.get('tp_size')}; this "
-                              f"rank is tp rank {current['tp_rank']} of {current['tp_size']}")
-    if saved.get("layouts") != current["layouts"]:
-        differ = sorted(set(map(str, saved.get("layouts") or {})) ^ set(current["layouts"]))
-        differ = differ or [n for n in current["layouts"] if saved["layouts"].get(n) != current["layouts"][n]]
-        raise CheckpointError(f"{where}: the tensor-parallel plan differs from the saved one (first: {differ[0]})")
+def _open_rank(load_dir: Path, rank: int, tag: str, dp_rank: int):
+    directory = load_dir / _SUBDIR.format(rank)
+    if not directory.is_dir():
+        raise CheckpointError(f"{load_dir}: no {directory.name}/ (a tp rank's checkpoint is missing)")
+    opened = open_source(directory, tag, dp_rank=dp_rank)
+    if opened is None:  # a tag was given: open_source returns None only without one
+        raise CheckpointError(f"{directory}: no checkpoint {tag}")
+    return opened

@@ -2,7 +2,8 @@
 
 Owns: `LightspeedSource`, lightspeed's own saved fragments seen through the `TrainingStateSource`
 protocol (`source.py`), and `read_training_state` / `apply_training_state`, which fill a strategy's
-fragments (fp32 masters and optimizer state) from any source, whoever wrote it. Must not: decide which
+fragments (fp32 masters and optimizer state) from any source, whoever wrote it (at another tensor-parallel
+size, through the merging and slicing sources of tensor_parallel.py). Must not: decide which
 files a tag holds or check their integrity (`engine_checkpoint.py` does), or touch counters, the LR
 schedule or the loss scaler (the engine does).
 

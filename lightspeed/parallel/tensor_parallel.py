@@ -70,6 +70,10 @@ class TPLayout:
             return part.bias(full).clone()
         return part.weight(full.t() if self.transposed else full).contiguous()
 
+    def shard_shape(self, rank: int) -> tuple[int, ...]:
+        """The shape of `shard(full, rank)`, worked out on the meta device (no data)."""
+        return tuple(self.shard(torch.empty(self.full_shape, device="meta"), rank).shape)
+
     def gather(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The whole tensor (`full_shape`, the original module's layout) from every tp rank's slice, in
         tp rank order."""

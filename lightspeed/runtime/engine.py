@@ -25,8 +25,8 @@ from lightspeed.checkpoint.atomic import atomic_torch_save
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.module_state import check_module_state
 from lightspeed.checkpoint.rng import set_rng_state
-from lightspeed.checkpoint.tensor_parallel import check_tp_record, tp_load_dir, tp_record, tp_save_dir
-from lightspeed.checkpoint.universal import apply_training_state, open_source, read_training_state
+from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record, tp_save_dir
+from lightspeed.checkpoint.universal import apply_training_state, read_training_state
 from lightspeed.zero.fragments import first_names
 from lightspeed.checkpoint.writer import CheckpointWriter, options_from_config
 from lightspeed.comm.collectives import Communicator
@@ -451,8 +451,8 @@ class LightspeedEngine(torch.nn.Module):
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
-        """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size and ZeRO
-        stage; returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file
+        """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size, ZeRO stage
+        and tensor-parallel size; returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file
         and no tag is given. Everything is read and checked on every rank before anything changes: a
         load that fails raises on every rank and leaves the engine as it was."""
         self.wait_checkpoint()
@@ -460,19 +460,15 @@ class LightspeedEngine(torch.nn.Module):
             trainable = [n for n, p in self.module.named_parameters() if p.requires_grad]
             self._first_name = {n: first_names(self.module)[id(p)]
                                 for n, p in self.module.named_parameters(remove_duplicate=False)}
-            tp_size, tp_rank = (1, 0) if self._tp_comm is None else (self._tp_comm.world_size, self._tp_comm.rank)
-            load_dir = tp_load_dir(load_dir, tp_size, tp_rank)
-            opened = open_source(load_dir, tag, dp_rank=self.groups.seq_dp_rank, param_names=trainable)
+            # at another tp size (or plan) the source merges the saved slices and cuts this tp rank's
+            # (checkpoint/tensor_parallel.py); the fragments path below then re-slices over dp and stage
+            opened = open_at_tp_size(load_dir, tag, dp_rank=self.groups.seq_dp_rank, param_names=trainable,
+                                     current=None if self._tp_comm is None else self._tp_record())
             read = None
             if opened is not None:
                 path, source, rng = opened
                 source_params = set(source.param_names())
                 extra = source.extra()
-                if self._tp_comm is not None:
-                    check_tp_record(extra.get("tensor_parallel"), self._tp_record(), path)
-                elif extra.get("tensor_parallel") is not None:
-                    raise CheckpointError(f"{path}: saved with tensor parallelism (tp size "
-                                          f"{extra['tensor_parallel'].get('tp_size')}); this run has none")
                 module_state = self._module_state_to_load(source, load_module_only)
                 excluded = set(extra.get("excluded_frozen_parameters") or ())
                 excluded |= {k for k in self.strategy.module_shapes() if k not in module_state

@@ -3,8 +3,9 @@ world 2 as tp2 and world 4 as tp2 x dp2, ZeRO 0, 1 and 2, for a tiny Hugging Fac
 Conv1D layers, the built-in plan), a tiny Llama (its config's base_model_tp_plan) and the demo GPT
 (DeepSpeed's partition_config specs). Each step's loss, the first step's gradients (gathered from the tp
 slices) and global norm, and the final parameters must match in fp32 within 1e-5 relative. Also: the
-consolidated 16-bit save gathers whole tensors, checkpoints load back at the same tp size and refuse
-another, tp_model_init before initialize, and the errors (ZeRO-3, a stale optimizer)."""
+consolidated 16-bit save gathers whole tensors; checkpoints load at the same tp size, at another (tp2 ->
+tp1 x dp2, no tp -> tp2, with a ZeRO stage change) and consolidate (zero_to_fp32, safetensors) from the
+tp slices; tp_model_init before initialize, and the errors (ZeRO-3, a stale optimizer)."""
 
 from __future__ import annotations
 
@@ -219,14 +220,53 @@ def test_tp_model_init_then_initialize():
         assert losses == pytest.approx(ref_losses, rel=1e-5) and norms == pytest.approx(ref_norms, rel=1e-5)
 
 
+def _continue(engine, step_ids: torch.Tensor, eval_ids: torch.Tensor) -> list[float]:
+    """The loss of one more step on `step_ids` (the dp mean), then the loss on `eval_ids` after that step,
+    which the optimizer's moments steer (AdamW's third step moves by m / sqrt(v), not by sign(grad))."""
+    import torch.distributed as dist
+
+    dp, rank = engine.groups.dp_world_size, engine.groups.dp_rank
+    micro = GLOBAL_BATCH // dp
+    loss = _loss(engine, "gpt2", step_ids[rank * micro:(rank + 1) * micro])
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)  # tp ranks hold the same loss: the world mean is the dp mean
+    with torch.no_grad():
+        after = _loss(engine, "gpt2", eval_ids).item()
+    return [mean.item() / dist.get_world_size(), after]
+
+
+def _snapshot(engine):
+    module = {k: v.clone() for k, v in engine.strategy.module_state_dict().items()}
+    masters = [f.master_view().clone() for f in engine.strategy.fragments()]
+    moments = {i: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+               for i, st in engine.optimizer.state_dict()["state"].items()}
+    return module, masters, moments
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _save_and_load(root: str):
+    """One world of 2 for every tp checkpoint check: save at tp2 (ZeRO-1), load it back at tp2 (as saved),
+    at tp1 x dp2 (ZeRO-2), save that without tp and load it at tp2 again; each continued run against the
+    run that saved. And a model whose whole shapes differ is refused, unchanged."""
     import torch.distributed as dist
 
     import lightspeed
     from lightspeed.checkpoint.errors import CheckpointError
 
-    def engine_for(tp, stage=1, seed_model=True):
-        model = _model("gpt2")
+    def engine_for(tp, stage=1, seed_model=True, n_inner=None):
+        model = _model("gpt2") if n_inner is None else transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, n_inner=n_inner, vocab_size=VOCAB, n_positions=SEQ))
         if not seed_model:
             with torch.no_grad():
                 for p in model.parameters():
@@ -241,34 +281,67 @@ def _save_and_load(root: str):
     whole = _gather(engine, {k: v.detach().clone() for k, v in engine.module.state_dict().items()})
     engine.save_16bit_model(root, "model.bin")
     engine.save_checkpoint(root + "/ckpt", tag="two")
-    next_loss = _loss(engine, "gpt2", batches[2]).item()
+    uninterrupted = _continue(engine, batches[2], batches[0])
 
     resumed = engine_for(2, seed_model=False)
-    resumed.load_checkpoint(root + "/ckpt", tag="two")
-    resumed_loss = _loss(resumed, "gpt2", batches[2]).item()
+    resumed.load_checkpoint(root + "/ckpt", tag="two")  # the same tp size: each tp rank's own files
+    same_tp = _continue(resumed, batches[2], batches[0])
 
-    refused = []
-    for tp in (1,):
-        try:
-            engine_for(tp).load_checkpoint(root + "/ckpt", tag="two")
-        except CheckpointError as error:
-            refused.append(str(error))
+    plain = engine_for(1, stage=2, seed_model=False)  # world 2 as dp2: the tp slices merged, then dp-sliced
+    plain.load_checkpoint(root + "/ckpt", tag="two")
+    merged = _continue(plain, batches[2], batches[0])
+    plain.save_checkpoint(root + "/plain", tag="three")
+    plain_next = _continue(plain, batches[0], batches[1])
+    split = engine_for(2, seed_model=False)  # a checkpoint without tp, cut into this tp rank's slices
+    split.load_checkpoint(root + "/plain", tag="three")
+    split_next = _continue(split, batches[0], batches[1])
+
+    other = engine_for(2, n_inner=64)  # c_fc / c_proj of another whole shape
+    before = _snapshot(other)
+    try:
+        other.load_checkpoint(root + "/ckpt", tag="two")
+        refused = None
+    except CheckpointError as error:
+        refused = str(error)
+    unchanged = _same(before, _snapshot(other))
     saved = None
     if dist.get_rank() == 0:
         saved = torch.load(root + "/model.bin", weights_only=True)
         fresh = _model("gpt2")
         fresh.load_state_dict(saved, strict=True)  # whole tensors in the model's own (Conv1D) layout
-    return whole, saved, next_loss, resumed_loss, refused
+    return (whole, saved, uninterrupted, same_tp, merged, plain_next, split_next, refused, unchanged,
+            (resumed.global_steps, plain.global_steps, split.global_steps))
 
 
-def test_whole_tensor_save_and_checkpoint_round_trip(tmp_path):
+def test_checkpoints_load_at_another_tp_size_and_consolidate(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightspeed.checkpoint.errors import CheckpointError
+    from lightspeed.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, main
+
     results = run_world(_save_and_load, 2, str(tmp_path))
-    whole, saved, next_loss, resumed_loss, refused = results[0]
+    whole, saved = results[0][:2]
     assert set(saved) == set(whole)
     for name, value in whole.items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
     assert saved["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # Conv1D [in, out], whole
-    for _, _, next_loss_r, resumed_loss_r, refused_r in results:
-        assert resumed_loss_r == pytest.approx(next_loss_r, rel=1e-6)
-        assert len(refused_r) == 1 and "saved with tensor parallelism" in refused_r[0]
-    assert (tmp_path / "ckpt" / "tp_rank_00" / "two").is_dir() and (tmp_path / "ckpt" / "tp_rank_01" / "two").is_dir()
+    for (_, _, uninterrupted, same_tp, merged, plain_next, split_next, refused, unchanged, steps) in results:
+        assert same_tp == pytest.approx(uninterrupted, rel=1e-6)
+        assert merged == pytest.approx(uninterrupted, rel=1e-5)  # tp2 -> tp1 x dp2, ZeRO-1 -> ZeRO-2
+        assert split_next == pytest.approx(plain_next, rel=1e-5)  # no tp, ZeRO-2 -> tp2, ZeRO-1
+        assert steps == (3, 4, 4)  # the saved counters, then the steps taken since
+        assert refused is not None and ".mlp.c_fc." in refused and "whole shape" in refused, refused
+        assert unchanged
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "tp_rank_00" / "two").is_dir() and (ckpt / "tp_rank_01" / "two").is_dir()
+
+    # zero_to_fp32 joins the tp slices of the fp32 masters: the gathered whole model, bit for bit
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="two")
+    assert set(consolidated) == set(saved)
+    for name, value in saved.items():
+        assert torch.equal(consolidated[name], value), name
+    assert main([str(ckpt), str(tmp_path / "out"), "--safe_serialization", "-t", "two"]) == 0
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(written) == set(saved) and all(torch.equal(written[k], saved[k]) for k in saved)
+    with pytest.raises(CheckpointError, match="holds only tp rank 1"):  # one tp rank's slices alone
+        get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "tp_rank_01"), tag="two")

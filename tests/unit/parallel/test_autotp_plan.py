@@ -34,6 +34,7 @@ def test_slices_gather_back_to_the_whole_tensor(style, role, shape, transposed):
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
     layout = TPLayout(style, role, shape, transposed, 2)
     shards = [layout.shard(full, rank) for rank in range(2)]
+    assert [layout.shard_shape(rank) for rank in range(2)] == [tuple(s.shape) for s in shards]
     if layout.sharded:
         assert not torch.equal(shards[0], shards[1])
     else:  # a row-parallel bias is whole on every rank

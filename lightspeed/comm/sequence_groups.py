@@ -1,9 +1,10 @@
 """The sequence-parallel (Ulysses) process groups: building them, and the one process-wide record of them.
 
 Owns: `SequenceGroups` (the sp group, the data-parallel group across sp groups, and the group ZeRO reduces
-and shards over, dp x sp, with this process's ranks in each), `build_sequence_groups`, and the
-process-wide record (`initialize_sequence_parallel`, `current_sequence_groups`,
-`destroy_sequence_parallel`). Must not: know about attention, models or data loaders.
+and shards over, dp x sp, with this process's ranks in each), `build_sequence_groups`, the
+process-wide record (`initialize_sequence_parallel`, `record_from_topology`, `current_sequence_groups`,
+`destroy_sequence_parallel`), and `build_topology`, which gives `initialize()` the run's `Topology` in
+agreement with the record. Must not: know about attention, models or data loaders.
 
 Layout: the single source of truth is the mesh's rank arithmetic (comm/topology.py's Note on rank
 order: tp innermost, then sp, then dp). Without tensor parallelism that arithmetic gives DeepSpeed's
@@ -13,8 +14,9 @@ sequence-data-parallel group (dp x sp) is the whole world. Those groups can be b
 `Topology` exists (`register_with_transformers` does), and the topology then takes them through an
 `mpu`. With tensor parallelism (tp > 1) the sp groups are strided by tp ({0,2},{1,3} at tp=2, sp=2)
 and the record is built FROM the run's `Topology` (`record_from_topology`: its group objects, not
-copies), so the mesh's groups and the record cannot disagree; a record built earlier with another
-layout is refused.
+copies), so the mesh's groups and the record cannot disagree; a record built earlier over the same
+ranks (an earlier engine, or `register_with_transformers` on a model split already) is kept, one with
+another layout is refused.
 
 Note: why a process-wide record
     lightspeed otherwise keeps no module-level groups (the engine's `ParallelGroups` is built once and

@@ -1,9 +1,11 @@
 """Tensor parallelism (AutoTP training) together with Ulysses sequence parallelism, on real gloo processes:
 world 4 as tp2 x sp2, a tiny HF Llama with grouped-query attention (8 heads, 4 key/value heads: 4 and 2 per
-tp rank, 2 and 1 per rank after the all-to-all), ZeRO stages 1 and 2 in one world. The groups must follow
+tp rank, 2 and 1 per rank after the all-to-all), ZeRO stage 1 from the config alone and stage 2 the way
+transformers calls it (tp_model_init, register_with_transformers, initialize(mpu=...)), in one world. The groups must follow
 the mesh (tp {0,1},{2,3}; sp {0,2},{1,3}, the record too), and each step's loss, the global gradient norm
 (clipping acts), the first step's gradients gathered from the tp slices and the final parameters must match
-one process on the whole sequence in fp32 within 1e-5."""
+one process on the whole sequence in fp32 within 1e-5. A consecutive record built before the split is
+refused, naming the key."""
 
 from __future__ import annotations
 
@@ -80,13 +82,19 @@ def _record_members(record) -> list[int]:
     return gathered
 
 
-def _train(stage: int):
+def _train(stage: int, register: bool):
+    """`register`: transformers' order, tp_model_init then register_with_transformers on the split model and
+    initialize(mpu=...); else the config alone (initialize's transforms split and register the model)."""
     import lightspeed
     from lightspeed.comm.sequence_groups import current_sequence_groups
     from lightspeed.sequence import UlyssesSPAttentionHF, sequence_parallel_loss
     from lightspeed.zero.param_access import safe_get_full_grad
 
-    engine = lightspeed.initialize(model=_llama(), config=_config(stage))[0]
+    model, mpu = _llama(), None
+    if register:
+        model = lightspeed.tp_model_init(model, tp_size=TP, dtype=torch.float32, config=_config(stage))
+        mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, micro_batch_size=BATCH)
+    engine = lightspeed.initialize(model=model, config=_config(stage), mpu=mpu)[0]
     topology, record = engine.groups.topology, current_sequence_groups()
     layout = {name: _members(topology, name) for name in ("tp", "sp", "dp_sp")}
     layout["record"] = (_record_members(record), list(record.sp_ranks), record.sp_rank, record.seq_dp_world_size)
@@ -109,15 +117,36 @@ def _train(stage: int):
     return layout, (losses, norms, grads, state)
 
 
-def _train_stages():
-    return {stage: _train(stage) for stage in STAGES}  # one world for both stages: one start-up
+def _refused() -> str:
+    """A record built before initialize() as DeepSpeed's consecutive runs ({0,1},{2,3}) on a model not split
+    yet cannot serve tp x sp, whose sp groups are strided by tp."""
+    import lightspeed
+    from lightspeed.comm.sequence_groups import destroy_sequence_parallel, initialize_sequence_parallel
+
+    destroy_sequence_parallel()
+    initialize_sequence_parallel(SP)
+    try:
+        lightspeed.initialize(model=_llama(), config=_config(1))
+    except Exception as error:  # noqa: BLE001 (the test reads the message)
+        return f"{type(error).__name__}: {error}"
+    finally:
+        destroy_sequence_parallel()
+    return "accepted"
+
+
+def _world():
+    # one world for both stages (one start-up): stage 1 by the config alone, stage 2 transformers' way
+    trained = {stage: _train(stage, register=stage == 2) for stage in STAGES}
+    return trained, _refused()
 
 
 def test_tp2_sp2_llama_matches_single_process():
     ref_losses, ref_norms, ref_grads, ref_state = _reference()
     assert ref_norms[0] > CLIP  # the clip acts: the global norm steers the step
-    for rank, results in enumerate(run_world(_train_stages, 4)):
+    for rank, (results, refused) in enumerate(run_world(_world, 4)):
         tp_rank, sp_rank = rank % TP, rank // TP
+        assert refused.startswith("ConfigError: sequence_parallel_size=2 with tensor_parallel.autotp_size=2") and \
+            f"must be the mesh's, ranks {[tp_rank, tp_rank + TP]}" in refused, refused
         for stage, (layout, (losses, norms, grads, state)) in results.items():
             assert layout["tp"] == [rank - tp_rank, rank - tp_rank + 1]
             assert layout["sp"] == layout["dp_sp"] == [tp_rank, tp_rank + TP]

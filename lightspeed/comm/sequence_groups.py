@@ -1,13 +1,22 @@
 """The sequence-parallel (Ulysses) process groups: building them, and the one process-wide record of them.
 
 Owns: `SequenceGroups` (the sp group, the data-parallel group across sp groups, and the group ZeRO reduces
-and shards over, dp x sp, with this process's ranks in each), `build_sequence_groups`, and the
-process-wide record (`initialize_sequence_parallel`, `current_sequence_groups`,
-`destroy_sequence_parallel`). Must not: know about attention, models or data loaders.
+and shards over, dp x sp, with this process's ranks in each), `build_sequence_groups`, the
+process-wide record (`initialize_sequence_parallel`, `record_from_topology`, `current_sequence_groups`,
+`destroy_sequence_parallel`), and `build_topology`, which gives `initialize()` the run's `Topology` in
+agreement with the record. Must not: know about attention, models or data loaders.
 
-Layout (DeepSpeed's, `parallel_state_sp`): the sp groups are runs of consecutive global ranks,
-`[i*sp, (i+1)*sp)`; the data-parallel groups hold the ranks with the same sp rank, one from each sp group
-(stride sp); the sequence-data-parallel group (dp x sp) is the whole world.
+Layout: the single source of truth is the mesh's rank arithmetic (comm/topology.py's Note on rank
+order: tp innermost, then sp, then dp). Without tensor parallelism that arithmetic gives DeepSpeed's
+layout (`parallel_state_sp`): the sp groups are runs of consecutive global ranks, `[i*sp, (i+1)*sp)`;
+the data-parallel groups hold the ranks with the same sp rank, one from each sp group (stride sp); the
+sequence-data-parallel group (dp x sp) is the whole world. Those groups can be built before any
+`Topology` exists (`register_with_transformers` does), and the topology then takes them through an
+`mpu`. With tensor parallelism (tp > 1) the sp groups are strided by tp ({0,2},{1,3} at tp=2, sp=2)
+and the record is built FROM the run's `Topology` (`record_from_topology`: its group objects, not
+copies), so the mesh's groups and the record cannot disagree; a record built earlier over the same
+ranks (an earlier engine, or `register_with_transformers` on a model split already) is kept, one with
+another layout is refused.
 
 Note: why a process-wide record
     lightspeed otherwise keeps no module-level groups (the engine's `ParallelGroups` is built once and
@@ -27,6 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightspeed.comm.topology import MeshShape, Topology
+
 KEY = "sequence_parallel_size"
 
 
@@ -43,6 +54,7 @@ class SequenceGroups:
     seq_dp_world_size: int   # dp x sp: the group ZeRO reduces gradients and shards state over
     seq_dp_group: Any
     seq_dp_rank: int
+    sp_ranks: tuple[int, ...] = (0,)  # the global ranks of this process's sp group, ascending
 
 
 def check_sequence_parallel_size(sp_size: int, world_size: int) -> None:
@@ -55,7 +67,8 @@ def check_sequence_parallel_size(sp_size: int, world_size: int) -> None:
 
 
 def build_sequence_groups(sp_size: int) -> SequenceGroups:
-    """Build the groups over the initialized default group (every rank must call this, in the same order)."""
+    """Build the groups (tp = 1) over the initialized default group (every rank must call this, in the
+    same order). The ranks of each group come from the mesh's arithmetic (see Layout)."""
     if not dist.is_initialized():
         if sp_size == 1:
             return SequenceGroups(1, None, 0, 1, None, 0, 1, None, 0)
@@ -63,25 +76,35 @@ def build_sequence_groups(sp_size: int) -> SequenceGroups:
                            "call lightspeed.init_distributed() or deepspeed.init_distributed() first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     check_sequence_parallel_size(sp_size, world_size)
+    shape = MeshShape.for_world(world_size, sp=sp_size)
     dp_size = world_size // sp_size
     sp_group = dp_group = None
     # new_group is collective over the default group: every rank creates every group, in one order
-    for first in range(0, world_size, sp_size):
-        ranks = list(range(first, first + sp_size))
+    for ranks in shape.all_groups("sp"):
         group = dist.new_group(ranks) if sp_size < world_size else None
         if rank in ranks:
             sp_group = group
-    for sp_rank in range(sp_size):
-        ranks = list(range(sp_rank, world_size, sp_size))
+    for ranks in shape.all_groups("dp"):
         group = dist.new_group(ranks) if dp_size < world_size else None
         if rank in ranks:
             dp_group = group
     # a rank's connection into a group it alone holds still goes through the store rank 0 serves: no rank
     # moves on (and might exit) until every rank has its groups
     dist.barrier()
-    return SequenceGroups(sp_world_size=sp_size, sp_group=sp_group, sp_rank=rank % sp_size,
-                          dp_world_size=dp_size, dp_group=dp_group, dp_rank=rank // sp_size,
-                          seq_dp_world_size=world_size, seq_dp_group=None, seq_dp_rank=rank)
+    return SequenceGroups(sp_world_size=sp_size, sp_group=sp_group, sp_rank=shape.rank("sp", rank),
+                          dp_world_size=dp_size, dp_group=dp_group, dp_rank=shape.rank("dp", rank),
+                          seq_dp_world_size=world_size, seq_dp_group=None, seq_dp_rank=rank,
+                          sp_ranks=tuple(shape.group_ranks("sp", rank)))
+
+
+def sequence_groups_from_topology(topology: Topology) -> SequenceGroups:
+    """The record's view of `topology`: its sp group, its dp group (same tp and sp coordinates) and its
+    dp x sp group (the gradient-reduce group), the topology's own group objects."""
+    return SequenceGroups(
+        sp_world_size=topology.size("sp"), sp_group=topology.group("sp"), sp_rank=topology.rank("sp"),
+        dp_world_size=topology.size("dp"), dp_group=topology.group("dp"), dp_rank=topology.rank("dp"),
+        seq_dp_world_size=topology.size("dp_sp"), seq_dp_group=topology.grad_reduce_group,
+        seq_dp_rank=topology.rank("dp_sp"), sp_ranks=tuple(topology.shape.group_ranks("sp", topology.world_rank)))
 
 
 def as_group(group: Any) -> Any:
@@ -92,15 +115,46 @@ def as_group(group: Any) -> Any:
 _CURRENT: SequenceGroups | None = None
 
 
-def initialize_sequence_parallel(sp_size: int) -> SequenceGroups:
-    """Build and record this process's groups for `sp_size` (the record, if one of that size exists)."""
-    global _CURRENT
+def initialize_sequence_parallel(sp_size: int, tp_size: int = 1) -> SequenceGroups:
+    """Build and record this process's groups for `sp_size` (the record, if one of that size and layout
+    exists). With `tp_size` > 1 the groups are those of the mesh `Topology.build(tp=tp_size, sp=sp_size)`."""
     if _CURRENT is not None:
         if _CURRENT.sp_world_size != sp_size:
             raise ValueError(f"{KEY}={sp_size}: the sequence-parallel groups of this process were already built "
                              f"with size {_CURRENT.sp_world_size}")
+        if tp_size > 1 and dist.is_initialized():
+            world_size, rank = dist.get_world_size(), dist.get_rank()
+            _check_layout(MeshShape.for_world(world_size, tp=tp_size, sp=sp_size).group_ranks("sp", rank), tp_size)
         return _CURRENT
-    _CURRENT = build_sequence_groups(sp_size)
+    if tp_size > 1:
+        return record_from_topology(Topology.build(tp=tp_size, sp=sp_size))
+    return _record(build_sequence_groups(sp_size))
+
+
+def record_from_topology(topology: Topology) -> SequenceGroups:
+    """Record `topology`'s sp groups as this process's (see Layout); a record that exists already must
+    have the same sp ranks (it is kept: same ranks, so the same collectives)."""
+    if _CURRENT is not None:
+        if _CURRENT.sp_world_size != topology.size("sp"):
+            raise ValueError(f"{KEY}={topology.size('sp')}: the sequence-parallel groups of this process were "
+                             f"already built with size {_CURRENT.sp_world_size}")
+        _check_layout(topology.shape.group_ranks("sp", topology.world_rank), topology.size("tp"))
+        return _CURRENT
+    return _record(sequence_groups_from_topology(topology))
+
+
+def _check_layout(mesh_ranks: list[int], tp_size: int) -> None:
+    if list(_CURRENT.sp_ranks) != list(mesh_ranks):
+        raise ValueError(f"{KEY}={_CURRENT.sp_world_size} with tensor_parallel.autotp_size={tp_size}: this rank's "
+                         f"sequence-parallel group must be the mesh's, ranks {list(mesh_ranks)}, but this process "
+                         f"built it earlier as ranks {list(_CURRENT.sp_ranks)} (register_with_transformers or "
+                         "initialize_sequence_parallel on a model not yet split for tensor parallelism); split the "
+                         "model first (tp_model_init) or let initialize() build the groups")
+
+
+def _record(groups: SequenceGroups) -> SequenceGroups:
+    global _CURRENT
+    _CURRENT = groups
     return _CURRENT
 
 
@@ -150,31 +204,55 @@ class SequenceParallelMPU:
         return self.groups.dp_rank
 
 
-def sequence_parallel_mpu(mpu: Any, sp_size: int, tp_size: int = 1) -> Any:
-    """The `mpu` the topology is built from, given the caller's `mpu` and the config's `sp_size` (1 when
-    unset): the caller's when it has sp groups (its size must agree with a configured one); else, when
-    sp groups are recorded or configured, a `SequenceParallelMPU` over the record (built here if needed);
-    else the caller's (a Megatron-style mpu, or None)."""
+def sequence_parallel_mpu(mpu: Any, sp_size: int) -> Any:
+    """The `mpu` the topology is built from (tp = 1), given the caller's `mpu` and the config's `sp_size`
+    (1 when unset): the caller's when it has sp groups (its size must agree with a configured one); else,
+    when sp groups are recorded or configured, a `SequenceParallelMPU` over the record (built here if
+    needed); else the caller's (a Megatron-style mpu, or None)."""
     if hasattr(mpu, "get_sequence_parallel_world_size"):
         given = int(mpu.get_sequence_parallel_world_size())
         if sp_size > 1 and sp_size != given:
             raise ValueError(f"{KEY}={sp_size} in the config, but the mpu passed to initialize() has "
                              f"sequence-parallel groups of {given}")
         return mpu
-    recorded = current_sequence_groups()
-    if recorded is not None and sp_size > 1 and recorded.sp_world_size != sp_size:
-        raise ValueError(f"{KEY}={sp_size} in the config, but this process built sequence-parallel groups of "
-                         f"{recorded.sp_world_size}")
-    if recorded is None and sp_size == 1:
-        return mpu
-    if recorded is not None and recorded.sp_world_size == 1:
+    recorded = _recorded_size(sp_size)
+    if recorded == 1 and sp_size == 1:
         return mpu
     if mpu is not None:
         raise NotImplementedError(f"{KEY}: sequence parallelism with a Megatron-style mpu that has no sequence-"
                                   "parallel groups (get_sequence_parallel_world_size) is not implemented")
-    if tp_size > 1:
-        raise NotImplementedError(f"{KEY}: sequence parallelism together with tensor parallelism "
-                                  "(tensor_parallel.autotp_size > 1) is not implemented")
     # a recorded group here also covers a config that does not name sequence_parallel_size: ZeRO must
     # still reduce over dp x sp, or the sp ranks' partial gradients would never be summed
-    return SequenceParallelMPU(recorded if recorded is not None else initialize_sequence_parallel(sp_size))
+    return SequenceParallelMPU(_CURRENT if _CURRENT is not None else initialize_sequence_parallel(sp_size))
+
+
+def _recorded_size(sp_size: int) -> int:
+    """The sp size of the record (1 when none), checked against a configured `sp_size` > 1."""
+    if _CURRENT is None:
+        return 1
+    if sp_size > 1 and _CURRENT.sp_world_size != sp_size:
+        raise ValueError(f"{KEY}={sp_size} in the config, but this process built sequence-parallel groups of "
+                         f"{_CURRENT.sp_world_size}")
+    return _CURRENT.sp_world_size
+
+
+def build_topology(mpu: Any, sp_size: int = 1, tp_size: int = 1) -> Topology:
+    """The run's `Topology` for the configured sizes (1 when unset) and the caller's `mpu`, with this
+    process's sequence-parallel record consistent with it (see Layout). With tp = 1 the topology takes
+    the record's groups through an mpu (`sequence_parallel_mpu`); with tp > 1 it is built from the mesh
+    and the record from it. Our own `SequenceParallelMPU` (register_with_transformers' return) carries
+    nothing the record does not, so at tp > 1 it stands for the record."""
+    if tp_size == 1:
+        return Topology.build(mpu=sequence_parallel_mpu(mpu, sp_size), tp=tp_size, sp=sp_size)
+    if isinstance(mpu, SequenceParallelMPU):
+        if sp_size > 1 and mpu.get_sequence_parallel_world_size() != sp_size:
+            raise ValueError(f"{KEY}={sp_size} in the config, but the mpu passed to initialize() has "
+                             f"sequence-parallel groups of {mpu.get_sequence_parallel_world_size()}")
+        mpu = None
+    sp = max(sp_size, _recorded_size(sp_size))
+    if mpu is not None:  # a Megatron-style mpu: its groups, as at tp = 1
+        return Topology.build(mpu=sequence_parallel_mpu(mpu, sp_size), tp=tp_size, sp=sp)
+    topology = Topology.build(tp=tp_size, sp=sp)
+    if sp > 1:
+        record_from_topology(topology)
+    return topology

@@ -12,7 +12,9 @@ group are contiguous (0,1 | 2,3 with tp=2), sequence parallelism next, data para
 (tp*sp*dp_shard)`. Groups: "tp", "sp", "dp_shard", "dp_replicate", "dp" (dp_replicate x dp_shard: the
 ranks holding the same model shard and different data), "dp_sp" (dp x sp: ZeRO partitions and reduces
 gradients over it, since the sp ranks of a dp replica see different tokens of the same samples), and
-"world".
+"world". The Ulysses record (comm/sequence_groups.py) is this object's sp dim: built from its groups
+when tp > 1, and at tp = 1 built before it from the same arithmetic (consecutive runs) and handed in
+through an mpu.
 
 Note: [the global gradient norm] Every element of the model must count once. Over dp_sp each element
 lives once (ZeRO shards it, or stage 0 all-reduces it and the norm is taken of the whole gradient on

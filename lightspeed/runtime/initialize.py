@@ -16,7 +16,7 @@ from lightspeed.comm.codecs import AllReduce
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
-from lightspeed.comm.sequence_groups import sequence_parallel_mpu
+from lightspeed.comm.sequence_groups import build_topology
 from lightspeed.comm.topology import Topology, TopologyError
 from lightspeed.config import LightspeedConfig
 from lightspeed.config.errors import ConfigError
@@ -118,9 +118,8 @@ def _build_topology(source, mpu) -> Topology:
     sizes = _mesh_sizes(source)
     try:
         # the sequence-parallel groups are this process's record (register_with_transformers or the user
-        # may have built them before initialize); the topology takes them through an mpu
-        mpu = sequence_parallel_mpu(mpu, sizes["sp"], sizes["tp"])
-        return Topology.build(mpu=mpu, **sizes)
+        # may have built them before initialize): build_topology keeps the record and the mesh in agreement
+        return build_topology(mpu, sp_size=sizes["sp"], tp_size=sizes["tp"])
     except (TopologyError, ValueError) as error:
         raise ConfigError(str(error)) from None
 

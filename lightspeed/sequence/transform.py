@@ -1,6 +1,7 @@
 """`apply_sequence_parallel`: the sequence-parallel step of `initialize()`'s model transforms.
 
-Owns: checking that a model can be split over the sp group (its head counts, as the config key's error)
+Owns: checking that a model can be split over the sp group (its head counts, as the config key's error;
+under tensor parallelism the heads each tp rank holds)
 and wiring a Hugging Face model's attention through Ulysses when the caller has not. Must not: change
 the model's modules, or shard data.
 
@@ -33,7 +34,9 @@ def apply_sequence_parallel(model: torch.nn.Module, cfg, topology: Topology) -> 
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     num_heads = getattr(text_config, "num_attention_heads", None)
     if num_heads is not None:
-        check_heads(num_heads, getattr(text_config, "num_key_value_heads", None) or num_heads, sp_world_size)
+        # tensor parallelism ran first: each tp rank holds num_heads / tp of the heads, which Ulysses splits
+        check_heads(num_heads, getattr(text_config, "num_key_value_heads", None) or num_heads, sp_world_size,
+                    topology.size("tp"))
         if not is_registered():
             UlyssesSPAttentionHF.register_with_transformers(
                 model, core_attn_implementation=getattr(config, "_attn_implementation", None),

@@ -26,6 +26,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.comm.differentiable import seq_all_to_all
 from lightspeed.comm.api import get_world_size
 from lightspeed.comm.sequence_groups import KEY, SequenceParallelMPU, initialize_sequence_parallel
+from lightspeed.parallel.tensor_parallel import split_tp_size
 
 logger = get_logger(__name__)
 
@@ -34,15 +35,21 @@ SUPPORTED_CORE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 _REGISTERED: dict[str, Any] = {}  # attn implementation -> the function the wrapper replaced
 
 
-def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
-    """Clear errors, naming the config key, when heads cannot be split over `sp_size` ranks."""
-    if num_heads % sp_size != 0:
-        raise ValueError(f"{KEY}={sp_size} does not divide the model's {num_heads} attention heads: Ulysses gives "
-                         "each rank of a sequence-parallel group an equal share of the heads")
-    if num_kv_heads % sp_size != 0:
-        raise ValueError(f"{KEY}={sp_size} does not divide the model's {num_kv_heads} key/value heads (replicating "
-                         "key/value heads when there are fewer of them than sequence-parallel ranks is not "
-                         "implemented)")
+def check_heads(num_heads: int, num_kv_heads: int, sp_size: int, tp_size: int = 1) -> None:
+    """Clear errors, naming the config key, when heads cannot be split over `sp_size` ranks. With tensor
+    parallelism each tp rank holds `num_heads / tp_size` heads (its column-parallel q/k/v slices), and
+    Ulysses splits those local heads over the sp group."""
+    reasons = {"attention heads": "Ulysses gives each rank of a sequence-parallel group an equal share of the heads",
+               "key/value heads": "replicating key/value heads when there are fewer of them than sequence-parallel "
+                                  "ranks is not implemented"}
+    for count, what in ((num_heads, "attention heads"), (num_kv_heads, "key/value heads")):
+        if count % tp_size:
+            raise ValueError(f"tensor_parallel.autotp_size={tp_size} does not divide the model's {count} {what}")
+        local = count // tp_size
+        if local % sp_size:
+            held = f"the model's {count} {what}" if tp_size == 1 else \
+                f"the {local} {what} each tensor-parallel rank holds (the model's {count} / autotp_size={tp_size})"
+            raise ValueError(f"{KEY}={sp_size} does not divide {held}: {reasons[what]}")
 
 
 class UlyssesSPAttentionHF(torch.nn.Module):
@@ -98,7 +105,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         """Build the sequence-parallel groups, route `core_attn_implementation` through Ulysses for the
         model (a model object, or a hub name / path whose config is read), and return the `mpu` to pass
         to `initialize(mpu=...)`; None when `sequence_parallel_size` is 1. DeepSpeed's signature
-        (`max_length` is its deprecated name of `seq_length`)."""
+        (`max_length` is its deprecated name of `seq_length`). A model object split for tensor
+        parallelism already gets the mesh's sp groups and its per-rank head counts."""
         if sequence_parallel_size == 1:
             return None
         if max_length is not None:
@@ -129,15 +137,18 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                                "UlyssesSPAttentionHF.unregister_from_transformers() first)")
         num_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-        check_heads(num_heads, num_kv_heads, sequence_parallel_size)
+        # a model split for tensor parallelism already (tp_model_init, or initialize()'s transform before
+        # this one) holds num_heads / tp heads per rank, and its sp groups are the mesh's (strided by tp)
+        tp_size = split_tp_size(model) if model is not None else 1
+        check_heads(num_heads, num_kv_heads, sequence_parallel_size, tp_size)
         if not seq_length_is_variable and seq_length % sequence_parallel_size != 0:
             raise ValueError(f"{KEY}={sequence_parallel_size} does not divide seq_length={seq_length}")
-        groups = initialize_sequence_parallel(sequence_parallel_size)
+        groups = initialize_sequence_parallel(sequence_parallel_size, tp_size)
 
         core = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
-        uattn = cls(attn=core, batch_size=micro_batch_size, attn_head_count=num_heads,
+        uattn = cls(attn=core, batch_size=micro_batch_size, attn_head_count=num_heads // tp_size,
                     attn_head_size=getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
-                    kv_head_count=num_kv_heads, num_hidden_layers=text_config.num_hidden_layers,
+                    kv_head_count=num_kv_heads // tp_size, num_hidden_layers=text_config.num_hidden_layers,
                     process_group=groups.sp_group, seq_length_is_variable=seq_length_is_variable,
                     local_seq_length=None if seq_length_is_variable else seq_length // sequence_parallel_size,
                     global_seq_length=None if seq_length_is_variable else seq_length,
@@ -155,8 +166,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         # every branch transformers takes on the implementation's name (mask creation, kwargs)
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = ulysses_attention
         _REGISTERED[core_attn_implementation] = core
-        logger.info("Ulysses sequence parallelism: %s attention over %d ranks (%d heads, %d key/value heads)",
-                    core_attn_implementation, sequence_parallel_size, num_heads, num_kv_heads)
+        logger.info("Ulysses sequence parallelism: %s attention over %d ranks (%d heads, %d key/value heads per "
+                    "tensor-parallel rank)", core_attn_implementation, sequence_parallel_size, num_heads // tp_size,
+                    num_kv_heads // tp_size)
         return SequenceParallelMPU(groups)
 
     @classmethod

@@ -18,6 +18,10 @@ slices of the split layers and the same values of every other parameter (comm/to
 global norm). The squares of the split parameters' gradients are summed over the tp group; the
 replicated ones are counted as they are (once per tp rank's identical copy, so not summed over tp);
 then the data-parallel agreement sums both as before. The inf/nan decision is agreed over tp as well.
+With sequence parallelism too (tp x sp), the ranks of an sp group hold identical parameters and the
+gradients arrive reduced over dp x sp: that group is the agreement group, where each element lives in
+one rank's partition (stages 1-2) or whole on every rank with no agreement (stage 0), so nothing is
+summed over sp beyond it.
 """
 
 

@@ -5,7 +5,8 @@ import torch
 
 from lightspeed.comm.differentiable import all_gather_autograd, seq_all_to_all
 from lightspeed.comm.sequence_groups import (SequenceParallelMPU, build_sequence_groups, check_sequence_parallel_size,
-                                             sequence_parallel_mpu)
+                                             sequence_groups_from_topology, sequence_parallel_mpu)
+from lightspeed.comm.topology import MeshShape, Topology
 from lightspeed.sequence import DistributedAttention, UlyssesSPAttentionHF
 from lightspeed.sequence.ulysses_hf import check_heads
 
@@ -20,6 +21,35 @@ def test_sizes_are_checked_naming_the_key():
         check_heads(6, 6, 4)
     with pytest.raises(ValueError, match="does not divide the model's 2 key/value heads"):
         check_heads(8, 2, 4)
+
+
+def test_heads_under_tensor_parallelism_are_the_tp_ranks_share():
+    check_heads(8, 4, 2, tp_size=2)  # 4 and 2 heads per tp rank, 2 and 1 per rank after the all-to-all
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 does not divide the 1 key/value heads each "
+                                         r"tensor-parallel rank holds \(the model's 2 / autotp_size=2\)"):
+        check_heads(8, 2, 2, tp_size=2)
+    with pytest.raises(ValueError, match="sequence_parallel_size=4 does not divide the 2 attention heads each"):
+        check_heads(4, 4, 4, tp_size=2)
+
+
+@pytest.mark.parametrize("world, rank, want", [
+    # tp2 x sp2: sp strided by tp; the reduce group dp x sp is the sp group
+    (4, 1, {"sp_ranks": (1, 3), "sp_rank": 0, "dp_world_size": 1, "seq_dp_world_size": 2, "seq_dp_rank": 0}),
+    (4, 2, {"sp_ranks": (0, 2), "sp_rank": 1, "dp_world_size": 1, "seq_dp_world_size": 2, "seq_dp_rank": 1}),
+    # tp2 x sp2 x dp2: rank 5 is tp 1, sp 0, dp 1
+    (8, 5, {"sp_ranks": (5, 7), "sp_rank": 0, "dp_world_size": 2, "dp_rank": 1, "seq_dp_world_size": 4,
+            "seq_dp_rank": 2}),
+])
+def test_record_is_the_meshs_sp_dim_under_tensor_parallelism(world, rank, want):
+    groups = sequence_groups_from_topology(Topology(MeshShape.for_world(world, tp=2, sp=2), rank, 0, {}))
+    assert groups.sp_world_size == 2
+    assert {key: getattr(groups, key) for key in want} == want
+
+
+def test_without_tensor_parallelism_the_mesh_is_deepspeeds_consecutive_layout():
+    shape = MeshShape.for_world(8, sp=4)
+    assert shape.all_groups("sp") == [[0, 1, 2, 3], [4, 5, 6, 7]]  # what build_sequence_groups creates
+    assert shape.all_groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]] and shape.size("dp_sp") == 8
 
 
 def test_one_process():

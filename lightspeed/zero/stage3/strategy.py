@@ -129,8 +129,8 @@ class Stage3Strategy:
         self.options = options or Stage3Options()
         self.offload = offload if offload is not None else OffloadPolicy()
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
-        # the optimizer unscales, clips and writes the lp shards; not when a shard lives in host memory
-        self._fused = fused_step(optimizer) and not self.offload.enabled
+        # the optimizer unscales, clips and writes the lp shards (zero/optimizers.py says when)
+        self._fused = fused_step(optimizer, self.offload)
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm

@@ -44,6 +44,7 @@ from lightspeed._utils.device import Stream
 from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.nvme import NvmeSwapper
+from lightspeed.ops.lowp_writer import LowpWriter
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.zero import param_access
@@ -99,6 +100,7 @@ class ShardedStrategy:
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
         self.collectives = collectives or Collectives.default(comm)
+        self._lowp_writer = LowpWriter()  # host masters -> device parameters, outside the fused step
         world, rank = comm.world_size, comm.rank
         names = {id(p): n for n, p in module.named_parameters()}
         self.shards: list[Shard] = []
@@ -227,9 +229,15 @@ class ShardedStrategy:
         """Write the master shard into this rank's chunks of the lp buffer (unless the fused step has
         written them: `copy=False`), then all-gather each bucket."""
         flat = shard.flat
+        if copy:
+            for flat_slice, shard_slice in shard.chunk_pairs():
+                if shard.master.device == flat.lp_flat.device:
+                    flat.lp_flat[flat_slice].copy_(shard.master[shard_slice])
+                else:  # a host master (offload): staged copies, cast on the device (ops/lowp_writer.py)
+                    self._lowp_writer.write(shard.master, shard_slice.start, shard_slice.stop,
+                                            [(shard_slice.start, flat.lp_flat[flat_slice])])
+            self._lowp_writer.finish()
         for (flat_slice, shard_slice), bucket in zip(shard.chunk_pairs(), flat.buckets):
-            if copy:
-                flat.lp_flat[flat_slice].copy_(shard.master[shard_slice])
             out = flat.lp_flat[bucket.start:bucket.start + bucket.padded_numel]
             # gloo may not accept an input that aliases the output; NCCL handles in-place all-gather
             chunk = flat.lp_flat[flat_slice]

@@ -26,7 +26,7 @@ import torch
 
 from lightspeed._utils.logging import get_logger
 
-from ..lowp_writer import LowpWriter
+from ..lowp_writer import PIECE_ELEMS, LowpWriter
 from .reference import adam_step
 
 logger = get_logger(__name__)
@@ -34,9 +34,6 @@ logger = get_logger(__name__)
 #: elements per chunk on the chunked (mixed-precision / copy-writing) path; 4 fp32 scratch buffers of
 #: this size (4 MiB total) stay in L2/L3.
 CHUNK_ELEMS = 256 * 1024
-#: elements per piece of the ZeRO step: the unit of a host-to-device copy (8 MiB of bf16) overlapped
-#: with the next piece's update
-PIECE_ELEMS = 4 * 1024 * 1024
 
 
 class CPUOptimizerBase(torch.optim.Optimizer):

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightspeed  # noqa: E402
-from benchmarks.harness import H200_BF16_PEAK_FLOPS, Result, peak_gib, print_table, reset_memory, time_steps  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    H200_BF16_PEAK_FLOPS, Result, peak_gib, print_table, reset_memory, sync, time_steps)
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 LR = 1e-4
@@ -138,6 +139,8 @@ def run_one(args, model_name: str, system: str, stage: int, compiled: bool, floa
             return loss.detach()
 
     ms, losses = time_steps(step, args.steps, args.warmup)
+    if args.profile:
+        profile_steps(step, name)
     r = Result(name, ms_per_step=ms, losses=losses)
     r.tokens_per_s = args.micro * args.seq / (ms / 1e3)
     with torch.device("meta"):
@@ -147,6 +150,31 @@ def run_one(args, model_name: str, system: str, stage: int, compiled: bool, floa
     r.note = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
     dist.destroy_process_group()
     return r
+
+
+def profile_steps(step, name: str, steps: int = 3) -> None:
+    """Where `steps` more steps spend their time: dynamo's counters, the device's busy fraction, and
+    the top operators by device and by host time (torch.profiler), printed."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    began = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    wall_us = (time.perf_counter() - began) * 1e6
+    events = prof.key_averages()
+    print(f"-- profile of {name}: {steps} steps, {wall_us / 1e3 / steps:.1f} ms/step under the profiler")
+    print("   dynamo: " + ", ".join(f"{k}={dict(v)}" for k, v in counters.items() if k in (
+        "stats", "graph_break", "recompiles", "frames")))
+    if torch.cuda.is_available():
+        busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        print(f"   device kernels busy {busy / wall_us:.2f} of the wall time")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=60))
 
 
 def runs_for(model: str, float8: bool) -> list[tuple[str, int, bool, bool]]:
@@ -167,6 +195,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-float8", action="store_true", help="skip the float8 run at 1.3B")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (keeps the script alive in CI)")
+    ap.add_argument("--profile", action="store_true", help="also profile 3 steps of each run (printed)")
     ap.add_argument("--only", nargs="+", default=None, metavar="SYSTEM:STAGE:COMPILED:FLOAT8",
                     help="run only these (e.g. plain:0:1:0 lightspeed:2:1:0); the baseline is always run")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # model:system:stage:compiled:float8
@@ -198,6 +227,8 @@ def main():
             proc = subprocess.run([sys.executable, __file__, *passthrough, "--one", one], env=env,
                                   capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if args.profile:
+                print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
             if line is None:
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 results.append(Result(one, note=f"failed: {tail[:160]}"))

@@ -125,8 +125,8 @@ def phases(engine, batches, name: str) -> str:
             prof.disable()
         st.append(time.perf_counter() - t1)
         fb.append(t1 - t0)
-    print(f"-- {name}: where engine.step() spends its time (cumulative, top 14)")
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(14)
+    print(f"-- {name}: where engine.step() spends its time (cumulative, top 8)")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(8)
     return f"fwd+bwd {sorted(fb)[1] * 1e3:.1f} ms, step {sorted(st)[1] * 1e3:.1f} ms"
 
 

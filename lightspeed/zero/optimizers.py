@@ -5,15 +5,19 @@ pieces of many parameters gives the same result as stepping the parameters), the
 others unless `zero_allow_untested_optimizer` is set (DeepSpeed's rule), and `fused_step`: whether
 the optimizer takes `step(grad_scale=..., lowp_out=...)` (lightspeed.ops' fused optimizers), so the
 strategies hand it low-precision gradients, the unscale/clip coefficient and the parameter copy to
-write, instead of spending passes on them.
+write, instead of spending passes on them. With the optimizer offloaded to host memory the CPU
+optimizers take the same call (`ops/adam/cpu_adam.py`): they apply the coefficient inside their kernel
+and copy each stepped piece to the device while stepping the next.
 """
 from __future__ import annotations
 
 import torch
 
 from lightspeed.config.errors import ConfigError
+from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.ops.adagrad import CPUAdagrad, FusedAdagrad
 from lightspeed.ops.adam import CPUAdam, FusedAdam
+from lightspeed.ops.adam.cpu_adam import CPUOptimizerBase
 from lightspeed.ops.lion import CPULion, FusedLion
 from lightspeed.ops.multi_tensor.optimizer import FusedOptimizer
 
@@ -33,6 +37,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, allow_untested: boo
                       '"zero_allow_untested_optimizer": true to use it anyway')
 
 
-def fused_step(optimizer: torch.optim.Optimizer | None) -> bool:
-    """True when `optimizer.step(grad_scale=..., lowp_out=...)` is available."""
-    return isinstance(optimizer, FusedOptimizer) and optimizer.fuses_lowp_out
+def fused_step(optimizer: torch.optim.Optimizer | None, offload: OffloadPolicy | None = None) -> bool:
+    """True when the strategy hands `optimizer.step(grads=, grad_scale=, lowp_out=)` the step: a fused
+    device optimizer without offload, or a CPU optimizer stepping host masters (`offload` says where
+    they live). Not with NVMe (the swapped step writes each sub-group itself), partial offload (some
+    masters on the device), parameters on NVMe (their host lp shards come and go), or the overlapped
+    step (its update reaches the parameters one step later, at `flush`)."""
+    if offload is None or not offload.enabled:
+        return isinstance(optimizer, FusedOptimizer) and optimizer.fuses_lowp_out
+    return (isinstance(optimizer, CPUOptimizerBase) and optimizer.fuses_lowp_out and offload.optimizer == "cpu"
+            and offload.param != "nvme" and offload.ratio == 1.0 and not offload.overlap_step)

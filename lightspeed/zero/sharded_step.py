@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightspeed._utils.device import synchronize
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.zero.fragments import Fragment
@@ -126,9 +127,16 @@ def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *
             views.tp.all_reduce(flag, op="max")
         if bool(flag):
             return StepResult(False, None), None
+    to_host = False
     for grad, master_grad in zip(views.grads, views.master_grads):
         if master_grad is not grad and not (views.master_grads_filled and id(master_grad) in views.early_filled):
-            master_grad.copy_(grad)
+            # device -> host (offload): cast on the device, copied straight into the page-locked host
+            # buffer; a blocking copy_ would stage through pageable memory and cast on the host
+            down = grad.device.type != "cpu" and master_grad.device.type == "cpu"
+            master_grad.copy_(grad, non_blocking=down)
+            to_host |= down
+    if to_host:
+        synchronize(views.device)  # the host buffers are read next (the norm or the CPU optimizer)
     if views.tp is None:
         sq = squared_norm(views.norm_grads if views.norm_grads is not None else views.master_grads).to(views.device)
     else:

@@ -25,8 +25,9 @@ memory (pinned with `pin_memory` on CUDA), `master_grad` is a host fp32 buffer, 
 CPU one (the config's Adam becomes CPUAdam, as DeepSpeed's DeepSpeedCPUAdam). At the accumulation
 boundary each bucket's reduced chunk is finished and copied to `master_grad` on a copy stream as soon
 as its reduce-scatter is launched (the copy stream, not the compute stream, waits for the collective,
-so backward goes on). The step's overflow check and norm read the device-side reduced shard, the CPU
-optimizer steps, and the updated chunks are copied back into the device's lp buffer before the
+so backward goes on). The step's overflow check and norm read the device-side reduced shard; the CPU
+optimizer takes the fused call (zero/optimizers.py): it applies the unscale/clip coefficient in its
+kernel and copies each stepped piece into the device's lp chunks while it steps the next, before the
 all-gather. With `overlap_step` the CPU step runs in the background (see `offload/overlap.py`). On
 NVMe each stepped master shard (with its optimizer state) is a sub-group swapped out between steps
 and stepped one at a time (`offload/swapped_step.py`); its update is all-gathered before it goes out.
@@ -43,6 +44,7 @@ from lightspeed._utils.device import Stream
 from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.nvme import NvmeSwapper
+from lightspeed.ops.lowp_writer import LowpWriter
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.zero import param_access
@@ -91,13 +93,14 @@ class ShardedStrategy:
         host = self.offload.offloads_optimizer
         if self.offload.offloads_params:
             raise ValueError("offload_param needs ZeRO stage 3")
-        # fused ZeRO step: the optimizer reads the reduced (low-precision) gradient shard itself,
-        # applies the unscale/clip coefficient and writes the lp chunks (no fp32 gradient copy);
-        # never with the optimizer offloaded (it steps host tensors)
-        self._fused = fused_step(optimizer) and not host
+        # fused ZeRO step: the optimizer applies the unscale/clip coefficient and writes the lp chunks
+        # itself; on the device it reads the reduced (low-precision) gradient shard (no fp32 gradient
+        # copy), in host memory the host copies (zero/optimizers.py)
+        self._fused = fused_step(optimizer, self.offload)
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
         self.collectives = collectives or Collectives.default(comm)
+        self._lowp_writer = LowpWriter()  # host masters -> device parameters, outside the fused step
         world, rank = comm.world_size, comm.rank
         names = {id(p): n for n, p in module.named_parameters()}
         self.shards: list[Shard] = []
@@ -226,9 +229,15 @@ class ShardedStrategy:
         """Write the master shard into this rank's chunks of the lp buffer (unless the fused step has
         written them: `copy=False`), then all-gather each bucket."""
         flat = shard.flat
+        if copy:
+            for flat_slice, shard_slice in shard.chunk_pairs():
+                if shard.master.device == flat.lp_flat.device:
+                    flat.lp_flat[flat_slice].copy_(shard.master[shard_slice])
+                else:  # a host master (offload): staged copies, cast on the device (ops/lowp_writer.py)
+                    self._lowp_writer.write(shard.master, shard_slice.start, shard_slice.stop,
+                                            [(shard_slice.start, flat.lp_flat[flat_slice])])
+            self._lowp_writer.finish()
         for (flat_slice, shard_slice), bucket in zip(shard.chunk_pairs(), flat.buckets):
-            if copy:
-                flat.lp_flat[flat_slice].copy_(shard.master[shard_slice])
             out = flat.lp_flat[bucket.start:bucket.start + bucket.padded_numel]
             # gloo may not accept an input that aliases the output; NCCL handles in-place all-gather
             chunk = flat.lp_flat[flat_slice]

@@ -222,3 +222,38 @@ def test_non_contiguous_param_uses_reference():
     m, v = torch.zeros_like(q), torch.zeros_like(q)
     adam_step(q, p.grad, m, v, step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0, adamw=True)
     _close(p, q, torch.float32)
+
+
+@pytest.mark.parametrize("cls,kw", [(CPUAdam, dict(lr=1e-2, weight_decay=0.01)),
+                                    (CPUAdagrad, dict(lr=1e-2)), (CPULion, dict(lr=1e-3))])
+@pytest.mark.parametrize("scale", [None, 0.37])
+def test_zero_step_pieces_match_the_plain_step(cls, kw, scale, monkeypatch):
+    """The ZeRO step (grads= / grad_scale= / lowp_out=): stepped in pieces (several, with a ragged
+    tail) it gives the plain step on gradients multiplied by the coefficient, and each low-precision
+    target holds the updated values from its offset on (targets of odd offsets and dtypes)."""
+    import lightspeed.ops.adam.cpu_adam as mod
+    monkeypatch.setattr(mod, "PIECE_ELEMS", 1000)
+    sizes = [7, 4099, 2500]
+    params = [p.detach() for p in _params(torch.float32, sizes=sizes)]
+    plain = [p.clone().requires_grad_() for p in params]
+    opt, ref = cls(params, **kw), cls(plain, **kw)
+    targets = {p: [(0, torch.zeros(3, dtype=torch.bfloat16)), (3, torch.zeros(p.numel() - 3, dtype=torch.bfloat16))]
+               for p in params}
+    targets[params[1]] = [(1000, torch.zeros(2099)), (3100, torch.zeros(999, dtype=torch.float16))]
+    for s in range(STEPS):
+        _set_grads(plain, s)
+        grads = {p: q.grad.clone() for p, q in zip(params, plain)}
+        if scale is not None:
+            for q in plain:
+                q.grad.mul_(scale)
+        opt.step(grads=grads, grad_scale=None if scale is None else torch.tensor(scale), lowp_out=targets)
+        ref.step()
+        for p, q in zip(params, plain):
+            if scale is not None and cls is CPUAdam:  # the kernel divides by 1/scale: one rounding apart
+                torch.testing.assert_close(p, q.detach(), atol=1e-6, rtol=1e-6)
+            else:
+                assert torch.equal(p, q.detach())
+            for offset, t in targets[p]:
+                assert torch.equal(t, p[offset:offset + t.numel()].to(t.dtype))
+    with pytest.raises(ValueError, match="pass one"):
+        opt.step(fp16_param_groups=[[torch.zeros(7)] * 3], lowp_out=targets)

@@ -5,12 +5,12 @@ from typing import Iterable
 
 import torch
 
-from lightspeed.ops.adam.cpu_adam import _CPUOptimizerBase
+from lightspeed.ops.adam.cpu_adam import CPUOptimizerBase
 
 from .reference import adagrad_step
 
 
-class CPUAdagrad(_CPUOptimizerBase):
+class CPUAdagrad(CPUOptimizerBase):
     """DeepSpeedCPUAdagrad: Adagrad with L2 weight decay, no lr decay, zero initial accumulator."""
 
     _state_keys = ("exp_avg_sq",)

@@ -8,6 +8,14 @@ scratch buffers, updated by the same kernel, and written back (and to the option
 of ``step(fp16_param_groups=...)``) while hot. For fp32 params the copy is one extra pass after the
 kernel (measured faster than chunking the fp32 path: 81.7 vs 87.3 ms at 100M, 2 threads).
 Without bias correction the kernel is given step=inf, so 1 - beta**step == 1 exactly.
+
+The ZeRO step (``step(grads=, grad_scale=, lowp_out=)``, the protocol of lightspeed's fused device
+optimizers): ZeRO-Offload hands the host gradient of each master, the unscale/clip coefficient and the
+model's low-precision copies (usually on the device). The masters are stepped in pieces of
+``PIECE_ELEMS``; the coefficient is applied inside the kernel where it takes one (CPUAdam: torch's
+``grad_scale``) or to the piece of the gradient just before it; each stepped piece goes to its
+low-precision copies at once (`ops/lowp_writer.py`), so the host-to-device copies overlap the rest of
+the step instead of following it.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import torch
 
 from lightspeed._utils.logging import get_logger
 
+from ..lowp_writer import PIECE_ELEMS, LowpWriter
 from .reference import adam_step
 
 logger = get_logger(__name__)
@@ -27,20 +36,31 @@ logger = get_logger(__name__)
 CHUNK_ELEMS = 256 * 1024
 
 
-class _CPUOptimizerBase(torch.optim.Optimizer):
+class CPUOptimizerBase(torch.optim.Optimizer):
     """Shared plumbing of the CPU optimizers: state init, step bookkeeping, low-precision copies."""
 
     _state_keys: tuple[str, ...] = ()
+    #: the ZeRO step protocol (see the module docstring): ZeRO hands the coefficient and the copies
+    fuses_lowp_out = True
+    #: the family's `_kernel` takes `grad_scale` (a divisor, torch's convention) itself
+    _kernel_scales = False
 
     def __init__(self, params, defaults: dict, fp32_optimizer_states: bool = True):
         super().__init__(params, defaults)
         self.fp32_optimizer_states = fp32_optimizer_states
         self._scratch: list[torch.Tensor] = []
+        self._writer: LowpWriter | None = None
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_scratch", [])
         self.__dict__.setdefault("fp32_optimizer_states", True)
+        self.__dict__.setdefault("_writer", None)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_writer", None)  # pinned staging and CUDA streams are rebuilt on use
+        return state
 
     # -- helpers ---------------------------------------------------------------------------------
     def _buffers(self, count: int, n: int) -> list[torch.Tensor]:
@@ -106,13 +126,24 @@ class _CPUOptimizerBase(torch.optim.Optimizer):
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Callable | None = None, fp16_param_groups=None):
+    def step(self, closure: Callable | None = None, fp16_param_groups=None, *, grads=None, grad_scale=None,
+             lowp_out=None):
         """One update of every param with a grad. ``fp16_param_groups[group_id][param_id]`` (optional):
-        low-precision tensors that receive a copy of the updated params in the same pass."""
+        low-precision tensors that receive a copy of the updated params in the same pass.
+
+        The ZeRO step (keyword-only, see the module docstring): ``grads`` maps a param to its gradient
+        (instead of ``.grad``), ``grad_scale`` multiplies every gradient (a number or 0-dim tensor),
+        ``lowp_out`` maps a param to [(offset, tensor)]: each tensor receives the updated param's
+        elements from its offset on, in its own dtype and on its own device."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if grads is not None or grad_scale is not None or lowp_out is not None:
+            if fp16_param_groups is not None:
+                raise ValueError("fp16_param_groups and lowp_out are two ways to ask for the copies: pass one")
+            self._zero_step(grads, grad_scale, lowp_out or {})
+            return loss
         lowp_groups = self._normalize_lowp(fp16_param_groups, len(self.param_groups))
         for group, lowp_group in zip(self.param_groups, lowp_groups):
             self._check_group(group)
@@ -151,6 +182,42 @@ class _CPUOptimizerBase(torch.optim.Optimizer):
                 lowp.view(-1).copy_(p.view(-1))
         return loss
 
+    def _zero_step(self, grads, grad_scale, lowp_out) -> None:
+        """The ZeRO step: fp32 params stepped piece by piece, each piece written out as it is done."""
+        if self._writer is None:
+            self._writer = LowpWriter(PIECE_ELEMS)
+        scale = None if grad_scale is None else torch.as_tensor(grad_scale, dtype=torch.float32).to("cpu").reshape(())
+        for group in self.param_groups:
+            self._check_group(group)
+            for p in group["params"]:
+                g = grads.get(p) if grads is not None else p.grad
+                if g is None or p.numel() == 0:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self._init_state(p)
+                state["step"] += 1
+                step = state["step"]
+                states = [state[k] for k in self._state_keys]
+                targets = lowp_out.get(p, ())
+                if not (self._fast_ok(p, g, states) and all(t.dtype == torch.float32 for t in (p, g, *states))):
+                    # mixed precision or odd layouts: the whole param through the plain path
+                    if scale is not None:
+                        g = g * scale.to(g.device)
+                    self._reference(p, g, states, step, group, None)
+                    self._writer.write(p, 0, p.numel(), targets)
+                    continue
+                flat = [p.view(-1), g.view(-1)] + [s.view(-1) for s in states]
+                for start in range(0, p.numel(), PIECE_ELEMS):
+                    end = min(p.numel(), start + PIECE_ELEMS)
+                    pp, gp, *sp = (t[start:end] for t in flat)
+                    if scale is not None and not self._kernel_scales:
+                        gp.mul_(scale)
+                    kwargs = {"grad_scale": 1.0 / scale} if scale is not None and self._kernel_scales else {}
+                    self._kernel([pp], [gp], [[x] for x in sp], [step], group, **kwargs)
+                    self._writer.write(p, start, end, targets)
+        self._writer.finish()
+
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, but keep the saved state dtypes (torch would cast fp32 states to a bf16 param's dtype)."""
         saved_groups = state_dict["param_groups"]
@@ -172,7 +239,7 @@ class _CPUOptimizerBase(torch.optim.Optimizer):
         raise NotImplementedError
 
 
-class CPUAdam(_CPUOptimizerBase):
+class CPUAdam(CPUOptimizerBase):
     """DeepSpeedCPUAdam: Adam (L2 weight decay) or AdamW (decoupled, ``adamw_mode=True``) on CPU."""
 
     _state_keys = ("exp_avg", "exp_avg_sq")
@@ -195,11 +262,13 @@ class CPUAdam(_CPUOptimizerBase):
             group.setdefault("amsgrad", False)
             group.setdefault("bias_correction", True)
 
+    _kernel_scales = True
+
     def _check_group(self, group):
         if group.get("amsgrad", False):
             raise RuntimeError("CPUAdam does not support the AMSGrad variant.")
 
-    def _kernel(self, params, grads, states, steps, group):
+    def _kernel(self, params, grads, states, steps, group, grad_scale: torch.Tensor | None = None):
         beta1, beta2 = group["betas"]
         if group["bias_correction"]:
             step_ts = [torch.tensor(float(s)) for s in steps]
@@ -208,7 +277,8 @@ class CPUAdam(_CPUOptimizerBase):
         wd = float(group["weight_decay"])
         fn = torch._fused_adamw_ if (self.adam_w_mode and wd) else torch._fused_adam_
         fn(params, grads, states[0], states[1], [], step_ts, lr=float(group["lr"]), beta1=float(beta1),
-           beta2=float(beta2), weight_decay=wd, eps=float(group["eps"]), amsgrad=False, maximize=False)
+           beta2=float(beta2), weight_decay=wd, eps=float(group["eps"]), amsgrad=False, maximize=False,
+           grad_scale=grad_scale)
 
     def _reference(self, p, g, states, step, group, lowp):
         beta1, beta2 = group["betas"]

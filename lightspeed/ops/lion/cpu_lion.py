@@ -9,12 +9,12 @@ from typing import Iterable
 
 import torch
 
-from lightspeed.ops.adam.cpu_adam import CHUNK_ELEMS, _CPUOptimizerBase
+from lightspeed.ops.adam.cpu_adam import CHUNK_ELEMS, CPUOptimizerBase
 
 from .reference import lion_step
 
 
-class CPULion(_CPUOptimizerBase):
+class CPULion(CPUOptimizerBase):
     """DeepSpeedCPULion: sign of the interpolated momentum, decoupled weight decay."""
 
     _state_keys = ("exp_avg",)

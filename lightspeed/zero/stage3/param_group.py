@@ -52,6 +52,7 @@ from lightspeed._utils.flat import FlatLayout, flat_views
 from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.ops.lowp_writer import LowpWriter
 from lightspeed.zero.partition import Range, shard_range
 from lightspeed.zero.stage3.zero_param import as_zero_parameter
 
@@ -328,13 +329,18 @@ class ParamGroup:
             self._lp_written()
             self.shard_changed()
 
-    def copy_master_to_lp(self) -> None:
+    def copy_master_to_lp(self, writer: LowpWriter | None = None) -> None:
         """The lp shard from the master (a fp32 run without masters stepped or loaded the lp shard itself:
-        either way it may have changed)."""
+        either way it may have changed). A master in host memory with the lp shard on the device goes
+        through `writer`'s staged copies when given (ops/lowp_writer.py)."""
         self.shard_changed()
         if self.master_shard is not None:
             self.lp_in()
-            self.lp_shard.copy_(self.master_shard)
+            if writer is not None and self.master_shard.device != self.lp_shard.device:
+                writer.write(self.master_shard, 0, self.master_shard.numel(), [(0, self.lp_shard)])
+                writer.finish()
+            else:
+                self.lp_shard.copy_(self.master_shard)
             self._lp_written()
 
     def copy_lp_to_master(self) -> None:

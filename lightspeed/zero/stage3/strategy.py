@@ -57,6 +57,7 @@ from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.units import LeafRule, choose_units, compile_regions
 from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
 from lightspeed.zero.memory import MemoryTally
+from lightspeed.ops.lowp_writer import LowpWriter
 from lightspeed.zero.optimizers import check_optimizer, fused_step
 
 logger = get_logger(__name__)
@@ -129,12 +130,13 @@ class Stage3Strategy:
         self.options = options or Stage3Options()
         self.offload = offload if offload is not None else OffloadPolicy()
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
-        # the optimizer unscales, clips and writes the lp shards; not when a shard lives in host memory
-        self._fused = fused_step(optimizer) and not self.offload.enabled
+        # the optimizer unscales, clips and writes the lp shards (zero/optimizers.py says when)
+        self._fused = fused_step(optimizer, self.offload)
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
         self.collectives = collectives or Collectives.default(comm)
+        self._lowp_writer = LowpWriter()  # host masters -> device lp shards, outside the fused step
         self.device = torch.device(device) if device is not None else self._infer_device(module)
         self.gather_16bit_weights_on_model_save = self.options.gather_16bit_weights_on_model_save
         stream = Stream(self.device) if self.device.type == "cuda" else None
@@ -164,7 +166,7 @@ class Stage3Strategy:
         swapped = [g for g in trainable if g.offload.offloads_optimizer]
         self._runner = StepRunner(self._views, self.collectives.all_reduce, write_back=self._write_back,
                                   to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
-                                  write_sub_group=lambda i: swapped[i].copy_master_to_lp(),
+                                  write_sub_group=lambda i: swapped[i].copy_master_to_lp(self._lowp_writer),
                                   after_swapped=lambda: self.coordinator.release_all(force=True),
                                   copied_early=[g.master_grad_shard for g in swapped])
         self._param_swapper = self._param_swap() if self.offload.param == "nvme" else None
@@ -417,7 +419,7 @@ class Stage3Strategy:
             if self._views.optimizer_writes_lowp:
                 g.shard_changed()  # the optimizer wrote the lp shard itself
             else:
-                g.copy_master_to_lp()
+                g.copy_master_to_lp(self._lowp_writer)
         self.coordinator.release_all(force=True)
 
     def flush(self) -> None:
@@ -459,7 +461,7 @@ class Stage3Strategy:
         self.flush()
         self._masters_in()
         for g in self.groups:
-            g.copy_master_to_lp()
+            g.copy_master_to_lp(self._lowp_writer)
         self.coordinator.release_all(force=True)
         self._masters_out()
 

@@ -95,3 +95,23 @@ def test_optimizer_snapshot_keeps_its_hyperparameters():
     snap.step()
     torch.testing.assert_close(p.detach(), torch.full((3,), 0.5))
     assert snap.state is opt.state
+
+
+def test_which_offloaded_steps_the_cpu_optimizer_fuses():
+    """CPU optimizer offload hands the CPU optimizer the coefficient and the device copies (the piece
+    pipeline); not NVMe, partial offload, parameters on NVMe, the overlapped step, or a torch optimizer."""
+    from lightspeed.ops.adam import CPUAdam, FusedAdam
+    from lightspeed.offload.policy import OffloadPolicy
+    from lightspeed.zero.optimizers import fused_step
+
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    cpu = CPUAdam(p)
+    assert fused_step(cpu, OffloadPolicy(optimizer="cpu"))
+    assert fused_step(cpu, OffloadPolicy(optimizer="cpu", param="cpu"))
+    assert not fused_step(cpu, OffloadPolicy(optimizer="nvme", optimizer_nvme_path="/x"))
+    assert not fused_step(cpu, OffloadPolicy(optimizer="cpu", param="nvme", param_nvme_path="/x"))
+    assert not fused_step(cpu, OffloadPolicy(optimizer="cpu", ratio=0.5))
+    assert not fused_step(cpu, OffloadPolicy(optimizer="cpu", overlap_step=True))
+    assert not fused_step(torch.optim.AdamW(p), OffloadPolicy(optimizer="cpu"))
+    assert not fused_step(cpu) and not fused_step(cpu, OffloadPolicy())  # no offload: only device optimizers
+    assert fused_step(FusedAdam(p)) == FusedAdam(p).fuses_lowp_out

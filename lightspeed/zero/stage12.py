@@ -61,6 +61,11 @@ from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage0 import broadcast_unflattened
 
 MAX_INFLIGHT_REDUCES = 2  # stage 2: reductions in flight at once (each holds a bucket-sized staging buffer)
+# optimizer offload: the largest layout bucket. The bucket sizes are upper bounds (DeepSpeed: they limit
+# the memory of a reduction); DeepSpeed's default of 5e8 elements makes a GPT-2-medium one bucket, so
+# its copy to the host could only start when backward ends (the offloaded forward + backward took
+# 75.1 ms against 48.1 without offload, 355M on one H200, 2026-12-02, benchmarks/offload.py --phases)
+OFFLOAD_BUCKET_NUMEL = 1 << 25
 
 @dataclass
 class Shard:
@@ -113,6 +118,8 @@ class ShardedStrategy:
                 # a layout bucket is both the reduce-scatter and the all-gather unit: bound it by both sizes
                 bucket_numel = min(reduce.bucket_numel, reduce.allgather_bucket_numel) or max(
                     reduce.bucket_numel, reduce.allgather_bucket_numel)
+                if host:  # the copies to the host go bucket by bucket: small enough to run under backward
+                    bucket_numel = min(bucket_numel or OFFLOAD_BUCKET_NUMEL, OFFLOAD_BUCKET_NUMEL)
                 flat = FlatParams(dtype_params, policy.grad_accum_dtype, keep_master=False,
                                   bucket_numel=bucket_numel, world_size=world,
                                   names=[names[id(p)] for p in dtype_params], full_grads=stage == 1)

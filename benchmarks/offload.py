@@ -225,6 +225,8 @@ def main():
                 results.append(Result(f"{system} ZeRO-{stage} {variant}", note=f"failed: {tail[:120]}"))
             else:
                 results.append(Result(**json.loads(line[len("RESULT "):])))
+            r = results[-1]  # each row as it comes: a run cut short by a time limit still reports
+            print(f"  {r.name}: {r.ms_per_step:.1f} ms/step, {r.peak_gib:.2f} GiB  {r.note}", flush=True)
         print_table(results, f"lightspeed ZeRO-{args.stages[0]} none")
 
 

@@ -14,6 +14,12 @@ reduce-scattered as soon as the bucket is complete and freed, the result accumul
 The optimizer steps one fp32 tensor per flat buffer (the master shard), so optimizers that treat each
 element independently (Adam, AdamW, Adagrad, Lion, SGD) give the unsharded results exactly.
 
+Note (one rank): with a data-parallel world of one the shard is the whole flat buffer, so there is
+nothing to reduce and nowhere else for gradients to go: both stages let autograd accumulate into
+`grad_flat` (the parameters' `.grad` are its views, as stage 1's), which is the shard's `grad`, and
+skip the reduce-scatter, the stage-2 staging and the copy into the shard. What a single-GPU ZeRO-2
+run then holds is one gradient buffer, as DeepSpeed's, without a staging bucket.
+
 DeepSpeed's keys: `reduce_bucket_size` and `allgather_bucket_size` both bound the layout bucket (the
 unit of reduce-scatter and all-gather); `overlap_comm` false waits on each reduction as soon as it
 is launched (true lets it run under the rest of backward: NCCL runs it on its own stream);
@@ -107,6 +113,9 @@ class ShardedStrategy:
         self.collectives = collectives or Collectives.default(comm)
         self._lowp_writer = LowpWriter()  # host masters -> device parameters, outside the fused step
         world, rank = comm.world_size, comm.rank
+        # one rank (Note: one rank): gradients accumulate in the flat buffer, which is the shard
+        self._solo = world == 1
+        self._in_flat = stage == 1 or self._solo
         names = {id(p): n for n, p in module.named_parameters()}
         self.shards: list[Shard] = []
         self._shard_of: dict[int, Shard] = {}
@@ -122,10 +131,11 @@ class ShardedStrategy:
                     bucket_numel = min(bucket_numel or OFFLOAD_BUCKET_NUMEL, OFFLOAD_BUCKET_NUMEL)
                 flat = FlatParams(dtype_params, policy.grad_accum_dtype, keep_master=False,
                                   bucket_numel=bucket_numel, world_size=world,
-                                  names=[names[id(p)] for p in dtype_params], full_grads=stage == 1)
+                                  names=[names[id(p)] for p in dtype_params], full_grads=self._in_flat)
                 chunks = owned_chunks(flat.buckets, world, rank)
                 numel = flat.layout.padded_numel // world
-                grad = torch.zeros(numel, dtype=policy.grad_accum_dtype, device=flat.device)
+                grad = flat.grad_flat if self._solo else torch.zeros(numel, dtype=policy.grad_accum_dtype,
+                                                                     device=flat.device)
                 if host:
                     pin = self.offload.optimizer_pin_memory
                     # a swapped master frees and re-allocates its storage: never pinned
@@ -150,7 +160,7 @@ class ShardedStrategy:
         self._staging: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> staged gradients
         # stage 2: at most MAX_INFLIGHT_REDUCES staging buffers alive (not every bucket's until the step)
         self.buckets = GradBuckets([s.flat for s in self.shards], self._launch,
-                                   max_inflight=MAX_INFLIGHT_REDUCES if stage == 2 else None)
+                                   max_inflight=None if self._in_flat else MAX_INFLIGHT_REDUCES)
         # GradBuckets numbers the buckets flat by flat, plan by plan: the same order as the chunks
         self._targets = [(s, r, pos) for s in self.shards for r, pos in s.chunks]
         self._boundary = True
@@ -268,14 +278,14 @@ class ShardedStrategy:
     def backward_start(self, is_boundary: bool) -> None:
         self._boundary = is_boundary
         self._runner.backward_start(is_boundary)
-        if is_boundary or self.stage == 2:
+        if is_boundary or not self._in_flat:
             self.buckets.reset()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         shard = self._shard_of[id(param)]
         flat, i = shard.flat, shard.flat.index[id(param)]
         grad = param.grad
-        if self.stage == 1:
+        if self._in_flat:
             view = flat.grad_views[i]
             if grad is None or grad.data_ptr() != view.data_ptr():
                 if grad is not None:
@@ -297,6 +307,13 @@ class ShardedStrategy:
     def _launch(self, bucket: Bucket) -> PendingReduce:
         shard, chunk, pos = self._targets[bucket.index]
         world = self.comm.world_size
+        if self._solo:  # nothing to reduce: the bucket's gradients are already this rank's shard
+            pending = PendingReduce(None, bucket.grad, bucket.grad, 1.0)
+            if self._boundary and self._runner.to_host is not None:
+                pending = PendingToHost(pending, bucket.grad, shard.master_grad[pos:pos + chunk.numel],
+                                        self._runner.to_host)
+                pending.wait()  # queued on the copy stream: the compute stream goes on
+            return pending
         if self.stage == 1:
             send, post = self.reduce.prepare(bucket.grad, world)
         else:
@@ -324,9 +341,9 @@ class ShardedStrategy:
         return pending
 
     def backward_end(self) -> None:
-        if self._boundary or self.stage == 2:
+        if self._boundary or not self._in_flat:
             self.buckets.flush()
-        if self.stage == 2 and not self._boundary:
+        if not self._in_flat and not self._boundary:
             self.buckets.wait()  # gradients of this micro-step are in the shard; staging is freed
 
     def wait_gradients(self) -> None:
@@ -350,7 +367,7 @@ class ShardedStrategy:
         self._runner.zero_grad()
         for s in self.shards:
             s.grad.zero_()
-            if s.flat.grad_flat is not None:
+            if s.flat.grad_flat is not None and s.flat.grad_flat is not s.grad:
                 s.flat.grad_flat.zero_()
 
     def use_tensor_parallel(self, is_sharded, all_reduce) -> None:
@@ -414,7 +431,7 @@ class ShardedStrategy:
             tally.add_tensor("grads", s.grad)
             if s.master_grad is not s.grad:
                 tally.add_tensor("grads", s.master_grad)
-            if s.flat.grad_flat is not None:
+            if s.flat.grad_flat is not None and s.flat.grad_flat is not s.grad:
                 tally.add_tensor("grads", s.flat.grad_flat)
         tally.add_optimizer_state(self.optimizer)
         return tally.bytes

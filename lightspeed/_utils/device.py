@@ -49,6 +49,14 @@ class Stream:
         if self._stream is not None and tensor.is_cuda:
             tensor.record_stream(self._stream)
 
+    def record_event(self):
+        """An event marking the work queued on this stream so far (None on CPU, where it is done)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
     def synchronize(self) -> None:
         """Block the host until the work queued on this stream is done."""
         if self._stream is not None:

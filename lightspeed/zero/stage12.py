@@ -189,7 +189,7 @@ class ShardedStrategy:
         self._runner = StepRunner(self._views, self.collectives.all_reduce, write_back=self._write_back,
                                   to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
                                   write_sub_group=lambda i: self._all_gather_params(stepped[i]),
-                                  copied_early=[s.master_grad for s in self.shards])
+                                  copied_early=[s.master_grad for s in self.shards], early_ranges=True)
         param_access.register(self, self._shard_of_params())
         for s in self.shards:
             if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
@@ -313,6 +313,7 @@ class ShardedStrategy:
                 pending = PendingToHost(pending, bucket.grad, shard.master_grad[pos:pos + chunk.numel],
                                         self._runner.to_host)
                 pending.wait()  # queued on the copy stream: the compute stream goes on
+                self._runner.host_copy_queued(shard.master, pos, pos + chunk.numel)
             return pending
         if self.stage == 1:
             send, post = self.reduce.prepare(bucket.grad, world)
@@ -335,6 +336,7 @@ class ShardedStrategy:
             dev = shard.grad[pos:pos + chunk.numel]
             pending = PendingToHost(pending, dev, shard.master_grad[pos:pos + chunk.numel], self._runner.to_host)
             pending.wait()  # queued on the copy stream: the compute stream goes on
+            self._runner.host_copy_queued(shard.master, pos, pos + chunk.numel)
             return pending
         if not self.reduce.overlap_comm:
             pending.wait()

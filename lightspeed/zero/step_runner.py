@@ -2,8 +2,9 @@
 one step behind (``offload_optimizer.overlap_step``): one object every ZeRO stage above 0 drives.
 
 Owns: the choice among the plain step (`sharded_step`), the swapped step (each NVMe sub-group read,
-stepped, written back and swapped out in turn: `offload/swapped_step.py`) and the overlapped step
-(the optimizer step on a background thread: `offload/overlap.py`); the state those carry across
+stepped, written back and swapped out in turn: `offload/swapped_step.py`), the overlapped step
+(the optimizer step on a background thread: `offload/overlap.py`) and the early step (each range
+stepped during backward as its gradients reach the host: `offload/early_step.py`); the state those carry across
 calls (the side stream of the early device-to-host gradient copies and whether this step's copies
 were issued, the update not yet written into the parameters); and `flush`, which every reader of the
 parameters or masters calls first. Must not: know a stage or how parameters are laid out: the
@@ -19,6 +20,7 @@ import torch
 
 from lightspeed._utils.device import Stream
 from lightspeed.comm.codecs import AllReduce
+from lightspeed.offload.early_step import EarlyStep
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
 from lightspeed.offload.swapped_step import SwappedOptimizerState
 from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
@@ -31,12 +33,14 @@ class StepRunner:
     `overlap_step`), `swap` the NVMe-swapped optimizer state, `overlap` the one-step-delayed update.
     `write_back()` writes every stepped master into the parameters; `write_sub_group(i)` writes the
     i-th swapped sub-group's; `after_swapped()` runs once a swapped step has written them all.
-    `copied_early` are the host `master_grads` entries the strategy fills through `to_host`."""
+    `copied_early` are the host `master_grads` entries the strategy fills through `to_host`;
+    `early_ranges`: the strategy reports each range it copies there (`host_copy_queued`), so the early
+    step can run."""
 
     def __init__(self, views: ShardViews, agree: AllReduce | None, *, write_back: Callable[[], None],
                  to_host: Stream | None = None, swap: SwappedOptimizerState | None = None, overlap: bool = False,
                  write_sub_group: Callable[[int], None] | None = None, after_swapped: Callable[[], None] | None = None,
-                 copied_early: list[torch.Tensor] = ()):
+                 copied_early: list[torch.Tensor] = (), early_ranges: bool = False):
         self.views = views
         self.agree = agree
         self.to_host = to_host
@@ -49,6 +53,15 @@ class StepRunner:
         self.host_filled = False  # this step's boundary copies to the host have been issued
         if to_host is not None:
             views.early_filled = frozenset(id(g) for g in copied_early)
+        # the early step (offload/early_step.py): a CPU optimizer taking the ZeRO step by ranges, with
+        # the gradients copied to the host early; exact only without clipping and loss scaling, which
+        # the previous step's arguments tell (`_early_exact`; a config does not change between steps)
+        self._early_possible = (early_ranges and to_host is not None and views.fused
+                                and hasattr(views.optimizer, "begin_zero_step"))
+        self._early_exact = False
+        self._early: EarlyStep | None = None
+        self._stepped = {id(t) for t in views.opt_grads}  # the optimizer's tensors (by id: no tensor ==)
+        self.early_ranges = 0  # ranges stepped during backward so far (for tests and the log)
 
     def backward_start(self, is_boundary: bool) -> None:
         """A backward begins: at the boundary the gradient copies to the host are issued as each
@@ -56,6 +69,15 @@ class StepRunner:
         self.host_filled = is_boundary and self.to_host is not None
         if is_boundary and self.swap is not None:
             self.swap.prefetch(0)
+        if is_boundary and self._early_possible and self._early_exact and self._early is None:
+            self.views.optimizer.begin_zero_step(self.views.opt_grads, None, self.views.lowp_out)
+            self._early = EarlyStep(self.views.optimizer)
+
+    def host_copy_queued(self, master: torch.Tensor, start: int, end: int) -> None:
+        """The strategy queued the copy of `master`'s gradient elements [start, end) to the host (at the
+        boundary, on `to_host`): with the early step on, the CPU optimizer steps them once it lands."""
+        if self._early is not None and id(master) in self._stepped:
+            self._early.submit(self.to_host.record_event(), master, start, end)
 
     def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
         """One step over reduced gradients (the strategy waited for its reductions)."""
@@ -65,6 +87,18 @@ class StepRunner:
             self.to_host.make_current_wait()  # the device reads the reduced shards (overflow, norm)
             self.to_host.synchronize()  # the CPU optimizer reads the host copies
         check = check_overflow if check_overflow is not None else loss_scale is not None
+        exact = loss_scale is None and max_norm <= 0 and not check
+        self._early_exact = exact
+        if self._early is not None:
+            early, self._early = self._early, None
+            early.finish()
+            self.early_ranges += early.ranges
+            if not exact:
+                raise RuntimeError("the offloaded step ran during backward, but this step clips or scales the "
+                                   "gradients (gradient_clipping / loss scaling changed between steps)")
+            result, _ = prepare_step(self.views, None, 0.0, check_overflow=False, agree=self.agree)  # the norm
+            self._write_back()
+            return result
         if self._background is not None:
             return self._overlapped(loss_scale, max_norm, check)
         if self.swap is not None:

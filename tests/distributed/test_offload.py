@@ -124,6 +124,33 @@ def test_offloaded_fp32_runs_equal_the_reference(world):
         assert got[2] > 0.05
 
 
+def _early_worker():
+    out = {}
+    for name, cfg in {"early": _config(2, gas=2, zero_optimization=_zero(2, **OPT_CPU)),
+                      "stage1": _config(2, zero_optimization=_zero(1, **OPT_CPU)),
+                      "clipped": _config(2, gas=2, gradient_clipping=0.05, zero_optimization=_zero(2, **OPT_CPU))}.items():
+        engines: list = []
+        losses, state, norm = train(STEPS, cfg, engines)
+        out[name] = (losses, state, norm, engines[0].strategy._runner.early_ranges)
+    return out
+
+
+def test_without_clipping_the_cpu_optimizer_steps_each_bucket_during_backward():
+    """Optimizer offload, stages 1-2, no clipping and no loss scaling: from the second step on, each
+    bucket's range is stepped as its gradients reach the host (offload/early_step.py), with the
+    reference's losses and parameters (accumulation included); with clipping the step waits."""
+    ref, ref_state = reference_losses(STEPS)
+    clip_ref, clip_state = reference_losses(STEPS, clip=0.05)
+    out = run_world(_early_worker, 2)[0]
+    for name in ("early", "stage1"):
+        losses, state, norm, ranges = out[name]
+        _assert_matches((losses, state, norm), ref, ref_state)
+        assert ranges >= (STEPS - 1) * 2, name  # every bucket of every step after the first (several buckets)
+    losses, state, norm, ranges = out["clipped"]
+    _assert_matches((losses, state, norm), clip_ref, clip_state)
+    assert ranges == 0
+
+
 def _bf16_and_overlap_worker(tmp: str):
     bf16 = {"bf16": {"enabled": True}}
     out = {}

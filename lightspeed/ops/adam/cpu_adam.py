@@ -50,16 +50,19 @@ class CPUOptimizerBase(torch.optim.Optimizer):
         self.fp32_optimizer_states = fp32_optimizer_states
         self._scratch: list[torch.Tensor] = []
         self._writer: LowpWriter | None = None
+        self._spans: dict = {}  # the ZeRO step in progress: param -> (group, grad, step, scale, targets)
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_scratch", [])
         self.__dict__.setdefault("fp32_optimizer_states", True)
         self.__dict__.setdefault("_writer", None)
+        self.__dict__.setdefault("_spans", {})
 
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_writer", None)  # pinned staging and CUDA streams are rebuilt on use
+        state.pop("_spans", None)
         return state
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -184,9 +187,20 @@ class CPUOptimizerBase(torch.optim.Optimizer):
 
     def _zero_step(self, grads, grad_scale, lowp_out) -> None:
         """The ZeRO step: fp32 params stepped piece by piece, each piece written out as it is done."""
+        spans = self.begin_zero_step(grads, grad_scale, lowp_out)
+        for p in spans:
+            self.zero_step_range(p, 0, p.numel())
+        self.end_zero_step()
+
+    def begin_zero_step(self, grads, grad_scale=None, lowp_out=None) -> list[torch.Tensor]:
+        """Start a ZeRO step that `zero_step_range` then applies range by range (ZeRO-Offload steps
+        each bucket's range as its gradient reaches the host): every param with a gradient in `grads`
+        counts one step now. Returns those params; `end_zero_step` finishes the copies."""
         if self._writer is None:
             self._writer = LowpWriter(PIECE_ELEMS)
         scale = None if grad_scale is None else torch.as_tensor(grad_scale, dtype=torch.float32).to("cpu").reshape(())
+        lowp_out = lowp_out or {}
+        self._spans = {}
         for group in self.param_groups:
             self._check_group(group)
             for p in group["params"]:
@@ -197,25 +211,36 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self._init_state(p)
                 state["step"] += 1
-                step = state["step"]
-                states = [state[k] for k in self._state_keys]
-                targets = lowp_out.get(p, ())
-                if not (self._fast_ok(p, g, states) and all(t.dtype == torch.float32 for t in (p, g, *states))):
-                    # mixed precision or odd layouts: the whole param through the plain path
-                    if scale is not None:
-                        g = g * scale.to(g.device)
-                    self._reference(p, g, states, step, group, None)
-                    self._writer.write(p, 0, p.numel(), targets)
-                    continue
-                flat = [p.view(-1), g.view(-1)] + [s.view(-1) for s in states]
-                for start in range(0, p.numel(), PIECE_ELEMS):
-                    end = min(p.numel(), start + PIECE_ELEMS)
-                    pp, gp, *sp = (t[start:end] for t in flat)
-                    if scale is not None and not self._kernel_scales:
-                        gp.mul_(scale)
-                    kwargs = {"grad_scale": 1.0 / scale} if scale is not None and self._kernel_scales else {}
-                    self._kernel([pp], [gp], [[x] for x in sp], [step], group, **kwargs)
-                    self._writer.write(p, start, end, targets)
+                self._spans[p] = (group, g, state["step"], scale, lowp_out.get(p, ()))
+        return list(self._spans)
+
+    def zero_step_range(self, p: torch.Tensor, start: int, end: int) -> None:
+        """Step elements [start, end) of `p` (flat) in the ZeRO step `begin_zero_step` started and
+        copy them to their low-precision targets; each element once per step."""
+        group, g, step, scale, targets = self._spans[p]
+        state = self.state[p]
+        states = [state[k] for k in self._state_keys]
+        if not (self._fast_ok(p, g, states) and all(t.dtype == torch.float32 for t in (p, g, *states))):
+            # mixed precision or odd layouts: the plain path on flat views of the range
+            pr, gr = p.view(-1)[start:end], g.view(-1)[start:end]
+            if scale is not None:
+                gr = gr * scale.to(g.device)
+            self._reference(pr, gr, [x.view(-1)[start:end] for x in states], step, group, None)
+            self._writer.write(p, start, end, targets)
+            return
+        flat = [p.view(-1), g.view(-1)] + [x.view(-1) for x in states]
+        kwargs = {"grad_scale": 1.0 / scale} if scale is not None and self._kernel_scales else {}
+        for lo in range(start, end, PIECE_ELEMS):
+            hi = min(end, lo + PIECE_ELEMS)
+            pp, gp, *sp = (t[lo:hi] for t in flat)
+            if scale is not None and not self._kernel_scales:
+                gp.mul_(scale)
+            self._kernel([pp], [gp], [[x] for x in sp], [step], group, **kwargs)
+            self._writer.write(p, lo, hi, targets)
+
+    def end_zero_step(self) -> None:
+        """The copies of this ZeRO step are ordered before the compute stream's next work."""
+        self._spans = {}
         self._writer.finish()
 
     def load_state_dict(self, state_dict: dict) -> None:

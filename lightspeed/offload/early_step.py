@@ -1,0 +1,69 @@
+"""The early offloaded step: the CPU optimizer steps each bucket's range of the masters as soon as
+that bucket's gradients reach host memory, while backward goes on (ZeRO-Offload's overlap of the CPU
+step with the gradient transfers).
+
+Exact only where no step-wide quantity changes the update: no gradient clipping (its coefficient
+needs every gradient's norm) and no loss scaling (its overflow check needs every gradient). The step
+runner (zero/step_runner.py) decides per step; otherwise the optimizer steps after backward as usual.
+
+Owns: one worker thread per step, the queue of ready ranges (each with the event of its copy to the
+host), and re-raising the worker's error in the caller. Must not: decide when stepping early is exact,
+or issue the copies (the strategy does, on the step runner's copy stream).
+
+Note (parameters written during backward): each stepped range goes to the device parameters at once
+(the CPU optimizer's low-precision writer, on its side stream). A bucket is complete only when every
+parameter in it has its gradient for this step, so backward no longer reads those parameters (a
+parameter used twice, tied weights, gets its gradient once, after its last use); the forward of the
+next step is ordered after the copies by the step's `end_zero_step`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+class EarlyStep:
+    """Steps ranges of `optimizer`'s params in a background thread, in the order they are submitted.
+    `optimizer` is a CPU optimizer in the middle of a ZeRO step (`begin_zero_step` was called)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self.ranges = 0
+        self._thread = threading.Thread(target=self._run, name="lightspeed-early-offload-step", daemon=True)
+        self._thread.start()
+
+    def submit(self, event, param: torch.Tensor, start: int, end: int) -> None:
+        """Step `param[start:end]` once `event` (the copy of its gradient to the host; None: done) is."""
+        self._queue.put((event, param, start, end))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # drain after a failure; finish() re-raises it
+            event, param, start, end = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                with torch.no_grad():
+                    self.optimizer.zero_step_range(param, start, end)
+                self.ranges += 1
+            except BaseException as err:  # re-raised by finish()
+                self._error = err
+
+    def finish(self) -> None:
+        """Wait for every submitted range; then the optimizer's copies are ordered before the compute
+        stream's next work (`end_zero_step`)."""
+        self._queue.put(None)
+        self._thread.join()
+        self.optimizer.end_zero_step()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("the offloaded optimizer step during backward failed") from err

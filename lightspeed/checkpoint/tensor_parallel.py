@@ -39,7 +39,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.atomic import read_latest
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.source import MASTER_KEY
-from lightspeed.checkpoint.universal import open_source
+from lightspeed.checkpoint.universal import has_state, open_source
 from lightspeed.parallel.tensor_parallel import TPLayout, tp_layouts
 
 logger = get_logger(__name__)
@@ -66,16 +66,6 @@ def record_layouts(record: dict[str, Any], where) -> dict[str, TPLayout]:
                 for name, (style, role, shape, transposed) in record["layouts"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{where}: malformed tensor_parallel record ({err})") from None
-
-
-def _has_state(source, name: str, key: str) -> bool:
-    if hasattr(source, "has_state"):
-        return source.has_state(name, key)
-    try:
-        source.read(name, key)
-    except KeyError:
-        return False
-    return True
 
 
 class _OneTensorCache:
@@ -146,7 +136,7 @@ class MergedTPSource:
 
     def has_state(self, name: str, key: str) -> bool:
         sources = self.sources if self._split(name) is not None else self.sources[:1]
-        return all(_has_state(source, name, key) for source in sources)
+        return all(has_state(source, name, key) for source in sources)
 
     def module_state(self) -> dict[str, torch.Tensor]:
         states = [source.module_state() for source in self.sources]
@@ -209,7 +199,7 @@ class SlicedTPSource:
         return self._cache.range(name, key, start, end)
 
     def has_state(self, name: str, key: str) -> bool:
-        return _has_state(self.whole, name, key)
+        return has_state(self.whole, name, key)
 
     def module_state(self) -> dict[str, torch.Tensor]:
         out = dict(self.whole.module_state())

@@ -238,7 +238,8 @@ def _read_piece(source, name: str, key: str, start: int, end: int) -> torch.Tens
     return source.read(name, key).reshape(-1)[start:end].to(torch.float32)
 
 
-def _has_state(source, name: str, key: str) -> bool:
+def has_state(source, name: str, key: str) -> bool:
+    """Whether `source` holds optimizer state `key` of parameter `name`."""
     if hasattr(source, "has_state"):
         return source.has_state(name, key)
     try:
@@ -291,13 +292,13 @@ def _optimizer_state(source, fragments: list[Fragment], optimizer: torch.optim.O
         for tensor in group["params"]:
             ids.append(index)
             frags = by_owner.get(id(tensor), [])
-            held = [f for f in frags if any(_has_state(source, f.name, k) for k in keys)]
+            held = [f for f in frags if any(has_state(source, f.name, k) for k in keys)]
             if held and group_of.get(id(tensor)) == gi:
                 entry: dict[str, Any] = dict(saved_groups[gi]["scalars"])
                 for key in keys:
                     buf = torch.zeros(tensor.numel(), dtype=torch.float32)
                     for f in frags:
-                        if _has_state(source, f.name, key):
+                        if has_state(source, f.name, key):
                             buf[f.offset:f.offset + f.numel] = _read_piece(source, f.name, key, f.start, f.end)
                     entry[key] = buf.view(tensor.shape)
                 state[index] = entry

@@ -100,12 +100,18 @@ def test_gradient_clipping_matches_clip_grad_norm():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("extra", [{"prescale_gradients": True}, {"gradient_predivide_factor": 2.0},
-                                   {"communication_data_type": "fp32"}])
-def test_reduction_options_keep_the_average(extra):
+REDUCTION_OPTIONS = ({"prescale_gradients": True}, {"gradient_predivide_factor": 2.0},
+                     {"communication_data_type": "fp32"})
+
+
+def _reduction_options():
+    return [engine_losses(STEPS, _config(4, **extra))[0] for extra in REDUCTION_OPTIONS]
+
+
+def test_reduction_options_keep_the_average():
     ref, _ = reference_losses(STEPS)
-    (losses, _, _), *_ = run_world(engine_losses, 4, STEPS, _config(4, **extra))
-    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-7)
+    for extra, losses in zip(REDUCTION_OPTIONS, run_world(_reduction_options, 4)[0]):  # one world for all
+        assert losses == pytest.approx(ref, rel=1e-5, abs=1e-7), extra
 
 
 def test_bf16_training_tracks_fp32():
@@ -175,6 +181,9 @@ def _bf16_nan_run(check: bool):
     return engine.skipped_steps, finite, unchanged
 
 
+def _bf16_nan_runs():
+    return _bf16_nan_run(True), _bf16_nan_run(False)
+
+
 def test_bf16_check_grad_overflow_skips_nan_steps():
-    assert run_world(_bf16_nan_run, 2, True) == [(1, True, True)] * 2
-    assert run_world(_bf16_nan_run, 2, False) == [(0, False, False)] * 2
+    assert run_world(_bf16_nan_runs, 2) == [((1, True, True), (0, False, False))] * 2

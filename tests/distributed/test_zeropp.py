@@ -103,9 +103,18 @@ def _moved(wire: dict) -> int:
 TOLERANCE = {"hpz": 0.0, "qwz": 0.05, "frozen": 0.02, "qgz": 0.1, "all": 0.12}
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["fp32", "bf16"])
-def runs(request):
-    return run_world(_runs, WORLD, request.param, env=NODE_ENV)
+def _runs_both():
+    return {bf16: _runs(bf16) for bf16 in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def both_runs():
+    return run_world(_runs_both, WORLD, env=NODE_ENV)  # one world for fp32 and bf16
+
+
+@pytest.fixture(params=[False, True], ids=["fp32", "bf16"])
+def runs(request, both_runs):
+    return [rank[request.param] for rank in both_runs]
 
 
 def test_losses_within_quantization_tolerance(runs):
@@ -264,8 +273,12 @@ def _refused(options: dict, offload: bool = False):
     return None
 
 
+def _refusals():
+    return _refused({"zero_hpz_partition_size": 4}), _refused({"zero_quantized_nontrainable_weights": True}, True)
+
+
 def test_refusals():
-    msg = run_world(_refused, 2, {"zero_hpz_partition_size": 4})[0]
+    msg, msg2 = run_world(_refusals, 2)[0]
     assert msg.startswith("ConfigError: zero_optimization.zero_hpz_partition_size") and "(2)" in msg
-    msg = run_world(_refused, 2, {"zero_quantized_nontrainable_weights": True}, True)[0]
+    msg = msg2
     assert "NotImplementedError" in msg and "zero_quantized_nontrainable_weights" in msg and "offload_param" in msg

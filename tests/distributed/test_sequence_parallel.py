@@ -243,9 +243,13 @@ def _bad_heads_worker():
     return True
 
 
-def test_sizes_that_do_not_fit_are_refused_naming_the_key():
-    assert run_world(_bad_world_worker, 2) == [True, True]
-    assert run_world(_bad_heads_worker, 2) == [True, True]
+def _refusals_worker():
+    return _bad_world_worker(), _bad_heads_worker(), _adapter_errors_worker()
+
+
+def test_sizes_that_do_not_fit_and_bad_batches_are_refused_naming_the_key():
+    """Sizes that do not fit (the world, the heads) and the data loader adapter's errors, one world."""
+    assert run_world(_refusals_worker, 2) == [(True, True, True)] * 2
 
 
 def test_one_process_cannot_be_sequence_parallel():
@@ -266,8 +270,6 @@ def _adapter_errors_worker():
     return True
 
 
-def test_data_loader_adapter_errors():
-    assert run_world(_adapter_errors_worker, 2) == [True, True]
 
 
 

@@ -18,6 +18,12 @@ inductor compile in its first warm-up step; the parent prints each run's wall ti
 
     python benchmarks/compile.py --models gpt2-medium hf-gpt2-medium
     python benchmarks/compile.py --models 1.3b
+
+`--profile` adds dynamo's counters, the device's busy fraction and the top operators of 3 more steps
+per run. `--curve N` trains N steps (no warm-up) on a learnable token pattern and compares float8's loss
+curve with bf16's (both compiled ZeRO-2), e.g. at 1.3B:
+
+    python benchmarks/compile.py --models 1.3b --only lightspeed:2:1:0 lightspeed:2:1:1 --curve 300
 """
 
 from __future__ import annotations
@@ -88,6 +94,8 @@ def run_one(args, model_name: str, system: str, stage: int, compiled: bool, floa
     base, cfg = build(model_name, args.seq, device)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (args.micro, args.seq + 1), generator=g).to(device) for _ in range(4)]
+    if args.curve:
+        batches = pattern_batches(cfg.vocab_size, args.micro, args.seq, args.curve, device)
     it = iter(range(10**9))
     reset_memory()
     name = f"{system}{'' if system != 'lightspeed' else f' ZeRO-{stage}'} {'compiled' if compiled else 'eager'}"
@@ -138,7 +146,7 @@ def run_one(args, model_name: str, system: str, stage: int, compiled: bool, floa
             engine.step()
             return loss.detach()
 
-    ms, losses = time_steps(step, args.steps, args.warmup)
+    ms, losses = time_steps(step, args.curve or args.steps, 0 if args.curve else args.warmup)
     if args.profile:
         profile_steps(step, name)
     r = Result(name, ms_per_step=ms, losses=losses)
@@ -150,6 +158,35 @@ def run_one(args, model_name: str, system: str, stage: int, compiled: bool, floa
     r.note = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
     dist.destroy_process_group()
     return r
+
+
+def pattern_batches(vocab: int, micro: int, seq: int, n: int, device) -> list[torch.Tensor]:
+    """`n` distinct batches of a learnable pattern (each token repeats the one 7 back half of the
+    time), so a loss curve shows learning rather than the entropy of random tokens."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, vocab, (n, micro, seq + 1), generator=g)
+    data[..., 7:] = torch.where(torch.rand(data[..., 7:].shape, generator=g) < 0.5, data[..., :-7], data[..., 7:])
+    return [d.to(device) for d in data]
+
+
+def compare_curves(results: list[Result]) -> None:
+    """float8 against bf16 (compiled ZeRO-2): the loss curves, smoothed over 20 steps, and their gap."""
+    by_name = {r.name: r.losses for r in results if r.losses}
+    base, f8 = by_name.get("lightspeed ZeRO-2 compiled"), by_name.get("lightspeed ZeRO-2 compiled float8")
+    if not base or not f8:
+        print("  (the curve needs both lightspeed:2:1:0 and lightspeed:2:1:1)")
+        return
+    def smooth(xs: list[float]) -> list[float]:
+        return [sum(xs[max(0, i - 19):i + 1]) / len(xs[max(0, i - 19):i + 1]) for i in range(len(xs))]
+
+    b, f = smooth(base), smooth(f8)
+    gaps = [abs(x - y) / x for x, y in zip(b, f)]
+    half = len(gaps) // 2
+    print(f"== loss curves, {len(base)} steps, smoothed over 20: bf16 {b[0]:.3f} -> {b[-1]:.3f}, float8 "
+          f"{f[0]:.3f} -> {f[-1]:.3f}; float8's gap to bf16: last {f[-1] / b[-1] - 1:+.2%}, largest over the "
+          f"second half {max(gaps[half:]):.2%}")
+    for i in range(0, len(b), max(1, len(b) // 10)):
+        print(f"  step {i + 1:>4}: bf16 {b[i]:.4f}  float8 {f[i]:.4f}")
 
 
 def profile_steps(step, name: str, steps: int = 3) -> None:
@@ -196,6 +233,8 @@ def main():
     ap.add_argument("--no-float8", action="store_true", help="skip the float8 run at 1.3B")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (keeps the script alive in CI)")
     ap.add_argument("--profile", action="store_true", help="also profile 3 steps of each run (printed)")
+    ap.add_argument("--curve", type=int, default=0, metavar="N",
+                    help="N steps on a learnable pattern, no warm-up; compares float8's loss curve with bf16's")
     ap.add_argument("--only", nargs="+", default=None, metavar="SYSTEM:STAGE:COMPILED:FLOAT8",
                     help="run only these (e.g. plain:0:1:0 lightspeed:2:1:0); the baseline is always run")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # model:system:stage:compiled:float8
@@ -237,6 +276,8 @@ def main():
             print(f"  {results[-1].name}: {results[-1].ms_per_step:.1f} ms/step, {results[-1].peak_gib:.2f} GiB "
                   f"({time.perf_counter() - began:.0f} s)", flush=True)
         print_table(results, BASELINE)
+        if args.curve:
+            compare_curves(results)
 
 
 if __name__ == "__main__":

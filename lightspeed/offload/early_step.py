@@ -27,10 +27,13 @@ import torch
 
 class EarlyStep:
     """Steps ranges of `optimizer`'s params in a background thread, in the order they are submitted.
-    `optimizer` is a CPU optimizer in the middle of a ZeRO step (`begin_zero_step` was called)."""
+    `optimizer` is a CPU optimizer in the middle of a ZeRO step (`begin_zero_step` returned `params`);
+    `finish` steps whatever no range covered (a param whose gradient never went to the host early)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, params: list[torch.Tensor]):
         self.optimizer = optimizer
+        self.params = params
+        self._covered: dict[int, int] = {}  # id(param) -> elements stepped
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self.ranges = 0
@@ -55,6 +58,7 @@ class EarlyStep:
                 with torch.no_grad():
                     self.optimizer.zero_step_range(param, start, end)
                 self.ranges += 1
+                self._covered[id(param)] = self._covered.get(id(param), 0) + end - start
             except BaseException as err:  # re-raised by finish()
                 self._error = err
 
@@ -63,7 +67,16 @@ class EarlyStep:
         stream's next work (`end_zero_step`)."""
         self._queue.put(None)
         self._thread.join()
+        if self._error is None:
+            for p in self.params:
+                done = self._covered.get(id(p), 0)
+                if done == 0:
+                    with torch.no_grad():
+                        self.optimizer.zero_step_range(p, 0, p.numel())
+                elif done != p.numel():
+                    self._error = RuntimeError(f"the early offloaded step covered {done} of {p.numel()} elements "
+                                               "of an optimizer tensor")
         self.optimizer.end_zero_step()
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError("the offloaded optimizer step during backward failed") from err
+            raise RuntimeError(f"the offloaded optimizer step during backward failed: {err}") from err

@@ -70,8 +70,8 @@ class StepRunner:
         if is_boundary and self.swap is not None:
             self.swap.prefetch(0)
         if is_boundary and self._early_possible and self._early_exact and self._early is None:
-            self.views.optimizer.begin_zero_step(self.views.opt_grads, None, self.views.lowp_out)
-            self._early = EarlyStep(self.views.optimizer)
+            params = self.views.optimizer.begin_zero_step(self.views.opt_grads, None, self.views.lowp_out)
+            self._early = EarlyStep(self.views.optimizer, params)
 
     def host_copy_queued(self, master: torch.Tensor, start: int, end: int) -> None:
         """The strategy queued the copy of `master`'s gradient elements [start, end) to the host (at the

@@ -100,10 +100,11 @@ def reduce_scaling(prescale: bool, predivide: float, world_size: int) -> tuple[f
 
 class PendingGrad:
     """An in-flight reduce-scatter of one group's gradients; `wait()` adds the result to the shard
-    and, with `to_host` = (copy stream, host buffer), copies the shard there on that stream."""
+    and, with `to_host` = (copy stream, host buffer, callback or None), copies the shard there on that
+    stream, then calls the callback (the copy is queued, not done)."""
 
     def __init__(self, handle, out: torch.Tensor, send: torch.Tensor, post_scale: float, dest: torch.Tensor,
-                 to_host: tuple[Any, torch.Tensor] | None = None):
+                 to_host: tuple[Any, torch.Tensor, Any] | None = None):
         self.handle, self.out, self.send, self.post_scale, self.dest = handle, out, send, post_scale, dest
         self.to_host = to_host
 
@@ -114,10 +115,12 @@ class PendingGrad:
         self.dest.add_(self.out)
         self.send = self.out = None
         if self.to_host is not None:
-            stream, host = self.to_host
+            stream, host, queued = self.to_host
             stream.wait_current()
             with stream.context():
                 host.copy_(self.dest, non_blocking=True)
+            if queued is not None:
+                queued()
 
 
 class ParamGroup:
@@ -154,6 +157,7 @@ class ParamGroup:
         # optimizer offload, at the accumulation boundary: the copy stream on which each completed
         # reduction of this group is copied to `master_grad_shard` (set by the strategy)
         self.grads_to_host: Any = None
+        self.on_host_queued: Any = None  # called once this step's copy of the gradients to the host is queued
         self.full_flat = full  # from now on the gather buffer; its storage is freed below
         self.views = flat_views(full, self.layout)
         self._nbytes = full.untyped_storage().nbytes()
@@ -313,7 +317,8 @@ class ParamGroup:
             send.mul_(pre)
         out = send.new_empty(self.shard_numel)
         handle = self.collectives.reduce_scatter(out, send, async_op=True)
-        to_host = (self.grads_to_host, self.master_grad_shard) if self.grads_to_host is not None else None
+        to_host = (self.grads_to_host, self.master_grad_shard, self.on_host_queued) \
+            if self.grads_to_host is not None else None
         return PendingGrad(handle, out, send, post, self.grad_shard, to_host)
 
     # ------------------------------------------------------------------ values in and out

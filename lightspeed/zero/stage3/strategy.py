@@ -28,8 +28,9 @@ buffer) are whole at once.
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import functools
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,7 +169,7 @@ class Stage3Strategy:
                                   to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
                                   write_sub_group=lambda i: swapped[i].copy_master_to_lp(self._lowp_writer),
                                   after_swapped=lambda: self.coordinator.release_all(force=True),
-                                  copied_early=[g.master_grad_shard for g in swapped])
+                                  copied_early=[g.master_grad_shard for g in swapped], early_ranges=True)
         self._param_swapper = self._param_swap() if self.offload.param == "nvme" else None
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
@@ -394,8 +395,14 @@ class Stage3Strategy:
         if to_host is not None:
             for g in self._trainable():
                 g.grads_to_host = to_host if is_boundary and g.offload.offloads_optimizer else None
+                g.on_host_queued = functools.partial(self._host_queued, g)
         self._runner.backward_start(is_boundary)
         self.coordinator.backward_start()
+
+    def _host_queued(self, g: ParamGroup) -> None:
+        """`g`'s gradient shard is on its way to the host: its optimizer pieces may be stepped early."""
+        for _, tensor, _ in self._opt_pieces.get(id(g), ()):
+            self._runner.host_copy_queued(tensor, 0, tensor.numel())
 
     def backward_end(self) -> None:
         self.coordinator.backward_end()

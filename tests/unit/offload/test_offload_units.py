@@ -115,3 +115,30 @@ def test_which_offloaded_steps_the_cpu_optimizer_fuses():
     assert not fused_step(torch.optim.AdamW(p), OffloadPolicy(optimizer="cpu"))
     assert not fused_step(cpu) and not fused_step(cpu, OffloadPolicy())  # no offload: only device optimizers
     assert fused_step(FusedAdam(p)) == FusedAdam(p).fuses_lowp_out
+
+
+def test_early_step_ranges_equal_the_whole_step_and_finish_steps_what_no_range_covered():
+    """`EarlyStep`: ranges of one param stepped in a background thread, in any split, plus a param no
+    range covered (stepped by `finish`), equal the fused CPU step of both; a param half covered is an
+    error, raised by `finish`."""
+    from lightspeed.offload.early_step import EarlyStep
+    from lightspeed.ops.adam import CPUAdam
+
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randn(1001, generator=g), torch.randn(37, generator=g)]
+    grads = [torch.randn(p.shape, generator=g) for p in ps]
+    whole = [p.clone() for p in ps]
+    ref = CPUAdam(whole, lr=1e-2, weight_decay=0.1)
+    ref.step(grads=dict(zip(whole, grads)))
+    opt = CPUAdam(ps, lr=1e-2, weight_decay=0.1)
+    early = EarlyStep(opt, opt.begin_zero_step(dict(zip(ps, grads))))
+    for lo, hi in ((0, 300), (300, 301), (301, 1001)):
+        early.submit(None, ps[0], lo, hi)
+    early.finish()
+    assert early.ranges == 3
+    for p, q in zip(ps, whole):
+        assert torch.equal(p, q)
+    early = EarlyStep(opt, opt.begin_zero_step(dict(zip(ps, grads))))
+    early.submit(None, ps[0], 0, 10)
+    with pytest.raises(RuntimeError, match="covered 10 of 1001"):
+        early.finish()

@@ -54,7 +54,9 @@ def optimizers(steps: int, lr: float, lamb_lr: float, local_step_scaler: int, lo
     }
 
 
-def _train_one(name: str, optimizer: dict, args_dict: dict) -> dict:
+def _train_one(name: str, optimizer: dict, args_dict: dict, zero: dict | None = None) -> dict:
+    """Train the demo task with `optimizer` (a config section) and `zero` (the zero_optimization
+    section, ZeRO-0 by default); the mean validation loss over ranks and the bytes on the wire."""
     from data import train_val_datasets
     from gpt import GPT, GPTConfig
 
@@ -68,7 +70,7 @@ def _train_one(name: str, optimizer: dict, args_dict: dict) -> dict:
               "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": args.steps,
                                                                  "warmup_num_steps": max(args.steps // 10, 1),
                                                                  "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}},
-              "zero_optimization": {"stage": 0}}
+              "zero_optimization": zero or {"stage": 0}}
     engine, *_ = lightspeed.initialize(model=model, config=config)
     train, val = train_val_datasets(cfg.block_size)
     g = torch.Generator().manual_seed(args.seed)

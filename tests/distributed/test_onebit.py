@@ -188,17 +188,33 @@ def _refused(config: dict):
     return None
 
 
+REFUSAL_CONFIGS = {
+    **{f"stage{stage}": _config({"type": "OneBitAdam", "params": {}}, zero_optimization={"stage": stage})
+       for stage in (1, 2, 3)},
+    "nccl_on_gloo": _config({"type": "ZeroOneAdam", "params": {"comm_backend_name": "nccl"}}),
+    "compressed": _config({"type": "OneBitLamb", "params": {"comm_backend_name": "compressed"}}),
+}
+
+
+def _refusals():
+    return {name: _refused(cfg) for name, cfg in REFUSAL_CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    return run_world(_refusals, 2)[0]  # every configuration in one world
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_other_zero_stages_are_refused(stage):
-    msg = run_world(_refused, 2, _config({"type": "OneBitAdam", "params": {}}, zero_optimization={"stage": stage}))[0]
+def test_other_zero_stages_are_refused(stage, refusals):
+    msg = refusals[f"stage{stage}"]
     assert msg and "zero_optimization.stage" in msg and "stage 0 only" in msg
 
 
-def test_backend_names():
-    on_gloo = run_world(_refused, 2, _config({"type": "ZeroOneAdam", "params": {"comm_backend_name": "nccl"}}))[0]
+def test_backend_names(refusals):
+    on_gloo = refusals["nccl_on_gloo"]
     assert on_gloo and "comm_backend_name" in on_gloo and "'gloo'" in on_gloo
-    assert run_world(_refused, 2, _config({"type": "OneBitLamb", "params": {"comm_backend_name": "compressed"}}))[0] \
-        is None
+    assert refusals["compressed"] is None
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

@@ -20,22 +20,40 @@ pytestmark = pytest.mark.dist
 SMALL_BUCKETS = {"reduce_bucket_size": 50, "allgather_bucket_size": 50}
 
 
+def _world_cases(with_world2_extras: bool):
+    """The plain runs at stages 1 and 2 and, at world 2, the communication volume and accumulation with
+    clipping: one spawned world per world size."""
+    world = dist.get_world_size()
+    out = {}
+    if with_world2_extras:  # first: the byte counts of a fresh engine
+        out["comm"] = {(stage, overlap): _comm_bytes(stage, overlap) for stage, overlap in ((1, True), (2, False))}
+        out["clip"] = {stage: engine_losses(STEPS, _config(2, gas=3, gradient_clipping=0.05, zero_optimization={
+            "stage": stage, **SMALL_BUCKETS})) for stage in (1, 2)}
+    out["plain"] = {stage: engine_losses(STEPS, _config(world, zero_optimization={"stage": stage, **SMALL_BUCKETS}))
+                    for stage in (1, 2)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def world_cases():
+    return {world: run_world(_world_cases, world, world == 2) for world in (2, 4)}
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_stages_match_single_process(stage, world):
+def test_sharded_stages_match_single_process(stage, world, world_cases):
     ref, ref_state = reference_losses(STEPS)
-    cfg = _config(world, zero_optimization={"stage": stage, **SMALL_BUCKETS})
-    for losses, state, _ in run_world(engine_losses, world, STEPS, cfg):
+    for rank in world_cases[world]:
+        losses, state, _ = rank["plain"][stage]
         assert losses == pytest.approx(ref, rel=1e-5, abs=1e-7)
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_sharded_accumulation_and_clipping(stage):
+def test_sharded_accumulation_and_clipping(stage, world_cases):
     ref, ref_state = reference_losses(STEPS, clip=0.05)
-    cfg = _config(2, gas=3, gradient_clipping=0.05, zero_optimization={"stage": stage, **SMALL_BUCKETS})
-    (losses, state, norm), _ = run_world(engine_losses, 2, STEPS, cfg)
+    losses, state, norm = world_cases[2][0]["clip"][stage]
     assert losses == pytest.approx(ref, rel=1e-5, abs=1e-7)
     assert norm > 0.05
     for k, v in ref_state.items():
@@ -191,8 +209,8 @@ def _comm_bytes(stage: int, overlap: bool):
 
 
 @pytest.mark.parametrize("stage,overlap", [(1, True), (2, False)])
-def test_communication_volume_is_twice_the_parameter_bytes(stage, overlap):
-    stats, padded = run_world(_comm_bytes, 2, stage, overlap)[0]
+def test_communication_volume_is_twice_the_parameter_bytes(stage, overlap, world_cases):
+    stats, padded = world_cases[2][0]["comm"][(stage, overlap)]
     param_bytes = 4 * padded  # fp32 model, every bucket padded to the world size
     assert stats["reduce_scatter"] == param_bytes and stats["all_gather"] == param_bytes
     assert stats["all_reduce"] == 4  # the squared grad norm (no fp16: no overflow flag)

@@ -131,10 +131,22 @@ def _warmup_pairs(prec: dict, steps: int):
             for name, (onebit, ref) in WARMUP.items()}
 
 
-@pytest.mark.parametrize("prec", [{}, {"bf16": {"enabled": True}}], ids=["fp32", "bf16"])
-def test_warmup_is_the_uncompressed_optimizer(prec):
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}}
+
+
+def _warmup_pairs_all(steps: int):
+    return {key: _warmup_pairs(prec, steps) for key, prec in PRECISIONS.items()}
+
+
+@pytest.fixture(scope="module")
+def warmup_pairs():
+    return run_world(_warmup_pairs_all, 2, 8)[0]  # both precisions in one world
+
+
+@pytest.mark.parametrize("prec", list(PRECISIONS))
+def test_warmup_is_the_uncompressed_optimizer(prec, warmup_pairs):
     """Before compression starts: Adam (LAMB) without bias correction, the gradients all-reduced exactly."""
-    for name, (got, want) in run_world(_warmup_pairs, 2, prec, 8)[0].items():
+    for name, (got, want) in warmup_pairs[prec].items():
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), name
 
 

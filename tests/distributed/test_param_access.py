@@ -72,9 +72,18 @@ def _worker(bf16: bool):
     return {stage: _stage(stage, bf16) for stage in (0, 1, 2, 3)}
 
 
+def _both():
+    return {bf16: _worker(bf16) for bf16 in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def both():
+    return run_world(_both, 2)  # fp32 and bf16 in one world
+
+
 @pytest.mark.parametrize("bf16", [False, True])
-def test_accessors_agree_at_every_stage(bf16):
-    results = run_world(_worker, 2, bf16)
+def test_accessors_agree_at_every_stage(bf16, both):
+    results = [rank[bf16] for rank in both]
     for r in results:
         ref = r[0]
         assert set(ref["grads"]) == {"fc1.weight", "fc1.bias", "norm.weight", "norm.bias", "fc2.weight", "fc2.bias",

@@ -355,9 +355,18 @@ def _checkpoint_worker(save_dir: str, bf16: bool):
             "refused_exists": os.path.exists(os.path.join(save_dir, "refused.bin"))}
 
 
+def _checkpoint_both(save_dir: str):
+    return {bf16: _checkpoint_worker(os.path.join(save_dir, str(bf16)), bf16) for bf16 in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    return run_world(_checkpoint_both, 2, str(tmp_path_factory.mktemp("stage3_ckpt")))  # one world for both
+
+
 @pytest.mark.parametrize("bf16", [False, True])
-def test_checkpoint_resume_and_16bit_model(tmp_path, bf16):
-    results = run_world(_checkpoint_worker, 2, str(tmp_path), bf16)
+def test_checkpoint_resume_and_16bit_model(bf16, checkpoint_runs):
+    results = [rank[bf16] for rank in checkpoint_runs]
     for r in results:
         assert r["resumed"] == r["uninterrupted"]
         assert {"model_states.pt", "optim_states_rank0.pt", "optim_states_rank1.pt"} <= set(r["files"])

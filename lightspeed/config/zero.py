@@ -71,6 +71,9 @@ class OffloadOptimizerConfig(Section):
     """lightspeed's own key (off by default): run the CPU optimizer step in the background during the next
     forward and backward, so parameters lag one step behind the gradients (the ZeRO-Offload paper's
     delayed parameter update; ZenFlow's `overlap_step` names the same idea)."""
+    overlap_step_warmup: NonNegInt = 0
+    """lightspeed's own key: with `overlap_step`, the number of first steps run synchronously before the
+    delayed update begins (the delay costs most while the parameters move fastest)."""
 
     @property
     def pipeline(self) -> bool:

@@ -70,6 +70,7 @@ class OffloadPolicy:
     ratio: float = 1.0
     sub_group_size: int = 1_000_000_000
     overlap_step: bool = False
+    overlap_step_warmup: int = 0  # synchronous steps before the delayed update begins
     aio: AioOptions = field(default_factory=AioOptions)
 
     def __post_init__(self):
@@ -82,6 +83,8 @@ class OffloadPolicy:
             raise ConfigError('zero_optimization.offload_param.nvme_path: is required when device is "nvme"')
         if not 0.0 <= self.ratio <= 1.0:
             raise ConfigError("zero_optimization.offload_optimizer.ratio: must be in [0, 1]")
+        if self.overlap_step_warmup and not self.overlap_step:
+            raise ConfigError("zero_optimization.offload_optimizer.overlap_step_warmup: needs overlap_step true")
         if self.overlap_step and self.optimizer != "cpu":
             raise ConfigError("zero_optimization.offload_optimizer.overlap_step: needs offload_optimizer.device "
                               f'"cpu" (got "{self.optimizer}")')
@@ -157,6 +160,7 @@ class OffloadPolicy:
             ratio=float(opt.ratio) if opt is not None else 1.0,
             sub_group_size=int(z.sub_group_size),
             overlap_step=bool(getattr(opt, "overlap_step", False)) if opt is not None else False,
+            overlap_step_warmup=int(getattr(opt, "overlap_step_warmup", 0)) if opt is not None else 0,
             aio=AioOptions(block_size=int(aio.block_size), queue_depth=int(aio.queue_depth), thread_count=threads,
                            single_submit=bool(aio.single_submit), overlap_events=bool(aio.overlap_events)))
 

@@ -188,6 +188,7 @@ class ShardedStrategy:
         to_host = Stream(self._views.device) if host and not self.offload.overlap_step else None
         self._runner = StepRunner(self._views, self.collectives.all_reduce, write_back=self._write_back,
                                   to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
+                                  overlap_warmup=self.offload.overlap_step_warmup,
                                   write_sub_group=lambda i: self._all_gather_params(stepped[i]),
                                   copied_early=[s.master_grad for s in self.shards], early_ranges=True)
         param_access.register(self, self._shard_of_params())

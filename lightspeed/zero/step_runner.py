@@ -35,12 +35,12 @@ class StepRunner:
     i-th swapped sub-group's; `after_swapped()` runs once a swapped step has written them all.
     `copied_early` are the host `master_grads` entries the strategy fills through `to_host`;
     `early_ranges`: the strategy reports each range it copies there (`host_copy_queued`), so the early
-    step can run."""
+    step can run. `overlap_warmup`: with `overlap`, the first applied steps run synchronously."""
 
     def __init__(self, views: ShardViews, agree: AllReduce | None, *, write_back: Callable[[], None],
                  to_host: Stream | None = None, swap: SwappedOptimizerState | None = None, overlap: bool = False,
                  write_sub_group: Callable[[int], None] | None = None, after_swapped: Callable[[], None] | None = None,
-                 copied_early: list[torch.Tensor] = (), early_ranges: bool = False):
+                 copied_early: list[torch.Tensor] = (), early_ranges: bool = False, overlap_warmup: int = 0):
         self.views = views
         self.agree = agree
         self.to_host = to_host
@@ -49,6 +49,7 @@ class StepRunner:
         self._write_sub_group = write_sub_group
         self._after_swapped = after_swapped
         self._background = BackgroundStep() if overlap else None
+        self._synchronous_left = overlap_warmup  # overlap: applied steps still to run synchronously
         self._writeback_pending = False  # overlap: an update is in the masters, not yet in the parameters
         self.host_filled = False  # this step's boundary copies to the host have been issued
         if to_host is not None:
@@ -99,7 +100,7 @@ class StepRunner:
             result, _ = prepare_step(self.views, None, 0.0, check_overflow=False, agree=self.agree)  # the norm
             self._write_back()
             return result
-        if self._background is not None:
+        if self._background is not None and self._synchronous_left <= 0:
             return self._overlapped(loss_scale, max_norm, check)
         if self.swap is not None:
             result, _ = prepare_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
@@ -111,6 +112,7 @@ class StepRunner:
         result = sharded_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
         if result.applied:
             self._write_back()
+            self._synchronous_left -= 1
         return result
 
     def _overlapped(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:

@@ -130,7 +130,9 @@ def _early_worker():
                       "stage1": _config(2, zero_optimization=_zero(1, **OPT_CPU)),
                       "stage3": _config(2, gas=2, zero_optimization=_zero(3, **OPT_CPU)),
                       "stage3-param": _config(2, zero_optimization=_zero(3, **OPT_CPU, **PARAM_CPU)),
-                      "clipped": _config(2, gas=2, gradient_clipping=0.05, zero_optimization=_zero(2, **OPT_CPU))}.items():
+                      "clipped": _config(2, gas=2, gradient_clipping=0.05, zero_optimization=_zero(2, **OPT_CPU)),
+                      "overlap-after-4": _config(2, zero_optimization=_zero(2, offload_optimizer={
+                          "device": "cpu", "overlap_step": True, "overlap_step_warmup": 4}))}.items():
         engines: list = []
         losses, state, norm = train(STEPS, cfg, engines)
         out[name] = (losses, state, norm, engines[0].strategy._runner.early_ranges)
@@ -141,7 +143,7 @@ def test_without_clipping_the_cpu_optimizer_steps_during_backward():
     """Optimizer offload, stages 1-3, no clipping and no loss scaling: from the second step on, each
     bucket's range (stage 3: each group's pieces) is stepped as its gradients reach the host
     (offload/early_step.py), with the reference's losses and parameters (accumulation, parameter
-    offload included); with clipping the step waits."""
+    offload included); with clipping the step waits. And `overlap_step_warmup`'s synchronous steps."""
     ref, ref_state = reference_losses(STEPS)
     clip_ref, clip_state = reference_losses(STEPS, clip=0.05)
     out = run_world(_early_worker, 2)[0]
@@ -152,6 +154,11 @@ def test_without_clipping_the_cpu_optimizer_steps_during_backward():
     losses, state, norm, ranges = out["clipped"]
     _assert_matches((losses, state, norm), clip_ref, clip_state)
     assert ranges == 0
+    # overlap_step_warmup: the first 4 steps synchronous (the 5th loss still sees all 4 updates), then
+    # one step behind
+    losses = out["overlap-after-4"][0]
+    assert losses[:5] == pytest.approx(ref[:5], rel=1e-5, abs=1e-7)
+    assert losses[5] != pytest.approx(ref[5], rel=1e-5, abs=1e-7)
 
 
 def _bf16_and_overlap_worker(tmp: str):

@@ -167,6 +167,7 @@ class Stage3Strategy:
         swapped = [g for g in trainable if g.offload.offloads_optimizer]
         self._runner = StepRunner(self._views, self.collectives.all_reduce, write_back=self._write_back,
                                   to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
+                                  overlap_warmup=self.offload.overlap_step_warmup,
                                   write_sub_group=lambda i: swapped[i].copy_master_to_lp(self._lowp_writer),
                                   after_swapped=lambda: self.coordinator.release_all(force=True),
                                   copied_early=[g.master_grad_shard for g in swapped], early_ranges=True)

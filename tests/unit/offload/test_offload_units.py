@@ -142,3 +142,9 @@ def test_early_step_ranges_equal_the_whole_step_and_finish_steps_what_no_range_c
     early.submit(None, ps[0], 0, 10)
     with pytest.raises(RuntimeError, match="covered 10 of 1001"):
         early.finish()
+
+
+def test_overlap_step_warmup_needs_overlap_step():
+    with pytest.raises(ConfigError, match="overlap_step_warmup: needs overlap_step"):
+        OffloadPolicy(optimizer="cpu", overlap_step_warmup=3)
+    assert OffloadPolicy(optimizer="cpu", overlap_step=True, overlap_step_warmup=3).overlap_step_warmup == 3

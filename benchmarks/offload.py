@@ -9,7 +9,12 @@ Each configuration runs in a fresh process (world size 1, NCCL on GPU). Model an
 benchmarks/zero_step.py's (examples/gpt.py, bf16 with fp32 master weights, AdamW, clipping 1.0); the
 offloaded runs use DeepSpeed's offload block (`device: cpu, pin_memory: true`), so the config's AdamW
 becomes CPUAdam in both engines. `--overlap-step` adds lightspeed's one-step-delayed CPU step;
-`--param` adds ZeRO-3 with the parameters offloaded too. `--smoke` runs a tiny model on CPU/gloo in
+`--param` adds ZeRO-3 with the parameters offloaded too. `--variants` runs exactly the variants named,
+for both systems; the size sweep of the largest GPT that trains with optimizer and parameters on the
+CPU (a run that does not fit reports "out of memory" or its error):
+
+    python benchmarks/offload.py --sizes 1.3b 2.7b 6.7b --stages 3 --variants cpu-param --deepspeed
+        --micro 4 --steps 2 --warmup 1 `--smoke` runs a tiny model on CPU/gloo in
 seconds (peak GPU memory is then n/a).
 
 `--bound` first measures what bounds an offloaded step on this machine: a pinned 1 GiB copy each way
@@ -184,6 +189,8 @@ def main():
     ap.add_argument("--overlap-step", action="store_true", help="also lightspeed's one-step-delayed CPU step")
     ap.add_argument("--param", action="store_true", help="also ZeRO-3 with the parameters offloaded")
     ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed's engine (must be importable)")
+    ap.add_argument("--variants", nargs="+", default=None, choices=sorted(VARIANTS),
+                    help="exactly these variants, for both systems (the size sweep: --variants cpu-param)")
     ap.add_argument("--phases", action="store_true", help="also time forward+backward and the step apart")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, in seconds")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # size:system:stage:variant, in a child
@@ -195,7 +202,15 @@ def main():
         size, system, stage, variant = args.one.split(":")
         print("RESULT " + json.dumps(asdict(run_one(args, size, system, int(stage), variant))), flush=True)
         return
-    passthrough = [a for a in sys.argv[1:] if a not in ("--deepspeed", "--overlap-step", "--param", "--bound")]
+    flags = ("--deepspeed", "--overlap-step", "--param", "--bound")
+    passthrough, skip = [], False
+    for a in sys.argv[1:]:  # the child runs one configuration: drop the flags that choose them
+        if a == "--variants":
+            skip = True
+        elif a.startswith("--"):
+            skip = False
+        if not skip and a not in flags:
+            passthrough.append(a)
     for size in args.sizes:
         cfg = GPTConfig.preset(size, block_size=args.seq)
         with torch.device("meta"):
@@ -209,8 +224,11 @@ def main():
         for stage in args.stages:
             variants = ["none", "cpu"] + (["cpu-overlap"] if args.overlap_step else [])
             variants += ["cpu-param"] if args.param and stage == 3 else []
+            ds_variants = ["none", "cpu"]
+            if args.variants:
+                variants = ds_variants = [v for v in args.variants if stage == 3 or v != "cpu-param"]
             runs += [("lightspeed", stage, v) for v in variants]
-            runs += [("deepspeed", stage, v) for v in ("none", "cpu")] if args.deepspeed else []
+            runs += [("deepspeed", stage, v) for v in ds_variants if v != "cpu-overlap"] if args.deepspeed else []
         results = []
         for system, stage, variant in runs:
             env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -227,7 +245,7 @@ def main():
                 results.append(Result(**json.loads(line[len("RESULT "):])))
             r = results[-1]  # each row as it comes: a run cut short by a time limit still reports
             print(f"  {r.name}: {r.ms_per_step:.1f} ms/step, {r.peak_gib:.2f} GiB  {r.note}", flush=True)
-        print_table(results, f"lightspeed ZeRO-{args.stages[0]} none")
+        print_table(results, f"lightspeed ZeRO-{args.stages[0]} {runs[0][2] if args.variants else 'none'}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "1.3b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=16, n_embd=2048),
+    # GPT-3's 2.7B and 6.7B shapes, for the offload size sweep (benchmarks/offload.py)
+    "2.7b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=32, n_head=32, n_embd=2560),
+    "6.7b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=32, n_head=32, n_embd=4096),
 }
 
 

@@ -63,21 +63,26 @@ def _batches() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(5))
 
 
-def _reference(kind: str):
-    model = _model(kind)
+def reference_run(model, batches, loss_of, clip: float, lr: float):
+    """One process: AdamW with clipping over `batches` (`loss_of(model, batch)`); the losses, the norms,
+    the first step's gradients and the final state."""
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
     losses, norms, grads = [], [], None
-    for ids in _batches():
-        loss = _loss(model, kind, ids)
+    for batch in batches:
+        loss = loss_of(model, batch)
         loss.backward()
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, norms, grads, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _reference(kind: str):
+    return reference_run(_model(kind), _batches(), lambda model, ids: _loss(model, kind, ids), CLIP, LR)
 
 
 def _config(tp: int, dp: int, stage: int, kind: str, **extra) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightspeed.testing.run_world import run_world
-from tests.distributed.test_tensor_parallel_training import _gather
+from tests.distributed.test_tensor_parallel_training import _gather, reference_run
 from tests.distributed.test_topology import _members
 
 transformers = pytest.importorskip("transformers")
@@ -45,25 +45,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
-
-
 def _reference():
-    model = _llama()
-    params = list(model.parameters())
-    opt = _optimizer(params)
-    losses, norms, grads = [], [], None
-    for ids, labels in _batches():
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, grads, {k: v.clone() for k, v in model.state_dict().items()}
+    return reference_run(_llama(), _batches(), lambda model, b: model(input_ids=b[0], labels=b[1]).loss, CLIP, LR)
 
 
 def _config(stage: int) -> dict:

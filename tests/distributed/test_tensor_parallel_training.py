@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightspeed.testing.run_world import run_world
+from tests.distributed.test_resume_anywhere import _same
 
 transformers = pytest.importorskip("transformers")
 
@@ -254,16 +255,6 @@ def _snapshot(engine):
     moments = {i: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
                for i, st in engine.optimizer.state_dict()["state"].items()}
     return module, masters, moments
-
-
-def _same(a, b) -> bool:
-    if torch.is_tensor(a):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _save_and_load(root: str):

@@ -62,21 +62,22 @@ def test_sharded_accumulation_and_clipping(stage, world_cases):
 
 def _solo_worker():
     cfgs = {stage: _config(1, gas=3, gradient_clipping=0.05, zero_optimization={"stage": stage, **SMALL_BUCKETS})
-            for stage in (1, 2)}
+            for stage in (1, 2, 3)}
     return {"runs": {stage: engine_losses(STEPS, cfg) for stage, cfg in cfgs.items()},
             "memory": {stage: _memory(stage) for stage in (0, 1, 2)}}
 
 
 def test_one_rank_accumulates_in_the_shard():
-    """A data-parallel world of one (stage12.py's Note: one rank): accumulation and clipping give the
-    reference, and stages 1 and 2 hold one gradient buffer (bf16, as many bytes as the parameters),
-    no fp32 gradient copy and no second whole-size buffer."""
+    """A data-parallel world of one (stage12.py's Note: one rank; stage 3 adds gradients to its shard
+    without a collective): accumulation and clipping give the reference at stages 1-3, and stages 1
+    and 2 hold one gradient buffer (bf16, as many bytes as the parameters), no fp32 gradient copy and
+    no second whole-size buffer."""
     ref, ref_state = reference_losses(STEPS, clip=0.05)
     out = run_world(_solo_worker, 1)[0]
     for stage, (losses, state, norm) in out["runs"].items():
         assert losses == pytest.approx(ref, rel=1e-5, abs=1e-7), stage
         assert norm > 0.05
-        for k, v in ref_state.items():
+        for k, v in ref_state.items() if stage < 3 else ():  # stage 3's module holds released placeholders
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
     s0 = out["memory"][0]
     for stage in (1, 2):

@@ -109,10 +109,11 @@ class PendingGrad:
         self.to_host = to_host
 
     def wait(self) -> None:
-        self.handle.wait()
-        if self.post_scale != 1.0:
-            self.out.mul_(self.post_scale)
-        self.dest.add_(self.out)
+        if self.handle is not None:  # None: one rank, the gradients were added to `dest` already
+            self.handle.wait()
+            if self.post_scale != 1.0:
+                self.out.mul_(self.post_scale)
+            self.dest.add_(self.out)
         self.send = self.out = None
         if self.to_host is not None:
             stream, host, queued = self.to_host
@@ -305,7 +306,16 @@ class ParamGroup:
     def reduce_grads(self, prescale: bool, predivide: float, reduce_dtype: torch.dtype | None) -> PendingGrad:
         """Move the parameters' `.grad` into a padded flat buffer, average it over ranks by
         reduce-scatter, and (on `wait()`) add this rank's part to `grad_shard`. Params without a
-        gradient contribute zeros; every `.grad` is set to None."""
+        gradient contribute zeros; every `.grad` is set to None. With one rank the shard is the whole
+        buffer: the gradients are added to it directly (no buffer to send, no collective)."""
+        to_host = (self.grads_to_host, self.master_grad_shard, self.on_host_queued) \
+            if self.grads_to_host is not None else None
+        if self.comm.world_size == 1:
+            for p, view in zip(self.params, flat_views(self.grad_shard, self.layout)):
+                if p.grad is not None:
+                    view.add_(p.grad)
+                    p.grad = None
+            return PendingGrad(None, None, None, 1.0, self.grad_shard, to_host)
         dtype = reduce_dtype or self.grad_shard.dtype
         send = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
         for p, view in zip(self.params, flat_views(send, self.layout)):
@@ -317,8 +327,6 @@ class ParamGroup:
             send.mul_(pre)
         out = send.new_empty(self.shard_numel)
         handle = self.collectives.reduce_scatter(out, send, async_op=True)
-        to_host = (self.grads_to_host, self.master_grad_shard, self.on_host_queued) \
-            if self.grads_to_host is not None else None
         return PendingGrad(handle, out, send, post, self.grad_shard, to_host)
 
     # ------------------------------------------------------------------ values in and out

@@ -29,7 +29,6 @@ curve with bf16's (both compiled ZeRO-2), e.g. at 1.3B:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import subprocess

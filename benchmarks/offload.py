@@ -13,9 +13,13 @@ becomes CPUAdam in both engines. `--overlap-step` adds lightspeed's one-step-del
 for both systems; the size sweep of the largest GPT that trains with optimizer and parameters on the
 CPU (a run that does not fit reports "out of memory" or its error):
 
-    python benchmarks/offload.py --sizes 1.3b 2.7b 6.7b --stages 3 --variants cpu-param --deepspeed
-        --micro 4 --steps 2 --warmup 1 `--smoke` runs a tiny model on CPU/gloo in
-seconds (peak GPU memory is then n/a).
+    python benchmarks/offload.py --sizes 2.7b 4096x24 6.7b --stages 3 --variants cpu-param --deepspeed
+        --micro 4 --steps 2 --warmup 1 --run-timeout 280
+
+A size is a preset of examples/gpt.py or WIDTHxLAYERS (GPT-2's vocabulary, 128-wide heads): 4096x24 is
+5.0B parameters. The host is what bounds the sweep (every byte of optimizer state and the parameters
+live there), so each row also gives the run's peak host memory (RSS) and its wall time. `--smoke` runs a
+tiny model on CPU/gloo in seconds (peak GPU memory is then n/a).
 
 `--bound` first measures what bounds an offloaded step on this machine: a pinned 1 GiB copy each way
 between host and device, and one CPUAdam step over the model's parameter count in fp32 (its memory
@@ -30,8 +34,11 @@ import argparse
 import copy
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,11 +69,25 @@ def config(stage: int, variant: str, micro: int, bf16: bool) -> dict:
     return cfg
 
 
+def model_config(size: str, seq: int) -> GPTConfig:
+    """A preset of examples/gpt.py, or WIDTHxLAYERS: GPT-2's padded vocabulary and 128-wide heads."""
+    shape = re.fullmatch(r"(\d+)x(\d+)", size)
+    if shape is None:
+        return GPTConfig.preset(size, block_size=seq)
+    width, layers = map(int, shape.groups())
+    return GPTConfig(vocab_size=50304, block_size=seq, n_layer=layers, n_head=max(1, width // 128), n_embd=width)
+
+
+def host_peak_gib() -> float:
+    """This process's peak resident host memory (pinned buffers included)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
     lightspeed.init_distributed(verbose=False)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
-    cfg = GPTConfig.preset(size, block_size=args.seq)
+    cfg = model_config(size, args.seq)
     with device:
         base = GPT(cfg)
     batches = make_batches(cfg.vocab_size, args.micro, args.seq, device)
@@ -98,6 +119,7 @@ def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
     with torch.device("meta"):
         meta = GPT(cfg)
     result = finish(Result(name), ms, losses, meta, args)
+    result.note += f"; host peak {host_peak_gib():.1f} GiB"
     if args.phases:
         result.note = (result.note + "; " if result.note else "") + phases(engine, batches, name)
     dist.destroy_process_group()
@@ -192,6 +214,8 @@ def main():
     ap.add_argument("--variants", nargs="+", default=None, choices=sorted(VARIANTS),
                     help="exactly these variants, for both systems (the size sweep: --variants cpu-param)")
     ap.add_argument("--phases", action="store_true", help="also time forward+backward and the step apart")
+    ap.add_argument("--run-timeout", type=float, default=None,
+                    help="seconds one configuration may take (the sweep: a run past it is reported and killed)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, in seconds")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # size:system:stage:variant, in a child
     args = ap.parse_args()
@@ -205,14 +229,14 @@ def main():
     flags = ("--deepspeed", "--overlap-step", "--param", "--bound")
     passthrough, skip = [], False
     for a in sys.argv[1:]:  # the child runs one configuration: drop the flags that choose them
-        if a == "--variants":
+        if a in ("--variants", "--run-timeout"):
             skip = True
         elif a.startswith("--"):
             skip = False
         if not skip and a not in flags:
             passthrough.append(a)
     for size in args.sizes:
-        cfg = GPTConfig.preset(size, block_size=args.seq)
+        cfg = model_config(size, args.seq)
         with torch.device("meta"):
             num_params = GPT(cfg).num_params()
         hw = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -233,16 +257,27 @@ def main():
         for system, stage, variant in runs:
             env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(29600 + len(results)))
-            proc = subprocess.run([sys.executable, __file__, *passthrough, "--one",
-                                   f"{size}:{system}:{stage}:{variant}"], env=env, capture_output=True, text=True)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            start = time.perf_counter()
+            try:
+                proc = subprocess.run([sys.executable, __file__, *passthrough, "--one",
+                                       f"{size}:{system}:{stage}:{variant}"], env=env, capture_output=True,
+                                      text=True, timeout=args.run_timeout)
+                stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+            except subprocess.TimeoutExpired as err:
+                stdout = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+                stderr = f"killed after {args.run_timeout:.0f} s"
+                code = None
+            wall = time.perf_counter() - start
+            line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
             if args.phases:
-                print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
+                print("\n".join(ln for ln in stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
             if line is None:
-                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                results.append(Result(f"{system} ZeRO-{stage} {variant}", note=f"failed: {tail[:120]}"))
+                tail = (stderr.strip().splitlines() or ["no output"])[-1]
+                why = f"exit code {code}: " if code not in (None, 1) else ""  # -9: killed (host memory)
+                results.append(Result(f"{system} ZeRO-{stage} {variant}", note=f"failed: {why}{tail[:120]}"))
             else:
                 results.append(Result(**json.loads(line[len("RESULT "):])))
+            results[-1].note += f"; {wall:.0f} s wall"
             r = results[-1]  # each row as it comes: a run cut short by a time limit still reports
             print(f"  {r.name}: {r.ms_per_step:.1f} ms/step, {r.peak_gib:.2f} GiB  {r.note}", flush=True)
         print_table(results, f"lightspeed ZeRO-{args.stages[0]} {runs[0][2] if args.variants else 'none'}")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightspeed._utils.logging import get_logger
+from lightspeed._utils.pinned import page_locked_empty
 from lightspeed.config.errors import ConfigError
 
 logger = get_logger(__name__)
@@ -109,9 +110,11 @@ class OffloadPolicy:
 
     def host_empty(self, numel: int, dtype: torch.dtype, compute_device: torch.device, *, pin: bool) -> torch.Tensor:
         """An uninitialised host tensor; page-locked when `pin` and the compute device is CUDA (the
-        copies to and from the device then run asynchronously)."""
-        pinned = pin and compute_device.type == "cuda" and torch.cuda.is_available()
-        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pinned)
+        copies to and from the device then run asynchronously), at its exact size (torch's pinned
+        allocator would round it up to a power of two: `_utils/pinned.py`)."""
+        if pin and compute_device.type == "cuda" and torch.cuda.is_available():
+            return page_locked_empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype, device="cpu")
 
     def host_copy(self, src: torch.Tensor, dtype: torch.dtype, compute_device: torch.device, *, pin: bool) -> torch.Tensor:
         """A host copy of `src` (any device) in `dtype`, always a separate buffer."""

@@ -145,7 +145,8 @@ def run_one(args, model_name: str, system: str, stage: int, compiled: bool, floa
             engine.step()
             return loss.detach()
 
-    ms, losses = time_steps(step, args.curve or args.steps, 0 if args.curve else args.warmup)
+    ms, losses = time_steps(step, args.curve or args.steps, 0 if args.curve else args.warmup,
+                            repeats=1 if args.curve else args.repeats)
     if args.profile:
         profile_steps(step, name)
     r = Result(name, ms_per_step=ms, losses=losses)
@@ -229,6 +230,9 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed windows of --steps steps; ms/step is the median window's (two runs of one "
+                         "configuration differed by 30%% with a single window)")
     ap.add_argument("--no-float8", action="store_true", help="skip the float8 run at 1.3B")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (keeps the script alive in CI)")
     ap.add_argument("--profile", action="store_true", help="also profile 3 steps of each run (printed)")
@@ -255,7 +259,7 @@ def main():
         results = []
         chosen = runs_for(model, not args.no_float8 and not args.smoke)
         if args.only:
-            keep = set(args.only) | {"plain:0:0:0"}
+            keep = set(args.only) | (set() if args.curve else {"plain:0:0:0"})  # a curve needs no baseline
             chosen = [r for r in chosen if f"{r[0]}:{r[1]}:{int(r[2])}:{int(r[3])}" in keep]
         for system, stage, compiled, float8 in chosen:
             env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

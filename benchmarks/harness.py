@@ -41,17 +41,22 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def time_steps(step, num_steps: int, warmup: int) -> tuple[float, list[float]]:
-    """Run `step() -> loss tensor` warmup + num_steps times; returns (mean ms of the timed steps, losses)."""
+def time_steps(step, num_steps: int, warmup: int, repeats: int = 1) -> tuple[float, list[float]]:
+    """Run `step() -> loss tensor` warmup + repeats x num_steps times; returns (ms per step of the timed
+    window, its median over `repeats` windows, and every loss). One window is timed as a whole (no
+    synchronization between its steps); more than one guards against a stray slow window."""
     losses = []
     for _ in range(warmup):
         losses.append(float(step()))
-    sync()
-    t0 = time.perf_counter()
-    pending = [step() for _ in range(num_steps)]
-    sync()
-    ms = (time.perf_counter() - t0) * 1e3 / max(num_steps, 1)
-    return ms, losses + [float(x) for x in pending]
+    windows = []
+    for _ in range(max(repeats, 1)):
+        sync()
+        t0 = time.perf_counter()
+        pending = [step() for _ in range(num_steps)]
+        sync()
+        windows.append((time.perf_counter() - t0) * 1e3 / max(num_steps, 1))
+        losses += [float(x) for x in pending]
+    return sorted(windows)[len(windows) // 2], losses
 
 
 def print_table(results: list[Result], baseline: str) -> None:

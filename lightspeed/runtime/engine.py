@@ -278,7 +278,8 @@ class LightspeedEngine(torch.nn.Module):
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes of lp_params, master_params, grads and optimizer_state, by where they live:
-        the device type ("cuda", "cpu": host memory, where offload keeps them) or "nvme" (swap files)."""
+        the device type ("cuda", "cpu": host memory, where offload keeps them) or "nvme" (swap files).
+        "grads" is what a backward allocates (stages 1-3 release it between steps)."""
         return self.strategy.memory_breakdown()
 
     # ------------------------------------------------------------------ logging

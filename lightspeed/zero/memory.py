@@ -2,7 +2,9 @@
 
 Categories: lp_params, master_params, grads, optimizer_state. Shared by every ZeRO stage. Keys are
 device types ("cuda", "cpu" for host memory, pinned or not) and "nvme" for bytes that live only in
-swap files (`locate` says where a tensor is when NVMe offload swaps it).
+swap files (`locate` says where a tensor is when NVMe offload swaps it). "grads" counts the gradient
+buffers a backward allocates, also between steps, when stages 1-3 have released them
+(zero/grad_buffers.py): the figure is what a step holds, not what happens to be allocated at the call.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ to the master and to the low-precision parameter. `safe_get_full_grad` assembles
 from the shards at stages 1-3 (stage 1's `param.grad` holds this rank's gradient before the
 reduce-scatter, so unlike DeepSpeed it is not returned first) and returns `param.grad` at stage 0
 (all-reduced in place there); like DeepSpeed's it is meaningful between the backward of an accumulation boundary
-and `engine.step()`, which zeroes the gradients, and it holds what the strategy holds: averaged over
+and `engine.step()`, after which stages 1-3 hold no gradient memory until the next backward (None is
+returned there; zero/grad_buffers.py) and stage 0 zeroes its gradients; it holds what the strategy holds: averaged over
 ranks, and for fp16 still multiplied by the loss scale. The "local" functions are DeepSpeed's ZeRO-3
 API: they return views (1-D) of this rank's elements of a stage-3 partitioned parameter (possibly
 none: lightspeed partitions a group's flat buffer, not each parameter) and raise for any other

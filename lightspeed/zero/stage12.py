@@ -57,6 +57,7 @@ from lightspeed.zero import param_access
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.buckets import Bucket, GradBuckets
 from lightspeed.zero.flat_params import FlatParams
+from lightspeed.zero.grad_buffers import GradBuffers
 from lightspeed.zero.fragments import Fragment, module_shapes, first_names, fragments_state_dict, range_fragments
 from lightspeed.zero.partition import Range, owned_chunks
 from lightspeed.zero.reduce import PendingReduce, PendingToHost, ReduceOptions
@@ -192,10 +193,17 @@ class ShardedStrategy:
                                   write_sub_group=lambda i: self._all_gather_params(stepped[i]),
                                   copied_early=[s.master_grad for s in self.shards], early_ranges=True)
         param_access.register(self, self._shard_of_params())
+        # device gradient buffers hold memory from a backward's first gradient to the step (zero/grad_buffers.py)
+        self._grads = GradBuffers([t for s in self.shards for t in (s.flat.grad_flat, s.grad)
+                                   + (() if host else (s.master_grad,))], on_release=self._unset_param_grads)
+        self._grads.release()
+
+    def _unset_param_grads(self) -> None:
+        """`param.grad` are views of `grad_flat`: unset them before its storage goes (the next
+        backward's first gradient sets them again, `_on_grad`)."""
         for s in self.shards:
-            if s.flat.grad_flat is not None and s.flat.grads_alias_autograd:
-                for p, g in zip(s.flat.params, s.flat.grad_views):
-                    p.grad = g
+            for p in s.flat.params:
+                p.grad = None
 
     def _shard_of_params(self):
         return [p for s in self.shards for p in s.flat.params]
@@ -215,7 +223,8 @@ class ShardedStrategy:
                 break
         end = start + owned.numel
         return param_access.ParamFragment(shape=param.shape, owned=owned, master=shard.master[start:end],
-                                  grad=shard.grad[start:end], optimizer_tensor=shard.master, state_offset=start,
+                                  grad=None if self._grads.released else shard.grad[start:end],
+                                  optimizer_tensor=shard.master, state_offset=start,
                                   comm=self.comm, lp_full=shard.flat.lp_views[i])
 
     @staticmethod
@@ -283,6 +292,7 @@ class ShardedStrategy:
             self.buckets.reset()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        self._grads.ensure()  # the first gradient of this backward: the buffers come back, zeroed
         shard = self._shard_of[id(param)]
         flat, i = shard.flat, shard.flat.index[id(param)]
         grad = param.grad
@@ -344,6 +354,7 @@ class ShardedStrategy:
         return pending
 
     def backward_end(self) -> None:
+        self._grads.ensure()  # a backward that reached no parameter still has (zero) gradients to reduce
         if self._boundary or not self._in_flat:
             self.buckets.flush()
         if not self._in_flat and not self._boundary:
@@ -355,6 +366,7 @@ class ShardedStrategy:
     # ---------------------------------------------------------------- step
     def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
         self.buckets.wait()
+        self._grads.ensure()  # a step without a backward reads zero gradients
         return self._runner.step(loss_scale, max_norm, check_overflow)
 
     def _write_back(self) -> None:
@@ -368,14 +380,12 @@ class ShardedStrategy:
 
     def zero_grad(self) -> None:
         self._runner.zero_grad()
-        for s in self.shards:
-            s.grad.zero_()
-            if s.flat.grad_flat is not None and s.flat.grad_flat is not s.grad:
-                s.flat.grad_flat.zero_()
+        self._grads.release()  # zero until the next backward's first gradient brings them back
 
     def use_tensor_parallel(self, is_sharded, all_reduce) -> None:
         """Count the gradient norm under tensor parallelism (sharded_step.py's Note)."""
-        self._views.tp = TensorParallelNorm.for_views(self._views, self.fragments(), is_sharded, all_reduce)
+        with self._grads.allocated():  # the norm's views are cut from the gradient buffers
+            self._views.tp = TensorParallelNorm.for_views(self._views, self.fragments(), is_sharded, all_reduce)
 
     # ---------------------------------------------------------------- state
     def fragments(self) -> list[Fragment]:

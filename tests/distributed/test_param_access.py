@@ -37,7 +37,11 @@ def _stage(stage: int, bf16: bool):
                                 if p.requires_grad}
                 f.safe_set_full_grad(model.fc2.bias, torch.full((5,), 0.25))  # written where the step reads
                 out["set_grad"] = f.safe_get_full_grad(model.fc2.bias).float().clone()
+                if stage == 3:
+                    out["local_grad"] = f.safe_get_local_grad(model.fc1.weight).numel()
             engine.step()
+    # after the step the sharded stages' gradient buffers are released until the next backward
+    out["after_step"] = [f.safe_get_full_grad(p) is None for p in model.parameters() if p.requires_grad]
     for n, p in model.named_parameters():
         out["fp32"][n] = f.safe_get_full_fp32_param(p)
         if p.requires_grad:
@@ -58,7 +62,7 @@ def _stage(stage: int, bf16: bool):
         f.safe_set_local_optimizer_state(w, torch.full((local.numel(),), 3.0), "exp_avg")
         f.safe_set_local_fp32_param(w, torch.full((local.numel(),), 0.75))
         out["local"] = (int(n), bool((f.safe_get_local_fp32_param(w) == 0.75).all()),
-                        f.safe_get_local_grad(w).numel() == local.numel(),
+                        out["local_grad"] == local.numel() and f.safe_get_local_grad(w) is None,
                         bool((f.safe_get_local_optimizer_state(w, "exp_avg_sq") == 2.0).all()),
                         bool((f.safe_get_full_optimizer_state(w, "exp_avg") == 3.0).all()),
                         bool((f.safe_get_full_fp32_param(w) == 0.75).all()))
@@ -104,6 +108,9 @@ def test_accessors_agree_at_every_stage(bf16, both):
             assert torch.equal(fp32, torch.full((37, 13), 0.5)) and torch.equal(state, torch.full((37, 13), 2.0))
             assert torch.equal(lp, torch.full((37, 13), 0.5)), stage
         assert r[3]["local"] == (37 * 13, True, True, True, True, True)
+        assert not any(r[0]["after_step"])  # stage 0 keeps (zeroed) gradients
+        for stage in (1, 2, 3):
+            assert all(r[stage]["after_step"]), stage
         for stage in (0, 1, 2, 3):
             torch.testing.assert_close(r[stage]["set_grad"], torch.full((5,), 0.25), msg=f"stage {stage}")
     assert torch.equal(results[0][3]["fp32"]["fc1.weight"], results[1][3]["fp32"]["fc1.weight"])

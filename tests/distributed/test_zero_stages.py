@@ -254,3 +254,59 @@ def test_stage3_communication_volume_is_three_times_the_parameter_bytes():
     # gathered once for forward and once for backward, gradients reduce-scattered once
     assert stats["all_gather"] == 2 * param_bytes
     assert stats["reduce_scatter"] == param_bytes
+
+
+def _grad_buffers(strategy):
+    return [strategy._grads] if hasattr(strategy, "_grads") else [g.grad_buffers for g in strategy._trainable()]
+
+
+def _released_or_kept():
+    """Stages 1-3 with accumulation, clipping and bf16: each step's forward sees the gradient buffers
+    released, and the losses and parameters equal a run that keeps them allocated."""
+    from lightspeed.zero.grad_buffers import GradBuffers
+
+    world = dist.get_world_size()
+    out = {}
+    for stage in (1, 2, 3):
+        cfg = _config(world, gas=2, gradient_clipping=0.05, bf16={"enabled": True},
+                      zero_optimization={"stage": stage, **SMALL_BUCKETS})
+        seen = []
+        runs = {}
+        for keep in (False, True):
+            release = GradBuffers.release
+            if keep:  # as before the buffers were released: zeroed in place, `param.grad` views kept
+                GradBuffers.release = lambda self: [t.zero_() for t in self._tensors] and None
+            try:
+                forwards: list[bool] = []  # per forward: were all gradient buffers released?
+                orig = lightspeed.initialize
+
+                def initialize(forwards=forwards, orig=orig, **kw):
+                    engine, *rest = orig(**kw)
+                    buffers = _grad_buffers(engine.strategy)
+                    engine.module.register_forward_pre_hook(
+                        lambda *_: forwards.append(all(b.released for b in buffers)))
+                    return (engine, *rest)
+
+                lightspeed.initialize = initialize  # engine_losses builds its engine through it
+                try:
+                    runs[keep] = engine_losses(STEPS, cfg)
+                finally:
+                    lightspeed.initialize = orig
+                seen.append(forwards)
+            finally:
+                GradBuffers.release = release
+        out[stage] = (runs[False], runs[True], seen)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradient_buffers_are_released_between_steps(world):
+    for rank in run_world(_released_or_kept, world):
+        for stage, (released, kept, seen) in rank.items():
+            assert released[0] == kept[0], stage  # the same losses, bit for bit
+            for k, v in kept[1].items():
+                assert torch.equal(released[1][k], v), (stage, k)
+            # forwards: the first micro-step of every step runs with no gradient memory; the second
+            # accumulates into the buffers its first backward brought back
+            assert seen[0][0::2] == [True] * STEPS and seen[0][1::2] == [False] * STEPS, stage
+            assert not any(seen[1]), stage

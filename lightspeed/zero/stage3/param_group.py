@@ -53,6 +53,7 @@ from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.ops.lowp_writer import LowpWriter
+from lightspeed.zero.grad_buffers import GradBuffers
 from lightspeed.zero.partition import Range, shard_range
 from lightspeed.zero.stage3.zero_param import as_zero_parameter
 
@@ -192,6 +193,9 @@ class ParamGroup:
             self.master_grad_shard = torch.zeros(n, dtype=torch.float32, device=device)
         else:
             self.master_grad_shard = self.grad_shard
+        # the device gradients hold memory from this group's first reduction of a step to the step's
+        # end (zero/grad_buffers.py; the strategy releases them); host gradients stay
+        self.grad_buffers = GradBuffers([self.grad_shard] + ([] if host_master else [self.master_grad_shard]))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -308,6 +312,7 @@ class ParamGroup:
         reduce-scatter, and (on `wait()`) add this rank's part to `grad_shard`. Params without a
         gradient contribute zeros; every `.grad` is set to None. With one rank the shard is the whole
         buffer: the gradients are added to it directly (no buffer to send, no collective)."""
+        self.grad_buffers.ensure()
         to_host = (self.grads_to_host, self.master_grad_shard, self.on_host_queued) \
             if self.grads_to_host is not None else None
         if self.comm.world_size == 1:

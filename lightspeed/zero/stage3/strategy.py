@@ -176,6 +176,8 @@ class Stage3Strategy:
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
                                        units=[u.module for u in self.units], unit_of=unit_of)
         param_access.register(self, [p for g in self.groups for p in g.params])
+        for g in trainable:  # every view of them is made: no memory until the first backward
+            g.grad_buffers.release()
 
     def fragment(self, param: torch.nn.Parameter) -> param_access.ParamFragment | None:
         """Where `param`'s values live: this rank's range of its group (see `zero/param_access.py`)."""
@@ -196,7 +198,7 @@ class Stage3Strategy:
                     and start <= own.start and own.end <= start + piece.numel():
                 tensor, offset = piece, own.start - start
                 break
-        grad = g.grad_shard[own.start:own.end] if g.grad_shard is not None else None
+        grad = g.grad_shard[own.start:own.end] if g.grad_shard is not None and not g.grad_buffers.released else None
         return param_access.ParamFragment(shape=torch.Size(st.shape), owned=owned,
                                   master=g.optimizer_shard[own.start:own.end], grad=grad, optimizer_tensor=tensor,
                                   state_offset=offset, comm=g.comm,
@@ -420,6 +422,8 @@ class Stage3Strategy:
         optimizer on the fp32 shards and write the lp shards (gathered groups are then re-gathered on
         use)."""
         self.coordinator.wait_reduces()
+        for g in self._trainable():  # a group no backward reached this step has zero gradients
+            g.grad_buffers.ensure()
         return self._runner.step(loss_scale, max_norm, check_overflow)
 
     def _write_back(self) -> None:
@@ -437,7 +441,7 @@ class Stage3Strategy:
     def zero_grad(self) -> None:
         self._runner.zero_grad()
         for g in self._trainable():
-            g.grad_shard.zero_()
+            g.grad_buffers.release()  # zero until this group's next reduction brings them back
             for p in g.params:
                 p.grad = None
 

@@ -180,7 +180,7 @@ class Coordinator:
             g.wait()
 
     def release(self, g: ParamGroup, force: bool = False) -> None:
-        if g.state == RELEASED or (not force and (g.pins > 0 or g.persistent)):
+        if g.state == RELEASED or g.always_gathered or (not force and (g.pins > 0 or g.persistent)):
             return
         g.release()
         self.live_numel -= g.numel
@@ -298,7 +298,8 @@ class Coordinator:
             try:
                 for g in groups:
                     g.pins -= 1
-                if torch.is_grad_enabled():
+                if torch.is_grad_enabled() and not all(g.always_gathered for g in groups):
+                    # (nothing to re-gather before the backward of a unit whose groups never leave)
                     # leaves (a module returning a parameter) would keep the hook across iterations
                     needs_grad = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
                     if needs_grad:

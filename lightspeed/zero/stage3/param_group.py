@@ -26,8 +26,9 @@ the group is released; the pre-backward hooks re-gather before any module's back
 
 Note (one rank): with a data-parallel world of one the shard is the whole buffer, so `full_flat` is
 `lp_shard` itself: the parameters view it from set-up on (`always_gathered`), gathering and releasing
-do nothing and an update of the shard is already what the module computes with. Not with the
-parameters offloaded (the shard is in host memory) or a shard stored in another form (ZeRO++).
+do nothing and an update of the shard is already what the module computes with. When every group
+is so, the coordinator registers no forward hooks and `engine.compile()` takes the whole module. Not
+with the parameters offloaded (the shard is in host memory) or a shard stored in another form (ZeRO++).
 
 Note (ZeRO++): what goes on the wire is not decided here. Each group gathers through its own
 `ParamGather` (`comm/codecs.py`), made by the strategy's `Collectives` (int8 payloads for qwZ, hpZ's

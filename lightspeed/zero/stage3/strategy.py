@@ -548,7 +548,10 @@ class Stage3Strategy:
         self._masters_out()
 
     def compile_regions(self) -> list[torch.nn.Module]:
-        """The modules `engine.compile()` compiles in place: no unit's hooks inside any (see units.py)."""
+        """The modules `engine.compile()` compiles in place: no unit's hooks inside any (see units.py);
+        the whole module when no unit has hooks (one rank: the parameters never leave their shards)."""
+        if not self.coordinator.hooks_forward:
+            return [self.module]
         return compile_regions(self.module, [u.module for u in self.units])
 
     def needs_eager_forward(self) -> bool:

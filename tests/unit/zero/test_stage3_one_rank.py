@@ -1,6 +1,7 @@
 """ZeRO-3 at a data-parallel world of one (Note: one rank in zero/stage3/param_group.py): the
-parameters view their shards from set-up on, nothing is gathered or released, and training, the
-16-bit gather on save and GatheredParameters writes are what the gather machinery gives, bit for bit."""
+parameters view their shards from set-up on, nothing is gathered or released, no unit has forward
+hooks (engine.compile() takes the whole module), and training and GatheredParameters writes give what
+the gather machinery gives, bit for bit."""
 
 import pytest
 import torch
@@ -44,6 +45,10 @@ def test_parameters_view_their_shards_and_train_as_gathered(monkeypatch):
     # no gathered copy is counted: the parameters are the shard
     assert engine.memory_breakdown()["cpu"]["lp_params"] == sum(g.lp_shard.nbytes for g in engine.strategy.groups)
     assert all(not g.always_gathered for g in gathered.strategy.groups)
+    # nothing to gather: no unit has forward hooks, and engine.compile() takes the whole module
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in engine.module.modules())
+    assert engine.strategy.compile_regions() == [engine.module]
+    assert any(m._forward_pre_hooks for m in gathered.module.modules())
 
 
 def test_gathered_parameters_write_at_one_rank(monkeypatch):

@@ -93,8 +93,9 @@ def _compiled_matches_eager(runs):
     return out
 
 
-# world size 2 repeats what differs with the world (reduce-scatter, sharded gathers); HF GPT-2 there
-# at stage 3 only, the stage whose hooks meet the compiled regions most
+# world size 2 repeats what differs with the world (reduce-scatter, sharded gathers, stage 3's per-unit
+# regions: at one rank stage 3 compiles the whole module); HF GPT-2 there at stage 3 only, the stage
+# whose hooks meet the compiled regions most
 @pytest.mark.parametrize("world,runs", [(1, [("gpt", [0, 1, 2, 3]), ("hf-gpt2", [0, 1, 2, 3]), ("hf-llama", [0, 3])]),
                                         (2, [("gpt", [0, 1, 2, 3]), ("hf-gpt2", [3])])])
 def test_compiled_matches_eager_without_graph_breaks(world, runs):
@@ -152,17 +153,28 @@ def _compile_api():
         except (NotImplementedError, ValueError) as err:
             errors.append(str(err))
     engine.compile(backend="aot_eager")  # already compiled: a warning, nothing else
+    # one rank: the parameters view their shards, no unit has hooks, the whole module is one region
+    whole = [type(m).__name__ for m in engine.strategy.compile_regions()]
+    from lightspeed.zero.stage3 import strategy as stage3_strategy
+
+    stage3_strategy.ONE_RANK_VIEWS = False  # the gathering units, as at more ranks
+    try:
+        engine, *_ = lightspeed.initialize(model=build("gpt"), config=cfg)
+    finally:
+        stage3_strategy.ONE_RANK_VIEWS = True
     regions = [type(m).__name__ for m in engine.strategy.compile_regions()]
     compiled = [m._compiled_call_impl is not None for m in engine.strategy.compile_regions()]
-    return engine.is_compiled, errors, regions, compiled, engine.module._compiled_call_impl is None
+    return engine.is_compiled, errors, whole, regions, compiled, engine.module._compiled_call_impl is None
 
 
 def test_compile_api_and_stage3_regions():
     (result,) = run_world(_compile_api, 1, timeout=120)
-    is_compiled, errors, regions, compiled, root_eager = result
+    is_compiled, errors, whole, regions, compiled, root_eager = result
     assert is_compiled
     assert "compile.deepcompile" in errors[0] and "compiled_autograd_enabled" in errors[1] and "backend" in errors[2]
-    # each block is a region; the root (a unit holding units) stays eager, its parameter holders compile
+    assert whole == ["GPT"]
+    # gathering units: each block is a region; the root (a unit holding units) stays eager, its
+    # parameter holders compile
     assert regions == ["Embedding", "Embedding", "Block", "Block", "LayerNorm", "Linear"]
     assert all(compiled) and root_eager
 

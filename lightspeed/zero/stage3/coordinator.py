@@ -153,7 +153,10 @@ class Coordinator:
         # compiled frame, and torch.compile would otherwise trace them (gathers, collectives, the
         # trace's Python state); disabled, they run eagerly before and after the unit's graph
         pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
-        for m in (units if units is not None else root.modules()):
+        # groups that never leave (one rank, param_group.py's Note) need no gathering: no forward hooks,
+        # so nothing stands between a compiled whole module and its graph
+        self.hooks_forward = not all(g.always_gathered for g in groups)
+        for m in (units if units is not None else root.modules()) if self.hooks_forward else ():
             self._handles.append(m.register_forward_pre_hook(pre))
             self._handles.append(m.register_forward_hook(post, always_call=True))
         for g in groups:
@@ -180,7 +183,7 @@ class Coordinator:
             g.wait()
 
     def release(self, g: ParamGroup, force: bool = False) -> None:
-        if g.state == RELEASED or (not force and (g.pins > 0 or g.persistent)):
+        if g.state == RELEASED or g.always_gathered or (not force and (g.pins > 0 or g.persistent)):
             return
         g.release()
         self.live_numel -= g.numel
@@ -298,7 +301,8 @@ class Coordinator:
             try:
                 for g in groups:
                     g.pins -= 1
-                if torch.is_grad_enabled():
+                if torch.is_grad_enabled() and not all(g.always_gathered for g in groups):
+                    # (nothing to re-gather before the backward of a unit whose groups never leave)
                     # leaves (a module returning a parameter) would keep the hook across iterations
                     needs_grad = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
                     if needs_grad:
@@ -313,7 +317,7 @@ class Coordinator:
         """Whether the next forward runs under the external-use mode (its ops must then run eagerly
         for the mode to see them: torch.compile would trace the mode's Python into the graph)."""
         detect = self.schedule.external_detection
-        return detect == "always" or (detect == "trace" and not self._trace_done)
+        return self.hooks_forward and (detect == "always" or (detect == "trace" and not self._trace_done))
 
     def _begin_forward(self) -> None:
         self._pos, self._cursor, self._trace_ok = 0, 0, True

@@ -24,6 +24,12 @@ backward re-gathers into the same storage object, so the saved views read the ri
 Consequence: a tensor derived from a parameter in forward (e.g. `p.detach()`) must not be read after
 the group is released; the pre-backward hooks re-gather before any module's backward.
 
+Note (one rank): with a data-parallel world of one the shard is the whole buffer, so `full_flat` is
+`lp_shard` itself: the parameters view it from set-up on (`always_gathered`), gathering and releasing
+do nothing and an update of the shard is already what the module computes with. When every group
+is so, the coordinator registers no forward hooks and `engine.compile()` takes the whole module. Not
+with the parameters offloaded (the shard is in host memory) or a shard stored in another form (ZeRO++).
+
 Note (ZeRO++): what goes on the wire is not decided here. Each group gathers through its own
 `ParamGather` (`comm/codecs.py`), made by the strategy's `Collectives` (int8 payloads for qwZ, hpZ's
 secondary shard kept inside it), reduce-scatters through `collectives.reduce_scatter` (qgZ's
@@ -132,11 +138,12 @@ class ParamGroup:
                  values: Sequence[torch.Tensor], comm: Communicator, *, dtype: torch.dtype, device: torch.device,
                  grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True,
                  offload: OffloadPolicy | None = None, with_grads: bool = True,
-                 collectives: Collectives | None = None):
+                 collectives: Collectives | None = None, one_rank_views: bool = False):
         """`values[i]` holds the full value of `params[i]` (any dtype/device). Every rank passes its own
         values and rank 0's win (broadcast), so all ranks start identical. `fp32_grad_copy=False` (the
         fused optimizer step reads low-precision gradients itself) skips the fp32 gradient shard;
-        `with_grads=False` (a group that only stores values, as `zero.Init`'s) has no gradient shard."""
+        `with_grads=False` (a group that only stores values, as `zero.Init`'s) has no gradient shard.
+        `one_rank_views`: at a data-parallel world of one, the parameters view the shard (Note: one rank)."""
         self.name, self.comm, self.dtype, self.device, self.stream = name, comm, dtype, device, stream
         self.collectives = collectives or Collectives.default(comm)
         self.params = list(params)
@@ -160,6 +167,11 @@ class ParamGroup:
         # reduction of this group is copied to `master_grad_shard` (set by the strategy)
         self.grads_to_host: Any = None
         self.on_host_queued: Any = None  # called once this step's copy of the gradients to the host is queued
+        # one rank (Note: one rank): the shard is the whole buffer and the parameters view it
+        self.always_gathered = (one_rank_views and comm.world_size == 1 and not offload.offloads_params
+                                and type(self.lp_shard) is torch.Tensor and self.lp_shard.device == full.device)
+        if self.always_gathered:
+            full = self.lp_shard
         self.full_flat = full  # from now on the gather buffer; its storage is freed below
         self.views = flat_views(full, self.layout)
         self._nbytes = full.untyped_storage().nbytes()
@@ -175,6 +187,9 @@ class ParamGroup:
         self.persistent = False
         self.coordinator: Any = None  # set by the coordinator that schedules this group
         self.release()
+        if self.always_gathered:
+            for p, view in zip(self.params, self.views):
+                p.data = view
         n = self.shard_numel
         host_master = offload.offloads_optimizer and self.trainable
         if host_master:
@@ -253,7 +268,7 @@ class ParamGroup:
                 p.data = view
 
     def release(self) -> None:
-        if self.state == RELEASED:
+        if self.state == RELEASED or self.always_gathered:
             return
         if self.state == INFLIGHT:
             self.wait()
@@ -298,7 +313,7 @@ class ParamGroup:
     def refresh(self) -> None:
         """Re-gather a gathered group after its lp shard changed (released: the next gather reads it)."""
         self.shard_changed()
-        if self.state != RELEASED:
+        if self.state != RELEASED and not self.always_gathered:  # the parameters view the shard itself
             self.wait()
             self._gather(self.full_flat, self._device_shard()).wait()
 
@@ -375,7 +390,7 @@ class ParamGroup:
         else:  # a stored quantized shard
             tally.add(self.device, "lp_params", self.lp_shard.nbytes)
         tally.add(self.device, "lp_params", self._gather.secondary_bytes)
-        if self.state != RELEASED:
+        if self.state != RELEASED and not self.always_gathered:  # one rank: the shard is the gathered buffer
             tally.add(self.device, "lp_params", self._nbytes)
         if self.master_shard is not None:
             tally.add_tensor("master_params", self.master_shard)

@@ -63,9 +63,9 @@ from lightspeed.zero.optimizers import check_optimizer, fused_step
 
 logger = get_logger(__name__)
 
-# Optimizers whose update of an element depends only on that element's history and the group's
-# hyperparameters, so stepping flat shards equals stepping whole parameters (DeepSpeed's list of
-# ZeRO-supported optimizers, in torch terms). Lamb is not among them: its trust ratio is per tensor.
+ONE_RANK_VIEWS = True  # what configs get (Stage3Options.one_rank_views); the machinery's unit tests turn it off
+
+
 @dataclass(frozen=True)
 class Stage3Options:
     schedule: Schedule = field(default_factory=Schedule)
@@ -74,6 +74,9 @@ class Stage3Options:
     gather_16bit_weights_on_model_save: bool = False
     allow_untested_optimizer: bool = False
     leaf_rule: LeafRule = field(default_factory=LeafRule)  # which modules are units (see units.py)
+    # at a data-parallel world of one the parameters view their shards: nothing is gathered or released
+    # (param_group.py's Note: one rank); off, one rank runs the gather machinery (its unit tests)
+    one_rank_views: bool = True
 
     @classmethod
     def from_config(cls, cfg, policy: PrecisionPolicy) -> "Stage3Options":
@@ -90,6 +93,7 @@ class Stage3Options:
                              classes=tuple(leaf.classes), names=tuple(leaf.names),
                              name_suffixes=tuple(leaf.name_suffixes))
         return cls(schedule=schedule, param_persistence_threshold=int(z.stage3_param_persistence_threshold),
+                   one_rank_views=ONE_RANK_VIEWS,
                    model_persistence_threshold=int(z.stage3_model_persistence_threshold),
                    gather_16bit_weights_on_model_save=bool(z.stage3_gather_16bit_weights_on_model_save),
                    allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), leaf_rule=leaf_rule)
@@ -276,7 +280,8 @@ class Stage3Strategy:
                                collectives=self.collectives, dtype=self.policy.param_dtype, device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
                                keep_master=self.policy.master_dtype is not None, stream=stream,
-                               fp32_grad_copy=not self._fused, offload=offload)
+                               fp32_grad_copy=not self._fused, offload=offload,
+                               one_rank_views=self.options.one_rank_views)
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
                 full_numel -= g.layout.numel  # the values now live in the group's shard only
@@ -543,7 +548,10 @@ class Stage3Strategy:
         self._masters_out()
 
     def compile_regions(self) -> list[torch.nn.Module]:
-        """The modules `engine.compile()` compiles in place: no unit's hooks inside any (see units.py)."""
+        """The modules `engine.compile()` compiles in place: no unit's hooks inside any (see units.py);
+        the whole module when no unit has hooks (one rank: the parameters never leave their shards)."""
+        if not self.coordinator.hooks_forward:
+            return [self.module]
         return compile_regions(self.module, [u.module for u in self.units])
 
     def needs_eager_forward(self) -> bool:

@@ -169,6 +169,8 @@ def apply_step(views: ShardViews, coef: torch.Tensor | None, optimizer: torch.op
         for tensor, grad in views.opt_grads.items():
             tensor.grad = grad
         optimizer.step()
+        for tensor in views.opt_grads:  # views of gradient buffers released after the step (grad_buffers.py)
+            tensor.grad = None
 
 
 def sharded_step(views: ShardViews, loss_scale: float | None, max_norm: float, *, check_overflow: bool,

@@ -100,8 +100,8 @@ def test_leaf_modules_and_granularity_threshold_only_coarsen():
 
 def test_hooks_only_on_units_and_external_uses_go_to_the_unit():
     model = Nested()
-    s = Stage3Strategy(model, None, PrecisionPolicy(), Communicator(None, world_size=1), Stage3Options(),
-                       device=torch.device("cpu"))
+    s = Stage3Strategy(model, None, PrecisionPolicy(), Communicator(None, world_size=1),
+                       Stage3Options(one_rank_views=False), device=torch.device("cpu"))
     hooked = [m for m in model.modules() if m._forward_pre_hooks]
     assert hooked == [u.module for u in s.units]
     group0 = param_state(model.layers[0].ff[2].weight).group

@@ -14,8 +14,9 @@ to the master and to the low-precision parameter. `safe_get_full_grad` assembles
 from the shards at stages 1-3 (stage 1's `param.grad` holds this rank's gradient before the
 reduce-scatter, so unlike DeepSpeed it is not returned first) and returns `param.grad` at stage 0
 (all-reduced in place there); like DeepSpeed's it is meaningful between the backward of an accumulation boundary
-and `engine.step()`, after which stages 1-3 hold no gradient memory until the next backward (None is
-returned there; zero/grad_buffers.py) and stage 0 zeroes its gradients; it holds what the strategy holds: averaged over
+and `engine.step()`, after which stages 1-3 hold no gradient memory until the next backward (the
+gradient functions raise ValueError there, as DeepSpeed's at stages 1-2; zero/grad_buffers.py) and
+stage 0 zeroes its gradients; it holds what the strategy holds: averaged over
 ranks, and for fp16 still multiplied by the loss scale. The "local" functions are DeepSpeed's ZeRO-3
 API: they return views (1-D) of this rank's elements of a stage-3 partitioned parameter (possibly
 none: lightspeed partitions a group's flat buffer, not each parameter) and raise for any other
@@ -50,6 +51,7 @@ class ParamFragment:
     lp_owned: torch.Tensor | None = None  # the low-precision values of `owned`, when only those are here
     after_write: Callable[[], None] | None = None  # e.g. re-gather a gathered stage-3 group
     local: bool = False  # True for a stage-3 partitioned parameter (the "local" API applies)
+    grad_released: bool = False  # between steps: the gradient buffers hold no memory (zero/grad_buffers.py)
 
     @property
     def numel(self) -> int:
@@ -145,9 +147,16 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
         frag.optimizer_state(strategy.optimizer, optim_state_key).copy_(flat[frag.owned.start:frag.owned.end])
 
 
+def _require_grads(frag: ParamFragment | None, name: str) -> None:
+    if frag is not None and frag.grad_released:
+        raise ValueError(f"{name}: gradients exist only between the backward of an accumulation boundary and "
+                         "engine.step() (ZeRO stages 1-3 release them at the step, as DeepSpeed does)")
+
+
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """`param.grad` when set, else the reduced gradient assembled from the shards (a collective)."""
     strategy, frag = _locate(param)
+    _require_grads(frag, "safe_get_full_grad")
     if strategy is not None:
         strategy.wait_gradients()  # a reduction of the boundary may still be in flight
     if frag is not None and frag.comm is not None and frag.grad is not None:
@@ -163,6 +172,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Write `value` (the full reduced gradient, as `safe_get_full_grad` gives it) into this rank's part of
     the gradient the step will read; between the boundary backward and `engine.step()`."""
     strategy, frag = _locate(param)
+    _require_grads(frag, "safe_set_full_grad")
     if frag is None or frag.grad is None:
         return
     strategy.wait_gradients()  # an in-flight reduction would land on top of the value
@@ -189,6 +199,7 @@ def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """This rank's elements of a ZeRO-3 parameter's reduced gradient (1-D view; may be empty)."""
     strategy, frag = _local(param, "safe_get_local_grad")
+    _require_grads(frag, "safe_get_local_grad")
     strategy.wait_gradients()
     return frag.grad
 

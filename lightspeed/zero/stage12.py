@@ -224,6 +224,7 @@ class ShardedStrategy:
         end = start + owned.numel
         return param_access.ParamFragment(shape=param.shape, owned=owned, master=shard.master[start:end],
                                   grad=None if self._grads.released else shard.grad[start:end],
+                                  grad_released=self._grads.released,
                                   optimizer_tensor=shard.master, state_offset=start,
                                   comm=self.comm, lp_full=shard.flat.lp_views[i])
 

@@ -205,7 +205,7 @@ class Stage3Strategy:
         grad = g.grad_shard[own.start:own.end] if g.grad_shard is not None and not g.grad_buffers.released else None
         return param_access.ParamFragment(shape=torch.Size(st.shape), owned=owned,
                                   master=g.optimizer_shard[own.start:own.end], grad=grad, optimizer_tensor=tensor,
-                                  state_offset=offset, comm=g.comm,
+                                  state_offset=offset, comm=g.comm, grad_released=g.grad_buffers.released,
                                   lp_owned=g.lp_shard[own.start:own.end] if g.master_shard is not None else None,
                                   after_write=g.refresh, local=True)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
 
 import torch
 
@@ -25,6 +26,8 @@ class _Registered:
         self.mapping, self.ptr = mapping, ptr
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # the process is ending: the driver and the OS take the memory back
+            return
         if self.ptr is not None and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # no copy may still read or write the pages
             torch.cuda.cudart().cudaHostUnregister(self.ptr)

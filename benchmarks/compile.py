@@ -19,11 +19,20 @@ inductor compile in its first warm-up step; the parent prints each run's wall ti
     python benchmarks/compile.py --models gpt2-medium hf-gpt2-medium
     python benchmarks/compile.py --models 1.3b
 
+At a data-parallel world of one, ZeRO-3's parameters view their shards (nothing to gather) and the
+whole module compiles; `--zero3-gathers` runs stage 3 with the gathering units, hooks and per-block
+regions that more ranks use, to measure that machinery on one GPU.
+
 `--profile` adds dynamo's counters, the device's busy fraction and the top operators of 3 more steps
 per run. `--curve N` trains N steps (no warm-up) on a learnable token pattern and compares float8's loss
 curve with bf16's (both compiled ZeRO-2), e.g. at 1.3B:
 
     python benchmarks/compile.py --models 1.3b --only lightspeed:2:1:0 lightspeed:2:1:1 --curve 300
+
+A model is also WIDTHxLAYERS (examples/gpt.py's GPTConfig.preset): 4096x8 is a 7B-shaped model of 8 layers,
+for float8 against bf16 where the matmuls are 7B's:
+
+    python benchmarks/compile.py --models 4096x8 --only lightspeed:2:1:0 lightspeed:2:1:1
 """
 
 from __future__ import annotations
@@ -87,6 +96,10 @@ def ds_config(stage: int, micro: int, bf16: bool, float8: bool) -> dict:
 
 def run_one(args, model_name: str, system: str, stage: int, compiled: bool, float8: bool) -> Result:
     lightspeed.init_distributed(verbose=False)
+    if args.zero3_gathers:  # stage 3 as at more ranks: gather, release and hooks, though one rank holds all
+        from lightspeed.zero.stage3 import strategy as stage3_strategy
+
+        stage3_strategy.ONE_RANK_VIEWS = False
     gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     backend = "inductor" if gpu else "aot_eager"
@@ -99,6 +112,7 @@ def run_one(args, model_name: str, system: str, stage: int, compiled: bool, floa
     reset_memory()
     name = f"{system}{'' if system != 'lightspeed' else f' ZeRO-{stage}'} {'compiled' if compiled else 'eager'}"
     name += " float8" if float8 else ""
+    name += " (gathering)" if args.zero3_gathers and system == "lightspeed" and stage == 3 else ""
     if system == "plain":
         model = base
         fwd = torch.compile(model, backend=backend) if compiled else model
@@ -218,7 +232,7 @@ def runs_for(model: str, float8: bool) -> list[tuple[str, int, bool, bool]]:
     out = [("plain", 0, False, False), ("plain", 0, True, False)]
     out += [("lightspeed", s, c, False) for s in (1, 2, 3) for c in (False, True)]
     out += [("fsdp2", 0, False, False)]
-    if float8 and model == "1.3b":
+    if float8 and (model == "1.3b" or "x" in model):  # 1.3B and WIDTHxLAYERS shapes, e.g. 7B-shaped 4096x8
         out += [("lightspeed", 2, True, True)]
     return out
 
@@ -240,6 +254,9 @@ def main():
                     help="N steps on a learnable pattern, no warm-up; compares float8's loss curve with bf16's")
     ap.add_argument("--only", nargs="+", default=None, metavar="SYSTEM:STAGE:COMPILED:FLOAT8",
                     help="run only these (e.g. plain:0:1:0 lightspeed:2:1:0); the baseline is always run")
+    ap.add_argument("--zero3-gathers", action="store_true",
+                    help="ZeRO-3 gathers and releases each block as at more ranks (at one rank it otherwise "
+                         "views its shards)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # model:system:stage:compiled:float8
     args = ap.parse_args()
     if args.smoke:

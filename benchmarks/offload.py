@@ -34,7 +34,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -69,15 +68,6 @@ def config(stage: int, variant: str, micro: int, bf16: bool) -> dict:
     return cfg
 
 
-def model_config(size: str, seq: int) -> GPTConfig:
-    """A preset of examples/gpt.py, or WIDTHxLAYERS: GPT-2's padded vocabulary and 128-wide heads."""
-    shape = re.fullmatch(r"(\d+)x(\d+)", size)
-    if shape is None:
-        return GPTConfig.preset(size, block_size=seq)
-    width, layers = map(int, shape.groups())
-    return GPTConfig(vocab_size=50304, block_size=seq, n_layer=layers, n_head=max(1, width // 128), n_embd=width)
-
-
 def host_peak_gib() -> float:
     """This process's peak resident host memory (pinned buffers included)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -87,7 +77,7 @@ def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
     lightspeed.init_distributed(verbose=False)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
-    cfg = model_config(size, args.seq)
+    cfg = GPTConfig.preset(size, block_size=args.seq)
     with device:
         base = GPT(cfg)
     batches = make_batches(cfg.vocab_size, args.micro, args.seq, device)
@@ -236,7 +226,7 @@ def main():
         if not skip and a not in flags:
             passthrough.append(a)
     for size in args.sizes:
-        cfg = model_config(size, args.seq)
+        cfg = GPTConfig.preset(size, block_size=args.seq)
         with torch.device("meta"):
             num_params = GPT(cfg).num_params()
         hw = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"

@@ -7,6 +7,7 @@ unchanged model. Import it as ``examples.gpt`` from the repository root or load 
 """
 
 import math
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,9 +27,14 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
-        """A named size from ``PRESETS``, with any field overridden (e.g. ``block_size=512``)."""
+        """A named size from ``PRESETS``, or ``WIDTHxLAYERS`` (GPT-2's padded vocabulary, 128-wide heads:
+        ``4096x8`` is a 7B-shaped model of 8 layers), with any field overridden (e.g. ``block_size=512``)."""
+        shape = re.fullmatch(r"(\d+)x(\d+)", name)
+        if shape is not None:
+            width, layers = map(int, shape.groups())
+            return replace(PRESETS["gpt2"], n_layer=layers, n_head=max(1, width // 128), n_embd=width, **overrides)
         if name not in PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; choose one of {', '.join(PRESETS)}")
+            raise ValueError(f"unknown GPT preset {name!r}; choose one of {', '.join(PRESETS)} or WIDTHxLAYERS")
         return replace(PRESETS[name], **overrides)
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lightspeed.testing.models import TinyMLP, regression_data
 from lightspeed.testing.run_world import run_world
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.no_real_deepspeed, pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(400)]
 
 GAS, MICRO, LR = 2, 2, 1e-2
 

@@ -24,7 +24,7 @@ import torch
 
 from lightspeed.testing.run_world import run_world
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.no_real_deepspeed, pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
 
 VOCAB, SEQ, STEPS = 64, 16, 4
 

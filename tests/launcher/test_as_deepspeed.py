@@ -37,6 +37,7 @@ def _reference_losses(zero_init: bool) -> list[float]:
     return losses
 
 
+@pytest.mark.no_real_deepspeed
 @pytest.mark.dist
 @pytest.mark.parametrize("stage", [3])
 def test_unchanged_deepspeed_script_runs_through_the_launcher(tmp_path, home, stage):
@@ -80,6 +81,7 @@ def test_as_deepspeed_refuses_no_python(cli, tmp_path):
     assert "--as_deepspeed runs a Python script; it cannot be used with --no_python" in err
 
 
+@pytest.mark.no_real_deepspeed
 @pytest.mark.dist
 def test_accelerate_launch_form_registers_in_the_launcher_and_every_worker(tmp_path, home):
     """README's form for `accelerate launch --use_deepspeed`: its launcher process checks for DeepSpeed

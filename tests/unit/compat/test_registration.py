@@ -24,6 +24,7 @@ def _run(code: str, extra_path: str | None = None, args=(), check: bool = True) 
     return proc
 
 
+@pytest.mark.no_real_deepspeed
 def test_registration_is_seen_by_importlib_transformers_and_accelerate():
     proc = _run("""
         import importlib.metadata, importlib.util, sys
@@ -64,6 +65,7 @@ def _fake_deepspeed(tmp_path: Path, version: str = "0.14.0") -> str:
     return str(tmp_path)
 
 
+@pytest.mark.no_real_deepspeed
 def test_refuses_when_a_deepspeed_distribution_is_installed(tmp_path):
     proc = _run("""
         import lightspeed
@@ -103,6 +105,7 @@ def test_override_shadows_an_installed_deepspeed(tmp_path):
     assert "shadows it" in proc.stderr
 
 
+@pytest.mark.no_real_deepspeed
 def test_unregister_restores_the_import_system():
     from lightspeed.compat import is_registered, register_as_deepspeed, unregister_as_deepspeed
 
@@ -131,6 +134,7 @@ def test_subpackages_are_attributes_of_a_plain_import():
     assert proc.stdout.strip() == "OK"
 
 
+@pytest.mark.no_real_deepspeed
 @pytest.mark.parametrize("as_module", [False, True])
 def test_as_deepspeed_entry_point_runs_the_script_registered(tmp_path, as_module):
     (tmp_path / "train_ds.py").write_text(textwrap.dedent("""

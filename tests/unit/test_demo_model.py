@@ -126,3 +126,11 @@ def test_corpus_split_by_position():
     assert bytes(x.tolist()) == raw[:64] and bytes(y.tolist()) == raw[1:65]
     split = int(len(raw) * 0.9)
     assert bytes(val[0][0].tolist()) == raw[split : split + 64]
+
+
+def test_width_by_layers_shapes():
+    c = GPTConfig.preset("4096x8", block_size=512)
+    assert (c.n_embd, c.n_head, c.n_layer, c.vocab_size, c.block_size) == (4096, 32, 8, 50304, 512)
+    assert GPTConfig.preset("4096x32", block_size=2048) == GPTConfig.preset("6.7b")  # GPT-3 6.7B's shape
+    with pytest.raises(ValueError, match="WIDTHxLAYERS"):
+        GPTConfig.preset("4096x")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -232,7 +233,7 @@ def runs_for(model: str, float8: bool) -> list[tuple[str, int, bool, bool]]:
     out = [("plain", 0, False, False), ("plain", 0, True, False)]
     out += [("lightspeed", s, c, False) for s in (1, 2, 3) for c in (False, True)]
     out += [("fsdp2", 0, False, False)]
-    if float8 and (model == "1.3b" or "x" in model):  # 1.3B and WIDTHxLAYERS shapes, e.g. 7B-shaped 4096x8
+    if float8 and (model == "1.3b" or re.fullmatch(r"\d+x\d+", model)):  # and WIDTHxLAYERS, e.g. 7B-shaped 4096x8
         out += [("lightspeed", 2, True, True)]
     return out
 

@@ -1,28 +1,34 @@
 """`Topology`: the run's process mesh, built once from the config and the world size and passed around.
 
-Owns: the mesh shape (dims `dp_replicate`, `dp_shard`, `sp`, `tp`; `pp` reserved), the rank arithmetic
-that places a global rank in it (pure functions, tested without processes), the process group of each
-dim and of the flattened dims ZeRO and the gradient norm use, and the adapter from a Megatron-style
-`mpu`. Must not: issue collectives (comm/collectives.py does), or keep module-level groups.
+Owns: the mesh shape (dims `pp`, `dp_replicate`, `edp_shard`, `ep`, `sp`, `tp`), the rank arithmetic that
+places a global rank in it (pure functions, tested without processes), the process group of each dim
+and of any set of dims (the flattened groups ZeRO, expert parallelism and the gradient norm use), the
+sizes read from a config (`Topology.from_config`), and the adapter from a Megatron-style `mpu`. Must
+not: issue collectives (comm/collectives.py does), or keep module-level groups.
 
 Note: [rank order] As in Megatron and DeepSpeed, tensor parallelism is innermost: the ranks of one tp
-group are contiguous (0,1 | 2,3 with tp=2), sequence parallelism next, data parallelism outermost
-(dp_replicate outside dp_shard). A global rank r has coordinates
-`tp = r % tp`, `sp = (r // tp) % sp`, `dp_shard = (r // (tp*sp)) % dp_shard`, `dp_replicate = r //
-(tp*sp*dp_shard)`. Groups: "tp", "sp", "dp_shard", "dp_replicate", "dp" (dp_replicate x dp_shard: the
-ranks holding the same model shard and different data), "dp_sp" (dp x sp: ZeRO partitions and reduces
-gradients over it, since the sp ranks of a dp replica see different tokens of the same samples), and
-"world". The Ulysses record (comm/sequence_groups.py) is this object's sp dim: built from its groups
+group are contiguous (0,1 | 2,3 with tp=2), sequence parallelism next, then data parallelism
+(dp_replicate outside dp_shard), and pipeline stages outermost (DeepSpeed's
+`PipeModelDataParallelTopology`: pipe, data, model). A global rank r has coordinates
+`tp = r % tp`, `sp = (r // tp) % sp`, `dp_shard = (r // (tp*sp)) % dp_shard`, `dp_replicate = (r //
+(tp*sp*dp_shard)) % dp_replicate`, `pp = r // (tp*sp*dp)`. Groups: "tp", "sp", "pp", "dp_shard",
+"dp_replicate", "dp" (dp_replicate x dp_shard: the ranks holding the same model shard and different
+data), "dp_sp" (dp x sp: ZeRO partitions and reduces gradients over it, since the sp ranks of a dp
+replica see different tokens of the same samples), "tp_dp_sp", and "world".
+
+Note: [experts] Expert parallelism borrows from dp_shard (torchtitan's sparse mesh; DeepSpeed's
+expert groups): dp_shard = edp_shard x ep with ep inner, so an "ep" group is `ep` consecutive dp_shard ranks
+(DeepSpeed's `_create_expert_and_data_parallel`) and each holds different experts; "edp" (dp_replicate
+x edp_shard, DeepSpeed's expert-data-parallel group) holds the same experts and different data, and "edp_sp"
+(edp x sp) is the group an expert's gradients are reduced and partitioned over, as "dp_sp" is for the
+dense parameters. Without experts (ep = 1) edp_shard is dp_shard and every group is as before.
+
+Note: [the Ulysses record] (comm/sequence_groups.py) is this object's sp dim: built from its groups
 when tp > 1, and at tp = 1 built before it from the same arithmetic (consecutive runs) and handed in
 through an mpu.
 
-Note: [the global gradient norm] Every element of the model must count once. Over dp_sp each element
-lives once (ZeRO shards it, or stage 0 all-reduces it and the norm is taken of the whole gradient on
-each rank: see the strategies). Over tp a parameter is either sharded (each tp rank holds a different
-slice: its squares add over tp) or replicated (every tp rank holds the same values: norms, embeddings,
-a row-parallel layer's bias). The rule: a replicated parameter contributes from tp rank 0 only
-(`counts_in_norm`), and the squared partial norms are then summed over `norm_group` (tp x dp_sp, the
-whole world while pp is 1).
+Note: [the global gradient norm] is zero/norm.py's: it reads the placements (parallel/placement.py) and
+sums partial squares over `group_over` the dims where the copies differ.
 """
 
 from __future__ import annotations
@@ -33,61 +39,95 @@ from typing import Any
 
 import torch.distributed as dist
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "sp", "tp")  # outermost first, as init_device_mesh takes them
-_FLAT_DIMS = {"dp": ("dp_replicate", "dp_shard"), "dp_sp": ("dp_replicate", "dp_shard", "sp"),
-              "tp_dp_sp": ("dp_replicate", "dp_shard", "sp", "tp")}
-GROUP_NAMES = MESH_DIMS + tuple(_FLAT_DIMS) + ("world",)
+MESH_DIMS = ("pp", "dp_replicate", "edp_shard", "ep", "sp", "tp")  # outermost first, as init_device_mesh takes them
+_FLAT_DIMS = {"dp_shard": ("edp_shard", "ep"), "dp": ("dp_replicate", "edp_shard", "ep"),
+              "dp_sp": ("dp_replicate", "edp_shard", "ep", "sp"), "edp": ("dp_replicate", "edp_shard"),
+              "edp_sp": ("dp_replicate", "edp_shard", "sp"), "tp_dp_sp": ("dp_replicate", "edp_shard", "ep", "sp", "tp"),
+              "world": MESH_DIMS}
+GROUP_NAMES = MESH_DIMS + tuple(_FLAT_DIMS)
+
+
+def dims_of(name: str) -> tuple[str, ...]:
+    """The mesh dims a group name spans, outermost first (a mesh dim spans itself)."""
+    _check_name(name)
+    return _FLAT_DIMS.get(name, (name,))
 
 
 class TopologyError(ValueError):
     """A mesh that does not fit the world (sizes that do not divide it, an unbuilt dim)."""
 
 
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TopologyError(f"{name} must be a positive integer (got {value!r})")
+
+
 @dataclass(frozen=True)
 class MeshShape:
-    """The sizes of the mesh's dims; their product is the world size."""
+    """The sizes of the mesh's dims; their product is the world size. `dp_shard` counts every data-parallel
+    shard rank; expert parallelism splits it as `edp_shard` x `ep` (the Note on experts)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     sp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for dim in ("dp_replicate", "dp_shard", "sp", "tp", "pp", "ep"):
+            _positive(dim, getattr(self, dim))
+        if self.dp_shard % self.ep:
+            raise TopologyError(f"expert parallel size ep={self.ep} does not divide the data-parallel shard size "
+                                f"{self.dp_shard}")
 
     @classmethod
-    def for_world(cls, world_size: int, *, tp: int = 1, sp: int = 1, pp: int = 1,
-                  dp_replicate: int = 1) -> "MeshShape":
+    def for_world(cls, world_size: int, *, tp: int = 1, sp: int = 1, pp: int = 1, dp_replicate: int = 1,
+                  ep: int = 1) -> "MeshShape":
         """The shape with `dp_shard` taking what the other dims leave of `world_size`."""
         for name, value in (("tensor_parallel.autotp_size", tp), ("sequence_parallel_size", sp),
-                            ("pipeline parallel size", pp), ("dp_replicate", dp_replicate)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise TopologyError(f"{name} must be a positive integer (got {value!r})")
-        if pp != 1:
-            raise TopologyError(f"pipeline parallelism (pp={pp}) is not implemented; the mesh's pp dim must be 1")
-        inner = tp * sp * dp_replicate
+                            ("pipeline parallel size", pp), ("dp_replicate", dp_replicate),
+                            ("expert parallel size", ep)):
+            _positive(name, value)
+        inner = tp * sp * dp_replicate * pp
         if world_size % inner:
             raise TopologyError(f"the world size {world_size} does not divide by tp={tp} x sp={sp} x "
-                                f"dp_replicate={dp_replicate} = {inner}")
-        return cls(dp_replicate=dp_replicate, dp_shard=world_size // inner, sp=sp, tp=tp, pp=pp)
+                                f"dp_replicate={dp_replicate} x pp={pp} = {inner}")
+        dp_shard = world_size // inner
+        if dp_shard % ep:
+            raise TopologyError(f"expert parallel size ep={ep} does not divide the data-parallel size {dp_shard} "
+                                f"(world {world_size} / tp={tp} x sp={sp} x pp={pp} x dp_replicate={dp_replicate})")
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, sp=sp, tp=tp, pp=pp, ep=ep)
+
+    @property
+    def edp_shard(self) -> int:
+        return self.dp_shard // self.ep
 
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.sp * self.tp * self.pp
 
+    def dim_size(self, dim: str) -> int:
+        return getattr(self, dim)
+
     def size(self, name: str) -> int:
-        if name == "world":
-            return self.world_size
-        dims = _FLAT_DIMS.get(name, (name,))
-        _check_name(name)
+        out = 1
+        for dim in dims_of(name):
+            out *= self.dim_size(dim)
+        return out
+
+    def size_of(self, dims) -> int:
+        """The number of ranks a group over the mesh dims `dims` holds."""
         out = 1
         for dim in dims:
-            out *= getattr(self, dim)
+            out *= self.dim_size(dim)
         return out
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{dim: coordinate} of a global rank (see the Note on rank order)."""
+        """{mesh dim: coordinate} of a global rank (see the Note on rank order)."""
         out, stride = {}, 1
         for dim in reversed(MESH_DIMS):
-            n = getattr(self, dim)
+            n = self.dim_size(dim)
             out[dim] = (rank // stride) % n
             stride *= n
         return out
@@ -95,8 +135,8 @@ class MeshShape:
     def rank_of(self, coords: dict[str, int]) -> int:
         rank, stride = 0, 1
         for dim in reversed(MESH_DIMS):
-            rank += coords[dim] * stride
-            stride *= getattr(self, dim)
+            rank += coords.get(dim, 0) * stride
+            stride *= self.dim_size(dim)
         return rank
 
     def rank(self, name: str, rank: int) -> int:
@@ -105,20 +145,27 @@ class MeshShape:
 
     def group_ranks(self, name: str, rank: int) -> list[int]:
         """The global ranks of the group `name` that `rank` belongs to, ascending."""
-        _check_name(name)
-        if name == "world":
-            return list(range(self.world_size))
-        varying = _FLAT_DIMS.get(name, (name,))
+        return self.ranks_over(dims_of(name), rank)
+
+    def ranks_over(self, dims, rank: int) -> list[int]:
+        """The global ranks that differ from `rank` only in the mesh dims `dims`, ascending."""
+        varying = set(dims)
+        unknown = varying - set(MESH_DIMS)
+        if unknown:
+            raise KeyError(f"no mesh dim {sorted(unknown)[0]!r} (known: {', '.join(MESH_DIMS)})")
         mine = self.coords(rank)
         return sorted(r for r in range(self.world_size)
                       if all(c == mine[d] for d, c in self.coords(r).items() if d not in varying))
 
     def all_groups(self, name: str) -> list[list[int]]:
         """Every group of `name`, each as its ascending global ranks, in order of their first rank."""
+        return self.all_groups_over(dims_of(name))
+
+    def all_groups_over(self, dims) -> list[list[int]]:
         seen, out = set(), []
         for r in range(self.world_size):
             if r not in seen:
-                ranks = self.group_ranks(name, r)
+                ranks = self.ranks_over(dims, r)
                 seen.update(ranks)
                 out.append(ranks)
         return out
@@ -144,26 +191,34 @@ class Topology:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def build(cls, *, tp: int = 1, sp: int = 1, pp: int = 1, dp_replicate: int = 1, mpu=None) -> "Topology":
+    def build(cls, *, tp: int = 1, sp: int = 1, pp: int = 1, dp_replicate: int = 1, ep: int = 1,
+              mpu=None) -> "Topology":
         """From an initialized torch.distributed (or a single process when it is not). With `mpu` (a
         Megatron-style object) its groups are used as given (`from_mpu`)."""
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if mpu is not None:
+            if ep != 1:
+                raise TopologyError(f"expert parallelism (ep={ep}) with an mpu's groups is not implemented")
             return cls.from_mpu(mpu, sp=sp, pp=pp)
         if not dist.is_initialized():
-            shape = MeshShape.for_world(1, tp=tp, sp=sp, pp=pp, dp_replicate=dp_replicate)
+            shape = MeshShape.for_world(1, tp=tp, sp=sp, pp=pp, dp_replicate=dp_replicate, ep=ep)
             return cls(shape, 0, local_rank, {})
         world_rank, world_size = dist.get_rank(), dist.get_world_size()
-        shape = MeshShape.for_world(world_size, tp=tp, sp=sp, pp=pp, dp_replicate=dp_replicate)
-        if shape.size("dp") == world_size:  # data parallel only: the world group, as before the mesh
-            return cls(shape, world_rank, local_rank, {"dp": None, "dp_sp": None, "dp_shard": None,
-                                                       "tp_dp_sp": None})
-        mesh = _device_mesh(shape)
-        groups = {dim: mesh.get_group(dim) for dim in MESH_DIMS}
-        for name in ("dp", "dp_sp"):
-            groups[name] = _flat_group(shape, name, world_rank, groups)
-        groups["tp_dp_sp"] = None  # every rank, while pp is 1
-        return cls(shape, world_rank, local_rank, groups, mesh=mesh)
+        shape = MeshShape.for_world(world_size, tp=tp, sp=sp, pp=pp, dp_replicate=dp_replicate, ep=ep)
+        wide = [dim for dim in MESH_DIMS if shape.dim_size(dim) > 1]
+        if len(wide) <= 1:  # one dim or none: every group is the world's or a rank's own, as before the mesh
+            return cls(shape, world_rank, local_rank, {})
+        mesh = _device_mesh(shape, wide)
+        return cls(shape, world_rank, local_rank, {(dim,): mesh.get_group(dim) for dim in wide}, mesh=mesh)
+
+    @classmethod
+    def from_config(cls, config, *, pp: int = 1, mpu=None) -> "Topology":
+        """The topology a ds_config asks for (a dict, or a loaded `LightspeedConfig`; read before it is
+        validated, since validation needs the data-parallel size): `tensor_parallel.autotp_size` (0 or
+        absent: 1), `sequence_parallel_size`, and `pp` from the pipeline module (DeepSpeed reads the
+        stage count from `PipelineModule(num_stages=)`, not the config)."""
+        sizes = mesh_sizes(config)
+        return cls.build(tp=sizes["tp"], sp=sizes["sp"], pp=pp, mpu=mpu)
 
     @classmethod
     def from_mpu(cls, mpu, *, sp: int = 1, pp: int = 1) -> "Topology":
@@ -213,7 +268,7 @@ class Topology:
         """This process's rank within the group `name`."""
         _check_name(name)
         if name not in self._ranks:
-            if name in ("world", "tp_dp_sp"):
+            if name in ("world", "tp_dp_sp") and self.shape.pp == 1:
                 self._ranks[name] = self.world_rank
             elif not self.from_mpu:
                 self._ranks[name] = self.shape.rank(name, self.world_rank)
@@ -224,32 +279,57 @@ class Topology:
     def group(self, name: str) -> Any:
         """The process group of `name` this process belongs to (see the class docstring)."""
         _check_name(name)
+        if not self.from_mpu:
+            return self.group_over(dims_of(name))
         if name == "world" or not dist.is_initialized():
             return None
         if name in self._groups:
             return self._groups[name]
-        if self.size(name) == 1:  # a dim of size 1 without a mesh: this rank alone
-            self._groups[name] = dist.new_group(ranks=[self.world_rank], use_local_synchronization=True)
-            return self._groups[name]
+        if self.size(name) == 1:
+            return self.group_over(())
         raise TopologyError(f"mesh group {name!r} (size {self.size(name)}) is not available from the mpu given")
+
+    def group_over(self, dims) -> Any:
+        """The process group of the ranks that differ from this one only in the mesh dims `dims` (None
+        for the whole world). Collective the first time a set of dims is asked for: every rank must ask
+        for the same sets in the same order (the strategies do, at set-up)."""
+        unknown = set(dims) - set(MESH_DIMS)
+        if unknown:
+            raise KeyError(f"no mesh dim {sorted(unknown)[0]!r} (known: {', '.join(MESH_DIMS)})")
+        key = tuple(dim for dim in MESH_DIMS if dim in dims and self.shape.dim_size(dim) > 1)
+        if not dist.is_initialized() or self.shape.size_of(key) == self.shape.world_size:
+            return None
+        if self.from_mpu:  # an mpu's groups need not follow the mesh's rank order: only its own, by name
+            name = next((n for n in self._groups if isinstance(n, str)
+                         if tuple(d for d in dims_of(n) if self.shape.dim_size(d) > 1) == key), None)
+            if name is None and key:
+                raise TopologyError(f"a group over the mesh dims {key} is not available from the mpu given")
+            if name is not None:
+                return self._groups[name]
+        if key not in self._groups:
+            if not key:  # this rank alone: a collective on it never reaches another rank
+                self._groups[key] = dist.new_group(ranks=[self.world_rank], use_local_synchronization=True)
+            else:  # every rank creates every block's group, in the same order, as new_group needs
+                for ranks in self.shape.all_groups_over(key):
+                    group = dist.new_group(ranks=ranks)
+                    if self.world_rank in ranks:
+                        self._groups[key] = group
+        return self._groups[key]
+
+    def size_over(self, dims) -> int:
+        return self.shape.size_of(dims)
+
+    def coords(self) -> dict[str, int]:
+        """This process's coordinate on each mesh dim."""
+        return self.shape.coords(self.world_rank)
 
     @property
     def grad_reduce_group(self) -> Any:
         """The group ZeRO reduces (and partitions) gradients over: dp x sp (dp when sp is 1)."""
         return self.group("dp_sp")
 
-    @property
-    def norm_group(self) -> Any:
-        """The group squared partial gradient norms are summed over (see the Note on the global norm)."""
-        return self.group("tp_dp_sp")
-
-    def counts_in_norm(self, tp_sharded: bool) -> bool:
-        """Whether this rank's copy of a parameter adds to the global norm: sharded ones always,
-        replicated ones on tp rank 0 only."""
-        return tp_sharded or self.rank("tp") == 0
-
     def describe(self) -> str:
-        return " x ".join(f"{dim}={getattr(self.shape, dim)}" for dim in MESH_DIMS)
+        return " x ".join(f"{dim}={self.shape.dim_size(dim)}" for dim in MESH_DIMS)
 
     def as_mpu(self) -> "MeshMpu":
         """This topology as a Megatron-style `mpu` (for code that takes one: activation checkpointing)."""
@@ -257,8 +337,9 @@ class Topology:
 
 
 class MeshMpu:
-    """The Megatron `mpu` interface over a `Topology`: data-parallel, model- (tensor-) parallel and
-    sequence-parallel group, rank and world size; groups are fetched on first use."""
+    """The Megatron `mpu` interface over a `Topology`: data-parallel, model- (tensor-) parallel,
+    sequence-parallel, pipeline and expert (-data-) parallel group, rank and world size; groups are
+    fetched on first use (collective the first time: every rank asks in the same order)."""
 
     def __init__(self, topology: Topology):
         self._t = topology
@@ -294,6 +375,33 @@ class MeshMpu:
     def get_sequence_parallel_world_size(self) -> int:
         return self._t.size("sp")
 
+    def get_pipeline_model_parallel_group(self):
+        return self._t.group("pp")
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self._t.rank("pp")
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self._t.size("pp")
+
+    def get_expert_parallel_group(self):
+        return self._t.group("ep")
+
+    def get_expert_parallel_rank(self) -> int:
+        return self._t.rank("ep")
+
+    def get_expert_parallel_world_size(self) -> int:
+        return self._t.size("ep")
+
+    def get_expert_data_parallel_group(self):
+        return self._t.group("edp")
+
+    def get_expert_data_parallel_rank(self) -> int:
+        return self._t.rank("edp")
+
+    def get_expert_data_parallel_world_size(self) -> int:
+        return self._t.size("edp")
+
 
 def _mpu_call(mpu, name: str) -> int:
     if not hasattr(mpu, name):
@@ -301,23 +409,27 @@ def _mpu_call(mpu, name: str) -> int:
     return int(getattr(mpu, name)())
 
 
-def _device_mesh(shape: MeshShape):
+def mesh_sizes(config) -> dict[str, int]:
+    """{"tp": .., "sp": ..} from a ds_config dict or a `LightspeedConfig` (its raw dict), before validation."""
+    raw = getattr(config, "raw", config)
+    if not isinstance(raw, dict):
+        return {"tp": 1, "sp": 1}
+    tp_section = raw.get("tensor_parallel")
+    tp = tp_section.get("autotp_size", 1) if isinstance(tp_section, dict) else 1
+    if tp is None or tp == 0:  # DeepSpeed's default of 0 means "off"
+        tp = 1
+    sp = raw.get("sequence_parallel_size")
+    if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
+        raise TopologyError(f"sequence_parallel_size: must be a positive integer (got {sp!r})")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TopologyError(f"tensor_parallel.autotp_size: must be a positive integer (got {tp!r})")
+    return {"tp": tp, "sp": sp or 1}
+
+
+def _device_mesh(shape: MeshShape, dims: list[str]):
+    """The device mesh over the dims larger than 1 (init_device_mesh builds one group per slice of each)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     backend = str(dist.get_backend()).lower()
     device_type = "cuda" if backend == "nccl" else "cpu"
-    return init_device_mesh(device_type, tuple(getattr(shape, dim) for dim in MESH_DIMS), mesh_dim_names=MESH_DIMS)
-
-
-def _flat_group(shape: MeshShape, name: str, world_rank: int, groups: dict[str, Any]) -> Any:
-    """The group of a flattened dim: a mesh dim's own group when it alone is larger than 1, else a new
-    group per block of ranks (every rank creates every group, in the same order, as new_group needs)."""
-    wide = [dim for dim in _FLAT_DIMS[name] if getattr(shape, dim) > 1]
-    if len(wide) <= 1:
-        return groups[wide[0]] if wide else groups[_FLAT_DIMS[name][-1]]
-    mine = None
-    for ranks in shape.all_groups(name):
-        group = dist.new_group(ranks=ranks)
-        if world_rank in ranks:
-            mine = group
-    return mine
+    return init_device_mesh(device_type, tuple(shape.dim_size(dim) for dim in dims), mesh_dim_names=tuple(dims))

@@ -24,6 +24,15 @@ def _members(topology, name):
     return [int(v) for v in gathered]
 
 
+def _members_over(topology, dims):
+    from lightspeed.comm.collectives import Communicator
+
+    comm = Communicator(topology.group_over(dims), topology.size_over(dims))
+    gathered = torch.zeros(comm.world_size)
+    comm.all_gather(gathered, torch.tensor([float(topology.world_rank)]))
+    return [int(v) for v in gathered]
+
+
 def _mesh_world():
     from lightspeed.comm.groups import ParallelGroups
     from lightspeed.comm.topology import Topology
@@ -32,7 +41,11 @@ def _mesh_world():
     groups = ParallelGroups.from_topology(topology)
     out = {name: (topology.rank(name), _members(topology, name)) for name in ("tp", "dp", "dp_sp", "sp")}
     out["groups"] = (groups.dp_rank, groups.dp_world_size, groups.tp_rank, groups.tp_world_size)
-    out["norm_counts"] = (topology.counts_in_norm(True), topology.counts_in_norm(False))
+    out["tp_x_dp"] = _members_over(topology, ("tp", "edp_shard", "ep"))
+    experts = Topology.build(ep=2)  # dp4 as edp2 x ep2
+    out["experts"] = {name: (experts.rank(name), _members(experts, name)) for name in ("ep", "edp", "dp", "edp_sp")}
+    stages = Topology.build(tp=2, pp=2)
+    out["stages"] = {name: (stages.rank(name), _members(stages, name)) for name in ("pp", "tp", "dp", "tp_dp_sp")}
     return out
 
 
@@ -45,7 +58,12 @@ def test_tp2_dp2_groups():
         assert out["dp_sp"] == out["dp"]
         assert out["sp"] == (0, [rank])
         assert out["groups"] == (dp_rank, 2, tp_rank, 2)
-        assert out["norm_counts"] == (True, tp_rank == 0)
+        assert out["tp_x_dp"] == [0, 1, 2, 3]
+        ep0 = rank - rank % 2
+        assert out["experts"] == {"ep": (rank % 2, [ep0, ep0 + 1]), "edp": (rank // 2, [rank % 2, rank % 2 + 2]),
+                                  "dp": (rank, [0, 1, 2, 3]), "edp_sp": (rank // 2, [rank % 2, rank % 2 + 2])}
+        assert out["stages"] == {"pp": (rank // 2, [rank % 2, rank % 2 + 2]), "tp": (rank % 2, [ep0, ep0 + 1]),
+                                 "dp": (0, [rank]), "tp_dp_sp": (rank % 2, [ep0, ep0 + 1])}
 
 
 def _dp_only():

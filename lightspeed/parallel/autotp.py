@@ -144,9 +144,9 @@ def tensor_parallel_transform(model: nn.Module, cfg, topology: Topology) -> nn.M
     """`initialize()`'s tensor-parallel step: split `model` over the topology's tp group as the config's
     `tensor_parallel` section says; a model `tp_model_init` split already is checked and kept."""
     tp_size, want, done = topology.size("tp"), cfg.tensor_parallel.tp_size, split_tp_size(model)
-    if (want > 1 or done > 1) and cfg.zero_optimization.stage == 3:
-        raise NotImplementedError("ZeRO stage 3 with tensor_parallel (autotp_size > 1) is not implemented; use "
-                                  "stage 0, 1 or 2")
+    if want > 1 and done == 1 and any(p.is_meta for p in model.parameters()):
+        raise NotImplementedError("tensor_parallel.autotp_size with a model on the meta device is not implemented: "
+                                  "build the model whole, or split it first with tp_model_init()")
     if done > 1:
         if done != tp_size:
             raise ConfigError(f"tensor_parallel.autotp_size: the model is split for tp size {done}, the run's "

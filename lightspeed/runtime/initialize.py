@@ -12,12 +12,11 @@ import torch
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm import comms_logger
-from lightspeed.comm.codecs import AllReduce
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
 from lightspeed.comm.sequence_groups import build_topology
-from lightspeed.comm.topology import Topology, TopologyError
+from lightspeed.comm.topology import Topology, TopologyError, mesh_sizes
 from lightspeed.config import LightspeedConfig
 from lightspeed.config.errors import ConfigError
 from lightspeed.config.parse import read_source
@@ -34,8 +33,9 @@ from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
-from lightspeed.runtime.model_transforms import apply_model_transforms, tensor_parallel_sharded
+from lightspeed.runtime.model_transforms import apply_model_transforms
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
+from lightspeed.zero.stage3.init import init_record
 
 logger = get_logger(__name__)
 
@@ -104,14 +104,10 @@ def _build_scheduler(lr_scheduler, cfg, optimizer):
 def _mesh_sizes(source) -> dict[str, int]:
     """The mesh dims the config asks for, read before it is validated (validation needs the dp size)."""
     raw = source.raw if isinstance(source, LightspeedConfig) else read_source(source)[0]
-    tp_section = raw.get("tensor_parallel") if isinstance(raw, dict) else None
-    tp = tp_section.get("autotp_size", 1) if isinstance(tp_section, dict) else 1
-    if tp is None or tp == 0:  # DeepSpeed's default of 0 means "off"
-        tp = 1
-    sp = raw.get("sequence_parallel_size") if isinstance(raw, dict) else None
-    if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
-        raise ConfigError(f"sequence_parallel_size: must be a positive integer (got {sp!r})")
-    return {"tp": tp, "sp": sp or 1}
+    try:
+        return mesh_sizes(raw)
+    except TopologyError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _build_topology(source, mpu) -> Topology:
@@ -155,7 +151,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError("tensor_parallel.autotp_size: initialize() splits the model, so an optimizer or "
                           "model_parameters built from the whole model would hold stale parameters; let the config "
                           "(or a callable) build the optimizer, or split the model first with tp_model_init()")
-    model = apply_model_transforms(model, cfg, topology)
+    if cfg.tensor_parallel.tp_size > 1 and split_tp_size(model) == 1 and any(
+            init_record(m) is not None for m in model.modules()):
+        raise NotImplementedError("tensor_parallel.autotp_size with a model built under zero.Init (partitioned as it "
+                                  "was built) is not implemented: build the model whole, or split it first with "
+                                  "tp_model_init()")
+    model, placements = apply_model_transforms(model, cfg, topology)
     convert_to_float8(model, cfg.float8)  # after the split layers exist, before anything is placed or sharded
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
@@ -173,17 +174,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
-    if topology.size("tp") > 1:
-        sharded = tensor_parallel_sharded(model)
-        if cfg.zero_optimization.stage == 3:
-            # an mpu's model-parallel group (autotp at stage 3 is refused by the transform): a model replicated
-            # over it is counted once by the dp norm as it is; parameters split over it are not built at stage 3
-            if sharded:
-                raise NotImplementedError(f"ZeRO stage 3 with tensor_parallel parameters from the mpu's model-parallel "
-                                          f"group (e.g. {min(sharded)}) is not implemented")
-        elif optimizer is not None:
-            strategy.use_tensor_parallel(sharded.__contains__,
-                                         AllReduce(Communicator(topology.group("tp"), topology.size("tp"))))
+    if optimizer is not None:
+        strategy.use_placements(placements, topology)  # the gradient norm over the mesh (zero/norm.py)
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)

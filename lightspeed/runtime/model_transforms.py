@@ -1,12 +1,15 @@
 """The model transforms `initialize()` applies, in their one fixed order, before ZeRO takes the model.
 
-Owns: the order. Each transform is a small function `transform(model, cfg, topology) -> model` over an
-unchanged model, as torchtitan's `parallelize` functions are: tensor parallelism first (it decides
-which slice of each weight a rank keeps), then sequence parallelism (it wraps attention over the sp
-group), then activation checkpointing (it wraps whole blocks, which must already hold their parallel
-layers), and last ZeRO, which is not a module transform here but the strategy `initialize()` selects
-over the transformed model's parameters. Must not: build an optimizer or touch process groups other
-than through the `Topology` it is given.
+Owns: the order. Each transform is a small function `transform(model, placements, cfg, topology) ->
+(model, placements)` over an unchanged model, as torchtitan's `parallelize` functions are, and writes
+where each parameter it changes lives on the mesh (parallel/placement.py; every parameter starts
+replicated): tensor parallelism first (it decides which slice of each weight a rank keeps), then
+sequence parallelism (it wraps attention over the sp group), then activation checkpointing (it wraps
+whole blocks, which must already hold their parallel layers), and last ZeRO, which is not a module
+transform here but the strategy `initialize()` selects over the transformed model's parameters, and
+which reads the placements. Pipeline splits and expert parallelism join the sequence at their places
+(after sequence parallelism: EP, then the PP split). Must not: build an optimizer or touch process
+groups other than through the `Topology` it is given.
 """
 
 from __future__ import annotations
@@ -18,37 +21,40 @@ from torch import nn
 from lightspeed.checkpointing import apply_activation_checkpointing
 from lightspeed.comm.topology import Topology
 from lightspeed.parallel.autotp import tensor_parallel_transform
+from lightspeed.parallel.placement import PlacementTable, tensor_parallel_placements
 from lightspeed.sequence import apply_sequence_parallel
 
-ModelTransform = Callable[[nn.Module, object, Topology], nn.Module]
+ModelTransform = Callable[[nn.Module, PlacementTable, object, Topology], tuple[nn.Module, PlacementTable]]
+
+
+def _tensor_parallel(model, placements, cfg, topology):
+    model = tensor_parallel_transform(model, cfg, topology)
+    # the split layers hold their layouts; a model split by its own (Megatron) layers marks its parameters
+    placements = PlacementTable.for_module(model)
+    return model, tensor_parallel_placements(model, placements, topology.rank("tp"), topology.size("tp"))
+
+
+def _keeps_placements(transform):
+    """A transform that changes no parameter's place (it wraps or configures modules only)."""
+    return lambda model, placements, cfg, topology: (transform(model, cfg, topology), placements)
+
 
 # (name, transform), applied in this order; a feature joins the sequence at its place when it is built
 TRANSFORMS: tuple[tuple[str, ModelTransform], ...] = (
-    ("tensor_parallel", tensor_parallel_transform),
-    ("sequence_parallel", apply_sequence_parallel),
+    ("tensor_parallel", _tensor_parallel),
+    ("sequence_parallel", _keeps_placements(apply_sequence_parallel)),
     # DeepSpeed wraps no module for `activation_checkpointing`: the block configures checkpoint() over
     # the model-parallel group (see lightspeed/checkpointing/settings.py)
-    ("activation_checkpointing", lambda model, cfg, topology: apply_activation_checkpointing(
-        model, cfg, topology.as_mpu())),
+    ("activation_checkpointing", _keeps_placements(lambda model, cfg, topology: apply_activation_checkpointing(
+        model, cfg, topology.as_mpu()))),
 )
 
 
 def apply_model_transforms(model: nn.Module, cfg, topology: Topology,
-                           transforms: tuple[tuple[str, ModelTransform], ...] = TRANSFORMS) -> nn.Module:
-    """`model` after every transform of `transforms`, in order."""
+                           transforms: tuple[tuple[str, ModelTransform], ...] = TRANSFORMS
+                           ) -> tuple[nn.Module, PlacementTable]:
+    """`model` after every transform of `transforms`, in order, and where each of its parameters lives."""
+    placements = PlacementTable.for_module(model)
     for _name, transform in transforms:
-        model = transform(model, cfg, topology)
-    return model
-
-
-def tensor_parallel_sharded(model: nn.Module) -> set[str]:
-    """The names of the parameters split over the tensor-parallel group, for the gradient norm
-    (comm/topology.py's Note): those of layers split by tensor parallelism, except a row-parallel bias,
-    and those a Megatron-style model marks as split (`tensor_model_parallel` or `model_parallel` true,
-    read as DeepSpeed reads them)."""
-    from lightspeed.parallel.tensor_parallel import tp_layouts
-
-    names = {name for name, layout in tp_layouts(model).items() if layout.sharded}
-    names |= {name for name, p in model.named_parameters()
-              if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)}
-    return names
+        model, placements = transform(model, placements, cfg, topology)
+    return model, placements.check(model)

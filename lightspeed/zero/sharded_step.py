@@ -13,21 +13,15 @@ data-parallel group of the sharded stages), or None when every rank holds the sa
 `agree_norm=False` only the inf/nan decision is agreed and each rank's norm is its own: the case of
 an optimizer that reduces the gradients itself (one-bit), whose ranks step on local gradients.
 
-Note (tensor parallelism): with `views.tp` set, the ranks of the tensor-parallel group hold different
-slices of the split layers and the same values of every other parameter (comm/topology.py's Note on the
-global norm). The squares of the split parameters' gradients are summed over the tp group; the
-replicated ones are counted as they are (once per tp rank's identical copy, so not summed over tp);
-then the data-parallel agreement sums both as before. The inf/nan decision is agreed over tp as well.
-With sequence parallelism too (tp x sp), the ranks of an sp group hold identical parameters and the
-gradients arrive reduced over dp x sp: that group is the agreement group, where each element lives in
-one rank's partition (stages 1-2) or whole on every rank with no agreement (stage 0), so nothing is
-summed over sp beyond it.
+Note (placements): with `views.norm` set (zero/norm.py: some parameter is sharded over a mesh dim
+beyond the data-parallel partition, e.g. tensor parallelism), the norm's partial squares are those of
+the plan's counted views, summed over the plan's group, which takes the place of the agreement for the
+norm; the inf/nan decision is agreed over that group as well.
 """
 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,42 +29,8 @@ import torch
 from lightspeed._utils.device import synchronize
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.precision.overflow import flat_has_inf_or_nan
-from lightspeed.zero.fragments import Fragment
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
-
-
-@dataclass
-class TensorParallelNorm:
-    """The norm's split under tensor parallelism (see the Note): gradient views of the tp-split
-    parameters' fragments and of the replicated ones, together covering the norm's tensors, and the
-    all-reduce over the tensor-parallel group."""
-
-    sharded: list[torch.Tensor]
-    replicated: list[torch.Tensor]
-    all_reduce: AllReduce
-
-    @classmethod
-    def from_fragments(cls, fragments: Iterable[Fragment], opt_grads: dict[torch.Tensor, torch.Tensor],
-                       is_sharded: Callable[[str], bool], all_reduce: AllReduce) -> "TensorParallelNorm":
-        """From the fragments a strategy holds: each fragment's gradient is its owner's gradient
-        (`opt_grads[owner]`) at the fragment's offset."""
-        sharded, replicated = [], []
-        for fragment in fragments:
-            grad = opt_grads.get(fragment.owner)
-            if grad is None:
-                raise ValueError(f"tensor parallelism: no gradient for the optimizer tensor holding {fragment.name}")
-            view = grad.view(-1)[fragment.offset:fragment.offset + fragment.numel]
-            (sharded if is_sharded(fragment.name) else replicated).append(view)
-        return cls(sharded, replicated, all_reduce)
-
-    @classmethod
-    def for_views(cls, views: "ShardViews", fragments: Iterable[Fragment], is_sharded: Callable[[str], bool],
-                  all_reduce: AllReduce) -> "TensorParallelNorm":
-        """The split for a strategy's `views`: parameters `is_sharded(name)` says are split have their
-        squares summed over the tp group by `all_reduce`, the replicated ones count once."""
-        if views.norm_grads is not None:
-            raise NotImplementedError("tensor_parallel.autotp_size > 1 with offload_optimizer is not implemented")
-        return cls.from_fragments(fragments, views.opt_grads, is_sharded, all_reduce)
+from lightspeed.zero.norm import NormPlan
 
 
 @dataclass
@@ -100,7 +60,7 @@ class ShardViews:
     lowp_out: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
     norm_grads: list[torch.Tensor] | None = None
-    tp: TensorParallelNorm | None = None  # set under tensor parallelism (see the Note)
+    norm: NormPlan | None = None  # set when a placement is sharded beyond data parallelism (see the Note)
     # optimizer offload copies each reduced shard to its host `master_grads` entry as it completes:
     # `early_filled` holds the ids of those entries, and `master_grads_filled` (set by the strategy
     # for one step) says the copies of this step were made, so the step does not copy them again
@@ -123,8 +83,8 @@ def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *
         flag = torch.cat(flags).amax() if flags else torch.zeros((), device=views.device)
         if agree is not None:
             agree(flag, op="max")
-        if views.tp is not None:
-            views.tp.all_reduce(flag, op="max")
+        if views.norm is not None:
+            views.norm.all_reduce(flag, op="max")
         if bool(flag):
             return StepResult(False, None), None
     to_host = False
@@ -137,14 +97,13 @@ def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *
             to_host |= down
     if to_host:
         synchronize(views.device)  # the host buffers are read next (the norm or the CPU optimizer)
-    if views.tp is None:
+    if views.norm is None:
         sq = squared_norm(views.norm_grads if views.norm_grads is not None else views.master_grads).to(views.device)
+        if agree is not None and agree_norm:
+            agree(sq)
     else:
-        sq = squared_norm(views.tp.sharded).to(views.device)
-        views.tp.all_reduce(sq)
-        sq = sq + squared_norm(views.tp.replicated).to(views.device)
-    if agree is not None and agree_norm:
-        agree(sq)
+        sq = squared_norm(views.norm.counted).to(views.device)
+        views.norm.all_reduce(sq)
     scale = loss_scale or 1.0
     norm = sq.sqrt() / scale
     coef = grad_coefficient(norm, scale, max_norm) if scale != 1.0 or max_norm > 0 else None

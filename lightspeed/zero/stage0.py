@@ -33,7 +33,8 @@ from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import fused_step
 from lightspeed.zero.partition import Range
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
-from lightspeed.zero.sharded_step import ShardViews, TensorParallelNorm, StepResult, sharded_step
+from lightspeed.zero.norm import NormPlan
+from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
 
 __all__ = ["Stage0Strategy", "StepResult", "broadcast_unflattened", "group_trainable_params"]
 
@@ -197,9 +198,10 @@ class Stage0Strategy:
         for flat in self.flats:
             flat.grad_flat.zero_()
 
-    def use_tensor_parallel(self, is_sharded, all_reduce) -> None:
-        """Count the gradient norm under tensor parallelism (sharded_step.py's Note)."""
-        self._views.tp = TensorParallelNorm.for_views(self._views, self.fragments(), is_sharded, all_reduce)
+    def use_placements(self, placements, topology) -> None:
+        """Count the gradient norm over the mesh as `placements` say (zero/norm.py). Every rank holds the
+        whole reduced gradients: no dim is partitioned."""
+        self._views.norm = NormPlan.build(self.fragments(), self._views.opt_grads, placements, topology, ())
 
     # ---------------------------------------------------------------- state
     def fragments(self) -> list[Fragment]:

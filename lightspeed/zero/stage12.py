@@ -63,7 +63,9 @@ from lightspeed.zero.partition import Range, owned_chunks
 from lightspeed.zero.reduce import PendingReduce, PendingToHost, ReduceOptions
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
-from lightspeed.zero.sharded_step import ShardViews, StepResult, TensorParallelNorm
+from lightspeed.comm.topology import dims_of
+from lightspeed.zero.norm import NormPlan, device_side
+from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage0 import broadcast_unflattened
 
@@ -383,10 +385,13 @@ class ShardedStrategy:
         self._runner.zero_grad()
         self._grads.release()  # zero until the next backward's first gradient brings them back
 
-    def use_tensor_parallel(self, is_sharded, all_reduce) -> None:
-        """Count the gradient norm under tensor parallelism (sharded_step.py's Note)."""
+    def use_placements(self, placements, topology) -> None:
+        """Count the gradient norm over the mesh as `placements` say (zero/norm.py); this rank's
+        fragments are disjoint over the group the strategy partitions over (dp x sp)."""
+        v = self._views
         with self._grads.allocated():  # the norm's views are cut from the gradient buffers
-            self._views.tp = TensorParallelNorm.for_views(self._views, self.fragments(), is_sharded, all_reduce)
+            grads = device_side(v.opt_grads, v.master_grads, v.norm_grads)
+            v.norm = NormPlan.build(self.fragments(), grads, placements, topology, dims_of("dp_sp"))
 
     # ---------------------------------------------------------------- state
     def fragments(self) -> list[Fragment]:

@@ -1,11 +1,11 @@
 """Tensor-parallel training (DeepSpeed's AutoTP) on real gloo processes against the single-process run:
-world 2 as tp2 and world 4 as tp2 x dp2, ZeRO 0, 1 and 2, for a tiny Hugging Face GPT-2 (fused c_attn,
+world 2 as tp2 and world 4 as tp2 x dp2, ZeRO 0 to 3 (and the optimizer offloaded at stages 2 and 3), for a tiny Hugging Face GPT-2 (fused c_attn,
 Conv1D layers, the built-in plan), a tiny Llama (its config's base_model_tp_plan) and the demo GPT
 (DeepSpeed's partition_config specs). Each step's loss, the first step's gradients (gathered from the tp
 slices) and global norm, and the final parameters must match in fp32 within 1e-5 relative. Also: the
 consolidated 16-bit save gathers whole tensors; checkpoints load at the same tp size, at another (tp2 ->
 tp1 x dp2, no tp -> tp2, with a ZeRO stage change) and consolidate (zero_to_fp32, safetensors) from the
-tp slices; tp_model_init before initialize, and the errors (ZeRO-3, a stale optimizer)."""
+tp slices; tp_model_init before initialize, and the errors (a model built under zero.Init, a stale optimizer)."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def _gather(engine, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return gather_tp_state(named, tp_layouts(engine.module), Communicator(topology.group("tp"), topology.size("tp")))
 
 
-def _train(kind: str, tp: int, stage: int):
+def _train(kind: str, tp: int, stage: int, offload: bool = False):
     import torch.distributed as dist
 
     import lightspeed
@@ -117,7 +117,10 @@ def _train(kind: str, tp: int, stage: int):
     world = dist.get_world_size()
     dp = world // tp
     model = _model(kind)
-    engine, _, _, _ = lightspeed.initialize(model=model, config=_config(tp, dp, stage, kind))
+    extra = {}
+    if offload:
+        extra = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+    engine, _, _, _ = lightspeed.initialize(model=model, config=_config(tp, dp, stage, kind, **extra))
     dp_rank = engine.groups.dp_rank
     micro = GLOBAL_BATCH // dp
     losses, norms, grads = [], [], None
@@ -132,7 +135,8 @@ def _train(kind: str, tp: int, stage: int):
         dist.all_reduce(mean)  # tp ranks hold the same loss: the world mean is the dp mean
         losses.append((mean / world).item())
         norms.append(float(engine.get_global_grad_norm()))
-    state = _gather(engine, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()})
+    # the module's whole state (stage 3 gathers its partitioned parameters), then the tp slices joined
+    state = _gather(engine, {k: v.detach().float().clone() for k, v in engine.strategy.module_state_dict().items()})
     return losses, norms, grads, state
 
 
@@ -152,9 +156,11 @@ def _check(result, reference):
 
 
 KINDS = ("gpt2", "llama", "demo")
-# tp2 x dp2: every model at stage 0, and the sharded stages on models that split differently (GPT-2's
-# Conv1D and fused qkv, Llama's separate projections, the demo GPT's own layers); one world for all
-TP_DP_RUNS = (("gpt2", 0), ("llama", 0), ("demo", 0), ("llama", 1), ("demo", 1), ("gpt2", 2), ("llama", 2))
+# tp2 x dp2: every model at stages 0 and 3, and the other sharded stages on models that split differently
+# (GPT-2's Conv1D and fused qkv, Llama's separate projections, the demo GPT's own layers), the optimizer
+# offloaded at stages 2 and 3; one world for all
+TP_DP_RUNS = (("gpt2", 0), ("llama", 0), ("demo", 0), ("llama", 1), ("demo", 1), ("gpt2", 2), ("llama", 2),
+              ("gpt2", 3), ("llama", 3), ("demo", 3), ("gpt2", 2, True), ("llama", 3, True))
 
 
 def _train_kinds(tp: int, stage: int):
@@ -162,14 +168,14 @@ def _train_kinds(tp: int, stage: int):
 
 
 def _train_runs(tp: int, runs):
-    return {(kind, stage): _train(kind, tp, stage) for kind, stage in runs}
+    return {run: _train(run[0], tp, *run[1:]) for run in runs}
 
 
 def test_tp2_dp2_matches_single_process():
     references = {kind: _reference(kind) for kind in KINDS}
     for results in run_world(_train_runs, 4, 2, TP_DP_RUNS):
-        for kind, stage in TP_DP_RUNS:
-            _check(results[(kind, stage)], references[kind])
+        for run in TP_DP_RUNS:
+            _check(results[run], references[run[0]])
 
 
 @pytest.mark.parametrize("stage", [0])
@@ -180,12 +186,20 @@ def test_tp2_matches_single_process(stage):
             _check(results[kind], references[kind])
 
 
+def _zero_init_model(config):
+    import lightspeed
+
+    with lightspeed.zero.Init(config_dict_or_path=config):
+        return _model("gpt2")
+
+
 def _errors():
     import lightspeed
 
     out = {}
     for name, call in (
-        ("stage3", lambda: lightspeed.initialize(model=_model("gpt2"), config=_config(2, 1, 3, "gpt2"))),
+        ("zero_init", lambda: lightspeed.initialize(model=_zero_init_model(_config(2, 1, 3, "gpt2")),
+                                                    config=_config(2, 1, 3, "gpt2"))),
         ("optimizer", lambda: lightspeed.initialize(
             model=(m := _model("gpt2")), optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
             config={**_config(2, 1, 1, "gpt2"), "optimizer": None})),
@@ -201,7 +215,8 @@ def _errors():
 
 def test_errors_name_what_is_not_built():
     out = run_world(_errors, 2)[0]
-    assert out["stage3"].startswith("NotImplementedError: ZeRO stage 3 with tensor_parallel")
+    assert out["zero_init"].startswith("NotImplementedError: tensor_parallel.autotp_size with a model built under "
+                                       "zero.Init"), out["zero_init"]
     assert "ConfigError" in out["optimizer"] and "stale parameters" in out["optimizer"]
     assert "ConfigError" in out["size"] and "does not divide by tp=3" in out["size"]
 

@@ -48,6 +48,8 @@ from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero import param_access
 from lightspeed.zero.partition import Range
+from lightspeed.comm.topology import dims_of
+from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
@@ -449,6 +451,23 @@ class Stage3Strategy:
             g.grad_buffers.release()  # zero until this group's next reduction brings them back
             for p in g.params:
                 p.grad = None
+
+    def use_placements(self, placements, topology) -> None:
+        """Count the gradient norm over the mesh as `placements` say (zero/norm.py); this rank's
+        fragments are disjoint over the group the strategy partitions over (dp x sp)."""
+        trainable = self._trainable()
+        for g in trainable:
+            g.grad_buffers.ensure()  # the norm's views are cut from the gradient buffers
+        try:
+            grads = dict(self._views.opt_grads)
+            for g in trainable:  # elements no optimizer group steps: the shard itself owns them (fragments())
+                grads.setdefault(g.optimizer_shard, g.master_grad_shard)
+            v = self._views
+            grads = device_side(grads, v.master_grads, v.norm_grads)
+            v.norm = NormPlan.build(self.fragments(), grads, placements, topology, dims_of("dp_sp"))
+        finally:
+            for g in trainable:
+                g.grad_buffers.release()
 
     # ---------------------------------------------------------------- state
     def fragments(self) -> list[Fragment]:

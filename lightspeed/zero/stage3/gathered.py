@@ -24,6 +24,9 @@ placeholder); persistent groups (`stage3_param_persistence_threshold`) stay gath
 forward, until the next step. At a data-parallel world of one with the parameters viewing their
 shards (param_group.py's Note: one rank) there is nothing to gather or free. With `offload_param` the
 gather copies the host (or NVMe) shard to the device as any gather does.
+A use of a parameter outside its unit is detected only while its group is released (coordinator.py's
+Note: external parameters): a model whose first traced forward and backward run entirely while
+unsharded has none detected, and needs `register_external_parameter` for such uses.
 """
 
 from __future__ import annotations

@@ -282,6 +282,21 @@ class LightspeedEngine(torch.nn.Module):
         "grads" is what a backward allocates (stages 1-3 release it between steps)."""
         return self.strategy.memory_breakdown()
 
+    def unshard(self, module: torch.nn.Module | None = None) -> None:
+        """Gather the parameters of `module` (None: the whole model) once and keep them gathered, so
+        forwards (generation, exports) run with no gather or release each (FSDP2's `unshard`; ZeRO-3
+        only, a no-op at stages 0-2). A collective. `step()` is refused until `reshard()`."""
+        self.strategy.unshard(module)
+
+    def reshard(self, module: torch.nn.Module | None = None) -> None:
+        """Release what `unshard` gathered under `module` (None: all) back to the shards."""
+        self.strategy.reshard(module)
+
+    def unsharded(self, module: torch.nn.Module | None = None):
+        """Context manager: `unshard(module)`, yielding the module (None: the whole model); resharded on
+        exit, also on an exception."""
+        return self.strategy.unsharded(module)
+
     # ------------------------------------------------------------------ logging
     def _after_step(self) -> None:
         if not self._memory_logged:

@@ -5,6 +5,7 @@ The engine calls these methods and never branches on the stage number.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import torch
@@ -57,6 +58,19 @@ class ShardingStrategy(Protocol):
         ...
 
     def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None: ...
+
+    def unshard(self, module: torch.nn.Module | None = None) -> None:
+        """Gather `module`'s parameters (None: the whole model) once and keep them gathered across forwards
+        (FSDP2's `unshard`; a no-op where parameters are whole)."""
+        ...
+
+    def reshard(self, module: torch.nn.Module | None = None) -> None:
+        """Release what `unshard` gathered back to the shards (a no-op for what is not unsharded)."""
+        ...
+
+    def unsharded(self, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """`unshard(module)` for a `with` block (yielding the module), resharded on exit."""
+        ...
 
 
 def reduce_options(cfg, policy: PrecisionPolicy) -> ReduceOptions:

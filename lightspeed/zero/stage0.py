@@ -17,6 +17,7 @@ Adam's local steps) is gathered into the state rank 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -248,6 +249,16 @@ class Stage0Strategy:
 
     def needs_eager_forward(self) -> bool:
         return False
+
+    def unshard(self, module: torch.nn.Module | None = None) -> None:
+        """Nothing to gather: parameters are whole at this stage (ZeRO-3's `unshard`, for the engine)."""
+
+    def reshard(self, module: torch.nn.Module | None = None) -> None:
+        """Nothing to release: parameters are whole at this stage."""
+
+    def unsharded(self, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """A `with` block yielding the module (None: the whole model), which is whole already."""
+        return contextlib.nullcontext(module if module is not None else self.module)
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category."""

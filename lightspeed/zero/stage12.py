@@ -41,6 +41,7 @@ and stepped one at a time (`offload/swapped_step.py`); its update is all-gathere
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -441,6 +442,16 @@ class ShardedStrategy:
 
     def needs_eager_forward(self) -> bool:
         return False
+
+    def unshard(self, module: torch.nn.Module | None = None) -> None:
+        """Nothing to gather: parameters are whole at this stage (ZeRO-3's `unshard`, for the engine)."""
+
+    def reshard(self, module: torch.nn.Module | None = None) -> None:
+        """Nothing to release: parameters are whole at this stage."""
+
+    def unsharded(self, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """A `with` block yielding the module (None: the whole model), which is whole already."""
+        return contextlib.nullcontext(module if module is not None else self.module)
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         tally = MemoryTally(self._runner.swap_location)

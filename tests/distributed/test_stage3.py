@@ -1,9 +1,10 @@
 """ZeRO stage 3 against stage 0 on real gloo processes: losses, fp16 overflow, memory, zero.Init,
-GatheredParameters, checkpoints and save_16bit_model. Each world runs several scenarios to keep the
-process start-ups few."""
+GatheredParameters, checkpoints, save_16bit_model, and unshard / reshard (many forwards, no gather).
+Each world runs several scenarios to keep the process start-ups few."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -205,6 +206,7 @@ def _world4():
             out["released"] = all(p.numel() == 0 for p in engines[0].module.parameters())
     out["memory"] = mem
     out["gathered"] = _gathered_parameters_round_trip()
+    out["unshard"] = unshard_scenario("gpt", RELEASE_ALL)
     return out
 
 
@@ -265,6 +267,7 @@ def test_stage3_world_size_4_parity_memory_and_gathered_parameters():
         assert g["read"] and g["tied"] and g["released_after"] and g["modified"] and g["state_dict"], g
         assert g["master_written"], g
         assert g["after_step"] == pytest.approx(3.0, rel=1e-2)
+        check_unshard(r["unshard"], 4)
 
 
 # ------------------------------------------------------------------ zero.Init
@@ -378,10 +381,153 @@ def test_checkpoint_resume_and_16bit_model(bf16, checkpoint_runs):
 # ------------------------------------------------------------------ Hugging Face GPT-2
 def _hf_worker():
     world = dist.get_world_size()
-    return _pairs([("hf-gpt2", "hf-gpt2", {"steps": 10})]), world
+    unshard = {key: unshard_scenario(name, zero) for key, name, zero in UNSHARD_2}
+    return _pairs([("hf-gpt2", "hf-gpt2", {"steps": 10})]), unshard, world
 
 
-def test_hf_gpt2_from_config_matches_stage0():
+# this world also runs the unshard scenarios (below) of world size 2
+UNSHARD_2 = [("gpt", "gpt", RELEASE_ALL), ("hf-gpt2", "hf-gpt2", RELEASE_ALL),
+             ("gpt-persistent-root", "gpt", {"stage3_param_persistence_threshold": 10_000}),  # the root group
+             ("gpt-offload-param", "gpt", {**RELEASE_ALL, "offload_param": {"device": "cpu"}})]
+
+
+def test_hf_gpt2_from_config_matches_stage0_and_unshard_at_world_size_2():
     pytest.importorskip("transformers")
-    results, _ = run_world(_hf_worker, 2)[0]
-    _check_pairs(results)
+    results = run_world(_hf_worker, 2)
+    _check_pairs(results[0][0])
+    for rank in results:
+        for r in rank[1].values():
+            check_unshard(r, 2)
+    persistent = [name for name, p, _, _ in results[0][1]["gpt-persistent-root"]["released_after"] if p]
+    assert persistent == ["<root>"]
+
+
+# ------------------------------------------------------------------ unshard / reshard
+class GatherCounter:
+    """Counts each group's gathers and releases (`ParamGroup.gather` / `.release`, wrapped on the
+    instances), which also sees a world of one, where no all-gather reaches the communicator."""
+
+    def __init__(self, groups):
+        self.gathers: list[str] = []
+        self.releases: list[str] = []
+        for g in groups:
+            g.gather = self._wrap(g.gather, self.gathers, g.name)
+            g.release = self._wrap(g.release, self.releases, g.name)
+
+    @staticmethod
+    def _wrap(method, log, name):
+        def counted():
+            log.append(name)
+            return method()
+        return counted
+
+    def reset(self) -> None:
+        self.gathers.clear()
+        self.releases.clear()
+
+
+def _generate(engine, name, prompt):
+    """A few greedy decoding forwards, then the logits of the whole sequence (eval mode, no grad)."""
+    with torch.no_grad():
+        if name == "hf-gpt2":
+            seq = engine.module.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            return seq, engine(input_ids=seq).logits
+        seq = engine.module.generate(prompt, 4, temperature=0)
+        return seq, engine(seq)
+
+
+def unshard_scenario(name: str, zero: dict, steps: int = 5, **extra) -> dict:
+    """Two engines of the same seed on the same data: one only trains; the other trains 2 steps,
+    generates normally and inside `engine.unsharded()` (counting gathers and all-gathers), runs step
+    3's forward and backward inside `unsharded()` with its step refused there and taken after, and
+    trains on. Returns both runs' local losses and what was counted. Runs at any world size, also in
+    one process (world of one, no process group)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cfg = config(world, 3, zero=zero, **extra)
+    data = batches(name, steps, 2 * world)
+
+    def init():
+        engine, *_ = lightspeed.initialize(model=build_model(name), config=cfg, dist_init_required=False)
+        return engine
+
+    refused: list[str] = []
+
+    def train_step(engine, x, y, inside=None):
+        with inside if inside is not None else contextlib.nullcontext():
+            loss = _loss(engine, name, x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+            engine.backward(loss)
+            if inside is not None:
+                try:
+                    engine.step()
+                except RuntimeError as e:
+                    refused.append(str(e))
+        engine.step()
+        return loss.item()
+
+    ref_engine = init()
+    ref = [train_step(ref_engine, x, y) for x, y in data]
+
+    engine = init()
+    strategy, stats = engine.strategy, engine.strategy.comm.stats
+    counter = GatherCounter(strategy.groups)
+    losses = [train_step(engine, x, y) for x, y in data[:2]]
+    out: dict = {"num_groups": len(strategy.groups)}
+    engine.eval()
+    prompt = data[0][0][:2, :4]
+    counter.reset()
+    stats.reset()
+    normal = _generate(engine, name, prompt)
+    out["normal_gathers"], out["normal_all_gathers"] = len(counter.gathers), stats.calls["all_gather"]
+    memory_before = engine.memory_breakdown()  # as after any forward: persistent groups stay gathered
+    released_before = sum(g.state == "released" for g in strategy.groups)
+    counter.reset()
+    stats.reset()
+    with engine.unsharded() as model:
+        out["yields_model"] = model is engine.module
+        out["unshard_gathers"], out["unshard_all_gathers"] = len(counter.gathers), stats.calls["all_gather"]
+        out["released_before"] = released_before
+        out["memory_inside"] = engine.memory_breakdown()
+        counter.reset()
+        stats.reset()
+        inside = [_generate(engine, name, prompt) for _ in range(2)]
+        out["inside_gathers"], out["inside_releases"] = len(counter.gathers), len(counter.releases)
+        out["inside_all_gathers"] = stats.calls["all_gather"]
+    out["same_outputs"] = all(torch.equal(a, b) for run in inside for a, b in zip(run, normal))
+    out["released_after"] = [(g.name, g.persistent, g.state, g.full_flat.untyped_storage().nbytes())
+                             for g in strategy.groups]
+    out["placeholders_after"] = all(p.numel() == 0 for g in strategy.groups if g.state == "released"
+                                    for p in g.params)
+    out["memory_before"], out["memory_after"] = memory_before, engine.memory_breakdown()
+    engine.train()
+    counter.reset()
+    losses.append(train_step(engine, *data[2], inside=engine.unsharded()))
+    out["refused"] = refused
+    losses += [train_step(engine, x, y) for x, y in data[3:]]
+    out["losses"], out["ref"] = losses, ref
+    return out
+
+
+def check_unshard(r: dict, world: int, views: bool = False) -> None:
+    """What `unshard_scenario` must show (`views`: a world of one whose parameters view their shards)."""
+    assert r["yields_model"] and r["same_outputs"]
+    # while unsharded: no gather, no release, no all-gather in any forward
+    assert (r["inside_gathers"], r["inside_releases"], r["inside_all_gathers"]) == (0, 0, 0), r
+    assert r["losses"] == r["ref"]  # bitwise: unsharding changed nothing about training
+    assert len(r["refused"]) == 1 and "engine.reshard()" in r["refused"][0], r["refused"]
+    lp = {k: r[k]["cpu"]["lp_params"] for k in ("memory_before", "memory_inside", "memory_after")}
+    assert lp["memory_after"] == lp["memory_before"], lp  # back to the shards
+    if views:  # nothing is ever gathered or released: the parameters are the shards
+        assert r["normal_gathers"] == r["unshard_gathers"] == 0, r
+        assert lp["memory_inside"] == lp["memory_before"]
+        assert all(state == "gathered" for _, _, state, _ in r["released_after"])
+        return
+    assert r["normal_gathers"] > 0  # a normal forward gathers: the counter sees them
+    # one gather per group released when unshard began, all together
+    assert r["unshard_gathers"] == r["released_before"] > 0, r
+    assert lp["memory_inside"] > lp["memory_before"]
+    for name, persistent, state, nbytes in r["released_after"]:
+        assert persistent or (state == "released" and nbytes == 0), (name, state, nbytes)
+    assert r["placeholders_after"]
+    if world > 1:
+        assert r["normal_all_gathers"] > 0 and r["unshard_all_gathers"] == r["released_before"], r

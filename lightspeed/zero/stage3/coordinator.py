@@ -356,6 +356,16 @@ class Coordinator:
         finally:
             self._busy = False
 
+    def groups_used_under(self, module: torch.nn.Module) -> list[ParamGroup]:
+        """The groups the units in `module`'s subtree gather around their forward and backward (their
+        own, tied and external ones), each once."""
+        out: list[ParamGroup] = []
+        for m in module.modules():
+            for g in self.uses.get(id(m), ()):
+                if g not in out:
+                    out.append(g)
+        return out
+
     def register_external(self, module: torch.nn.Module, groups) -> None:
         module = self.unit_of.get(id(module), module)  # a module inside a unit: its unit gathers
         used = self.uses.setdefault(id(module), [])

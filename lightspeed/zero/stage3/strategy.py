@@ -2,9 +2,10 @@
 
 Owns: building the ParamGroups (materializing an `Init`-built model one module at a time), pointing
 the optimizer at flat fp32 shards, the step (overflow check agreed across ranks, global norm, clip,
-optimizer, lp write-back), checkpoint state and the gathered module state_dict. Gathering, releasing
-and gradient reduction are scheduled by `coordinator.Coordinator`. Must not: touch the loss scaler or
-the LR schedule (the engine does).
+optimizer, lp write-back), checkpoint state, the gathered module state_dict and which groups
+`unshard()` covers (`gathered.Unsharding` holds them). Gathering, releasing and gradient reduction are
+scheduled by `coordinator.Coordinator`. Must not: touch the loss scaler or the LR schedule (the engine
+does).
 
 Note (granularity): the unit of communication is a *unit* (rule in `units.py`: the root, each
 child of a ModuleList/Sequential/ModuleDict holding parameters, DeepSpeed's leaf modules): a
@@ -28,6 +29,7 @@ buffer) are whole at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -53,7 +55,7 @@ from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
-from lightspeed.zero.stage3.gathered import take_pending_external
+from lightspeed.zero.stage3.gathered import Unsharding, take_pending_external
 from lightspeed.zero.stage3.init import (StandaloneScheduler, init_record, materialize_module, seed_from_global_rng,
                                          take_init_groups)
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
@@ -181,6 +183,7 @@ class Stage3Strategy:
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
                                        units=[u.module for u in self.units], unit_of=unit_of)
+        self._unsharding = Unsharding(self._groups_under)
         param_access.register(self, [p for g in self.groups for p in g.params])
         for g in trainable:  # every view of them is made: no memory until the first backward
             g.grad_buffers.release()
@@ -420,6 +423,32 @@ class Stage3Strategy:
     def wait_gradients(self) -> None:
         self.coordinator.wait_reduces()
 
+    # ---------------------------------------------------------------- unshard (gathered.py's Note: unshard)
+    def unshard(self, module: torch.nn.Module | None = None) -> None:
+        """Gather every group the units under `module` (None: the whole model) use and keep them
+        gathered: forwards then run with no collective for them, until `reshard`. Unsharding what is
+        already unsharded is a no-op. A collective: every rank calls it with the same module."""
+        self._unsharding.unshard(module)
+
+    def reshard(self, module: torch.nn.Module | None = None) -> None:
+        """Release the unsharded groups under `module` (None: all) back to their shards; a no-op for
+        groups not unsharded."""
+        self._unsharding.reshard(module)
+
+    def unsharded(self, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """`unshard(module)` for a `with` block yielding the module (None: the whole model); on exit,
+        also by an exception, reshards what it unsharded."""
+        return self._unsharding.unsharded(module, module if module is not None else self.module)
+
+    def _groups_under(self, module: torch.nn.Module | None) -> list[ParamGroup]:
+        if module is None:
+            return list(self.groups)
+        if not any(m is module for m in self.module.modules()):
+            raise ValueError(f"unshard/reshard: the {type(module).__name__} passed is not a module of the model")
+        wanted = set(self.coordinator.groups_used_under(module))
+        wanted.update(st.group for p in module.parameters() if (st := param_state(p)) is not None)
+        return [g for g in self.groups if g in wanted]
+
     # ---------------------------------------------------------------- step
     def _trainable(self) -> list[ParamGroup]:
         return [g for g in self.groups if g.trainable]
@@ -428,6 +457,7 @@ class Stage3Strategy:
         """Unless some rank's gradient slice holds inf/nan: unscale, clip by the global norm, step the
         optimizer on the fp32 shards and write the lp shards (gathered groups are then re-gathered on
         use)."""
+        self._unsharding.check_step()
         self.coordinator.wait_reduces()
         for g in self._trainable():  # a group no backward reached this step has zero gradients
             g.grad_buffers.ensure()

@@ -450,7 +450,7 @@ class LightspeedEngine(torch.nn.Module):
         otherwise nothing is written and False is returned. Every rank must call it."""
         path = os.path.join(save_dir, save_filename)
         # strategies that hold whole parameters (stages 0-2) can always save; stage 3 says whether it may gather
-        if not getattr(self.strategy, "gather_16bit_weights_on_model_save", True):
+        if not self.strategy.gather_16bit_weights_on_model_save:
             logger.warning("did not save the model %s: zero_optimization.stage3_gather_16bit_weights_on_model_save "
                            "is false", path)
             return False

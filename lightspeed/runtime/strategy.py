@@ -1,12 +1,16 @@
 """The sharding-strategy protocol every ZeRO stage implements, and the one place a stage is chosen.
 
-The engine calls these methods and never branches on the stage number.
+The engine calls these methods and never branches on the stage number. Every member anything outside
+a strategy uses is declared on `ShardingStrategy` (tests/unit/runtime/test_strategy_protocol.py scans the
+package for uses), so callers never probe a strategy with getattr/hasattr.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol
+import inspect
+import typing
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -18,32 +22,78 @@ from lightspeed.config.errors import ConfigError
 from lightspeed.optim.onebit.base import ReducesOwnGradients
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.reduce import ReduceOptions
+from lightspeed.zero.fragments import Fragment
+from lightspeed.zero.param_access import ParamFragment
 from lightspeed.zero.sharded_step import StepResult
 from lightspeed.zero.stage0 import Stage0Strategy
 from lightspeed.zero.stage12 import ShardedStrategy
 
 
+@runtime_checkable
 class ShardingStrategy(Protocol):
+    """What the engine, `initialize()`, `zero/param_access.py` and `lightspeed.testing` use of a ZeRO
+    stage, and only that: `check_strategy` verifies it when `select_strategy` builds one."""
+
     stage: int
-    state_is_replicated: bool  # True: state_dict() is the same on every rank (rank 0 writes it)
+    """The ZeRO stage, 0-3."""
+    state_is_replicated: bool
+    """True: `state_dict()` is the same on every rank (rank 0 writes it); False: every rank writes its own."""
+    gather_16bit_weights_on_model_save: bool
+    """True when `save_16bit_model` may write `module_state_dict()`: always where ranks hold whole parameters
+    (stages 0-2); at stage 3, `zero_optimization.stage3_gather_16bit_weights_on_model_save`."""
+    optimizer: torch.optim.Optimizer | None
+    """The optimizer the strategy steps (its param groups hold the strategy's fp32 tensors), or None."""
 
-    def broadcast_from_rank0(self, module: torch.nn.Module) -> None: ...
+    def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
+        """Make every rank's parameters, masters and buffers rank 0's (a collective, once at set-up)."""
+        ...
 
-    def backward_start(self, is_boundary: bool) -> None: ...
+    def backward_start(self, is_boundary: bool) -> None:
+        """A backward begins; `is_boundary`: it ends a gradient-accumulation window (gradients are reduced)."""
+        ...
 
-    def backward_end(self) -> None: ...
+    def backward_end(self) -> None:
+        """The backward's autograd pass returned (reductions may still be in flight)."""
+        ...
 
-    def wait_gradients(self) -> None: ...
+    def wait_gradients(self) -> None:
+        """Wait for every reduction in flight: the gradients this rank holds are final."""
+        ...
 
-    def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult: ...
+    def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
+        """Unscale by `loss_scale`, clip to `max_norm` (0: no clipping), step the optimizer and write the
+        parameters, unless some rank's gradients hold inf/nan (`StepResult.applied` False)."""
+        ...
 
-    def zero_grad(self) -> None: ...
+    def zero_grad(self) -> None:
+        """Zero (or release) the gradients this rank holds."""
+        ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's fp32 masters and optimizer state, as fragments (`zero/fragments.py`); collective."""
+        ...
 
-    def load_state_dict(self, state: dict[str, Any], load_optimizer_states: bool = True) -> None: ...
+    def fragments(self) -> list[Fragment]:
+        """Each trainable parameter's elements this rank owns, as 1-D views of the optimizer's fp32 tensors
+        (what a checkpoint saves and loads, at any stage and world size)."""
+        ...
 
-    def memory_breakdown(self) -> dict[str, dict[str, int]]: ...
+    def fragment(self, param: torch.nn.Parameter) -> ParamFragment | None:
+        """Where `param`'s elements live on this rank (`zero/param_access.py`), or None when this strategy
+        does not manage it."""
+        ...
+
+    def masters_loaded(self) -> None:
+        """The fp32 masters were overwritten (a checkpoint load): make the parameters follow them."""
+        ...
+
+    def masters_from_params(self) -> None:
+        """The parameters were overwritten (a module-only load): make the masters follow them."""
+        ...
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """This rank's bytes, {device: {category: bytes}} (`zero/memory.py`'s categories)."""
+        ...
 
     def compile_regions(self) -> list[torch.nn.Module]:
         """The modules `engine.compile()` compiles in place, each with its hooks outside its graph."""
@@ -53,11 +103,22 @@ class ShardingStrategy(Protocol):
         """True when the next forward must run its compiled regions eagerly (the strategy watches it)."""
         ...
 
-    def module_state_dict(self) -> dict[str, Any]:
-        """The module's full state_dict (stage 3 gathers the partitioned parameters)."""
+    def module_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every module state_dict key -> its whole shape (stage 3: the unpartitioned shape)."""
         ...
 
-    def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None: ...
+    def module_state_dict(self) -> dict[str, Any]:
+        """The module's full state_dict (stage 3 gathers the partitioned parameters: a collective)."""
+        ...
+
+    def load_module_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Copy a full module state_dict into the parameters (stage 3: each rank its slices)."""
+        ...
+
+    def use_placements(self, placements, topology) -> None:
+        """Where each parameter lives on the mesh (parallel/placement.py's table, over `topology`): the
+        gradient norm counts every element once across it (zero/norm.py). Called once, after set-up."""
+        ...
 
     def unshard(self, module: torch.nn.Module | None = None) -> None:
         """Gather `module`'s parameters (None: the whole model) once and keep them gathered across forwards
@@ -71,6 +132,31 @@ class ShardingStrategy(Protocol):
     def unsharded(self, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
         """`unshard(module)` for a `with` block (yielding the module), resharded on exit."""
         ...
+
+
+_MISSING = object()
+
+
+def _protocol_members() -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The protocol's data members (name -> resolved type) and its methods."""
+    data = typing.get_type_hints(ShardingStrategy)
+    methods = tuple(n for n, v in vars(ShardingStrategy).items() if not n.startswith("_") and callable(v))
+    return data, methods
+
+
+def check_strategy(strategy: object) -> ShardingStrategy:
+    """`strategy`, after checking it has every `ShardingStrategy` member (methods callable, `bool` and
+    `int` members of their type); raises TypeError naming what is missing or wrong."""
+    data, methods = _protocol_members()
+    missing = [n for n in (*data, *methods) if inspect.getattr_static(strategy, n, _MISSING) is _MISSING]
+    wrong = [f"{n} is not callable" for n in methods if n not in missing and not callable(getattr(strategy, n))]
+    wrong += [f"{n} is not {t.__name__}" for n, t in data.items()
+              if t in (bool, int) and n not in missing and not isinstance(getattr(strategy, n), t)]
+    if missing or wrong:
+        problems = ([f"missing {', '.join(missing)}"] if missing else []) + wrong
+        raise TypeError(f"{type(strategy).__name__} is not a ShardingStrategy (lightspeed/runtime/strategy.py): "
+                        f"{'; '.join(problems)}")
+    return strategy  # type: ignore[return-value]
 
 
 def reduce_options(cfg, policy: PrecisionPolicy) -> ReduceOptions:
@@ -107,16 +193,17 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
     if zeropp_enabled(cfg.zero_optimization):
         collectives = _zeropp(cfg, comm, offload)
     if stage == 0:
-        return Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy), collectives=collectives)
+        return check_strategy(Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy),
+                                             collectives=collectives))
     if stage in (1, 2):
-        return ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
-                               allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload,
-                               collectives=collectives)
+        return check_strategy(ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
+                                              allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer),
+                                              offload=offload, collectives=collectives))
     if stage == 3:
         from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy
 
-        return Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy), device=device,
-                              offload=offload, collectives=collectives)
+        return check_strategy(Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy),
+                                             device=device, offload=offload, collectives=collectives))
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")
 
 

@@ -61,6 +61,7 @@ def group_trainable_params(module: torch.nn.Module) -> dict[torch.dtype, list[to
 class Stage0Strategy:
     stage = 0
     state_is_replicated = True  # every rank holds the same state: rank 0 alone writes it
+    gather_16bit_weights_on_model_save = True  # whole parameters on every rank: nothing to gather
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, reduce: ReduceOptions, *, collectives: Collectives | None = None):

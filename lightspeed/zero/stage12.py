@@ -98,6 +98,7 @@ class ShardedStrategy:
     """ZeRO stage 1 (`stage=1`) or 2 (`stage=2`) over `comm`'s data-parallel group."""
 
     state_is_replicated = False
+    gather_16bit_weights_on_model_save = True  # whole low-precision parameters on every rank: nothing to gather
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False,

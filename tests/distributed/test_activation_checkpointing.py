@@ -47,7 +47,7 @@ def _train(engine, batches, forward, layer):
     # a pre-hook: torch's non-reentrant recomputation stops once it has what backward needs, before the
     # last module's forward hooks
     handle = layer.register_forward_pre_hook(lambda *_: calls.append(1))
-    coordinator = getattr(engine.strategy, "coordinator", None)
+    coordinator = engine.strategy.coordinator if engine.strategy.stage == 3 else None
     for batch in batches:
         loss = forward(engine, batch)
         engine.backward(loss)

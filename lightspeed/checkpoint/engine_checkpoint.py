@@ -7,6 +7,10 @@ Layout of a tag directory:
     optim_states_rank<R>.pt every rank, when each holds its own part (sharded stages)
     rng_rank<R>.pt          every rank: its python / torch / CUDA (/ numpy) RNG states
     checksums_rank<R>.json  every rank, written last: size and CRC-32s of each file that rank wrote
+R is the rank's data-parallel rank (dp x sp), or, in a run over a larger mesh (tensor parallelism),
+its rank in the whole mesh: every rank then writes, its optimizer-state file holds its fragments with
+their placements (universal.py's Note), model_states.pt the whole module state and `mesh` (the sizes),
+and the tag is published once for every rank of the mesh.
 
 Note (atomic save, verified load): every rank writes into `save_dir/.<tag>.tmp/`; rank 0 publishes
 it as `save_dir/<tag>` once every rank's manifest is there, and only then writes `latest`
@@ -144,12 +148,14 @@ class LoadedCheckpoint(NamedTuple):
     reader: TagReader
 
 
-def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True) -> LoadedCheckpoint | None:
+def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True,
+         mesh_rank: int | None = None) -> LoadedCheckpoint | None:
     """Read and verify the shared file and this rank's RNG state of `load_dir/<tag>` (tag None: the one
     `latest` names), and with `load_strategy` this rank's own optimizer-state file; every optimizer-state
     file can be read through `reader` (`strategy_files`), verified as it is opened (what the engine does:
     a run at another world size reads parts of each). Returns None when there is nothing to load (no tag
-    given and no `latest`)."""
+    given and no `latest`). A checkpoint saved over a mesh (`mesh` in the shared file: every rank of a
+    tensor-parallel run wrote its own files) is read as rank `mesh_rank` of it (default `dp_rank`)."""
     load_dir = Path(load_dir)
     if tag is None:
         tag = read_latest(load_dir)
@@ -164,6 +170,8 @@ def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True)
     shared = reader.load(MODEL_FILE, writer_rank=0)
     if not isinstance(shared, dict) or "module" not in shared or "counters" not in shared:
         raise CheckpointError(f"{path / MODEL_FILE}: not a lightspeed model_states file")
+    if shared.get("mesh") is not None and mesh_rank is not None:
+        dp_rank = mesh_rank
     strategy_state: dict[str, Any] = {}
     if load_strategy:
         name, writer = next(((n, r) for n, r in strategy_files(reader) if r == dp_rank or n == optim_file(None)),

@@ -1,17 +1,19 @@
-"""Checkpoints of a tensor-parallel run: where each tp rank's files go, the record of the layout, and
-reading them at any tp size.
+"""Checkpoints of a tensor-parallel run: the record of this run's layout, and reading any checkpoint at
+any tp size.
 
-Each rank of a tensor-parallel group holds different slices of the split layers, so the ranks of one tp
-column (the same tp rank, every dp rank) write a checkpoint of their own under
-`save_dir/tp_rank_<RR>/<tag>/`, through the same atomic protocol as a run without tensor parallelism
-(engine_checkpoint.py). The module state and the fragments' manifest of each rank record the layout
-(`tensor_parallel`: the tp size and rank, and per split parameter its plan style, role, whole shape and
-whether the whole tensor is a transposed Conv1D).
+A tensor-parallel run saves one tag like any other run (engine_checkpoint.py, one commit for every rank
+of the mesh): every rank writes its fragments with their placements (universal.py's Note on placements),
+and the module state is saved whole. An earlier layout wrote each tp column's checkpoint under
+`save_dir/tp_rank_<RR>/<tag>/`, each recording its slices (`tensor_parallel`: the tp size and rank, and
+per split parameter its plan style, role, whole shape and whether the whole tensor is a transposed
+Conv1D); those still load.
 
-Owns: `tp_record`, `tp_save_dir`, and `open_at_tp_size`, which opens any checkpoint (tp or not, lightspeed's
+Owns: `tp_record`, and `open_at_tp_size`, which opens any checkpoint (tp or not, lightspeed's
 or DeepSpeed's) as a `TrainingStateSource` (source.py) in the layout a reader wants:
-    - the saved tp layout is this run's (same tp size and plan): this tp rank's own directory, as saved
-      (the fast path, nothing re-sliced);
+    - a checkpoint of placed fragments (or one without tensor parallelism) reads whole tensors, and a run
+      with tensor parallelism cuts its slices out of them (`SlicedTPSource`);
+    - an earlier tp_rank_<RR>/ checkpoint whose layout is this run's (same tp size and plan): this tp
+      rank's own directory, as saved (nothing re-sliced);
     - otherwise `MergedTPSource` joins every tp rank's checkpoint into whole tensors (each split
       parameter's slices through `TPLayout.gather`, the inverse of the split the layers were made with;
       replicated parameters from tp rank 0), and for a run with tensor parallelism `SlicedTPSource` cuts
@@ -39,7 +41,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.atomic import read_latest
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.source import MASTER_KEY
-from lightspeed.checkpoint.universal import has_state, open_source
+from lightspeed.checkpoint.universal import OneTensorCache, has_state, open_source
 from lightspeed.parallel.tensor_parallel import TPLayout, tp_layouts
 
 logger = get_logger(__name__)
@@ -54,10 +56,6 @@ def tp_record(module: torch.nn.Module, tp_size: int, tp_rank: int) -> dict[str, 
     return {"tp_size": tp_size, "tp_rank": tp_rank, "layouts": layouts}
 
 
-def tp_save_dir(save_dir, tp_size: int, tp_rank: int) -> Path:
-    return Path(save_dir) / _SUBDIR.format(tp_rank) if tp_size > 1 else Path(save_dir)
-
-
 def record_layouts(record: dict[str, Any], where) -> dict[str, TPLayout]:
     """{parameter name: TPLayout} of a saved (or this run's) `tp_record`."""
     try:
@@ -66,20 +64,6 @@ def record_layouts(record: dict[str, Any], where) -> dict[str, TPLayout]:
                 for name, (style, role, shape, transposed) in record["layouts"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{where}: malformed tensor_parallel record ({err})") from None
-
-
-class _OneTensorCache:
-    """The last whole tensor read, so the fragments of one parameter (which come in a row) read it once."""
-
-    def __init__(self, produce):
-        self._produce, self._key, self._value = produce, None, None
-
-    def range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
-        if self._key != (name, key):
-            self._key = self._value = None  # dropped first: never two whole tensors alive
-            self._value = self._produce(name, key).reshape(-1)
-            self._key = (name, key)
-        return self._value[start:end].clone()
 
 
 class MergedTPSource:
@@ -108,7 +92,7 @@ class MergedTPSource:
                 if tuple(source.param_shape(name)) != want:
                     raise CheckpointError(f"{where}: tp rank {rank}'s {name} has shape "
                                           f"{tuple(source.param_shape(name))}, its saved layout says {want}")
-        self._cache = _OneTensorCache(self.read)
+        self._cache = OneTensorCache(self.read)
 
     def _split(self, name: str) -> TPLayout | None:
         layout = self.layouts.get(name)
@@ -170,7 +154,7 @@ class SlicedTPSource:
         self.whole, self.record = whole, record
         self.rank = int(record["tp_rank"])
         self.layouts = record_layouts(record, "this run")
-        self._cache = _OneTensorCache(self.read)
+        self._cache = OneTensorCache(self.read)
 
     def _layout(self, name: str, shape) -> TPLayout | None:
         layout = self.layouts.get(name)
@@ -224,14 +208,15 @@ def _is_tp_layout(load_dir: Path, tag: str | None) -> bool:
 
 
 def open_at_tp_size(load_dir, tag: str | None = None, *, dp_rank: int = 0, current: dict[str, Any] | None = None,
-                    param_names=None):
+                    param_names=None, mesh_rank: int | None = None):
     """The checkpoint in `load_dir` as `(path, source, rng_state)` for tp rank `current["tp_rank"]` of a run
     whose layout is `current` (its `tp_record`; None: a run without tensor parallelism, or consolidation,
     which get whole tensors), or None when there is nothing to load (no `latest`, no tag). `dp_rank`,
-    `param_names`: as `universal.open_source`. CheckpointError when the checkpoint cannot be read so."""
+    `param_names`, `mesh_rank`: as `universal.open_source`. CheckpointError when the checkpoint cannot be
+    read so."""
     load_dir = Path(load_dir)
     if not _is_tp_layout(load_dir, tag):
-        opened = open_source(load_dir, tag, dp_rank=dp_rank, param_names=param_names)
+        opened = open_source(load_dir, tag, dp_rank=dp_rank, param_names=param_names, mesh_rank=mesh_rank)
         if opened is None:
             return None
         path, source, rng = opened
@@ -242,8 +227,9 @@ def open_at_tp_size(load_dir, tag: str | None = None, *, dp_rank: int = 0, curre
                                   "tp_rank_<RR>/ directories")
         if current is None:
             return path, source, rng
-        logger.info("checkpoint %s was saved without tensor parallelism: tp rank %d takes its slices", path,
-                    current["tp_rank"])
+        mesh = source.extra().get("mesh") or {}
+        logger.info("checkpoint %s (saved at tp size %d): tp rank %d of %d cuts its slices from the whole tensors",
+                    path, int(mesh.get("tp", 1)), current["tp_rank"], current["tp_size"])
         return path, SlicedTPSource(source, current), rng
     if tag is None:
         tag = read_latest(load_dir / _SUBDIR.format(0))

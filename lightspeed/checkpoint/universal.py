@@ -40,6 +40,7 @@ from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource, is_deepspeed_checkpoint
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.source import MASTER_KEY
+from lightspeed.parallel.placement import Placement
 from lightspeed.zero.fragments import Fragment, owner_groups
 
 logger = get_logger(__name__)
@@ -49,7 +50,8 @@ FORMAT = "fragments"
 
 @dataclass
 class _Saved:
-    """One saved fragment: which file, which owner tensor, and where."""
+    """One saved fragment: which file, which owner tensor, and where; with its parameter's placement and
+    the saving rank's mesh coordinates when a tensor-parallel run wrote it (see the Note on placements)."""
 
     file: int
     name: str
@@ -58,6 +60,22 @@ class _Saved:
     end: int
     owner: int
     offset: int
+    placement: Placement | None = None
+    coords: dict[str, int] | None = None
+
+
+class OneTensorCache:
+    """The last whole tensor read, so the fragments of one parameter (which come in a row) read it once."""
+
+    def __init__(self, produce):
+        self._produce, self._key, self._value = produce, None, None
+
+    def range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        if self._key != (name, key):
+            self._key = self._value = None  # dropped first: never two whole tensors alive
+            self._value = self._produce(name, key).reshape(-1)
+            self._key = (name, key)
+        return self._value[start:end].clone()
 
 
 def _scalar(value: Any) -> Any:
@@ -86,6 +104,7 @@ class LightspeedSource:
                 self._open(i, reader.load(name, writer_rank=writer_rank, mmap=True), path)
                 bar.update(sizes[i])
         self._check_coverage()
+        self._whole = OneTensorCache(self._read_placed)
 
     def _open(self, i: int, state: Any, path: Path) -> None:
         """Index one verified optimizer-state file's fragments."""
@@ -93,13 +112,20 @@ class LightspeedSource:
             raise CheckpointError(f"{path}: not a lightspeed optimizer-state file of the fragments layout "
                                   "(written by an older lightspeed, or not a checkpoint file)")
         self.states.append(state)
+        placed, coords = state.get("placements"), state.get("mesh_coords")
+        if (placed is None) != (coords is None) or (placed is not None and not (
+                isinstance(placed, dict) and isinstance(coords, dict))):
+            raise CheckpointError(f"{path}: malformed placements or mesh coordinates")
         for entry in state["fragments"]:
             try:
                 name, shape, start, end, owner, offset = entry
+                placement = Placement.from_record(str(name), placed[str(name)]) if placed is not None else None
                 saved = _Saved(i, str(name), tuple(int(s) for s in shape), int(start), int(end), int(owner),
-                               int(offset))
+                               int(offset), placement, {str(k): int(v) for k, v in coords.items()} if coords else None)
+                if placement is not None and placement.local_shape != saved.shape:
+                    raise ValueError(f"its placement holds {placement.local_shape}, the fragment says {saved.shape}")
                 numel = state["owners"][saved.owner].numel()
-            except (TypeError, ValueError, IndexError, AttributeError) as err:
+            except (TypeError, ValueError, IndexError, AttributeError, KeyError) as err:
                 raise CheckpointError(f"{path}: malformed fragment entry {entry!r} ({err})") from None
             if not 0 <= saved.start < saved.end or saved.offset + saved.end - saved.start > numel:
                 raise CheckpointError(f"{path}: fragment of {saved.name} lies outside its tensor")
@@ -110,6 +136,9 @@ class LightspeedSource:
     def _check_coverage(self) -> None:
         """Every saved parameter's elements are all in some file."""
         for name, pieces in self.index.items():
+            if any(p.placement is not None for p in pieces):
+                self._check_placed(name, pieces)
+                continue
             if len({p.shape for p in pieces}) != 1:
                 raise CheckpointError(f"{self.paths[0].parent}: parameter {name} saved with different shapes")
             covered = sorted((p.start, p.end) for p in pieces)
@@ -123,12 +152,63 @@ class LightspeedSource:
                 raise CheckpointError(f"{self.paths[0].parent}: parameter {name}: elements {pos}.. are in no saved "
                                       f"file (a rank's optimizer-state file is missing?)")
 
+    def _check_placed(self, name: str, pieces: list[_Saved]) -> None:
+        """A placed parameter: every box of its whole tensor is held by some rank whose copy counts, and
+        that rank's pieces cover its whole local tensor."""
+        if any(p.placement is None for p in pieces) or len({p.placement.global_shape for p in pieces}) != 1:
+            raise CheckpointError(f"{self.paths[0].parent}: parameter {name} saved with different placements")
+        volume = 0
+        for placement, held in self._placed_groups(name).items():
+            covered = sorted((p.start, p.end) for p in held)
+            pos = 0
+            for a, b in covered:
+                if a > pos:
+                    break
+                pos = max(pos, b)
+            if pos < _numel(placement.local_shape):
+                raise CheckpointError(f"{self.paths[0].parent}: parameter {name}: elements {pos}.. of the slice "
+                                      f"{[list(b) for b in placement.boxes]} are in no saved file (a rank's "
+                                      "optimizer-state file is missing?)")
+            volume += _numel(placement.local_shape)
+        if volume != _numel(pieces[0].placement.global_shape):
+            raise CheckpointError(f"{self.paths[0].parent}: parameter {name}: the saved slices cover {volume} of "
+                                  f"{_numel(pieces[0].placement.global_shape)} elements (a rank's file is missing?)")
+
+    def _placed_groups(self, name: str) -> dict[Placement, list[_Saved]]:
+        """The pieces of a placed parameter by the slice they belong to, from the ranks whose copy counts
+        (a slice replicated over a mesh dim is read from coordinate 0 of it, zero/norm.py's rule)."""
+        groups: dict[Placement, list[_Saved]] = {}
+        for p in self._pieces(name):
+            if p.placement.counts_on(p.coords, p.coords):
+                groups.setdefault(p.placement, []).append(p)
+        return groups
+
+    def _read_placed(self, name: str, key: str) -> torch.Tensor:
+        """The whole tensor of a placed parameter: each slice assembled from its pieces, then written into
+        its boxes."""
+        groups = self._placed_groups(name)
+        whole = torch.empty(next(iter(groups)).global_shape, dtype=torch.float32)
+        for placement, held in groups.items():
+            local = torch.empty(_numel(placement.local_shape), dtype=torch.float32)
+            for p in held:
+                local[p.start:p.end].copy_(self._tensor(p, name, key).reshape(-1)[p.offset:p.offset + p.end - p.start])
+            placement.place_into(whole, local.view(placement.local_shape))
+        return whole
+
+    def _tensor(self, p: _Saved, name: str, key: str) -> torch.Tensor:
+        state = self.states[p.file]
+        tensor = state["owners"][p.owner] if key == MASTER_KEY else state["state"][p.owner].get(key)
+        if tensor is None:
+            raise KeyError(f"parameter {name} has no optimizer state {key!r} in {self.paths[p.file].name}")
+        return tensor
+
     # ------------------------------------------------------------------ TrainingStateSource
     def param_names(self) -> list[str]:
         return list(self.order)
 
     def param_shape(self, name: str) -> torch.Size:
-        return torch.Size(self._pieces(name)[0].shape)
+        first = self._pieces(name)[0]
+        return torch.Size(first.placement.global_shape if first.placement is not None else first.shape)
 
     def state_keys(self) -> list[str]:
         keys: list[str] = []
@@ -140,6 +220,8 @@ class LightspeedSource:
         return keys
 
     def read(self, name: str, key: str = MASTER_KEY) -> torch.Tensor:
+        if self._pieces(name)[0].placement is not None:
+            return self._read_placed(name, key)
         shape = self.param_shape(name)
         return self.read_range(name, key, 0, _numel(shape)).view(shape)
 
@@ -169,7 +251,7 @@ class LightspeedSource:
                 "counters": shared.get("counters"), "client_state": shared.get("client_state"),
                 "zero_stage": shared.get("zero_stage"), "dp_world_size": shared.get("dp_world_size"),
                 "excluded_frozen_parameters": shared.get("excluded_frozen_parameters"),
-                "tensor_parallel": shared.get("tensor_parallel"), "source": "lightspeed"}
+                "tensor_parallel": shared.get("tensor_parallel"), "mesh": shared.get("mesh"), "source": "lightspeed"}
 
     # ------------------------------------------------------------------ ranges
     def _pieces(self, name: str) -> list[_Saved]:
@@ -183,17 +265,15 @@ class LightspeedSource:
 
     def read_range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of flattened parameter `name`'s `key` tensor, fp32, on the CPU."""
+        if self._pieces(name)[0].placement is not None:  # whole tensors assembled from slices, one at a time
+            return self._whole.range(name, key, start, end)
         out = torch.empty(end - start, dtype=torch.float32)
         filled = 0
         for p in self._pieces(name):
             a, b = max(start, p.start), min(end, p.end)
             if a >= b:
                 continue
-            state = self.states[p.file]
-            tensor = state["owners"][p.owner] if key == MASTER_KEY else state["state"][p.owner].get(key)
-            if tensor is None:
-                raise KeyError(f"parameter {name} has no optimizer state {key!r} in {self.paths[p.file].name}")
-            src = tensor.reshape(-1)[p.offset + a - p.start:p.offset + b - p.start]
+            src = self._tensor(p, name, key).reshape(-1)[p.offset + a - p.start:p.offset + b - p.start]
             out[a - start:b - start].copy_(src)
             filled += b - a
         if filled < end - start:  # pieces do not overlap, so a shortfall means a gap
@@ -201,16 +281,17 @@ class LightspeedSource:
         return out
 
 
-def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_names=None):
+def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_names=None, mesh_rank: int | None = None):
     """The checkpoint in `load_dir` (tag, or the one `latest` names) as `(path, source, rng_state)`, or None
     when there is no `latest` and no tag. lightspeed's layout gives a `LightspeedSource` and `dp_rank`'s saved
     RNG state (or None); DeepSpeed's layout a `DeepSpeedCheckpointSource` (`param_names`: the module's
     trainable parameter names in order, which DeepSpeed's stage-0 files do not record) and no RNG state,
-    which DeepSpeed's engine does not save."""
+    which DeepSpeed's engine does not save. A checkpoint saved over a mesh (tensor parallelism: `mesh` in its
+    shared file) keeps one RNG state per rank of the mesh: `mesh_rank`'s is returned there."""
     if is_deepspeed_checkpoint(load_dir):
         source = DeepSpeedCheckpointSource(load_dir, tag, param_names=param_names)
         return Path(source.path), source, None
-    loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank, load_strategy=False)
+    loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank, load_strategy=False, mesh_rank=mesh_rank)
     if loaded is None:
         return None
     files = engine_checkpoint.strategy_files(loaded.reader)

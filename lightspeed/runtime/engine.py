@@ -25,13 +25,14 @@ from lightspeed.checkpoint.atomic import atomic_torch_save
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.module_state import check_module_state
 from lightspeed.checkpoint.rng import set_rng_state
-from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record, tp_save_dir
+from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record
 from lightspeed.checkpoint.universal import apply_training_state, read_training_state
 from lightspeed.zero.fragments import first_names
 from lightspeed.checkpoint.writer import CheckpointWriter, options_from_config
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.monitor import MonitorMaster
+from lightspeed.parallel.placement import PlacementTable
 from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
 from lightspeed.optim.schedules import scheduled_steps
 from lightspeed.precision.policy import PrecisionPolicy
@@ -48,7 +49,7 @@ class LightspeedEngine(torch.nn.Module):
     def __init__(self, *, module: torch.nn.Module, config, groups: ParallelGroups, comm: Communicator,
                  device: torch.device, policy: PrecisionPolicy, strategy: ShardingStrategy,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any, loss_scaler: Any,
-                 monitor: MonitorMaster, step_profiler: StepProfiler):
+                 monitor: MonitorMaster, step_profiler: StepProfiler, placements: PlacementTable | None = None):
         super().__init__()
         self.module = module
         self.config = config
@@ -57,7 +58,13 @@ class LightspeedEngine(torch.nn.Module):
         tp_size = topology.size("tp") if topology is not None else 1
         # the tensor-parallel group, for whole-tensor saves and the checkpoint layout (None without tp)
         self._tp_comm = Communicator(topology.group("tp"), tp_size) if tp_size > 1 else None
+        # where each parameter lives on the mesh (parallel/placement.py), saved with the fragments
+        self.placements = placements if placements is not None else PlacementTable.for_module(module)
         self.comm = comm
+        # the ranks one checkpoint is committed over: the data-parallel ranks, or every rank of the mesh
+        self._ckpt_comm = comm if self._tp_comm is None else Communicator(topology.group("tp_dp_sp"),
+                                                                          topology.size("tp_dp_sp"))
+        self._ckpt_rank = groups.seq_dp_rank if self._tp_comm is None else topology.rank("tp_dp_sp")
         self.device = device
         self.policy = policy
         self.strategy = strategy
@@ -367,14 +374,21 @@ class LightspeedEngine(torch.nn.Module):
             "dp_world_size": self.seq_dp_world_size,  # the ranks that wrote shards (dp x sp)
         }
         strategy_state = self.strategy.state_dict()
-        if self._tp_comm is not None:  # each tp rank's column writes its own slices (checkpoint/tensor_parallel.py)
-            record = self._tp_record()
-            shared["tensor_parallel"] = record
-            strategy_state = {**strategy_state, "tensor_parallel": record}
-            save_dir = tp_save_dir(save_dir, self._tp_comm.world_size, self._tp_comm.rank)
+        replicated = self.strategy.state_is_replicated
+        if self._tp_comm is not None:  # one tag for the whole mesh (engine_checkpoint.py's layout)
+            module_state = self._whole_tensors(module_state)  # collective over tp: every rank calls it
+            shared["module"] = module_state
+            shared["mesh"] = {"tp": self._tp_comm.world_size, "dp_sp": self.seq_dp_world_size}
+            names = {entry[0] for entry in strategy_state.get("fragments", ())}
+            strategy_state = {**strategy_state, "mesh_coords": {"tp": self._tp_comm.rank},
+                              "placements": {n: self.placements[n].as_record() for n in sorted(names)}}
+            if replicated and self.groups.seq_dp_rank != 0:  # the same state as dp rank 0 of its tp column
+                strategy_state = {**strategy_state, "fragments": [], "owners": [], "owner_groups": [], "state": [],
+                                  "placements": {}}
+            replicated = False
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=strategy_state,
-                               strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
-                               dp_rank=self.groups.seq_dp_rank, save_latest=save_latest,
+                               strategy_replicated=replicated, comm=self._ckpt_comm,
+                               dp_rank=self._ckpt_rank, save_latest=save_latest,
                                writer=self._checkpoint_writer, tag_validation=self.config.checkpoint.tag_validation)
         return True
 
@@ -440,7 +454,7 @@ class LightspeedEngine(torch.nn.Module):
     def wait_checkpoint(self) -> None:
         """Wait for a background (`checkpoint.writer.decoupled`) save to be complete on every rank;
         raises its error, if any rank's failed. Collective; returns at once when no save is pending."""
-        self._checkpoint_writer.wait(self.comm)
+        self._checkpoint_writer.wait(self._ckpt_comm)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -479,7 +493,8 @@ class LightspeedEngine(torch.nn.Module):
             # at another tp size (or plan) the source merges the saved slices and cuts this tp rank's
             # (checkpoint/tensor_parallel.py); the fragments path below then re-slices over dp and stage
             opened = open_at_tp_size(load_dir, tag, dp_rank=self.groups.seq_dp_rank, param_names=trainable,
-                                     current=None if self._tp_comm is None else self._tp_record())
+                                     current=None if self._tp_comm is None else self._tp_record(),
+                                     mesh_rank=self._ckpt_rank)
             read = None
             if opened is not None:
                 path, source, rng = opened
@@ -554,10 +569,11 @@ class LightspeedEngine(torch.nn.Module):
 
     def _agree_or_raise(self, failed: BaseException | None) -> None:
         """Every rank learns whether any rank failed to read the checkpoint, and then all raise."""
-        flag = torch.tensor([0.0 if failed is None else float(self.groups.seq_dp_rank + 1)], device=self.device)
-        self.comm.all_reduce(flag, op="max")
+        flag = torch.tensor([0.0 if failed is None else float(self._ckpt_rank + 1)], device=self.device)
+        self._ckpt_comm.all_reduce(flag, op="max")  # every rank of the mesh: a load changes all or none
         if failed is not None:
             raise failed if isinstance(failed, CheckpointError) else CheckpointError(str(failed)) from failed
         if flag.item() > 0:
-            raise CheckpointError(f"load_checkpoint: data-parallel rank {int(flag.item()) - 1} could not read the "
+            what = "data-parallel rank" if self._tp_comm is None else "rank"
+            raise CheckpointError(f"load_checkpoint: {what} {int(flag.item()) - 1} could not read the "
                                   "checkpoint (its error is raised there); nothing was loaded")

@@ -188,7 +188,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         "gradient accumulation steps": cfg.gradient_accumulation_steps, "samples per step": cfg.train_batch_size})
     engine = LightspeedEngine(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
                               strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                              loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler)
+                              loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler,
+                              placements=placements)
     if cfg.compile.enabled:  # DeepSpeed's first compile section: compile at initialize()
         engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     dataloader = None

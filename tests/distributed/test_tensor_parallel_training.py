@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tp_rank_layout"
 STEPS = 3
 GLOBAL_BATCH = 4
 SEQ = 8
@@ -313,6 +314,24 @@ def _save_and_load(root: str):
     split.load_checkpoint(root + "/plain", tag="three")
     split_next = _continue(split, batches[0], batches[1])
 
+    # ZeRO-3 with tensor parallelism: its checkpoint loads without tp at ZeRO-1, and the tp2 ZeRO-1 one at tp2 ZeRO-3
+    z3 = engine_for(2, stage=3, seed_model=False)
+    z3.load_checkpoint(root + "/ckpt", tag="two")
+    z3.save_checkpoint(root + "/z3", tag="z3")
+    z3_next = _continue(z3, batches[2], batches[0])
+    from_z3 = engine_for(1, stage=1, seed_model=False)
+    from_z3.load_checkpoint(root + "/z3", tag="z3")
+    from_z3_next = _continue(from_z3, batches[2], batches[0])
+
+    # the earlier layout (a tp_rank_<RR>/ checkpoint per tp rank), written by an earlier lightspeed
+    fixture = str(FIXTURE / "ckpt")
+    old_same = engine_for(2, seed_model=False)
+    old_same.load_checkpoint(fixture, tag="two")
+    old_same_next = _continue(old_same, batches[2], batches[0])
+    old_merged = engine_for(1, stage=3, seed_model=False)
+    old_merged.load_checkpoint(fixture, tag="two")
+    old_merged_next = _continue(old_merged, batches[2], batches[0])
+
     other = engine_for(2, n_inner=64)  # c_fc / c_proj of another whole shape
     before = _snapshot(other)
     try:
@@ -327,7 +346,8 @@ def _save_and_load(root: str):
         fresh = _model("gpt2")
         fresh.load_state_dict(saved, strict=True)  # whole tensors in the model's own (Conv1D) layout
     return (whole, saved, uninterrupted, same_tp, merged, plain_next, split_next, refused, unchanged,
-            (resumed.global_steps, plain.global_steps, split.global_steps))
+            (resumed.global_steps, plain.global_steps, split.global_steps),
+            (z3_next, from_z3_next, old_same_next, old_merged_next))
 
 
 def test_checkpoints_load_at_another_tp_size_and_consolidate(tmp_path):
@@ -342,15 +362,21 @@ def test_checkpoints_load_at_another_tp_size_and_consolidate(tmp_path):
     for name, value in whole.items():
         torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
     assert saved["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # Conv1D [in, out], whole
-    for (_, _, uninterrupted, same_tp, merged, plain_next, split_next, refused, unchanged, steps) in results:
+    expected = torch.load(FIXTURE / "expected.pt", weights_only=True)
+    for (_, _, uninterrupted, same_tp, merged, plain_next, split_next, refused, unchanged, steps, more) in results:
+        z3_next, from_z3_next, old_same_next, old_merged_next = more
         assert same_tp == pytest.approx(uninterrupted, rel=1e-6)
+        assert z3_next == pytest.approx(uninterrupted, rel=1e-5)  # tp2 ZeRO-1 -> tp2 ZeRO-3
+        assert from_z3_next == pytest.approx(uninterrupted, rel=1e-5)  # tp2 ZeRO-3 -> tp1 x dp2 ZeRO-1
+        assert old_same_next == pytest.approx(expected["next"], rel=1e-6)  # the earlier layout, at tp2
+        assert old_merged_next == pytest.approx(expected["next"], rel=1e-5)  # and at tp1 x dp2, ZeRO-3
         assert merged == pytest.approx(uninterrupted, rel=1e-5)  # tp2 -> tp1 x dp2, ZeRO-1 -> ZeRO-2
         assert split_next == pytest.approx(plain_next, rel=1e-5)  # no tp, ZeRO-2 -> tp2, ZeRO-1
         assert steps == (3, 4, 4)  # the saved counters, then the steps taken since
         assert refused is not None and ".mlp.c_fc." in refused and "whole shape" in refused, refused
         assert unchanged
     ckpt = tmp_path / "ckpt"
-    assert (ckpt / "tp_rank_00" / "two").is_dir() and (ckpt / "tp_rank_01" / "two").is_dir()
+    assert (ckpt / "two").is_dir() and not (ckpt / "tp_rank_00").exists()  # one tag for every rank of the mesh
 
     # zero_to_fp32 joins the tp slices of the fp32 masters: the gathered whole model, bit for bit
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="two")
@@ -360,5 +386,8 @@ def test_checkpoints_load_at_another_tp_size_and_consolidate(tmp_path):
     assert main([str(ckpt), str(tmp_path / "out"), "--safe_serialization", "-t", "two"]) == 0
     written = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(written) == set(saved) and all(torch.equal(written[k], saved[k]) for k in saved)
+    # the earlier layout consolidates from the directory holding tp_rank_<RR>/, not from one of them
+    old = get_fp32_state_dict_from_zero_checkpoint(str(FIXTURE / "ckpt"), tag="two")
+    assert set(old) == set(expected["masters"]) and all(torch.equal(old[k], v) for k, v in expected["masters"].items())
     with pytest.raises(CheckpointError, match="holds only tp rank 1"):  # one tp rank's slices alone
-        get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "tp_rank_01"), tag="two")
+        get_fp32_state_dict_from_zero_checkpoint(str(FIXTURE / "ckpt" / "tp_rank_01"), tag="two")

@@ -1,6 +1,6 @@
 """Tensor parallelism (AutoTP training) together with Ulysses sequence parallelism, on real gloo processes:
 world 4 as tp2 x sp2, a tiny HF Llama with grouped-query attention (8 heads, 4 key/value heads: 4 and 2 per
-tp rank, 2 and 1 per rank after the all-to-all), in one world: ZeRO stages 0 and 1 from the config alone,
+tp rank, 2 and 1 per rank after the all-to-all), in one world: ZeRO stages 0, 1 and 3 from the config alone,
 stage 2 the way transformers calls it (tp_model_init, register_with_transformers, initialize(mpu=...)).
 The groups must follow the mesh (tp {0,1},{2,3}; sp {0,2},{1,3}, the record too), and each step's loss,
 the global gradient norm (clipping acts), the first step's gradients gathered from the tp slices and the
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 TP, SP, STEPS, BATCH, SEQ, VOCAB = 2, 2, 3, 2, 16, 64
 LR, CLIP = 1e-2, 0.5
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 def _llama() -> torch.nn.Module:
@@ -95,7 +95,7 @@ def _train(stage: int, register: bool):
         engine.step()
         losses.append(loss.item())
         norms.append(float(engine.get_global_grad_norm()))
-    state = _gather(engine, {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()})
+    state = _gather(engine, {k: v.detach().float().clone() for k, v in engine.strategy.module_state_dict().items()})
     UlyssesSPAttentionHF.unregister_from_transformers()  # the next engine's model registers its own modules
     return layout, (losses, norms, grads, state)
 
@@ -118,7 +118,7 @@ def _refused() -> str:
 
 
 def _world():
-    # one world for the three stages (one start-up): 0 and 1 by the config alone, stage 2 transformers' way
+    # one world for the stages (one start-up): 0, 1 and 3 by the config alone, stage 2 transformers' way
     trained = {stage: _train(stage, register=stage == 2) for stage in STAGES}
     return trained, _refused()
 

@@ -157,7 +157,8 @@ MODULES = ["", ".comm", ".zero", ".accelerator", ".runtime", ".runtime.engine", 
            ".ops.adagrad", ".ops.lion", ".utils", ".utils.groups", ".checkpoint", ".checkpoint.utils",
            ".launcher.runner", ".checkpointing", ".pipe", ".utils.zero_to_fp32", ".accelerator.real_accelerator",
            ".comm.comm", ".runtime.activation_checkpointing.checkpointing",
-           ".runtime.sequence_parallel.parallel_state_sp", ".sequence", ".sequence.layer"]
+           ".runtime.sequence_parallel.parallel_state_sp", ".sequence", ".sequence.layer", ".moe", ".moe.layer",
+           ".moe.utils", ".compression", ".compression.compress", ".compression.helper", ".compression.scheduler"]
 
 
 @pytest.mark.parametrize("suffix", MODULES)
@@ -204,6 +205,12 @@ def test_names_transformers_and_accelerate_use():
     (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.TiledMLP(), "ALST tiled compute"),
     (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.sequence_tiled_compute(None), "ALST tiled compute"),
     (lambda ds: ds.accelerator.set_accelerator(None), "custom accelerators"),
+    (lambda ds: ds.moe.layer.MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2),
+     "deepspeed.moe.layer.MoE: mixture-of-experts training"),
+    (lambda ds: ds.compression.init_compression(torch.nn.Linear(2, 2), "ds.json"),
+     "deepspeed.compression.compress.init_compression: model compression"),
+    (lambda ds: ds.compression.compress.redundancy_clean(torch.nn.Linear(2, 2), "ds.json"), "model compression"),
+    (lambda ds: ds.compression.compression_scheduler(None, {}), "model compression"),
 ])
 def test_missing_features_raise_naming_them(call, feature):
     ds = importlib.import_module("lightspeed.compat.deepspeed")

@@ -281,3 +281,21 @@ def test_report_shows_the_deepspeed_version_presented():
     machine = gather()
     assert machine.deepspeed_api == "0.18.2" and machine.deepspeed_installed is None
     assert "DeepSpeed API          0.18.2" in format_report(machine)
+
+
+def test_initialize_accepts_the_autos_deepspeed_accepts():
+    """TRL builds its ZeRO-3 reference model from the HF template with the batch resolved and the
+    zero_optimization "auto"s left: DeepSpeed takes its defaults for those, and so does lightspeed."""
+    from lightspeed.testing.models import TinyMLP
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto",
+                                    "stage3_gather_16bit_weights_on_model_save": True}}
+    engine, optimizer, _, _ = lightspeed.initialize(model=TinyMLP(), config=config, dist_init_required=False)
+    default = lightspeed.config.load({"train_micro_batch_size_per_gpu": 2}, world_size=1)
+    assert optimizer is None and engine.zero_optimization_stage() == 3
+    assert engine.config.zero_optimization.stage3_prefetch_bucket_size == \
+        default.zero_optimization.stage3_prefetch_bucket_size
+    with pytest.raises(ConfigError, match='gradient_clipping: must be a concrete value'):
+        lightspeed.initialize(model=TinyMLP(), config={**config, "gradient_clipping": "auto"}, dist_init_required=False)

@@ -341,6 +341,8 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
         `checkpoint.writer.decoupled` from a host snapshot in the background (see `wait_checkpoint`)."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
+                                               self.config.checkpoint.tag_validation)
         module_state = self.strategy.module_state_dict()
         frozen: set[str] = set()
         if exclude_frozen_parameters:
@@ -366,7 +368,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=strategy_state,
                                strategy_replicated=self.strategy.state_is_replicated, comm=self.comm,
                                dp_rank=self.groups.seq_dp_rank, save_latest=save_latest,
-                               writer=self._checkpoint_writer, tag_validation=self.config.checkpoint.tag_validation)
+                               writer=self._checkpoint_writer)
         return True
 
     def _tp_record(self) -> dict:

@@ -42,6 +42,14 @@ def test_kernel_family_status_says_why():
     h100 = [("H100", (9, 0), 80 << 30)]
     assert family_status(gpu, _machine(cuda_build="12.4", gpus=h100, triton="3.1"))[0] == "yes"
     assert family_status(KernelFamily("x", "lightspeed.launcher.errors", (), needs="cpu"), _machine()) == ("yes", "runs on the CPU")
+    # the fused optimizers run without their kernel (the reference step), and the report says so
+    fused = next(f for f in KERNEL_FAMILIES if f.title == "fused Adam/AdamW")
+    assert family_status(fused, _machine()) == (
+        "yes (reference)", "torch is a CPU-only build (no CUDA): the optimizer steps with its plain-PyTorch reference "
+                           "(no Triton kernel)")
+    assert family_status(fused, _machine(cuda_build="12.4", gpus=h100, triton="3.1"))[0] == "yes"
+    broken = KernelFamily("x", "lightspeed.launcher.no_such", (), without_kernel="y")
+    assert family_status(broken, _machine())[0] == NOT_PRESENT
 
 
 def test_every_listed_kernel_family_is_present():

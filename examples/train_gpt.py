@@ -66,6 +66,9 @@ def load_config(args: argparse.Namespace) -> dict:
             sched["warmup_num_steps"] = min(sched["warmup_num_steps"], max(1, args.steps // 10))
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         config.setdefault("bf16", {"enabled": True})
+    # this script prints the train loss (averaged over the ranks) every --log_interval steps, so the
+    # engine's own step line would say the same thing again
+    config["steps_per_print"] = None
     return config
 
 
@@ -118,13 +121,12 @@ def main(argv=None) -> None:
         model=model, model_parameters=model.parameters(), training_data=train_dataset, config=config
     )
 
-    engine.set_total_steps(args.steps)  # the engine's step log line (every steps_per_print) then shows an ETA
     micro_batch = engine.train_micro_batch_size_per_gpu()
     tokens_per_step = micro_batch * engine.gradient_accumulation_steps() * world_size * model_config.block_size
     log(f"GPT '{args.preset}': {num_params / 1e6:.2f}M parameters, {model_config.n_layer} layers, "
         f"context {model_config.block_size} bytes | {world_size} process(es) on {engine.device} | "
         f"{args.steps} steps x {tokens_per_step} tokens | {len(train_dataset)} training windows")
-    log(f"loss at step 0 should be about ln(256) = {math.log(256):.2f}")
+    log(f"the first step's loss (before any update) should be about ln(256) = {math.log(256):.2f}")
 
     engine.train()
     loss_sum, loss_count, epoch, last_logged = 0.0, 0, 0, 0
@@ -142,11 +144,12 @@ def main(argv=None) -> None:
             if not engine.is_gradient_accumulation_boundary():
                 continue
             step = engine.global_steps
-            if step % args.log_interval == 0 or step == args.steps:
+            if step == 1 or step % args.log_interval == 0 or step == args.steps:
                 train_loss = mean_over_ranks(loss_sum, loss_count)
                 ms_per_step = 1000 * (time.perf_counter() - interval_start) / (step - last_logged)
+                eta = f" | eta {(args.steps - step) * ms_per_step / 1000:.0f} s" if step < args.steps else ""
                 log(f"step {step:5d}/{args.steps} | train loss {train_loss:.4f} | "
-                    f"lr {engine.get_lr()[0]:.2e} | {ms_per_step:6.1f} ms/step")
+                    f"lr {engine.get_lr()[0]:.2e} | {ms_per_step:6.1f} ms/step{eta}")
                 loss_sum, loss_count, last_logged, interval_start = 0.0, 0, step, time.perf_counter()
             if step >= args.steps:
                 break

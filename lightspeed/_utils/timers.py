@@ -51,3 +51,70 @@ class Timers:
         out = {k: v * 1e3 for k, v in self._step.items()}
         self._step.clear()
         return out
+
+
+class ThroughputTimer:
+    """DeepSpeed's `engine.tput_timer`: samples per second over the training steps after the first
+    `start_step` (warm-up) ones. The engine calls `start()` when a forward begins and
+    `stop(global_step=...)` at the end of every `step()`; the time between (forward, backward, step)
+    is summed, as DeepSpeed's ThroughputTimer does, so data loading between micro-steps is excluded.
+
+    `config` is the `timers.throughput` section: `enabled` false makes start/stop no-ops,
+    `synchronized` waits for the device at both ends so the interval covers the queued kernels.
+    Must not log: the engine's step line already reports samples/s (`report_speed` is accepted for
+    DeepSpeed's signature and has no effect).
+    """
+
+    def __init__(self, config, batch_size: int | None, device: torch.device, start_step: int = 2):
+        self.config = config
+        self.device = device
+        self.batch_size = 1 if batch_size is None else batch_size
+        self.start_step = start_step
+        self.start_time = 0.0
+        self.end_time = 0.0
+        self.started = False
+        self.initialized = False
+        self.epoch_count = 0
+        self.micro_step_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0  # seconds, over the steps after start_step
+        self.step_elapsed_time = 0.0  # seconds, over the current optimizer step's micro-steps
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def start(self) -> None:
+        if not self.config.enabled:
+            return
+        self.initialized = True
+        self.started = True
+        if self.global_step_count >= self.start_step:
+            if self.config.synchronized:
+                synchronize(self.device)
+            self.start_time = time.time()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        if not self.config.enabled or not self.started:
+            return
+        self.started = False
+        self.micro_step_count += 1
+        if global_step:
+            self.global_step_count += 1
+        if self.start_time > 0:
+            if self.config.synchronized:
+                synchronize(self.device)
+            self.end_time = time.time()
+            duration = self.end_time - self.start_time
+            self.total_elapsed_time += duration
+            self.step_elapsed_time += duration
+            if global_step:
+                self.step_elapsed_time = 0.0
+
+    def avg_samples_per_sec(self) -> float:
+        """`batch_size` samples per optimizer step over the mean timed step; -inf before any step was
+        timed (DeepSpeed's answer before the first step)."""
+        timed_steps = self.global_step_count - self.start_step
+        if timed_steps <= 0 or self.total_elapsed_time <= 0:
+            return float("-inf")
+        return self.batch_size / (self.total_elapsed_time / timed_steps)

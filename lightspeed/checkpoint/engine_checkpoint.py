@@ -23,6 +23,7 @@ is loaded with `weights_only=True`: no code in a checkpoint runs.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -38,7 +39,7 @@ from lightspeed.checkpoint.writer import CheckpointWriter
 from lightspeed.comm.collectives import Communicator
 
 __all__ = ["MODEL_FILE", "REPLICATED_OPTIM_FILE", "LoadedCheckpoint", "save", "load", "optim_file", "rng_file",
-           "check_tag_agreement"]
+           "check_save_agreement"]
 
 logger = get_logger(__name__)
 
@@ -75,32 +76,49 @@ def rng_file(dp_rank: int) -> str:
     return f"rng_rank{dp_rank}.pt"
 
 
-def check_tag_agreement(tag: str, comm: Communicator, mode: str = "WARN") -> None:
-    """DeepSpeed's `checkpoint.tag_validation`: every rank must save the same tag. "IGNORE" skips the
-    check; "WARN" logs a mismatch; "FAIL" raises. Collective (one small object all-gather) unless IGNORE."""
-    mode = mode.upper()
-    if mode == "IGNORE" or comm.world_size == 1:
+def _by_rank(values: list[str]) -> str:
+    """ "'a' on ranks 0, 2; 'b' on rank 1" (at most 8 ranks named per value)."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(value, []).append(rank)
+    parts = []
+    for value, where in ranks.items():
+        shown = ", ".join(map(str, where[:8])) + (f" and {len(where) - 8} more" if len(where) > 8 else "")
+        parts.append(f"{value!r} on rank{'s' if len(where) > 1 else ''} {shown}")
+    return "; ".join(parts)
+
+
+def check_save_agreement(save_dir, tag: str, comm: Communicator, tag_validation: str = "WARN") -> None:
+    """Every rank of `comm` (the world) must save the same tag into the same directory: one small
+    object all-gather, then a `CheckpointError` on every rank naming which ranks had which. Without
+    it rank 0 would wait for the other ranks' parts in its own directory until
+    `checkpoint.writer.commit_timeout_s`, as it publishes a tag only once every rank wrote its part
+    there; so a tag mismatch fails whatever DeepSpeed's `checkpoint.tag_validation` says (Warn and
+    Ignore would have each rank write its own, incomplete, tag)."""
+    if comm.world_size == 1:
         return
-    tags = comm.all_gather_object(tag)
-    if len(set(tags)) == 1:
-        return
-    shown = ", ".join(f"{t!r}" for t in sorted(set(tags))[:4])
-    message = (f"checkpoint tag {tag!r} is not the same on every rank (saw {shown}); pass the same tag (e.g. from "
-               "the step count) on all ranks")
-    if mode == "FAIL":
-        raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
-    logger.warning(message)
+    gathered = comm.all_gather_object((str(tag), os.path.abspath(os.fspath(save_dir))))
+    tags, dirs = [t for t, _ in gathered], [d for _, d in gathered]
+    problems = []
+    if len(set(dirs)) > 1:
+        problems.append(f"save_dir differs between ranks: {_by_rank(dirs)}")
+    if len(set(tags)) > 1:
+        mode = "(checkpoint.tag_validation is Fail)" if tag_validation.upper() == "FAIL" else \
+            f"(checked whatever checkpoint.tag_validation says, {tag_validation.capitalize()} here)"
+        problems.append(f"the checkpoint tag is not the same on every rank: {_by_rank(tags)} {mode}")
+    if problems:
+        raise CheckpointError("save_checkpoint: " + "; and ".join(problems) + "; pass the same save_dir and tag "
+                              "(e.g. from the step count) on every rank")
 
 
 def save(save_dir, tag: str, *, shared: dict[str, Any], strategy_state: dict[str, Any], strategy_replicated: bool,
-         comm: Communicator, dp_rank: int, save_latest: bool = True, writer: CheckpointWriter | None = None,
-         tag_validation: str = "WARN") -> Path:
-    """Save this rank's part of the engine state as `save_dir/<tag>/` (collective). With a decoupled
-    `writer` the files are written in the background: the tag is complete once `writer.wait(comm)`
-    (or the next save) has returned."""
+         comm: Communicator, dp_rank: int, save_latest: bool = True, writer: CheckpointWriter | None = None) -> Path:
+    """Save this rank's part of the engine state as `save_dir/<tag>/` (collective; the ranks agreed on
+    `save_dir` and `tag` first, `check_save_agreement`). With a decoupled `writer` the files are
+    written in the background: the tag is complete once `writer.wait(comm)` (or the next save) has
+    returned."""
     tag = validate_tag(tag)
     _check_plain(shared.get("client_state", {}), "client_state")
-    check_tag_agreement(tag, comm, tag_validation)
     files: dict[str, Any] = {}
     if dp_rank == 0:
         files[MODEL_FILE] = shared

@@ -1,9 +1,22 @@
 """`load()`: from a dict, file or JSON string to a validated `LightspeedConfig`, with every problem
 reported at once.
 
-Order: parse (hjson) -> sort top-level keys (known / typo / unknown) -> reject Hugging Face "auto"
-placeholders -> map legacy names -> validate sections -> cross-section rules -> resolve the batch
-triad -> check support. Must not build anything from the config.
+Order: parse (hjson) -> sort top-level keys (known / typo / unknown) -> drop the "auto"s DeepSpeed
+itself accepts, reject the other Hugging Face "auto" placeholders -> map legacy names -> validate
+sections -> cross-section rules -> resolve the batch triad -> check support. Must not build anything from the config.
+
+Note: "auto"
+    DeepSpeed's pydantic config sections (DeepSpeedConfigModel, built non-strict) drop a key whose
+    value is "auto" before validating, so the key takes DeepSpeed's default: a config straight from
+    a Hugging Face template (as TRL passes for its ZeRO-3 reference model) initializes. That holds
+    only for the keys directly inside `zero_optimization`, `tensor_parallel`, `comms_logger`,
+    `hybrid_engine` and `timers.throughput` (`AUTO_AS_DEFAULT_SECTIONS`); lightspeed does the same
+    there, and logs each key defaulted. Everywhere else DeepSpeed reads "auto" as a value and fails
+    later (a string compared with a number for the batch triad or `gradient_clipping`; a truthy
+    `fp16.enabled`), so lightspeed refuses it with every path named; `pipeline.stages` and
+    `expert_parallel.*` are DeepSpeed's own "auto" values. `validate(hf_placeholders=True)` (for
+    `lightspeed config check` on a template) drops every remaining "auto" too and skips the batch
+    triad when one of its members was "auto", so the template's other problems show.
 
 Note: unknown top-level keys
     DeepSpeed ignores unknown top-level keys silently, so a misspelt section is simply lost.
@@ -43,6 +56,9 @@ MISNAMED_TOP_LEVEL = {"seq_parallel_communication_data_type": "seq_parallel_comm
 # Places where DeepSpeed itself gives "auto" a meaning, so it is not an unresolved HF placeholder.
 AUTO_ALLOWED_PATHS = ("pipeline.stages",)
 AUTO_ALLOWED_PREFIXES = ("expert_parallel.",)
+# Sections whose own keys DeepSpeed drops when "auto" (Note: "auto").
+AUTO_AS_DEFAULT_SECTIONS = (("zero_optimization",), ("tensor_parallel",), ("comms_logger",), ("hybrid_engine",),
+                            ("timers", "throughput"))
 
 
 def _osa_distance(a: str, b: str) -> int:
@@ -109,6 +125,42 @@ def _auto_paths(value: Any, loc: tuple = ()) -> list[str]:
         path = dotted(loc)
         if path not in AUTO_ALLOWED_PATHS and not path.startswith(AUTO_ALLOWED_PREFIXES):
             return [path]
+    return []
+
+
+def _without_keys(parsed: dict, paths: list[tuple]) -> dict:
+    """`parsed` less the keys at `paths` (copying only the dicts on the way to them)."""
+    out = dict(parsed)
+    for path in paths:
+        node = out
+        for key in path[:-1]:
+            node[key] = dict(node[key])
+            node = node[key]
+        del node[path[-1]]
+    return out
+
+
+def _deepspeed_autos(parsed: dict) -> list[tuple]:
+    """The paths of the "auto" keys DeepSpeed drops (Note: "auto")."""
+    found = []
+    for section in AUTO_AS_DEFAULT_SECTIONS:
+        node: Any = parsed
+        for key in section:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            found += [section + (key,) for key, value in node.items() if value == "auto"]
+    return found
+
+
+def _placeholder_autos(value: Any, loc: tuple = ()) -> list[tuple]:
+    """The paths of every "auto" dict value but DeepSpeed's own (for `hf_placeholders`)."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _placeholder_autos(v, loc + (k,))]
+    if isinstance(value, list) and "auto" in value:  # e.g. "betas": ["auto", 0.999]: the whole key
+        value = "auto"
+    if value == "auto" and loc and isinstance(loc[-1], str) and dotted(loc) not in AUTO_ALLOWED_PATHS \
+            and not dotted(loc).startswith(AUTO_ALLOWED_PREFIXES):
+        return [loc]
     return []
 
 
@@ -181,6 +233,7 @@ class Validation:
     problems: list[str] = field(default_factory=list)
     unimplemented: list[str] = field(default_factory=list)
     valid_sections: Optional[LightspeedConfig] = None
+    placeholders: list[str] = field(default_factory=list)  # the "auto"s `hf_placeholders` set aside
 
     def raise_for_errors(self, check_support: bool = True) -> LightspeedConfig:
         """The config; ConfigError listing every problem, then NotImplementedError (when `check_support`)."""
@@ -193,9 +246,10 @@ class Validation:
 
 
 def validate(source: Union[dict, str, "os.PathLike[str]", LightspeedConfig],
-             world_size: Optional[int] = None) -> Validation:
+             world_size: Optional[int] = None, hf_placeholders: bool = False) -> Validation:
     """Validate a ds_config and resolve its batch triad, collecting every problem instead of raising
-    (arguments as `load`)."""
+    (arguments as `load`). `hf_placeholders`: read every "auto" as a Hugging Face placeholder to be
+    filled in later (Note: "auto"), listed in `.placeholders`; the config is then checked, not usable."""
     if isinstance(source, LightspeedConfig):
         if world_size is None or as_int(world_size) == source.world_size:
             return Validation(source, [], unimplemented_features(source), source)
@@ -209,6 +263,14 @@ def validate(source: Union[dict, str, "os.PathLike[str]", LightspeedConfig],
     except ConfigError as err:
         return Validation(None, list(err.problems))
     problems, ignored = _top_level(parsed)
+    defaulted = _deepspeed_autos(parsed)
+    for path in defaulted:
+        logger.info(f'config: {dotted(path)} is "auto": DeepSpeed\'s default applies')
+    parsed = _without_keys(parsed, defaulted)
+    placeholders: list[tuple] = []
+    if hf_placeholders:
+        placeholders = _placeholder_autos({k: v for k, v in parsed.items() if k not in ignored})
+        parsed = _without_keys(parsed, placeholders)
     autos = _auto_problems(parsed, ignored)
     if autos:
         return Validation(None, problems + autos)
@@ -231,12 +293,14 @@ def validate(source: Union[dict, str, "os.PathLike[str]", LightspeedConfig],
     elasticity = mapped.get("elasticity")
     elastic = isinstance(elasticity, dict) and elasticity.get("enabled") is True  # it sets the triad itself
     given = _batch_inputs(mapped)
-    if world is not None and given is not None and not elastic:
+    batch_placeholder = any(path[0] in BATCH_KEYS for path in placeholders)
+    if world is not None and given is not None and not elastic and not batch_placeholder:
         *resolved, batch_problems = resolve_batch(*given, world, world_source)
         problems += batch_problems
 
-    if problems:
-        return Validation(None, problems, unimplemented, partial)
+    shown = [dotted(path) for path in placeholders]
+    if problems or hf_placeholders:  # a template with its placeholders set aside is checked, never used
+        return Validation(None, problems, unimplemented, partial, shown)
     assert cfg is not None
     _warn_like_deepspeed(cfg)
     if resolved is not None:

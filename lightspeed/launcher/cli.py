@@ -210,7 +210,9 @@ def run_report(args: argparse.Namespace, script_args: list[str]) -> int:
 def run_config(args: argparse.Namespace, script_args: list[str]) -> int:
     from lightspeed.launcher.config_cmd import config_check, config_show
 
-    return (config_check if args.action == "check" else config_show)(args.file, args.world_size)
+    if args.action == "check":
+        return config_check(args.file, args.world_size, hf=args.hf)
+    return config_show(args.file, args.world_size)
 
 
 def run_convert(args: argparse.Namespace, script_args: list[str]) -> int:
@@ -282,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("file", help="ds_config file (JSON or HJSON)")
         action.add_argument("--world-size", "--world_size", dest="world_size", type=int, default=None,
                             help="data-parallel world size for the batch triad (default: $WORLD_SIZE, else 1)")
+        if name == "check":
+            action.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None,
+                                help='check a Hugging Face template: read each "auto" as a placeholder and report '
+                                     'every other problem (default: when the file holds an "auto")')
         action.set_defaults(func=run_config)
 
     convert = commands.add_parser("convert", help="convert a checkpoint (DeepSpeed's or lightspeed's)",

@@ -6,6 +6,11 @@ JSON path, then, as a separate list (also when there are problems), the settings
 that lightspeed does not implement yet (`config.support`), which `lightspeed.initialize` would
 refuse. Exit status 1 when either list is non-empty, so the check can gate a job script; 0 otherwise.
 
+A Hugging Face template (any "auto" in the file, or `--hf`) is checked with each "auto" read as the
+placeholder the HF Trainer or Accelerate fills in (listed), so every other problem shows; `--no-hf`
+checks it as `initialize` takes it, which refuses the "auto"s DeepSpeed itself does not accept
+(config/loader.py, Note: "auto").
+
 `show` prints the resolved config as JSON (`LightspeedConfig.to_dict()`): every default filled in and
 the batch triad resolved for the world size.
 
@@ -19,12 +24,32 @@ import sys
 from typing import Optional
 
 
-def _load(path: str, world_size: Optional[int]):
-    """(config or None, problems, unimplemented settings), as `initialize` finds them."""
+def _load(path: str, world_size: Optional[int], hf: bool = False):
+    """(config or None, problems, unimplemented settings, "auto" placeholders), as `initialize` finds
+    them (with `hf`: reading each "auto" as a placeholder)."""
     from lightspeed.optim.validation import validate_training_config
 
-    found = validate_training_config(path, world_size)
-    return found.config, found.problems, found.unimplemented
+    found = validate_training_config(path, world_size, hf_placeholders=hf)
+    return found.config, found.problems, found.unimplemented, found.placeholders
+
+
+def _has_auto(path: str) -> bool:
+    """Whether the config at `path` holds an "auto" anywhere (a Hugging Face template); False when
+    it cannot be read (the check reports why)."""
+    from lightspeed.config.errors import ConfigError
+    from lightspeed.config.parse import read_source
+
+    def walk(value) -> bool:
+        if isinstance(value, dict):
+            return any(walk(v) for v in value.values())
+        if isinstance(value, list):
+            return any(walk(v) for v in value)
+        return value == "auto"
+
+    try:
+        return walk(read_source(path)[0])
+    except ConfigError:
+        return False
 
 
 def _bad_world_size(world_size: Optional[int]) -> bool:
@@ -34,11 +59,18 @@ def _bad_world_size(world_size: Optional[int]) -> bool:
     return False
 
 
-def config_check(path: str, world_size: Optional[int] = None) -> int:
-    """Print the problems and unimplemented settings of the config at `path`; 1 if any, else 0."""
+def config_check(path: str, world_size: Optional[int] = None, hf: Optional[bool] = None) -> int:
+    """Print the problems and unimplemented settings of the config at `path`; 1 if any, else 0.
+    `hf`: check it as a Hugging Face template (None: when it holds an "auto")."""
     if _bad_world_size(world_size):
         return 2
-    cfg, problems, unimplemented = _load(path, world_size)
+    if hf is None:
+        hf = _has_auto(path)
+    cfg, problems, unimplemented, placeholders = _load(path, world_size, hf)
+    if hf:
+        print(f'{path}: Hugging Face template: "auto" read as a placeholder the HF Trainer or Accelerate fills in '
+              f"({len(placeholders)}{': ' + ', '.join(placeholders) if placeholders else ''}); "
+              "lightspeed.initialize needs them resolved (check with --no-hf)")
     if problems:
         print(f"{path}: problems:")
         print("\n".join(f"  {p}" for p in problems))
@@ -49,6 +81,8 @@ def config_check(path: str, world_size: Optional[int] = None) -> int:
     if unimplemented:
         print(f"not implemented yet in lightspeed ({len(unimplemented)}; lightspeed.initialize refuses them):")
         print("\n".join(f"  {m}" for m in unimplemented))
+    if hf and not problems:
+        print(f"{path}: no other problems")
     if problems:
         print("result: invalid")
     elif unimplemented:
@@ -62,7 +96,7 @@ def config_show(path: str, world_size: Optional[int] = None) -> int:
     """Print the resolved config at `path` as JSON; on problems print them to stderr and return 1."""
     if _bad_world_size(world_size):
         return 2
-    cfg, problems, _ = _load(path, world_size)
+    cfg, problems, _, _ = _load(path, world_size)
     if cfg is None:
         print(f"{path}: invalid config:", file=sys.stderr)
         print("\n".join(f"  {p}" for p in problems), file=sys.stderr)

@@ -30,21 +30,29 @@ NOT_PRESENT = "not present in this version"
 @dataclass(frozen=True)
 class KernelFamily:
     """`module` under lightspeed.ops; `names` the classes/functions users reach for; `needs`: "cpu"
-    (runs anywhere), "gpu" (a CUDA GPU and triton), optionally with a minimum compute capability."""
+    (runs anywhere), "gpu" (a CUDA GPU and triton), optionally with a minimum compute capability.
+    `without_kernel`: what the names run where the GPU needs are not met (the multi-tensor optimizers
+    step with their plain-PyTorch reference there), or None when they do not run at all."""
 
     title: str
     module: str
     names: tuple[str, ...]
     needs: str = "gpu"
     min_capability: Optional[tuple[int, int]] = None
+    without_kernel: Optional[str] = None
+
+
+# where a CUDA GPU with triton is missing, FusedOptimizer's "auto" backend steps CPU tensors this way
+_REFERENCE_STEP = "the optimizer steps with its plain-PyTorch reference (no Triton kernel)"
+REFERENCE = "yes (reference)"
 
 
 KERNEL_FAMILIES: list[KernelFamily] = [
-    KernelFamily("fused Adam/AdamW", "lightspeed.ops.adam", ("FusedAdam",)),
+    KernelFamily("fused Adam/AdamW", "lightspeed.ops.adam", ("FusedAdam",), without_kernel=_REFERENCE_STEP),
     KernelFamily("CPU Adam (offload)", "lightspeed.ops.adam", ("CPUAdam",), needs="cpu"),
-    KernelFamily("fused Lamb", "lightspeed.ops.lamb", ("FusedLamb",)),
-    KernelFamily("fused Lion", "lightspeed.ops.lion", ("FusedLion",)),
-    KernelFamily("fused Adagrad", "lightspeed.ops.adagrad", ("FusedAdagrad",)),
+    KernelFamily("fused Lamb", "lightspeed.ops.lamb", ("FusedLamb",), without_kernel=_REFERENCE_STEP),
+    KernelFamily("fused Lion", "lightspeed.ops.lion", ("FusedLion",), without_kernel=_REFERENCE_STEP),
+    KernelFamily("fused Adagrad", "lightspeed.ops.adagrad", ("FusedAdagrad",), without_kernel=_REFERENCE_STEP),
     KernelFamily("quantization (ZeRO++, int8/int4)", "lightspeed.ops.quantize", ("quantize", "dequantize"), needs="cpu"),
     KernelFamily("one-bit compression", "lightspeed.ops.onebit", ("pack_signs", "unpack_signs"), needs="cpu"),
     KernelFamily("weight-only FP6/INT8/INT4 linear", "lightspeed.ops.wquant", ("quantized_matmul",),
@@ -153,7 +161,16 @@ def gather() -> Machine:
 
 
 def family_status(family: KernelFamily, machine: Machine) -> tuple[str, str]:
-    """(status, reason): status is "yes", "no" or NOT_PRESENT."""
+    """(status, reason): status is "yes", REFERENCE (the names run without the kernel), "no" or NOT_PRESENT."""
+    status, why = _kernel_status(family, machine)
+    # a "no" that is not the module failing to import is the machine lacking what the kernel needs
+    if status == "no" and family.without_kernel is not None and not why.startswith(family.module):
+        return REFERENCE, f"{why}: {family.without_kernel}"
+    return status, why
+
+
+def _kernel_status(family: KernelFamily, machine: Machine) -> tuple[str, str]:
+    """(status, reason) for the family's kernel itself."""
     if importlib.util.find_spec("lightspeed.ops") is None or importlib.util.find_spec(family.module) is None:
         return NOT_PRESENT, f"{family.module} does not exist yet"
     try:

@@ -70,12 +70,13 @@ def scheduler_problems(scheduler_config, optimizer_config=None) -> list[str]:
 
 
 def validate_training_config(source: Union[dict, str, "os.PathLike[str]", object],
-                             world_size: Optional[int] = None) -> Validation:
+                             world_size: Optional[int] = None, hf_placeholders: bool = False) -> Validation:
     """Every problem `initialize` raises for a config before it builds the engine: the schema, the
     batch triad for `world_size` (as `config.load`), the optimizer and scheduler params; and every
     setting lightspeed does not implement yet. Raises nothing for a bad config: see `.problems` and
-    `.unimplemented`."""
-    found = validate(source, world_size)
+    `.unimplemented`. `hf_placeholders`: as `config.loader.validate`'s (`lightspeed config check` on a
+    Hugging Face template)."""
+    found = validate(source, world_size, hf_placeholders)
     cfg = found.valid_sections
     if cfg is None:
         return found
@@ -87,4 +88,6 @@ def validate_training_config(source: Union[dict, str, "os.PathLike[str]", object
             unimplemented += optimizer_missing
     if cfg.scheduler is not None:
         problems += scheduler_problems(cfg.scheduler, cfg.optimizer)
-    return Validation(None if problems else found.config, problems, unimplemented, cfg)
+    # a placeholder set aside is not missing: the template's caller fills it in
+    problems = [line for line in problems if not any(line.startswith(f"{path}:") for path in found.placeholders)]
+    return Validation(None if problems else found.config, problems, unimplemented, cfg, found.placeholders)

@@ -19,7 +19,7 @@ from lightspeed._utils.accelerator import get_accelerator
 from lightspeed._utils.logging import get_logger
 from lightspeed._utils.progress import format_duration
 from lightspeed._utils.sizes import human_bytes
-from lightspeed._utils.timers import Timers
+from lightspeed._utils.timers import ThroughputTimer, Timers
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import atomic_torch_save
 from lightspeed.checkpoint.errors import CheckpointError
@@ -38,13 +38,15 @@ from lightspeed.optim.schedules import scheduled_steps
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.dataloader import build_dataloader
+from lightspeed.runtime.module_passthrough import ModulePassthrough
 from lightspeed.runtime.strategy import ShardingStrategy, strategy_partitions_gradients, strategy_places_params
 
 logger = get_logger(__name__)
 
 
-class LightspeedEngine(torch.nn.Module):
-    """DeepSpeed's engine API: `engine(*inputs)`, `engine.backward(loss)`, `engine.step()`, checkpoints."""
+class LightspeedEngine(ModulePassthrough, torch.nn.Module):
+    """DeepSpeed's engine API: `engine(*inputs)`, `engine.backward(loss)`, `engine.step()`, checkpoints;
+    a name the engine lacks is the wrapped module's (module_passthrough.py)."""
 
     def __init__(self, *, module: torch.nn.Module, config, groups: ParallelGroups, comm: Communicator,
                  device: torch.device, policy: PrecisionPolicy, strategy: ShardingStrategy,
@@ -90,6 +92,7 @@ class LightspeedEngine(torch.nn.Module):
         self.flops_profiler = step_profiler.profiler  # DeepSpeed's engine.flops_profiler (None when off)
         # DeepSpeed's rule: the flops profiler turns the wall-clock breakdown on
         self.timers = Timers(device, enabled=bool(config.wall_clock_breakdown or config.flops_profiler.enabled))
+        self.tput_timer = ThroughputTimer(config.timers.throughput, self.train_batch_size(), device)
         self.comm.stats.reset()  # per-step volume counts training traffic, not initialize()'s broadcast
         self.training_dataloader = None
         self._checkpoint_writer = CheckpointWriter(options_from_config(config.checkpoint))
@@ -203,6 +206,7 @@ class LightspeedEngine(torch.nn.Module):
             self._inside_no_sync = False
 
     def forward(self, *inputs, **kwargs):
+        self.tput_timer.start()
         self.timers.start("forward")
         if self._compiled and self.strategy.needs_eager_forward():
             with torch.compiler.set_stance("force_eager"):
@@ -233,7 +237,8 @@ class LightspeedEngine(torch.nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Optimizer step at the accumulation boundary (skipped on fp16 overflow); a no-op otherwise."""
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             if self._inside_no_sync:
                 raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): the gradients were "
                                    "not reduced; leave no_sync() for the boundary micro-step's backward")
@@ -262,6 +267,7 @@ class LightspeedEngine(torch.nn.Module):
                                     loss_scale=self.loss_scale if self.loss_scaler is not None else None)
             self.step_profiler.after_step(self.global_steps, step_ms)
             self._after_step()
+        self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
@@ -357,6 +363,8 @@ class LightspeedEngine(torch.nn.Module):
         """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
         `checkpoint.writer.decoupled` from a host snapshot in the background (see `wait_checkpoint`)."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
+                                               self.config.checkpoint.tag_validation)
         module_state = self.strategy.module_state_dict()
         frozen: set[str] = set()
         if exclude_frozen_parameters:
@@ -389,7 +397,7 @@ class LightspeedEngine(torch.nn.Module):
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=strategy_state,
                                strategy_replicated=replicated, comm=self._ckpt_comm,
                                dp_rank=self._ckpt_rank, save_latest=save_latest,
-                               writer=self._checkpoint_writer, tag_validation=self.config.checkpoint.tag_validation)
+                               writer=self._checkpoint_writer)
         return True
 
     def _tp_record(self) -> dict:

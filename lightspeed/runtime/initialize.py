@@ -34,6 +34,7 @@ from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
 from lightspeed.runtime.model_transforms import apply_model_transforms
+from lightspeed.runtime.param_names import params_by_name, params_from_names
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
 from lightspeed.zero.stage3.init import init_record
 
@@ -146,17 +147,21 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
     policy = policy_from_config(cfg)
-    if cfg.tensor_parallel.tp_size > 1 and split_tp_size(model) == 1 and (
-            isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None):
-        raise ConfigError("tensor_parallel.autotp_size: initialize() splits the model, so an optimizer or "
-                          "model_parameters built from the whole model would hold stale parameters; let the config "
-                          "(or a callable) build the optimizer, or split the model first with tp_model_init()")
-    if cfg.tensor_parallel.tp_size > 1 and split_tp_size(model) == 1 and any(
-            init_record(m) is not None for m in model.modules()):
+    splits_model = cfg.tensor_parallel.tp_size > 1 and split_tp_size(model) == 1
+    if splits_model and isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError("tensor_parallel.autotp_size: initialize() splits the model, so an optimizer built from "
+                          "the whole model would hold stale parameters; let the config (or a callable) build the "
+                          "optimizer, pass model_parameters, or split the model first with tp_model_init()")
+    if splits_model and any(init_record(m) is not None for m in model.modules()):
         raise NotImplementedError("tensor_parallel.autotp_size with a model built under zero.Init (partitioned as it "
                                   "was built) is not implemented: build the model whole, or split it first with "
                                   "tp_model_init()")
+    # DeepSpeed reads model_parameters after its split: follow the model's parameters through it by name
+    named_parameters = params_by_name(model, model_parameters) if splits_model and model_parameters is not None \
+        else None
     model, placements = apply_model_transforms(model, cfg, topology)
+    if named_parameters is not None:
+        model_parameters = params_from_names(model, named_parameters)
     convert_to_float8(model, cfg.float8)  # after the split layers exist, before anything is placed or sharded
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)

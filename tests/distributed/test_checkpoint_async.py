@@ -1,7 +1,7 @@
 """Background checkpoint writing (`checkpoint.writer.decoupled`): the files load exactly as a
 synchronous save's, training continues with identical losses, a writer's error reaches every rank at
-the next save or wait, mismatched tags are caught (`tag_validation`), and a process that exits right
-after a background save still completes it."""
+the next save or wait, mismatched tags and save_dirs fail at once on every rank, and a process that
+exits right after a background save still completes it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -165,6 +166,12 @@ def _failing_worker(root: str):
     except CheckpointError as err:
         report["prepare"] = str(err)
     report["final_latest"] = read_latest(root)
+    # ranks that name different directories fail at once, every rank naming who had which
+    start = time.monotonic()
+    try:
+        engine.save_checkpoint(os.path.join(root, f"dir{rank}"), tag="split")
+    except CheckpointError as err:
+        report["dirs"] = (str(err), time.monotonic() - start)
     return report
 
 
@@ -185,6 +192,13 @@ def test_writer_errors_reach_every_rank(tmp_path):
         assert "no pinned memory" in report["snapshot"], report
         assert "rank 0 cannot prepare" in report["prepare"], report
         assert report["final_latest"] == "recovered"
+        assert "the checkpoint tag is not the same on every rank: 'rank0' on rank 0; 'rank1' on rank 1 " \
+            "(checkpoint.tag_validation is Fail)" in report["tag_validation"]
+        message, seconds = report["dirs"]
+        assert message.startswith(f"save_checkpoint: save_dir differs between ranks: '{tmp_path / 'dir0'}' on rank 0; "
+                                  f"'{tmp_path / 'dir1'}' on rank 1; pass the same save_dir and tag")
+        assert seconds < 10
+    assert not (tmp_path / "dir0").exists() and not (tmp_path / "dir1").exists()
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
     assert verify_tag(tmp_path / "recovered", "recovered")[0] == []
 

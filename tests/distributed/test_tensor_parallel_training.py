@@ -5,7 +5,8 @@ Conv1D layers, the built-in plan), a tiny Llama (its config's base_model_tp_plan
 slices) and global norm, and the final parameters must match in fp32 within 1e-5 relative. Also: the
 consolidated 16-bit save gathers whole tensors; checkpoints load at the same tp size, at another (tp2 ->
 tp1 x dp2, no tp -> tp2, with a ZeRO stage change) and consolidate (zero_to_fp32, safetensors) from the
-tp slices; tp_model_init before initialize, and the errors (a model built under zero.Init, a stale optimizer)."""
+tp slices; tp_model_init before initialize, model_parameters given before the split (a generator, param groups),
+and the errors (a model built under zero.Init, a stale optimizer, a parameter not the model's)."""
 
 from __future__ import annotations
 
@@ -194,6 +195,32 @@ def _zero_init_model(config):
         return _model("gpt2")
 
 
+def _model_parameters_follow_the_split():
+    """initialize(model_parameters=...) before the split: a generator trains as the config optimizer
+    over the model; param groups keep their keys and hold the split parameters of their names."""
+    import lightspeed
+
+    model = _model("gpt2")
+    engine, optimizer, _, _ = lightspeed.initialize(model=model, config=_config(2, 1, 0, "gpt2"),
+                                                    model_parameters=model.parameters())
+    losses = []
+    for ids in _batches():
+        loss = _loss(engine, "gpt2", ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    model = _model("gpt2")
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    engine, optimizer, _, _ = lightspeed.initialize(
+        model=model, config=_config(2, 1, 0, "gpt2"),  # stage 0 steps the model's own parameters
+        model_parameters=({"params": decay, "weight_decay": 0.1}, {"params": iter(no_decay), "weight_decay": 0.0}))
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    groups = [(g["weight_decay"], sorted(names[id(p)] for p in g["params"])) for g in optimizer.param_groups]
+    c_fc = engine.module.transformer.h[0].mlp.c_fc.weight
+    return losses, groups, tuple(c_fc.shape), any(p is c_fc for p in optimizer.param_groups[0]["params"])
+
+
 def _errors():
     import lightspeed
 
@@ -205,21 +232,33 @@ def _errors():
             model=(m := _model("gpt2")), optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
             config={**_config(2, 1, 1, "gpt2"), "optimizer": None})),
         ("size", lambda: lightspeed.initialize(model=_model("gpt2"), config=_config(3, 1, 1, "gpt2"))),
+        ("foreign", lambda: lightspeed.initialize(model=_model("gpt2"), config=_config(2, 1, 1, "gpt2"),
+                                                  model_parameters=[torch.nn.Parameter(torch.zeros(3))])),
     ):
         try:
             call()
             out[name] = None
         except Exception as error:  # noqa: BLE001 (the test reads the message)
             out[name] = f"{type(error).__name__}: {error}"
-    return out
+    return out, _model_parameters_follow_the_split()  # one world for both
 
 
 def test_errors_name_what_is_not_built():
-    out = run_world(_errors, 2)[0]
+    results = run_world(_errors, 2)
+    out = results[0][0]
     assert out["zero_init"].startswith("NotImplementedError: tensor_parallel.autotp_size with a model built under "
                                        "zero.Init"), out["zero_init"]
     assert "ConfigError" in out["optimizer"] and "stale parameters" in out["optimizer"]
     assert "ConfigError" in out["size"] and "does not divide by tp=3" in out["size"]
+    assert "ConfigError" in out["foreign"] and "model_parameters[0] (shape (3,)) is not one of the model's" in \
+        out["foreign"]
+    ref_losses = _reference("gpt2")[0]
+    weights = sorted(n for n, _ in _model("gpt2").named_parameters() if n.endswith("weight"))
+    for _, rank_out in results:
+        losses, groups, c_fc_shape, c_fc_in_group = rank_out
+        assert losses == pytest.approx(ref_losses, rel=1e-5)  # the generator's parameters are the split ones
+        assert [decay for decay, _ in groups] == [0.1, 0.0] and groups[0][1] == weights
+        assert c_fc_shape == (64, 32) and c_fc_in_group  # the column-parallel c_fc: [4 * 32 / 2, 32]
 
 
 def _tp_model_init_then_train():

@@ -42,6 +42,14 @@ def test_kernel_family_status_says_why():
     h100 = [("H100", (9, 0), 80 << 30)]
     assert family_status(gpu, _machine(cuda_build="12.4", gpus=h100, triton="3.1"))[0] == "yes"
     assert family_status(KernelFamily("x", "lightspeed.launcher.errors", (), needs="cpu"), _machine()) == ("yes", "runs on the CPU")
+    # the fused optimizers run without their kernel (the reference step), and the report says so
+    fused = next(f for f in KERNEL_FAMILIES if f.title == "fused Adam/AdamW")
+    assert family_status(fused, _machine()) == (
+        "yes (reference)", "torch is a CPU-only build (no CUDA): the optimizer steps with its plain-PyTorch reference "
+                           "(no Triton kernel)")
+    assert family_status(fused, _machine(cuda_build="12.4", gpus=h100, triton="3.1"))[0] == "yes"
+    broken = KernelFamily("x", "lightspeed.launcher.no_such", (), without_kernel="y")
+    assert family_status(broken, _machine())[0] == NOT_PRESENT
 
 
 def test_every_listed_kernel_family_is_present():
@@ -118,7 +126,8 @@ def test_config_errors(cli, tmp_path):
     ("microsoft__DeepSpeedExamples__bing_bert_onebitadam_nccl.json", 0, "result: OK"),
     ("microsoft__DeepSpeedExamples__zero_infinity_nvme.json", 1,
      '  zero_optimization.stage3_param_persitance_threshold: unknown key; did you mean "stage3_param_persistence_threshold"?'),
-    ("huggingface__transformers__ds_config_zero2.json", 1, '  fp16.enabled: must be a concrete value (got "auto")'),
+    ("huggingface__transformers__ds_config_zero2.json", 0, "result: OK"),  # a template: "auto"s are placeholders
+    ("huggingface__accelerate__zero_stage2_offload_config.json", 0, "result: OK"),
 ])
 def test_config_check_on_real_configs(cli, name, code, expected):
     path = SHARED / name
@@ -145,3 +154,48 @@ def test_config_check_runs_initializes_validation_and_lists_unimplemented_settin
         "  trackio.enabled=true is not implemented yet",
         "result: invalid",
     ]
+
+
+TEMPLATE = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto", "total_num_steps": "auto"}},
+            "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto"}}
+
+
+def test_config_check_reads_a_template_s_autos_as_placeholders_and_reports_the_rest(cli, tmp_path):
+    (tmp_path / "t.json").write_text(json.dumps(TEMPLATE))
+    code, out, err = cli("config", "check", "t.json")  # detected: the file holds "auto"
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].startswith('t.json: Hugging Face template: "auto" read as a placeholder the HF Trainer or '
+                               "Accelerate fills in (9: train_batch_size, train_micro_batch_size_per_gpu, "
+                               "gradient_clipping, bf16.enabled, optimizer.params.lr, ")
+    assert "zero_optimization" not in lines[0]  # DeepSpeed itself takes its default for those
+    assert lines[1:] == ["t.json: no other problems", "result: OK"]
+    assert cli("config", "check", "t.json", "--hf")[1] == out
+
+    broken = {**TEMPLATE, "zero_optimization": {"stage": 5, "reduce_bucket_size": "auto"},
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decy": 0.1}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1, "warmup_max_lr": "auto"}}}
+    (tmp_path / "b.json").write_text(json.dumps(broken))
+    code, out, err = cli("config", "check", "b.json")
+    assert code == 1
+    problems = [line for line in out.splitlines() if line.startswith("  ")]
+    assert problems[0] == "  zero_optimization.stage: must be 0, 1, 2 or 3 (got 5)"
+    assert any(p.startswith("  optimizer.params.weight_decy:") for p in problems)
+    assert any(p.startswith("  scheduler.params.warmup_num_steps:") for p in problems)
+    assert not any('"auto"' in p or "optimizer.params.lr" in p for p in problems) and out.endswith("result: invalid\n")
+
+
+def test_config_check_no_hf_checks_a_template_as_initialize_takes_it(cli, tmp_path):
+    (tmp_path / "t.json").write_text(json.dumps(TEMPLATE))
+    code, out, err = cli("config", "check", "t.json", "--no-hf")
+    assert code == 1
+    assert "Hugging Face template" not in out.splitlines()[0]
+    assert '  train_batch_size: must be a concrete value (got "auto")' in out.splitlines()
+    assert '  zero_optimization.reduce_bucket_size: must be a concrete value (got "auto")' not in out.splitlines()
+    (tmp_path / "plain.json").write_text(GOOD)
+    code, out, err = cli("config", "check", "plain.json", "--hf")  # no "auto": nothing set aside
+    assert code == 0 and out.splitlines()[0].startswith('plain.json: Hugging Face template: "auto" read as a '
+                                                         "placeholder the HF Trainer or Accelerate fills in (0)")

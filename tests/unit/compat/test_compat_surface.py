@@ -157,7 +157,8 @@ MODULES = ["", ".comm", ".zero", ".accelerator", ".runtime", ".runtime.engine", 
            ".ops.adagrad", ".ops.lion", ".utils", ".utils.groups", ".checkpoint", ".checkpoint.utils",
            ".launcher.runner", ".checkpointing", ".pipe", ".utils.zero_to_fp32", ".accelerator.real_accelerator",
            ".comm.comm", ".runtime.activation_checkpointing.checkpointing",
-           ".runtime.sequence_parallel.parallel_state_sp", ".sequence", ".sequence.layer"]
+           ".runtime.sequence_parallel.parallel_state_sp", ".sequence", ".sequence.layer", ".moe", ".moe.layer",
+           ".moe.utils", ".compression", ".compression.compress", ".compression.helper", ".compression.scheduler"]
 
 
 @pytest.mark.parametrize("suffix", MODULES)
@@ -204,6 +205,12 @@ def test_names_transformers_and_accelerate_use():
     (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.TiledMLP(), "ALST tiled compute"),
     (lambda ds: ds.runtime.sequence_parallel.ulysses_sp.sequence_tiled_compute(None), "ALST tiled compute"),
     (lambda ds: ds.accelerator.set_accelerator(None), "custom accelerators"),
+    (lambda ds: ds.moe.layer.MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2),
+     "deepspeed.moe.layer.MoE: mixture-of-experts training"),
+    (lambda ds: ds.compression.init_compression(torch.nn.Linear(2, 2), "ds.json"),
+     "deepspeed.compression.compress.init_compression: model compression"),
+    (lambda ds: ds.compression.compress.redundancy_clean(torch.nn.Linear(2, 2), "ds.json"), "model compression"),
+    (lambda ds: ds.compression.compression_scheduler(None, {}), "model compression"),
 ])
 def test_missing_features_raise_naming_them(call, feature):
     ds = importlib.import_module("lightspeed.compat.deepspeed")
@@ -274,3 +281,21 @@ def test_report_shows_the_deepspeed_version_presented():
     machine = gather()
     assert machine.deepspeed_api == "0.18.2" and machine.deepspeed_installed is None
     assert "DeepSpeed API          0.18.2" in format_report(machine)
+
+
+def test_initialize_accepts_the_autos_deepspeed_accepts():
+    """TRL builds its ZeRO-3 reference model from the HF template with the batch resolved and the
+    zero_optimization "auto"s left: DeepSpeed takes its defaults for those, and so does lightspeed."""
+    from lightspeed.testing.models import TinyMLP
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto",
+                                    "stage3_gather_16bit_weights_on_model_save": True}}
+    engine, optimizer, _, _ = lightspeed.initialize(model=TinyMLP(), config=config, dist_init_required=False)
+    default = lightspeed.config.load({"train_micro_batch_size_per_gpu": 2}, world_size=1)
+    assert optimizer is None and engine.zero_optimization_stage() == 3
+    assert engine.config.zero_optimization.stage3_prefetch_bucket_size == \
+        default.zero_optimization.stage3_prefetch_bucket_size
+    with pytest.raises(ConfigError, match='gradient_clipping: must be a concrete value'):
+        lightspeed.initialize(model=TinyMLP(), config={**config, "gradient_clipping": "auto"}, dist_init_required=False)

@@ -156,3 +156,29 @@ def test_as_deepspeed_entry_point_errors_are_one_line(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"lightspeed.as_deepspeed: error: script not found: {tmp_path / 'missing.py'}"
+
+
+@pytest.mark.no_real_deepspeed
+def test_top_level_imports_of_deepspeed_examples_resolve():
+    """The imports DeepSpeed-Chat and DeepSpeedExamples make at top level, by DeepSpeed's names."""
+    proc = _run("""
+        import lightspeed
+        lightspeed.register_as_deepspeed()
+        import deepspeed
+        from deepspeed.moe.layer import MoE
+        from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+        from deepspeed.compression.helper import recursive_getattr, recursive_setattr
+        from deepspeed.compression.compress import init_compression, redundancy_clean
+        from deepspeed.runtime.utils import set_random_seed
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+        from deepspeed.accelerator import get_accelerator
+        assert deepspeed.moe.layer.MoE is MoE and deepspeed.compression.init_compression is init_compression
+        try:
+            MoE(hidden_size=4, expert=None)
+        except NotImplementedError as e:
+            print("MoE:", e)
+        print("OK")
+    """)
+    out = proc.stdout.strip().splitlines()
+    assert out[-1] == "OK" and out[0].startswith("MoE: deepspeed.moe.layer.MoE: mixture-of-experts training")

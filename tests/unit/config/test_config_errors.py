@@ -155,9 +155,32 @@ def test_auto_values_are_all_listed():
               "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}})  # fmt: skip
     err = info.value
     autos = [p.split(":")[0] for p in err.problems if p.endswith('(got "auto")')]
-    assert autos == ["train_batch_size", "fp16.enabled", "optimizer.params.lr", "optimizer.params.betas[0]",
-                     "zero_optimization.reduce_bucket_size"]  # fmt: skip
+    assert autos == ["train_batch_size", "fp16.enabled", "optimizer.params.lr", "optimizer.params.betas[0]"]
     assert "Hugging Face" in str(err) and "HF Trainer" in str(err)
+
+
+def test_auto_deepspeed_drops_takes_deepspeeds_default(ls_caplog):
+    """DeepSpeed's pydantic sections drop an "auto" key (its default applies): the keys directly inside
+    zero_optimization, tensor_parallel, comms_logger, hybrid_engine and timers.throughput."""
+    ls_caplog.set_level("INFO", logger="lightspeed")
+    default = load(BASE, world_size=1)
+    cfg = load({**BASE, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size":
+                                              "auto", "stage3_param_persistence_threshold": "auto",
+                                              "stage3_max_live_parameters": 1e9},
+                "tensor_parallel": {"autotp_size": "auto"}, "comms_logger": {"verbose": "auto"},
+                "hybrid_engine": {"enabled": "auto"}, "timers": {"throughput": {"synchronized": "auto"}}},
+               world_size=1)  # fmt: skip
+    zero, zero_default = cfg.zero_optimization, default.zero_optimization
+    assert zero.stage == 3 and zero.stage3_max_live_parameters == 10**9
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        assert getattr(zero, key) == getattr(zero_default, key)
+    assert cfg.tensor_parallel.autotp_size == default.tensor_parallel.autotp_size
+    assert cfg.comms_logger.verbose is False and cfg.hybrid_engine.enabled is False
+    assert cfg.timers.throughput.synchronized is True
+    assert 'config: zero_optimization.reduce_bucket_size is "auto": DeepSpeed\'s default applies' in ls_caplog.text
+    # one level deeper DeepSpeed validates the nested section without dropping: "auto" is refused there
+    found = problems({"zero_optimization": {"stage": 3, "offload_param": {"device": "auto"}}})
+    assert found[-1] == 'zero_optimization.offload_param.device: must be a concrete value (got "auto")'
 
 
 def test_auto_where_deepspeed_defines_it_is_accepted():

@@ -1,12 +1,17 @@
 """Communication: the only package that imports torch.distributed.
 
-`init.py` starts the process group, `topology.py` holds the run's mesh (`Topology`: dp / sp / tp groups),
-`groups.py` its data-parallel view `ParallelGroups`, `tp_autograd.py` the tensor-parallel autograd functions, `collectives.py`
-the `Communicator` the runtime uses, `codecs.py` the collective objects strategies are handed, and
-`comms_logger.py` DeepSpeed's comms logger (`log_summary`), `onebit.py` the one-bit all-reduce, and ZeRO++'s
-pieces: `quantized.py` (int8 weight gather, int4 hierarchical reduce-scatter), `node_groups.py`, `zeropp.py`. DeepSpeed's module-level `deepspeed.comm` functions
-(`get_rank`, `all_reduce`, `all_gather_into_tensor`, ...) live in `api.py` and are reachable here
-(`lightspeed.comm.get_rank()`), imported on first use so `import lightspeed.comm` stays light.
+`init.py` starts the process group (and its timeout and teardown), `topology.py` holds the run's mesh
+(`Topology`: dims pp, dp_replicate, edp_shard, ep, sp, tp and the group of any set of them),
+`groups.py` its data-parallel view `ParallelGroups`, `collectives.py` the `Communicator` the runtime uses
+(the only place collectives are issued), `codecs.py` the collective objects strategies are handed, with
+their byte counts, `watchdog.py` the stall reports, `comms_logger.py` DeepSpeed's comms logger
+(`log_summary`), `tp_autograd.py` the tensor-parallel autograd functions, `differentiable.py` Ulysses'
+all-to-all and the autograd gathers, `sequence_groups.py` the sequence-parallel record (process-wide:
+transformers asks for its group by name), `onebit.py` the one-bit all-reduce, and ZeRO++'s pieces:
+`quantized.py` (int8 weight gather, int4 hierarchical reduce-scatter), `node_groups.py`, `zeropp.py`.
+DeepSpeed's module-level `deepspeed.comm` functions (`get_rank`, `all_reduce`, `all_gather_into_tensor`,
+...) live in `api.py` and are reachable here (`lightspeed.comm.get_rank()`), imported on first use so
+`import lightspeed.comm` stays light.
 """
 
 _API = ("ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all_single",

@@ -9,6 +9,16 @@
 live in `lightspeed.comm` (`sequence_groups.py`, `differentiable.py`); `initialize_sequence_parallel(n)`
 builds this process's groups before the model (a model holding `DistributedAttention` needs its group
 at construction) and returns them (`.sp_group`, `.sp_rank`, ...); `initialize()` then uses the same ones.
+Imports comm/, _utils/ and parallel/'s `split_tp_size` only.
+
+ZeRO reduces and partitions over dp x sp (the `Topology`'s "dp_sp" group) and averages gradients over it;
+with sp > 1 gradients are reduced in `seq_parallel_comm_data_type` (fp32 by default), DeepSpeed's rule.
+With tensor parallelism (tp x sp x dp, Megatron's layout) the tp transform leaves each tp rank H/tp heads
+(column-parallel q/k/v) and Ulysses all-to-alls those over the sp group: H/tp and the key/value heads per
+tp rank must divide by sp, else an error naming `sequence_parallel_size`. A model split by
+`tp_model_init` before `register_with_transformers` gets the mesh's groups and per-rank head counts. The compat modules `deepspeed.utils.groups`, `deepspeed.sequence.layer` and
+`deepspeed.runtime.sequence_parallel.{ulysses_sp, parallel_state_sp}` re-export these; ALST's tiled
+compute raises NotImplementedError.
 """
 
 from lightspeed.comm.sequence_groups import initialize_sequence_parallel

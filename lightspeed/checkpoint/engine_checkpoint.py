@@ -12,7 +12,8 @@ Note (atomic save, verified load): every rank writes into `save_dir/.<tag>.tmp/`
 it as `save_dir/<tag>` once every rank's manifest is there, and only then writes `latest`
 (tag_dir.py and writer.py say how, and why a kill at any instant leaves `latest` naming a complete
 checkpoint, old or new). `load` reads and verifies every file it returns before it returns; a
-damaged, truncated or missing file is one `CheckpointError` naming the file (and the tensor), and
+damaged, truncated or missing file (a checksum manifest included, unless the caller turned
+verification off) is one `CheckpointError` naming the file (and the tensor), and
 nothing is applied to the caller's state: even the RNG state is handed back, not set. Everything
 is loaded with `weights_only=True`: no code in a checkpoint runs.
 """

@@ -9,7 +9,8 @@ Must not: hold its own consolidation logic (convert.py has it, with the Note on 
 Differences from DeepSpeed, all in memory use and none in output: nothing is unpickled beyond plain
 data; conversion to files reads one parameter at a time and writes one shard at a time (DeepSpeed's
 script holds the whole model); stage-0 checkpoints are consolidated too (DeepSpeed's script refuses them);
-tied parameters written as safetensors are copies (safetensors cannot store shared storage).
+tied parameters written as safetensors are copies (safetensors cannot store shared storage); every file is
+verified before it is used (`verify=False`, ``--no_verify``: read unchecked, with a warning).
 """
 
 from __future__ import annotations

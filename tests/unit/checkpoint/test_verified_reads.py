@@ -140,6 +140,7 @@ def test_a_lightspeed_tag_without_its_manifest_is_refused_unless_unverified(tmp_
             call()
         _one_line(err, manifest, "checksum manifest missing", "verify=False")
     assert cli_main(["convert", "to-fp32", str(save_dir), str(tmp_path / "o")]) == 2
+    assert cli_main(["checkpoint", "verify", str(save_dir)]) == 1
     with pytest.raises(SystemExit):
         zero_to_fp32_main([str(save_dir), str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()

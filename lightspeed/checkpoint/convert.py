@@ -35,9 +35,11 @@ from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 import torch
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.checkpoint.atomic import atomic_torch_save, atomic_write_bytes, atomic_write_via
+from lightspeed.checkpoint.atomic import LATEST_FILENAME, atomic_torch_save, atomic_write_bytes, atomic_write_via
 from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource, is_deepspeed_checkpoint
+from lightspeed.checkpoint.engine_checkpoint import is_tag_dir
 from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.integrity import verification
 from lightspeed.checkpoint.safetensors_stream import write_safetensors_streaming
 from lightspeed.checkpoint.source import MASTER_KEY, TrainingStateSource
 
@@ -54,23 +56,29 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def open_checkpoint(checkpoint_dir: str | os.PathLike | TrainingStateSource,
-                    tag: str | int | None = None) -> TrainingStateSource:
+                    tag: str | int | None = None, *, verify: bool = True) -> TrainingStateSource:
     """The reader for what is in `checkpoint_dir`: DeepSpeed's files -> `DeepSpeedCheckpointSource`;
     otherwise lightspeed's own reader (`lightspeed.checkpoint.universal.open_source`), every tp rank's
     slices joined into whole tensors for a tensor-parallel run's directory (`tensor_parallel.MergedTPSource`).
+    `checkpoint_dir` is a save directory (the tag `latest` names, or `tag`) or one tag directory. Every file
+    is verified as it is read unless `verify` is False (then a warning says the result is unverified).
     A source given instead of a path is returned as it is."""
     if isinstance(checkpoint_dir, TrainingStateSource) and not isinstance(checkpoint_dir, (str, os.PathLike)):
         return checkpoint_dir
     path = os.fspath(checkpoint_dir)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: checkpoint directory not found")
-    if is_deepspeed_checkpoint(path):
-        return DeepSpeedCheckpointSource(path, tag)
-    # after the DeepSpeed reader, which universal imports; a tensor-parallel checkpoint's tp ranks are
-    # merged into whole tensors there
-    from lightspeed.checkpoint.tensor_parallel import open_at_tp_size
+    with verification(verify):
+        if is_deepspeed_checkpoint(path):
+            return DeepSpeedCheckpointSource(path, tag)
+        if tag is None and is_tag_dir(path) and not os.path.isfile(os.path.join(path, LATEST_FILENAME)):
+            # one tag directory of lightspeed's layout: read it as its save directory's tag
+            path, tag = os.path.split(os.path.abspath(path))
+        # after the DeepSpeed reader, which universal imports; a tensor-parallel checkpoint's tp ranks are
+        # merged into whole tensors there
+        from lightspeed.checkpoint.tensor_parallel import open_at_tp_size
 
-    opened = open_at_tp_size(path, tag)
+        opened = open_at_tp_size(path, tag)
     if opened is None:
         raise CheckpointError(f"{path}: no checkpoint to read (no 'latest' file and no tag given)")
     return opened[1]

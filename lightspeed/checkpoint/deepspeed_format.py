@@ -38,12 +38,17 @@ from typing import Any, Sequence
 
 import torch
 
+from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed.checkpoint.atomic import read_latest, validate_tag
 from lightspeed.checkpoint.deepspeed_pickle import load_deepspeed_file
 from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.integrity import verification_enabled, verify_zip
 from lightspeed.checkpoint.source import MASTER_KEY
+from lightspeed.checkpoint.tag_reader import warn_unverified
 
-__all__ = ["DeepSpeedCheckpointSource", "is_deepspeed_checkpoint", "resolve_deepspeed_tag_dir"]
+__all__ = ["DeepSpeedCheckpointSource", "is_deepspeed_checkpoint", "is_deepspeed_tag_dir", "resolve_deepspeed_tag_dir"]
+
+logger = get_logger(__name__)
 
 _MODEL_FILE = "mp_rank_00_model_states.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
@@ -92,6 +97,11 @@ def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
                for c in candidates)
 
 
+def is_deepspeed_tag_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` is one tag directory of DeepSpeed's layout (a model-states file is in it)."""
+    return os.path.isdir(path) and any(_is_model_file(n) for n in os.listdir(path))
+
+
 def resolve_deepspeed_tag_dir(checkpoint_dir: str | os.PathLike, tag: str | int | None = None) -> str:
     """The directory holding one checkpoint's files: ``checkpoint_dir/tag``, with `tag` read from
     ``checkpoint_dir/latest`` when None; `checkpoint_dir` itself when it already is a tag directory."""
@@ -127,34 +137,57 @@ class StitchedModuleState(Mapping):
     """A stage-3 module state: entries as saved, but each frozen parameter (saved as one part per rank,
     zero-padded to a multiple of the world size) stitched from its parts when looked up, and not kept,
     so going through the entries holds one frozen parameter at a time. `entry_meta` gives an entry's
-    shape and dtype without stitching it."""
+    shape and dtype without stitching it. `part_files` names the file of each rank's parts (in rank
+    order, one per rank of the world that saved it); a part not found is an error naming its file."""
 
-    def __init__(self, saved: dict, frozen_shapes: dict, load_fragments: Callable[[], list[dict]]):
+    def __init__(self, saved: dict, frozen_shapes: dict, load_fragments: Callable[[], list[dict]],
+                 part_files: Sequence[str]):
         self._saved = saved
         self._shapes = {n: torch.Size(s) for n, s in frozen_shapes.items()}
         self._load_fragments = load_fragments
+        self._part_files = list(part_files)
         self._fragments: list[dict] | None = None
         self._names = list(saved) + [n for n in self._shapes if n not in saved]
 
     def entry_meta(self, name: str) -> tuple[torch.Size, torch.dtype]:
         if name in self._shapes:
-            return self._shapes[name], self._parts()[0][name].dtype
+            return self._shapes[name], self._part(0, name).dtype
         return self._saved[name].shape, self._saved[name].dtype
 
     def _parts(self) -> list[dict]:
         if self._fragments is None:
-            self._fragments = self._load_fragments()
+            fragments = self._load_fragments()
+            if len(fragments) != len(self._part_files):
+                raise CheckpointError(f"{os.path.dirname(self._part_files[0])}: {len(fragments)} ranks' parts of "
+                                      f"the frozen parameters for {len(self._part_files)} rank files")
+            self._fragments = fragments
         return self._fragments
+
+    def _part(self, rank: int, name: str) -> torch.Tensor:
+        part = self._parts()[rank].get(name) if isinstance(self._parts()[rank], dict) else None
+        if not isinstance(part, torch.Tensor):
+            raise CheckpointError(f"{self._part_files[rank]}: holds no part of frozen parameter {name} "
+                                  "(frozen_param_fragments)")
+        return part
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._shapes:
             return self._saved[name]
         shape = self._shapes[name]
-        parts = [f[name].reshape(-1) for f in self._parts()]
-        out = torch.empty(shape.numel(), dtype=parts[0].dtype)
+        parts = [self._part(r, name).reshape(-1) for r in range(len(self._part_files))]
+        numel = shape.numel()
+        held = 0
+        for rank, part in enumerate(parts):
+            if held >= numel:
+                break
+            held += part.numel()
+            if held < numel and rank == len(parts) - 1:
+                raise CheckpointError(f"{self._part_files[rank]}: the ranks' parts of frozen parameter {name} hold "
+                                      f"{held} of its {numel} elements (a rank's file missing or cut short?)")
+        out = torch.empty(numel, dtype=parts[0].dtype)  # every element is written below: held >= numel
         offset = 0
         for part in parts:
-            take = min(part.numel(), shape.numel() - offset)
+            take = min(part.numel(), numel - offset)
             if take <= 0:
                 break
             out[offset:offset + take].copy_(part[:take])
@@ -175,12 +208,18 @@ class DeepSpeedCheckpointSource:
     the names of the parameters the optimizer held, in its order, e.g. ``[n for n, p in
     model.named_parameters() if p.requires_grad]``; needed only at stage 0 when the file alone leaves that
     ambiguous (ZeRO files name them, and given names must agree).
-    Files are memory-mapped and each is opened when first needed.
+    Files are memory-mapped and each is opened when first needed, after the CRC-32s torch stored in it
+    are checked (one pass over the file; `verify` False, or None inside `integrity.verification(False)`,
+    skips that, with a warning).
     """
 
     def __init__(self, checkpoint_dir: str | os.PathLike, tag: str | int | None = None, *,
-                 param_names: Sequence[str] | None = None):
+                 param_names: Sequence[str] | None = None, verify: bool | None = None):
         self.path = resolve_deepspeed_tag_dir(checkpoint_dir, tag)
+        self._verify = verification_enabled() if verify is None else bool(verify)
+        self._verified: set[str] = set()
+        if not self._verify:
+            warn_unverified(self.path)
         names = sorted(os.listdir(self.path))
         for pattern, feature in _UNSUPPORTED:
             found = next((n for n in names if pattern.match(n)), None)
@@ -216,15 +255,39 @@ class DeepSpeedCheckpointSource:
     # ------------------------------------------------------------------------------------ files
 
     def _ranked(self, names: list[str], pattern: re.Pattern, group: int) -> list[str]:
-        found = {int(m.group(group)): n for n in names if (m := pattern.match(n))}
-        if not found:
+        matches = {int(m.group(group)): m for n in names if (m := pattern.match(n))}
+        if not matches:
             return []
-        if sorted(found) != list(range(len(found))):
-            missing = sorted(set(range(max(found) + 1)) - set(found))
-            raise CheckpointError(f"{self.path}: rank files are missing (ranks {missing} of {pattern.pattern})")
-        return [found[r] for r in range(len(found))]
+        if sorted(matches) != list(range(len(matches))):
+            missing = min(set(range(max(matches) + 1)) - set(matches))
+            like = matches[max(matches)]
+            raise CheckpointError(f"{os.path.join(self.path, self._rank_file(like, group, missing))}: missing "
+                                  f"(rank {max(matches)}'s file {like.string} is there)")
+        return [matches[r].string for r in range(len(matches))]
+
+    def _check_rank_count(self, files: list[str], pattern: re.Pattern, group: int) -> None:
+        if len(files) < self.world_size:
+            name = self._rank_file(pattern.match(files[0]), group, len(files))
+            raise CheckpointError(f"{os.path.join(self.path, name)}: missing (the checkpoint was saved by "
+                                  f"{self.world_size} ranks)")
+        if len(files) > self.world_size:
+            raise CheckpointError(f"{self.path}: the checkpoint was saved by {self.world_size} ranks but holds "
+                                  f"{len(files)} files like {files[0]} (an overwritten or incomplete save?)")
+
+    @staticmethod
+    def _rank_file(like: re.Match, group: int, rank: int) -> str:
+        """The name of `rank`'s file of the kind `like` (a match of one rank's file name) is."""
+        name = like.string
+        return name[:like.start(group)] + str(rank) + name[like.end(group):]
 
     def _load(self, path: str) -> Any:
+        # DeepSpeed writes no checksum manifest; torch's zip writer stored a CRC-32 of every record, which
+        # torch's reader never checks: checked here, once per file, before anything of it is used
+        if self._verify and path not in self._verified:
+            if not verify_zip(path):
+                warn_once(f"{path}: holds no CRC-32s to check (torch's legacy format, or saved without them); "
+                          "read unverified", logger)
+            self._verified.add(path)
         return load_deepspeed_file(path, mmap=True)
 
     def _optim(self, rank: int) -> dict:
@@ -250,9 +313,9 @@ class DeepSpeedCheckpointSource:
             raise CheckpointError(f"{path0}: param groups partitioned over different world sizes {counts} "
                                   "(expert parallelism) are not supported")
         self.world_size = int(counts[0])
-        if self.world_size != len(self._optim_files):
-            raise CheckpointError(f"{self.path}: the checkpoint was saved by {self.world_size} ranks but holds "
-                                  f"{len(self._optim_files)} optim_states files (an overwritten or incomplete save?)")
+        self._check_rank_count(self._optim_files, _OPTIM, 2)
+        if self.zero_stage == 3 and self._zero3_model_files:  # each rank's model file holds its frozen parts
+            self._check_rank_count(self._zero3_model_files, _ZERO3_MODEL, 1)
         shapes = self._model.get("param_shapes")
         if not isinstance(shapes, list):
             raise CheckpointError(f"{self._model_path}: has no param_shapes (saved without ZeRO?)")
@@ -423,8 +486,9 @@ class DeepSpeedCheckpointSource:
         rank: it is stitched together each time it is looked up (see `StitchedModuleState`)."""
         saved = self._model["module"]
         shapes = self._model.get("frozen_param_shapes") or {}
-        if self.zero_stage == 3 and shapes and self._model.get("frozen_param_fragments"):
-            return StitchedModuleState(saved, shapes, self._frozen_fragments)
+        if self.zero_stage == 3 and shapes and self._model.get("frozen_param_fragments") is not None:
+            files = [os.path.join(self.path, f) for f in self._zero3_model_files]
+            return StitchedModuleState(saved, shapes, self._frozen_fragments, files)
         return dict(saved)
 
     def _frozen_fragments(self) -> list[dict[str, torch.Tensor]]:

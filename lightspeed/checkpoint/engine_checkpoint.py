@@ -16,7 +16,8 @@ Note (atomic save, verified load): every rank writes into `save_dir/.<tag>.tmp/`
 it as `save_dir/<tag>` once every rank's manifest is there, and only then writes `latest`
 (tag_dir.py and writer.py say how, and why a kill at any instant leaves `latest` naming a complete
 checkpoint, old or new). `load` reads and verifies every file it returns before it returns; a
-damaged, truncated or missing file is one `CheckpointError` naming the file (and the tensor), and
+damaged, truncated or missing file (a checksum manifest included, unless the caller turned
+verification off) is one `CheckpointError` naming the file (and the tensor), and
 nothing is applied to the caller's state: even the RNG state is handed back, not set. Everything
 is loaded with `weights_only=True`: no code in a checkpoint runs.
 """
@@ -33,13 +34,14 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint import tag_dir
 from lightspeed.checkpoint.atomic import read_latest, validate_tag
 from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.integrity import manifest_rank
 from lightspeed.checkpoint.rng import get_rng_state
 from lightspeed.checkpoint.tag_reader import TagReader
 from lightspeed.checkpoint.writer import CheckpointWriter
 from lightspeed.comm.collectives import Communicator
 
-__all__ = ["MODEL_FILE", "REPLICATED_OPTIM_FILE", "LoadedCheckpoint", "save", "load", "optim_file", "rng_file",
-           "check_save_agreement"]
+__all__ = ["MODEL_FILE", "REPLICATED_OPTIM_FILE", "LoadedCheckpoint", "save", "load", "load_tag", "read_rng",
+           "optim_file", "rng_file", "strategy_files", "is_tag_dir", "check_save_agreement"]
 
 logger = get_logger(__name__)
 
@@ -140,7 +142,7 @@ def strategy_files(reader: TagReader) -> list[tuple[str, int]]:
         return [(optim_file(None), 0)]
     if reader.num_ranks is not None:
         ranks = list(range(reader.num_ranks))
-    else:  # no manifests: the files present say how many ranks wrote
+    else:  # read unverified: the files present say how many ranks wrote
         found = [p.name[len("optim_states_rank"):-3] for p in reader.path.glob("optim_states_rank*.pt")]
         ranks = sorted(int(r) for r in found if r.isdigit())
         if ranks != list(range(len(ranks))):
@@ -151,8 +153,9 @@ def strategy_files(reader: TagReader) -> list[tuple[str, int]]:
                               "optim_states_rank<R>.pt)")
     for r in ranks:
         if not reader.lists(optim_file(r), writer_rank=r):
+            why = f" (rank {r}'s checksum manifest does not list it)" if reader.has_checksums else ""
             raise CheckpointError(f"{reader.path / optim_file(r)}: optimizer-state file of data-parallel rank {r} "
-                                  "is missing")
+                                  f"is missing{why}")
     return [(optim_file(r), r) for r in ranks]
 
 
@@ -184,7 +187,13 @@ def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True,
     if path.name != tag:
         logger.warning("%s: a save of tag %s was interrupted while replacing it; loading the previous, complete "
                        "one from %s", load_dir / tag, tag, path)
-    reader = TagReader(path, tag)
+    return load_tag(TagReader(path, tag), dp_rank=dp_rank, load_strategy=load_strategy, mesh_rank=mesh_rank)
+
+
+def load_tag(reader: TagReader, *, dp_rank: int, load_strategy: bool = True,
+             mesh_rank: int | None = None) -> LoadedCheckpoint:
+    """`load` of the tag `reader` reads."""
+    path = reader.path
     shared = reader.load(MODEL_FILE, writer_rank=0)
     if not isinstance(shared, dict) or "module" not in shared or "counters" not in shared:
         raise CheckpointError(f"{path / MODEL_FILE}: not a lightspeed model_states file")
@@ -197,12 +206,24 @@ def load(load_dir, tag: str | None, *, dp_rank: int, load_strategy: bool = True,
         if name is None:
             raise CheckpointError(f"{path}: no optimizer state for data-parallel rank {dp_rank}")
         strategy_state = reader.load(name, writer_rank=writer)
-    rng_state = None
-    if reader.lists(rng_file(dp_rank), writer_rank=dp_rank):
-        rng_state = reader.load(rng_file(dp_rank), writer_rank=dp_rank)
-        if not isinstance(rng_state, dict):
-            raise CheckpointError(f"{path / rng_file(dp_rank)}: not a lightspeed RNG state file")
-    else:
+    return LoadedCheckpoint(path, shared, strategy_state, read_rng(reader, dp_rank), reader)
+
+
+def read_rng(reader: TagReader, dp_rank: int) -> dict[str, Any] | None:
+    """Data-parallel rank `dp_rank`'s saved RNG state, verified; None when the tag has none for it."""
+    if not reader.lists(rng_file(dp_rank), writer_rank=dp_rank):
         logger.info("%s: no RNG state for data-parallel rank %d (saved by %s ranks); the generators keep their state",
-                    path, dp_rank, reader.num_ranks if reader.num_ranks is not None else "fewer")
-    return LoadedCheckpoint(path, shared, strategy_state, rng_state, reader)
+                    reader.path, dp_rank, reader.num_ranks if reader.num_ranks is not None else "fewer")
+        return None
+    rng_state = reader.load(rng_file(dp_rank), writer_rank=dp_rank)
+    if not isinstance(rng_state, dict):
+        raise CheckpointError(f"{reader.path / rng_file(dp_rank)}: not a lightspeed RNG state file")
+    return rng_state
+
+
+def is_tag_dir(path) -> bool:
+    """Whether `path` is one tag directory of lightspeed's layout (its model_states file or a checksum
+    manifest is there), rather than a save directory holding tags."""
+    path = Path(path)
+    return path.is_dir() and ((path / MODEL_FILE).is_file() or any(manifest_rank(n) is not None
+                                                                     for n in os.listdir(path)))

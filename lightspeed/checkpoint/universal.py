@@ -37,9 +37,13 @@ import torch
 from lightspeed._utils.logging import get_logger
 from lightspeed._utils.progress import progress
 from lightspeed.checkpoint import engine_checkpoint
-from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource, is_deepspeed_checkpoint
+from lightspeed.checkpoint.deepspeed_format import (
+    DeepSpeedCheckpointSource, is_deepspeed_checkpoint, is_deepspeed_tag_dir,
+)  # fmt: skip
 from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.integrity import verification, verify_zip
 from lightspeed.checkpoint.source import MASTER_KEY
+from lightspeed.checkpoint.tag_reader import TagReader
 from lightspeed.parallel.placement import Placement
 from lightspeed.zero.fragments import Fragment, owner_groups
 
@@ -101,16 +105,28 @@ class LightspeedSource:
         with progress(total=sum(sizes), desc=f"loading checkpoint {reader.path.name}", unit="B", unit_scale=True,
                       unit_divisor=1024) as bar:
             for i, ((name, writer_rank), path) in enumerate(zip(files, self.paths)):
-                self._open(i, reader.load(name, writer_rank=writer_rank, mmap=True), path)
+                state = reader.load(name, writer_rank=writer_rank, mmap=True)
+                self._open(i, state, path, None if name == engine_checkpoint.REPLICATED_OPTIM_FILE else
+                           (writer_rank, len(files)))
                 bar.update(sizes[i])
         self._check_coverage()
         self._whole = OneTensorCache(self._read_placed)
 
-    def _open(self, i: int, state: Any, path: Path) -> None:
-        """Index one verified optimizer-state file's fragments."""
+    def _open(self, i: int, state: Any, path: Path, shard: tuple[int, int] | None) -> None:
+        """Index one verified optimizer-state file's fragments; `shard`: (the rank whose file it is, of how
+        many), for one rank's part of a sharded state."""
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise CheckpointError(f"{path}: not a lightspeed optimizer-state file of the fragments layout "
                                   "(written by an older lightspeed, or not a checkpoint file)")
+        # a file of a mesh-wide save (tensor parallelism) is named by the rank's place in the whole mesh
+        said = (state.get("mesh_rank", state.get("dp_rank")), state.get("mesh_size", state.get("dp_world_size")))
+        if shard is not None and said != shard:
+            raise CheckpointError(f"{path}: holds the part of rank {said[0]} of {said[1]}, not of rank "
+                                  f"{shard[0]} of {shard[1]} (a file from another checkpoint?)")
+        owners = state.get("owners")
+        if not isinstance(owners, list) or not all(isinstance(state.get(k), list) and len(state[k]) == len(owners)
+                                                   for k in ("owner_groups", "state")):
+            raise CheckpointError(f"{path}: its owners, owner_groups and state do not agree (malformed)")
         self.states.append(state)
         placed, coords = state.get("placements"), state.get("mesh_coords")
         if (placed is None) != (coords is None) or (placed is not None and not (
@@ -294,8 +310,55 @@ def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_nam
     loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank, load_strategy=False, mesh_rank=mesh_rank)
     if loaded is None:
         return None
-    files = engine_checkpoint.strategy_files(loaded.reader)
-    return loaded.path, LightspeedSource(loaded.shared, files, loaded.reader), loaded.rng_state
+    return loaded.path, _lightspeed_source(loaded), loaded.rng_state
+
+
+def _lightspeed_source(loaded: engine_checkpoint.LoadedCheckpoint) -> LightspeedSource:
+    return LightspeedSource(loaded.shared, engine_checkpoint.strategy_files(loaded.reader), loaded.reader)
+
+
+def check_tag(path, tag: str) -> tuple[list[str], list[str]]:
+    """`lightspeed checkpoint verify` of one lightspeed tag directory: every file against its manifest,
+    then what a load of the tag checks (`open_source`'s reads and checks, for every rank of the world that
+    saved it: manifests and rank count agree, every rank's optimizer-state file is there and holds that
+    rank's part, fragments cover every parameter, model_states and RNG files are lightspeed's), short of
+    comparing with a model. A tag directory of DeepSpeed's layout is checked as its reader checks it: every
+    file against the CRC-32s stored in it, and every rank's files there. Returns `(problems, notes)`: no
+    problems when a load would find none."""
+    if is_deepspeed_tag_dir(path):
+        return _check_deepspeed_tag(Path(path))
+    with verification(True):
+        try:
+            reader = TagReader(path, tag)
+        except CheckpointError as err:
+            return [str(err)], []
+        problems, notes = reader.verify_all()
+        if problems:  # a load stops at the first damaged file: nothing more to learn from reading them
+            return problems, notes
+        try:
+            _lightspeed_source(engine_checkpoint.load_tag(reader, dp_rank=0, load_strategy=False))
+            for rank in range(1, reader.num_ranks or 1):
+                engine_checkpoint.read_rng(reader, rank)
+        except (CheckpointError, KeyError, ValueError, RuntimeError) as err:  # what load_checkpoint refuses on
+            problems.append(str(err) if isinstance(err, CheckpointError) else f"{path}: {type(err).__name__}: {err}")
+    return problems, notes
+
+
+def _check_deepspeed_tag(path: Path) -> tuple[list[str], list[str]]:
+    problems: list[str] = []
+    notes: list[str] = []
+    for file in sorted(p for p in path.iterdir() if p.is_file() and p.suffix == ".pt"):
+        try:
+            if not verify_zip(file):
+                notes.append(f"{file}: holds no CRC-32s to check (torch's legacy format, or saved without them)")
+        except CheckpointError as err:
+            problems.append(str(err))
+    if not problems:
+        try:
+            DeepSpeedCheckpointSource(path, verify=False)  # every file was just checked
+        except CheckpointError as err:
+            problems.append(str(err))
+    return problems, notes
 
 
 def _numel(shape) -> int:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,7 @@ class _Job:
     save_latest: bool
     ready: Any  # a CUDA event the snapshot copies complete at, or None
     stats: SaveStats
+    save_id: str | None = None  # rank 0's, the same on every rank (in each manifest)
 
 
 class CheckpointWriter:
@@ -120,16 +122,16 @@ class CheckpointWriter:
         self.wait(comm)
         start = time.perf_counter()
         save_dir = Path(save_dir)
-        self._prepare(save_dir, tag, comm, dp_rank)  # the staging directory exists before any rank writes
+        save_id = self._prepare(save_dir, tag, comm, dp_rank)  # the staging directory exists before any rank writes
         stats = SaveStats(tag)
         if not self.options.decoupled:
-            job = _Job(save_dir, tag, files, dp_rank, num_ranks, save_latest, None, stats)
+            job = _Job(save_dir, tag, files, dp_rank, num_ranks, save_latest, None, stats, save_id)
             error = self._run_job(job)
             self._agree(comm, job, error)
             stats.stall_s = time.perf_counter() - start
             self._report(stats)
             return save_dir / tag
-        job = _Job(save_dir, tag, {}, dp_rank, num_ranks, save_latest, None, stats)
+        job = _Job(save_dir, tag, {}, dp_rank, num_ranks, save_latest, None, stats, save_id)
         self._pending, self._error = job, None
         try:
             job.files, job.ready = self._snapshot(files)
@@ -143,16 +145,21 @@ class CheckpointWriter:
         stats.stall_s = time.perf_counter() - start
         return save_dir / tag
 
-    def _prepare(self, save_dir: Path, tag: str, comm: Communicator, dp_rank: int) -> None:
+    def _prepare(self, save_dir: Path, tag: str, comm: Communicator, dp_rank: int) -> str:
+        """Rank 0 prepares the staging directory; returns the save's id, rank 0's (every rank's manifest
+        carries it)."""
         error = None
+        save_id = uuid.uuid4().hex
         if dp_rank == 0:
             try:
                 tag_dir.prepare(save_dir, tag)
             except OSError as err:
                 error = f"cannot prepare {tag_dir.staging_dir(save_dir, tag)}: {err}"
-        outcomes = comm.all_gather_object(error)  # a barrier that also tells every rank if rank 0 failed
-        if outcomes[0] is not None:
-            raise CheckpointError(f"saving tag {tag}: rank 0 {outcomes[0]}")
+        # a barrier that also tells every rank if rank 0 failed, and rank 0's id
+        outcomes = comm.all_gather_object((error, save_id))
+        if outcomes[0][0] is not None:
+            raise CheckpointError(f"saving tag {tag}: rank 0 {outcomes[0][0]}")
+        return outcomes[0][1]
 
     def wait(self, comm: Communicator) -> None:
         """Block until the previous background save is complete on every rank; raise (on every rank)
@@ -196,7 +203,8 @@ class CheckpointWriter:
                 atomic_torch_save(obj, path)
                 entries[name] = file_entry(path)
                 job.stats.num_bytes += entries[name]["bytes"]
-            write_manifest(staging, tag=job.tag, rank=job.dp_rank, num_ranks=job.num_ranks, files=entries)
+            write_manifest(staging, tag=job.tag, rank=job.dp_rank, num_ranks=job.num_ranks, files=entries,
+                           save_id=job.save_id)
             if job.dp_rank == 0:
                 self._await_ranks(job, staging)
                 tag_dir.publish(job.save_dir, job.tag, save_latest=job.save_latest)

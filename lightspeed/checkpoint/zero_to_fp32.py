@@ -9,7 +9,8 @@ Must not: hold its own consolidation logic (convert.py has it, with the Note on 
 Differences from DeepSpeed, all in memory use and none in output: nothing is unpickled beyond plain
 data; conversion to files reads one parameter at a time and writes one shard at a time (DeepSpeed's
 script holds the whole model); stage-0 checkpoints are consolidated too (DeepSpeed's script refuses them);
-tied parameters written as safetensors are copies (safetensors cannot store shared storage).
+tied parameters written as safetensors are copies (safetensors cannot store shared storage); every file is
+verified before it is used (`verify=False`, ``--no_verify``: read unchecked, with a warning).
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ class LazyTensor:
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: Any, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, Any]:
+                                             lazy_mode: bool = False, *, verify: bool = True) -> dict[str, Any]:
     """The consolidated state dict (fp32 masters of the trainable parameters, buffers, frozen parameters
     as saved unless `exclude_frozen_parameters`, tied names sharing their tensor), on the CPU, ready for
     ``model.load_state_dict``. `tag`: the checkpoint's directory name (default: read from ``latest``).
     `lazy_mode`: values are `LazyTensor`s read by ``.contiguous()``. Holds the whole model in memory;
-    `convert_zero_checkpoint_to_fp32_state_dict` writes files without doing so."""
-    source = open_checkpoint(checkpoint_dir, tag)
+    `convert_zero_checkpoint_to_fp32_state_dict` writes files without doing so. `verify`: check every file
+    read (lightspeed's against its checksum manifests, DeepSpeed's against the CRC-32s in the file);
+    False reads them unchecked, with a warning."""
+    source = open_checkpoint(checkpoint_dir, tag, verify=verify)
     out: dict[str, Any] = {}
     for entry, read in iter_consolidated(source, exclude_frozen_parameters):
         if entry.kind == "alias":
@@ -82,13 +85,13 @@ def _resolve_dtype(dtype: Any) -> torch.dtype:
 def convert_zero_checkpoint_to_state_dict(checkpoint_dir: Any, output_dir: str | os.PathLike,
                                           dtype: Any = torch.float32, max_shard_size: int | str | None = "5GB",
                                           safe_serialization: bool = False, tag: str | None = None,
-                                          exclude_frozen_parameters: bool = False) -> list[str]:
+                                          exclude_frozen_parameters: bool = False, *, verify: bool = True) -> list[str]:
     """Write the consolidated state dict to `output_dir` as ``pytorch_model.bin`` or (with
     `safe_serialization`) ``model.safetensors``, sharded past `max_shard_size` ("5GB"; None: one file)
     with Hugging Face's ``*.index.json``; floating tensors in `dtype` (fp32, fp16 or bf16, names or
     torch dtypes). Streams: one parameter read, one shard (safetensors: one tensor) held at a time.
-    Returns the paths written."""
-    source = open_checkpoint(checkpoint_dir, tag)
+    `verify`: as `get_fp32_state_dict_from_zero_checkpoint`. Returns the paths written."""
+    source = open_checkpoint(checkpoint_dir, tag, verify=verify)
     return write_consolidated(source, output_dir, dtype=_resolve_dtype(dtype), max_shard_size=max_shard_size,
                               safe_serialization=safe_serialization,
                               exclude_frozen_parameters=exclude_frozen_parameters)
@@ -97,18 +100,20 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: Any, output_dir: str |
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: Any, output_dir: str | os.PathLike,
                                                max_shard_size: int | str | None = "5GB",
                                                safe_serialization: bool = False, tag: str | None = None,
-                                               exclude_frozen_parameters: bool = False) -> list[str]:
+                                               exclude_frozen_parameters: bool = False, *,
+                                               verify: bool = True) -> list[str]:
     """`convert_zero_checkpoint_to_state_dict` in fp32 (DeepSpeed's original entry point)."""
     return convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
-                                                 safe_serialization, tag, exclude_frozen_parameters)
+                                                 safe_serialization, tag, exclude_frozen_parameters, verify=verify)
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: Any,
-                                         tag: str | None = None) -> torch.nn.Module:
+                                         tag: str | None = None, *, verify: bool = True) -> torch.nn.Module:
     """Move `model` to the CPU and load the consolidated fp32 weights into it (``strict=False``, as
     DeepSpeed does); returns the model. The weights are handed over in chunks of about 1 GiB, so the
-    whole consolidated state dict never exists at once."""
-    source = open_checkpoint(checkpoint_dir, tag)
+    whole consolidated state dict never exists at once. `verify`: as
+    `get_fp32_state_dict_from_zero_checkpoint`."""
+    source = open_checkpoint(checkpoint_dir, tag, verify=verify)
     model = model.cpu()
     chunk: dict[str, torch.Tensor] = {}
     chunk_bytes = 0
@@ -138,13 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1")
     parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave out frozen parameters")
+    parser.add_argument("--no_verify", "--no-verify", dest="no_verify", action="store_true",
+                        help="read the checkpoint without checking its checksums (the output is unverified)")
     parser.add_argument("-d", "--debug", action="store_true", help="log at debug level")
     args = parser.parse_args(argv)
     if args.debug:
         get_logger().setLevel(logging.DEBUG)
     try:
         convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
-                                                   args.safe_serialization, args.tag, args.exclude_frozen_parameters)
+                                                   args.safe_serialization, args.tag, args.exclude_frozen_parameters,
+                                                   verify=not args.no_verify)
     except (CheckpointError, ValueError, OSError) as err:
         parser.exit(2, f"zero_to_fp32: error: {err}\n")
     return 0

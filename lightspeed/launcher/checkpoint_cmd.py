@@ -1,5 +1,7 @@
 """`lightspeed checkpoint verify DIR [--tag T | --all]`: check a saved engine checkpoint against its
-checksum manifests without loading it into a model.
+checksum manifests, and that it is complete and consistent as a load checks it, without loading it
+into a model (universal.check_tag). A DeepSpeed tag, which has no manifests, is checked against the
+CRC-32s torch stored in each of its files, and for every rank's files.
 
 DIR is a save directory (holding `latest` and tag directories) or a tag directory itself. Without
 `--tag` the tag `latest` names is checked; `--all` checks every tag directory in DIR. Prints one line
@@ -9,7 +11,6 @@ exit status 0 when everything verified, 1 when anything did not, 2 for bad argum
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,9 +21,10 @@ def _error(msg: str) -> int:
 
 
 def _is_tag_dir(path: Path) -> bool:
-    from lightspeed.checkpoint.integrity import manifest_rank
+    from lightspeed.checkpoint.deepspeed_format import is_deepspeed_tag_dir
+    from lightspeed.checkpoint.engine_checkpoint import is_tag_dir
 
-    return path.is_dir() and any(manifest_rank(n) is not None for n in os.listdir(path))
+    return is_tag_dir(path) or is_deepspeed_tag_dir(path)
 
 
 def _tags(root: Path, tag: str | None, every: bool) -> list[tuple[Path, str]]:
@@ -37,7 +39,7 @@ def _tags(root: Path, tag: str | None, every: bool) -> list[tuple[Path, str]]:
         found += sorted((p, p.name[1:-4]) for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".old")
                         and not (root / p.name[1:-4]).exists() and _is_tag_dir(p))
         if not found:
-            raise CheckpointError(f"{root}: no tag directories with checksum manifests")
+            raise CheckpointError(f"{root}: no checkpoint tag directories")
         return found
     if tag is None:
         tag = read_latest(root)
@@ -50,7 +52,7 @@ def _tags(root: Path, tag: str | None, every: bool) -> list[tuple[Path, str]]:
 
 def checkpoint_verify(directory: str, tag: str | None = None, every: bool = False) -> int:
     from lightspeed.checkpoint.errors import CheckpointError
-    from lightspeed.checkpoint.tag_reader import verify_tag
+    from lightspeed.checkpoint.universal import check_tag
 
     root = Path(directory)
     if not root.is_dir():
@@ -64,7 +66,7 @@ def checkpoint_verify(directory: str, tag: str | None = None, every: bool = Fals
         return 1
     status = 0
     for path, name in targets:
-        problems, notes = verify_tag(path, name)
+        problems, notes = check_tag(path, name)
         for line in problems:
             print(f"  problem: {line}")
         for line in notes:
@@ -73,5 +75,5 @@ def checkpoint_verify(directory: str, tag: str | None = None, every: bool = Fals
             status = 1
             print(f"FAILED {path}: {len(problems)} problem(s)")
         else:
-            print(f"OK {path}: every file matches its checksums")
+            print(f"OK {path}: every file matches its checksums and the tag is complete")
     return status

@@ -224,7 +224,8 @@ def run_convert(args: argparse.Namespace, script_args: list[str]) -> int:
     try:
         written = convert_zero_checkpoint_to_state_dict(
             args.checkpoint_dir, args.output_dir, dtype=args.dtype, max_shard_size=shard,
-            safe_serialization=args.safetensors, tag=args.tag, exclude_frozen_parameters=args.exclude_frozen)
+            safe_serialization=args.safetensors, tag=args.tag, exclude_frozen_parameters=args.exclude_frozen,
+            verify=not args.no_verify)
     except (CheckpointError, ValueError, KeyError, OSError) as e:
         return _error(str(e).strip("'\""))
     for path in written:
@@ -310,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                          action="store_true", help="leave out frozen (not trained) parameters")
     to_fp32.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                          help="dtype of the floating tensors written (default: fp32)")
+    to_fp32.add_argument("--no-verify", "--no_verify", dest="no_verify", action="store_true",
+                         help="read the checkpoint without checking its checksums (a lightspeed tag without its "
+                         "manifests); the weights written are then unverified")
     to_fp32.set_defaults(func=run_convert)
     from_hf = kinds.add_parser(
         "from-hf", help="a Hugging Face model's safetensors as a training checkpoint",
@@ -325,7 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Tools for engine checkpoints written by save_checkpoint.")
     ckpt_actions = checkpoint.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
     text = ("check every file of a checkpoint tag against its checksum manifests (size, CRC-32 of every tensor "
-            "and of the pickled structure); exit 1 if anything does not match")
+            "and of the pickled structure) and that the tag is complete and consistent as load_checkpoint checks it "
+            "(every rank's files and manifest, the rank count, every rank's optimizer state); exit 1 if anything "
+            "does not match")
     verify = ckpt_actions.add_parser("verify", help=text, description=text[0].upper() + text[1:] + ".")
     verify.add_argument("dir", help="the save directory (holding `latest`), or a tag directory")
     verify.add_argument("--tag", default=None, help="the tag to verify (default: the one `latest` names)")

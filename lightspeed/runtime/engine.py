@@ -23,6 +23,7 @@ from lightspeed._utils.timers import ThroughputTimer, Timers
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import atomic_torch_save
 from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.integrity import verification
 from lightspeed.checkpoint.module_state import check_module_state
 from lightspeed.checkpoint.rng import set_rng_state
 from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record
@@ -389,6 +390,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
             shared["mesh"] = {"tp": self._tp_comm.world_size, "dp_sp": self.seq_dp_world_size}
             names = {entry[0] for entry in strategy_state.get("fragments", ())}
             strategy_state = {**strategy_state, "mesh_coords": {"tp": self._tp_comm.rank},
+                              "mesh_rank": self._ckpt_rank, "mesh_size": self._ckpt_comm.world_size,
                               "placements": {n: self.placements[n].as_record() for n in sorted(names)}}
             if replicated and self.groups.seq_dp_rank != 0:  # the same state as dp rank 0 of its tp column
                 strategy_state = {**strategy_state, "fragments": [], "owners": [], "owner_groups": [], "state": [],
@@ -488,12 +490,20 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
 
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
+                        load_module_only: bool = False, *, verify: bool = True):
         """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size, ZeRO stage
         and tensor-parallel size; returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file
         and no tag is given. Everything is read and checked on every rank before anything changes: a
-        load that fails raises on every rank and leaves the engine as it was."""
+        load that fails raises on every rank and leaves the engine as it was. Every file read is verified
+        (lightspeed's against its checksum manifest, DeepSpeed's against its CRC-32s); `verify=False`
+        reads them unchecked (e.g. a tag whose manifests were lost), with a warning."""
         self.wait_checkpoint()
+        with verification(verify):
+            return self._load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
+                                         load_lr_scheduler_states, load_module_only)
+
+    def _load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                         load_module_only):
         try:
             trainable = [n for n, p in self.module.named_parameters() if p.requires_grad]
             self._first_name = {n: first_names(self.module)[id(p)]

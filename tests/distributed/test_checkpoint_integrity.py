@@ -1,6 +1,8 @@
 """Checkpoint checksums: every kind of damage to every kind of file of a 2-rank checkpoint (ZeRO 0 and
 2) is refused with one line naming the file (and the tensor); nothing damaged ever loads silently;
-`lightspeed checkpoint verify` says the same."""
+a tag that is not complete and consistent (manifests gone, a rank count forged, an optimizer-state
+entry dropped, a rank's files from another save) is refused, and `lightspeed checkpoint verify` says
+FAILED exactly where a load refuses."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import torch
 import lightspeed
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.errors import CheckpointError
-from lightspeed.checkpoint.integrity import tensors_in_record
+from lightspeed.checkpoint.integrity import read_manifest, tensors_in_record, verification, write_manifest
+from lightspeed.checkpoint.universal import open_source
 from lightspeed.launcher.cli import main as cli_main
 from lightspeed.testing.models import TinyMLP, regression_data
 from lightspeed.testing.run_world import run_world
@@ -46,13 +49,37 @@ def _save_worker(save_dir: str):
             engine.backward(engine(xb, yb))
             engine.step()
         engine.save_checkpoint(save_dir, tag=f"z{stage}", client_state={"note": "hi"})
+    # another save of tag z2, one step on: its rank files are what a mix-up would copy in
+    engine.backward(engine(xb, yb))
+    engine.step()
+    engine.save_checkpoint(f"{save_dir}/other", tag="z2")
+    # load_checkpoint of a tag whose manifests are gone: refused naming one, loaded with verify=False
+    bare = f"{save_dir}/bare"
+    engine.save_checkpoint(bare, tag="b")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for manifest in Path(bare, "b").glob("checksums_rank*.json"):
+            manifest.unlink()
+    dist.barrier()
+    try:
+        engine.load_checkpoint(bare, "b")
+        refused = None
+    except CheckpointError as err:
+        refused = str(err)
+    path, _ = engine.load_checkpoint(bare, "b", verify=False)
+    return {"refused": refused, "unverified_load": str(path)}
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
+def saved_world(tmp_path_factory) -> tuple[Path, list]:
     root = tmp_path_factory.mktemp("saved")
-    run_world(_save_worker, WORLD, str(root))
-    return root
+    results = run_world(_save_worker, WORLD, str(root))
+    return root, results
+
+
+@pytest.fixture(scope="module")
+def saved(saved_world) -> Path:
+    return saved_world[0]
 
 
 @pytest.fixture
@@ -245,9 +272,88 @@ def test_verify_command_names_file_and_tensor(ckpt, capsys):
     assert "not a directory" in capsys.readouterr().err
 
 
-def test_checkpoint_without_manifests_loads_with_a_warning(ckpt, ls_caplog):
+def test_load_checkpoint_refuses_a_tag_without_manifests_unless_told_not_to_verify(saved_world):
+    root, results = saved_world
+    for result in results:  # every rank: the engine's load agrees the refusal
+        assert result["refused"] is not None and "\n" not in result["refused"]
+        assert f"{root / 'bare' / 'b' / 'checksums_rank0.json'}: checksum manifest missing" in result["refused"]
+        assert "verify=False" in result["refused"]
+        assert result["unverified_load"] == str(root / "bare" / "b")
+
+
+def test_checkpoint_without_manifests_is_refused_unless_unverified(ckpt, ls_caplog):
+    path = ckpt / "z2" / "optim_states_rank1.pt"
+    record, (start, _) = next((r, se) for r, se in record_ranges(path).items() if "/data/" in r)
+    flip(path, start, 1, random.Random(1))  # the damage a manifest would catch
     for manifest in (ckpt / "z2").glob("checksums_rank*.json"):
         manifest.unlink()
-    loaded = load(ckpt, "z2", 1)
-    assert loaded.rng_state is not None
-    assert "without verification" in ls_caplog.text
+    for rank in range(WORLD):
+        with pytest.raises(CheckpointError) as err:
+            load(ckpt, "z2", rank)
+        one_line(err, ckpt / "z2" / "checksums_rank0.json", "checksum manifest missing", "verify=False")
+    with verification(False):
+        loaded = load(ckpt, "z2", 1)
+    assert loaded.rng_state is not None and "unverified" in ls_caplog.text
+
+
+# -------------------------------------------------------------------- a tag complete and consistent
+
+
+def rewrite_manifest(path: Path, **changes) -> None:
+    """Rewrite a manifest with `changes` (its own checksum made to match: a forgery, not damage)."""
+    m = read_manifest(path)
+    fields = {"tag": m.tag, "rank": m.rank, "num_ranks": m.num_ranks, "files": m.files, "save_id": m.save_id}
+    fields.update(changes)
+    path.unlink()
+    write_manifest(path.parent, **fields)
+
+
+def _copied_from_another_save(tag_dir: Path) -> None:
+    for name in ("optim_states_rank1.pt", "rng_rank1.pt", "checksums_rank1.json"):
+        shutil.copy(tag_dir.parent / "other" / "z2" / name, tag_dir / name)
+
+
+def _num_ranks_forged(tag_dir: Path) -> None:
+    rewrite_manifest(tag_dir / "checksums_rank0.json", num_ranks=1)
+
+
+def _one_rank_tag_forged(tag_dir: Path) -> None:  # consistent manifests, but rank 1's part is gone
+    rewrite_manifest(tag_dir / "checksums_rank0.json", num_ranks=1)
+    (tag_dir / "checksums_rank1.json").unlink()
+    (tag_dir / "optim_states_rank1.pt").unlink()
+    (tag_dir / "rng_rank1.pt").unlink()
+
+
+def _optimizer_entry_dropped(tag_dir: Path) -> None:
+    files = dict(read_manifest(tag_dir / "checksums_rank1.json").files)
+    del files["optim_states_rank1.pt"]
+    rewrite_manifest(tag_dir / "checksums_rank1.json", files=files)
+
+
+def _optimizer_file_and_entry_dropped(tag_dir: Path) -> None:
+    _optimizer_entry_dropped(tag_dir)
+    (tag_dir / "optim_states_rank1.pt").unlink()
+
+
+FAULTS = {"copied_from_another_save": (_copied_from_another_save, "another save"),
+          "num_ranks_forged": (_num_ranks_forged, "checksums_rank1.json: a manifest of rank 1"),
+          "one_rank_tag_forged": (_one_rank_tag_forged, "optim_states_rank0.pt: holds the part of rank 0 of 2"),
+          "optimizer_entry_dropped": (_optimizer_entry_dropped, "optim_states_rank1.pt: optimizer-state file"),
+          "optimizer_file_and_entry_dropped": (_optimizer_file_and_entry_dropped, "optim_states_rank1.pt: optimizer-state file")}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_verify_fails_exactly_where_load_refuses(ckpt, fault, capsys):
+    inject, expected = FAULTS[fault]
+    inject(ckpt / "z2")
+    messages = set()
+    for rank in range(WORLD):  # what each rank's load_checkpoint reads (universal.open_source)
+        with pytest.raises(CheckpointError) as err:
+            open_source(ckpt, "z2", dp_rank=rank)
+        messages.add(one_line(err, expected))
+    assert cli_main(["checkpoint", "verify", str(ckpt), "--tag", "z2"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and any(m in out for m in messages), out
+    # the intact tag and the other save verify
+    assert cli_main(["checkpoint", "verify", str(ckpt), "--tag", "z0"]) == 0
+    assert cli_main(["checkpoint", "verify", str(ckpt / "other")]) == 0

@@ -152,14 +152,18 @@ def _corrupt_worker(save_dir):
     model = TinyMLP()
     engine, *_ = lightspeed.initialize(model=model, config={"train_batch_size": 4, "optimizer": {
         "type": "SGD", "params": {"lr": 0.1}}})
-    try:
-        engine.load_checkpoint(save_dir, tag="broken")
-    except CheckpointError as err:
-        return str(err)
+    messages = []
+    for verify in (True, False):
+        try:
+            engine.load_checkpoint(save_dir, tag="broken", verify=verify)
+        except CheckpointError as err:
+            messages.append(str(err))
+    return messages
 
 
 def test_corrupt_checkpoint_gives_one_line_error(tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "model_states.pt").write_bytes(b"not a zip file at all")
-    (msg,) = run_world(_corrupt_worker, 1, str(tmp_path))
-    assert msg and "model_states.pt" in msg and "\n" not in msg
+    ((no_manifest, corrupt),) = run_world(_corrupt_worker, 1, str(tmp_path))
+    assert "checksums_rank0.json: checksum manifest missing" in no_manifest and "\n" not in no_manifest
+    assert "model_states.pt" in corrupt and "\n" not in corrupt  # read unverified: torch's own error, one line

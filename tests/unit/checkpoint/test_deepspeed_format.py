@@ -161,11 +161,33 @@ def test_pickled_code_is_refused_and_not_run(tmp_path):
     assert not marker.exists()
 
 
-def test_missing_rank_file_is_reported(tmp_path):
+@pytest.mark.parametrize("name", ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                  "zero_pp_rank_1_mp_rank_00_model_states.pt"])
+def test_missing_rank_file_is_named(tmp_path, name):
+    """Whichever rank's file is gone (the last one included, which leaves no gap in the numbering), the
+    error names it, and the stitched frozen parameters never come from torch.empty."""
     tag_dir = _copy("ws2_stage3_fp32", tmp_path)
-    os.remove(tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    with pytest.raises(CheckpointError, match="saved by 2 ranks but holds 1 optim_states files"):
+    os.remove(tag_dir / name)
+    with pytest.raises(CheckpointError) as err:
         DeepSpeedCheckpointSource(tag_dir.parent)
+    assert "missing" in _one_line(err, tag_dir / name)
+
+
+def test_a_frozen_parameter_without_every_part_is_an_error(tmp_path):
+    """A stage-3 frozen parameter is stitched from every rank's part: a part not found (here: rank 1's
+    model file lost its part) names the file instead of leaving uninitialised memory in the tensor."""
+    from lightspeed.checkpoint.deepspeed_format import StitchedModuleState
+
+    frozen = {"f": torch.arange(7.0)}
+    parts = [{"f": torch.arange(4.0)}, {"f": torch.tensor([4.0, 5.0, 6.0, 0.0])}]
+    state = StitchedModuleState({"f": torch.empty(0)}, {"f": (7,)}, lambda: parts, ["r0.pt", "r1.pt"])
+    assert torch.equal(state["f"], frozen["f"])
+    del parts[1]["f"]
+    with pytest.raises(CheckpointError, match="r1.pt: holds no part of frozen parameter f"):
+        state["f"]
+    parts[1]["f"] = torch.tensor([4.0])  # cut short
+    with pytest.raises(CheckpointError, match="r1.pt: .* hold 5 of its 7 elements"):
+        state["f"]
 
 
 def test_model_parallel_checkpoints_are_named_unsupported(tmp_path):

@@ -12,7 +12,7 @@ import torch
 from lightspeed.checkpoint import tag_dir
 from lightspeed.checkpoint.atomic import atomic_torch_save, atomic_write_bytes, read_latest
 from lightspeed.checkpoint.errors import CheckpointError
-from lightspeed.checkpoint.integrity import file_entry, write_manifest
+from lightspeed.checkpoint.integrity import file_entry, manifest_name, read_manifest, write_manifest
 from lightspeed.checkpoint.tag_reader import TagReader, verify_tag
 from lightspeed.checkpoint.writer import CheckpointWriter, WriterOptions, failure_marker
 from lightspeed.comm.collectives import Communicator
@@ -24,7 +24,12 @@ def play_rank1(save_dir, tag, delay=0.0):
     time.sleep(delay)
     staging = tag_dir.staging_dir(save_dir, tag)
     atomic_torch_save({"x": torch.arange(4)}, staging / "b.pt")
-    write_manifest(staging, tag=tag, rank=1, num_ranks=2, files={"b.pt": file_entry(staging / "b.pt")})
+    for _ in range(500):  # rank 0's save id, which a real save shares through its collective
+        if (staging / manifest_name(0)).exists():
+            break
+        time.sleep(0.01)
+    save_id = read_manifest(staging / manifest_name(0), tag=tag, rank=0).save_id
+    write_manifest(staging, tag=tag, rank=1, num_ranks=2, files={"b.pt": file_entry(staging / "b.pt")}, save_id=save_id)
 
 
 def test_rank0_publishes_only_after_rank1_is_done(tmp_path):

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 import torch
 
 
+def mean_scaling(prescale: bool, predivide: float, world_size: int) -> tuple[float, float]:
+    """DeepSpeed's averaging over `world_size` ranks: (factor before the sum, factor after it)."""
+    if prescale:
+        return (1.0 / world_size if world_size > 1 else 1.0), 1.0
+    return 1.0 / predivide, (predivide / world_size if predivide != world_size else 1.0)
+
+
 @dataclass(frozen=True)
 class ReduceOptions:
     """How gradients are averaged across data-parallel ranks (DeepSpeed's semantics)."""
@@ -26,10 +33,7 @@ class ReduceOptions:
 
     def scaling(self, world_size: int) -> tuple[float, float]:
         """(factor before the sum, factor after it)."""
-        if self.prescale_gradients:
-            return (1.0 / world_size if world_size > 1 else 1.0), 1.0
-        predivide = self.gradient_predivide_factor
-        return 1.0 / predivide, (predivide / world_size if predivide != world_size else 1.0)
+        return mean_scaling(self.prescale_gradients, self.gradient_predivide_factor, world_size)
 
     def prepare(self, grad: torch.Tensor, world_size: int) -> tuple[torch.Tensor, float]:
         """The buffer to send (cast to the reduce dtype, pre-scaled) and the factor to apply after."""

@@ -61,6 +61,7 @@ from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.ops.lowp_writer import LowpWriter
 from lightspeed.zero.grad_buffers import GradBuffers
 from lightspeed.zero.partition import Range, shard_range
+from lightspeed.zero.reduce import mean_scaling
 from lightspeed.zero.stage3.zero_param import as_zero_parameter
 
 RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
@@ -96,13 +97,6 @@ class ParamState:
     @property
     def numel(self) -> int:
         return self.range.numel
-
-
-def reduce_scaling(prescale: bool, predivide: float, world_size: int) -> tuple[float, float]:
-    """DeepSpeed's averaging: factors applied to gradients before and after the sum over ranks."""
-    if prescale:
-        return (1.0 / world_size if world_size > 1 else 1.0), 1.0
-    return 1.0 / predivide, (predivide / world_size if predivide != world_size else 1.0)
 
 
 class PendingGrad:
@@ -342,7 +336,7 @@ class ParamGroup:
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None
-        pre, post = reduce_scaling(prescale, predivide, self.comm.world_size)
+        pre, post = mean_scaling(prescale, predivide, self.comm.world_size)
         if pre != 1.0:
             send.mul_(pre)
         out = send.new_empty(self.shard_numel)

@@ -15,7 +15,8 @@ from lightspeed.testing.models import TinyMLP
 from lightspeed.zero import GatheredParameters, Init
 from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy, initialize_module_weights, param_state
 from lightspeed.zero.stage3.init import owned_params
-from lightspeed.zero.stage3.param_group import GATHERED, RELEASED, ParamGroup, reduce_scaling
+from lightspeed.zero.reduce import mean_scaling
+from lightspeed.zero.stage3.param_group import GATHERED, RELEASED, ParamGroup
 from lightspeed.zero.stage3.units import choose_units
 from lightspeed.zero.stage3.zero_param import ZeroParameter, ZeroParamStatus
 
@@ -52,8 +53,8 @@ def test_owned_params_give_a_tied_parameter_to_its_first_module():
 @pytest.mark.parametrize("prescale,predivide,world,expected", [
     (False, 1.0, 4, (1.0, 0.25)), (True, 1.0, 4, (0.25, 1.0)), (False, 2.0, 4, (0.5, 0.5)),
     (False, 4.0, 4, (0.25, 1.0)), (True, 1.0, 1, (1.0, 1.0))])
-def test_reduce_scaling_averages_over_ranks(prescale, predivide, world, expected):
-    pre, post = reduce_scaling(prescale, predivide, world)
+def test_mean_scaling_averages_over_ranks(prescale, predivide, world, expected):
+    pre, post = mean_scaling(prescale, predivide, world)
     assert (pre, post) == expected and pre * post * world == pytest.approx(1.0)
 
 

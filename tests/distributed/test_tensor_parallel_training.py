@@ -110,7 +110,7 @@ def _gather(engine, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return gather_tp_state(named, tp_layouts(engine.module), Communicator(topology.group("tp"), topology.size("tp")))
 
 
-def _train(kind: str, tp: int, stage: int, offload: bool = False):
+def _train(kind: str, tp: int, stage: int, offload: bool = False, save_to: str | None = None):
     import torch.distributed as dist
 
     import lightspeed
@@ -139,6 +139,8 @@ def _train(kind: str, tp: int, stage: int, offload: bool = False):
         norms.append(float(engine.get_global_grad_norm()))
     # the module's whole state (stage 3 gathers its partitioned parameters), then the tp slices joined
     state = _gather(engine, {k: v.detach().float().clone() for k, v in engine.strategy.module_state_dict().items()})
+    if save_to is not None:
+        engine.save_checkpoint(save_to, tag="end")
     return losses, norms, grads, state
 
 
@@ -169,15 +171,25 @@ def _train_kinds(tp: int, stage: int):
     return {kind: _train(kind, tp, stage) for kind in KINDS}  # one world for the three models: fewer start-ups
 
 
-def _train_runs(tp: int, runs):
-    return {run: _train(run[0], tp, *run[1:]) for run in runs}
+def _train_runs(tp: int, runs, save_to: str):
+    # the GPT-2 run at ZeRO-3 saves its checkpoint: tp2 x dp2 slices of partitioned parameters
+    return {run: _train(run[0], tp, *run[1:], save_to=save_to if run == ("gpt2", 3) else None) for run in runs}
 
 
-def test_tp2_dp2_matches_single_process():
+def test_tp2_dp2_matches_single_process(tmp_path):
+    from lightspeed.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     references = {kind: _reference(kind) for kind in KINDS}
-    for results in run_world(_train_runs, 4, 2, TP_DP_RUNS):
+    results = run_world(_train_runs, 4, 2, TP_DP_RUNS, str(tmp_path))
+    for per_rank in results:
         for run in TP_DP_RUNS:
-            _check(results[run], references[run[0]])
+            _check(per_rank[run], references[run[0]])
+    # zero_to_fp32 of the tp2 x dp2 ZeRO-3 checkpoint: the trained model's whole tensors, bit for bit (fp32)
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="end")
+    state = results[0][("gpt2", 3)][3]
+    assert set(consolidated) == set(state)
+    for name, value in consolidated.items():
+        assert torch.equal(value, state[name]), name
 
 
 @pytest.mark.parametrize("stage", [0])

@@ -27,6 +27,13 @@ Note: [the Ulysses record] (comm/sequence_groups.py) is this object's sp dim: bu
 when tp > 1, and at tp = 1 built before it from the same arithmetic (consecutive runs) and handed in
 through an mpu.
 
+Note: [the recorded topology] lightspeed keeps no module-level groups: the engine's Topology is built
+once and passed around. DeepSpeed's `deepspeed.utils.groups` functions take no arguments (Megatron
+and HF code call `_get_data_parallel_group()`, `get_tensor_model_parallel_group()`,
+`_get_expert_parallel_group("ep_size_2")`), so `initialize()` records the topology it built
+(`record_topology`) and those functions answer from it (`current_topology`); nothing inside lightspeed
+reads the record.
+
 Note: [the global gradient norm] is zero/norm.py's: it reads the placements (parallel/placement.py) and
 sums partial squares over `group_over` the dims where the copies differ.
 """
@@ -334,6 +341,21 @@ class Topology:
     def as_mpu(self) -> "MeshMpu":
         """This topology as a Megatron-style `mpu` (for code that takes one: activation checkpointing)."""
         return MeshMpu(self)
+
+
+_CURRENT: Topology | None = None
+
+
+def record_topology(topology: Topology | None) -> None:
+    """Record the topology `initialize()` built, for DeepSpeed's argument-less group functions (the
+    Note on the recorded topology); None forgets it."""
+    global _CURRENT
+    _CURRENT = topology
+
+
+def current_topology() -> Topology | None:
+    """The topology the last `initialize()` of this process built, or None."""
+    return _CURRENT
 
 
 class MeshMpu:

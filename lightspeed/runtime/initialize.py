@@ -16,7 +16,7 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import init_distributed
 from lightspeed.comm.sequence_groups import build_topology
-from lightspeed.comm.topology import Topology, TopologyError, mesh_sizes
+from lightspeed.comm.topology import Topology, TopologyError, mesh_sizes, record_topology
 from lightspeed.config import LightspeedConfig
 from lightspeed.config.errors import ConfigError
 from lightspeed.config.parse import read_source
@@ -144,6 +144,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     topology = _build_topology(source, mpu)
+    record_topology(topology)  # for deepspeed.utils.groups' argument-less functions
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
     policy = policy_from_config(cfg)
@@ -178,7 +179,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
-    strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload)
+    strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload,
+                               placements=placements, topology=topology)
     if optimizer is not None:
         strategy.use_placements(placements, topology)  # the gradient norm over the mesh (zero/norm.py)
     if places_params:

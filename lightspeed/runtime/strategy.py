@@ -22,6 +22,7 @@ from lightspeed.config.errors import ConfigError
 from lightspeed.optim.onebit.base import ReducesOwnGradients
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.reduce import ReduceOptions
+from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.fragments import Fragment
 from lightspeed.zero.param_access import ParamFragment
 from lightspeed.zero.sharded_step import StepResult
@@ -182,8 +183,10 @@ def strategy_partitions_gradients(cfg) -> bool:
 
 def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPolicy,
                     comm: Communicator, device: torch.device | None = None,
-                    offload: OffloadPolicy | None = None) -> ShardingStrategy:
-    """The strategy of `cfg`'s ZeRO stage; `offload` (default: none) says where its state lives."""
+                    offload: OffloadPolicy | None = None, placements=None, topology=None) -> ShardingStrategy:
+    """The strategy of `cfg`'s ZeRO stage; `offload` (default: none) says where its state lives;
+    `placements` over `topology` (parallel/placement.py) say which group reduces each parameter's
+    gradients (zero/reduce_groups.py: `comm`'s, unless a placement names another)."""
     stage = cfg.zero_optimization.stage
     offload = offload if offload is not None else OffloadPolicy()
     if isinstance(optimizer, ReducesOwnGradients) and stage != 0:
@@ -192,19 +195,27 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
     collectives = Collectives.default(comm)
     if zeropp_enabled(cfg.zero_optimization):
         collectives = _zeropp(cfg, comm, offload)
+    groups = ReduceGroups.build(module, placements, topology, collectives)
+    if groups.keyed and (zeropp_enabled(cfg.zero_optimization) or isinstance(optimizer, ReducesOwnGradients)):
+        what = "ZeRO++ (zero_optimization.zero_quantized_*, zero_hpz_partition_size)" \
+            if zeropp_enabled(cfg.zero_optimization) else f"{type(optimizer).__name__}"
+        raise NotImplementedError(f"{what} with parameters reduced over another group than data parallelism "
+                                  "(expert parameters) is not implemented")
     if stage == 0:
-        return check_strategy(Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy),
-                                             collectives=collectives))
-    if stage in (1, 2):
-        return check_strategy(ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
-                                              allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer),
-                                              offload=offload, collectives=collectives))
-    if stage == 3:
+        strategy = Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy), collectives=collectives,
+                                  reduce_groups=groups)
+    elif stage in (1, 2):
+        strategy = ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
+                                   allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload,
+                                   collectives=collectives, reduce_groups=groups)
+    elif stage == 3:
         from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy
 
-        return check_strategy(Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy),
-                                             device=device, offload=offload, collectives=collectives))
-    raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")
+        strategy = Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy),
+                                  device=device, offload=offload, collectives=collectives, reduce_groups=groups)
+    else:
+        raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")
+    return check_strategy(strategy)
 
 
 def _zeropp(cfg, comm: Communicator, offload: OffloadPolicy) -> Collectives:

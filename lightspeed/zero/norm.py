@@ -19,7 +19,7 @@ whole sum, bit for bit what it was before placements.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,21 +42,28 @@ class NormPlan:
 
     @classmethod
     def build(cls, fragments: Iterable[Fragment], grads: Mapping[torch.Tensor, torch.Tensor],
-              placements: PlacementTable, topology: Topology, partitioned_over: Iterable[str]) -> "NormPlan | None":
-        """The plan for a strategy whose fragments are disjoint over `partitioned_over`; `grads` maps each
-        fragment's owner to the gradient laid out like it (what the norm reads). None when no placement
-        is sharded beyond the partition (see the Note)."""
-        wide = {dim for dim in placements.sharded_dims() if topology.size_over((dim,)) > 1}
-        partitioned = {dim for dim in partitioned_over if topology.size_over((dim,)) > 1}
-        if wide <= partitioned:
+              placements: PlacementTable, topology: Topology,
+              partitioned_over: Iterable[str] | Callable[[str], Iterable[str]]) -> "NormPlan | None":
+        """The plan for a strategy whose fragments are disjoint over `partitioned_over` (the same dims for
+        every fragment, or a function of the parameter's name: a strategy keying its buffers by
+        `reduced_over` partitions each key over its own group); `grads` maps each fragment's owner to
+        the gradient laid out like it (what the norm reads). None when no placement is sharded beyond
+        the partition and every fragment is partitioned alike (see the Note)."""
+        fragments = list(fragments)
+        wide_of = (lambda dims: {d for d in dims if topology.size_over((d,)) > 1})
+        fixed = None if callable(partitioned_over) else frozenset(wide_of(partitioned_over))
+        part_of = (lambda name: fixed) if fixed is not None else (lambda name: frozenset(wide_of(partitioned_over(name))))
+        wide = wide_of(placements.sharded_dims())
+        partitions = {part_of(f.name) for f in fragments} or {fixed or frozenset()}
+        if len(partitions) == 1 and wide <= next(iter(partitions)):
             return None
-        sum_dims = tuple(sorted(wide | partitioned))
-        equal_dims = tuple(sorted(wide - partitioned))
+        sum_dims = tuple(sorted(wide.union(*partitions)))
         coords = topology.coords()
         counted = []
         for fragment in fragments:
             if fragment.name not in placements:
                 raise KeyError(f"gradient norm: no placement for {fragment.name}")
+            equal_dims = [d for d in sum_dims if d not in part_of(fragment.name)]
             if placements[fragment.name].counts_on(coords, equal_dims):
                 grad = grads.get(fragment.owner)
                 if grad is None:

@@ -35,16 +35,18 @@ from lightspeed.zero.optimizers import fused_step
 from lightspeed.zero.partition import Range
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 from lightspeed.zero.norm import NormPlan
+from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
 
 __all__ = ["Stage0Strategy", "StepResult", "broadcast_unflattened", "group_trainable_params"]
 
 
-def broadcast_unflattened(comm: Communicator, module: torch.nn.Module) -> None:
-    """Broadcast from rank 0 what the flat buffers do not hold: frozen parameters and buffers."""
+def broadcast_unflattened(comm: Communicator, module: torch.nn.Module, reduce_groups: ReduceGroups | None = None) -> None:
+    """Broadcast from rank 0 what the flat buffers do not hold: frozen parameters (each over its reduce
+    group: zero/reduce_groups.py) and buffers."""
     for p in module.parameters():
         if not p.requires_grad:
-            comm.broadcast(p.data, src=0)
+            (reduce_groups.of(p).comm if reduce_groups is not None else comm).broadcast(p.data, src=0)
     for b in module.buffers():
         comm.broadcast(b, src=0)
 
@@ -64,16 +66,23 @@ class Stage0Strategy:
     gather_16bit_weights_on_model_save = True  # whole parameters on every rank: nothing to gather
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
-                 comm: Communicator, reduce: ReduceOptions, *, collectives: Collectives | None = None):
+                 comm: Communicator, reduce: ReduceOptions, *, collectives: Collectives | None = None,
+                 reduce_groups: ReduceGroups | None = None):
         self.module, self.optimizer, self.policy, self.comm, self.reduce = module, optimizer, policy, comm, reduce
         self.collectives = collectives or Collectives.default(comm)
+        # each flat buffer holds parameters of one reduce group (zero/reduce_groups.py)
+        self.reduce_groups = reduce_groups or ReduceGroups.single(self.collectives)
         # an optimizer that reduces for itself (one-bit) says, per step, whether gradients stay local
         self._owner = optimizer if isinstance(optimizer, ReducesOwnGradients) else None
         self._reduce_here = True
         grad_dtype = policy.grad_accum_dtype
-        self.flats = [FlatParams(params, grad_dtype, keep_master=policy.master_dtype is not None,
-                                 bucket_numel=reduce.bucket_numel)
-                      for params in group_trainable_params(module).values()]
+        self.flats, self._flat_collectives = [], []
+        for params in group_trainable_params(module).values():
+            for key, keyed in self.reduce_groups.split(params):
+                self.flats.append(FlatParams(keyed, grad_dtype, keep_master=policy.master_dtype is not None,
+                                             bucket_numel=reduce.bucket_numel))
+                self._flat_collectives.append(self.reduce_groups.for_key(key))
+        self._collectives_of = {id(flat): c for flat, c in zip(self.flats, self._flat_collectives)}
         self._flat_of = {id(p): flat for flat in self.flats for p in flat.params}
         # fused step (lightspeed.ops optimizers): the optimizer reads the low-precision gradients,
         # applies the unscale/clip coefficient and writes the parameters: no fp32 gradient copy
@@ -141,10 +150,10 @@ class Stage0Strategy:
 
     def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
         """Make every rank start from data-parallel rank 0's parameters and buffers."""
-        for flat in self.flats:
-            self.comm.broadcast(flat.lp_flat, src=0)
+        for flat, collectives in zip(self.flats, self._flat_collectives):
+            collectives.comm.broadcast(flat.lp_flat, src=0)
             flat.copy_params_to_master()
-        broadcast_unflattened(self.comm, module)
+        broadcast_unflattened(self.comm, module, self.reduce_groups)
 
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
@@ -167,8 +176,9 @@ class Stage0Strategy:
     def _launch(self, bucket: Bucket) -> PendingReduce | None:
         if not self._reduce_here:  # the optimizer communicates (compressed) what these gradients feed
             return None
-        buf, post = self.reduce.prepare(bucket.grad, self.comm.world_size)
-        return PendingReduce(self.collectives.all_reduce(buf, async_op=True), buf, bucket.grad, post)
+        collectives = self._collectives_of[id(bucket.flat)]
+        buf, post = self.reduce.prepare(bucket.grad, collectives.world_size)
+        return PendingReduce(collectives.all_reduce(buf, async_op=True), buf, bucket.grad, post)
 
     def backward_end(self) -> None:
         if self._boundary:

@@ -66,6 +66,7 @@ from lightspeed.zero.memory import MemoryTally
 from lightspeed.zero.optimizers import check_optimizer, fused_step
 from lightspeed.comm.topology import dims_of
 from lightspeed.zero.norm import NormPlan, device_side
+from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage0 import broadcast_unflattened
@@ -87,6 +88,7 @@ class Shard:
     grad: torch.Tensor  # grad_accum dtype [shard_numel]: reduced gradients
     master_grad: torch.Tensor  # fp32 view of `grad` for the optimizer (a copy when grad is not fp32)
     stepped: bool  # False for trainable params outside every optimizer group
+    collectives: Collectives  # the group its gradients are reduced and its state partitioned over
 
     def chunk_pairs(self):
         """(flat-buffer slice, shard slice) per bucket."""
@@ -102,7 +104,8 @@ class ShardedStrategy:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False,
-                 offload: OffloadPolicy | None = None, collectives: Collectives | None = None):
+                 offload: OffloadPolicy | None = None, collectives: Collectives | None = None,
+                 reduce_groups: ReduceGroups | None = None):
         assert stage in (1, 2)
         check_optimizer(optimizer, allow_untested_optimizer, stage)
         self.offload = offload if offload is not None else OffloadPolicy()
@@ -116,10 +119,11 @@ class ShardedStrategy:
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
         self.collectives = collectives or Collectives.default(comm)
+        # each shard holds parameters of one reduce group (zero/reduce_groups.py), over its own collectives
+        self.reduce_groups = reduce_groups or ReduceGroups.single(self.collectives)
         self._lowp_writer = LowpWriter()  # host masters -> device parameters, outside the fused step
-        world, rank = comm.world_size, comm.rank
         # one rank (Note: one rank): gradients accumulate in the flat buffer, which is the shard
-        self._solo = world == 1
+        self._solo = comm.world_size == 1 and all(c.world_size == 1 for c in self.reduce_groups.by_key.values())
         self._in_flat = stage == 1 or self._solo
         names = {id(p): n for n, p in module.named_parameters()}
         self.shards: list[Shard] = []
@@ -128,7 +132,9 @@ class ShardedStrategy:
             by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
             for p in params:
                 by_dtype.setdefault(p.dtype, []).append(p)
-            for dtype_params in by_dtype.values():
+            for key, dtype_params in [kp for ps in by_dtype.values() for kp in self.reduce_groups.split(ps)]:
+                shard_collectives = self.reduce_groups.for_key(key)
+                world, rank = shard_collectives.world_size, shard_collectives.rank
                 # a layout bucket is both the reduce-scatter and the all-gather unit: bound it by both sizes
                 bucket_numel = min(reduce.bucket_numel, reduce.allgather_bucket_numel) or max(
                     reduce.bucket_numel, reduce.allgather_bucket_numel)
@@ -151,7 +157,8 @@ class ShardedStrategy:
                     master = torch.empty(numel, dtype=torch.float32, device=flat.device)
                     fp32_copy = grad.dtype != torch.float32 and not self._fused
                     master_grad = torch.zeros_like(grad, dtype=torch.float32) if fp32_copy else grad
-                shard = Shard(flat, chunks, master, grad, master_grad, stepped=group_index is not None)
+                shard = Shard(flat, chunks, master, grad, master_grad, stepped=group_index is not None,
+                              collectives=shard_collectives)
                 self._copy_params_to_master(shard)
                 self.shards.append(shard)
                 for p in dtype_params:
@@ -230,7 +237,7 @@ class ShardedStrategy:
                                   grad=None if self._grads.released else shard.grad[start:end],
                                   grad_released=self._grads.released,
                                   optimizer_tensor=shard.master, state_offset=start,
-                                  comm=self.comm, lp_full=shard.flat.lp_views[i])
+                                  comm=shard.collectives.comm, lp_full=shard.flat.lp_views[i])
 
     @staticmethod
     def _param_groups(module: torch.nn.Module, optimizer):
@@ -273,15 +280,15 @@ class ShardedStrategy:
             out = flat.lp_flat[bucket.start:bucket.start + bucket.padded_numel]
             # gloo may not accept an input that aliases the output; NCCL handles in-place all-gather
             chunk = flat.lp_flat[flat_slice]
-            self.collectives.all_gather(out, chunk if chunk.is_cuda else chunk.clone())
+            shard.collectives.all_gather(out, chunk if chunk.is_cuda else chunk.clone())
 
     def broadcast_from_rank0(self, module: torch.nn.Module) -> None:
         self._masters_in()
         for s in self.shards:
-            self.comm.broadcast(s.flat.lp_flat, src=0)
+            s.collectives.comm.broadcast(s.flat.lp_flat, src=0)
             self._copy_params_to_master(s)
         self._masters_out()
-        broadcast_unflattened(self.comm, module)
+        broadcast_unflattened(self.comm, module, self.reduce_groups)
 
     def _masters_in(self) -> None:
         self._runner.masters_in()
@@ -322,7 +329,7 @@ class ShardedStrategy:
 
     def _launch(self, bucket: Bucket) -> PendingReduce:
         shard, chunk, pos = self._targets[bucket.index]
-        world = self.comm.world_size
+        world = shard.collectives.world_size
         if self._solo:  # nothing to reduce: the bucket's gradients are already this rank's shard
             pending = PendingReduce(None, bucket.grad, bucket.grad, 1.0)
             if self._boundary and self._runner.to_host is not None:
@@ -340,13 +347,13 @@ class ShardedStrategy:
                                      device=bucket.flat.device)
             send, post = self.reduce.prepare(staged, world)
         offset = chunk.start - bucket.start
-        if self.stage == 2 and send.is_cuda and offset == self.comm.rank * chunk.numel:
+        if self.stage == 2 and send.is_cuda and offset == shard.collectives.rank * chunk.numel:
             # NCCL's in-place reduce-scatter (output = this rank's chunk of the input): the staging
             # buffer is temporary, so no second bucket-sized buffer is needed
             out = send.narrow(0, offset, chunk.numel)
         else:  # gloo may not accept an output aliasing the input; stage 1 sends grad_flat itself
             out = torch.empty(chunk.numel, dtype=send.dtype, device=send.device)
-        handle = self.collectives.reduce_scatter(out, send, async_op=True)
+        handle = shard.collectives.reduce_scatter(out, send, async_op=True)
         pending = PendingReduce(handle, out, shard.grad[pos:pos + chunk.numel], post, accumulate=True)
         if self._boundary and self._runner.to_host is not None:
             dev = shard.grad[pos:pos + chunk.numel]
@@ -393,7 +400,12 @@ class ShardedStrategy:
         v = self._views
         with self._grads.allocated():  # the norm's views are cut from the gradient buffers
             grads = device_side(v.opt_grads, v.master_grads, v.norm_grads)
-            v.norm = NormPlan.build(self.fragments(), grads, placements, topology, dims_of("dp_sp"))
+            v.norm = NormPlan.build(self.fragments(), grads, placements, topology, self._partition_dims())
+
+    def _partition_dims(self):
+        """The mesh dims each parameter's fragments are disjoint over: its reduce group's (by name)."""
+        keyed = {name: self.reduce_groups.key(p) for name, p in self.module.named_parameters()}
+        return lambda name: keyed.get(name) or dims_of("dp_sp")
 
     # ---------------------------------------------------------------- state
     def fragments(self) -> list[Fragment]:

@@ -52,6 +52,7 @@ from lightspeed.zero import param_access
 from lightspeed.zero.partition import Range
 from lightspeed.comm.topology import dims_of
 from lightspeed.zero.norm import NormPlan, device_side
+from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
@@ -135,7 +136,8 @@ class Stage3Strategy:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None,
-                 offload: OffloadPolicy | None = None, *, collectives: Collectives | None = None):
+                 offload: OffloadPolicy | None = None, *, collectives: Collectives | None = None,
+                 reduce_groups: ReduceGroups | None = None):
         self.options = options or Stage3Options()
         self.offload = offload if offload is not None else OffloadPolicy()
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
@@ -145,6 +147,8 @@ class Stage3Strategy:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
         self.collectives = collectives or Collectives.default(comm)
+        # each parameter group holds parameters of one reduce group (zero/reduce_groups.py)
+        self.reduce_groups = reduce_groups or ReduceGroups.single(self.collectives)
         self._lowp_writer = LowpWriter()  # host masters -> device lp shards, outside the fused step
         self.device = torch.device(device) if device is not None else self._infer_device(module)
         self.gather_16bit_weights_on_model_save = self.options.gather_16bit_weights_on_model_save
@@ -235,6 +239,17 @@ class Stage3Strategy:
         self.comm.broadcast(t, src=0)
         return {index: int(s) for (index, _), s in zip(deferred, t.tolist())}
 
+    def _unit_groups(self, owned):
+        """A unit's parameters as (trainable, reduce key, [(name, param)]): one group per `requires_grad`
+        value and reduce group (zero/reduce_groups.py; the default key first)."""
+        out = []
+        for trainable in (True, False):
+            sel = [(n, p) for n, p in owned if p.requires_grad == trainable]
+            for key, params in self.reduce_groups.split([p for _, p in sel]):
+                ids = {id(p) for p in params}
+                out.append((trainable, key, [(n, p) for n, p in sel if id(p) in ids]))
+        return out
+
     def _build_groups(self, opt_index: dict[int, int], stream) -> list[ParamGroup]:
         seeds = self._init_seeds([entry for u in self.units for entry in u.members])
         last = len(self.optimizer.param_groups) if self.optimizer is not None else 0
@@ -268,12 +283,10 @@ class Stage3Strategy:
                     materialize_module(self.module, m, index, owned, seeds[index], self.device, shape_of)
             owned = unit.owned()
             full_numel = sum(p.numel() for _, p in owned)
-            for trainable in (True, False):
-                sel = [(n, p) for n, p in owned if p.requires_grad == trainable]
-                if not sel:
-                    continue
+            for trainable, key, sel in self._unit_groups(owned):
                 sel.sort(key=lambda item: opt_index.get(id(item[1]), last))
-                name = unit.name + ("" if trainable else " (frozen)")
+                name = unit.name + ("" if trainable else " (frozen)") + (f" [{' x '.join(key)}]" if key else "")
+                collectives = self.reduce_groups.for_key(key)
                 numel = sum(p.numel() if not p.is_meta else torch.Size(shape_of(p)).numel() for _, p in sel)
                 offload = self.offload
                 if trainable and self.offload.offloads_optimizer and self.offload.ratio < 1.0:
@@ -281,8 +294,9 @@ class Stage3Strategy:
                         offload = device_kept
                     else:
                         offloaded_numel += numel
-                g = ParamGroup(name, [p for _, p in sel], [n for n, _ in sel], [p.detach() for _, p in sel], self.comm,
-                               collectives=self.collectives, dtype=self.policy.param_dtype, device=self.device,
+                g = ParamGroup(name, [p for _, p in sel], [n for n, _ in sel], [p.detach() for _, p in sel],
+                               collectives.comm, collectives=collectives, dtype=self.policy.param_dtype,
+                               device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
                                keep_master=self.policy.master_dtype is not None, stream=stream,
                                fp32_grad_copy=not self._fused, offload=offload,
@@ -494,7 +508,9 @@ class Stage3Strategy:
                 grads.setdefault(g.optimizer_shard, g.master_grad_shard)
             v = self._views
             grads = device_side(grads, v.master_grads, v.norm_grads)
-            v.norm = NormPlan.build(self.fragments(), grads, placements, topology, dims_of("dp_sp"))
+            keyed = {name: self.reduce_groups.key(p) for name, p in self.module.named_parameters()}
+            v.norm = NormPlan.build(self.fragments(), grads, placements, topology,
+                                    lambda name: keyed.get(name) or dims_of("dp_sp"))
         finally:
             for g in trainable:
                 g.grad_buffers.release()

@@ -1,17 +1,16 @@
-"""`deepspeed.utils.groups`: DeepSpeed's process-group registry, over the one record lightspeed keeps
-(the sequence-parallel groups of `lightspeed.comm.sequence_groups`; without them, as DeepSpeed without an
-mpu, data parallelism is the whole world: under tensor parallelism the engine's
-`groups.topology.group("dp")` is the data-parallel group). transformers' sequence-parallel loss calls
-`_get_sequence_parallel_group()`. The expert-parallel groups raise NotImplementedError (not built); the
-tensor-parallel group is the engine's `groups.topology.group("tp")`."""
+"""`deepspeed.utils.groups`: DeepSpeed's process-group registry, over the records lightspeed keeps: the
+sequence-parallel groups of `lightspeed.comm.sequence_groups` (transformers' sequence-parallel loss calls
+`_get_sequence_parallel_group()`), and the topology the last `initialize()` built
+(`lightspeed.comm.topology.current_topology`): its data-parallel, tensor-parallel and expert groups.
+Without either, as DeepSpeed without an mpu, data parallelism is the whole world and the model-parallel
+size is 1. An expert group is named as DeepSpeed names them, `ep_size_<N>`, and answers when N is the
+run's expert-parallel size."""
+
+import re
 
 from lightspeed.comm import api
 from lightspeed.comm.sequence_groups import as_group, current_sequence_groups
-from lightspeed.compat.deepspeed._missing import missing_function
-
-
-def _missing(name: str, feature: str):
-    return missing_function(f"deepspeed.utils.groups.{name}", feature)
+from lightspeed.comm.topology import current_topology
 
 
 def _get_sequence_parallel_group():
@@ -31,19 +30,25 @@ def _get_sequence_parallel_rank() -> int:
 
 
 def _get_data_parallel_group():
-    """Data parallelism across sp groups; the world group without sequence parallelism."""
-    groups = current_sequence_groups()
-    return as_group(None if groups is None else groups.dp_group)
+    """Data parallelism across sp groups, or the recorded topology's; the world group without either."""
+    groups, topology = current_sequence_groups(), current_topology()
+    if groups is not None:
+        return as_group(groups.dp_group)
+    return as_group(None if topology is None else topology.group("dp"))
 
 
 def _get_data_parallel_world_size() -> int:
-    groups = current_sequence_groups()
-    return api.get_world_size() if groups is None else groups.dp_world_size
+    groups, topology = current_sequence_groups(), current_topology()
+    if groups is not None:
+        return groups.dp_world_size
+    return api.get_world_size() if topology is None else topology.size("dp")
 
 
 def _get_data_parallel_rank() -> int:
-    groups = current_sequence_groups()
-    return api.get_rank() if groups is None else groups.dp_rank
+    groups, topology = current_sequence_groups(), current_topology()
+    if groups is not None:
+        return groups.dp_rank
+    return api.get_rank() if topology is None else topology.rank("dp")
 
 
 def _get_sequence_data_parallel_group():
@@ -62,8 +67,89 @@ def _get_sequence_data_parallel_rank() -> int:
     return api.get_rank() if groups is None else groups.seq_dp_rank
 
 
-_get_expert_parallel_group = _missing("_get_expert_parallel_group", "expert parallelism (MoE)")
-_get_expert_data_parallel_group = _missing("_get_expert_data_parallel_group", "expert parallelism (MoE)")
-_TP = "a module-level tensor-parallel group (tensor parallelism is built; its group lives in the engine's Topology)"
-_get_model_parallel_group = _missing("_get_model_parallel_group", _TP)
-_get_tensor_model_parallel_group = _missing("_get_tensor_model_parallel_group", _TP)
+def get_tensor_model_parallel_group():
+    """The tensor-parallel group of the recorded topology (None before any `initialize()`)."""
+    topology = current_topology()
+    return None if topology is None else as_group(topology.group("tp"))
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    topology = current_topology()
+    return 1 if topology is None else topology.size("tp")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    topology = current_topology()
+    return 0 if topology is None else topology.rank("tp")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of tensor-parallel rank 0 of this rank's group (tp is innermost)."""
+    size = get_tensor_model_parallel_world_size()
+    return (api.get_rank() // size) * size
+
+
+get_model_parallel_group = _get_model_parallel_group = _get_tensor_model_parallel_group = \
+    get_tensor_model_parallel_group
+get_model_parallel_world_size = _get_model_parallel_world_size = get_tensor_model_parallel_world_size
+get_model_parallel_rank = get_tensor_model_parallel_rank
+get_data_parallel_group = _get_data_parallel_group
+get_data_parallel_world_size = _get_data_parallel_world_size
+get_data_parallel_rank = _get_data_parallel_rank
+
+
+def _expert_topology(group_name: str):
+    """The recorded topology, checked to have the expert-parallel size `group_name` ("ep_size_<N>") names."""
+    match = re.fullmatch(r"ep_size_(\d+)", str(group_name))
+    if match is None:
+        raise ValueError(f"deepspeed.utils.groups: expert group names are 'ep_size_<N>' (got {group_name!r})")
+    topology = current_topology()
+    size = 1 if topology is None else topology.size("ep")
+    if int(match.group(1)) != size:
+        raise ValueError(f"deepspeed.utils.groups: no expert group {group_name}: the run's expert-parallel size is "
+                         f"{size}")
+    return topology
+
+
+def _get_expert_parallel_group(group_name: str):
+    """The ranks holding different experts (DeepSpeed's expert-parallel group of `group_name`)."""
+    topology = _expert_topology(group_name)
+    return as_group(None if topology is None else topology.group("ep"))
+
+
+def _get_expert_data_parallel_group(group_name: str):
+    """The ranks holding the same experts (DeepSpeed's expert-data-parallel group of `group_name`)."""
+    topology = _expert_topology(group_name)
+    return as_group(None if topology is None else topology.group("edp"))
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    topology = _expert_topology(group_name)
+    return 1 if topology is None else topology.size("ep")
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    topology = _expert_topology(group_name)
+    return api.get_world_size() if topology is None else topology.size("edp")
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    topology = _expert_topology(group_name)
+    return 0 if topology is None else topology.rank("ep")
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    topology = _expert_topology(group_name)
+    return api.get_rank() if topology is None else topology.rank("edp")
+
+
+def _get_expert_parallel_group_dict() -> dict:
+    topology = current_topology()
+    size = 1 if topology is None else topology.size("ep")
+    return {f"ep_size_{size}": _get_expert_parallel_group(f"ep_size_{size}")}
+
+
+def _get_expert_data_parallel_group_dict() -> dict:
+    topology = current_topology()
+    size = 1 if topology is None else topology.size("ep")
+    return {f"ep_size_{size}": _get_expert_data_parallel_group(f"ep_size_{size}")}

@@ -198,10 +198,12 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, plan: dict[str, 
 
 
 def gather_tp_state(state: dict[str, torch.Tensor | None], layouts: dict[str, TPLayout],
-                    comm: Communicator) -> dict[str, torch.Tensor | None]:
+                    comm: Communicator, keep: bool = True) -> dict[str, torch.Tensor | None]:
     """`state` ({name: this rank's tensor}) with every split entry of `layouts` replaced by the whole tensor
     gathered from the tp group (`comm`), in the original module's layout; other entries as they are.
-    Collective over the tp group: every rank passes the same names in the same order."""
+    Collective over the tp group: every rank passes the same names in the same order. With `keep`
+    False this rank only contributes its slices (it gets `state` back, holding no whole tensor: a save
+    that one rank writes needs the whole model on that rank alone)."""
     out = dict(state)
     if comm.world_size == 1:
         return out
@@ -212,5 +214,6 @@ def gather_tp_state(state: dict[str, torch.Tensor | None], layouts: dict[str, TP
         local = tensor.detach().contiguous()
         gathered = torch.empty((comm.world_size, *local.shape), dtype=local.dtype, device=local.device)
         comm.all_gather(gathered.view(-1), local.view(-1))
-        out[name] = layout.gather(list(gathered.unbind(0)))
+        if keep:
+            out[name] = layout.gather(list(gathered.unbind(0)))
     return out

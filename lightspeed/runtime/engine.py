@@ -389,7 +389,8 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         strategy_state = self.strategy.state_dict()
         replicated = self.strategy.state_is_replicated
         if self._tp_comm is not None:  # one tag for the whole mesh (engine_checkpoint.py's layout)
-            module_state = self._whole_tensors(module_state)  # collective over tp: every rank calls it
+            # collective over tp (every rank calls it); only the rank that writes the model file keeps them
+            module_state = self._whole_tensors(module_state, keep=self._ckpt_rank == 0)
             shared["module"] = module_state
             shared["mesh"] = {"tp": self._tp_comm.world_size, "dp_sp": self.seq_dp_world_size}
             names = {entry[0] for entry in strategy_state.get("fragments", ())}
@@ -409,9 +410,12 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
     def _tp_record(self) -> dict:
         return tp_record(self.module, self._tp_comm.world_size, self._tp_comm.rank)
 
-    def _whole_tensors(self, state: dict) -> dict:
-        """`state` with tensor-parallel slices gathered into whole tensors (collective over the tp group)."""
-        return state if self._tp_comm is None else gather_tp_state(state, tp_layouts(self.module), self._tp_comm)
+    def _whole_tensors(self, state: dict, keep: bool = True) -> dict:
+        """`state` with tensor-parallel slices gathered into whole tensors (collective over the tp group);
+        with `keep` False this rank contributes its slices and gets `state` back."""
+        if self._tp_comm is None:
+            return state
+        return gather_tp_state(state, tp_layouts(self.module), self._tp_comm, keep=keep)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """The whole module state_dict gathered from the ZeRO-3 shards, parameters in the training dtype
@@ -482,7 +486,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
             logger.warning("did not save the model %s: zero_optimization.stage3_gather_16bit_weights_on_model_save "
                            "is false", path)
             return False
-        state = self._whole_tensors(self.strategy.module_state_dict())
+        state = self._whole_tensors(self.strategy.module_state_dict(), keep=self.global_rank == 0)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}

@@ -42,6 +42,7 @@ from lightspeed.checkpoint.atomic import read_latest
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.source import MASTER_KEY
 from lightspeed.checkpoint.universal import OneTensorCache, has_state, open_source
+from lightspeed.parallel.placement import tp_placement
 from lightspeed.parallel.tensor_parallel import TPLayout, tp_layouts
 
 logger = get_logger(__name__)
@@ -175,8 +176,12 @@ class SlicedTPSource:
         return self.whole.state_keys()
 
     def read(self, name: str, key: str = MASTER_KEY) -> torch.Tensor:
+        layout = self._layout(name, self.whole.param_shape(name))
+        if layout is not None and hasattr(self.whole, "read_slice"):  # the same slice as saved: read it alone
+            local = self.whole.read_slice(name, key, tp_placement(name, layout, self.rank))
+            if local is not None:
+                return local
         full = self.whole.read(name, key)
-        layout = self._layout(name, full.shape)
         return layout.shard(full, self.rank) if layout is not None else full
 
     def read_range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:

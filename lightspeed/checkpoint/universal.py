@@ -199,6 +199,20 @@ class LightspeedSource:
                 groups.setdefault(p.placement, []).append(p)
         return groups
 
+    def read_slice(self, name: str, key: str, placement: Placement) -> torch.Tensor | None:
+        """The local tensor of `placement` when the checkpoint holds exactly that slice (a run resumed at
+        the layout it saved: only that slice's pieces are read), else None."""
+        pieces = self._pieces(name)
+        if pieces[0].placement is None:
+            return None
+        held = [p for p in pieces if p.placement == placement]
+        if not held:
+            return None
+        local = torch.empty(_numel(placement.local_shape), dtype=torch.float32)
+        for p in held:
+            local[p.start:p.end].copy_(self._tensor(p, name, key).reshape(-1)[p.offset:p.offset + p.end - p.start])
+        return local.view(placement.local_shape)
+
     def _read_placed(self, name: str, key: str) -> torch.Tensor:
         """The whole tensor of a placed parameter: each slice assembled from its pieces, then written into
         its boxes."""

@@ -18,7 +18,7 @@ Note: [naming the optimizer's parameters]
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 

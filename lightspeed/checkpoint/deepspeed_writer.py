@@ -18,7 +18,7 @@ Note: [what DeepSpeed's loader reads, and so what is written]
       ``clip_grad`` is left out: DeepSpeed then keeps its configured ``gradient_clipping``.
     - stage 3 (``_rigid_load_state_dict``): ``loss_scaler`` (assigned as the optimizer's loss scaler,
       so DeepSpeed's ``LossScaler`` object, see deepspeed_pickle_writer.py), ``dynamic_loss_scale``,
-      ``overflow``, the torch optimizer's state dict (one param group per sub-group) and
+      ``overflow``, the torch optimizer's state dict (a param group's params: its sub-groups' flats) and
       ``fp32_flat_groups``. Sub-groups follow DeepSpeed's rule (`_stage3_sub_groups`), so the
       ``sub_group_size`` written for must be the one DeepSpeed runs with (its default 1e9).
     - stage 0: the model file's ``optimizer``: the torch optimizer's state dict (fp32), or the unfused
@@ -105,6 +105,8 @@ class _Plan:
         for g in source.optimizer_groups():
             names = sorted(g["names"], key=rank_of.__getitem__)
             hyper = {k: v for k, v in g.items() if k not in ("names", "scalars")}
+            if isinstance(hyper.get("betas"), list):  # torch's optimizers hold a tuple
+                hyper["betas"] = tuple(hyper["betas"])
             self.groups.append((names, hyper, dict(g.get("scalars") or {})))
         self.trainable = order
         buffers, frozen = extra.get("buffer_names"), extra.get("frozen_param_names")
@@ -348,7 +350,10 @@ def _write_stage3(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_con
     k = 0
     for names, hyper, scalars in plan.groups:
         numels = [source.param_shape(n).numel() for n in names]
-        for sub in _stage3_sub_groups(names, numels, world, sub_group_size):
+        subs = _stage3_sub_groups(names, numels, world, sub_group_size)
+        for r in range(world):  # DeepSpeed's torch optimizer: a param group's sub-groups' flats are its params
+            groups[r].append({**hyper, "params": list(range(k, k + len(subs)))})
+        for sub in subs:
             param_shapes.append(OrderedDict((n, source.param_shape(n)) for n in sub))
 
             def rank_flats(key: str) -> list[torch.Tensor]:
@@ -370,7 +375,6 @@ def _write_stage3(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_con
                 st = _param_state(plan, scalars, lambda key, r=r: moments[key][r])
                 if st:
                     states[r][k] = st
-                groups[r].append({**hyper, "params": [k]})
             k += 1
     module = _lowp_module(plan, source, empty_params=True)
     for r in range(world):
@@ -423,7 +427,7 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
     tag = validate_tag(tag)
     tag_dir = os.path.join(os.fspath(output_dir), tag)
     if os.path.exists(tag_dir):
-        raise CheckpointError(f"{tag_dir}: already exists; choose another --tag or output directory")
+        raise CheckpointError(f"{tag_dir}: already exists; remove it or write into another output directory")
     staging = os.path.join(os.fspath(output_dir), f".{tag}.deepspeed.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)

@@ -35,14 +35,12 @@ MICRO, MICROS_PER_STEP, SAVE_AT, STEPS = 4, 2, 3, 6
 # (name, lightspeed world, stage, dtype, how it is written, DeepSpeed world, DeepSpeed stage)
 CASES = [
     ("w1_s0_fp32", 1, 0, "fp32", "convert", 1, 0),
-    ("w1_s1_fp32", 1, 1, "fp32", "format", 1, 1),
     ("w1_s2_bf16", 1, 2, "bf16", "convert", 1, 2),
     ("w1_s3_fp32", 1, 3, "fp32", "convert", 1, 3),
     ("w2_s0_bf16", 2, 0, "bf16", "format", 2, 0),
     ("w2_s1_fp32", 2, 1, "fp32", "convert", 2, 1),
     ("w2_s2_fp32", 2, 2, "fp32", "format", 2, 2),
-    ("w2_s3_bf16", 2, 3, "bf16", "convert", 2, 3),
-    ("w2_s3_fp32", 2, 3, "fp32", "format", 2, 3),
+    ("w2_s3_bf16", 2, 3, "bf16", "format", 2, 3),
     # saved by 2 ranks at stage 2, written for 1 rank at stage 3 (--world-size): DeepSpeed needs its own
     ("w2_s2_fp32_to_w1_s3", 2, 2, "fp32", "convert", 1, 3),
 ]
@@ -136,7 +134,8 @@ def test_deepspeed_resumes_lightspeed_checkpoints_and_lightspeed_resumes_deepspe
         if how == "convert":
             target = tmp_path / name / "converted"
             write_deepspeed_checkpoint(saved, target, stage=ds_stage, world_size=ds_world)
-        _expected_state(target, tmp_path / name / "expected.pt")
+        # converted: what lightspeed saved; saved as DeepSpeed's files (in place): those files, as read back
+        _expected_state(saved, tmp_path / name / "expected.pt")
         ds_cases[ds_world].append({
             "name": name, "checkpoint": str(target), "expected": str(tmp_path / name / "expected.pt"),
             "config": _config(ds_stage, dtype, ds_world), "dtype": dtype, "global_steps": SAVE_AT,

@@ -83,7 +83,7 @@ def _run_case(case: dict, rank: int, world: int, models) -> dict:
         raise AssertionError(f"{case['name']}: global_steps {engine.global_steps}, want {case['global_steps']}")
     data = torch.load(case["batches"], weights_only=True)  # {"x": [step][micro][...], "y": ...}
     per_rank = len(data["x"][0]) // world
-    lowp = torch.bfloat16 if dtype == "bf16" else torch.float32
+    lowp = torch.float32 if dtype == "fp32" else torch.bfloat16
     losses = []
     for step in case["steps"]:
         mine = []

@@ -12,6 +12,7 @@ world size runs all its cases. Skipped when the DeepSpeed environment is absent 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -41,6 +42,8 @@ CASES = [
     ("w2_s1_fp32", 2, 1, "fp32", "convert", 2, 1),
     ("w2_s2_fp32", 2, 2, "fp32", "format", 2, 2),
     ("w2_s3_bf16", 2, 3, "bf16", "format", 2, 3),
+    # bf16 with fp32 gradient accumulation at stage 1: DeepSpeed's BF16_Optimizer loads the stage-1 files
+    ("w2_s1_bf16acc32", 2, 1, "bf16acc32", "convert", 2, 1),
     # saved by 2 ranks at stage 2, written for 1 rank at stage 3 (--world-size): DeepSpeed needs its own
     ("w2_s2_fp32_to_w1_s3", 2, 2, "fp32", "convert", 1, 3),
 ]
@@ -59,10 +62,14 @@ def _config(stage: int, dtype: str, world: int, fmt: str = "lightspeed") -> dict
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
     }
-    if dtype == "bf16":
+    if dtype in ("bf16", "bf16acc32"):
         cfg["bf16"] = {"enabled": True}
+    if dtype == "bf16acc32":
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if fmt == "format":
         cfg["checkpoint"] = {"format": "deepspeed"}
+        if stage == 2:  # the background writer: the conversion waits for its files
+            cfg["checkpoint"]["writer"] = {"type": "PYTHON", "decoupled": True}
     return cfg
 
 
@@ -88,7 +95,7 @@ def _train(cases: list[tuple], batches: dict, work: str) -> dict:
             engine.load_checkpoint(str(resume))
             first = SAVE_AT + 1
             assert engine.global_steps == first
-        lowp = torch.bfloat16 if dtype == "bf16" else torch.float32
+        lowp = torch.float32 if dtype == "fp32" else torch.bfloat16
         losses = []
         for step in range(first, STEPS):
             if step == SAVE_AT and first == 0:
@@ -134,6 +141,9 @@ def test_deepspeed_resumes_lightspeed_checkpoints_and_lightspeed_resumes_deepspe
         if how == "convert":
             target = tmp_path / name / "converted"
             write_deepspeed_checkpoint(saved, target, stage=ds_stage, world_size=ds_world)
+        else:  # converted in place: DeepSpeed's files only, nothing of lightspeed's or of the conversion left
+            assert sorted(os.listdir(saved)) == ["global_step3", "latest"]
+            assert not any("zero" not in f and "mp_rank" not in f for f in os.listdir(saved / "global_step3"))
         # converted: what lightspeed saved; saved as DeepSpeed's files (in place): those files, as read back
         _expected_state(saved, tmp_path / name / "expected.pt")
         ds_cases[ds_world].append({
@@ -163,6 +173,6 @@ def test_deepspeed_resumes_lightspeed_checkpoints_and_lightspeed_resumes_deepspe
         # fp32: the same arithmetic up to summation order (another world size sums the micro-batches'
         # gradients in another order); bf16: both round to bf16 (DeepSpeed keeps bf16 gradients,
         # lightspeed its own accumulation), so the steps after the load agree to bf16 rounding
-        tol = (dict(rel=2e-2) if dtype == "bf16" else dict(rel=1e-6, abs=1e-7) if ds_world == world
+        tol = (dict(rel=2e-2) if dtype != "fp32" else dict(rel=1e-6, abs=1e-7) if ds_world == world
                else dict(rel=1e-5, abs=1e-6))
         assert [x for s in got for x in s] == pytest.approx([x for s in want for x in s], **tol), name

@@ -27,8 +27,11 @@ Note: [what DeepSpeed's loader reads, and so what is written]
     copies flat buffers without names, so its param groups must list them in that order, as they do
     when built from ``model.parameters()`` or ``named_parameters()``. fp16 is refused: DeepSpeed
     pickles its dynamic loss scaler's full state, which a lightspeed checkpoint does not map onto.
-    Everything is written by one process, a tag at a time; memory holds one param group's fp32
-    masters and moments (stages 1/2) or one sub-group's (stage 3).
+    Everything is written by one process, and it holds the whole fp32 state (masters and moments, 3x
+    the fp32 model with Adam) while writing. The moments are written in torch.optim's format (``step``
+    a float tensor in each slot's state), which is what DeepSpeed holds with a torch optimizer
+    (``torch_adam``, or a client optimizer); its fused CUDA Adam is not exercised here (no GPU).
+    DeepSpeed saves no RNG state; lightspeed's per-rank RNG files are not carried over.
 """
 
 from __future__ import annotations
@@ -119,6 +122,9 @@ class _Plan:
                                       f"({others[:3]}) are buffers and which frozen parameters (saved by an older "
                                       "lightspeed); DeepSpeed's stages 2/3 need to know. Load and save it again")
             buffers, frozen = others, []
+            if others:
+                logger.warning("%s: the checkpoint does not record which module entries are buffers; %s written "
+                               "as DeepSpeed's buffer_names (only zero_to_fp32 reads them)", where, others[:3])
         self.buffers = [n for n in buffers if n in self.module]
         self.frozen = [n for n in frozen if n in self.module and n not in trainable]
         self.dtype = self._dtype(dtype, where)

@@ -281,7 +281,9 @@ class LightspeedSource:
                 "counters": shared.get("counters"), "client_state": shared.get("client_state"),
                 "zero_stage": shared.get("zero_stage"), "dp_world_size": shared.get("dp_world_size"),
                 "excluded_frozen_parameters": shared.get("excluded_frozen_parameters"),
-                "tensor_parallel": shared.get("tensor_parallel"), "mesh": shared.get("mesh"), "source": "lightspeed"}
+                "tensor_parallel": shared.get("tensor_parallel"), "mesh": shared.get("mesh"), "source": "lightspeed",
+                # which module-state entries are buffers / frozen parameters (None: saved before recorded)
+                "buffer_names": shared.get("buffer_names"), "frozen_param_names": shared.get("frozen_param_names")}
 
     # ------------------------------------------------------------------ ranges
     def _pieces(self, name: str) -> list[_Saved]:

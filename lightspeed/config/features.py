@@ -62,6 +62,10 @@ class CheckpointConfig(Section):
     parallel_write: ParallelWriteConfig = ParallelWriteConfig()
     checkpoint_serialization: Bool = True
     writer: Optional[CheckpointWriterConfig] = None
+    format: Choice("lightspeed", "deepspeed", normalize=str.lower) = "lightspeed"
+    """lightspeed's own key: the layout ``save_checkpoint`` writes. "deepspeed": DeepSpeed 0.19.8's files
+    (lightspeed's tag written, then converted in place by rank 0: checkpoint/deepspeed_writer.py), which
+    DeepSpeed's ``load_checkpoint`` resumes at the same ZeRO stage and data-parallel world size."""
 
 
 _AIO_BACKENDS = {"async_io": "async_io", "aio": "async_io", "async": "async_io", "deepnvme": "async_io",

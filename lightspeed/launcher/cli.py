@@ -3,7 +3,7 @@
 ``lightspeed [launcher options] script.py [script args]`` starts a training script on this node or on
 every host of a hostfile, with the options of DeepSpeed's `deepspeed` command. Subcommands, named
 first: ``lightspeed demo``, ``lightspeed report``, ``lightspeed config check|show FILE``, ``lightspeed convert
-to-fp32 CKPT_DIR OUT``, ``lightspeed checkpoint verify DIR``. (A script named like a subcommand is run as
+to-fp32|to-deepspeed CKPT_DIR OUT``, ``lightspeed checkpoint verify DIR``. (A script named like a subcommand is run as
 ``lightspeed ./report``.)
 
 Must not import torch (or anything that does) while parsing, so `lightspeed --help` and argument
@@ -233,6 +233,21 @@ def run_convert(args: argparse.Namespace, script_args: list[str]) -> int:
     return 0
 
 
+def run_convert_to_deepspeed(args: argparse.Namespace, script_args: list[str]) -> int:
+    """`lightspeed convert to-deepspeed CKPT_DIR OUT`: DeepSpeed 0.19.8's layout, which it resumes."""
+    from lightspeed.checkpoint.deepspeed_writer import write_deepspeed_checkpoint
+    from lightspeed.checkpoint.errors import CheckpointError
+
+    try:
+        path = write_deepspeed_checkpoint(args.checkpoint_dir, args.output_dir, source_tag=args.tag,
+                                          stage=args.stage, world_size=args.world_size, dtype=args.dtype,
+                                          sub_group_size=args.sub_group_size, verify=not args.no_verify)
+    except (CheckpointError, ValueError, KeyError, OSError) as e:
+        return _error(str(e).strip("'\""))
+    print(path)
+    return 0
+
+
 def run_convert_from_hf(args: argparse.Namespace, script_args: list[str]) -> int:
     """`lightspeed convert from-hf MODEL_DIR SAVE_DIR`: a model's safetensors as a training checkpoint."""
     from lightspeed.checkpoint.errors import CheckpointError
@@ -315,6 +330,28 @@ def build_parser() -> argparse.ArgumentParser:
                          help="read the checkpoint without checking its checksums (a lightspeed tag without its "
                          "manifests); the weights written are then unverified")
     to_fp32.set_defaults(func=run_convert)
+    to_ds = kinds.add_parser(
+        "to-deepspeed", help="write DeepSpeed's checkpoint layout, which DeepSpeed's engine resumes",
+        description="Write a checkpoint (lightspeed's, or DeepSpeed's at another stage or world size) in DeepSpeed "
+        "0.19.8's layout: <OUT>/<tag>/ and <OUT>/latest, for ZeRO --stage over --world-size data-parallel ranks "
+        "(default: the saved ones; DeepSpeed loads ZeRO files only at the world size they were written for). "
+        "DeepSpeed's param groups must list the parameters in the module's order, as model.parameters() does.")
+    to_ds.add_argument("checkpoint_dir", help="the save dir (with `latest`), or one tag directory")
+    to_ds.add_argument("output_dir", help="directory to write the tag and `latest` into (created if missing)")
+    to_ds.add_argument("-t", "--tag", default=None,
+                       help="checkpoint tag to read, and the tag written (default: latest)")
+    to_ds.add_argument("--stage", type=int, default=None, choices=(0, 1, 2, 3),
+                       help="ZeRO stage to write for (default: the saved one)")
+    to_ds.add_argument("--world-size", "--world_size", dest="world_size", type=int, default=None,
+                       help="data-parallel world size to write for (default: the saved one)")
+    to_ds.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
+                       help="training dtype DeepSpeed runs in (default: the saved module's)")
+    to_ds.add_argument("--sub-group-size", "--sub_group_size", dest="sub_group_size", type=int,
+                       default=1_000_000_000, help="stage 3: DeepSpeed's zero_optimization.sub_group_size "
+                       "(default: DeepSpeed's, 1e9)")
+    to_ds.add_argument("--no-verify", "--no_verify", dest="no_verify", action="store_true",
+                       help="read the checkpoint without checking its checksums")
+    to_ds.set_defaults(func=run_convert_to_deepspeed)
     from_hf = kinds.add_parser(
         "from-hf", help="a Hugging Face model's safetensors as a training checkpoint",
         description="Write a Hugging Face model directory's safetensors weights as a lightspeed training checkpoint "

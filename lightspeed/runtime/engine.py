@@ -22,6 +22,7 @@ from lightspeed._utils.sizes import human_bytes
 from lightspeed._utils.timers import ThroughputTimer, Timers
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import atomic_torch_save
+from lightspeed.checkpoint.deepspeed_writer import module_entry_names, save_as_deepspeed
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification
 from lightspeed.checkpoint.module_state import check_module_state
@@ -386,6 +387,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
             "zero_stage": self.zero_optimization_stage(),
             "dp_world_size": self.seq_dp_world_size,  # the ranks that wrote shards (dp x sp)
         }
+        shared["buffer_names"], shared["frozen_param_names"] = module_entry_names(self.module)
         strategy_state = self.strategy.state_dict()
         replicated = self.strategy.state_is_replicated
         if self._tp_comm is not None:  # one tag for the whole mesh (engine_checkpoint.py's layout)
@@ -405,6 +407,11 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
                                strategy_replicated=replicated, comm=self._ckpt_comm,
                                dp_rank=self._ckpt_rank, save_latest=save_latest,
                                writer=self._checkpoint_writer)
+        if self.config.checkpoint.format == "deepspeed":  # lightspeed's tag, converted in place by rank 0
+            self._checkpoint_writer.wait(self._ckpt_comm)
+            save_as_deepspeed(save_dir, tag, comm=self._ckpt_comm, rank=self._ckpt_rank,
+                              stage=self.zero_optimization_stage(), world_size=self.seq_dp_world_size,
+                              sub_group_size=self.config.zero_optimization.sub_group_size)
         return True
 
     def _tp_record(self) -> dict:

@@ -206,8 +206,10 @@ class LightspeedSource:
         if pieces[0].placement is None:
             return None
         held = [p for p in pieces if p.placement == placement]
-        if not held:
-            return None
+        return self._local(name, key, placement, held) if held else None
+
+    def _local(self, name: str, key: str, placement: Placement, held: list[_Saved]) -> torch.Tensor:
+        """One slice's local tensor from its pieces."""
         local = torch.empty(_numel(placement.local_shape), dtype=torch.float32)
         for p in held:
             local[p.start:p.end].copy_(self._tensor(p, name, key).reshape(-1)[p.offset:p.offset + p.end - p.start])
@@ -219,10 +221,7 @@ class LightspeedSource:
         groups = self._placed_groups(name)
         whole = torch.empty(next(iter(groups)).global_shape, dtype=torch.float32)
         for placement, held in groups.items():
-            local = torch.empty(_numel(placement.local_shape), dtype=torch.float32)
-            for p in held:
-                local[p.start:p.end].copy_(self._tensor(p, name, key).reshape(-1)[p.offset:p.offset + p.end - p.start])
-            placement.place_into(whole, local.view(placement.local_shape))
+            placement.place_into(whole, self._local(name, key, placement, held))
         return whole
 
     def _tensor(self, p: _Saved, name: str, key: str) -> torch.Tensor:

@@ -66,6 +66,7 @@ _PARTS = "colwise_parts:"  # + the row counts of a fused layer's parts (`colwise
 HEAD = "rowwise_head"  # the output head: rowwise on a full input, which it slices itself (see the Note)
 EXPERTS = "experts"  # a MoE block's experts module: each expert's intermediate features split (see the Note)
 _EXPERTS_STYLES = ("moe_tp_experts",)  # the base_model_tp_plan styles of a whole experts module
+_EP_EXPERTS_STYLES = ("ep_dispatch_experts",)  # the base_model_ep_plan style of one (transformers 5.2x)
 ROW_STYLES = (ROWWISE, HEAD)
 # plan styles that keep a module whole: norms, and embeddings (a whole embedding gives what a vocab-split
 # one all-reduced would; DeepSpeed's AutoTP keeps them whole too)
@@ -198,11 +199,17 @@ def _builtin_patterns(model: nn.Module) -> dict[str, str] | None:
 
 
 def _config_plan(model: nn.Module, check=None) -> dict[str, str]:
-    patterns = _builtin_patterns(model) or getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    config = getattr(model, "config", None)
+    patterns = _builtin_patterns(model) or getattr(config, "base_model_tp_plan", None)
     if not patterns:
         raise NotImplementedError(f"tensor parallelism: tensor parallelism for {type(model).__name__} needs a plan: its "
                                   "config has no base_model_tp_plan; pass injection_policy={BlockClass: "
                                   "('row_parallel_linear', ...)}")
+    patterns = dict(patterns)
+    # newer transformers name a whole experts module in base_model_ep_plan instead of the tp plan
+    for pattern, style in (getattr(config, "base_model_ep_plan", None) or {}).items():
+        if style in _EP_EXPERTS_STYLES:
+            patterns.setdefault(pattern, _EXPERTS_STYLES[0])
     return _match(model, patterns, check)
 
 

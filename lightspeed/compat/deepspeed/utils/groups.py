@@ -143,13 +143,16 @@ def _get_expert_data_parallel_rank(group_name: str) -> int:
     return api.get_rank() if topology is None else topology.rank("edp")
 
 
-def _get_expert_parallel_group_dict() -> dict:
+def _expert_group_dict(get) -> dict:
+    """{"ep_size_<N>": get("ep_size_<N>")} for the run's expert-parallel size N."""
     topology = current_topology()
-    size = 1 if topology is None else topology.size("ep")
-    return {f"ep_size_{size}": _get_expert_parallel_group(f"ep_size_{size}")}
+    name = f"ep_size_{1 if topology is None else topology.size('ep')}"
+    return {name: get(name)}
+
+
+def _get_expert_parallel_group_dict() -> dict:
+    return _expert_group_dict(_get_expert_parallel_group)
 
 
 def _get_expert_data_parallel_group_dict() -> dict:
-    topology = current_topology()
-    size = 1 if topology is None else topology.size("ep")
-    return {f"ep_size_{size}": _get_expert_data_parallel_group(f"ep_size_{size}")}
+    return _expert_group_dict(_get_expert_data_parallel_group)

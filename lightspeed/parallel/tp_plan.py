@@ -383,8 +383,18 @@ def per_rank_attributes(model: nn.Module, plan: Mapping[str, str], tp_size: int,
             changed.append(f"{parent}.{attr}")
         if type(module).__name__ == "GPTBigCodeAttention":
             changed.extend(f"{parent}.{attr}" for attr in _bigcode_attributes(module, tp_size))
+        heads, groups = getattr(module, "num_heads", None), getattr(module, "num_key_value_groups", None)
+        kv = next((getattr(module, a) for a in _KV_HEADS if isinstance(getattr(module, a, None), int)), None)
+        if isinstance(heads, int) and isinstance(groups, int) and kv and groups != heads // kv:
+            # q heads per k/v head: changed where the k/v heads stay whole (multi-query)
+            module.num_key_value_groups = heads // kv
+            changed.append(f"{parent}.num_key_value_groups")
         params = list(inspect.signature(module.forward).parameters)
-        if tp_size > 1 and "alibi" in params and isinstance(getattr(module, "num_heads", None), int):
+        # ALiBi biases for all heads: as an argument (BLOOM), or folded into a per-head attention mask
+        # (Falcon-RW with transformers 5.2x)
+        alibi = "alibi" in params or ("attention_mask" in params and
+                                      getattr(getattr(module, "config", None), "alibi", False) is True)
+        if tp_size > 1 and alibi and isinstance(getattr(module, "num_heads", None), int):
             module.register_forward_pre_hook(_RankAlibi(rank, tp_size, params), with_kwargs=True)
             changed.append(f"{parent}.alibi")
     return changed

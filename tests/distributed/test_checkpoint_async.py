@@ -148,14 +148,14 @@ def _failing_worker(root: str):
         report["tag_validation"] = str(err)
     # a snapshot that fails on one rank (out of host memory, say) is reported like a writer error
     if rank == 1:
-        engine._checkpoint_writer._snapshot = lambda files: (_ for _ in ()).throw(MemoryError("no pinned memory"))
+        engine._checkpoint_writer._pool.take = lambda files: (_ for _ in ()).throw(MemoryError("no pinned memory"))
     engine.save_checkpoint(root, tag="snap")
     try:
         engine.wait_checkpoint()
     except CheckpointError as err:
         report["snapshot"] = str(err)
     if rank == 1:
-        del engine._checkpoint_writer._snapshot
+        del engine._checkpoint_writer._pool.take
     # rank 0 cannot even make the staging directory: every rank hears it at once
     if rank == 0:
         with open(os.path.join(root, "a_file"), "w") as f:

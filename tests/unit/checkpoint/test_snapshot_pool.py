@@ -1,0 +1,178 @@
+"""The background save's host snapshot pool (checkpoint/snapshot.py): allocated once and reused by
+every save, grown when the state grows, its files equal to a synchronous save's byte for byte, and
+the engine's next step waits for the copies before it changes the state. The CPU copies are done on
+return, so the ordering is checked with a copier that plays an asynchronous device: it copies 0.3 s
+later from another thread and hands back an event to wait on, as a CUDA side stream would."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import lightspeed
+from lightspeed.checkpoint.snapshot import SnapshotPool
+from lightspeed.checkpoint.writer import CheckpointWriter, WriterOptions
+from lightspeed.comm.collectives import Communicator
+from lightspeed.testing.models import TinyMLP, regression_data
+
+COMM = Communicator(None, 1)
+BATCH = 8
+
+
+def _state(scale: int = 1) -> dict:
+    flat = torch.arange(40.0 * scale)
+    return {"a": flat[:8], "b": flat[8:].view(-1, 4)[:, 1:], "c": torch.ones(5, dtype=torch.bfloat16),
+            "steps": [torch.tensor(3), torch.tensor(4)], "empty": torch.empty(0), "n": 7}
+
+
+def _ptrs(snapshot) -> set[int]:
+    out = set()
+
+    def walk(o):
+        if torch.is_tensor(o):
+            if o.untyped_storage().nbytes():
+                out.add(o.untyped_storage().data_ptr())
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(snapshot.files)
+    return out
+
+
+def test_the_pool_is_allocated_once_and_reused():
+    pool = SnapshotPool()
+    first = pool.take(_state())
+    assert pool.num_allocations == 1
+    first_ptrs = _ptrs(first)
+    second = pool.take(_state())
+    assert pool.num_allocations == 1 and _ptrs(second) == first_ptrs  # the same memory, nothing new
+    assert torch.equal(second.files["b"], _state()["b"]) and second.files["n"] == 7
+
+
+def test_a_reserved_pool_fits_the_state_in_any_order():
+    pool = SnapshotPool()
+    pool.reserve({"rng": torch.zeros(100, dtype=torch.uint8), "state": _state()})
+    assert pool.num_allocations == 1
+    snapshot = pool.take({"state": dict(reversed(list(_state().items()))), "rng": torch.zeros(100, dtype=torch.uint8)})
+    assert pool.num_allocations == 1 and torch.equal(snapshot.files["state"]["a"], torch.arange(8.0))
+
+
+def test_a_bigger_state_grows_the_pool_once_and_a_smaller_one_reuses_it():
+    pool = SnapshotPool()
+    pool.take(_state())
+    small_bytes = pool.nbytes
+    bigger = pool.take(_state(scale=3))
+    assert pool.num_allocations == 2 and pool.nbytes > small_bytes
+    assert torch.equal(bigger.files["b"], _state(scale=3)["b"])
+    pool.take(_state(scale=3))
+    pool.take(_state())
+    assert pool.num_allocations == 2
+
+
+def test_many_growths_end_in_one_slab():
+    pool = SnapshotPool()
+    for scale in range(1, 7):
+        pool.take({"x": torch.zeros(1000 * scale)})
+    assert len(pool._slabs) <= 4
+    pool.release()
+    assert pool.nbytes == 0
+
+
+def _files(path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.glob("*.pt"))}
+
+
+def test_background_files_equal_a_synchronous_save_byte_for_byte(tmp_path):
+    state = {"model.pt": {"module": _state(), "meta": {"step": 3}}, "optim.pt": {"exp_avg": torch.randn(7, 3).t()}}
+    CheckpointWriter().save(tmp_path / "sync", "t", state, comm=COMM, dp_rank=0, num_ranks=1)
+    writer = CheckpointWriter(WriterOptions(decoupled=True))
+    for tag in ("t", "u"):  # the second save reuses the pool
+        writer.save(tmp_path / "async", tag, state, comm=COMM, dp_rank=0, num_ranks=1)
+        writer.wait(COMM)
+        assert _files(tmp_path / "async" / tag) == _files(tmp_path / "sync" / "t")
+    assert writer._pool.num_allocations == 1
+    writer.close(COMM)
+    assert writer._pool.nbytes == 0
+
+
+class _Event:
+    def __init__(self):
+        self._done = threading.Event()
+
+    def synchronize(self):
+        self._done.wait()
+
+
+class DelayedCopier:
+    """An asynchronous device: the copies run 0.3 s after they were queued, off the caller's thread."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def copy_all(self, pairs):
+        event = _Event()
+
+        def run():
+            time.sleep(0.3)
+            for dst, src in pairs:
+                dst.copy_(src)
+            event._done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        return event
+
+
+def _engine(decoupled: bool, pool: str = "first_save"):
+    torch.manual_seed(7)
+    config = {"train_batch_size": BATCH, "steps_per_print": 1000,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01}}}
+    if decoupled:
+        config["checkpoint"] = {"writer": {"type": "python", "decoupled": True, "snapshot_pool": pool}}
+    engine, *_ = lightspeed.initialize(model=TinyMLP(), config=config)
+    return engine
+
+
+def _train(engine, steps: int, start: int = 0) -> None:
+    x, y = regression_data(BATCH * 10)
+    for s in range(start, start + steps):
+        loss = engine(x[s * BATCH:(s + 1) * BATCH], y[s * BATCH:(s + 1) * BATCH])
+        engine.backward(loss)
+        engine.step()
+
+
+def test_the_step_after_a_save_waits_for_the_copies(tmp_path):
+    sync, background = _engine(False), _engine(True)
+    background._checkpoint_writer._pool._copier_for = DelayedCopier
+    _train(sync, 2)
+    _train(background, 2)
+    for _ in range(2):  # the second save reuses the pool, with the same wait
+        tag = f"global_step{sync.global_steps}"
+        background.save_checkpoint(tmp_path / "async")  # copies not run yet
+        sync.save_checkpoint(tmp_path / "sync")
+        _train(background, 1, start=sync.global_steps)  # changes parameters and optimizer state in place
+        _train(sync, 1, start=sync.global_steps)
+        background.wait_checkpoint()
+        assert _files(tmp_path / "async" / tag) == _files(tmp_path / "sync" / tag)
+        assert background._checkpoint_writer.last_stats.step_wait_s > 0.1  # the step waited for them
+    assert background._checkpoint_writer._pool.num_allocations == 1
+    background.destroy()
+    assert background._checkpoint_writer._pool.nbytes == 0
+
+
+@pytest.mark.parametrize("pool, allocations_after_step", [("first_save", 0), ("startup", 2)])
+def test_snapshot_pool_startup_allocates_before_any_save(tmp_path, pool, allocations_after_step):
+    engine = _engine(True, pool)
+    writer = engine._checkpoint_writer
+    assert writer._pool.num_allocations == (1 if pool == "startup" else 0)  # startup: what exists at build
+    _train(engine, 1)  # startup: tops the pool up with the optimizer state the step created
+    assert writer._pool.num_allocations == allocations_after_step
+    for _ in range(2):
+        engine.save_checkpoint(tmp_path)
+        _train(engine, 1, start=engine.global_steps)
+        engine.wait_checkpoint()
+    assert writer._pool.num_allocations == (allocations_after_step or 1)  # no save allocated after startup

@@ -88,7 +88,8 @@ def _files(path) -> dict[str, bytes]:
 
 
 def test_background_files_equal_a_synchronous_save_byte_for_byte(tmp_path):
-    state = {"model.pt": {"module": _state(), "meta": {"step": 3}}, "optim.pt": {"exp_avg": torch.randn(7, 3).t()}}
+    state = {"model.pt": {"module": _state(), "meta": {"step": 3}},
+             "optim.pt": {"exp_avg": torch.randn(7, 3).t(), "big": torch.randn(2, 300_000)[:, 1:]}}  # > 1 MiB
     CheckpointWriter().save(tmp_path / "sync", "t", state, comm=COMM, dp_rank=0, num_ranks=1)
     writer = CheckpointWriter(WriterOptions(decoupled=True))
     for tag in ("t", "u"):  # the second save reuses the pool

@@ -1,11 +1,11 @@
 """The background save's host snapshot pool (checkpoint/snapshot.py): allocated once and reused by
 every save, grown when the state grows, its files equal to a synchronous save's byte for byte, and
 the engine's next step waits for the copies before it changes the state. The CPU copies are done on
-return, so the ordering is checked with a copier that plays an asynchronous device: it copies 0.3 s
-later from another thread and hands back an event to wait on, as a CUDA side stream would."""
+return, so the ordering is checked with a copier that plays an asynchronous device (`LateCopier`):
+it hands back an event to wait on, as a CUDA side stream would, and completes the copies only when
+waited for."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -102,29 +102,39 @@ def test_background_files_equal_a_synchronous_save_byte_for_byte(tmp_path):
 
 
 class _Event:
-    def __init__(self):
-        self._done = threading.Event()
+    """The copies' completion on a device that is always late for the training thread: they run when
+    the thread that queued them waits on the event, and only after 5 s for any other thread (the
+    writer's), so a state change before that wait reaches the files every time."""
+
+    def __init__(self, pairs):
+        self._pairs, self._lock, self._done = pairs, threading.Lock(), threading.Event()
+        self._owner = threading.get_ident()
+        self.ran_by = None
+
+    def _run(self):
+        with self._lock:
+            if not self._done.is_set():
+                for dst, src in self._pairs:
+                    dst.copy_(src)
+                self.ran_by = threading.get_ident()
+                self._done.set()
 
     def synchronize(self):
-        self._done.wait()
+        if threading.get_ident() == self._owner or not self._done.wait(5.0):
+            self._run()
 
 
-class DelayedCopier:
-    """An asynchronous device: the copies run 0.3 s after they were queued, off the caller's thread."""
+class LateCopier:
+    """An asynchronous device for `SnapshotPool`: queued copies complete at an `_Event`."""
+
+    events: list = []
 
     def __init__(self, device):
         self.device = device
 
     def copy_all(self, pairs):
-        event = _Event()
-
-        def run():
-            time.sleep(0.3)
-            for dst, src in pairs:
-                dst.copy_(src)
-            event._done.set()
-
-        threading.Thread(target=run, daemon=True).start()
+        event = _Event(pairs)
+        LateCopier.events.append(event)
         return event
 
 
@@ -148,7 +158,7 @@ def _train(engine, steps: int, start: int = 0) -> None:
 
 def test_the_step_after_a_save_waits_for_the_copies(tmp_path):
     sync, background = _engine(False), _engine(True)
-    background._checkpoint_writer._pool._copier_for = DelayedCopier
+    background._checkpoint_writer._pool._copier_for = LateCopier
     _train(sync, 2)
     _train(background, 2)
     for _ in range(2):  # the second save reuses the pool, with the same wait
@@ -159,7 +169,7 @@ def test_the_step_after_a_save_waits_for_the_copies(tmp_path):
         _train(sync, 1, start=sync.global_steps)
         background.wait_checkpoint()
         assert _files(tmp_path / "async" / tag) == _files(tmp_path / "sync" / tag)
-        assert background._checkpoint_writer.last_stats.step_wait_s > 0.1  # the step waited for them
+        assert LateCopier.events[-1].ran_by == threading.get_ident()  # the step waited for them
     assert background._checkpoint_writer._pool.num_allocations == 1
     background.destroy()
     assert background._checkpoint_writer._pool.nbytes == 0
@@ -177,3 +187,21 @@ def test_snapshot_pool_startup_allocates_before_any_save(tmp_path, pool, allocat
         _train(engine, 1, start=engine.global_steps)
         engine.wait_checkpoint()
     assert writer._pool.num_allocations == (allocations_after_step or 1)  # no save allocated after startup
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_snapshot_is_page_locked_asynchronous_and_keeps_temporaries_alive():
+    pool = SnapshotPool()
+    torch.manual_seed(0)
+    weight = torch.randn(1024, 1024, device="cuda")
+    expected = weight.cpu()
+    for _ in range(2):
+        snapshot = pool.take({"w": weight, "v": weight[3:5], "t": weight * 2})  # `t`: freed on return
+        torch.zeros(1024, 1024, device="cuda")  # would take the temporary's memory if it were not recorded
+        assert len(snapshot.events) == 1
+        snapshot.synchronize()
+        files = snapshot.files
+        assert files["w"].is_pinned()
+        assert files["w"].untyped_storage().data_ptr() == files["v"].untyped_storage().data_ptr()
+        assert torch.equal(files["w"], expected) and torch.equal(files["t"], expected * 2)
+    assert pool.num_allocations == 1

@@ -144,7 +144,7 @@ def _engine(decoupled: bool, pool: str = "first_save"):
               "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01}}}
     if decoupled:
         config["checkpoint"] = {"writer": {"type": "python", "decoupled": True, "snapshot_pool": pool}}
-    engine, *_ = lightspeed.initialize(model=TinyMLP(), config=config)
+    engine, *_ = lightspeed.initialize(model=TinyMLP(), config=config, dist_init_required=False)
     return engine
 
 

@@ -12,8 +12,9 @@ import torch
 
 import lightspeed
 from lightspeed.checkpoint.snapshot import SnapshotPool
-from lightspeed.checkpoint.writer import CheckpointWriter, WriterOptions
+from lightspeed.checkpoint.writer import CheckpointWriter, WriterOptions, options_from_config
 from lightspeed.comm.collectives import Communicator
+from lightspeed.config import load
 from lightspeed.testing.models import TinyMLP, regression_data
 
 COMM = Communicator(None, 1)
@@ -138,9 +139,9 @@ class LateCopier:
         return event
 
 
-def _engine(decoupled: bool, pool: str = "first_save"):
+def _engine(decoupled: bool, pool: str = "first_save", stage: int = 0):
     torch.manual_seed(7)
-    config = {"train_batch_size": BATCH, "steps_per_print": 1000,
+    config = {"train_batch_size": BATCH, "steps_per_print": 1000, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01}}}
     if decoupled:
         config["checkpoint"] = {"writer": {"type": "python", "decoupled": True, "snapshot_pool": pool}}
@@ -175,9 +176,10 @@ def test_the_step_after_a_save_waits_for_the_copies(tmp_path):
     assert background._checkpoint_writer._pool.nbytes == 0
 
 
-@pytest.mark.parametrize("pool, allocations_after_step", [("first_save", 0), ("startup", 2)])
-def test_snapshot_pool_startup_allocates_before_any_save(tmp_path, pool, allocations_after_step):
-    engine = _engine(True, pool)
+@pytest.mark.parametrize("pool, stage, allocations_after_step", [("first_save", 0, 0), ("startup", 0, 2),
+                                                                 ("startup", 3, 2)])
+def test_snapshot_pool_startup_allocates_before_any_save(tmp_path, pool, stage, allocations_after_step):
+    engine = _engine(True, pool, stage)
     writer = engine._checkpoint_writer
     assert writer._pool.num_allocations == (1 if pool == "startup" else 0)  # startup: what exists at build
     _train(engine, 1)  # startup: tops the pool up with the optimizer state the step created
@@ -205,3 +207,14 @@ def test_cuda_snapshot_is_page_locked_asynchronous_and_keeps_temporaries_alive()
         assert files["w"].untyped_storage().data_ptr() == files["v"].untyped_storage().data_ptr()
         assert torch.equal(files["w"], expected) and torch.equal(files["t"], expected * 2)
     assert pool.num_allocations == 1
+
+
+def test_snapshot_pool_without_a_background_writer_is_named_as_having_no_effect(ls_caplog):
+    cfg = load({"train_batch_size": 8, "checkpoint": {"writer": {"type": "python", "snapshot_pool": "Startup"}}},
+               world_size=1)
+    options = options_from_config(cfg.checkpoint)
+    assert options.snapshot_pool == "startup" and not options.decoupled
+    assert "checkpoint.writer.snapshot_pool=startup has no effect without checkpoint.writer.decoupled" in ls_caplog.text
+    writer = CheckpointWriter(options)
+    writer.reserve(_state())  # a synchronous writer keeps no pool
+    assert writer._pool.num_allocations == 0

@@ -27,7 +27,9 @@ Note (the snapshot pool):
       recorded on the side stream, so a temporary of the state (a ZeRO-3 gather) may be freed when
       the save returns. An event marks their end: the writer's thread waits on it before writing,
       the engine's next step before it changes the state, the next save before the pool is
-      overwritten. On CPU the same calls copy inline and there is no event.
+      overwritten. The step waits on the host, not with a stream wait: a strategy may change the
+      state from its own streams or threads (offload), and by then the forward and backward have
+      hidden most of the copies. On CPU the same calls copy inline and there is no event.
 """
 
 from __future__ import annotations

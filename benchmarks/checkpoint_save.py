@@ -8,9 +8,14 @@ Claims:
      entry. For reference the table also shows what hashing every tensor ourselves would add
      (xxh3_64 over the state's bytes, when `xxhash` is installed) and the save through a Python file
      object (the writer before this one).
-  2. A background save holds training only for the host snapshot: stall per save, sync vs async,
-     and the median step time while the writer works (training goes on until it is done), against
-     steps with no save.
+  2. A background save holds training only while it queues the host snapshot's copies: its stall
+     is at most 0.10x a synchronous save's (and DeepSpeed's, with `--deepspeed`), first save
+     included when the snapshot pool is allocated at start-up (`checkpoint.writer.snapshot_pool:
+     startup`). The stall of a save is the time from the save_checkpoint call to its return, plus
+     what the next step waited for the snapshot's copies (CUDA: they run on a side stream), plus
+     whatever the training steps after it did not hide of the write (a final wait_checkpoint). The
+     first save and the median of the later ones are reported apart, with the pool allocations
+     each did and the median step time while the writer works, against steps with no save.
   Also: the verified load (every record's CRC-32 recomputed) against an unverified torch.load.
 
 The model is an MLP language model (embedding, `--layers` blocks of h -> 4h -> h, head), trained by
@@ -20,6 +25,7 @@ parameters. Files go to `--dir` (default: a temporary directory); the page cache
     python benchmarks/checkpoint_save.py --smoke                              # seconds, CPU
     python benchmarks/checkpoint_save.py --hidden 1024 --layers 8             # CPU, ~0.5B state bytes
     python benchmarks/checkpoint_save.py --hidden 2048 --layers 32 --bf16 --dir /local/nvme/ckpt   # GPU
+    python benchmarks/checkpoint_save.py --smoke --stall-only --deepspeed     # part 2, against DeepSpeed
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class MLPLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def make_engine(args, decoupled: bool):
+def make_engine(args, decoupled: bool, pool: str = "first_save"):
     import lightspeed
 
     torch.manual_seed(0)
@@ -66,7 +72,7 @@ def make_engine(args, decoupled: bool):
     if args.bf16:
         config["bf16"] = {"enabled": True}
     if decoupled:
-        config["checkpoint"] = {"writer": {"type": "PYTHON", "decoupled": True}}
+        config["checkpoint"] = {"writer": {"type": "PYTHON", "decoupled": True, "snapshot_pool": pool}}
     engine, *_ = lightspeed.initialize(model=MLPLM(args.vocab, args.hidden, args.layers), config=config)
     return engine
 
@@ -178,28 +184,39 @@ def measure_checksum_cost(engine, root: str, repeats: int) -> dict[str, float]:
     return result
 
 
-def measure_stall(args, root: str, decoupled: bool) -> dict[str, float]:
-    engine = make_engine(args, decoupled)
+def measure_stall(args, root: str, decoupled: bool, pool: str = "first_save") -> dict[str, float]:
+    engine = make_engine(args, decoupled, pool)
+    writer = engine._checkpoint_writer
     timed_steps(engine, args, args.warmup)
     base = timed_steps(engine, args, args.steps)
-    stalls, during, overlapped = [], [], []
+    out_dir = os.path.join(root, f"async_{pool}" if decoupled else "sync")
+    stalls, parts, during, overlapped, allocations = [], [], [], [], []
     for i in range(args.saves):
+        before = writer._pool.num_allocations
         sync()
         t0 = time.perf_counter()
-        engine.save_checkpoint(os.path.join(root, "async" if decoupled else "sync"), tag=f"s{i}")
-        stalls.append(time.perf_counter() - t0)
+        engine.save_checkpoint(out_dir, tag=f"s{i}")
+        returned = time.perf_counter() - t0
+        allocations.append(writer._pool.num_allocations - before)
         # a background writer works during these: train on until it is done (at most --max-steps)
         steps = 0
-        while steps < args.steps or (engine._checkpoint_writer.writing and steps < args.max_steps):
+        while steps < args.steps or (writer.writing and steps < args.max_steps):
             during.extend(timed_steps(engine, args, 1))
             steps += 1
         sync()
         t0 = time.perf_counter()
         engine.wait_checkpoint()
-        stalls[-1] += time.perf_counter() - t0  # whatever the steps did not hide
+        unhidden = time.perf_counter() - t0  # whatever the steps did not hide
+        step_wait = writer.last_stats.step_wait_s  # the next step's wait for the snapshot's copies
+        stalls.append(returned + step_wait + unhidden)
+        parts.append((returned, step_wait, unhidden))
         overlapped.append(steps)
-        shutil.rmtree(os.path.join(root, "async" if decoupled else "sync", f"s{i}"))  # one save on disk at a time
+        shutil.rmtree(os.path.join(out_dir, f"s{i}"))  # one save on disk at a time
+    engine.destroy()
+    later = parts[1:] or parts
     return {"stall_s": statistics.median(stalls[1:] or stalls), "first_stall_s": stalls[0],
+            "parts_ms": "/".join(f"{statistics.median(p[k] for p in later) * 1e3:.1f}" for k in range(3)),
+            "first_allocations": allocations[0], "later_allocations": sum(allocations[1:]),
             "step_s": statistics.median(base), "step_during_s": statistics.median(during),
             "steps_during": statistics.median(overlapped)}
 
@@ -230,7 +247,42 @@ def measure_deepspeed_stall(args, root: str) -> dict[str, float]:
         saved = dir_bytes(os.path.join(root, "deepspeed", f"s{i}"))
         shutil.rmtree(os.path.join(root, "deepspeed", f"s{i}"))
         timed_steps(engine, args, args.steps)
-    return {"stall_s": statistics.median(stalls), "step_s": statistics.median(base), "bytes": saved}
+    return {"stall_s": statistics.median(stalls[1:] or stalls), "first_stall_s": stalls[0],
+            "step_s": statistics.median(base), "bytes": saved}
+
+
+def print_stall_table(args, root: str) -> None:
+    rows = [("synchronous", measure_stall(args, root, decoupled=False)),
+            ("background, pool at first save", measure_stall(args, root, decoupled=True, pool="first_save")),
+            ("background, pool at startup", measure_stall(args, root, decoupled=True, pool="startup"))]
+    deepspeed_note = ""
+    if args.deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError as err:
+            deepspeed_note = f"DeepSpeed not measured: it does not import ({err})"
+        else:
+            rows.append(("DeepSpeed (synchronous)", measure_deepspeed_stall(args, root)))
+    sync_row = rows[0][1]
+    ds_row = rows[-1][1] if rows[-1][0].startswith("DeepSpeed") else None
+    print("\n2. training stall per save: save_checkpoint's return + the next step's wait + what the steps after it "
+          "did not hide (%d saves; later = median of saves 2..%d; at least %d steps after each; device %s)"
+          % (args.saves, args.saves, args.steps, "cuda" if torch.cuda.is_available() else "cpu"))
+    head = f"  {'':<32}{'first ms':>10}{'later ms':>10}{'first/sync':>11}{'later/sync':>11}"
+    if ds_row is not None:
+        head += f"{'first/DS':>9}{'later/DS':>9}"
+    print(head + f"{'later: return/wait/rest ms':>28}{'pool allocs 1st/later':>23}{'step ms':>9}"
+          f"{'step ms, writing':>20}")
+    for name, r in rows:
+        line = (f"  {name:<32}{r['first_stall_s'] * 1e3:10.1f}{r['stall_s'] * 1e3:10.1f}"
+                f"{r['first_stall_s'] / sync_row['first_stall_s']:11.3f}{r['stall_s'] / sync_row['stall_s']:11.3f}")
+        if ds_row is not None:
+            line += f"{r['first_stall_s'] / ds_row['first_stall_s']:9.3f}{r['stall_s'] / ds_row['stall_s']:9.3f}"
+        allocs = f"{r['first_allocations']}/{r['later_allocations']}" if "first_allocations" in r else "-"
+        during = f"{r['step_during_s'] * 1e3:8.1f} ({r['steps_during']:.0f} steps)" if "step_during_s" in r else "-"
+        print(line + f"{r.get('parts_ms', '-'):>28}{allocs:>23}{r['step_s'] * 1e3:9.1f}{during:>20}")
+    if deepspeed_note:
+        print("  " + deepspeed_note)
 
 
 def main() -> None:
@@ -243,7 +295,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--repeats", type=int, default=3, help="saves per variant for the checksum cost (median)")
-    p.add_argument("--saves", type=int, default=2, help="saves per mode for the stall (median)")
+    p.add_argument("--saves", type=int, default=4, help="saves per mode for the stall (first, median of the rest)")
     p.add_argument("--steps", type=int, default=4, help="training steps after each save (at least)")
     p.add_argument("--max-steps", type=int, default=5000,
                    help="background saves: train on while the writer works, up to this many steps")
@@ -254,7 +306,7 @@ def main() -> None:
     p.add_argument("--stall-only", action="store_true", help="only part 2 (the training stall per save)")
     args = p.parse_args()
     if args.smoke:
-        args.hidden, args.layers, args.vocab, args.seq, args.repeats, args.saves, args.steps = 64, 2, 256, 16, 1, 1, 2
+        args.hidden, args.layers, args.vocab, args.seq, args.repeats, args.saves, args.steps = 64, 2, 256, 16, 1, 3, 2
     os.environ.setdefault("LIGHTSPEED_LOG_LEVEL", "WARNING")
     root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
     try:
@@ -284,18 +336,7 @@ def main() -> None:
             for entry in os.listdir(root):  # section 1's files out of the way: the disk holds few saves
                 path = os.path.join(root, entry)
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        print("\n2. training stall per save (median of the saves after the first, of %d; at least %d steps "
-              "after each)" % (args.saves, args.steps))
-        for decoupled in (False, True):
-            r = measure_stall(args, root, decoupled)
-            name = "background" if decoupled else "synchronous"
-            print(f"  {name:<12} stall {r['stall_s'] * 1e3:9.1f} ms (first save {r['first_stall_s'] * 1e3:.1f})   "
-                  f"step {r['step_s'] * 1e3:8.1f} ms, after the save {r['step_during_s'] * 1e3:8.1f} ms "
-                  f"({r['steps_during']:.0f} steps)")
-        if args.deepspeed:
-            r = measure_deepspeed_stall(args, root)
-            print(f"  {'DeepSpeed':<12} stall {r['stall_s'] * 1e3:9.1f} ms   step {r['step_s'] * 1e3:8.1f} ms "
-                  f"(its save_checkpoint, synchronous; {r['bytes'] / 1e9:.3f} GB)")
+        print_stall_table(args, root)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

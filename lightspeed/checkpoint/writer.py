@@ -28,19 +28,19 @@ Note (completing a save without collectives in the writer thread):
     the thread when it happens, so a process that exits without waiting (the thread is not a daemon:
     the interpreter finishes the write before it exits) still reports it.
 
-    The snapshot: before `save` returns, every tensor to be written is copied into host memory
-    owned by the writer (pinned when it comes from CUDA, so the copy is asynchronous on the current
-    stream and the job waits on an event), keeping views of one storage views of one copy, so the
-    files load exactly as a synchronous save's. Buffers are reused by the next save of the same
-    sizes. Training may change the originals as soon as `save` returns. The thread does not hold the
-    training thread up: torch's file writer releases the GIL while it writes a record (during a 1 GiB
-    background torch.save, the training thread's longest wait was 0.14 s; torch 2.13, 2 busy CPU
-    cores, 2026-12-01), so what a background save costs training is CPU and disk bandwidth.
+    The snapshot: before `save` returns, every tensor to be written is copied into a host pool the
+    writer keeps across saves (snapshot.py's Note: allocated once, page-locked for CUDA tensors,
+    copied asynchronously on a side stream), keeping views of one storage views of one copy, so the
+    files load exactly as a synchronous save's. Training may run on as soon as `save` returns, but
+    must call `wait_snapshot` before it changes the state (the engine does at its next step): on
+    CUDA the copies may still be reading it. The thread does not hold the training thread up:
+    torch's file writer releases the GIL while it writes a record (during a 1 GiB background
+    torch.save, the training thread's longest wait was 0.14 s; torch 2.13, 2 busy CPU cores,
+    2026-12-01), so what a background save costs training is CPU and disk bandwidth.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 import uuid
@@ -48,14 +48,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed._utils.sizes import human_bytes
 from lightspeed.checkpoint import tag_dir
 from lightspeed.checkpoint.atomic import atomic_torch_save, atomic_write_bytes
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import file_entry, manifest_name, read_manifest, write_manifest
+from lightspeed.checkpoint.snapshot import Snapshot, SnapshotPool
 from lightspeed.comm.collectives import Communicator
 
 __all__ = ["WriterOptions", "CheckpointWriter", "SaveStats", "failure_marker", "options_from_config"]
@@ -72,19 +71,23 @@ def failure_marker(rank: int) -> str:
 class WriterOptions:
     """`decoupled`: write in a background thread (DeepSpeed's `checkpoint.writer.decoupled`);
     `show_statistics`: log bytes and seconds of every save; `commit_timeout_s`: how long rank 0
-    waits for the other ranks' files before giving the save up."""
+    waits for the other ranks' files before giving the save up; `snapshot_pool`: when the engine
+    sizes the background save's host pool, "first_save" or "startup" (`checkpoint.writer.snapshot_pool`)."""
 
     decoupled: bool = False
     show_statistics: bool = False
     commit_timeout_s: float = 600.0
+    snapshot_pool: str = "first_save"
 
 
 @dataclass
 class SaveStats:
-    """Seconds the caller was held (`stall_s`), seconds of the write (`write_s`), bytes written."""
+    """Seconds the caller was held (`stall_s`), seconds the next step waited for the snapshot's
+    copies (`step_wait_s`, background saves), seconds of the write (`write_s`), bytes written."""
 
     tag: str
     stall_s: float = 0.0
+    step_wait_s: float = 0.0
     write_s: float = 0.0
     num_bytes: int = 0
 
@@ -97,7 +100,7 @@ class _Job:
     dp_rank: int
     num_ranks: int
     save_latest: bool
-    ready: Any  # a CUDA event the snapshot copies complete at, or None
+    ready: Snapshot | None  # the snapshot the files are, its copies perhaps still running
     stats: SaveStats
     save_id: str | None = None  # rank 0's, the same on every rank (in each manifest)
 
@@ -110,8 +113,8 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._pending: _Job | None = None
         self._error: BaseException | None = None
-        self._pool: dict[tuple[str, int], list[torch.UntypedStorage]] = {}
-        self._in_use: list[torch.UntypedStorage] = []
+        self._pool = SnapshotPool()
+        self._copying: Snapshot | None = None  # the last snapshot, until the state may change
         self.last_stats: SaveStats | None = None
 
     # ------------------------------------------------------------------------------------ public
@@ -134,7 +137,8 @@ class CheckpointWriter:
         job = _Job(save_dir, tag, {}, dp_rank, num_ranks, save_latest, None, stats, save_id)
         self._pending, self._error = job, None
         try:
-            job.files, job.ready = self._snapshot(files)
+            job.ready = self._copying = self._pool.take(files)
+            job.files = job.ready.files
         except Exception as err:  # e.g. out of pinned memory: an error of this save like any other,
             self._error = err  # reported on every rank at the next save or wait, as the other ranks
             self._mark_failed(tag_dir.staging_dir(save_dir, tag), dp_rank, err)  # have started theirs
@@ -171,9 +175,29 @@ class CheckpointWriter:
             self._thread.join()
         self._thread, self._pending = None, None
         error, self._error = self._error, None
-        self._pool_return()
+        self._copying = None  # the thread waited for the copies before it wrote
         self._agree(comm, job, error)
         self._report(job.stats)
+
+    def wait_snapshot(self) -> None:
+        """Block until the last background save's copies of the state are complete: call before
+        changing the state (on CPU they are done when `save` returns). Not collective."""
+        if self._copying is not None:
+            waited = self._copying.synchronize()
+            if self._pending is not None:
+                self._pending.stats.step_wait_s += waited
+            self._copying = None
+
+    def reserve(self, state: Any) -> None:
+        """Size the snapshot pool for saves of `state` now (tensors as a later save's files hold
+        them), so the first background save allocates nothing; a no-op for synchronous saves."""
+        if self.options.decoupled:
+            self._pool.reserve(state)
+
+    def close(self, comm: Communicator) -> None:
+        """Wait for a pending save (collective then, as `wait`) and free the snapshot pool."""
+        self.wait(comm)
+        self._pool.release()
 
     @property
     def pending(self) -> bool:
@@ -263,62 +287,9 @@ class CheckpointWriter:
         self.last_stats = stats
         if self.options.show_statistics:
             rate = stats.num_bytes / max(stats.write_s, 1e-9)
-            logger.info("checkpoint %s: %s written in %.3f s (%s/s), training held %.3f s", stats.tag,
-                        human_bytes(stats.num_bytes), stats.write_s, human_bytes(rate), stats.stall_s)
-
-    # ------------------------------------------------------------------------------------ snapshot
-    def _snapshot(self, obj: Any) -> tuple[Any, Any]:
-        copies: dict[tuple[str, int], torch.UntypedStorage] = {}
-        cuda = {"used": False}
-
-        def copy_tensor(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            key = (str(storage.device), storage.data_ptr())
-            if key not in copies:
-                host = self._pool_take(storage.nbytes(), pinned=storage.device.type == "cuda")
-                host.copy_(storage, non_blocking=storage.device.type == "cuda")
-                cuda["used"] |= storage.device.type == "cuda"
-                copies[key] = host
-            out = torch.empty(0, dtype=t.dtype)
-            return out.set_(copies[key], t.storage_offset(), t.size(), t.stride())
-
-        def walk(o: Any) -> Any:
-            if torch.is_tensor(o):
-                return copy_tensor(o.detach())
-            if isinstance(o, dict):
-                out = copy.copy(o)  # keeps the mapping type (OrderedDict, defaultdict, ...)
-                for k, v in o.items():
-                    out[k] = walk(v)
-                return out
-            if isinstance(o, list):
-                return [walk(v) for v in o]
-            if isinstance(o, tuple) and not isinstance(o, torch.Size):
-                return tuple(walk(v) for v in o) if type(o) is tuple else type(o)(*(walk(v) for v in o))
-            return o
-
-        snapshot = walk(obj)
-        ready = None
-        if cuda["used"]:
-            ready = torch.cuda.Event()
-            ready.record()
-        return snapshot, ready
-
-    def _pool_take(self, nbytes: int, pinned: bool) -> torch.UntypedStorage:
-        key = ("pinned" if pinned else "cpu", nbytes)
-        free = self._pool.get(key)
-        storage = free.pop() if free else None
-        if storage is None:
-            storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
-        self._in_use.append(storage)
-        return storage
-
-    def _pool_return(self) -> None:
-        # Only buffers of the save just completed are kept: a pool holds at most one checkpoint's worth.
-        self._pool = {}
-        for storage in self._in_use:
-            key = ("pinned" if storage.is_pinned() else "cpu", storage.nbytes())
-            self._pool.setdefault(key, []).append(storage)
-        self._in_use = []
+            logger.info("checkpoint %s: %s written in %.3f s (%s/s), training held %.3f s (+%.3f s at the next "
+                        "step)", stats.tag, human_bytes(stats.num_bytes), stats.write_s, human_bytes(rate),
+                        stats.stall_s, stats.step_wait_s)
 
 
 def options_from_config(checkpoint_config: Any) -> WriterOptions:
@@ -333,4 +304,8 @@ def options_from_config(checkpoint_config: Any) -> WriterOptions:
         if getattr(writer, key) != default:
             warn_once(f"checkpoint.writer.{key} has no effect with writer type PYTHON (it sizes DeepNVMe's pinned "
                       "I/O buffers)", logger)
-    return WriterOptions(decoupled=bool(writer.decoupled), show_statistics=bool(writer.show_statistics))
+    if writer.snapshot_pool != "first_save" and not writer.decoupled:
+        warn_once(f"checkpoint.writer.snapshot_pool={writer.snapshot_pool} has no effect without "
+                  "checkpoint.writer.decoupled (only a background save snapshots the state)", logger)
+    return WriterOptions(decoupled=bool(writer.decoupled), show_statistics=bool(writer.show_statistics),
+                         snapshot_pool=writer.snapshot_pool)

@@ -47,6 +47,11 @@ class CheckpointWriterConfig(Section):
     show_statistics: Bool = False
     data_parallel: Optional[Choice("REPLICA", "SOCKET", "MACHINE", normalize=str.upper)] = None
     io_multiplier: PosInt = 1
+    snapshot_pool: Choice("first_save", "startup", normalize=str.lower) = "first_save"
+    """lightspeed's own key: when a decoupled writer allocates the host memory it snapshots the state
+    into (kept for every later save): at the first save ("first_save"), or when the engine is built
+    and again after the first optimizer step, which creates the optimizer state ("startup"), so that
+    no save allocates."""
 
 
 TagValidation = Choice("WARN", "IGNORE", "FAIL", normalize=str.upper, what='must be "Warn", "Ignore" or "Fail"')

@@ -8,9 +8,9 @@ entry at once, e.g. ``zero_optimization.stage=2 is not implemented yet``.
 Implemented today, hence absent: the batch triad, steps_per_print, wall_clock_breakdown,
 gradient_clipping, prescale_gradients, gradient_predivide_factor, optimizer, scheduler, fp16 (not
 auto_cast, not fp16_master_weights_and_grads), bf16, ZeRO stage 0, data_types.grad_accum_dtype,
-communication_data_type, checkpoint.tag_validation, checkpoint.writer (type PYTHON, decoupled, show_statistics),
-checkpoint.format (lightspeed's own key: "deepspeed" saves DeepSpeed's layout, checkpoint/deepspeed_writer.py),
-memory_breakdown, dump_state; also
+communication_data_type, checkpoint.tag_validation, checkpoint.writer (type PYTHON, decoupled, show_statistics,
+snapshot_pool), checkpoint.format (lightspeed's own key: "deepspeed" saves DeepSpeed's layout,
+checkpoint/deepspeed_writer.py), memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
 precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), the one-bit optimizers

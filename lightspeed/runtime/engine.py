@@ -26,7 +26,7 @@ from lightspeed.checkpoint.deepspeed_writer import module_entry_names, save_as_d
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification
 from lightspeed.checkpoint.module_state import check_module_state
-from lightspeed.checkpoint.rng import set_rng_state
+from lightspeed.checkpoint.rng import get_rng_state, set_rng_state
 from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record
 from lightspeed.checkpoint.universal import apply_training_state, read_training_state
 from lightspeed.zero.fragments import first_names
@@ -98,6 +98,11 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         self.comm.stats.reset()  # per-step volume counts training traffic, not initialize()'s broadcast
         self.training_dataloader = None
         self._checkpoint_writer = CheckpointWriter(options_from_config(config.checkpoint))
+        # `checkpoint.writer.snapshot_pool: startup`: sized now, and topped up once the first applied step
+        # has created the optimizer state (torch optimizers create theirs lazily)
+        self._reserve_after_step = self._checkpoint_writer.options.snapshot_pool == "startup"
+        if self._reserve_after_step:
+            self._reserve_snapshot_pool()
 
     # ------------------------------------------------------------------ configuration accessors
     def train_batch_size(self) -> int:
@@ -241,6 +246,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         """Optimizer step at the accumulation boundary (skipped on fp16 overflow); a no-op otherwise."""
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
+            self._checkpoint_writer.wait_snapshot()  # a background save's copies may still read the state
             if self._inside_no_sync:
                 raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): the gradients were "
                                    "not reduced; leave no_sync() for the boundary micro-step's backward")
@@ -268,6 +274,9 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
             self.monitor.after_step(global_samples=self.global_samples, lr=self.get_lr(), step_ms=step_ms,
                                     loss_scale=self.loss_scale if self.loss_scaler is not None else None)
             self.step_profiler.after_step(self.global_steps, step_ms)
+            if self._reserve_after_step and result.applied:
+                self._reserve_after_step = False
+                self._reserve_snapshot_pool()
             self._after_step()
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
@@ -475,6 +484,19 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
     def is_compiled(self) -> bool:
         """Whether `compile()` (or `compile.enabled` in the config) compiled the module."""
         return self._compiled
+
+    def _reserve_snapshot_pool(self) -> None:
+        """Size a background save's host pool from the state a save snapshots (collective at ZeRO-3 and
+        with tensor parallelism, like a save). client_state tensors are not known here: a save with
+        some adds them to the pool."""
+        module_state = self._whole_tensors(self.strategy.module_state_dict())
+        self._checkpoint_writer.reserve({"module": module_state, "strategy": self.strategy.state_dict(),
+                                         "rng": get_rng_state()})
+
+    def destroy(self) -> None:
+        """Wait for a background checkpoint save and free its host snapshot pool (DeepSpeed's
+        `engine.destroy`); collective when a save is pending."""
+        self._checkpoint_writer.close(self._ckpt_comm)
 
     def wait_checkpoint(self) -> None:
         """Wait for a background (`checkpoint.writer.decoupled`) save to be complete on every rank;

@@ -1,7 +1,8 @@
 """Background checkpoint writing (`checkpoint.writer.decoupled`): the files load exactly as a
-synchronous save's, training continues with identical losses, a writer's error reaches every rank at
-the next save or wait, mismatched tags and save_dirs fail at once on every rank, and a process that
-exits right after a background save still completes it."""
+synchronous save's, training continues with identical losses, the snapshot pool is allocated once
+(at ZeRO-3 at start-up, collectively), a writer's error reaches every rank at the next save or
+wait, mismatched tags and save_dirs fail at once on every rank, and a process that exits right after
+a background save still completes it."""
 
 from __future__ import annotations
 
@@ -55,13 +56,14 @@ def _scenario(save_dir: str, config: dict):
     engine.save_checkpoint(save_dir, client_state={"epoch": 2})
     during = _train(engine, 3, 3)  # with a background writer, these steps run while it writes
     engine.wait_checkpoint()
+    allocations = engine._checkpoint_writer._pool.num_allocations
     torch.manual_seed(999)
     engine2, *_ = lightspeed.initialize(model=TinyMLP(seed=5), config=config)
     path, client = engine2.load_checkpoint(save_dir)
     assert client == {"epoch": 2} and engine2.global_steps == 3
     resumed = _train(engine2, 3, 3)
     loaded = engine_checkpoint.load(save_dir, None, dp_rank=dist.get_rank())
-    return first, during, resumed, loaded
+    return first, during, resumed, loaded, allocations
 
 
 def _same(a, b) -> bool:
@@ -79,9 +81,12 @@ def _compare_worker(root: str, stages: tuple[int, ...]):
     for stage in stages:
         cfg = dict(BASE, zero_optimization={"stage": stage})
         sync = _scenario(os.path.join(root, f"sync{stage}"), cfg)
-        background = _scenario(os.path.join(root, f"async{stage}"), dict(cfg, checkpoint=ASYNC))
-        s_first, s_during, s_resumed, s_loaded = sync
-        a_first, a_during, a_resumed, a_loaded = background
+        # at stage 3 the snapshot pool is sized at start-up (a gather of the module state, collective)
+        pool = "startup" if stage == 3 else "first_save"
+        writer = dict(ASYNC["writer"], snapshot_pool=pool)
+        background = _scenario(os.path.join(root, f"async{stage}"), dict(cfg, checkpoint={"writer": writer}))
+        s_first, s_during, s_resumed, s_loaded, _ = sync
+        a_first, a_during, a_resumed, a_loaded, allocations = background
         out.append({
             "stage": stage,
             "losses_equal": s_first == a_first and s_during == a_during and s_resumed == a_resumed,
@@ -89,6 +94,8 @@ def _compare_worker(root: str, stages: tuple[int, ...]):
             "files_equal": _same(s_loaded.shared, a_loaded.shared)
             and _same(s_loaded.strategy_state, a_loaded.strategy_state)
             and _same(s_loaded.rng_state, a_loaded.rng_state),
+            # first_save: one pool allocation, by the save; startup: at initialize and after the first step
+            "pool_allocations_ok": allocations == (2 if pool == "startup" else 1),
         })
     return out
 
@@ -97,7 +104,7 @@ def test_background_save_loads_exactly_as_a_synchronous_one(tmp_path):
     results = run_world(_compare_worker, 2, str(tmp_path), (0, 2, 3))
     for rank_results in results:
         for r in rank_results:
-            assert r["losses_equal"] and r["resume_exact"] and r["files_equal"], r
+            assert r["losses_equal"] and r["resume_exact"] and r["files_equal"] and r["pool_allocations_ok"], r
     for stage in (0, 2, 3):
         for kind in ("sync", "async"):
             directory = tmp_path / f"{kind}{stage}"
@@ -148,14 +155,14 @@ def _failing_worker(root: str):
         report["tag_validation"] = str(err)
     # a snapshot that fails on one rank (out of host memory, say) is reported like a writer error
     if rank == 1:
-        engine._checkpoint_writer._snapshot = lambda files: (_ for _ in ()).throw(MemoryError("no pinned memory"))
+        engine._checkpoint_writer._pool.take = lambda files: (_ for _ in ()).throw(MemoryError("no pinned memory"))
     engine.save_checkpoint(root, tag="snap")
     try:
         engine.wait_checkpoint()
     except CheckpointError as err:
         report["snapshot"] = str(err)
     if rank == 1:
-        del engine._checkpoint_writer._snapshot
+        del engine._checkpoint_writer._pool.take
     # rank 0 cannot even make the staging directory: every rank hears it at once
     if rank == 0:
         with open(os.path.join(root, "a_file"), "w") as f:

@@ -13,6 +13,7 @@ from lightspeed.checkpoint import tag_dir
 from lightspeed.checkpoint.atomic import atomic_torch_save, atomic_write_bytes, read_latest
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import file_entry, manifest_name, read_manifest, write_manifest
+from lightspeed.checkpoint.snapshot import SnapshotPool
 from lightspeed.checkpoint.tag_reader import TagReader, verify_tag
 from lightspeed.checkpoint.writer import CheckpointWriter, WriterOptions, failure_marker
 from lightspeed.comm.collectives import Communicator
@@ -86,9 +87,9 @@ def test_synchronous_save_waits_for_a_slow_rank(tmp_path):
 def test_snapshot_keeps_shared_storage_and_detaches_from_training(tmp_path):
     flat = torch.arange(10.0)
     state = {"a": flat[:4], "b": flat[4:].view(2, 3), "n": [1, (2, torch.Size([3]))]}
-    writer = CheckpointWriter(WriterOptions(decoupled=True))
-    snap, ready = writer._snapshot(state)
-    assert ready is None
+    snapshot = SnapshotPool().take(state)
+    assert snapshot.events == []  # CPU: copied on return
+    snap = snapshot.files
     assert snap["a"].untyped_storage().data_ptr() == snap["b"].untyped_storage().data_ptr()
     assert snap["a"].untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
     flat.add_(100)  # training moves on

@@ -36,6 +36,7 @@ def problems(config, **kwargs) -> list[str]:
         ({"communication_data_type": "int8"}, 'communication_data_type: must be "fp16", "bf16" or "fp32" (got "int8")'),
         ({"data_types": {"grad_accum_dtype": "fp64"}}, 'data_types.grad_accum_dtype: must be "fp32", "fp16" or "bf16" (got "fp64")'),
         ({"checkpoint": {"tag_validation": "loud"}}, 'checkpoint.tag_validation: must be "Warn", "Ignore" or "Fail" (got "loud")'),
+        ({"checkpoint": {"writer": {"snapshot_pool": "eager"}}}, 'checkpoint.writer.snapshot_pool: must be "first_save" or "startup" (got "eager")'),
         (
             {"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
             'zero_optimization.offload_optimizer.device: must be "none", "cpu" or "nvme" (got "gpu")',

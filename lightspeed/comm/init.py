@@ -29,8 +29,12 @@ Note: teardown
     through dynamo), so it is imported here first. Freed, the group joins its threads (c10d releases
     the GIL while it does). Measured with benchmarks/exit_abort.py (two CPU processes through the
     launcher, 2026-12-01): 5 SIGABRTs in 94 runs before, none in 60 after. After an
-    unhandled exception the group is left alone: with NCCL, destroying it can block on a peer that
-    failed mid-collective, and the job is ending anyway.
+    unhandled exception a gloo group is destroyed too (else a rank that raised aborts at exit, in about
+    1 run of 3 of tests/launcher/scripts/stall_job.py --mode raise, and the launcher reports SIGABRT
+    instead of the exception), but in a helper thread given `_DESTROY_AFTER_ERROR_S`: gloo's destructor
+    first finishes the collectives already queued, which may wait on a live peer up to the timeout;
+    past that the process exits with status 1 at once. An NCCL group is left alone then: destroying it
+    can block on a peer that failed mid-collective, and the job is ending anyway.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import os
 import re
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -53,6 +58,7 @@ from lightspeed.comm import watchdog
 logger = get_logger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+_DESTROY_AFTER_ERROR_S = 5.0
 TIMEOUT_ENV = "LIGHTSPEED_COMM_TIMEOUT"
 
 
@@ -167,9 +173,18 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
 def _destroy_at_exit() -> None:
     """Destroy the default process group at exit (rule in the module Note: teardown)."""
-    dog = watchdog.current()
-    if dog is not None:
-        dog.close()
-    if getattr(sys, "last_value", None) is not None or not dist.is_initialized():
+    watchdog.uninstall()
+    if not dist.is_initialized():
         return
-    dist.destroy_process_group()
+    if getattr(sys, "last_value", None) is None:
+        dist.destroy_process_group()
+        return
+    if dist.get_backend() != "gloo":
+        return
+    helper = threading.Thread(target=dist.destroy_process_group, name="lightspeed-destroy-group", daemon=True)
+    helper.start()
+    helper.join(_DESTROY_AFTER_ERROR_S)
+    if helper.is_alive():  # a queued collective waits on a live peer: exit as the exception would
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -100,12 +100,47 @@ def test_a_stalled_rank_ends_the_job_at_the_comm_timeout_with_every_ranks_stacks
     # every rank's stacks, each under its header: rank 0 waits in the collective, rank 1 where it stopped
     rank1 = proc.stderr.split("--- stacks of rank 1")[1]
     rank0 = proc.stderr.split("--- stacks of rank 0")[1].split("--- stacks of rank 1")[0]
-    assert "stall_job.py\", line 27 in <module>" in rank0
+    assert "stall_job.py\", line 32 in <module>" in rank0
     if mode == "stop":  # resumed to dump its stacks, the stopped rank may already be in the next collective
-        assert "stall_job.py\", line 24 in <module>" in rank1 or "stall_job.py\", line 27 in <module>" in rank1
+        assert "stall_job.py\", line 25 in <module>" in rank1 or "stall_job.py\", line 32 in <module>" in rank1
     else:
-        assert "stall_job.py\", line 26 in <module>" in rank1
+        assert "stall_job.py\", line 27 in <module>" in rank1
     assert ("(was stopped)" in proc.stderr) == (mode == "stop")
+
+
+@pytest.mark.parametrize("mode, status, reason", [
+    ("raise", 1, "exited with status 1: RuntimeError: rank 1 fails on purpose"),
+    ("kill", 137, "was killed by SIGKILL"),
+])
+def test_the_job_ends_with_the_first_failed_ranks_own_error_and_status(tmp_path, home, mode, status, reason):
+    """Rank 1 fails while rank 0 waits for it in a collective; rank 0 then fails too (the peer closed
+    the connection) and the agent stops it with SIGTERM: neither is the job's reason."""
+    proc = run_cli(["--num_procs", "2", SCRIPTS / "stall_job.py", "--mode", mode], tmp_path, home, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert "job failed: rank 1 (pid " in last and last.endswith(reason), proc.stderr[-3000:]
+
+
+def test_the_first_failure_is_a_ranks_own_not_a_collective_it_caused_nor_the_agents_sigterm():
+    from types import SimpleNamespace
+
+    from lightspeed.launcher.exits import first_failure
+
+    def failure(exitcode, timestamp, precise=None, collective=False):
+        data = {"message": "m", "timestamp": timestamp}
+        if precise is not None:
+            data.update(lightspeed_time=precise, lightspeed_collective=collective)
+        return SimpleNamespace(pid=10, exitcode=exitcode, timestamp=timestamp, error_file_data=data)
+
+    # rank 1 raised; rank 0's collective failed because of it, a little later, and the agent stopped it
+    assert first_failure({0: failure(-15, 100, 100.30, True), 1: failure(1, 100, 100.20)})[0] == 1
+    # rank 1 was killed (no error file, the agent's whole-second timestamp is later): still first
+    assert first_failure({0: failure(1, 100, 100.40, True), 1: failure(-9, 101)})[0] == 1
+    # the agent's SIGTERM (no error file) is never the first failure, whatever the timestamps say
+    assert first_failure({0: failure(-15, 99), 1: failure(1, 100)})[0] == 1
+    assert first_failure({0: failure(-15, 100)})[0] == 0
+    # a stall: the rank whose collective timed out first, though the agent stopped it later
+    assert first_failure({0: failure(-15, 100, 100.1, True), 1: failure(1, 100, 100.5, True)})[0] == 0
 
 
 def test_failure_reason_is_one_line():

@@ -1,5 +1,6 @@
 """A job whose rank 1 stops making progress before a collective that rank 0 waits in: it SIGSTOPs itself
-(--mode stop) or sleeps (--mode sleep). Rank 0 prints `rank 0 done` only if its wait ended normally."""
+(--mode stop) or sleeps (--mode sleep), or fails there: raises (--mode raise) or SIGKILLs itself (--mode
+kill). Rank 0 prints `rank 0 done` only if its wait ended normally."""
 
 import argparse
 import os
@@ -7,7 +8,7 @@ import signal
 import time
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mode", choices=("stop", "sleep"), default="stop")
+parser.add_argument("--mode", choices=("stop", "sleep", "raise", "kill"), default="stop")
 args = parser.parse_args()
 
 import torch  # noqa: E402
@@ -22,8 +23,12 @@ comm.all_reduce(grads)  # every rank gets here: the group works
 if comm.rank == 1:
     if args.mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-    else:
+    elif args.mode == "sleep":
         time.sleep(3600)
+    elif args.mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        raise RuntimeError("rank 1 fails on purpose")
 comm.all_reduce(grads, async_op=True).wait()
 grads.sum().item()  # NCCL's wait only orders the stream: the host blocks here
 print(f"rank {comm.rank} done", flush=True)

@@ -71,7 +71,8 @@ def failure_marker(rank: int) -> str:
 class WriterOptions:
     """`decoupled`: write in a background thread (DeepSpeed's `checkpoint.writer.decoupled`);
     `show_statistics`: log bytes and seconds of every save; `commit_timeout_s`: how long rank 0
-    waits for the other ranks' files before giving the save up."""
+    waits for the other ranks' files before giving the save up (the engine passes the communication
+    timeout, ``comm.timeout_seconds``: a rank slower than that would have failed a collective too)."""
 
     decoupled: bool = False
     show_statistics: bool = False
@@ -313,16 +314,17 @@ class CheckpointWriter:
         self._in_use = []
 
 
-def options_from_config(checkpoint_config: Any) -> WriterOptions:
-    """WriterOptions from the `checkpoint` config section. Without a `writer` block, saves are
+def options_from_config(checkpoint_config: Any, commit_timeout_s: float = WriterOptions.commit_timeout_s) -> WriterOptions:
+    """WriterOptions from the `checkpoint` config section and the communication timeout. Without a `writer` block, saves are
     synchronous (DeepSpeed's default engine); `writer.type` PYTHON is the one built (config/support.py
     refuses the others), and its io_buffer settings, which only DeepNVMe's writer reads, are logged
     as unused."""
     writer = getattr(checkpoint_config, "writer", None)
     if writer is None:
-        return WriterOptions()
+        return WriterOptions(commit_timeout_s=commit_timeout_s)
     for key, default in (("io_buffer_size", 64 * 1024**2), ("io_buffer_double", True)):
         if getattr(writer, key) != default:
             warn_once(f"checkpoint.writer.{key} has no effect with writer type PYTHON (it sizes DeepNVMe's pinned "
                       "I/O buffers)", logger)
-    return WriterOptions(decoupled=bool(writer.decoupled), show_statistics=bool(writer.show_statistics))
+    return WriterOptions(decoupled=bool(writer.decoupled), show_statistics=bool(writer.show_statistics),
+                         commit_timeout_s=commit_timeout_s)

@@ -6,7 +6,10 @@ Note: communication timeout
     torch's default (30 minutes, DeepSpeed's too) keeps a job whose rank stopped (SIGSTOP, a deadlock,
     a hung collective) alive for half an hour while ranks that die end it in seconds. Here the default
     is `DEFAULT_TIMEOUT` (10 minutes); `init_distributed(timeout=)` sets it, else the environment
-    variable LIGHTSPEED_COMM_TIMEOUT (seconds; the launcher's --comm_timeout sets it for every rank).
+    variable LIGHTSPEED_COMM_TIMEOUT (seconds; the launcher's --comm_timeout sets it for every rank),
+    else the ds_config's ``comm.timeout_seconds``: `initialize()` reads the config after the group
+    exists, so `apply_config_timeout` changes the default group's timeout then, unless one of the
+    first two set it.
     The same timeout goes to torch.distributed (gloo raises, NCCL aborts) and to the collective
     watchdog (comm/watchdog.py), which reports which collective stalled and the ranks' stacks.
     gloo, measured with torch 2.13 on 2026-12-01 (two processes, one sleeping before an
@@ -58,6 +61,7 @@ from lightspeed.comm import watchdog
 logger = get_logger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+_TIMEOUT = {"seconds": DEFAULT_TIMEOUT.total_seconds(), "from_config": True}  # may the config still set it
 _DESTROY_AFTER_ERROR_S = 5.0
 TIMEOUT_ENV = "LIGHTSPEED_COMM_TIMEOUT"
 
@@ -150,7 +154,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         return
     if dist.is_initialized():
         return
+    _TIMEOUT["from_config"] = timeout is None and not os.environ.get(TIMEOUT_ENV, "").strip()
     timeout = comm_timeout(timeout)
+    _TIMEOUT["seconds"] = timeout.total_seconds()
     launch = detect_launch_env(distributed_port=distributed_port) if auto_mpi_discovery or "RANK" in os.environ \
         else detect_launch_env({k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "SLURM_"))},
                                distributed_port)
@@ -169,6 +175,25 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                             world_size=launch.world_size, timeout=timeout)
     watchdog.install(timeout.total_seconds(), launch.rank)
     atexit.register(_destroy_at_exit)
+
+
+def apply_config_timeout(seconds: float) -> float:
+    """The ds_config's ``comm.timeout_seconds``: becomes the default group's timeout and the watchdog's
+    unless init_distributed(timeout=) or $LIGHTSPEED_COMM_TIMEOUT set one (module Note). Returns the
+    timeout in force, in seconds."""
+    if _TIMEOUT["from_config"] and dist.is_initialized() and seconds != _TIMEOUT["seconds"]:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+        dog = watchdog.current()
+        if dog is not None:
+            dog.timeout_s, dog.poll_s = float(seconds), min(1.0, seconds / 10)
+        _TIMEOUT["seconds"] = float(seconds)
+        logger.info("communication timeout %g s (comm.timeout_seconds)", seconds)
+    return _TIMEOUT["seconds"]
+
+
+def timeout_seconds() -> float:
+    """The communication timeout in force (the default before init_distributed)."""
+    return _TIMEOUT["seconds"]
 
 
 def _destroy_at_exit() -> None:

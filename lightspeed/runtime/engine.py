@@ -31,6 +31,7 @@ from lightspeed.zero.fragments import first_names
 from lightspeed.checkpoint.writer import CheckpointWriter, options_from_config
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
+from lightspeed.comm.init import timeout_seconds
 from lightspeed.monitor import MonitorMaster
 from lightspeed.parallel.placement import PlacementTable
 from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
@@ -95,7 +96,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         self.tput_timer = ThroughputTimer(config.timers.throughput, self.train_batch_size(), device)
         self.comm.stats.reset()  # per-step volume counts training traffic, not initialize()'s broadcast
         self.training_dataloader = None
-        self._checkpoint_writer = CheckpointWriter(options_from_config(config.checkpoint))
+        self._checkpoint_writer = CheckpointWriter(options_from_config(config.checkpoint, timeout_seconds()))
 
     # ------------------------------------------------------------------ configuration accessors
     def train_batch_size(self) -> int:

@@ -11,7 +11,8 @@ Note: communication timeout
     exists, so `apply_config_timeout` changes the default group's timeout then, unless one of the
     first two set it.
     The same timeout goes to torch.distributed (gloo raises, NCCL aborts) and to the collective
-    watchdog (comm/watchdog.py), which reports which collective stalled and the ranks' stacks.
+    watchdog (comm/watchdog.py), which reports which collective stalled and the ranks' stacks. The
+    rank heartbeat (comm/heartbeat.py, ``comm.stall_seconds``) names a stalled rank sooner.
     gloo, measured with torch 2.13 on 2026-12-01 (two processes, one sleeping before an
     all_reduce, timeout 3 s): the waiting rank's all_reduce raises RuntimeError "Timed out waiting
     3000ms for recv operation to complete" after 3.0 s; every later collective on that group fails
@@ -56,7 +57,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  (before any group exists: see the Note on teardown)
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.comm import watchdog
+from lightspeed.comm import heartbeat, watchdog
 
 logger = get_logger(__name__)
 
@@ -174,6 +175,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout)
     watchdog.install(timeout.total_seconds(), launch.rank)
+    heartbeat.install(dist.distributed_c10d._get_default_store(), launch.rank, launch.world_size)
     atexit.register(_destroy_at_exit)
 
 
@@ -198,6 +200,7 @@ def timeout_seconds() -> float:
 
 def _destroy_at_exit() -> None:
     """Destroy the default process group at exit (rule in the module Note: teardown)."""
+    heartbeat.uninstall()
     watchdog.uninstall()
     if not dist.is_initialized():
         return

@@ -68,6 +68,7 @@ class CollectiveWatchdog:
         self._reported = False
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self.last_progress = time.monotonic()  # when a wait last ended normally (the heartbeat's progress)
 
     # ------------------------------------------------------------------ tracking
     @contextmanager
@@ -92,6 +93,7 @@ class CollectiveWatchdog:
             raise
         with self._lock:
             self._pending.pop(token, None)
+        self.last_progress = time.monotonic()
 
     def oldest(self) -> Optional[tuple[int, str, float]]:
         """(token, description, seconds waited) of the oldest collective in flight, or None."""
@@ -120,15 +122,15 @@ class CollectiveWatchdog:
                 os._exit(EXIT_COMM_TIMEOUT)
             return
 
-    def report(self, what: str) -> None:
+    def report(self, what: str, hint: str = "a peer rank stopped, hung or died (timeout: "
+               "LIGHTSPEED_COMM_TIMEOUT, --comm_timeout, comm.timeout_seconds or init_distributed(timeout=))") -> None:
         """Report a stall once per process (see the module docstring); a second caller waits for the
         first report to finish, so the process does not exit while the launcher dumps the stacks."""
         with self._report_lock:
             if self._reported:
                 return
             self._reported = True
-            line = (f"lightspeed: rank {self.rank}: {what}; a peer rank stopped, hung or died "
-                    f"(timeout: LIGHTSPEED_COMM_TIMEOUT or init_distributed(timeout=))")
+            line = f"lightspeed: rank {self.rank}: {what}; {hint}"
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
             _write_error_file(line, collective=True)

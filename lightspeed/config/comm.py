@@ -4,9 +4,9 @@
 ``timeout_seconds`` bounds every collective (torch.distributed's timeout and the collective watchdog,
 comm/watchdog.py) and a checkpoint save's commit (checkpoint/writer.py). Precedence, first wins:
 `init_distributed(timeout=)`, then $LIGHTSPEED_COMM_TIMEOUT (the launcher's --comm_timeout sets it for
-every rank), then this key, then 600 s. ``stall_seconds``: a rank that completes no collective and no
-training step for this long (checkpoint I/O and compilation excepted) is reported as stalled by the
-rank heartbeat (comm/heartbeat.py), and the job ends naming it.
+every rank), then this key, then 600 s. ``stall_seconds``: a rank that waits in a collective this long
+names the peer keeping it waiting (stopped, gone, or making no progress outside collectives, checkpoint
+I/O and compilation excepted) and the job ends (comm/heartbeat.py's Note).
 """
 
 from __future__ import annotations

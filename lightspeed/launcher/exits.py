@@ -1,6 +1,6 @@
 """Which worker failed first, among the failures torch.distributed.elastic reports when a job fails.
 
-Owns `first_failure`. Must not start, signal or reap workers (the elastic agent does), nor import torch.
+Owns `first_failure` and `job_status`. Must not start, signal or reap workers (the elastic agent does), nor import torch.
 
 Note: the first failure
     torch's own choice (`ChildFailedError.get_first_failure`) orders failures by a timestamp in whole
@@ -23,7 +23,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from lightspeed.comm.watchdog import ERROR_COLLECTIVE_KEY, ERROR_TIME_KEY
+from lightspeed.comm.watchdog import ERROR_COLLECTIVE_KEY, ERROR_TIME_KEY, EXIT_COMM_TIMEOUT
 
 
 def _error_data(failure: Any) -> dict:
@@ -49,3 +49,16 @@ def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
 
     rank = min(failures, key=lambda r: (_kind(failures[r]), when(failures[r]), r))
     return rank, failures[rank]
+
+
+def job_status(failure: Any) -> int:
+    """The job's exit status for its first failure: the worker's exit status (128+N when signal N ended
+    it), except for a worker the agent stopped (SIGTERM) after it had reported its own failure: then
+    the status that failure would have ended it with (1, or `EXIT_COMM_TIMEOUT` for a collective that
+    failed or stalled), not the agent's SIGTERM."""
+    code = failure.exitcode
+    if code == -signal.SIGTERM and ERROR_TIME_KEY in _error_data(failure):
+        return EXIT_COMM_TIMEOUT if _kind(failure) == 1 else 1
+    if code > 0:
+        return code
+    return 128 - code if code < 0 else 1

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.launcher.exits import first_failure
+from lightspeed.launcher.exits import first_failure, job_status
 from lightspeed.launcher.hostfile import Resources
 
 logger = get_logger(__name__)
@@ -203,13 +203,6 @@ def rendezvous(plan: NodePlan) -> dict:
                 rdzv_configs={"rank": plan.node_rank}, min_nodes=plan.nnodes, max_nodes=plan.nnodes)
 
 
-def _exit_status(code: int) -> int:
-    """A shell's exit status for a worker's exit code (negative: killed by that signal)."""
-    if code > 0:
-        return code
-    return 128 - code if code < 0 else 1
-
-
 def failure_reason(rank: int, failure) -> str:
     """One line for the first failed worker (a torch.distributed.elastic ProcessFailure)."""
     message = failure.message
@@ -313,7 +306,7 @@ def run_node(plan: NodePlan) -> int:
         rank, failure = first_failure(e.failures)
         logger.debug(str(e))
         logger.error(f"job failed: {failure_reason(rank, failure)}")
-        return _exit_status(failure.exitcode)
+        return job_status(failure)
     except SignalException as e:
         logger.error(f"stopped by {e.sigval.name}; every worker was stopped")
         return 128 + int(e.sigval)

@@ -18,8 +18,9 @@ Note (completing a save without collectives in the writer thread):
       rank whose job fails writes `failed_rank<R>` (holding the error) instead;
     - rank 0's job, after its own files, polls the staging directory until every rank's manifest (or
       a failure marker) is there, then publishes the tag and writes `latest` (tag_dir's Note); a
-      failure marker, or `commit_timeout_s` without news, aborts the publish and `latest` keeps its
-      old value.
+      failure marker, a rank whose process is gone or stopped (the rank heartbeat, comm/heartbeat.py,
+      checked every `_PEER_CHECK_S`: a rank killed mid-save ends the wait within seconds), or
+      `commit_timeout_s` without news, aborts the publish and `latest` keeps its old value.
 
     The same job runs inline for a synchronous save. Either way the caller's thread then agrees on
     the outcome with one all-reduce (`wait`): synchronously at the end of `save`, asynchronously at
@@ -55,12 +56,14 @@ from lightspeed.checkpoint import tag_dir
 from lightspeed.checkpoint.atomic import atomic_torch_save, atomic_write_bytes
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import file_entry, manifest_name, read_manifest, write_manifest
+from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
 
 __all__ = ["WriterOptions", "CheckpointWriter", "SaveStats", "failure_marker", "options_from_config"]
 
 logger = get_logger(__name__)
 _POLL_S = 0.02
+_PEER_CHECK_S = 1.0  # how often rank 0's commit asks the heartbeat whether a waited-for rank is gone
 
 
 def failure_marker(rank: int) -> str:
@@ -99,6 +102,7 @@ class _Job:
     save_latest: bool
     ready: Any  # a CUDA event the snapshot copies complete at, or None
     stats: SaveStats
+    world_ranks: list[int]  # the world rank of each rank of the save's group (for the heartbeat)
 
 
 class CheckpointWriter:
@@ -124,13 +128,16 @@ class CheckpointWriter:
         self._prepare(save_dir, tag, comm, dp_rank)  # the staging directory exists before any rank writes
         stats = SaveStats(tag)
         if not self.options.decoupled:
-            job = _Job(save_dir, tag, files, dp_rank, num_ranks, save_latest, None, stats)
-            error = self._run_job(job)
+            job = _Job(save_dir, tag, files, dp_rank, num_ranks, save_latest, None, stats,
+                       heartbeat.world_ranks(comm.group, num_ranks))
+            with heartbeat.paused():
+                error = self._run_job(job)
             self._agree(comm, job, error)
             stats.stall_s = time.perf_counter() - start
             self._report(stats)
             return save_dir / tag
-        job = _Job(save_dir, tag, {}, dp_rank, num_ranks, save_latest, None, stats)
+        job = _Job(save_dir, tag, {}, dp_rank, num_ranks, save_latest, None, stats,
+                   heartbeat.world_ranks(comm.group, num_ranks))
         self._pending, self._error = job, None
         try:
             job.files, job.ready = self._snapshot(files)
@@ -162,7 +169,8 @@ class CheckpointWriter:
         if job is None:
             return
         if self._thread is not None:
-            self._thread.join()
+            with heartbeat.paused():
+                self._thread.join()
         self._thread, self._pending = None, None
         error, self._error = self._error, None
         self._pool_return()
@@ -212,6 +220,7 @@ class CheckpointWriter:
     def _await_ranks(self, job: _Job, staging: Path) -> None:
         deadline = time.monotonic() + self.options.commit_timeout_s
         waiting = set(range(job.num_ranks))
+        next_peer_check = time.monotonic() + _PEER_CHECK_S
         while True:
             for rank in sorted(waiting):
                 failed = staging / failure_marker(rank)
@@ -224,6 +233,13 @@ class CheckpointWriter:
                     waiting.discard(rank)
             if not waiting:
                 return
+            if time.monotonic() > next_peer_check:
+                next_peer_check = time.monotonic() + _PEER_CHECK_S
+                gone = heartbeat.gone_ranks([job.world_ranks[r] for r in sorted(waiting)])
+                if gone:
+                    rank, why = next(iter(gone.items()))
+                    raise CheckpointError(f"{staging}: rank {rank} (world rank) cannot finish its part of tag "
+                                          f"{job.tag}: {why}; the tag is not published")
             if time.monotonic() > deadline:
                 raise CheckpointError(f"{staging}: ranks {sorted(waiting)} did not finish their part of tag "
                                       f"{job.tag} within {self.options.commit_timeout_s:g} s; the tag is not "

@@ -74,9 +74,6 @@ class Heartbeat:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.stall_s = float(stall_s)
         self.host, self.pid = socket.gethostname(), os.getpid()
-        self._paused = 0
-        self._paused_lock = threading.Lock()
-        self._resumed = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightspeed-heartbeat", daemon=True)
 
@@ -91,27 +88,16 @@ class Heartbeat:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        with self._paused_lock:
-            self._paused += 1
-        try:
-            yield
-        finally:
-            with self._paused_lock:
-                self._paused -= 1
-                self._resumed = time.monotonic()
-
     def _idle_s(self) -> float:
         dog = watchdog.current()
-        last = max(self._resumed, dog.last_progress if dog is not None else 0.0)
+        last = max(_PAUSE["resumed"], dog.last_progress if dog is not None else 0.0)
         return time.monotonic() - last
 
     def _beat(self) -> None:
         dog = watchdog.current()
         oldest = dog.oldest() if dog is not None else None
         state = {"time": time.time(), "idle_s": self._idle_s(), "op": oldest[1] if oldest else None,
-                 "paused": self._paused > 0, "host": self.host, "pid": self.pid}
+                 "paused": _PAUSE["count"] > 0, "host": self.host, "pid": self.pid}
         self.store.set(f"{KEY}{self.rank}", json.dumps(state))
 
     # ------------------------------------------------------------------ peers
@@ -193,13 +179,20 @@ class Heartbeat:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie, killed but not yet reaped by its parent, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
         return True
-    return True
 
 
 _HEARTBEAT: Optional[Heartbeat] = None
@@ -211,6 +204,8 @@ def install(store: Any, rank: int, world_size: int, stall_s: float = DEFAULT_STA
     uninstall()
     if world_size > 1:
         _HEARTBEAT = Heartbeat(store, rank, world_size, stall_s).start()
+        if "torch._dynamo" in sys.modules:  # else engine.compile() hooks it; importing dynamo costs seconds
+            pause_during_compilation()
     return _HEARTBEAT
 
 
@@ -234,15 +229,48 @@ def set_stall_seconds(seconds: float) -> None:
         _HEARTBEAT.stall_s = float(seconds)
 
 
+_PAUSE = {"count": 0, "resumed": time.monotonic()}  # blocks inside `paused`; when the last one ended
+_PAUSE_LOCK = threading.Lock()
+_COMPILE_HOOKED = [False]
+
+
+def _pause(delta: int) -> None:
+    with _PAUSE_LOCK:
+        _PAUSE["count"] = max(0, _PAUSE["count"] + delta)
+        if delta < 0:
+            _PAUSE["resumed"] = time.monotonic()
+
+
 @contextmanager
 def paused() -> Iterator[None]:
     """Stop this rank's stall clock for the block (checkpoint I/O, compilation): the rank is not
     reported as stalled while inside, and leaving the block counts as progress."""
-    if _HEARTBEAT is None:
+    _pause(+1)
+    try:
         yield
+    finally:
+        _pause(-1)
+
+
+def pause_during_compilation() -> None:
+    """Pause the stall clock while torch.compile compiles (dynamo's compile start/end callbacks), for
+    every compilation of this process from now on; once per process."""
+    if _COMPILE_HOOKED[0]:
         return
-    with _HEARTBEAT.paused():
-        yield
+    from torch._dynamo.callback import callback_handler
+
+    callback_handler.register_start_callback(lambda args: _pause(+1))
+    callback_handler.register_end_callback(lambda args: _pause(-1))
+    _COMPILE_HOOKED[0] = True
+
+
+def world_ranks(group: Any, size: int) -> list[int]:
+    """The world ranks of `group`'s ranks 0..size-1 (None: the default group)."""
+    if group is None:
+        return list(range(size))
+    import torch.distributed as dist
+
+    return [dist.get_global_rank(group, r) for r in range(size)]
 
 
 def gone_ranks(world_ranks: list[int]) -> dict[int, str]:

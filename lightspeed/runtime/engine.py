@@ -29,6 +29,7 @@ from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record
 from lightspeed.checkpoint.universal import apply_training_state, read_training_state
 from lightspeed.zero.fragments import first_names
 from lightspeed.checkpoint.writer import CheckpointWriter, options_from_config
+from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import timeout_seconds
@@ -359,6 +360,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
                                 pin_memory=pin_memory and self.device.type == "cuda")
 
     # ------------------------------------------------------------------ checkpoints
+    @heartbeat.paused()  # file I/O: the stall clock waits (comm/heartbeat.py)
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
@@ -449,6 +451,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
             return
         backend = backend or get_accelerator().get_compile_backend() or "inductor"
         regions = self.strategy.compile_regions()
+        heartbeat.pause_during_compilation()  # compiling ranks are not reported as stalled
         for region in regions:
             region.compile(backend=backend, **kwargs)  # in place: hooks and parameters stay as they are
         self._compiled = True
@@ -487,6 +490,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         self.comm.barrier()
         return True
 
+    @heartbeat.paused()
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):

@@ -210,6 +210,28 @@ def test_without_a_launcher_the_waiting_ranks_end_within_seconds_of_a_stall(tmp_
     assert "lightspeed: rank 0: rank 1 stalled: " in err0 and "stacks of every thread" in err0, err0[-3000:]
 
 
+def test_without_a_launcher_a_rank_killed_mid_save_ends_its_peers_commit_within_seconds(tmp_path):
+    env = clean_env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "save_kill_job.py"), str(tmp_path / "ckpt")],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        _, err0 = procs[0].communicate(timeout=90)  # the commit timeout is 600 s
+        elapsed = time.monotonic() - start  # (rank 1 is not reaped yet: a zombie counts as gone)
+        procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 1, err0[-3000:]
+    assert elapsed < 45, elapsed  # start-up is most of it
+    assert "rank 1 (world rank) cannot finish its part of tag t1: its process" in err0, err0[-3000:]
+    assert not (tmp_path / "ckpt" / "latest").exists()
+
+
 def test_failure_reason_is_one_line():
     from types import SimpleNamespace
 

@@ -20,7 +20,9 @@ Note: what is a stall, and who reports it
       whose pid is gone on this host (killed);
     - else one that waits in no collective, is not paused, and has made no progress for `stall_s`
       (its main thread is stuck in user code: a deadlock, a sleep, an endless loop).
-    Ranks that wait in collectives themselves are the stalled rank's victims, not it. With no such
+    Ranks that wait in collectives themselves are the stalled rank's victims, not it. So work that
+    one rank does alone for longer than `stall_s` while the others wait (evaluation on rank 0 before
+    a barrier) belongs inside `paused()`, or wants a larger ``comm.stall_seconds``. With no such
     peer (ranks wait in different collectives: a program error) nothing is reported and the
     communication timeout ends the job. Heartbeat ages compare wall clocks across hosts, so they
     assume hosts whose clocks agree to well within `stall_s` (NTP).

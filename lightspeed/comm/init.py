@@ -33,9 +33,9 @@ Note: teardown
     through dynamo), so it is imported here first. Freed, the group joins its threads (c10d releases
     the GIL while it does). Measured with benchmarks/exit_abort.py (two CPU processes through the
     launcher, 2026-12-01): 5 SIGABRTs in 94 runs before, none in 60 after. After an
-    unhandled exception a gloo group is destroyed too (else a rank that raised aborts at exit, in about
-    1 run of 3 of tests/launcher/scripts/stall_job.py --mode raise, and the launcher reports SIGABRT
-    instead of the exception), but in a helper thread given `_DESTROY_AFTER_ERROR_S`: gloo's destructor
+    unhandled exception a gloo group is destroyed too (else a rank that raised may abort at exit the
+    same way, and the launcher reports SIGABRT instead of the exception: 1 of the first 3 runs of
+    tests/launcher/scripts/stall_job.py --mode raise, none in about 10 since; 2026-12-04), but in a helper thread given `_DESTROY_AFTER_ERROR_S`: gloo's destructor
     first finishes the collectives already queued, which may wait on a live peer up to the timeout;
     past that the process exits with status 1 at once. An NCCL group is left alone then: destroying it
     can block on a peer that failed mid-collective, and the job is ending anyway.
@@ -175,7 +175,12 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout)
     watchdog.install(timeout.total_seconds(), launch.rank)
-    heartbeat.install(dist.distributed_c10d._get_default_store(), launch.rank, launch.world_size)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError) as e:  # a backend started without a store (MPI)
+        logger.warning("no rank heartbeat (comm.stall_seconds): the process group has no store (%s)", e)
+    else:
+        heartbeat.install(store, launch.rank, launch.world_size)
     atexit.register(_destroy_at_exit)
 
 

@@ -36,8 +36,9 @@ Note: what is a stall, and who reports it
     later than the reporter's, so the launcher's line is the reporter's) and exits too, so no rank is
     left waiting on it.
 
-    A rank whose beats fail to reach the store `_STORE_FAILURES` times in a row reports that and
-    exits: the store's host (rank 0, or the launcher's agent) is gone, and so is the job.
+    A rank that waits in a collective while its beats fail to reach the store `_STORE_FAILURES` times
+    in a row reports that and exits: the store's host (rank 0, or the launcher's agent) is gone, and so
+    is the job. A rank that waits in nothing is left alone (it may simply outlive rank 0 at the end).
 
     The thread never blocks interpreter exit: it is a daemon, `stop` (called by the exit handler
     before the process group is destroyed) ends it between beats, and a beat's store calls are
@@ -46,6 +47,7 @@ Note: what is a stall, and who reports it
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -140,12 +142,14 @@ class Heartbeat:
                 failures += 1
                 if self._stop.is_set():
                     return
-                if failures >= _STORE_FAILURES:  # its host (rank 0's, or the launcher's) is gone
-                    dog = watchdog.current()
-                    if dog is not None:
-                        dog.report(f"the process group's store is unreachable ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''})",
-                                   hint="the rank or launcher that hosts it is gone")
+                dog = watchdog.current()
+                waiting = dog is not None and dog.oldest() is not None
+                # its host (rank 0's, or the launcher's) is gone; only a rank waiting in a collective has
+                # no way on: one that finished its work may outlive rank 0 and exit as it pleases
+                if failures >= _STORE_FAILURES and waiting:
+                    dog.report(f"the process group's store is unreachable ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''})",
+                               hint="the rank or launcher that hosts it is gone")
                     self._exit("")
                     return
 
@@ -198,6 +202,7 @@ def _alive(pid: int) -> bool:
 
 
 _HEARTBEAT: Optional[Heartbeat] = None
+_EXIT_HOOKED = [False]
 
 
 def install(store: Any, rank: int, world_size: int, stall_s: float = DEFAULT_STALL_S) -> Optional[Heartbeat]:
@@ -206,6 +211,9 @@ def install(store: Any, rank: int, world_size: int, stall_s: float = DEFAULT_STA
     uninstall()
     if world_size > 1:
         _HEARTBEAT = Heartbeat(store, rank, world_size, stall_s).start()
+        if not _EXIT_HOOKED[0]:  # stopped while the interpreter is whole, also without init_distributed's handler
+            atexit.register(uninstall)
+            _EXIT_HOOKED[0] = True
         if "torch._dynamo" in sys.modules:  # else engine.compile() hooks it; importing dynamo costs seconds
             pause_during_compilation()
     return _HEARTBEAT
@@ -224,11 +232,22 @@ def current() -> Optional[Heartbeat]:
 
 
 def set_stall_seconds(seconds: float) -> None:
-    """``comm.stall_seconds`` from the ds_config, once `initialize()` has read it."""
+    """``comm.stall_seconds`` from the ds_config, once `initialize()` has read it. Starts the heartbeat
+    when the process group was started without `init_distributed` (torch's own init_process_group,
+    as accelerate and the HF Trainer do); it reports stalls only where the collective watchdog runs."""
     if not seconds > 0:
         raise ValueError(f"comm.stall_seconds must be positive (got {seconds})")
     if _HEARTBEAT is not None:
         _HEARTBEAT.stall_s = float(seconds)
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):  # a backend started without a store (MPI)
+            return
+        install(store, dist.get_rank(), dist.get_world_size(), seconds)
 
 
 _PAUSE = {"count": 0, "resumed": time.monotonic()}  # blocks inside `paused`; when the last one ended

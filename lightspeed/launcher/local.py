@@ -212,7 +212,9 @@ def failure_reason(rank: int, failure) -> str:
     if message.startswith("To enable traceback see") or re.fullmatch(r"Signal \d+ \(\w+\) received by PID \d+", message):
         message = ""  # torch's texts when the worker wrote no error file: `how` below says as much
     message = message.splitlines()[0] if message else ""
-    if failure.exitcode < 0:
+    if job_status(failure) != 128 - failure.exitcode and failure.exitcode < 0:  # see exits.job_status
+        how = f"failed (status {job_status(failure)}), then was stopped by the launcher"
+    elif failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
     else:
         how = f"exited with status {failure.exitcode}"

@@ -243,6 +243,10 @@ def test_failure_reason_is_one_line():
     assert failure_reason(0, killed) == "rank 0 (pid 12) was killed by SIGKILL"
     recorded = SimpleNamespace(message={"message": "ValueError: bad\nsecond line", "extraInfo": {}}, exitcode=1, pid=13)
     assert failure_reason(2, recorded) == "rank 2 (pid 13) exited with status 1: ValueError: bad"
+    stopped = SimpleNamespace(message="lightspeed: rank 0: rank 1 stalled: ...", exitcode=-15, pid=14,
+                              error_file_data={"lightspeed_time": 1.0, "lightspeed_collective": True})
+    assert failure_reason(0, stopped) == ("rank 0 (pid 14) failed (status 124), then was stopped by the launcher: "
+                                          "lightspeed: rank 0: rank 1 stalled: ...")
 
 
 def test_the_process_group_is_destroyed_before_interpreter_exit(tmp_path, home):

@@ -18,8 +18,9 @@ Note (completing a save without collectives in the writer thread):
       rank whose job fails writes `failed_rank<R>` (holding the error) instead;
     - rank 0's job, after its own files, polls the staging directory until every rank's manifest (or
       a failure marker) is there, then publishes the tag and writes `latest` (tag_dir's Note); a
-      failure marker, or `commit_timeout_s` without news, aborts the publish and `latest` keeps its
-      old value.
+      failure marker, a rank whose process is gone or stopped (the rank heartbeat, comm/heartbeat.py,
+      checked every `_PEER_CHECK_S`: a rank killed mid-save ends the wait within seconds), or
+      `commit_timeout_s` without news, aborts the publish and `latest` keeps its old value.
 
     The same job runs inline for a synchronous save. Either way the caller's thread then agrees on
     the outcome with one all-reduce (`wait`): synchronously at the end of `save`, asynchronously at
@@ -55,12 +56,14 @@ from lightspeed.checkpoint.atomic import atomic_torch_save, atomic_write_bytes
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import file_entry, manifest_name, read_manifest, write_manifest
 from lightspeed.checkpoint.snapshot import Snapshot, SnapshotPool
+from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
 
 __all__ = ["WriterOptions", "CheckpointWriter", "SaveStats", "failure_marker", "options_from_config"]
 
 logger = get_logger(__name__)
 _POLL_S = 0.02
+_PEER_CHECK_S = 1.0  # how often rank 0's commit asks the heartbeat whether a waited-for rank is gone
 
 
 def failure_marker(rank: int) -> str:
@@ -71,8 +74,10 @@ def failure_marker(rank: int) -> str:
 class WriterOptions:
     """`decoupled`: write in a background thread (DeepSpeed's `checkpoint.writer.decoupled`);
     `show_statistics`: log bytes and seconds of every save; `commit_timeout_s`: how long rank 0
-    waits for the other ranks' files before giving the save up; `snapshot_pool`: when the engine
-    sizes the background save's host pool, "first_save" or "startup" (`checkpoint.writer.snapshot_pool`)."""
+    waits for the other ranks' files before giving the save up (the engine passes the communication
+    timeout, ``comm.timeout_seconds``: a rank slower than that would have failed a collective too);
+    `snapshot_pool`: when the engine sizes the background save's host pool, "first_save" or "startup"
+    (`checkpoint.writer.snapshot_pool`)."""
 
     decoupled: bool = False
     show_statistics: bool = False
@@ -102,6 +107,7 @@ class _Job:
     save_latest: bool
     ready: Snapshot | None  # the snapshot the files are, its copies perhaps still running
     stats: SaveStats
+    world_ranks: list[int]  # the world rank of each rank of the save's group (for the heartbeat)
     save_id: str | None = None  # rank 0's, the same on every rank (in each manifest)
 
 
@@ -128,13 +134,16 @@ class CheckpointWriter:
         save_id = self._prepare(save_dir, tag, comm, dp_rank)  # the staging directory exists before any rank writes
         stats = SaveStats(tag)
         if not self.options.decoupled:
-            job = _Job(save_dir, tag, files, dp_rank, num_ranks, save_latest, None, stats, save_id)
-            error = self._run_job(job)
+            job = _Job(save_dir, tag, files, dp_rank, num_ranks, save_latest, None, stats,
+                       heartbeat.world_ranks(comm.group, num_ranks), save_id)
+            with heartbeat.paused():
+                error = self._run_job(job)
             self._agree(comm, job, error)
             stats.stall_s = time.perf_counter() - start
             self._report(stats)
             return save_dir / tag
-        job = _Job(save_dir, tag, {}, dp_rank, num_ranks, save_latest, None, stats, save_id)
+        job = _Job(save_dir, tag, {}, dp_rank, num_ranks, save_latest, None, stats,
+                   heartbeat.world_ranks(comm.group, num_ranks), save_id)
         self._pending, self._error = job, None
         try:
             job.ready = self._copying = self._pool.take(files)
@@ -172,7 +181,8 @@ class CheckpointWriter:
         if job is None:
             return
         if self._thread is not None:
-            self._thread.join()
+            with heartbeat.paused():
+                self._thread.join()
         self._thread, self._pending = None, None
         error, self._error = self._error, None
         self._copying = None  # the thread waited for the copies before it wrote
@@ -243,6 +253,7 @@ class CheckpointWriter:
     def _await_ranks(self, job: _Job, staging: Path) -> None:
         deadline = time.monotonic() + self.options.commit_timeout_s
         waiting = set(range(job.num_ranks))
+        next_peer_check = time.monotonic() + _PEER_CHECK_S
         while True:
             for rank in sorted(waiting):
                 failed = staging / failure_marker(rank)
@@ -255,6 +266,13 @@ class CheckpointWriter:
                     waiting.discard(rank)
             if not waiting:
                 return
+            if time.monotonic() > next_peer_check:
+                next_peer_check = time.monotonic() + _PEER_CHECK_S
+                gone = heartbeat.gone_ranks([job.world_ranks[r] for r in sorted(waiting)])
+                if gone:
+                    rank, why = next(iter(gone.items()))
+                    raise CheckpointError(f"{staging}: rank {rank} (world rank) cannot finish its part of tag "
+                                          f"{job.tag}: {why}; the tag is not published")
             if time.monotonic() > deadline:
                 raise CheckpointError(f"{staging}: ranks {sorted(waiting)} did not finish their part of tag "
                                       f"{job.tag} within {self.options.commit_timeout_s:g} s; the tag is not "
@@ -292,14 +310,14 @@ class CheckpointWriter:
                         stats.stall_s, stats.step_wait_s)
 
 
-def options_from_config(checkpoint_config: Any) -> WriterOptions:
-    """WriterOptions from the `checkpoint` config section. Without a `writer` block, saves are
+def options_from_config(checkpoint_config: Any, commit_timeout_s: float = WriterOptions.commit_timeout_s) -> WriterOptions:
+    """WriterOptions from the `checkpoint` config section and the communication timeout. Without a `writer` block, saves are
     synchronous (DeepSpeed's default engine); `writer.type` PYTHON is the one built (config/support.py
     refuses the others), and its io_buffer settings, which only DeepNVMe's writer reads, are logged
     as unused."""
     writer = getattr(checkpoint_config, "writer", None)
     if writer is None:
-        return WriterOptions()
+        return WriterOptions(commit_timeout_s=commit_timeout_s)
     for key, default in (("io_buffer_size", 64 * 1024**2), ("io_buffer_double", True)):
         if getattr(writer, key) != default:
             warn_once(f"checkpoint.writer.{key} has no effect with writer type PYTHON (it sizes DeepNVMe's pinned "
@@ -308,4 +326,4 @@ def options_from_config(checkpoint_config: Any) -> WriterOptions:
         warn_once(f"checkpoint.writer.snapshot_pool={writer.snapshot_pool} has no effect without "
                   "checkpoint.writer.decoupled (only a background save snapshots the state)", logger)
     return WriterOptions(decoupled=bool(writer.decoupled), show_statistics=bool(writer.show_statistics),
-                         snapshot_pool=writer.snapshot_pool)
+                         snapshot_pool=writer.snapshot_pool, commit_timeout_s=commit_timeout_s)

@@ -4,7 +4,7 @@
 (`Topology`: dims pp, dp_replicate, edp_shard, ep, sp, tp and the group of any set of them),
 `groups.py` its data-parallel view `ParallelGroups`, `collectives.py` the `Communicator` the runtime uses
 (the only place collectives are issued), `codecs.py` the collective objects strategies are handed, with
-their byte counts, `watchdog.py` the stall reports, `comms_logger.py` DeepSpeed's comms logger
+their byte counts, `watchdog.py` the stall reports, `heartbeat.py` the rank heartbeat that names a stalled rank, `comms_logger.py` DeepSpeed's comms logger
 (`log_summary`), `tp_autograd.py` the tensor-parallel autograd functions, `differentiable.py` Ulysses'
 all-to-all and the autograd gathers, `sequence_groups.py` the sequence-parallel record (process-wide:
 transformers asks for its group by name), `onebit.py` the one-bit all-reduce, and ZeRO++'s pieces:

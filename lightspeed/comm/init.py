@@ -6,9 +6,13 @@ Note: communication timeout
     torch's default (30 minutes, DeepSpeed's too) keeps a job whose rank stopped (SIGSTOP, a deadlock,
     a hung collective) alive for half an hour while ranks that die end it in seconds. Here the default
     is `DEFAULT_TIMEOUT` (10 minutes); `init_distributed(timeout=)` sets it, else the environment
-    variable LIGHTSPEED_COMM_TIMEOUT (seconds; the launcher's --comm_timeout sets it for every rank).
+    variable LIGHTSPEED_COMM_TIMEOUT (seconds; the launcher's --comm_timeout sets it for every rank),
+    else the ds_config's ``comm.timeout_seconds``: `initialize()` reads the config after the group
+    exists, so `apply_config_timeout` changes the default group's timeout then, unless one of the
+    first two set it.
     The same timeout goes to torch.distributed (gloo raises, NCCL aborts) and to the collective
-    watchdog (comm/watchdog.py), which reports which collective stalled and the ranks' stacks.
+    watchdog (comm/watchdog.py), which reports which collective stalled and the ranks' stacks. The
+    rank heartbeat (comm/heartbeat.py, ``comm.stall_seconds``) names a stalled rank sooner.
     gloo, measured with torch 2.13 on 2026-12-01 (two processes, one sleeping before an
     all_reduce, timeout 3 s): the waiting rank's all_reduce raises RuntimeError "Timed out waiting
     3000ms for recv operation to complete" after 3.0 s; every later collective on that group fails
@@ -29,8 +33,12 @@ Note: teardown
     through dynamo), so it is imported here first. Freed, the group joins its threads (c10d releases
     the GIL while it does). Measured with benchmarks/exit_abort.py (two CPU processes through the
     launcher, 2026-12-01): 5 SIGABRTs in 94 runs before, none in 60 after. After an
-    unhandled exception the group is left alone: with NCCL, destroying it can block on a peer that
-    failed mid-collective, and the job is ending anyway.
+    unhandled exception a gloo group is destroyed too (else a rank that raised may abort at exit the
+    same way, and the launcher reports SIGABRT instead of the exception: 1 of the first 3 runs of
+    tests/launcher/scripts/stall_job.py --mode raise, none in about 10 since; 2026-12-04), but in a helper thread given `_DESTROY_AFTER_ERROR_S`: gloo's destructor
+    first finishes the collectives already queued, which may wait on a live peer up to the timeout;
+    past that the process exits with status 1 at once. An NCCL group is left alone then: destroying it
+    can block on a peer that failed mid-collective, and the job is ending anyway.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import os
 import re
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,11 +57,13 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  (before any group exists: see the Note on teardown)
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.comm import watchdog
+from lightspeed.comm import heartbeat, watchdog
 
 logger = get_logger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+_TIMEOUT = {"seconds": DEFAULT_TIMEOUT.total_seconds(), "from_config": True}  # may the config still set it
+_DESTROY_AFTER_ERROR_S = 5.0
 TIMEOUT_ENV = "LIGHTSPEED_COMM_TIMEOUT"
 
 
@@ -144,7 +155,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         return
     if dist.is_initialized():
         return
+    _TIMEOUT["from_config"] = timeout is None and not os.environ.get(TIMEOUT_ENV, "").strip()
     timeout = comm_timeout(timeout)
+    _TIMEOUT["seconds"] = timeout.total_seconds()
     launch = detect_launch_env(distributed_port=distributed_port) if auto_mpi_discovery or "RANK" in os.environ \
         else detect_launch_env({k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "SLURM_"))},
                                distributed_port)
@@ -162,14 +175,49 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout)
     watchdog.install(timeout.total_seconds(), launch.rank)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError) as e:  # a backend started without a store (MPI)
+        logger.warning("no rank heartbeat (comm.stall_seconds): the process group has no store (%s)", e)
+    else:
+        heartbeat.install(store, launch.rank, launch.world_size)
     atexit.register(_destroy_at_exit)
+
+
+def apply_config_timeout(seconds: float) -> float:
+    """The ds_config's ``comm.timeout_seconds``: becomes the default group's timeout and the watchdog's
+    unless init_distributed(timeout=) or $LIGHTSPEED_COMM_TIMEOUT set one (module Note). Returns the
+    timeout in force, in seconds."""
+    if _TIMEOUT["from_config"] and dist.is_initialized() and seconds != _TIMEOUT["seconds"]:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+        dog = watchdog.current()
+        if dog is not None:
+            dog.timeout_s, dog.poll_s = float(seconds), min(1.0, seconds / 10)
+        _TIMEOUT["seconds"] = float(seconds)
+        logger.info("communication timeout %g s (comm.timeout_seconds)", seconds)
+    return _TIMEOUT["seconds"]
+
+
+def timeout_seconds() -> float:
+    """The communication timeout in force (the default before init_distributed)."""
+    return _TIMEOUT["seconds"]
 
 
 def _destroy_at_exit() -> None:
     """Destroy the default process group at exit (rule in the module Note: teardown)."""
-    dog = watchdog.current()
-    if dog is not None:
-        dog.close()
-    if getattr(sys, "last_value", None) is not None or not dist.is_initialized():
+    heartbeat.uninstall()
+    watchdog.uninstall()
+    if not dist.is_initialized():
         return
-    dist.destroy_process_group()
+    if getattr(sys, "last_value", None) is None:
+        dist.destroy_process_group()
+        return
+    if dist.get_backend() != "gloo":
+        return
+    helper = threading.Thread(target=dist.destroy_process_group, name="lightspeed-destroy-group", daemon=True)
+    helper.start()
+    helper.join(_DESTROY_AFTER_ERROR_S)
+    if helper.is_alive():  # a queued collective waits on a live peer: exit as the exception would
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

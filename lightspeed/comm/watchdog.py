@@ -14,6 +14,10 @@ same moment) is reported once per process:
   the launcher is signalled and dumps every local rank's stacks, this one's included, one rank at a
   time; under any other launcher this rank dumps its own threads' stacks.
 
+Under torch.distributed.elastic (the `lightspeed` launcher, torchrun) `install` also records an uncaught
+exception's first line in the error file, with the precise time (`ERROR_TIME_KEY`) the launcher orders
+failures by (launcher/exits.py), so a job ends naming the rank that failed first and its own error.
+
 A collective that raised (gloo's timeout) is reported from the waiting thread, then the error goes on.
 One that neither completes nor raises (a hung NCCL call with error handling off) is reported by the
 watchdog thread, which then ends the process with `EXIT_COMM_TIMEOUT`.
@@ -44,6 +48,8 @@ AGENT_PID_ENV = "LIGHTSPEED_AGENT_PID"
 STACKS_SIGNAL = signal.SIGUSR1  # the launcher -> a worker: dump your stacks
 STALL_SIGNAL = signal.SIGUSR2  # a worker -> the launcher: a rank stalled, dump every rank's stacks
 DUMP_PAUSE_S = 0.3  # the launcher's pause after each rank's dump, so dumps do not interleave
+ERROR_TIME_KEY = "lightspeed_time"  # error-file key: time.time() of the failure, finer than torch's seconds
+ERROR_COLLECTIVE_KEY = "lightspeed_collective"  # error-file key: true when a collective failed or stalled
 
 
 class CollectiveWatchdog:
@@ -62,6 +68,7 @@ class CollectiveWatchdog:
         self._reported = False
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self.last_progress = time.monotonic()  # when a wait last ended normally (the heartbeat's progress)
 
     # ------------------------------------------------------------------ tracking
     @contextmanager
@@ -86,6 +93,7 @@ class CollectiveWatchdog:
             raise
         with self._lock:
             self._pending.pop(token, None)
+        self.last_progress = time.monotonic()
 
     def oldest(self) -> Optional[tuple[int, str, float]]:
         """(token, description, seconds waited) of the oldest collective in flight, or None."""
@@ -114,18 +122,18 @@ class CollectiveWatchdog:
                 os._exit(EXIT_COMM_TIMEOUT)
             return
 
-    def report(self, what: str) -> None:
+    def report(self, what: str, hint: str = "a peer rank stopped, hung or died (timeout: "
+               "LIGHTSPEED_COMM_TIMEOUT, --comm_timeout, comm.timeout_seconds or init_distributed(timeout=))") -> None:
         """Report a stall once per process (see the module docstring); a second caller waits for the
         first report to finish, so the process does not exit while the launcher dumps the stacks."""
         with self._report_lock:
             if self._reported:
                 return
             self._reported = True
-            line = (f"lightspeed: rank {self.rank}: {what}; a peer rank stopped, hung or died "
-                    f"(timeout: LIGHTSPEED_COMM_TIMEOUT or init_distributed(timeout=))")
+            line = f"lightspeed: rank {self.rank}: {what}; {hint}"
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
-            _write_error_file(line)
+            _write_error_file(line, collective=True)
             if _launcher_pid() is not None:
                 os.kill(_launcher_pid(), STALL_SIGNAL)
                 local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -159,14 +167,16 @@ def _launcher_pid() -> Optional[int]:
     return int(value) if value.isdigit() and int(value) == os.getppid() else None
 
 
-def _write_error_file(line: str) -> None:
-    """The reason in torch.distributed.elastic's error-file format, unless the file already has one."""
+def _write_error_file(line: str, collective: bool = False) -> None:
+    """The reason in torch.distributed.elastic's error-file format, unless the file already has one;
+    `collective`: the reason is a collective that failed or stalled (what a peer's failure causes)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
     try:
         with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            now = time.time()
+            json.dump({"message": line, "timestamp": int(now), ERROR_TIME_KEY: now, ERROR_COLLECTIVE_KEY: collective}, f)
     except OSError:
         pass  # the stderr line is the report; the file only improves the launcher's summary
 
@@ -183,7 +193,36 @@ def install(timeout_s: float, rank: int) -> CollectiveWatchdog:
     _WATCHDOG = CollectiveWatchdog(timeout_s, rank)
     if _launcher_pid() is not None:
         faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE") and not isinstance(sys.excepthook, _RecordUncaught):
+        sys.excepthook = _RecordUncaught(sys.excepthook)
     return _WATCHDOG
+
+
+class _RecordUncaught:
+    """sys.excepthook that writes the exception's first line to the error file (unless torch's @record
+    or a stall report wrote one first), then hands the exception to the previous hook."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, kind, value, tb) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            text = str(value).strip()
+            _write_error_file(f"{kind.__name__}: {text.splitlines()[0]}" if text else kind.__name__)
+        self.previous(kind, value, tb)
+
+
+def uninstall() -> None:
+    """At exit: stop the watchdog, and ignore STACKS_SIGNAL from here on. faulthandler's handler is
+    removed when the interpreter finalizes, and the signal's default action would then end this
+    process (status 138) when the launcher asks for stacks while this rank exits after its error."""
+    global _WATCHDOG
+    if _WATCHDOG is not None:
+        _WATCHDOG.close()
+        _WATCHDOG = None
+    if _launcher_pid() is not None and threading.current_thread() is threading.main_thread():
+        faulthandler.unregister(STACKS_SIGNAL)
+        signal.signal(STACKS_SIGNAL, signal.SIG_IGN)
 
 
 def current() -> Optional[CollectiveWatchdog]:

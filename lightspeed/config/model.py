@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 from pydantic import BeforeValidator, PrivateAttr
 
 from lightspeed.config.base import Bool, Choice, Float, FreeDict, PosInt, Section, as_int, expectation
+from lightspeed.config.comm import CommConfig
 from lightspeed.config.compiler import CompileConfig, Float8Config
 from lightspeed.config.efficiency import (
     CompressionTrainingConfig, CurriculumLearningConfig, DataEfficiencyConfig, EigenvalueConfig,
@@ -108,6 +109,7 @@ class LightspeedConfig(Section):
     comet: CometConfig = CometConfig()
     trackio: TrackioConfig = TrackioConfig()
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()
+    comm: CommConfig = CommConfig()  # lightspeed's own: timeouts (config/comm.py)
     timers: TimersConfig = TimersConfig()
 
     # Training-efficiency research features

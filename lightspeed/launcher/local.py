@@ -10,8 +10,9 @@ Must not import torch at module level (the CLI imports this module while parsing
 `run_node` does. Must not print: it logs, and returns an exit status.
 
 Note: a failed or stalled job
-    The job ends with one line naming the first rank that failed and why (its error file's message:
-    for a collective that timed out, the collective and the timeout, written by comm/watchdog.py),
+    The job ends with one line naming the first rank that failed (exits.py's Note says how it is
+    found) and why (its error file's message: an uncaught exception's first line, or for a collective
+    that timed out, the collective and the timeout, written by comm/watchdog.py),
     torch's per-rank table at debug level. A rank whose collective stalls signals this agent
     (SIGUSR2) before it exits; the agent then asks every worker of this node that handles SIGUSR1
     (faulthandler, registered by `init_distributed`) for its Python stacks, one rank at a time under a
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightspeed._utils.logging import get_logger
+from lightspeed.launcher.exits import first_failure, job_status
 from lightspeed.launcher.hostfile import Resources
 
 logger = get_logger(__name__)
@@ -201,23 +203,18 @@ def rendezvous(plan: NodePlan) -> dict:
                 rdzv_configs={"rank": plan.node_rank}, min_nodes=plan.nnodes, max_nodes=plan.nnodes)
 
 
-def _exit_status(code: int) -> int:
-    """A shell's exit status for a worker's exit code (negative: killed by that signal)."""
-    if code > 0:
-        return code
-    return 128 - code if code < 0 else 1
-
-
 def failure_reason(rank: int, failure) -> str:
     """One line for the first failed worker (a torch.distributed.elastic ProcessFailure)."""
     message = failure.message
     if isinstance(message, dict):  # @record's format: {"message": "...", "extraInfo": {...}}
         message = message.get("message", "")
     message = str(message or "").strip()
-    if message.startswith("To enable traceback see"):  # torch's text when the worker wrote no error file
-        message = ""
+    if message.startswith("To enable traceback see") or re.fullmatch(r"Signal \d+ \(\w+\) received by PID \d+", message):
+        message = ""  # torch's texts when the worker wrote no error file: `how` below says as much
     message = message.splitlines()[0] if message else ""
-    if failure.exitcode < 0:
+    if job_status(failure) != 128 - failure.exitcode and failure.exitcode < 0:  # see exits.job_status
+        how = f"failed (status {job_status(failure)}), then was stopped by the launcher"
+    elif failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
     else:
         how = f"exited with status {failure.exitcode}"
@@ -280,7 +277,8 @@ def _dump_worker_stacks() -> None:
 
 def run_node(plan: NodePlan) -> int:
     """Run this node's workers under the elastic agent until they finish; return the job's exit status:
-    0 when every worker succeeded, else the first failed worker's exit code (128+N for signal N).
+    0 when every worker succeeded, else the first failed worker's exit code (128+N for signal N; the
+    first by exits.py's rule, not the peers that failed because of it).
 
     Sets the variables of `worker_env` in this process's environment, which the agent hands on.
     """
@@ -307,10 +305,10 @@ def run_node(plan: NodePlan) -> int:
     try:
         elastic_launch(config, cmd[0])(*cmd[1:])
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = first_failure(e.failures)
         logger.debug(str(e))
         logger.error(f"job failed: {failure_reason(rank, failure)}")
-        return _exit_status(failure.exitcode)
+        return job_status(failure)
     except SignalException as e:
         logger.error(f"stopped by {e.sigval.name}; every worker was stopped")
         return 128 + int(e.sigval)

@@ -31,8 +31,10 @@ from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record
 from lightspeed.checkpoint.universal import apply_training_state, read_training_state
 from lightspeed.zero.fragments import first_names
 from lightspeed.checkpoint.writer import CheckpointWriter, options_from_config
+from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
+from lightspeed.comm.init import timeout_seconds
 from lightspeed.monitor import MonitorMaster
 from lightspeed.parallel.placement import DATA_PARALLEL, PlacementTable
 from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
@@ -97,7 +99,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         self.tput_timer = ThroughputTimer(config.timers.throughput, self.train_batch_size(), device)
         self.comm.stats.reset()  # per-step volume counts training traffic, not initialize()'s broadcast
         self.training_dataloader = None
-        self._checkpoint_writer = CheckpointWriter(options_from_config(config.checkpoint))
+        self._checkpoint_writer = CheckpointWriter(options_from_config(config.checkpoint, timeout_seconds()))
         # `checkpoint.writer.snapshot_pool: startup`: sized now, and topped up once the first applied step
         # has created the optimizer state (torch optimizers create theirs lazily)
         self._reserve_after_step = self._checkpoint_writer.options.snapshot_pool == "startup"
@@ -369,6 +371,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
                                 pin_memory=pin_memory and self.device.type == "cuda")
 
     # ------------------------------------------------------------------ checkpoints
+    @heartbeat.paused()  # file I/O: the stall clock waits (comm/heartbeat.py)
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
@@ -433,6 +436,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
             return state
         return gather_tp_state(state, tp_layouts(self.module), self._tp_comm, keep=keep)
 
+    @heartbeat.paused()  # rank 0 copies the whole model to the host while the others go on
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """The whole module state_dict gathered from the ZeRO-3 shards, parameters in the training dtype
         on CPU, on global rank 0; None on the other ranks. A collective: every rank must call it.
@@ -474,6 +478,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
             return
         backend = backend or get_accelerator().get_compile_backend() or "inductor"
         regions = self.strategy.compile_regions()
+        heartbeat.pause_during_compilation()  # compiling ranks are not reported as stalled
         for region in regions:
             region.compile(backend=backend, **kwargs)  # in place: hooks and parameters stay as they are
         self._compiled = True
@@ -503,6 +508,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         raises its error, if any rank's failed. Collective; returns at once when no save is pending."""
         self._checkpoint_writer.wait(self._ckpt_comm)
 
+    @heartbeat.paused()  # rank 0 writes the file while the others wait at the barrier
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the whole module state_dict (parameters in the training dtype) to
@@ -525,6 +531,7 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         self.comm.barrier()
         return True
 
+    @heartbeat.paused()
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, *, verify: bool = True):

@@ -11,10 +11,10 @@ import torch
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
-from lightspeed.comm import comms_logger
+from lightspeed.comm import comms_logger, heartbeat
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
-from lightspeed.comm.init import init_distributed
+from lightspeed.comm.init import apply_config_timeout, init_distributed
 from lightspeed.comm.sequence_groups import build_topology
 from lightspeed.comm.topology import Topology, TopologyError, mesh_sizes, record_topology
 from lightspeed.config import LightspeedConfig
@@ -147,6 +147,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     record_topology(topology)  # for deepspeed.utils.groups' argument-less functions
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
+    apply_config_timeout(cfg.comm.timeout_seconds)
+    heartbeat.set_stall_seconds(cfg.comm.stall_seconds)
     policy = policy_from_config(cfg)
     splits_model = cfg.tensor_parallel.tp_size > 1 and split_tp_size(model) == 1
     if splits_model and isinstance(optimizer, torch.optim.Optimizer):

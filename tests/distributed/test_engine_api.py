@@ -199,10 +199,21 @@ def _bf16_memory() -> dict:
             "num_trainable_tensors": sum(1 for p in model.parameters() if p.requires_grad)}
 
 
+def _comm_config() -> dict:
+    """The ds_config's comm section reaches the group's timeout, the heartbeat and the checkpoint commit."""
+    from lightspeed.comm import heartbeat
+
+    engine, _, _, _ = lightspeed.initialize(model=TinyMLP(), config=_small_config(
+        optimizer={"type": "SGD", "params": {"lr": 0.1}}, comm={"timeout_seconds": 300, "stall_seconds": 20}))
+    gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return {"group_s": gloo.options._timeout.total_seconds(), "stall_s": heartbeat.current().stall_s,
+            "commit_s": engine._checkpoint_writer.options.commit_timeout_s}
+
+
 def _api_world(config_path: str) -> dict:
     torch.manual_seed(0)
     return {"rank": dist.get_rank(), "main": _main_run(config_path), "errors": _errors(config_path),
-            "client": _client_objects(), "bf16": _bf16_memory()}
+            "client": _client_objects(), "bf16": _bf16_memory(), "comm": _comm_config()}
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +229,11 @@ def main(world):
 
 
 # ---------------------------------------------------------------------------------------- initialize
+def test_the_configs_comm_section_sets_the_timeouts(world):
+    for r in world:
+        assert r["comm"] == {"group_s": 300.0, "stall_s": 20.0, "commit_s": 300.0}
+
+
 def test_initialize_builds_optimizer_scheduler_and_loader_from_the_args_config_file(main):
     for m in main:
         assert m["types"][0] == "LightspeedEngine"

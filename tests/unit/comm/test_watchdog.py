@@ -67,6 +67,27 @@ def test_a_completed_wait_leaves_nothing_pending():
     dog.close()
 
 
+@pytest.mark.parametrize("env, argument, expected", [({}, "", 5.0), ({"LIGHTSPEED_COMM_TIMEOUT": "9"}, "", 9.0),
+                                                    ({}, "timeout=8", 8.0)])
+def test_the_configs_timeout_applies_unless_the_argument_or_environment_set_one(env, argument, expected):
+    code = textwrap.dedent(f"""
+        import torch
+        import torch.distributed as dist
+        from lightspeed.comm import init, watchdog
+        init.init_distributed(verbose=False, {argument})
+        seconds = init.apply_config_timeout(5.0)  # what initialize() does with comm.timeout_seconds: 5
+        gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+        print(seconds, init.timeout_seconds(), watchdog.current().timeout_s, gloo.options._timeout.total_seconds())
+        from lightspeed.checkpoint.writer import options_from_config
+        print(options_from_config(None, init.timeout_seconds()).commit_timeout_s)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = proc.stdout.split("\n")[:2]
+    assert first.split() == [str(expected)] * 4 and second == str(expected)
+
+
 def test_a_wait_that_never_ends_is_reported_and_ends_the_process():
     code = textwrap.dedent("""
         import threading

@@ -53,6 +53,7 @@ CFG = load({"train_micro_batch_size_per_gpu": 1}, world_size=1)
         ("autotuning.end_profile_step", 5), ("autotuning.metric", "throughput"), ("progressive_layer_drop.theta", 1.0),
         ("progressive_layer_drop.gamma", 0.001), ("data_efficiency.seed", 1234), ("sparse_attention", None),
         ("eigenvalue.max_iter", 100), ("curriculum_learning.enabled", False), ("timers.throughput.enabled", True),
+        ("comm.timeout_seconds", 600.0), ("comm.stall_seconds", 60.0),
     ],
 )  # fmt: skip
 def test_default(path, default):

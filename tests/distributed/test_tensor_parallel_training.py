@@ -172,8 +172,10 @@ def _train_kinds(tp: int, stage: int):
 
 
 def _train_runs(tp: int, runs, save_to: str):
-    # the GPT-2 run at ZeRO-3 saves its checkpoint: tp2 x dp2 slices of partitioned parameters
-    return {run: _train(run[0], tp, *run[1:], save_to=save_to if run == ("gpt2", 3) else None) for run in runs}
+    # the GPT-2 runs at ZeRO-0 and ZeRO-3 save their checkpoints: tp2 x dp2 slices, replicated over dp (the
+    # dp ranks but 0 of each tp column write no fragments) or partitioned
+    saves = {("gpt2", 0): f"{save_to}/s0", ("gpt2", 3): f"{save_to}/s3"}
+    return {run: _train(run[0], tp, *run[1:], save_to=saves.get(run)) for run in runs}
 
 
 def test_tp2_dp2_matches_single_process(tmp_path):
@@ -184,12 +186,13 @@ def test_tp2_dp2_matches_single_process(tmp_path):
     for per_rank in results:
         for run in TP_DP_RUNS:
             _check(per_rank[run], references[run[0]])
-    # zero_to_fp32 of the tp2 x dp2 ZeRO-3 checkpoint: the trained model's whole tensors, bit for bit (fp32)
-    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="end")
-    state = results[0][("gpt2", 3)][3]
-    assert set(consolidated) == set(state)
-    for name, value in consolidated.items():
-        assert torch.equal(value, state[name]), name
+    # zero_to_fp32 of the tp2 x dp2 ZeRO-0 and ZeRO-3 checkpoints: the trained model's whole tensors, bit for bit
+    for stage in (0, 3):
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"s{stage}"), tag="end")
+        state = results[0][("gpt2", stage)][3]
+        assert set(consolidated) == set(state)
+        for name, value in consolidated.items():
+            assert torch.equal(value, state[name]), (stage, name)
 
 
 @pytest.mark.parametrize("stage", [0])

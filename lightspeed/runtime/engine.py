@@ -40,7 +40,8 @@ from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.dataloader import build_dataloader
 from lightspeed.runtime.module_passthrough import ModulePassthrough
-from lightspeed.runtime.strategy import ShardingStrategy, strategy_partitions_gradients, strategy_places_params
+from lightspeed.runtime.strategy import (DestroyedStrategy, ShardingStrategy, strategy_partitions_gradients,
+                                         strategy_places_params)
 
 logger = get_logger(__name__)
 
@@ -310,6 +311,25 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         """Context manager: `unshard(module)`, yielding the module (None: the whole model); resharded on
         exit, also on an exception."""
         return self.strategy.unsharded(module)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release the parameters ZeRO stage 3 keeps gathered between forwards (persistent
+        ones included; gathered again on use) and the allocator's cache; a no-op at stages 0-2."""
+        self.strategy.empty_partition_cache()
+        get_accelerator().empty_cache()
+
+    def destroy(self) -> None:
+        """DeepSpeed's `engine.destroy()`: wait for a background checkpoint save (a collective, as every
+        rank calls destroy), finish the work in flight and remove the hooks the engine put on the model
+        and its parameters. The engine cannot be used afterwards: calling it or its training methods
+        raises RuntimeError (the model itself stays usable, with stage 3's parameters still sharded).
+        A second call does nothing."""
+        if isinstance(self.strategy, DestroyedStrategy):
+            return
+        self.wait_checkpoint()
+        self.strategy.remove_hooks()
+        self.strategy = DestroyedStrategy()
+        self.register_forward_pre_hook(_destroyed)
 
     # ------------------------------------------------------------------ logging
     def _after_step(self) -> None:
@@ -599,3 +619,8 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
             what = "data-parallel rank" if self._tp_comm is None else "rank"
             raise CheckpointError(f"load_checkpoint: {what} {int(flag.item()) - 1} could not read the "
                                   "checkpoint (its error is raised there); nothing was loaded")
+
+
+def _destroyed(engine, args):
+    raise RuntimeError("this engine was destroyed (engine.destroy()) and cannot be called any more; build a new "
+                       "one with initialize()")

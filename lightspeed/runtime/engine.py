@@ -39,6 +39,7 @@ from lightspeed.optim.schedules import scheduled_steps
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.dataloader import build_dataloader
+from lightspeed.runtime.errors import UsageAssertionError
 from lightspeed.runtime.module_passthrough import ModulePassthrough
 from lightspeed.runtime.strategy import (DestroyedStrategy, ShardingStrategy, strategy_partitions_gradients,
                                          strategy_places_params)
@@ -197,10 +198,11 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         As DeepSpeed: refused when gradients are partitioned (ZeRO stages 2 and 3, which reduce every
         micro-step) and not re-entrant; `step()` at a boundary inside raises (gradients unreduced)."""
         if self.zero_optimization_partition_gradients():
-            raise RuntimeError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
-                               f"{self.zero_optimization_stage()} (gradients are reduce-scattered every micro-step)")
+            raise UsageAssertionError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
+                                      f"{self.zero_optimization_stage()} (gradients are reduce-scattered every "
+                                      "micro-step)")
         if self._inside_no_sync:
-            raise RuntimeError("no_sync() is not re-entrant")
+            raise UsageAssertionError("no_sync() is not re-entrant")
         self._inside_no_sync = True
         try:
             yield
@@ -242,8 +244,8 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             if self._inside_no_sync:
-                raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): the gradients were "
-                                   "not reduced; leave no_sync() for the boundary micro-step's backward")
+                raise UsageAssertionError("engine.step() at an accumulation boundary inside no_sync(): the gradients "
+                                          "were not reduced; leave no_sync() for the boundary micro-step's backward")
             self.timers.start("comm")
             self.strategy.wait_gradients()
             self.timers.stop("comm")

@@ -223,6 +223,15 @@ def test_unwrap_model_for_generation_gathers_once(monkeypatch, stage):
         assert all(p.numel() == 0 for p in engine.module.parameters())
 
 
+def test_git_version_info():
+    from lightspeed.compat.deepspeed import git_version_info as info
+
+    assert info.version == "0.18.2" and info.torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+    assert set(info.torch_info) == {"version", "bf16_support", "cuda_version", "nccl_version", "hip_version"}
+    assert info.installed_ops["cpu_adam"] is False and info.compatible_ops["fused_adam"] is False  # none built
+    assert info.accelerator_name == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def test_checkpoint_file_names():
     u = ckpt_utils
     assert u.get_model_ckpt_name_for_rank("ck/tag", "00") == os.path.join("ck/tag", "mp_rank_00_model_states.pt")

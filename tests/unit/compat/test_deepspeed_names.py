@@ -232,6 +232,25 @@ def test_git_version_info():
     assert info.accelerator_name == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def test_utils_torch():
+    from lightspeed.compat.deepspeed.utils.torch import register_grad_hook, required_torch_version
+
+    major_minor = ".".join(torch.__version__.split(".")[:2])
+    assert required_torch_version(min_version=1.13) and required_torch_version(min_version=major_minor)
+    assert not required_torch_version(min_version=99.0) and not required_torch_version(max_version=1.0)
+    assert required_torch_version(min_version=2.0, max_version=99)
+    with pytest.raises(ValueError, match="min_version or a max_version"):
+        required_torch_version()
+    p = torch.nn.Parameter(torch.ones(2))
+    seen = []
+    handle = register_grad_hook(p, lambda param: seen.append(param.grad.clone()))
+    (p * 3).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((2,), 3.0))
+    handle.remove()
+    (p * 3).sum().backward()
+    assert len(seen) == 1
+
+
 def test_checkpoint_file_names():
     u = ckpt_utils
     assert u.get_model_ckpt_name_for_rank("ck/tag", "00") == os.path.join("ck/tag", "mp_rank_00_model_states.pt")

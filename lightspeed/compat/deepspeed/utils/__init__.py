@@ -25,7 +25,7 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
 
 
 def __getattr__(name: str):
-    if name in ("groups", "zero_to_fp32"):
+    if name in ("groups", "torch", "zero_to_fp32"):
         return importlib.import_module(f"{__name__}.{name}")
     if name in ("safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
                 "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",

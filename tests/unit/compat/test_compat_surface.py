@@ -158,7 +158,7 @@ MODULES = ["", ".comm", ".zero", ".accelerator", ".runtime", ".runtime.engine", 
            ".ops.adagrad", ".ops.lion", ".utils", ".utils.groups", ".checkpoint", ".checkpoint.utils",
            ".launcher.runner", ".checkpointing", ".pipe", ".utils.zero_to_fp32", ".accelerator.real_accelerator",
            ".comm.comm", ".runtime.activation_checkpointing.checkpointing", ".git_version_info",
-           ".utils.torch",
+           ".utils.torch", ".ops.op_builder",
            ".runtime.sequence_parallel.parallel_state_sp", ".sequence", ".sequence.layer", ".moe", ".moe.layer",
            ".moe.utils", ".compression", ".compression.compress", ".compression.helper", ".compression.scheduler"]
 

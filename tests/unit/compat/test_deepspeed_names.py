@@ -251,6 +251,17 @@ def test_utils_torch():
     assert len(seen) == 1
 
 
+def test_op_builders_report_no_extension():
+    from lightspeed.compat.deepspeed import ops
+    from lightspeed.compat.deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder, FusedLambBuilder
+
+    for builder in (FusedAdamBuilder, CPUAdamBuilder, FusedLambBuilder):
+        assert ops.__compatible_ops__[builder.NAME] is False and not builder().is_compatible()
+    assert FusedAdamBuilder.NAME == "fused_adam" and FusedAdamBuilder().absolute_name() == "deepspeed.ops.fused_adam_op"
+    with pytest.raises(NotImplementedError, match="'cpu_adam'"):
+        CPUAdamBuilder().load()
+
+
 def test_checkpoint_file_names():
     u = ckpt_utils
     assert u.get_model_ckpt_name_for_rank("ck/tag", "00") == os.path.join("ck/tag", "mp_rank_00_model_states.pt")

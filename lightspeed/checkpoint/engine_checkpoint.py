@@ -33,7 +33,7 @@ import torch
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint import tag_dir
 from lightspeed.checkpoint.atomic import read_latest, validate_tag
-from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.errors import CheckpointAssertionError, CheckpointError
 from lightspeed.checkpoint.integrity import manifest_rank
 from lightspeed.checkpoint.rng import get_rng_state
 from lightspeed.checkpoint.tag_reader import TagReader
@@ -96,7 +96,10 @@ def check_save_agreement(save_dir, tag: str, comm: Communicator, tag_validation:
     it rank 0 would wait for the other ranks' parts in its own directory until
     `checkpoint.writer.commit_timeout_s`, as it publishes a tag only once every rank wrote its part
     there; so a tag mismatch fails whatever DeepSpeed's `checkpoint.tag_validation` says (Warn and
-    Ignore would have each rank write its own, incomplete, tag)."""
+    Ignore would have each rank write its own, incomplete, tag). An empty or missing `save_dir` is
+    refused first (a ValueError, as DeepSpeed's)."""
+    if save_dir is None or not os.fspath(save_dir):
+        raise CheckpointError(f"save_checkpoint: save_dir must be a non-empty path (got {save_dir!r})")
     if comm.world_size == 1:
         return
     gathered = comm.all_gather_object((str(tag), os.path.abspath(os.fspath(save_dir))))
@@ -109,8 +112,10 @@ def check_save_agreement(save_dir, tag: str, comm: Communicator, tag_validation:
             f"(checked whatever checkpoint.tag_validation says, {tag_validation.capitalize()} here)"
         problems.append(f"the checkpoint tag is not the same on every rank: {_by_rank(tags)} {mode}")
     if problems:
-        raise CheckpointError("save_checkpoint: " + "; and ".join(problems) + "; pass the same save_dir and tag "
-                              "(e.g. from the step count) on every rank")
+        # DeepSpeed asserts that the tags agree: an AssertionError too when they do not
+        error = CheckpointAssertionError if len(set(tags)) > 1 else CheckpointError
+        raise error("save_checkpoint: " + "; and ".join(problems) + "; pass the same save_dir and tag "
+                    "(e.g. from the step count) on every rank")
 
 
 def save(save_dir, tag: str, *, shared: dict[str, Any], strategy_state: dict[str, Any], strategy_replicated: bool,

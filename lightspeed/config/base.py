@@ -93,12 +93,19 @@ def Int(ge: Optional[int] = None, gt: Optional[int] = None, le: Optional[int] = 
     return Annotated[int, BeforeValidator(check)]
 
 
-def Float(ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None):
-    """A finite number field type (ints accepted, booleans and strings not)."""
+def Float(ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None,
+          numeric_strings: bool = False):
+    """A finite number field type (ints accepted, booleans not; strings only with `numeric_strings`, for
+    the keys DeepSpeed reads through `float(...)`, where "3" is 3.0)."""
     rng = _range_text(ge, gt, le)
     expected = "must be a number" + (f" {rng}" if rng else "")
 
     def check(value):
+        if numeric_strings and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise expectation(expected) from None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise expectation(expected)
         if not _in_range(value, ge, gt, le):
@@ -134,7 +141,17 @@ def _check_dict(value):
     return dict(value)
 
 
+def _check_flag(value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise expectation("must be true or false (or 1 or 0)")
+
+
 Bool = Annotated[bool, BeforeValidator(_check_bool)]
+# a switch DeepSpeed reads by truthiness, which configs write as 1 / 0 too
+Flag = Annotated[bool, BeforeValidator(_check_flag)]
 Str = Annotated[str, BeforeValidator(_check_str)]
 StrList = Annotated[list, BeforeValidator(_check_str_list)]
 FreeDict = Annotated[dict, BeforeValidator(_check_dict)]

@@ -99,3 +99,5 @@ class EigenvalueConfig(Section):
     gas_boundary_resolution: PosInt = 1
     layer_name: Str = "bert.encoder.layer"
     layer_num: NonNegInt = 0
+    model_name: Optional[Str] = None
+    """Read by nothing, in DeepSpeed too; accepted because DeepSpeed's own example configs carry it."""

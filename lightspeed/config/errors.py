@@ -1,4 +1,5 @@
-"""The one exception type for bad configuration. Lives at the bottom of config/ so every layer can raise it."""
+"""The exception type for bad configuration (and its variant for the problems DeepSpeed asserts on). Lives
+at the bottom of config/ so every layer can raise it."""
 
 from __future__ import annotations
 
@@ -17,3 +18,9 @@ class ConfigError(ValueError):
         else:
             message = f"{len(self.problems)} problems in the config:\n" + "\n".join(f"  {p}" for p in self.problems)
         super().__init__(message)
+
+
+class ConfigAssertionError(ConfigError, AssertionError):
+    """A `ConfigError` for a problem DeepSpeed reports with a failed `assert` (e.g. an untested optimizer
+    under ZeRO without `zero_allow_untested_optimizer`): code written against DeepSpeed that catches
+    AssertionError catches it too, and the message stays lightspeed's."""

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Optional
 
 from pydantic import BeforeValidator, PrivateAttr
 
-from lightspeed.config.base import Bool, Choice, Float, FreeDict, PosInt, Section, as_int, expectation
+from lightspeed.config.base import Bool, Choice, Flag, Float, FreeDict, PosInt, Section, as_int, expectation
 from lightspeed.config.comm import CommConfig
 from lightspeed.config.compiler import CompileConfig, Float8Config
 from lightspeed.config.efficiency import (
@@ -81,7 +81,7 @@ class LightspeedConfig(Section):
     # Optimizer
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
-    zero_allow_untested_optimizer: Bool = False
+    zero_allow_untested_optimizer: Flag = False
     zero_force_ds_cpu_optimizer: Bool = True
 
     # Precision

@@ -27,8 +27,9 @@ class FP16Config(Section):
     enabled: Bool = False
     auto_cast: Bool = False
     """Cast the module's floating-point inputs to fp16."""
-    loss_scale: Float(ge=0) = 0.0
-    """0 selects dynamic loss scaling; any other value is a static scale."""
+    loss_scale: Float(ge=0, numeric_strings=True) = 0.0
+    """0 selects dynamic loss scaling; any other value is a static scale. A numeric string ("3") reads
+    as its number, as DeepSpeed's `float(...)` of the value does."""
     initial_scale_power: Int(ge=0) = 16
     """The dynamic scale starts at 2**initial_scale_power."""
     loss_scale_window: Int() = 1000

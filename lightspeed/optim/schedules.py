@@ -161,8 +161,8 @@ class OneCycle(_Schedule):
         groups = self.optimizer.param_groups
         self.first_step_size = float(_positive_step(cycle_first_step_size, "cycle_first_step_size"))
         second = cycle_second_step_size
-        if second is not None:
-            _positive_step(second, "cycle_second_step_size")
+        if second is not None:  # 0, as DeepSpeed allows: the cycle only rises, then the decay begins
+            _positive_step(second, "cycle_second_step_size", allow_zero=True)
         _positive_step(decay_step_size, "decay_step_size", allow_zero=True)
         self.second_step_size = float(second) if second is not None else self.first_step_size
         self.total_size = self.first_step_size + self.second_step_size
@@ -402,7 +402,7 @@ _PARAM_TYPES = {
     "warmup_type": Choice(WARMUP_LOG_RATE, WARMUP_LINEAR_RATE), "total_num_steps": NonNegInt,
     "warmup_min_ratio": Float(ge=0), "cos_min_ratio": Float(ge=0),
     "cycle_min_lr": _lr_or_list(False), "cycle_max_lr": _lr_or_list(False), "decay_lr_rate": Float(ge=0),
-    "cycle_first_step_size": PosInt, "cycle_second_step_size": _optional_int(1),
+    "cycle_first_step_size": PosInt, "cycle_second_step_size": _optional_int(0),
     "cycle_first_stair_count": Int(), "cycle_second_stair_count": _optional_int(),
     "decay_step_size": NonNegInt, "cycle_momentum": Bool,
     "cycle_min_mom": _lr_or_list(False), "cycle_max_mom": _lr_or_list(False),

@@ -42,8 +42,10 @@ from lightspeed.optim.schedules import scheduled_steps
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.dataloader import build_dataloader
+from lightspeed.runtime.errors import UsageAssertionError
 from lightspeed.runtime.module_passthrough import ModulePassthrough
-from lightspeed.runtime.strategy import ShardingStrategy, strategy_partitions_gradients, strategy_places_params
+from lightspeed.runtime.strategy import (DestroyedStrategy, ShardingStrategy, strategy_partitions_gradients,
+                                         strategy_places_params)
 
 logger = get_logger(__name__)
 
@@ -204,10 +206,11 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         As DeepSpeed: refused when gradients are partitioned (ZeRO stages 2 and 3, which reduce every
         micro-step) and not re-entrant; `step()` at a boundary inside raises (gradients unreduced)."""
         if self.zero_optimization_partition_gradients():
-            raise RuntimeError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
-                               f"{self.zero_optimization_stage()} (gradients are reduce-scattered every micro-step)")
+            raise UsageAssertionError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
+                                      f"{self.zero_optimization_stage()} (gradients are reduce-scattered every "
+                                      "micro-step)")
         if self._inside_no_sync:
-            raise RuntimeError("no_sync() is not re-entrant")
+            raise UsageAssertionError("no_sync() is not re-entrant")
         self._inside_no_sync = True
         try:
             yield
@@ -250,8 +253,8 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         if boundary:
             self._checkpoint_writer.wait_snapshot()  # a background save's copies may still read the state
             if self._inside_no_sync:
-                raise RuntimeError("engine.step() at an accumulation boundary inside no_sync(): the gradients were "
-                                   "not reduced; leave no_sync() for the boundary micro-step's backward")
+                raise UsageAssertionError("engine.step() at an accumulation boundary inside no_sync(): the gradients "
+                                          "were not reduced; leave no_sync() for the boundary micro-step's backward")
             self.timers.start("comm")
             self.strategy.wait_gradients()
             self.timers.stop("comm")
@@ -322,6 +325,26 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         """Context manager: `unshard(module)`, yielding the module (None: the whole model); resharded on
         exit, also on an exception."""
         return self.strategy.unsharded(module)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release the parameters ZeRO stage 3 keeps gathered between forwards (persistent
+        ones included; gathered again on use) and the allocator's cache; a no-op at stages 0-2."""
+        self.strategy.empty_partition_cache()
+        get_accelerator().empty_cache()
+
+    def destroy(self) -> None:
+        """DeepSpeed's `engine.destroy()`: wait for a background checkpoint save (a collective, as every
+        rank calls destroy) and free its host snapshot pool, finish the work in flight and remove the
+        hooks the engine put on the model
+        and its parameters. The engine cannot be used afterwards: calling it or its training methods
+        raises RuntimeError (the model itself stays usable, with stage 3's parameters still sharded).
+        A second call does nothing."""
+        if isinstance(self.strategy, DestroyedStrategy):
+            return
+        self._checkpoint_writer.close(self._ckpt_comm)  # waits for a background save, frees the snapshot pool
+        self.strategy.remove_hooks()
+        self.strategy = DestroyedStrategy()
+        self.register_forward_pre_hook(_destroyed)
 
     # ------------------------------------------------------------------ logging
     def _after_step(self) -> None:
@@ -498,11 +521,6 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
         self._checkpoint_writer.reserve({"module": module_state, "strategy": self.strategy.state_dict(),
                                          "rng": get_rng_state()})
 
-    def destroy(self) -> None:
-        """Wait for a background checkpoint save and free its host snapshot pool (DeepSpeed's
-        `engine.destroy`); collective when a save is pending."""
-        self._checkpoint_writer.close(self._ckpt_comm)
-
     def wait_checkpoint(self) -> None:
         """Wait for a background (`checkpoint.writer.decoupled`) save to be complete on every rank;
         raises its error, if any rank's failed. Collective; returns at once when no save is pending."""
@@ -639,3 +657,8 @@ class LightspeedEngine(ModulePassthrough, torch.nn.Module):
             what = "data-parallel rank" if self._tp_comm is None else "rank"
             raise CheckpointError(f"load_checkpoint: {what} {int(flag.item()) - 1} could not read the "
                                   "checkpoint (its error is raised there); nothing was loaded")
+
+
+def _destroyed(engine, args):
+    raise RuntimeError("this engine was destroyed (engine.destroy()) and cannot be called any more; build a new "
+                       "one with initialize()")

@@ -33,6 +33,7 @@ from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
+from lightspeed.runtime.errors import ArgumentAssertionError
 from lightspeed.runtime.model_transforms import apply_model_transforms
 from lightspeed.runtime.param_names import params_by_name, params_from_names
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
@@ -137,7 +138,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     JSON string; `optimizer` and `lr_scheduler` may be instances, callables, or come from the config.
     """
     if model is None:
-        raise ValueError("initialize(): `model` is required")
+        raise ArgumentAssertionError("initialize(): `model` is required")
     if mesh_param is not None:
         raise NotImplementedError("initialize(mesh_param=...) (sequence/tensor-parallel meshes) is not implemented")
     source = _config_source(args, config, config_params)

@@ -134,6 +134,29 @@ class ShardingStrategy(Protocol):
         """`unshard(module)` for a `with` block (yielding the module), resharded on exit."""
         ...
 
+    def empty_partition_cache(self) -> None:
+        """Release what is kept gathered between forwards (stage 3's persistent groups; DeepSpeed's
+        `empty_partition_cache`), gathered again on use; what a `GatheredParameters` or `unshard` holds
+        stays. A no-op where parameters are whole."""
+        ...
+
+    def remove_hooks(self) -> None:
+        """Finish the work in flight (reductions, an overlapped step), reshard what is unsharded and remove
+        every hook the strategy registered on the model and its parameters (`engine.destroy`); the
+        strategy is not used afterwards."""
+        ...
+
+
+class DestroyedStrategy:
+    """What an engine holds in place of its strategy after `engine.destroy()`: using any member raises
+    a RuntimeError saying the engine was destroyed."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)  # copy, pickle and the like probe dunders
+        raise RuntimeError(f"this engine was destroyed (engine.destroy()) and cannot be used any more "
+                           f"(strategy.{name}); build a new one with initialize()")
+
 
 _MISSING = object()
 

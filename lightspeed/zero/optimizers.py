@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from lightspeed.config.errors import ConfigError
+from lightspeed.config.errors import ConfigAssertionError
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.ops.adagrad import CPUAdagrad, FusedAdagrad
 from lightspeed.ops.adam import CPUAdam, FusedAdam
@@ -31,10 +31,11 @@ ELEMENTWISE_OPTIMIZERS = (
 def check_optimizer(optimizer: torch.optim.Optimizer | None, allow_untested: bool, stage: int) -> None:
     if optimizer is None or allow_untested or type(optimizer) in ELEMENTWISE_OPTIMIZERS:
         return
-    raise ConfigError(f"zero_allow_untested_optimizer: ZeRO stage {stage} steps {type(optimizer).__name__} on flat "
-                      "shards holding pieces of many parameters, which is tested only for elementwise optimizers "
-                      f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); set "
-                      '"zero_allow_untested_optimizer": true to use it anyway')
+    # DeepSpeed asserts here: an AssertionError as well as a ConfigError
+    raise ConfigAssertionError(f"zero_allow_untested_optimizer: ZeRO stage {stage} steps {type(optimizer).__name__} "
+                               "on flat shards holding pieces of many parameters, which is tested only for elementwise "
+                               f"optimizers ({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}); set "
+                               '"zero_allow_untested_optimizer": true to use it anyway')
 
 
 def fused_step(optimizer: torch.optim.Optimizer | None, offload: OffloadPolicy | None = None) -> bool:

@@ -3,7 +3,7 @@ stage, and DeepSpeed's `safe_get_*` / `safe_set_*` functions built on it (`deeps
 them).
 
 Owns: `ParamFragment` (a parameter's elements on this rank, as views into a strategy's buffers), the
-registry that finds the strategy managing a parameter, and the eight functions. Must not: know how a
+registry that finds the strategy managing a parameter, and DeepSpeed's `safe_*` functions. Must not: know how a
 stage lays its buffers out (each strategy's `fragment(param)` answers that) or step anything.
 
 Note (semantics, DeepSpeed's): the "full" functions are collectives over the data-parallel group
@@ -184,6 +184,23 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         frag.grad.copy_(flat[frag.owned.start:frag.owned.end])
 
 
+def safe_update_full_grad_vectorized(param_list: Iterable[torch.nn.Parameter], update_func: Callable) -> None:
+    """DeepSpeed's: replace the full gradient `g` of each parameter `p` of `param_list` by `update_func(g, p)`
+    (`g` as `safe_get_full_grad` gives it; the result written as `safe_set_full_grad` writes). A parameter
+    no strategy manages has its `.grad` updated in place; one without a gradient is left alone. A
+    collective, as the two functions: every rank passes the same parameters in the same order."""
+    for p in param_list:
+        _, frag = _locate(p)
+        if frag is None:  # not an engine's parameter: its .grad is its gradient (DeepSpeed's first case)
+            if p.grad is not None:
+                with torch.no_grad():
+                    p.grad.copy_(update_func(p.grad, p))
+            continue
+        grad = safe_get_full_grad(p)
+        if grad is not None:
+            safe_set_full_grad(p, update_func(grad, p))
+
+
 def _local(param, name: str) -> tuple[Any, ParamFragment]:
     strategy, frag = _locate(param)
     if frag is None or not frag.local:
@@ -240,4 +257,5 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
 __all__ = ["ParamFragment", "register", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
-           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"]
+           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
+           "safe_update_full_grad_vectorized"]

@@ -271,6 +271,16 @@ class Stage0Strategy:
         """A `with` block yielding the module (None: the whole model), which is whole already."""
         return contextlib.nullcontext(module if module is not None else self.module)
 
+    def empty_partition_cache(self) -> None:
+        """Nothing is cached: every rank holds whole parameters."""
+
+    def remove_hooks(self) -> None:
+        """Finish the reductions in flight and remove the gradient hooks (engine.destroy)."""
+        self.wait_gradients()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category."""
         tally = MemoryTally()

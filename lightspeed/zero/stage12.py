@@ -466,6 +466,18 @@ class ShardedStrategy:
         """A `with` block yielding the module (None: the whole model), which is whole already."""
         return contextlib.nullcontext(module if module is not None else self.module)
 
+    def empty_partition_cache(self) -> None:
+        """Nothing is cached: every rank holds whole parameters."""
+
+    def remove_hooks(self) -> None:
+        """Finish the reductions and an overlapped step in flight, then remove the gradient hooks
+        (engine.destroy)."""
+        self.buckets.wait()
+        self.flush()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         tally = MemoryTally(self._runner.swap_location)
         for s in self.shards:

@@ -153,6 +153,7 @@ def _failing_worker(root: str):
         engine.save_checkpoint(root, tag=f"rank{rank}")
     except CheckpointError as err:
         report["tag_validation"] = str(err)
+        report["tag_is_assertion"] = isinstance(err, AssertionError)  # DeepSpeed asserts that tags agree
     # a snapshot that fails on one rank (out of host memory, say) is reported like a writer error
     if rank == 1:
         engine._checkpoint_writer._pool.take = lambda files: (_ for _ in ()).throw(MemoryError("no pinned memory"))
@@ -179,6 +180,7 @@ def _failing_worker(root: str):
         engine.save_checkpoint(os.path.join(root, f"dir{rank}"), tag="split")
     except CheckpointError as err:
         report["dirs"] = (str(err), time.monotonic() - start)
+        report["dirs_is_assertion"] = isinstance(err, AssertionError)
     return report
 
 
@@ -196,6 +198,7 @@ def test_writer_errors_reach_every_rank(tmp_path):
         assert report["latest_after_failures"] == "good"
         assert report["latest"] == "recovered"
         assert "not the same on every rank" in report["tag_validation"]
+        assert report["tag_is_assertion"] and not report["dirs_is_assertion"]
         assert "no pinned memory" in report["snapshot"], report
         assert "rank 0 cannot prepare" in report["prepare"], report
         assert report["final_latest"] == "recovered"

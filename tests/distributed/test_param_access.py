@@ -1,5 +1,6 @@
-"""DeepSpeed's parameter accessors (`safe_get_full_*`, `safe_set_full_*`, `safe_get_local_*`) at every
-ZeRO stage on 2 gloo ranks, against stage 0 (where every rank holds everything) and plain PyTorch."""
+"""DeepSpeed's parameter accessors (`safe_get_full_*`, `safe_set_full_*`, `safe_get_local_*`,
+`safe_update_full_grad_vectorized`) at every ZeRO stage on 2 gloo ranks, against stage 0 (where every
+rank holds everything) and plain PyTorch."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def _stage(stage: int, bf16: bool):
                                 if p.requires_grad}
                 f.safe_set_full_grad(model.fc2.bias, torch.full((5,), 0.25))  # written where the step reads
                 out["set_grad"] = f.safe_get_full_grad(model.fc2.bias).float().clone()
+                # the vectorized update: each full gradient through the function, written back
+                f.safe_update_full_grad_vectorized([model.fc2.bias, model.tiny], lambda g, p: g * 2 + 1)
+                out["updated"] = [f.safe_get_full_grad(p).float().clone() for p in (model.fc2.bias, model.tiny)]
+                out["tiny_grad"] = out["grads"]["tiny"]
                 if stage == 3:
                     out["local_grad"] = f.safe_get_local_grad(model.fc1.weight).numel()
             engine.step()
@@ -122,6 +127,9 @@ def test_accessors_agree_at_every_stage(bf16, both):
             assert all(r[stage]["after_step"]), stage
         for stage in (0, 1, 2, 3):
             torch.testing.assert_close(r[stage]["set_grad"], torch.full((5,), 0.25), msg=f"stage {stage}")
+            bias, tiny = r[stage]["updated"]
+            torch.testing.assert_close(bias, torch.full((5,), 0.25 * 2 + 1), msg=f"stage {stage}")
+            torch.testing.assert_close(tiny, r[stage]["tiny_grad"].float() * 2 + 1, msg=f"stage {stage}")
     assert torch.equal(results[0][3]["fp32"]["fc1.weight"], results[1][3]["fp32"]["fc1.weight"])
 
 

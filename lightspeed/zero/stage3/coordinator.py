@@ -197,6 +197,13 @@ class Coordinator:
             else:
                 self.release(g, force=force)
 
+    def release_unheld(self) -> None:
+        """Release every gathered group that nothing holds now (no forward, `GatheredParameters` or
+        `unshard`), persistent ones included."""
+        for g in self.groups:
+            if g.pins == 0:
+                self.release(g, force=True)
+
     # ------------------------------------------------------------------ trace
     def _record(self, module: torch.nn.Module) -> None:
         if not self._trace_done:

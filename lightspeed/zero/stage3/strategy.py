@@ -454,6 +454,19 @@ class Stage3Strategy:
         also by an exception, reshards what it unsharded."""
         return self._unsharding.unsharded(module, module if module is not None else self.module)
 
+    def empty_partition_cache(self) -> None:
+        """Release every gathered group nothing holds, persistent ones included (DeepSpeed's
+        `empty_partition_cache`); they are gathered again when next used."""
+        self.coordinator.release_unheld()
+
+    def remove_hooks(self) -> None:
+        """Finish the reductions and an overlapped step in flight, reshard what is unsharded, then remove
+        the coordinator's forward and gradient hooks (engine.destroy)."""
+        self.coordinator.wait_reduces()
+        self.flush()
+        self._unsharding.reshard()
+        self.coordinator.remove_hooks()
+
     def _groups_under(self, module: torch.nn.Module | None) -> list[ParamGroup]:
         if module is None:
             return list(self.groups)

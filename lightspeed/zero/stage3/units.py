@@ -22,8 +22,8 @@ Note (the unit rule): the unit modules are
     whole): leaves only ever coarsen, as the threshold does in DeepSpeed, where the default unit is
     every parameter-owning module.
     - modules marked from code with `set_z3_leaf_modules(model, classes)` (DeepSpeed's function,
-         which accelerate calls for MoE blocks); the marks are kept in a weak set here, not on the
-         modules.
+         which accelerate calls for MoE blocks), `set_z3_leaf_modules_by_name` or
+         `set_z3_leaf_modules_by_suffix`; the marks are kept in a weak set here, not on the modules.
 Every module belongs to its nearest unit ancestor (itself, if a unit), and a unit's *region* is the
 modules that belong to it. A unit's parameter groups are the parameters first registered in its
 region (one group per `requires_grad` value); a parameter registered in several places (tied)
@@ -111,6 +111,48 @@ def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_
     for m in found:
         _MARKED.discard(m)
     return found
+
+
+def _mark(modules: list[torch.nn.Module], flag: bool) -> None:
+    for m in modules:
+        if flag:
+            _MARKED.add(m)
+        else:
+            _MARKED.discard(m)
+
+
+def set_z3_leaf_modules_by_name(model: torch.nn.Module, module_names, flag: bool = True,
+                                raise_if_not_found: bool = True):
+    """DeepSpeed's `deepspeed.utils.set_z3_leaf_modules_by_name`: mark (`flag` True) or unmark the modules
+    named in `model.named_modules()`. Returns (the modules found, the names that matched none); with
+    `raise_if_not_found`, a name that matches no module raises ValueError."""
+    by_name = dict(model.named_modules())
+    found = [by_name[n] for n in module_names if n in by_name]
+    missing = [n for n in module_names if n not in by_name]
+    if missing and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules_by_name: no module named {missing} in the model")
+    _mark(found, flag)
+    return found, missing
+
+
+def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes, flag: bool = True,
+                                  raise_if_not_found: bool = True):
+    """DeepSpeed's `deepspeed.utils.set_z3_leaf_modules_by_suffix`: mark (`flag` True) or unmark every
+    module whose name in `model.named_modules()` ends with one of the suffixes. Returns (the modules
+    found, each once, the suffixes that matched none); with `raise_if_not_found`, such a suffix raises
+    ValueError."""
+    named = list(model.named_modules())
+    found: list[torch.nn.Module] = []
+    missing = []
+    for suffix in module_name_suffixes:
+        matches = [m for name, m in named if name.endswith(suffix)]
+        if not matches:
+            missing.append(suffix)
+        found.extend(m for m in matches if not any(m is f for f in found))
+    if missing and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules_by_suffix: no module name ends with {missing} in the model")
+    _mark(found, flag)
+    return found, missing
 
 
 def z3_leaf_module(module: torch.nn.Module) -> bool:

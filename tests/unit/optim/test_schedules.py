@@ -426,7 +426,7 @@ def test_a_tensor_lr_is_written_in_place():
     (lambda opt: WarmupCosineLR(opt, total_num_steps=10, warmup_num_steps=0), "warmup_num_steps must be a positive"),
     (lambda opt: LRRangeTest(opt, lr_range_test_step_size=0), "lr_range_test_step_size must be an integer >= 1, got 0"),
     (lambda opt: OneCycle(opt, 0.01, 0.1, cycle_first_step_size=0), "cycle_first_step_size must be an integer >= 1"),
-    (lambda opt: OneCycle(opt, 0.01, 0.1, cycle_second_step_size=0), "cycle_second_step_size must be an integer >= 1"),
+    (lambda opt: OneCycle(opt, 0.01, 0.1, cycle_second_step_size=-1), "cycle_second_step_size must be an integer >= 0"),
     (lambda opt: OneCycle(opt, 0.01, 0.1, decay_step_size=-1), "decay_step_size must be an integer >= 0, got -1"),
 ])
 def test_non_positive_step_sizes_raise_value_error(build, message):

@@ -1,6 +1,7 @@
-"""`deepspeed.checkpoint`: `utils.clone_tensors_for_torch_save`. DeepSpeed's universal-checkpoint tools
-(`DeepSpeedCheckpoint`, ds_to_universal) are not built: lightspeed's engine loads any checkpoint at any world
-size and stage without a conversion step, and `deepspeed.utils.zero_to_fp32` consolidates."""
+"""`deepspeed.checkpoint`: `utils` (`clone_tensors_for_torch_save`, the per-rank file names). DeepSpeed's
+universal-checkpoint tools (`DeepSpeedCheckpoint`, ds_to_universal) are not built: lightspeed's engine loads
+any checkpoint at any world size and stage without a conversion step, and `deepspeed.utils.zero_to_fp32`
+consolidates."""
 
 import importlib
 

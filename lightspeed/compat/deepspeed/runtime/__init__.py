@@ -3,8 +3,8 @@ paths. Submodules load on first use."""
 
 import importlib
 
-_SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "lr_schedules", "sequence_parallel",
-               "utils", "zero")
+_SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "lr_schedules", "precision_config",
+               "sequence_parallel", "utils", "zero")
 
 
 def __getattr__(name: str):

@@ -1,11 +1,37 @@
 """`deepspeed.runtime.config`: `DeepSpeedConfig`, DeepSpeed's parsed-config object, as an adapter over
 `lightspeed.config.load` (the validation, defaults and batch-triad resolution are lightspeed's), with
-the attribute names DeepSpeed's object has and its callers read."""
+the attribute names DeepSpeed's object has and its callers read, and the optimizer-name constants of
+DeepSpeed's runtime/config.py (release 0.18.2's set)."""
 
 from __future__ import annotations
 
 from lightspeed import config as _config
+from lightspeed.compat.deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+from lightspeed.compat.deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from lightspeed.config.errors import ConfigError as DeepSpeedConfigError
+
+# DeepSpeed's names for the optimizers it builds from a config's `optimizer.type` (lowercased), as in
+# its runtime/config.py; lightspeed/optim/factory.py builds them.
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+ONEBIT_ADAM_OPTIMIZER = "onebitadam"
+ZERO_ONE_ADAM_OPTIMIZER = "zerooneadam"
+ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
+MUADAM_OPTIMIZER = "muadam"
+MUADAMW_OPTIMIZER = "muadamw"
+MUSGD_OPTIMIZER = "musgd"
+LION_OPTIMIZER = "lion"
+MUON_OPTIMIZER = "muon"
+DEEPSPEED_OPTIMIZERS = [
+    ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER,
+    ZERO_ONE_ADAM_OPTIMIZER, MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER,
+]
+TORCH_ADAM_PARAM = "torch_adam"  # optimizer.params key: torch.optim.Adam(W) instead of the fused kernel
+ADAM_W_MODE = "adam_w_mode"  # optimizer.params key of "Adam": decoupled weight decay (AdamW)
+ADAM_W_MODE_DEFAULT = True
+GRADIENT_ALLREDUCE_OP_MEAN = "mean"  # lightspeed averages gradients over the data-parallel ranks (zero/reduce.py)
 
 
 class DeepSpeedConfig:
@@ -41,12 +67,16 @@ class DeepSpeedConfig:
         self.disable_allgather = cfg.disable_allgather
         self.communication_data_type = cfg.communication_data_type
 
-        self.zero_config = cfg.zero_optimization
+        # DeepSpeed's model of the section, with its field names (`prefetch_bucket_size` for
+        # `stage3_prefetch_bucket_size`, ...), over the section lightspeed validated
+        self.zero_config = DeepSpeedZeroConfig.model_validate(cfg.zero_optimization.model_dump())
         self.zero_optimization_stage = cfg.zero_optimization.stage
         self.zero_enabled = cfg.zero_optimization.stage > 0
         self.zero_allow_untested_optimizer = cfg.zero_allow_untested_optimizer
         self.zero_force_ds_cpu_optimizer = cfg.zero_force_ds_cpu_optimizer
 
+        self.float16_config = DeepSpeedFP16Config.model_validate(cfg.fp16.model_dump())
+        self.bfloat16_config = DeepSpeedBF16Config.model_validate(cfg.bf16.model_dump())
         self.fp16_enabled = cfg.fp16.enabled
         self.fp16_auto_cast = cfg.fp16.auto_cast
         self.fp16_master_weights_and_gradients = cfg.fp16.fp16_master_weights_and_grads
@@ -74,9 +104,18 @@ class DeepSpeedConfig:
         self.elasticity_enabled = bool(cfg.elasticity.enabled)
         self.dataloader_drop_last = cfg.dataloader_drop_last
 
+    @property
+    def gradient_allreduce_op(self) -> str:
+        """DeepSpeed's `gradient_allreduce_op`: how gradients are combined over the data-parallel ranks.
+        Always DeepSpeed's default, "mean" (lightspeed has no "sum" mode)."""
+        return GRADIENT_ALLREDUCE_OP_MEAN
+
     def __repr__(self) -> str:
         return (f"DeepSpeedConfig(train_batch_size={self.train_batch_size}, zero_optimization_stage="
                 f"{self.zero_optimization_stage}, fp16={self.fp16_enabled}, bf16={self.bfloat16_enabled})")
 
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
+__all__ = ["ADAGRAD_OPTIMIZER", "ADAMW_OPTIMIZER", "ADAM_OPTIMIZER", "ADAM_W_MODE", "ADAM_W_MODE_DEFAULT",
+           "DEEPSPEED_OPTIMIZERS", "DeepSpeedConfig", "DeepSpeedConfigError", "LAMB_OPTIMIZER", "LION_OPTIMIZER",
+           "MUADAMW_OPTIMIZER", "MUADAM_OPTIMIZER", "MUON_OPTIMIZER", "MUSGD_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER",
+           "ONEBIT_LAMB_OPTIMIZER", "TORCH_ADAM_PARAM", "ZERO_ONE_ADAM_OPTIMIZER"]

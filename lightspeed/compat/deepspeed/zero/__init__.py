@@ -1,5 +1,6 @@
 """`deepspeed.zero`: lightspeed.zero's public names (`Init`, `GatheredParameters`,
-`register_external_parameter`, ...), forwarded so that every name lightspeed.zero exports is here too."""
+`register_external_parameter`, ...), forwarded so that every name lightspeed.zero exports is here too,
+and `unwrap_model_for_generation` (runtime/zero/stage3.py)."""
 
 import lightspeed.zero as _zero
 from lightspeed.compat.deepspeed._missing import missing_class
@@ -8,14 +9,18 @@ MiCS_Init = missing_class("deepspeed.zero.MiCS_Init", "MiCS (ZeRO-3 sharding wit
 TiledLinear = missing_class("deepspeed.zero.TiledLinear", "tiled linear layers (zero.TiledLinear)")
 TiledLinearReturnBias = missing_class("deepspeed.zero.TiledLinearReturnBias", "tiled linear layers (zero.TiledLinear)")
 
-__all__ = [*_zero.__all__, "MiCS_Init", "TiledLinear", "TiledLinearReturnBias"]
+__all__ = [*_zero.__all__, "MiCS_Init", "TiledLinear", "TiledLinearReturnBias", "unwrap_model_for_generation"]
 
 
 def __getattr__(name: str):
     if name in _zero.__all__:
         return getattr(_zero, name)
-    if name == "partition_parameters":
+    if name in ("partition_parameters", "config", "offload_config", "stage3"):
         import importlib
 
-        return importlib.import_module("lightspeed.compat.deepspeed.runtime.zero.partition_parameters")
+        return importlib.import_module(f"lightspeed.compat.deepspeed.runtime.zero.{name}")
+    if name == "unwrap_model_for_generation":
+        from lightspeed.compat.deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        return unwrap_model_for_generation
     raise AttributeError(f"module 'deepspeed.zero' (lightspeed) has no attribute {name!r}")

@@ -1,0 +1,263 @@
+"""The engine's checkpoints: `save_checkpoint` / `load_checkpoint` (DeepSpeed's API), the 16-bit model
+saves, and the background writer's waits, as a mixin of `LightspeedEngine` (engine.py).
+
+Owns: what a save collects from the engine (module state, counters, the strategy's fragments; over a
+mesh, whole module tensors and the placements) and how a load is read on every rank, agreed, and only
+then applied. Must not: know a file layout (checkpoint/engine_checkpoint.py does) or a ZeRO stage (the
+strategy's fragments and module state carry it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from lightspeed._utils.logging import get_logger
+from lightspeed.checkpoint import engine_checkpoint
+from lightspeed.checkpoint.atomic import atomic_torch_save
+from lightspeed.checkpoint.deepspeed_writer import module_entry_names, save_as_deepspeed
+from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.integrity import verification
+from lightspeed.checkpoint.module_state import check_module_state
+from lightspeed.checkpoint.rng import get_rng_state, set_rng_state
+from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record
+from lightspeed.checkpoint.universal import apply_training_state, read_training_state
+from lightspeed.comm import heartbeat
+from lightspeed.comm.collectives import Communicator
+from lightspeed.parallel.placement import DATA_PARALLEL
+from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
+from lightspeed.zero.fragments import first_names
+
+logger = get_logger(__name__)
+
+
+class EngineCheckpoints:
+    """Mixin of `LightspeedEngine`: its checkpoint methods (see the module docstring)."""
+
+    @heartbeat.paused()  # file I/O: the stall clock waits (comm/heartbeat.py)
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
+        `checkpoint.writer.decoupled` from a host snapshot in the background (see `wait_checkpoint`)."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        keyed = sorted(n for n, p in self.placements.items() if p.reduced_over != DATA_PARALLEL)
+        if keyed:  # their fragments repeat names across the ranks that hold other experts
+            raise NotImplementedError(f"save_checkpoint: parameters reduced over another group than data parallelism "
+                                      f"(expert parallelism: {keyed[0]}, ...) cannot be saved yet")
+        engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
+                                               self.config.checkpoint.tag_validation)
+        module_state = self.strategy.module_state_dict()
+        frozen: set[str] = set()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            module_state = {k: v for k, v in module_state.items() if k not in frozen}
+        shared = {
+            "excluded_frozen_parameters": sorted(frozen),
+            "module": module_state,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "counters": {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                         "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps},
+            "client_state": dict(client_state or {}),
+            "zero_stage": self.zero_optimization_stage(),
+            "dp_world_size": self.seq_dp_world_size,  # the ranks that wrote shards (dp x sp)
+        }
+        shared["buffer_names"], shared["frozen_param_names"] = module_entry_names(self.module)
+        strategy_state = self.strategy.state_dict()
+        replicated = self.strategy.state_is_replicated
+        if self._tp_comm is not None:  # one tag for the whole mesh (engine_checkpoint.py's layout)
+            # collective over tp (every rank calls it); only the rank that writes the model file keeps them
+            module_state = self._whole_tensors(module_state, keep=self._ckpt_rank == 0)
+            shared["module"] = module_state
+            shared["mesh"] = {"tp": self._tp_comm.world_size, "dp_sp": self.seq_dp_world_size}
+            names = {entry[0] for entry in strategy_state.get("fragments", ())}
+            strategy_state = {**strategy_state, "mesh_coords": {"tp": self._tp_comm.rank},
+                              "mesh_rank": self._ckpt_rank, "mesh_size": self._ckpt_comm.world_size,
+                              "placements": {n: self.placements[n].as_record() for n in sorted(names)}}
+            if replicated and self.groups.seq_dp_rank != 0:  # the same state as dp rank 0 of its tp column
+                strategy_state = {**strategy_state, "fragments": [], "owners": [], "owner_groups": [], "state": [],
+                                  "placements": {}}
+            replicated = False
+        engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=strategy_state,
+                               strategy_replicated=replicated, comm=self._ckpt_comm,
+                               dp_rank=self._ckpt_rank, save_latest=save_latest,
+                               writer=self._checkpoint_writer)
+        if self.config.checkpoint.format == "deepspeed":  # lightspeed's tag, converted in place by rank 0
+            self._checkpoint_writer.wait(self._ckpt_comm)
+            save_as_deepspeed(save_dir, tag, comm=self._ckpt_comm, rank=self._ckpt_rank,
+                              stage=self.zero_optimization_stage(), world_size=self.seq_dp_world_size,
+                              sub_group_size=self.config.zero_optimization.sub_group_size)
+        return True
+
+    def _tp_record(self) -> dict:
+        return tp_record(self.module, self._tp_comm.world_size, self._tp_comm.rank)
+
+    def _whole_tensors(self, state: dict, keep: bool = True) -> dict:
+        """`state` with tensor-parallel slices gathered into whole tensors (collective over the tp group);
+        with `keep` False this rank contributes its slices and gets `state` back."""
+        if self._tp_comm is None:
+            return state
+        return gather_tp_state(state, tp_layouts(self.module), self._tp_comm, keep=keep)
+
+    @heartbeat.paused()  # rank 0 copies the whole model to the host while the others go on
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The whole module state_dict gathered from the ZeRO-3 shards, parameters in the training dtype
+        on CPU, on global rank 0; None on the other ranks. A collective: every rank must call it.
+        ValueError when the parameters are not partitioned (DeepSpeed's rule: only for ZeRO-3)."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("_zero3_consolidated_16bit_state_dict requires ZeRO stage 3 "
+                             f"(got stage {self.zero_optimization_stage()})")
+        state = self.strategy.module_state_dict()
+        if self.global_rank != 0:
+            return None
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
+
+    def _reserve_snapshot_pool(self) -> None:
+        """Size a background save's host pool from the state a save snapshots (collective at ZeRO-3 and
+        with tensor parallelism, like a save). client_state tensors are not known here: a save with
+        some adds them to the pool."""
+        module_state = self._whole_tensors(self.strategy.module_state_dict())
+        self._checkpoint_writer.reserve({"module": module_state, "strategy": self.strategy.state_dict(),
+                                         "rng": get_rng_state()})
+
+    def wait_checkpoint(self) -> None:
+        """Wait for a background (`checkpoint.writer.decoupled`) save to be complete on every rank;
+        raises its error, if any rank's failed. Collective; returns at once when no save is pending."""
+        self._checkpoint_writer.wait(self._ckpt_comm)
+
+    @heartbeat.paused()  # rank 0 writes the file while the others wait at the barrier
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the whole module state_dict (parameters in the training dtype) to
+        `save_dir/save_filename`; global rank 0 writes. A partitioned strategy gathers the parameters
+        only with `zero_optimization.stage3_gather_16bit_weights_on_model_save` (DeepSpeed's rule):
+        otherwise nothing is written and False is returned. Every rank must call it."""
+        path = os.path.join(save_dir, save_filename)
+        # strategies that hold whole parameters (stages 0-2) can always save; stage 3 says whether it may gather
+        if not self.strategy.gather_16bit_weights_on_model_save:
+            logger.warning("did not save the model %s: zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                           "is false", path)
+            return False
+        state = self._whole_tensors(self.strategy.module_state_dict(), keep=self.global_rank == 0)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            atomic_torch_save(state, path)
+        self.comm.barrier()
+        return True
+
+    @heartbeat.paused()
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, *, verify: bool = True):
+        """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size, ZeRO stage
+        and tensor-parallel size; returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file
+        and no tag is given. Everything is read and checked on every rank before anything changes: a
+        load that fails raises on every rank and leaves the engine as it was. Every file read is verified
+        (lightspeed's against its checksum manifest, DeepSpeed's against its CRC-32s); `verify=False`
+        reads them unchecked (e.g. a tag whose manifests were lost), with a warning."""
+        self.wait_checkpoint()
+        with verification(verify):
+            return self._load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
+                                         load_lr_scheduler_states, load_module_only)
+
+    def _load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                         load_module_only):
+        try:
+            trainable = [n for n, p in self.module.named_parameters() if p.requires_grad]
+            self._first_name = {n: first_names(self.module)[id(p)]
+                                for n, p in self.module.named_parameters(remove_duplicate=False)}
+            # at another tp size (or plan) the source merges the saved slices and cuts this tp rank's
+            # (checkpoint/tensor_parallel.py); the fragments path below then re-slices over dp and stage
+            opened = open_at_tp_size(load_dir, tag, dp_rank=self.groups.seq_dp_rank, param_names=trainable,
+                                     current=None if self._tp_comm is None else self._tp_record(),
+                                     mesh_rank=self._ckpt_rank)
+            read = None
+            if opened is not None:
+                path, source, rng = opened
+                source_params = set(source.param_names())
+                extra = source.extra()
+                module_state = self._module_state_to_load(source, load_module_only)
+                excluded = set(extra.get("excluded_frozen_parameters") or ())
+                excluded |= {k for k in self.strategy.module_shapes() if k not in module_state
+                             and self._first_name.get(k) in source_params}
+                expected = {k: v for k, v in self.strategy.module_shapes().items() if k not in excluded}
+                check_module_state(expected, module_state, strict=load_module_strict)
+                counters = self._saved_counters(extra.get("counters") or {})
+                if not load_module_only:
+                    read = read_training_state(source, self.strategy.fragments(), self.optimizer,
+                                               load_optimizer_states=load_optimizer_states)
+            failed = None
+        except (CheckpointError, KeyError, ValueError, RuntimeError) as err:
+            failed = err
+        self._agree_or_raise(failed)
+        if opened is None:
+            logger.warning("no checkpoint to load in %s (no 'latest' file and no tag given)", load_dir)
+            return None, None
+        client_state = extra.get("client_state") or {}
+        self.strategy.load_module_state_dict(module_state, strict=False)  # checked above, before any change
+        if load_module_only:
+            self.strategy.masters_from_params()
+            if rng is not None:
+                set_rng_state(rng)
+            return path, client_state
+        apply_training_state(read, self.optimizer)
+        self.strategy.masters_loaded()
+        if load_lr_scheduler_states and self.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if self.loss_scaler is not None and extra.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(extra["loss_scaler"])
+        self.global_steps, self.global_samples, self.micro_steps, self.skipped_steps = counters
+        saved_world = int(extra.get("dp_world_size") or 0)
+        if rng is not None:
+            set_rng_state(rng)
+        elif self.groups.seq_dp_rank >= saved_world:
+            logger.info("checkpoint %s was saved by %d ranks: ranks from %d on keep their own RNG state", path,
+                        saved_world, saved_world)
+        return path, client_state
+
+    def _module_state_to_load(self, source, load_module_only: bool) -> dict[str, Any]:
+        """The saved module state, less the parameters the source holds fp32 masters of whose saved entry
+        is an empty placeholder (a ZeRO-3 writer keeps them partitioned): those come from the masters, or,
+        for a module-only load, from the source's fp32 values one tensor at a time."""
+        saved = source.module_state()
+        masters = set(source.param_names())
+        out: dict[str, Any] = {}
+        for name in list(saved.keys()):
+            value = saved[name]
+            first = self._first_name.get(name)
+            if first in masters and torch.is_tensor(value) and value.numel() == 0:
+                if load_module_only and name == first:
+                    out[name] = source.read(name)
+                continue
+            out[name] = value
+        return out
+
+    def _saved_counters(self, saved: dict) -> tuple[int, int, int, int]:
+        """(global_steps, global_samples, micro_steps, skipped_steps) from a checkpoint's counters; what a
+        writer did not record (DeepSpeed keeps no micro-step count) follows from the steps taken."""
+        def get(key, default):
+            value = saved.get(key)
+            return int(default if value is None else value)
+
+        steps = get("global_steps", 0)
+        return (steps, get("global_samples", steps * self.train_batch_size()),
+                get("micro_steps", steps * self.gradient_accumulation_steps()), get("skipped_steps", 0))
+
+    def _agree_or_raise(self, failed: BaseException | None) -> None:
+        """Every rank learns whether any rank failed to read the checkpoint, and then all raise."""
+        flag = torch.tensor([0.0 if failed is None else float(self._ckpt_rank + 1)], device=self.device)
+        self._ckpt_comm.all_reduce(flag, op="max")  # every rank of the mesh: a load changes all or none
+        if failed is not None:
+            raise failed if isinstance(failed, CheckpointError) else CheckpointError(str(failed)) from failed
+        if flag.item() > 0:
+            what = "data-parallel rank" if self._tp_comm is None else "rank"
+            raise CheckpointError(f"load_checkpoint: {what} {int(flag.item()) - 1} could not read the "
+                                  "checkpoint (its error is raised there); nothing was loaded")

@@ -157,12 +157,7 @@ class LightspeedSource:
                 continue
             if len({p.shape for p in pieces}) != 1:
                 raise CheckpointError(f"{self.paths[0].parent}: parameter {name} saved with different shapes")
-            covered = sorted((p.start, p.end) for p in pieces)
-            pos = 0
-            for a, b in covered:
-                if a > pos:
-                    break
-                pos = max(pos, b)
+            pos = _covered_to(pieces)
             numel = _numel(pieces[0].shape)
             if pos < numel:
                 raise CheckpointError(f"{self.paths[0].parent}: parameter {name}: elements {pos}.. are in no saved "
@@ -175,12 +170,7 @@ class LightspeedSource:
             raise CheckpointError(f"{self.paths[0].parent}: parameter {name} saved with different placements")
         volume = 0
         for placement, held in self._placed_groups(name).items():
-            covered = sorted((p.start, p.end) for p in held)
-            pos = 0
-            for a, b in covered:
-                if a > pos:
-                    break
-                pos = max(pos, b)
+            pos = _covered_to(held)
             if pos < _numel(placement.local_shape):
                 raise CheckpointError(f"{self.paths[0].parent}: parameter {name}: elements {pos}.. of the slice "
                                       f"{[list(b) for b in placement.boxes]} are in no saved file (a rank's "
@@ -374,6 +364,16 @@ def _check_deepspeed_tag(path: Path) -> tuple[list[str], list[str]]:
         except CheckpointError as err:
             problems.append(str(err))
     return problems, notes
+
+
+def _covered_to(pieces) -> int:
+    """How far from element 0 the pieces' [start, end) ranges cover a flattened tensor without a gap."""
+    pos = 0
+    for a, b in sorted((p.start, p.end) for p in pieces):
+        if a > pos:
+            break
+        pos = max(pos, b)
+    return pos
 
 
 def _numel(shape) -> int:

@@ -38,7 +38,7 @@ from lightspeed.zero.norm import NormPlan
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
 
-__all__ = ["Stage0Strategy", "StepResult", "broadcast_unflattened", "group_trainable_params"]
+__all__ = ["Stage0Strategy", "StepResult", "WholeParameters", "broadcast_unflattened", "group_trainable_params"]
 
 
 def broadcast_unflattened(comm: Communicator, module: torch.nn.Module, reduce_groups: ReduceGroups | None = None) -> None:
@@ -60,7 +60,27 @@ def group_trainable_params(module: torch.nn.Module) -> dict[torch.dtype, list[to
     return groups
 
 
-class Stage0Strategy:
+class WholeParameters:
+    """The stage-3 seam of a strategy whose ranks hold whole parameters (stages 0-2): nothing to gather,
+    release or empty."""
+
+    module: torch.nn.Module
+
+    def unshard(self, module: torch.nn.Module | None = None) -> None:
+        """Nothing to gather: parameters are whole at this stage (ZeRO-3's `unshard`, for the engine)."""
+
+    def reshard(self, module: torch.nn.Module | None = None) -> None:
+        """Nothing to release: parameters are whole at this stage."""
+
+    def unsharded(self, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """A `with` block yielding the module (None: the whole model), which is whole already."""
+        return contextlib.nullcontext(module if module is not None else self.module)
+
+    def empty_partition_cache(self) -> None:
+        """Nothing is cached: every rank holds whole parameters."""
+
+
+class Stage0Strategy(WholeParameters):
     stage = 0
     state_is_replicated = True  # every rank holds the same state: rank 0 alone writes it
     gather_16bit_weights_on_model_save = True  # whole parameters on every rank: nothing to gather
@@ -260,19 +280,6 @@ class Stage0Strategy:
 
     def needs_eager_forward(self) -> bool:
         return False
-
-    def unshard(self, module: torch.nn.Module | None = None) -> None:
-        """Nothing to gather: parameters are whole at this stage (ZeRO-3's `unshard`, for the engine)."""
-
-    def reshard(self, module: torch.nn.Module | None = None) -> None:
-        """Nothing to release: parameters are whole at this stage."""
-
-    def unsharded(self, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """A `with` block yielding the module (None: the whole model), which is whole already."""
-        return contextlib.nullcontext(module if module is not None else self.module)
-
-    def empty_partition_cache(self) -> None:
-        """Nothing is cached: every rank holds whole parameters."""
 
     def remove_hooks(self) -> None:
         """Finish the reductions in flight and remove the gradient hooks (engine.destroy)."""

@@ -41,7 +41,6 @@ and stepped one at a time (`offload/swapped_step.py`); its update is all-gathere
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +68,7 @@ from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
-from lightspeed.zero.stage0 import broadcast_unflattened
+from lightspeed.zero.stage0 import WholeParameters, broadcast_unflattened
 
 MAX_INFLIGHT_REDUCES = 2  # stage 2: reductions in flight at once (each holds a bucket-sized staging buffer)
 # optimizer offload: the largest layout bucket. The bucket sizes are upper bounds (DeepSpeed: they limit
@@ -96,7 +95,7 @@ class Shard:
             yield slice(r.start, r.end), slice(pos, pos + r.numel)
 
 
-class ShardedStrategy:
+class ShardedStrategy(WholeParameters):
     """ZeRO stage 1 (`stage=1`) or 2 (`stage=2`) over `comm`'s data-parallel group."""
 
     state_is_replicated = False
@@ -455,19 +454,6 @@ class ShardedStrategy:
 
     def needs_eager_forward(self) -> bool:
         return False
-
-    def unshard(self, module: torch.nn.Module | None = None) -> None:
-        """Nothing to gather: parameters are whole at this stage (ZeRO-3's `unshard`, for the engine)."""
-
-    def reshard(self, module: torch.nn.Module | None = None) -> None:
-        """Nothing to release: parameters are whole at this stage."""
-
-    def unsharded(self, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """A `with` block yielding the module (None: the whole model), which is whole already."""
-        return contextlib.nullcontext(module if module is not None else self.module)
-
-    def empty_partition_cache(self) -> None:
-        """Nothing is cached: every rank holds whole parameters."""
 
     def remove_hooks(self) -> None:
         """Finish the reductions and an overlapped step in flight, then remove the gradient hooks

@@ -92,10 +92,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def detect_launch_env(env: dict[str, str] | None = None, distributed_port: int = 29500) -> LaunchEnv:
-    """Read the rank layout from the environment variables of torchrun, SLURM or Open MPI."""
+def _master_port(env: dict[str, str], default: int, required: bool) -> int:
+    """MASTER_PORT as a number; an unreadable one (DeepSpeed's test harness writes "None" beside a file://
+    init_method) is `default` when no rendezvous reads it (`required` False), else a ValueError."""
+    text = env.get("MASTER_PORT")
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        if not required:
+            return default
+        raise ValueError(f"MASTER_PORT must be a port number (got {text!r})") from None
+
+
+def detect_launch_env(env: dict[str, str] | None = None, distributed_port: int = 29500,
+                      port_required: bool = True) -> LaunchEnv:
+    """Read the rank layout from the environment variables of torchrun, SLURM or Open MPI.
+    `port_required` False: the rendezvous does not read MASTER_PORT (an explicit init_method)."""
     env = dict(os.environ if env is None else env)
-    port = int(env.get("MASTER_PORT", distributed_port))
+    port = _master_port(env, distributed_port, port_required)
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                          env.get("MASTER_ADDR", "127.0.0.1"), port, "torchrun")
@@ -107,7 +123,7 @@ def detect_launch_env(env: dict[str, str] | None = None, distributed_port: int =
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                          addr, port, "slurm")
-    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 0)) or free_port(),
+    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), _master_port(env, 0, port_required) or free_port(),
                      "single-process")
 
 
@@ -158,9 +174,11 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     _TIMEOUT["from_config"] = timeout is None and not os.environ.get(TIMEOUT_ENV, "").strip()
     timeout = comm_timeout(timeout)
     _TIMEOUT["seconds"] = timeout.total_seconds()
-    launch = detect_launch_env(distributed_port=distributed_port) if auto_mpi_discovery or "RANK" in os.environ \
+    port_required = init_method in (None, "env://")
+    launch = detect_launch_env(distributed_port=distributed_port, port_required=port_required) \
+        if auto_mpi_discovery or "RANK" in os.environ \
         else detect_launch_env({k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "SLURM_"))},
-                               distributed_port)
+                               distributed_port, port_required)
     if rank >= 0 and world_size > 0:
         launch = LaunchEnv(rank, world_size, launch.local_rank, launch.master_addr, launch.master_port, "arguments")
     backend = dist_backend or default_backend()

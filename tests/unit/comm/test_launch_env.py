@@ -89,3 +89,14 @@ def test_no_launcher_is_a_single_process_on_a_free_port():
 def test_partial_launcher_variables_fall_back_to_single_process():
     assert detect_launch_env({"WORLD_SIZE": "4"}).source == "single-process"
     assert detect_launch_env({"SLURM_PROCID": "3"}).source == "single-process"  # no SLURM_NTASKS
+
+
+def test_an_unreadable_master_port_is_named_unless_no_rendezvous_reads_it():
+    """DeepSpeed's test harness writes MASTER_PORT=None beside a file:// init_method, which reads no port."""
+    import pytest
+
+    env = dict(TORCHRUN, MASTER_PORT="None")
+    with pytest.raises(ValueError, match="MASTER_PORT must be a port number \\(got 'None'\\)"):
+        detect_launch_env(env)
+    assert detect_launch_env(env, distributed_port=29511, port_required=False).master_port == 29511
+    assert detect_launch_env({"MASTER_PORT": "None"}, port_required=False).master_port > 0  # a free one

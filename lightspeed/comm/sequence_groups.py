@@ -236,12 +236,22 @@ def _recorded_size(sp_size: int) -> int:
     return _CURRENT.sp_world_size
 
 
-def build_topology(mpu: Any, sp_size: int = 1, tp_size: int = 1) -> Topology:
+def build_topology(mpu: Any, sp_size: int = 1, tp_size: int = 1, pp_size: int = 1) -> Topology:
     """The run's `Topology` for the configured sizes (1 when unset) and the caller's `mpu`, with this
-    process's sequence-parallel record consistent with it (see Layout). With tp = 1 the topology takes
+    process's sequence-parallel record consistent with it (see Layout). A pipeline (pp > 1) builds its
+    mesh itself, with no mpu. With tp = 1 the topology takes
     the record's groups through an mpu (`sequence_parallel_mpu`); with tp > 1 it is built from the mesh
     and the record from it. Our own `SequenceParallelMPU` (register_with_transformers' return) carries
     nothing the record does not, so at tp > 1 it stands for the record."""
+    if pp_size > 1:
+        if mpu is not None and not isinstance(mpu, SequenceParallelMPU):
+            raise ValueError("initialize(mpu=...) with a PipelineModule: the pipeline builds its own groups "
+                             "(the mesh's pp, dp and tp dims); pass no mpu")
+        sp = max(sp_size, _recorded_size(sp_size))
+        topology = Topology.build(tp=tp_size, sp=sp, pp=pp_size)
+        if sp > 1:
+            record_from_topology(topology)
+        return topology
     if tp_size == 1:
         return Topology.build(mpu=sequence_parallel_mpu(mpu, sp_size), tp=tp_size, sp=sp_size)
     if isinstance(mpu, SequenceParallelMPU):

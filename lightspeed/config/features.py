@@ -100,8 +100,18 @@ def _check_stages(value: Any):
     return count
 
 
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+
+
 class PipelineConfig(Section):
-    """``pipeline``: options of the pipeline engine (``PipelineModule`` training)."""
+    """``pipeline``: options of the pipeline engine (``PipelineModule`` training). DeepSpeed's keys, and
+    lightspeed's own ``schedule`` (torch.distributed.pipelining's schedule behind ``train_batch``:
+    "1f1b", DeepSpeed's, by default) and ``virtual_stages`` (stages per pipeline rank: 1 for "1f1b" and
+    "gpipe", 2 by default and at least 2 for the interleaved ones, exactly 2 for "zbv_zero_bubble").
+    DeepSpeed's ``stages`` and ``partition`` are not read by its engine either (the ``PipelineModule``'s
+    ``num_stages`` and ``partition_method`` decide); ``pipe_partitioned`` / ``grad_partitioned``
+    (activations split over tensor-parallel ranks in transit) change no result: lightspeed sends them whole."""
 
     stages: Annotated[Any, BeforeValidator(_check_stages)] = "auto"
     partition: Str = "best"
@@ -109,6 +119,21 @@ class PipelineConfig(Section):
     activation_checkpoint_interval: NonNegInt = 0
     pipe_partitioned: Bool = True
     grad_partitioned: Bool = True
+    schedule: Choice(*PIPELINE_SCHEDULES, normalize=str.lower) = "1f1b"
+    virtual_stages: Optional[PosInt] = None
+
+    def stages_per_rank(self) -> int:
+        """`virtual_stages`, or its default for the schedule; ValueError when the schedule cannot use it."""
+        multi = self.schedule in MULTI_STAGE_SCHEDULES
+        v = self.virtual_stages if self.virtual_stages is not None else (2 if multi else 1)
+        if not multi and v != 1:
+            raise ValueError(f"pipeline.virtual_stages: the {self.schedule!r} schedule runs one stage per rank "
+                             f"(got {v}); use interleaved_1f1b, interleaved_zero_bubble or zbv_zero_bubble")
+        if self.schedule == "zbv_zero_bubble" and v != 2:
+            raise ValueError(f"pipeline.virtual_stages: zbv_zero_bubble runs two stages per rank (got {v})")
+        if multi and v < 2:
+            raise ValueError(f"pipeline.virtual_stages: {self.schedule} needs at least 2 stages per rank (got {v})")
+        return v
 
 
 class ElasticityConfig(Section):

@@ -74,16 +74,6 @@ def _above(path: str, limit: int) -> Unimplemented:
     return Unimplemented(path, lambda cfg: (as_int(_get(cfg, path)) or limit) > limit)
 
 
-def _changed(path: str) -> Unimplemented:
-    """A whole section: active when any key differs from its default."""
-
-    def describe(cfg):
-        changed = _get(cfg, path).non_default()
-        return f"{path} (" + ", ".join(f"{k}={show(v)}" for k, v in changed.items()) + ")"
-
-    return Unimplemented(path, lambda cfg: bool(_get(cfg, path).non_default()), describe)
-
-
 def _zeropp(entry: Unimplemented) -> Unimplemented:
     """A ZeRO++ setting: built at stage 3, refused at the other stages."""
     return Unimplemented(entry.path, lambda cfg: entry.active(cfg) and cfg.zero_optimization.stage != 3,
@@ -118,7 +108,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     Unimplemented("gradient_allreduce_op", lambda cfg: cfg.gradient_allreduce_op != "mean"),
     Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
     # Features
-    _changed("pipeline"),
     _flag("checkpoint.load_universal"),
     _flag("checkpoint.use_node_local_storage"),
     _flag("checkpoint.parallel_write.pipeline_stage"),

@@ -151,7 +151,11 @@ def tp_placement(name: str, layout: TPLayout, tp_rank: int) -> Placement:
 
 class PlacementTable(dict):
     """{parameter name: Placement} for one model: every parameter (by its first name, as state_dict
-    names tied ones) has one. Built replicated (`for_module`), then the transforms replace entries."""
+    names tied ones) has one. Built replicated (`for_module`), then the transforms replace entries.
+    `split_over`: mesh dims the model itself is split over (pp: each stage holds other layers), which
+    count as sharded dims even on a rank that holds no parameter sharded over them."""
+
+    split_over: tuple[str, ...] = ()
 
     @classmethod
     def for_module(cls, module: torch.nn.Module) -> "PlacementTable":
@@ -160,6 +164,7 @@ class PlacementTable(dict):
     def placed(self, placements: Iterable[Placement]) -> "PlacementTable":
         """A copy with `placements` replacing the entries of their names (each must exist)."""
         out = PlacementTable(self)
+        out.split_over = self.split_over
         for placement in placements:
             if placement.name not in out:
                 raise KeyError(f"placement for {placement.name}, which is not a parameter of the model")
@@ -181,7 +186,7 @@ class PlacementTable(dict):
 
     def sharded_dims(self) -> tuple[str, ...]:
         """Every mesh dim some parameter is sharded over."""
-        return tuple(sorted({dim for p in self.values() for dim in p.sharded_over}))
+        return tuple(sorted({dim for p in self.values() for dim in p.sharded_over} | set(self.split_over)))
 
 
 def tensor_parallel_placements(module: torch.nn.Module, table: PlacementTable, tp_rank: int,

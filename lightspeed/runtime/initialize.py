@@ -27,12 +27,14 @@ from lightspeed.ops.adam import CPUAdam
 from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
+from lightspeed.parallel.pipeline import PipelineModule, schedule_kind
 from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.precision.float8 import convert_to_float8
 from lightspeed.precision.loss_scaler import build_loss_scaler
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
+from lightspeed.runtime.pipe_engine import PipelineEngine, prepare_tied
 from lightspeed.runtime.errors import ArgumentAssertionError
 from lightspeed.runtime.model_transforms import apply_model_transforms
 from lightspeed.runtime.param_names import params_by_name, params_from_names
@@ -112,14 +114,41 @@ def _mesh_sizes(source) -> dict[str, int]:
         raise ConfigError(str(error)) from None
 
 
-def _build_topology(source, mpu) -> Topology:
+def _build_topology(source, mpu, pp: int = 1) -> Topology:
     sizes = _mesh_sizes(source)
     try:
         # the sequence-parallel groups are this process's record (register_with_transformers or the user
         # may have built them before initialize): build_topology keeps the record and the mesh in agreement
-        return build_topology(mpu, sp_size=sizes["sp"], tp_size=sizes["tp"])
+        return build_topology(mpu, sp_size=sizes["sp"], tp_size=sizes["tp"], pp_size=pp)
     except (TopologyError, ValueError) as error:
         raise ConfigError(str(error)) from None
+
+
+def _pipeline_stages(model: PipelineModule, cfg, topology: Topology, optimizer, model_parameters):
+    """The pipeline config applied to the module: the activation checkpoint interval (DeepSpeed's engine
+    overrides the module's when the config sets one) and the stages per rank of the schedule; returns
+    `model_parameters` followed through a repartition by name."""
+    if cfg.pipeline.activation_checkpoint_interval > 0:
+        model.set_checkpoint_interval(cfg.pipeline.activation_checkpoint_interval)
+    try:
+        virtual = cfg.pipeline.stages_per_rank()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if virtual == 1:
+        return model_parameters
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"pipeline.schedule: {cfg.pipeline.schedule} repartitions the PipelineModule into "
+                          f"{virtual} stages per rank, so an optimizer built from its parameters would hold stale "
+                          "ones; let the config (or a callable) build the optimizer")
+    named = params_by_name(model, model_parameters) if model_parameters is not None else None
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if named is not None and (not named or isinstance(named[0], dict) or set(named) != trainable):
+        raise ConfigError(f"pipeline.schedule: {cfg.pipeline.schedule} repartitions the PipelineModule into "
+                          f"{virtual} stages per rank; model_parameters other than all its trainable parameters "
+                          "cannot follow the repartition (pass none, or every trainable parameter)")
+    model.set_virtual_stages(topology.rank("pp"), topology.size("pp"), virtual,
+                             schedule_kind(cfg.pipeline.schedule).order)
+    return None if named is None else [p for p in model.parameters() if p.requires_grad]
 
 
 def _place(model: torch.nn.Module, device: torch.device, policy) -> None:
@@ -144,7 +173,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     source = _config_source(args, config, config_params)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    topology = _build_topology(source, mpu)
+    pipeline = isinstance(model, PipelineModule)
+    topology = _build_topology(source, mpu, pp=model.num_stages if pipeline else 1)
     record_topology(topology)  # for deepspeed.utils.groups' argument-less functions
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
@@ -163,7 +193,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # DeepSpeed reads model_parameters after its split: follow the model's parameters through it by name
     named_parameters = params_by_name(model, model_parameters) if splits_model and model_parameters is not None \
         else None
+    if pipeline:
+        model_parameters = _pipeline_stages(model, cfg, topology, optimizer, model_parameters)
     model, placements = apply_model_transforms(model, cfg, topology)
+    if pipeline:
+        placements = model.placements(placements, topology.size("pp"))
     if named_parameters is not None:
         model_parameters = params_from_names(model, named_parameters)
     convert_to_float8(model, cfg.float8)  # after the split layers exist, before anything is placed or sharded
@@ -182,6 +216,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
+    if pipeline:
+        prepare_tied(model, topology, device, cfg.zero_optimization.stage)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload,
                                placements=placements, topology=topology)
     if optimizer is not None:
@@ -196,7 +232,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         "world size": groups.world_size, "data parallel size": groups.dp_world_size,
         "batch size per GPU": cfg.train_micro_batch_size_per_gpu,
         "gradient accumulation steps": cfg.gradient_accumulation_steps, "samples per step": cfg.train_batch_size})
-    engine = LightspeedEngine(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
+    engine_class = PipelineEngine if pipeline else LightspeedEngine
+    engine = engine_class(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
                               strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
                               loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler,
                               placements=placements)

@@ -1,6 +1,7 @@
 """`initialize()`: DeepSpeed's entry point. Builds, in order: the topology (process groups, with the
 sequence-parallel ones when `sequence_parallel_size` > 1), the validated config, the precision policy,
-the model transforms (model_transforms.py: tensor and sequence parallelism, activation checkpointing),
+the model transforms (model_transforms.py: tensor and sequence parallelism, expert parallelism, activation
+checkpointing),
 float8 conversion, the module on its device and dtype, the optimizer, the sharding strategy, the loss
 scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader, and
 hands them to the engine."""
@@ -27,6 +28,7 @@ from lightspeed.ops.adam import CPUAdam
 from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
+from lightspeed.parallel.experts import expert_parallel_size
 from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.precision.float8 import convert_to_float8
 from lightspeed.precision.loss_scaler import build_loss_scaler
@@ -112,12 +114,12 @@ def _mesh_sizes(source) -> dict[str, int]:
         raise ConfigError(str(error)) from None
 
 
-def _build_topology(source, mpu) -> Topology:
+def _build_topology(source, mpu, ep: int = 1) -> Topology:
     sizes = _mesh_sizes(source)
     try:
         # the sequence-parallel groups are this process's record (register_with_transformers or the user
         # may have built them before initialize): build_topology keeps the record and the mesh in agreement
-        return build_topology(mpu, sp_size=sizes["sp"], tp_size=sizes["tp"])
+        return build_topology(mpu, sp_size=sizes["sp"], tp_size=sizes["tp"], ep_size=ep)
     except (TopologyError, ValueError) as error:
         raise ConfigError(str(error)) from None
 
@@ -144,7 +146,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     source = _config_source(args, config, config_params)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    topology = _build_topology(source, mpu)
+    # the MoE layers' ep_size decides the mesh's ep dim (parallel/experts/transform.py)
+    topology = _build_topology(source, mpu, ep=expert_parallel_size(model))
     record_topology(topology)  # for deepspeed.utils.groups' argument-less functions
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`

@@ -219,7 +219,8 @@ def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacit
 class TopKGate(nn.Module):
     """The gate: a bias-free linear layer `wg` [hidden -> experts] in float32, then top-1, top-2 or top-k
     gating (`k`); `capacity_factor` in training, `eval_capacity_factor` in eval mode, where the noise
-    policy is off. forward(input [tokens, hidden], used_token=None) -> Routes."""
+    policy is off. `routes(input [tokens, hidden], used_token=None)` -> Routes (also its forward; the
+    deepspeed.moe.sharded_moe class returns DeepSpeed's tuples from forward instead)."""
 
     def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
                  eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: str | None = None,
@@ -246,6 +247,9 @@ class TopKGate(nn.Module):
         self.ep_group = ep_group
 
     def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None) -> Routes:
+        return self.routes(input, used_token)
+
+    def routes(self, input: torch.Tensor, used_token: torch.Tensor | None = None) -> Routes:
         x = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = multiplicative_jitter(x)

@@ -129,7 +129,7 @@ class MOELayer(nn.Module):
                                "'ep' group")
         d_model = hidden.shape[-1]
         tokens = hidden.reshape(-1, d_model)
-        routes = self.gate(tokens, used_token)
+        routes = self.gate.routes(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         num_experts, capacity = routes.num_experts, routes.capacity
         slots = route_slots(routes)

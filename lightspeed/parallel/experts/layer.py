@@ -158,6 +158,8 @@ class MoE(nn.Module):
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True) -> None:
         super().__init__()
+        if not isinstance(expert, nn.Module):
+            raise MoEArgumentError(f"MoE: expert must be a torch.nn.Module (got {type(expert).__name__})")
         for name, value in (("num_experts", num_experts), ("ep_size", ep_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MoEArgumentError(f"MoE: {name} must be a positive integer (got {value!r})")

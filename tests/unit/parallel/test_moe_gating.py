@@ -115,3 +115,38 @@ def test_refusals():
     unbound = MoE(HIDDEN, _expert(), num_experts=2, ep_size=2)
     with pytest.raises(RuntimeError, match="no expert-parallel group is bound"):
         unbound(torch.randn(8, HIDDEN))
+
+
+def test_deepspeed_sharded_moe_returns_deepspeeds_tuples():
+    from lightspeed.compat.deepspeed.moe import sharded_moe
+
+    case = FIXTURE["gating"]["top2_drop"]
+    sparse = sharded_moe.top2gating(case["logits"].clone(), sparse_routes=True, **case["kwargs"])
+    want = case["sparse"]
+    assert int(sparse[1]) == want["capacity"] and sparse[2] == want["num_experts"]
+    for got, key in zip(sparse[3:], ("indices", "locations", "gates", "exp_counts")):
+        assert torch.equal(got, want[key]), key
+    dense = sharded_moe.top2gating(case["logits"].clone(), **case["kwargs"])
+    assert torch.equal(dense[1], case["dense"]["combine_weights"]) and torch.equal(dense[2],
+                                                                                   case["dense"]["dispatch_mask"])
+    gate = sharded_moe.TopKGate(HIDDEN, 4, k=1, min_capacity=1, use_rts=False)
+    assert len(gate(torch.randn(8, HIDDEN))) == 4 and len(gate(torch.randn(8, HIDDEN), sparse_routes=True)) == 7
+    with pytest.raises(NotImplementedError, match="use_tutel"):
+        sharded_moe.top1gating(case["logits"], 1.0, 1, use_tutel=True)
+
+
+def test_one_expert_parallel_size_per_model():
+    from lightspeed.comm.topology import Topology
+    from lightspeed.parallel.experts import expert_parallel_size, expert_placements
+
+    model = nn.ModuleDict({"a": MoE(HIDDEN, _expert(), num_experts=2, ep_size=1),
+                           "b": MoE(HIDDEN, _expert(), num_experts=2, ep_size=2)})
+    with pytest.raises(MoEArgumentError, match="a.deepspeed_moe ep_size=1, b.deepspeed_moe ep_size=2"):
+        expert_parallel_size(model)
+    assert expert_parallel_size(nn.Linear(2, 2)) == 1
+    single = MoE(HIDDEN, _expert(), num_experts=3)
+    assert expert_parallel_size(single) == 1
+    placements = {p.name: p for p in expert_placements(single, Topology.build())}
+    p = placements["deepspeed_moe.experts.deepspeed_experts.2.2.weight"]  # expert 2's second linear [6, 8]
+    assert p.global_shape == (18, 8) and p.box == ((12, 18), (0, 8)) and p.sharded_over == ("ep",)
+    assert len(placements) == 12  # 3 experts x 2 linear layers x (weight, bias)

@@ -1,7 +1,9 @@
-"""Collectives that autograd differentiates: the sequence <-> head all-to-all of Ulysses attention and an
-all-gather whose backward routes each rank's share of the gradient home.
+"""Collectives that autograd differentiates: the sequence <-> head all-to-all of Ulysses attention, the
+expert all-to-all of a mixture-of-experts layer, and an all-gather whose backward routes each rank's
+share of the gradient home.
 
-Owns: `seq_all_to_all` (DeepSpeed's `_SeqAllToAll`), `all_gather_autograd`, and `all_gather_tensors` (a
+Owns: `seq_all_to_all` (DeepSpeed's `_SeqAllToAll`), `expert_all_to_all` (DeepSpeed's MoE `_AllToAll`,
+with a gradient scale), `all_gather_autograd`, and `all_gather_tensors` (a
 no-grad gather of tensors whose shapes may differ by rank, for data loading). Must not: know about
 models, heads or batches beyond the dimensions it is told.
 
@@ -58,6 +60,27 @@ def seq_all_to_all(x: torch.Tensor, group: Any, scatter_dim: int, gather_dim: in
     every rank joined along `gather_dim`; differentiable. E.g. [b, s/W, h, d] with scatter 2, gather 1 ->
     [b, s, h/W, d]."""
     return _SeqAllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+class _ExpertAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, grad_scale: float) -> torch.Tensor:
+        ctx.group, ctx.grad_scale = group, grad_scale
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = _ExpertAllToAll.apply(grad.contiguous(), ctx.group, 1.0)
+        return (grad if ctx.grad_scale == 1.0 else grad * ctx.grad_scale), None, None
+
+
+def expert_all_to_all(x: torch.Tensor, group: Any, grad_scale: float = 1.0) -> torch.Tensor:
+    """All-to-all over `group` along dim 0 (W equal blocks: block j to rank j, received blocks in rank
+    order), differentiable: the gradient is the inverse all-to-all (the same one), times `grad_scale`."""
+    return _ExpertAllToAll.apply(x, group, grad_scale)
 
 
 class _AllGather(torch.autograd.Function):

@@ -236,24 +236,25 @@ def _recorded_size(sp_size: int) -> int:
     return _CURRENT.sp_world_size
 
 
-def build_topology(mpu: Any, sp_size: int = 1, tp_size: int = 1, pp_size: int = 1) -> Topology:
+def build_topology(mpu: Any, sp_size: int = 1, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1) -> Topology:
     """The run's `Topology` for the configured sizes (1 when unset) and the caller's `mpu`, with this
     process's sequence-parallel record consistent with it (see Layout). A pipeline (pp > 1) builds its
     mesh itself, with no mpu. With tp = 1 the topology takes
     the record's groups through an mpu (`sequence_parallel_mpu`); with tp > 1 it is built from the mesh
     and the record from it. Our own `SequenceParallelMPU` (register_with_transformers' return) carries
-    nothing the record does not, so at tp > 1 it stands for the record."""
+    nothing the record does not, so at tp > 1 it stands for the record. `ep_size` (the model's MoE
+    layers') splits the data-parallel shard dim; with an mpu's groups it must be 1."""
     if pp_size > 1:
         if mpu is not None and not isinstance(mpu, SequenceParallelMPU):
             raise ValueError("initialize(mpu=...) with a PipelineModule: the pipeline builds its own groups "
                              "(the mesh's pp, dp and tp dims); pass no mpu")
         sp = max(sp_size, _recorded_size(sp_size))
-        topology = Topology.build(tp=tp_size, sp=sp, pp=pp_size)
+        topology = Topology.build(tp=tp_size, sp=sp, pp=pp_size, ep=ep_size)
         if sp > 1:
             record_from_topology(topology)
         return topology
     if tp_size == 1:
-        return Topology.build(mpu=sequence_parallel_mpu(mpu, sp_size), tp=tp_size, sp=sp_size)
+        return Topology.build(mpu=sequence_parallel_mpu(mpu, sp_size), tp=tp_size, sp=sp_size, ep=ep_size)
     if isinstance(mpu, SequenceParallelMPU):
         if sp_size > 1 and mpu.get_sequence_parallel_world_size() != sp_size:
             raise ValueError(f"{KEY}={sp_size} in the config, but the mpu passed to initialize() has "
@@ -261,8 +262,8 @@ def build_topology(mpu: Any, sp_size: int = 1, tp_size: int = 1, pp_size: int = 
         mpu = None
     sp = max(sp_size, _recorded_size(sp_size))
     if mpu is not None:  # a Megatron-style mpu: its groups, as at tp = 1
-        return Topology.build(mpu=sequence_parallel_mpu(mpu, sp_size), tp=tp_size, sp=sp)
-    topology = Topology.build(tp=tp_size, sp=sp)
+        return Topology.build(mpu=sequence_parallel_mpu(mpu, sp_size), tp=tp_size, sp=sp, ep=ep_size)
+    topology = Topology.build(tp=tp_size, sp=sp, ep=ep_size)
     if sp > 1:
         record_from_topology(topology)
     return topology

@@ -1,6 +1,7 @@
 """`initialize()`: DeepSpeed's entry point. Builds, in order: the topology (process groups, with the
 sequence-parallel ones when `sequence_parallel_size` > 1), the validated config, the precision policy,
-the model transforms (model_transforms.py: tensor and sequence parallelism, activation checkpointing),
+the model transforms (model_transforms.py: tensor and sequence parallelism, expert parallelism, activation
+checkpointing),
 float8 conversion, the module on its device and dtype, the optimizer, the sharding strategy, the loss
 scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader, and
 hands them to the engine."""
@@ -27,6 +28,7 @@ from lightspeed.ops.adam import CPUAdam
 from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
+from lightspeed.parallel.experts import expert_parallel_size
 from lightspeed.parallel.pipeline import PipelineModule, schedule_kind
 from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.precision.float8 import convert_to_float8
@@ -114,12 +116,12 @@ def _mesh_sizes(source) -> dict[str, int]:
         raise ConfigError(str(error)) from None
 
 
-def _build_topology(source, mpu, pp: int = 1) -> Topology:
+def _build_topology(source, mpu, pp: int = 1, ep: int = 1) -> Topology:
     sizes = _mesh_sizes(source)
     try:
         # the sequence-parallel groups are this process's record (register_with_transformers or the user
         # may have built them before initialize): build_topology keeps the record and the mesh in agreement
-        return build_topology(mpu, sp_size=sizes["sp"], tp_size=sizes["tp"], pp_size=pp)
+        return build_topology(mpu, sp_size=sizes["sp"], tp_size=sizes["tp"], pp_size=pp, ep_size=ep)
     except (TopologyError, ValueError) as error:
         raise ConfigError(str(error)) from None
 
@@ -174,7 +176,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     pipeline = isinstance(model, PipelineModule)
-    topology = _build_topology(source, mpu, pp=model.num_stages if pipeline else 1)
+    # the MoE layers' ep_size decides the mesh's ep dim (parallel/experts/transform.py)
+    topology = _build_topology(source, mpu, pp=model.num_stages if pipeline else 1, ep=expert_parallel_size(model))
     record_topology(topology)  # for deepspeed.utils.groups' argument-less functions
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`

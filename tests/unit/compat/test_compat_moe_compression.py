@@ -1,6 +1,6 @@
-"""The DeepSpeed modules scripts import at top level although lightspeed has not built their feature
-(`deepspeed.moe`, `deepspeed.compression`), what in them works (DeepSpeed's expert-parameter test and
-group split for models without experts, the module-surgery helpers), `deepspeed.runtime.utils.
+"""The DeepSpeed modules scripts import at top level (`deepspeed.moe`, `deepspeed.compression`), what
+in them works (DeepSpeed's expert-parameter test and optimizer-group split, the module-surgery
+helpers), `deepspeed.runtime.utils.
 set_random_seed`, and `lightspeed.utils` (deepspeed.utils under lightspeed's name). Imported by their
 lightspeed names; nothing here registers `deepspeed`."""
 
@@ -29,6 +29,9 @@ def test_is_moe_param_is_deepspeeds_allreduce_test():
     assert moe_utils.split_params_into_shared_and_expert_params([plain, expert, reduced]) == ([plain, reduced],
                                                                                               [expert])
     assert moe_utils.has_moe_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) == (False, 0)
+    from lightspeed.compat.deepspeed.moe.layer import MoE
+
+    assert moe_utils.has_moe_layers(torch.nn.Sequential(MoE(4, torch.nn.Linear(4, 4), num_experts=3))) == (True, 3)
 
 
 def test_group_split_without_experts_returns_the_groups():
@@ -45,11 +48,22 @@ def test_group_split_without_experts_returns_the_groups():
     torch.optim.AdamW(moe_utils.configure_moe_param_groups(params))  # a torch optimizer takes them
 
 
-def test_group_split_with_an_expert_parameter_names_expert_parallelism():
-    expert = torch.nn.Parameter(torch.ones(2))
-    expert.allreduce, expert.group_name = False, "ep_size_2"
-    with pytest.raises(NotImplementedError, match="expert parallelism"):
-        moe_utils.split_params_into_different_moe_groups_for_optimizer({"params": [expert], "name": "dense"})
+def test_group_split_moves_experts_into_moe_groups():
+    """DeepSpeed's layout: the dense parameters stay, each group's experts follow in a copy of its
+    settings named after the expert group, cut at max_group_size elements."""
+    dense, big, small = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3)), \
+        torch.nn.Parameter(torch.ones(2))
+    for p in (big, small):
+        p.allreduce, p.group_name = False, "ep_size_2"
+    groups = moe_utils.split_params_into_different_moe_groups_for_optimizer(
+        {"params": [dense, big, small], "name": "main", "lr": 0.5}, max_group_size=4)
+    assert groups == [{"params": [dense], "name": "main", "lr": 0.5},
+                      {"params": [big], "name": "ep_size_2", "moe": True, "lr": 0.5},
+                      {"params": [small], "name": "ep_size_2", "moe": True, "lr": 0.5}]
+    assert moe_utils.configure_moe_param_groups([dense, big]) == [
+        {"params": [dense], "name": "dense-params"}, {"params": [big], "name": "ep_size_2", "moe": True}]
+    with pytest.raises(KeyError, match="needs a 'name'"):
+        moe_utils.split_params_into_different_moe_groups_for_optimizer({"params": [big]})
 
 
 def test_module_surgery_helpers():

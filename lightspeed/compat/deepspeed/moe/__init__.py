@@ -1,11 +1,10 @@
-"""`deepspeed.moe`: mixture-of-experts training is not built in lightspeed yet. The modules exist so
-scripts that import them at top level run: `layer.MoE` raises NotImplementedError when constructed,
-and `utils` answers the parameter questions for models without DeepSpeed MoE layers (all of them,
-here). Submodules load on first use."""
+"""`deepspeed.moe`: DeepSpeed's mixture-of-experts training API over lightspeed's
+(`lightspeed.parallel.experts`): `layer.MoE`, `sharded_moe` (the gates and `MOELayer`), `experts.Experts`
+and `utils` (the expert-parameter tests and the optimizer-group split). Submodules load on first use."""
 
 import importlib
 
-_SUBMODULES = ("layer", "utils")
+_SUBMODULES = ("experts", "layer", "sharded_moe", "utils")
 
 
 def __getattr__(name: str):

@@ -1,8 +1,6 @@
-"""`deepspeed.moe.layer`: DeepSpeed's `MoE` layer, whose construction raises NotImplementedError
-(mixture-of-experts training, with its expert-parallel groups, is not built)."""
+"""`deepspeed.moe.layer`: DeepSpeed's `MoE` layer (lightspeed.parallel.experts.MoE): forward returns
+(output, l_aux, exp_counts); `initialize()` binds its expert-parallel group from the run's topology."""
 
-from lightspeed.compat.deepspeed._missing import missing_class
-
-MoE = missing_class("deepspeed.moe.layer.MoE", "mixture-of-experts training (the MoE layer and expert parallelism)")
+from lightspeed.parallel.experts import MoE
 
 __all__ = ["MoE"]

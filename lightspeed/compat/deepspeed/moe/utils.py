@@ -1,19 +1,17 @@
 """`deepspeed.moe.utils`: DeepSpeed's tests for expert parameters and its optimizer-group helpers.
 
-An expert parameter is, as in DeepSpeed, one carrying `allreduce=False` (DeepSpeed's MoE layer marks
-its experts' parameters so, with a `group_name` naming their expert-data-parallel group). lightspeed
-builds no such layer, so these answer "no experts" for every model it can train; a parameter marked
-by hand makes the group split raise NotImplementedError, since the engine would reduce it over the
-whole data-parallel group instead of its expert group.
+An expert parameter is, as in DeepSpeed, one carrying `allreduce=False` (the MoE layer marks its
+experts' parameters so, with a `group_name` naming their expert group, `ep_size_<N>`). lightspeed's
+strategies reduce each expert gradient over its group from the parameter's placement, not from the
+optimizer's groups, so the split is for DeepSpeed's optimizer-group layout (and per-group settings)
+only: a model trains the same with or without it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightspeed.compat.deepspeed.moe.layer import MoE
-
-_EXPERTS = "expert parallelism (parameters marked allreduce=False by a mixture-of-experts layer)"
+from lightspeed.parallel.experts import MoE
 
 
 def is_moe_param(param: torch.Tensor) -> bool:
@@ -50,9 +48,11 @@ def is_moe_param_group(param_group: dict) -> bool:
 
 
 def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=178956971) -> list[dict]:
-    """DeepSpeed's split of optimizer groups into dense and per-expert-group ones. Without expert
-    parameters the groups come back unchanged, as a list (a dict or tuple is accepted, as DeepSpeed
-    does); with any, NotImplementedError."""
+    """DeepSpeed's split of optimizer groups: each group keeps its dense parameters, and for every expert
+    group name (`param.group_name`) a copy of each group's settings with `name` that group name and
+    `moe` True takes that group's expert parameters, appended after the given groups in chunks of at
+    most `max_group_size` elements (None: one chunk). A dict or tuple is accepted, as DeepSpeed does;
+    the groups must have a `name` when they hold expert parameters."""
     if isinstance(param_groups, tuple):
         param_groups = list(param_groups)
     elif isinstance(param_groups, dict):
@@ -60,11 +60,35 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group
     elif not isinstance(param_groups, list):
         raise ValueError(f"Unknown param group type of {type(param_groups)}")
     for group in param_groups:
-        group["params"] = list(group["params"])  # a generator would be spent by the scan below
-        if any(is_moe_param(p) for p in group["params"]):
-            raise NotImplementedError(f"deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer: "
-                                      f"{_EXPERTS} is not implemented in lightspeed yet")
-    return param_groups
+        group["params"] = list(group["params"])  # a generator would be spent by the scans below
+    expert_names = sorted({p.group_name for g in param_groups for p in g["params"] if is_moe_param(p)})
+    appended = []
+    for group in param_groups:
+        experts = [p for p in group["params"] if is_moe_param(p)]
+        if experts and "name" not in group:
+            raise KeyError("split_params_into_different_moe_groups_for_optimizer: a parameter group holding expert "
+                           "parameters needs a 'name'")
+        for name in expert_names if experts or "name" in group else ():
+            mine = [p for p in experts if p.group_name == name]
+            for chunk in _chunks(mine, max_group_size):
+                appended.append({**group, "name": name, "moe": True, "params": chunk})
+        group["params"] = [p for p in group["params"] if not is_moe_param(p)]
+    return param_groups + appended
+
+
+def _chunks(params: list, max_group_size) -> list[list]:
+    """`params` in order, cut into runs of at most `max_group_size` elements (a larger parameter alone)."""
+    if max_group_size is None:  # DeepSpeed then keeps even an empty group
+        return [params]
+    out, current, size = [], [], 0
+    for p in params:
+        n = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        if current and size + n > max_group_size:
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += n
+    return out + [current] if current else out
 
 
 def configure_moe_param_groups(model_parameters: list) -> list:

@@ -1,0 +1,221 @@
+"""DeepSpeed's mixture-of-experts layer for training: `MoE` (the user's layer: gate, experts, optional
+residual MLP), `MOELayer` (gate -> dispatch -> experts -> combine) and `Experts` (this rank's copies
+of the expert module), with DeepSpeed's module and parameter names, so state dicts match.
+
+Owns: the dispatch of tokens into per-expert capacity buffers and back, the all-to-all over the
+expert-parallel group, the expert parameters' marks (`allreduce = False`, `group_name`), and the
+binding of that group (`bind_expert_group`, from the run's `Topology`). Must not: decide routes
+(gating.py does), build groups (comm/topology.py does), or place parameters (transform.py does).
+
+Note: [dispatch] As DeepSpeed 0.19.8 does: each route's token is copied into slot `expert x capacity +
+location` of an [experts, capacity, hidden] buffer (unfilled slots hold zeros), the buffer goes through
+an all-to-all over the "ep" group (block j of experts to ep rank j), each local expert runs on its
+[ep, 1, capacity, hidden] share, the results come back through the same all-to-all, and each token's
+output is the gate-weighted sum of its kept routes' results (summed in float32, then cast to the
+expert output's dtype). A dropped route contributes nothing; a token that lost every route outputs
+zeros. Global expert g lives on ep rank g // num_local_experts as local expert g % num_local_experts.
+
+Note: [the expert gradient's average] An expert's gradient on its rank already sums the contributions
+of every ep rank's tokens (the all-to-all's backward brings them home), so it is ep times the sum the
+dense parameters' gradients hold over one rank's data. The strategies average each gradient over its
+placement's `reduced_over` ranks (experts: dp_replicate x edp_shard x sp, not ep); the layer divides
+the gradient reaching the experts by `ep_size` in the second all-to-all's backward and multiplies it
+back in the first's, so the expert gradient is the average over all data-parallel ranks (DeepSpeed
+divides the expert-data-parallel sum by the data-parallel world size) and the gradient of the tokens
+is untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightspeed._utils.logging import get_logger
+from lightspeed.comm.differentiable import expert_all_to_all
+from lightspeed.comm.sequence_groups import as_group
+from lightspeed.comm.topology import Topology
+from lightspeed.parallel.experts.errors import MoEArgumentError
+from lightspeed.parallel.experts.gating import NOISY_GATE_POLICIES, Routes, TopKGate
+
+logger = get_logger(__name__)
+
+
+def route_slots(routes: Routes) -> torch.Tensor:
+    """[k, s] flat slots `expert x capacity + location` of the [experts x capacity] buffer; dropped
+    routes point at one spare slot past the end (`experts x capacity`), which nothing reads."""
+    flat = routes.indices.long() * routes.capacity + routes.locations.long()
+    spare = torch.full_like(flat, routes.num_experts * routes.capacity)
+    return torch.where(routes.indices >= 0, flat, spare)
+
+
+def dispatch(tokens: torch.Tensor, slots: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """[s, m] tokens -> [experts, capacity, m] buffer (one gather: each slot reads its token's row, an
+    empty slot a zero row)."""
+    num_tokens, hidden = tokens.shape
+    source = torch.full((num_experts * capacity + 1,), num_tokens, dtype=torch.long, device=slots.device)
+    rows = torch.arange(num_tokens, device=slots.device).expand_as(slots)
+    source.scatter_(0, slots.reshape(-1), rows.reshape(-1))
+    padded = torch.cat([tokens, tokens.new_zeros(1, hidden)])
+    return padded.index_select(0, source[:-1]).view(num_experts, capacity, hidden)
+
+
+def combine(expert_output: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[experts x capacity, m] results -> [s, m]: each token's routes' results, gate-weighted, summed."""
+    hidden = expert_output.size(-1)
+    padded = torch.cat([expert_output, expert_output.new_zeros(1, hidden)])
+    routed = padded.index_select(0, slots.reshape(-1)).view(slots.size(0), num_tokens, hidden)
+    return (routed * gates.unsqueeze(-1)).sum(0).to(expert_output.dtype)
+
+
+class Experts(nn.Module):
+    """`num_local_experts` deep copies of `expert` (`deepspeed_experts`), their parameters marked as
+    DeepSpeed marks expert parameters. forward([ep, local experts, capacity, m]) runs local expert i on
+    [:, i] (a tuple output: its first element) and stacks the results the same way."""
+
+    def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None) -> None:
+        super().__init__()
+        self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
+        self.num_local_experts = num_local_experts
+        for module in self.deepspeed_experts:
+            for param in module.parameters():
+                param.allreduce = False
+                param.group_name = expert_group_name
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for chunk, module in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts):
+            out = module(chunk)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+        return torch.cat(outputs, dim=1)
+
+
+class MOELayer(nn.Module):
+    """Gate, dispatch, experts, combine (the Note on dispatch). forward(hidden [..., m], used_token=None)
+    -> output of hidden's shape; the gate's `l_aux` and `exp_counts` stay on the layer."""
+
+    def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
+                 use_tutel: bool = False) -> None:
+        super().__init__()
+        if use_tutel:
+            raise NotImplementedError("MoE(use_tutel=True): Tutel's dispatch kernels are not implemented in lightspeed; "
+                                      "pass use_tutel=False (the same routes, dispatched by index)")
+        self.gate = gate
+        self.experts = experts
+        self.ep_group = None
+        self.ep_size = ep_size
+        self.ep_group_name = ep_group_name
+        self.num_local_experts = num_local_experts
+        self.use_tutel = False
+        self._ep_bound = ep_size == 1
+        self.l_aux = self.exp_counts = None
+
+    def _set_ep_group(self, ep_group) -> None:
+        """Bind the expert-parallel process group (None only when ep_size is 1: no expert parallelism)."""
+        if ep_group is None and self.ep_size > 1:
+            raise MoEArgumentError(f"MoE(ep_size={self.ep_size}): the expert-parallel group cannot be None")
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group)
+        self._ep_bound = True
+
+    def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
+        hidden = input[0]
+        used_token = input[1] if len(input) > 1 else None
+        if not self._ep_bound:
+            raise RuntimeError(f"MoE(ep_size={self.ep_size}): no expert-parallel group is bound; pass the model "
+                               "through lightspeed.initialize() (or deepspeed.initialize), which binds the run's "
+                               "'ep' group")
+        d_model = hidden.shape[-1]
+        tokens = hidden.reshape(-1, d_model)
+        routes = self.gate.routes(tokens, used_token)
+        self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
+        num_experts, capacity = routes.num_experts, routes.capacity
+        slots = route_slots(routes)
+        dispatched = dispatch(tokens, slots, num_experts, capacity)
+        if self.ep_size > 1:  # the Note on the expert gradient's average
+            dispatched = expert_all_to_all(dispatched, self.ep_group, grad_scale=float(self.ep_size))
+        expert_output = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, -1, d_model))
+        expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, d_model)
+        if self.ep_size > 1:
+            expert_output = expert_all_to_all(expert_output, self.ep_group, grad_scale=1.0 / self.ep_size)
+        out = combine(expert_output.reshape(num_experts * capacity, d_model), slots, routes.gates, tokens.shape[0])
+        return out.reshape(hidden.shape)
+
+
+class MoE(nn.Module):
+    """DeepSpeed's `deepspeed.moe.layer.MoE`: forward(hidden_states, used_token=None) -> (output, l_aux,
+    exp_counts). `num_experts` experts, `num_experts // ep_size` of them (deep copies of `expert`) on each
+    rank of an expert-parallel group of `ep_size` ranks; top-`k` gating (gating.py). With `use_residual`
+    (Residual MoE), `expert` itself is a dense MLP beside the experts and a linear `coefficient` layer
+    mixes the two outputs by a softmax per token. `use_tutel=True` and
+    `enable_expert_tensor_parallelism=True` are refused (not built)."""
+
+    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
+                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True) -> None:
+        super().__init__()
+        if not isinstance(expert, nn.Module):
+            raise MoEArgumentError(f"MoE: expert must be a torch.nn.Module (got {type(expert).__name__})")
+        for name, value in (("num_experts", num_experts), ("ep_size", ep_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MoEArgumentError(f"MoE: {name} must be a positive integer (got {value!r})")
+        if num_experts % ep_size:
+            raise MoEArgumentError(f"MoE: num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        if noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise MoEArgumentError(f"MoE: unsupported noisy_gate_policy {noisy_gate_policy!r} (use None, 'Jitter' or "
+                                   "'RSample')")
+        if enable_expert_tensor_parallelism:
+            raise NotImplementedError("MoE(enable_expert_tensor_parallelism=True): experts split by tensor "
+                                      "parallelism are not implemented in lightspeed")
+        self.use_residual = use_residual
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
+        self.ep_size = ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        logger.info("MoE layer: %d experts, %d per rank, expert-parallel size %d", num_experts,
+                    self.num_local_experts, ep_size)
+        experts = Experts(expert, self.num_local_experts, self.expert_group_name)
+        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                        noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
+        self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts,
+                                      use_tutel=use_tutel)
+        if use_residual:
+            self.mlp = expert
+            self.coefficient = nn.Linear(hidden_size, 2)
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Bind the expert-parallel group of the topology the last `initialize()` built (initialize()
+        binds it itself)."""
+        from lightspeed.comm.topology import current_topology
+
+        if use_data_before_expert_parallel_:
+            raise NotImplementedError("use_data_before_expert_parallelism: expert groups laid out data-parallel first "
+                                      "are not implemented in lightspeed")
+        bind_expert_group(self.deepspeed_moe, current_topology())
+
+    def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
+        output = self.deepspeed_moe(hidden_states, used_token)
+        if self.use_residual:
+            output_mlp = self.mlp(hidden_states)
+            if isinstance(output_mlp, tuple):
+                output_mlp = output_mlp[0]
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
+        return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+
+
+def bind_expert_group(layer: MOELayer, topology: Topology | None) -> None:
+    """Give `layer` the "ep" group of `topology`, whose ep size must be the layer's."""
+    size = 1 if topology is None else topology.size("ep")
+    if size != layer.ep_size:
+        raise MoEArgumentError(f"MoE(ep_size={layer.ep_size}): the run's expert-parallel size is {size}")
+    if layer.ep_size == 1:
+        layer._set_ep_group(None)
+        return
+    # the topology's None is the whole world; a gate's None means no expert parallelism
+    layer._set_ep_group(as_group(topology.group("ep")))

@@ -1,0 +1,85 @@
+"""The model transform for expert parallelism: find the model's MoE layers, bind each to the run's
+"ep" group, and place every expert parameter on the mesh.
+
+Owns: `expert_parallel_size` (the ep size a model's MoE layers ask for, read before the topology is
+built), `expert_placements`, and `expert_parallel_transform` (runtime/model_transforms.py's step).
+Must not: build groups (the Topology does) or move parameters.
+
+Note: [expert placements] Local expert i of an MoE layer on ep rank r is global expert g = r x
+num_local_experts + i. Each of its parameters is placed as one block of the experts' parameters
+stacked along dim 0: global shape [num_experts x n0, ...] for a local [n0, ...], this rank's box the rows
+[g x n0, (g + 1) x n0); `sharded_over=("ep",)` (the ep ranks hold different experts) and
+`reduced_over=("dp_replicate", "edp_shard", "sp")` (the ranks holding the same experts and seeing
+different tokens). The strategies reduce each expert gradient over that group, and the global gradient
+norm counts each ep coordinate's experts once.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightspeed.comm.topology import Topology
+from lightspeed.parallel.experts.errors import MoEArgumentError
+from lightspeed.parallel.experts.layer import MOELayer, bind_expert_group
+from lightspeed.parallel.placement import Placement, PlacementTable
+
+EXPERT_DATA_PARALLEL = ("dp_replicate", "edp_shard", "sp")  # comm/topology.py's "edp_sp"
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MOELayer]]:
+    """(qualified name, layer) of every MOELayer in `model`, in module order."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, MOELayer)]
+
+
+def expert_parallel_size(model: nn.Module) -> int:
+    """The expert-parallel size `model`'s MoE layers ask for (1 without any); every layer must agree."""
+    sizes = {}
+    for name, layer in moe_layers(model):
+        sizes.setdefault(layer.ep_size, name)
+    if len(sizes) > 1:
+        named = ", ".join(f"{where or '<model>'} ep_size={size}" for size, where in sorted(sizes.items()))
+        raise MoEArgumentError(f"MoE layers with different ep_size ({named}): lightspeed builds one expert-parallel "
+                               "group per run, so every MoE layer of a model needs the same ep_size")
+    return next(iter(sizes), 1)
+
+
+def expert_placements(model: nn.Module, topology: Topology) -> list[Placement]:
+    """The placement of every expert parameter of `model` (the Note on expert placements)."""
+    ep_rank = topology.rank("ep")
+    out = []
+    for prefix, layer in moe_layers(model):
+        total = layer.ep_size * layer.num_local_experts
+        for i, expert in enumerate(layer.experts.deepspeed_experts):
+            g = ep_rank * layer.num_local_experts + i
+            base = f"{prefix}.experts.deepspeed_experts.{i}" if prefix else f"experts.deepspeed_experts.{i}"
+            for pname, p in expert.named_parameters():
+                if p.dim() == 0:
+                    raise NotImplementedError(f"expert parallelism: the expert parameter {base}.{pname} is a scalar; "
+                                              "only parameters with at least one dimension can be placed")
+                n0 = p.shape[0]
+                shape = (total * n0,) + tuple(p.shape[1:])
+                box = ((g * n0, (g + 1) * n0),) + tuple((0, n) for n in p.shape[1:])
+                out.append(Placement(f"{base}.{pname}", shape, (box,), ("ep",), EXPERT_DATA_PARALLEL))
+    return out
+
+
+def expert_parallel_transform(model: nn.Module, placements: PlacementTable, cfg, topology: Topology
+                              ) -> tuple[nn.Module, PlacementTable]:
+    """Bind the MoE layers of `model` to `topology`'s "ep" group and place their experts; a model
+    without MoE layers passes unchanged."""
+    layers = moe_layers(model)
+    if not layers:
+        return model, placements
+    if topology.size("tp") > 1:
+        raise NotImplementedError(f"tensor_parallel.autotp_size={topology.size('tp')} with MoE layers: expert "
+                                  "parallelism beside tensor parallelism is not implemented in lightspeed")
+    if topology.size("pp") > 1:
+        raise NotImplementedError("MoE layers in a pipeline-parallel model are not implemented in lightspeed")
+    for _name, layer in layers:
+        bind_expert_group(layer, topology)
+    placed = expert_placements(model, topology)
+    tied = [p.name for p in placed if p.name not in placements]  # placements name a tied parameter once
+    if tied:
+        raise NotImplementedError(f"expert parallelism: the expert parameter {tied[0]} is tied to a parameter "
+                                  "named before it; experts sharing weights with other modules are not supported")
+    return model, placements.placed(placed)

@@ -199,8 +199,7 @@ def test_names_transformers_and_accelerate_use():
 
 
 @pytest.mark.parametrize("call, feature", [
-    (lambda ds: ds.PipelineModule(layers=[]), "pipeline parallelism"),
-    (lambda ds: ds.pipe.LayerSpec(torch.nn.Linear, 2, 2), "pipeline parallelism"),
+    (lambda ds: ds.runtime.pipe.topology.PipelineParallelGrid(), "pipeline grid"),
     (lambda ds: ds.zero.MiCS_Init(), "MiCS"),
     (lambda ds: ds.zero.TiledLinear(2, 2), "tiled linear"),
     (lambda ds: ds.checkpoint.DeepSpeedCheckpoint("dir"), "universal checkpoints"),

@@ -1,11 +1,8 @@
-"""`deepspeed.pipe`: pipeline parallelism is not built in lightspeed yet; constructing any of these raises
-NotImplementedError naming it."""
+"""`deepspeed.pipe`: DeepSpeed's pipeline-parallel model API (lightspeed/parallel/pipeline)."""
 
-from lightspeed.compat.deepspeed._missing import missing_class
+from lightspeed.parallel.pipeline import (
+    LayerSpec, PipeDataParallelTopology, PipelineModule, PipeModelDataParallelTopology, ProcessTopology, TiedLayerSpec,
+)  # fmt: skip
 
-_PIPELINE = "pipeline parallelism"
-PipelineModule = missing_class("deepspeed.pipe.PipelineModule", _PIPELINE)
-LayerSpec = missing_class("deepspeed.pipe.LayerSpec", _PIPELINE)
-TiedLayerSpec = missing_class("deepspeed.pipe.TiedLayerSpec", _PIPELINE)
-
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineModule",
+           "ProcessTopology", "TiedLayerSpec"]

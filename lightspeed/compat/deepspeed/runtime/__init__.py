@@ -3,13 +3,11 @@ paths. Submodules load on first use."""
 
 import importlib
 
-_SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "lr_schedules", "precision_config",
+_SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "lr_schedules", "pipe", "precision_config",
                "sequence_parallel", "utils", "zero")
 
 
 def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    if name == "pipe":
-        raise NotImplementedError("deepspeed.runtime.pipe: pipeline parallelism is not implemented in lightspeed yet")
     raise AttributeError(f"module 'deepspeed.runtime' (lightspeed) has no attribute {name!r}")

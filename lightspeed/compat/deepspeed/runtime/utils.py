@@ -1,5 +1,5 @@
-"""`deepspeed.runtime.utils`: `see_memory_usage` (lightspeed/_utils/memory_usage.py) and
-`set_random_seed`."""
+"""`deepspeed.runtime.utils`: `see_memory_usage` (lightspeed/_utils/memory_usage.py), `set_random_seed`
+and the pipeline's partition functions (`partition_uniform`, `partition_balanced`)."""
 
 import random
 
@@ -7,6 +7,7 @@ import numpy
 import torch
 
 from lightspeed._utils.memory_usage import see_memory_usage
+from lightspeed.parallel.pipeline import partition_balanced, partition_uniform
 
 
 def set_random_seed(seed: int) -> None:
@@ -17,4 +18,4 @@ def set_random_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-__all__ = ["see_memory_usage", "set_random_seed"]
+__all__ = ["partition_balanced", "partition_uniform", "see_memory_usage", "set_random_seed"]

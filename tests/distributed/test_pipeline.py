@@ -11,6 +11,7 @@ here are DeepSpeed's ZeRO-1 ones. Also: eval_batch, bf16, and what the pipeline 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def _train(run: str, *, pp: int | None = None, schedule: str = "1f1b", stage: in
     losses = [float(engine.train_batch(data(step))) for step in range(exp["steps"])]
     evaluated = float(engine.eval_batch(data(exp["eval_batch_after_training"]["data_step"]))) if eval_after else None
     state = {k: v.detach().float().clone() for k, v in net.state_dict().items()}
+    if extra and "fp16" in extra:
+        return losses, engine.skipped_steps, state, None
     return losses, net.parts, state, evaluated
 
 
@@ -88,6 +91,10 @@ def _world2():
     out["tied"] = _train("B_tied_pp2_z1")[0]
     out["tied_zbv"] = _train("B_tied_pp2_z1", schedule="zbv_zero_bubble")[0]
     out["bf16"] = _train("B_tied_pp2_z1", extra={"bf16": {"enabled": True}})[0]  # token inputs: no cast needed
+    # fp16 from a loss scale that overflows: every stage skips the same steps (the decision is agreed over pp)
+    losses, skipped, _, _ = _train("B_tied_pp2_z1", extra={"fp16": {"enabled": True, "initial_scale_power": 40}})
+    out["fp16"] = (losses, skipped)
+    out["checkpointed"] = _train("A_pp2_z1", extra={"pipeline": {"activation_checkpoint_interval": 1}})[0]
     # refused: the per-micro-batch API, and tied modules at ZeRO-2 (summed over stages inside every backward)
     sys.path.insert(0, str(FIXTURES))
     import model as M
@@ -130,7 +137,9 @@ def test_one_process_follows_deepspeed():
 
 
 def test_pp2_schedules_stages_and_tied_follow_deepspeed():
-    out = run_world(_world2, 2)[0]
+    ranks = run_world(_world2, 2)
+    out = ranks[0]
+    assert ranks[1]["fp16"] == out["fp16"]  # the same steps skipped, the same loss, on both stages
     want = _expected("A_pp2_z1")
     assert out["1f1b"] == (want["losses"], want["parts"])  # DeepSpeed's schedule: bit for bit
     for schedule in ("gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"):
@@ -141,6 +150,8 @@ def test_pp2_schedules_stages_and_tied_follow_deepspeed():
     _close(out["tied"], _expected("B_tied_pp2_z1")["losses"], 1e-5)
     _close(out["tied_zbv"], _expected("B_tied_pp2_z1")["losses"], 1e-5)
     _close(out["bf16"], _expected("B_tied_pp2_z1")["losses"], 0.2)
+    assert out["fp16"][1] >= 2 and all(math.isfinite(x) for x in out["fp16"][0])
+    assert out["checkpointed"] == want["losses"]
     assert out["eval"] == pytest.approx(want["eval_batch_after_training"]["value"], abs=1e-6)
     final = _final_params("A_pp2_z1")
     for name, value in out["state"].items():  # rank 0 holds stage 0's layers

@@ -146,8 +146,9 @@ class PipelineEngine(LightspeedEngine):
         loss = loss / self.micro_batches
         return self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
 
-    def _mean_loss(self) -> torch.Tensor:
-        """The mean micro-batch loss, averaged over data parallelism, on every stage."""
+    def _mean_loss(self, broadcast: bool = True) -> torch.Tensor:
+        """[the mean micro-batch loss, that averaged over data parallelism]: on every stage when
+        `broadcast` (a collective over pp), else on the rank holding the last stage only (zeros elsewhere)."""
         out = torch.zeros(2, device=self.device)
         if self._driver.holds_last:
             mean = torch.stack(self._driver.losses).mean() if self._driver.losses else torch.tensor(0.0)
@@ -156,7 +157,7 @@ class PipelineEngine(LightspeedEngine):
             if self.is_data_parallel:
                 dist.all_reduce(out[1:], group=self.groups.dp_group)
                 out[1] /= self.groups.dp_world_size
-        if self.is_pipe_parallel:
+        if broadcast and self.is_pipe_parallel:
             dist.broadcast(out, src=self._loss_src, group=self._pp_group)
         return out
 
@@ -203,16 +204,12 @@ class PipelineEngine(LightspeedEngine):
             with torch.no_grad():
                 outputs = self._driver.run(inputs, labels if compute_loss else None, train=False,
                                            scale_loss=(lambda loss: loss) if compute_loss else None, n_microbatches=n)
-                output = None
-                if compute_loss:
-                    if reduce_output is None:
-                        output = list(self._driver.losses) if self._driver.holds_last else None
-                    else:
-                        output = self._mean_loss()[1] if bcast_loss or self._driver.holds_last else None
-                        if not bcast_loss and not self._driver.holds_last:
-                            output = None
-                else:
-                    output = outputs
+                output = outputs
+                if compute_loss and reduce_output is None:
+                    output = list(self._driver.losses) if self._driver.holds_last else None
+                elif compute_loss:
+                    output = self._mean_loss(broadcast=bcast_loss)[1] if bcast_loss or self._driver.holds_last \
+                        else None
         finally:
             self.module.train()
         if return_logits:

@@ -58,7 +58,13 @@ def _train(run: str, *, pp: int | None = None, schedule: str = "1f1b", stage: in
         return iter([M.batches(step, m, exp["micro_batch"], exp["data_seed"], dp_rank, tied) for m in range(gas)])
 
     losses = [float(engine.train_batch(data(step))) for step in range(exp["steps"])]
-    evaluated = float(engine.eval_batch(data(exp["eval_batch_after_training"]["data_step"]))) if eval_after else None
+    evaluated = None
+    if eval_after:
+        step = exp["eval_batch_after_training"]["data_step"]
+        per_micro = engine.eval_batch(data(step), reduce_output=None)  # the last stage's list, None elsewhere
+        logits = engine.eval_batch(data(step), compute_loss=False)  # the last stage's outputs
+        evaluated = (float(engine.eval_batch(data(step))), None if per_micro is None else [float(x) for x in per_micro],
+                     None if logits is None else tuple(logits.shape))
     state = {k: v.detach().float().clone() for k, v in net.state_dict().items()}
     if extra and "fp16" in extra:
         return losses, engine.skipped_steps, state, None
@@ -152,7 +158,11 @@ def test_pp2_schedules_stages_and_tied_follow_deepspeed():
     _close(out["bf16"], _expected("B_tied_pp2_z1")["losses"], 0.2)
     assert out["fp16"][1] >= 2 and all(math.isfinite(x) for x in out["fp16"][0])
     assert out["checkpointed"] == want["losses"]
-    assert out["eval"] == pytest.approx(want["eval_batch_after_training"]["value"], abs=1e-6)
+    value, per_micro, logits = out["eval"]
+    assert value == pytest.approx(want["eval_batch_after_training"]["value"], abs=1e-6)
+    assert per_micro is None and logits is None  # rank 0 holds the first stage
+    value, per_micro, logits = ranks[1]["eval"]
+    assert value == out["eval"][0] and sum(per_micro) / 4 == pytest.approx(value, abs=1e-6) and logits == (8, 10)
     final = _final_params("A_pp2_z1")
     for name, value in out["state"].items():  # rank 0 holds stage 0's layers
         torch.testing.assert_close(value, final[name].float(), atol=1e-6, rtol=0)

@@ -155,13 +155,13 @@ def _compile_api():
     engine.compile(backend="aot_eager")  # already compiled: a warning, nothing else
     # one rank: the parameters view their shards, no unit has hooks, the whole module is one region
     whole = [type(m).__name__ for m in engine.strategy.compile_regions()]
-    from lightspeed.zero.stage3 import strategy as stage3_strategy
+    from lightspeed.zero.stage3 import options as stage3_options
 
-    stage3_strategy.ONE_RANK_VIEWS = False  # the gathering units, as at more ranks
+    stage3_options.ONE_RANK_VIEWS = False  # the gathering units, as at more ranks
     try:
         engine, *_ = lightspeed.initialize(model=build("gpt"), config=cfg)
     finally:
-        stage3_strategy.ONE_RANK_VIEWS = True
+        stage3_options.ONE_RANK_VIEWS = True
     regions = [type(m).__name__ for m in engine.strategy.compile_regions()]
     compiled = [m._compiled_call_impl is not None for m in engine.strategy.compile_regions()]
     return engine.is_compiled, errors, whole, regions, compiled, engine.module._compiled_call_impl is None

@@ -18,7 +18,7 @@ ranks, steps the optimizer on one flat fp32 piece per (optimizer param group x p
 the lp shards. `runtime/strategy.py`'s `strategy_places_params` tells `initialize()` not to move a
 stage-3 model to the device: the strategy shards it there one group at a time. At a data-parallel world
 of one the parameters view their shards (param_group.py's Note: one rank; `Stage3Options.one_rank_views`,
-module constant `ONE_RANK_VIEWS`, turns that off for the machinery's single-process unit tests).
+`options.py`'s module constant `ONE_RANK_VIEWS`, turns that off for the machinery's single-process unit tests).
 
 ZeRO++ (comm/zeropp.py) changes only what goes on the wire and how a frozen shard is stored: the fp32
 masters, optimizer state and checkpoints are plain ZeRO-3's (a plain ZeRO-3 run loads a ZeRO++
@@ -29,7 +29,8 @@ it raises), and its 16-bit save is the dequantized value.
 from lightspeed.zero.stage3.gathered import GatheredParameters, register_external_parameter
 from lightspeed.zero.stage3.init import Init, initialize_module_weights
 from lightspeed.zero.stage3.param_group import param_state
-from lightspeed.zero.stage3.strategy import Stage3Options, Stage3Strategy
+from lightspeed.zero.stage3.options import Stage3Options
+from lightspeed.zero.stage3.strategy import Stage3Strategy
 
 __all__ = ["GatheredParameters", "Init", "Stage3Options", "Stage3Strategy", "initialize_module_weights",
            "param_state", "register_external_parameter"]

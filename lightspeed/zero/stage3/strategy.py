@@ -33,14 +33,12 @@ import contextlib
 import dataclasses
 import functools
 import math
-import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lightspeed._utils.device import Stream
-from lightspeed._utils.logging import get_logger, warn_once
+from lightspeed._utils.logging import get_logger
 from lightspeed._utils.progress import progress
 from lightspeed.comm.codecs import Collectives
 from lightspeed.comm.collectives import Communicator
@@ -55,68 +53,19 @@ from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
-from lightspeed.zero.stage3.coordinator import Coordinator, Schedule
+from lightspeed.zero.stage3.coordinator import Coordinator
+from lightspeed.zero.stage3.options import Stage3Options
 from lightspeed.zero.stage3.gathered import Unsharding, take_pending_external
 from lightspeed.zero.stage3.init import (StandaloneScheduler, init_record, materialize_module, seed_from_global_rng,
                                          take_init_groups)
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
-from lightspeed.zero.stage3.units import LeafRule, choose_units, compile_regions
+from lightspeed.zero.stage3.units import choose_units, compile_regions
 from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.ops.lowp_writer import LowpWriter
 from lightspeed.zero.optimizers import check_optimizer, fused_step
 
 logger = get_logger(__name__)
-
-ONE_RANK_VIEWS = True  # what configs get (Stage3Options.one_rank_views); the machinery's unit tests turn it off
-
-
-@dataclass(frozen=True)
-class Stage3Options:
-    schedule: Schedule = field(default_factory=Schedule)
-    param_persistence_threshold: int = 100_000
-    model_persistence_threshold: int = sys.maxsize
-    gather_16bit_weights_on_model_save: bool = False
-    allow_untested_optimizer: bool = False
-    leaf_rule: LeafRule = field(default_factory=LeafRule)  # which modules are units (see units.py)
-    # at a data-parallel world of one the parameters view their shards: nothing is gathered or released
-    # (param_group.py's Note: one rank); off, one rank runs the gather machinery (its unit tests)
-    one_rank_views: bool = True
-
-    @classmethod
-    def from_config(cls, cfg, policy: PrecisionPolicy) -> "Stage3Options":
-        z = cfg.zero_optimization
-        schedule = Schedule(prefetch_numel=int(z.stage3_prefetch_bucket_size),
-                            max_live_numel=int(z.stage3_max_live_parameters),
-                            max_reuse_distance=int(z.stage3_max_reuse_distance),
-                            prescale_gradients=bool(cfg.prescale_gradients),
-                            gradient_predivide_factor=float(cfg.gradient_predivide_factor),
-                            reduce_dtype=policy.reduce_dtype)
-        leaf = z.leaf_module
-        _note_unused_keys(z)
-        leaf_rule = LeafRule(granularity_threshold=int(z.stage3_module_granularity_threshold),
-                             classes=tuple(leaf.classes), names=tuple(leaf.names),
-                             name_suffixes=tuple(leaf.name_suffixes))
-        return cls(schedule=schedule, param_persistence_threshold=int(z.stage3_param_persistence_threshold),
-                   one_rank_views=ONE_RANK_VIEWS,
-                   model_persistence_threshold=int(z.stage3_model_persistence_threshold),
-                   gather_16bit_weights_on_model_save=bool(z.stage3_gather_16bit_weights_on_model_save),
-                   allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), leaf_rule=leaf_rule)
-
-
-def _note_unused_keys(z) -> None:
-    """Stage 3 communicates one parameter group (a unit, see the Note above) at a time, with every
-    reduce-scatter overlapping the rest of backward: the stage 1/2 bucket keys have no effect. Said once
-    when a config sets them, never dropped silently."""
-    unused = [k for k in ("reduce_bucket_size", "allgather_bucket_size") if k in z.model_fields_set]
-    if "overlap_comm" in z.model_fields_set and z.overlap_comm is False:
-        unused.append("overlap_comm")
-    if unused:
-        warn_once("zero_optimization." + ", zero_optimization.".join(unused) + ": no effect at stage 3, which "
-                  "gathers and reduce-scatters one parameter group (a block of the model) at a time and always "
-                  "overlaps the reductions with backward; stage3_prefetch_bucket_size and "
-                  "stage3_max_live_parameters bound what is gathered", logger)
-
 
 def _gaps(whole: Range, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The sub-ranges of `whole` not covered by the sorted, disjoint `taken` ranges."""

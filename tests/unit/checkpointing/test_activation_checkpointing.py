@@ -320,9 +320,9 @@ def test_zero3_recomputation_keeps_the_trace(mode, ls_caplog, monkeypatch):
     """Stage 3 with every group released after use: losses equal the plain model's, and the trace
     recorded on the first step is followed on the next ones (the reruns are not recorded). One process
     runs the gathering machinery as more ranks do (a world of one would view the shards instead)."""
-    from lightspeed.zero.stage3 import strategy as stage3_strategy
+    from lightspeed.zero.stage3 import options as stage3_options
 
-    monkeypatch.setattr(stage3_strategy, "ONE_RANK_VIEWS", False)
+    monkeypatch.setattr(stage3_options, "ONE_RANK_VIEWS", False)
     traces, losses = {}, {}
     for m in ("plain", mode):
         checkpointing.get_cuda_rng_tracker().reset()

@@ -23,7 +23,7 @@ from lightspeed.compat.deepspeed.runtime.zero import config as zc
 from lightspeed.compat.deepspeed.runtime.zero import offload_config as oc
 from lightspeed.compat.deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 from lightspeed.compat.deepspeed import utils as ds_utils
-from lightspeed.zero.stage3 import strategy as stage3_strategy
+from lightspeed.zero.stage3 import options as stage3_options
 from lightspeed.zero.stage3.units import LeafRule, choose_units, get_z3_leaf_modules
 
 pytestmark = pytest.mark.timeout(120)
@@ -198,7 +198,7 @@ def test_safe_update_full_grad_vectorized(stage):
 def test_unwrap_model_for_generation_gathers_once(monkeypatch, stage):
     from lightspeed.testing.models import TinyMLP
 
-    monkeypatch.setattr(stage3_strategy, "ONE_RANK_VIEWS", False)  # the gather machinery at one rank
+    monkeypatch.setattr(stage3_options, "ONE_RANK_VIEWS", False)  # the gather machinery at one rank
     torch.manual_seed(0)
     cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}

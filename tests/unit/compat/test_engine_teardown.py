@@ -9,7 +9,7 @@ import torch
 
 import lightspeed
 from lightspeed.testing.models import TinyMLP, regression_data
-from lightspeed.zero.stage3 import strategy as stage3_strategy
+from lightspeed.zero.stage3 import options as stage3_options
 from lightspeed.zero.stage3.gathered import GatheredParameters
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,7 +32,7 @@ def _hooks(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_destroy(monkeypatch, tmp_path, stage):
-    monkeypatch.setattr(stage3_strategy, "ONE_RANK_VIEWS", False)  # stage 3's gather machinery at one rank
+    monkeypatch.setattr(stage3_options, "ONE_RANK_VIEWS", False)  # stage 3's gather machinery at one rank
     engine = _engine(stage, checkpoint={"writer": {"type": "PYTHON", "decoupled": True}})
     model = engine.module
     x, y = regression_data(2)
@@ -63,7 +63,7 @@ def _released(engine) -> list[str]:
 
 
 def test_empty_partition_cache_releases_persistent_groups(monkeypatch):
-    monkeypatch.setattr(stage3_strategy, "ONE_RANK_VIEWS", False)
+    monkeypatch.setattr(stage3_options, "ONE_RANK_VIEWS", False)
     engine = _engine(3, zero={"stage3_param_persistence_threshold": 10**6})  # every group persists
     x, y = regression_data(2)
     with torch.no_grad():

@@ -8,7 +8,7 @@ import torch
 
 import lightspeed
 from lightspeed.zero import GatheredParameters
-from lightspeed.zero.stage3 import strategy as stage3_strategy
+from lightspeed.zero.stage3 import options as stage3_options
 from lightspeed.zero.stage3.param_group import GATHERED
 from tests.unit.zero.test_stage3_units import RELEASE_ALL, Nested
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _train(one_rank_views: bool, monkeypatch, steps: int = 4):
-    monkeypatch.setattr(stage3_strategy, "ONE_RANK_VIEWS", one_rank_views)
+    monkeypatch.setattr(stage3_options, "ONE_RANK_VIEWS", one_rank_views)
     cfg = {"train_batch_size": 4, "steps_per_print": 10**6, "gradient_clipping": 0.5,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
            "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, **RELEASE_ALL}}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lightspeed
-from lightspeed.zero.stage3 import strategy as stage3_strategy
+from lightspeed.zero.stage3 import options as stage3_options
 from tests.distributed.test_stage3 import (RELEASE_ALL, GatherCounter, build_model, check_unshard, config,
                                            unshard_scenario)
 
@@ -27,7 +27,7 @@ def test_unshard_with_parameter_offload():
 
 
 def test_unshard_where_parameters_view_their_shards(monkeypatch):
-    monkeypatch.setattr(stage3_strategy, "ONE_RANK_VIEWS", True)
+    monkeypatch.setattr(stage3_options, "ONE_RANK_VIEWS", True)
     check_unshard(unshard_scenario("gpt", RELEASE_ALL), 1, views=True)
 
 

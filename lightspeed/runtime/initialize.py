@@ -29,7 +29,7 @@ from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
 from lightspeed.parallel.experts import expert_parallel_size
-from lightspeed.parallel.pipeline import PipelineModule, schedule_kind
+from lightspeed.parallel.pipeline import PipelineModule, PipelineParallelGrid, schedule_kind
 from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.precision.float8 import convert_to_float8
 from lightspeed.precision.loss_scaler import build_loss_scaler
@@ -176,6 +176,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     pipeline = isinstance(model, PipelineModule)
+    if pipeline and isinstance(mpu, PipelineParallelGrid):  # the module's own grid (`model.mpu()`): the mesh's groups
+        mpu = None
     # the MoE layers' ep_size decides the mesh's ep dim (parallel/experts/transform.py)
     topology = _build_topology(source, mpu, pp=model.num_stages if pipeline else 1, ep=expert_parallel_size(model))
     record_topology(topology)  # for deepspeed.utils.groups' argument-less functions

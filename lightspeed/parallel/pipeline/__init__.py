@@ -3,6 +3,7 @@ topologies (module.py, spec.py, topology.py), DeepSpeed's partition methods (par
 driver that runs a batch through torch.distributed.pipelining's schedules (schedule.py). The engine
 that trains it is runtime/pipe_engine.py."""
 
+from lightspeed.parallel.pipeline.grid import PipelineParallelGrid
 from lightspeed.parallel.pipeline.module import PipelineModule, StageChunk
 from lightspeed.parallel.pipeline.partition import partition_balanced, partition_uniform
 from lightspeed.parallel.pipeline.schedule import SCHEDULES, PipelineDriver, schedule_kind
@@ -12,5 +13,5 @@ from lightspeed.parallel.pipeline.topology import (
 )  # fmt: skip
 
 __all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineDriver",
-           "PipelineModule", "ProcessTopology", "SCHEDULES", "StageChunk", "TiedLayerSpec", "partition_balanced",
+           "PipelineModule", "PipelineParallelGrid", "ProcessTopology", "SCHEDULES", "StageChunk", "TiedLayerSpec", "partition_balanced",
            "partition_uniform", "schedule_kind"]

@@ -300,6 +300,15 @@ class PipelineModule(torch.nn.Module):
     def topology(self) -> ProcessTopology:
         return self._topo
 
+    def mpu(self):
+        """DeepSpeed's grid of this module's topology (`PipelineParallelGrid`; built on first call, a
+        collective: every rank calls it)."""
+        if getattr(self, "_grid", None) is None:
+            from lightspeed.parallel.pipeline.grid import PipelineParallelGrid
+
+            self._grid = PipelineParallelGrid(self._topo)
+        return self._grid
+
     def num_pipeline_stages(self) -> int:
         return self.num_stages
 

@@ -199,7 +199,6 @@ def test_names_transformers_and_accelerate_use():
 
 
 @pytest.mark.parametrize("call, feature", [
-    (lambda ds: ds.runtime.pipe.topology.PipelineParallelGrid(), "pipeline grid"),
     (lambda ds: ds.zero.MiCS_Init(), "MiCS"),
     (lambda ds: ds.zero.TiledLinear(2, 2), "tiled linear"),
     (lambda ds: ds.checkpoint.DeepSpeedCheckpoint("dir"), "universal checkpoints"),

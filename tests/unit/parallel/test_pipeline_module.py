@@ -158,3 +158,17 @@ def test_deepspeed_paths():
     assert runtime.pipe.topology.PipeModelDataParallelTopology is PipeModelDataParallelTopology
     assert runtime.pipe.engine.PipelineEngine is PipelineEngine and runtime.pipe.engine.PipelineError is PipelineError
     assert utils.partition_uniform is partition_uniform and utils.partition_balanced is partition_balanced
+
+
+def test_grid_of_one_process():
+    from lightspeed.compat.deepspeed.runtime.pipe.topology import PipelineParallelGrid as DSGrid, _prime_factors
+    from lightspeed.parallel.pipeline import PipelineParallelGrid
+
+    assert DSGrid is PipelineParallelGrid and _prime_factors(12) == [2, 2, 3]
+    grid = _model_a().mpu()
+    assert isinstance(grid, PipelineParallelGrid)
+    assert grid.get_stage_id() == 0 and grid.get_pipe_parallel_world_size() == 1 and grid.is_last_stage
+    assert grid.get_data_parallel_world_size() == 1 and grid.get_model_parallel_rank() == 0
+    assert grid.stage_to_global(0) == 0 and grid.p2p_groups == [[0, 0]]
+    with pytest.raises(NotImplementedError, match="only pipe, data and model"):
+        PipelineParallelGrid(ProcessTopology(["row", "col"], [1, 1]))

@@ -45,9 +45,9 @@ class PipelineParallelGrid:
         if [a for a in ("pipe", "data", "model") if a in axes] != axes:
             raise NotImplementedError(f"PipelineParallelGrid over axes {axes}: only pipe, data and model, in that "
                                       "order, are implemented")
-        if topology.world_size() != self.world_size:
-            raise AssertionError("Invalid Grid")
         self._topo = topology
+        if not self._is_grid_valid():
+            raise AssertionError("Invalid Grid")
         self.data_parallel_size = max(topology.get_dim("data"), 1)
         self.pipe_parallel_size = max(topology.get_dim("pipe"), 1)
         self.model_parallel_size = max(topology.get_dim("model"), 1)
@@ -62,6 +62,10 @@ class PipelineParallelGrid:
         self.dp_group = self._ranks(("dp_replicate", "edp_shard", "ep"))
         self.slice_group = self._ranks(("tp",))
         self.p2p_groups = self._build_p2p_groups()
+
+    def _is_grid_valid(self) -> bool:
+        """Whether the topology holds exactly the world's ranks."""
+        return self._topo.world_size() == self.world_size
 
     def _ranks(self, dims) -> list[int]:
         return self._mesh.shape.ranks_over(dims, self.global_rank)

@@ -151,7 +151,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("tensor_parallel.tp_overlap_comm"),
     _set("tensor_parallel.injection_policy_tuple"),
     _flag("tensor_parallel.replace_with_kernel_inject"),
-    _flag("expert_parallel.enabled"),
     _flag("nebula.enabled"),
     _flag("datastates.enabled"),
     _flag("quantize_training.enabled"),

@@ -5,7 +5,7 @@ processes at world 2 with autoep_size 2, against the unwrapped model in one proc
   Qwen2-MoE (shared expert and its gate), Qwen3-MoE and DeepSeek-V3 (shared experts, sigmoid router
   with group-limited top-k), with the grouped MLP and with DeepSpeed's `use_grouped_mm: false` loop;
   each rank holds only its half of every block's experts, under the model's parameter names, placed
-  as global [E, ...] rows over "ep".
+  as global [E, ...] rows over "ep"; a whole-model (every expert) state dict loads into the split model.
 - training: 3 AdamW steps through `lightspeed.initialize` at ZeRO 1 and 2 match one process training
   the unwrapped model on the same global batch (each step the mean of the two ranks' shard losses):
   the losses within 1e-5 and the final weights (each rank's experts against the reference's rows).
@@ -89,6 +89,15 @@ def _logits(name: str, rank: int, **autoep):
     engine.eval()
     with torch.no_grad():
         logits = engine(input_ids=ids).logits
+    if name == "qwen2_moe":  # a whole (every expert) state dict loads into the split model
+        other = build(name)
+        for p in other.parameters():
+            p.data.add_(0.05 * torch.randn_like(p))
+        engine.module.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            reloaded = engine(input_ids=ids).logits
+            torch.testing.assert_close(reloaded, other(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(reloaded, logits)
     blocks = [n for n, m in engine.module.named_modules() if isinstance(m, EPExperts)]
     key = f"{blocks[-1]}.gate_up_proj"
     p = engine.placements[key]

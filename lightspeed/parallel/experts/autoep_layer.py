@@ -16,6 +16,11 @@ expert output and the router weight), cast to the hidden dtype, summed over the 
 So does `EPExperts`: every route is computed (no capacity, nothing dropped), in the same dtypes; only
 the order in which a token's k results are summed may differ (k <= a few terms).
 
+Note: [state dicts] `state_dict()` holds this rank's rows under the replaced module's names (the
+placements say where they sit in the whole [E, ...] tensor). `load_state_dict` takes either this
+rank's rows or the whole model's tensors (every expert, as a Hugging Face checkpoint holds them), from
+which it keeps this rank's rows.
+
 Note: [the expert gradient's average] As layer.py's Note of that name: an expert's gradient on its
 rank sums the contributions of every ep rank's tokens, while the strategies average it over the
 expert-data-parallel ranks only, so the return exchange's backward divides the gradient reaching the
@@ -66,6 +71,19 @@ class EPExperts(nn.Module):
         """Give the module its expert-parallel process group."""
         self.ep_group = ep_group
         self._bound = True
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # a whole model's state dict (every expert's rows) loads too: this rank takes its rows (the Note on
+        # state dicts)
+        first, local = self.ep_rank * self.num_local_experts, self.num_local_experts
+        for name in self.weight_names:
+            value = state_dict.get(prefix + name)
+            if value is not None and local != self.num_experts and value.dim() == 3 \
+                    and value.shape[0] == self.num_experts:
+                state_dict[prefix + name] = value[first:first + local]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def extra_repr(self) -> str:
         return (f"experts {self.ep_rank * self.num_local_experts}..{(self.ep_rank + 1) * self.num_local_experts - 1} "

@@ -50,7 +50,7 @@ def grouped_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.T
     rows = x_sorted.shape[0]
     if rows == 0:
         # no token anywhere: an empty result that still depends on the weights (zero gradients)
-        return x_sorted.new_zeros(0, hidden) + 0 * (w_gate_up.sum() + w_down.sum())
+        return x_sorted * 0 + 0 * (w_gate_up.sum() + w_down.sum())
     width = int(counts.max())
     starts = torch.cumsum(counts, 0) - counts
     expert_of_row = torch.repeat_interleave(torch.arange(experts, device=x_sorted.device), counts, output_size=rows)
@@ -72,7 +72,7 @@ def grouped_mlp_reference(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_u
         outs.append(torch.nn.functional.linear(act(gate) * up, w_down[e]))
         start += n
     if not outs or start == 0:
-        return x_sorted.new_zeros(0, x_sorted.shape[-1]) + 0 * (w_gate_up.sum() + w_down.sum())
+        return x_sorted * 0 + 0 * (w_gate_up.sum() + w_down.sum())
     return torch.cat(outs)
 
 

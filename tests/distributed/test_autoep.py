@@ -6,9 +6,10 @@ processes at world 2 with autoep_size 2, against the unwrapped model in one proc
   with group-limited top-k), with the grouped MLP and with DeepSpeed's `use_grouped_mm: false` loop;
   each rank holds only its half of every block's experts, under the model's parameter names, placed
   as global [E, ...] rows over "ep"; a whole-model (every expert) state dict loads into the split model.
-- training: 3 AdamW steps through `lightspeed.initialize` at ZeRO 1 and 2 match one process training
-  the unwrapped model on the same global batch (each step the mean of the two ranks' shard losses):
-  the losses within 1e-5 and the final weights (each rank's experts against the reference's rows).
+- training: 3 AdamW steps through `lightspeed.initialize` at ZeRO 1 and 2 (and Mixtral at 3) match
+  one process training the unwrapped model on the same global batch (each step the mean of the two
+  ranks' shard losses): the losses within 1e-5 and, below stage 3, the final weights (each rank's
+  experts against the reference's rows).
   The models' `output_router_logits` is False by default, so their loss holds no router aux loss.
 - errors: an autoep_size that does not divide the experts, and a model with no MoE block.
 """
@@ -26,7 +27,7 @@ SEQ, MICRO, STEPS, LR, VOCAB = 6, 2, 3, 0.01, 64
 COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, initializer_range=0.2)
 MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-TRAIN = (("mixtral", 1), ("qwen2_moe", 2), ("deepseek_v3", 1), ("qwen3_moe", 2))
+TRAIN = (("mixtral", 1), ("qwen2_moe", 2), ("deepseek_v3", 1), ("qwen3_moe", 2), ("mixtral", 3))
 
 
 def build(name: str, experts: int = 4):
@@ -117,7 +118,10 @@ def _train(name: str, stage: int, rank: int):
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
+    out = {"losses": losses}
+    if stage < 3:  # stage 3's module holds released placeholders
+        out["state"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return out
 
 
 def _error(cfg: dict, experts: int | None):
@@ -177,7 +181,7 @@ def test_training_matches_one_process(name, stage, runs):
     for rank, result in enumerate(runs):
         got = result[("train", name, stage)]
         assert got["losses"] == pytest.approx([step[rank] for step in ref_losses], rel=1e-5, abs=1e-6)
-        for key, value in got["state"].items():
+        for key, value in got.get("state", {}).items():
             want = ref_state[key]
             if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 local = want.shape[0] // 2

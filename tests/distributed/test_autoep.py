@@ -10,7 +10,8 @@ processes at world 2 with autoep_size 2, against the unwrapped model in one proc
   one process training the unwrapped model on the same global batch (each step the mean of the two
   ranks' shard losses): the losses within 1e-5 and, below stage 3, the final weights (each rank's
   experts against the reference's rows).
-  The models' `output_router_logits` is False by default, so their loss holds no router aux loss.
+  The models' `output_router_logits` is False by default, so their loss holds no router aux loss;
+  one Mixtral case turns it on (the router, kept as the model's, still feeds the aux loss).
 - errors: an autoep_size that does not divide the experts, and a model with no MoE block.
 """
 
@@ -27,7 +28,7 @@ SEQ, MICRO, STEPS, LR, VOCAB = 6, 2, 3, 0.01, 64
 COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, initializer_range=0.2)
 MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-TRAIN = (("mixtral", 1), ("qwen2_moe", 2), ("deepseek_v3", 1), ("qwen3_moe", 2), ("mixtral", 3))
+TRAIN = (("mixtral", 1), ("qwen2_moe", 2), ("deepseek_v3", 1), ("qwen3_moe", 2), ("mixtral", 3), ("mixtral_aux", 1))
 
 
 def build(name: str, experts: int = 4):
@@ -35,9 +36,10 @@ def build(name: str, experts: int = 4):
     import transformers as tf
 
     torch.manual_seed(0)
-    if name == "mixtral":
+    if name in ("mixtral", "mixtral_aux"):  # mixtral_aux: the router's aux loss added to the loss
+        aux = dict(output_router_logits=True, router_aux_loss_coef=0.1) if name == "mixtral_aux" else {}
         model = tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=24, num_local_experts=experts,
-                                                       num_experts_per_tok=2, **COMMON))
+                                                       num_experts_per_tok=2, **aux, **COMMON))
     elif name == "qwen2_moe":
         model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=12,
                                                          shared_expert_intermediate_size=20, num_experts=4,

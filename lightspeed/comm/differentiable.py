@@ -3,7 +3,8 @@ expert all-to-all of a mixture-of-experts layer, and an all-gather whose backwar
 share of the gradient home.
 
 Owns: `seq_all_to_all` (DeepSpeed's `_SeqAllToAll`), `expert_all_to_all` (DeepSpeed's MoE `_AllToAll`,
-with a gradient scale), `all_gather_autograd`, and `all_gather_tensors` (a
+with a gradient scale), `ragged_all_to_all` (rows in blocks of per-rank sizes, for token dispatch
+without capacity), `all_gather_autograd`, and `all_gather_tensors` (a
 no-grad gather of tensors whose shapes may differ by rank, for data loading). Must not: know about
 models, heads or batches beyond the dimensions it is told.
 
@@ -81,6 +82,35 @@ def expert_all_to_all(x: torch.Tensor, group: Any, grad_scale: float = 1.0) -> t
     """All-to-all over `group` along dim 0 (W equal blocks: block j to rank j, received blocks in rank
     order), differentiable: the gradient is the inverse all-to-all (the same one), times `grad_scale`."""
     return _ExpertAllToAll.apply(x, group, grad_scale)
+
+
+class _RaggedAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, send: list[int], recv: list[int], grad_scale: float):
+        ctx.group, ctx.send, ctx.recv, ctx.grad_scale = group, send, recv, grad_scale
+        x = x.contiguous()
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # the adjoint of a permutation of rows is its inverse: the same exchange with the sizes swapped
+        grad = _RaggedAllToAll.apply(grad.contiguous(), ctx.group, ctx.recv, ctx.send, 1.0)
+        return (grad if ctx.grad_scale == 1.0 else grad * ctx.grad_scale), None, None, None, None
+
+
+def ragged_all_to_all(x: torch.Tensor, group: Any, send_sizes: list[int], recv_sizes: list[int],
+                      grad_scale: float = 1.0) -> torch.Tensor:
+    """All-to-all over `group` along dim 0 with per-rank block sizes: rows [sum(send_sizes[:j]),
+    sum(send_sizes[:j+1])) go to rank j; the result holds `recv_sizes[j]` rows from each rank j, in rank
+    order. Differentiable: the gradient goes back by the same exchange with the sizes swapped, times
+    `grad_scale`. The sizes must agree across ranks (rank i's send_sizes[j] is rank j's recv_sizes[i])."""
+    if len(send_sizes) != _world(group) or len(recv_sizes) != len(send_sizes) or sum(send_sizes) != x.shape[0]:
+        raise ValueError(f"ragged all-to-all: {len(send_sizes)} send sizes summing to {sum(send_sizes)} and "
+                         f"{len(recv_sizes)} receive sizes for a group of {_world(group)} ranks and "
+                         f"{x.shape[0]} rows")
+    return _RaggedAllToAll.apply(x, group, [int(n) for n in send_sizes], [int(n) for n in recv_sizes], grad_scale)
 
 
 class _AllGather(torch.autograd.Function):

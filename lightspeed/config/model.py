@@ -2,7 +2,7 @@
 
 Every top-level key DeepSpeed reads for training is a field named exactly as the key, with
 DeepSpeed's default. After `config.load()` the batch triad holds ints. Sections too large and too
-rarely used to model (``expert_parallel``, ...) are kept as free
+rarely used to model (``nebula``, ...) are kept as free
 dicts. This module must not read files or touch the environment: that is `loader.py`'s job.
 """
 
@@ -30,6 +30,7 @@ from lightspeed.config.monitoring import (
 )  # fmt: skip
 from lightspeed.config.optimizer import OptimizerConfig, SchedulerConfig
 from lightspeed.config.precision import AMPConfig, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
+from lightspeed.config.expert_parallel import ExpertParallelConfig
 from lightspeed.config.tensor_parallel import TensorParallelConfig
 from lightspeed.config.zero import ZeroConfig, zero_problems
 
@@ -128,13 +129,13 @@ class LightspeedConfig(Section):
     disable_python_gc: Bool = False
 
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    expert_parallel: ExpertParallelConfig = ExpertParallelConfig()  # AutoEP (parallel/experts/autoep.py)
 
     # Compiler and float8 training (lightspeed's own section: DeepSpeed has none)
     compile: CompileConfig = CompileConfig()
     float8: Float8Config = Float8Config()
 
     # Sections kept as free dicts (large, fast-moving schemas nothing here consumes yet)
-    expert_parallel: FreeDict = {}
     nebula: FreeDict = {}
     datastates: FreeDict = {}
     quantize_training: FreeDict = {}

@@ -18,7 +18,8 @@ monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), th
 ZeRO++ at stage 3 (zero_quantized_weights, zero_quantized_nontrainable_weights, zero_quantized_gradients,
 zero_hpz_partition_size; ``lightspeed.comm.zeropp``; its LoCo error feedback, zeropp_loco_param, stays below);
 compile (enabled, backend, kwargs) and float8 (``config/compiler.py``), less DeepCompile's keys, which are
-refused below.
+refused below; expert_parallel (AutoEP, ``lightspeed.parallel.experts.autoep``, which refuses its own
+unbuilt keys).
 ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
 (`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """
@@ -151,7 +152,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("tensor_parallel.tp_overlap_comm"),
     _set("tensor_parallel.injection_policy_tuple"),
     _flag("tensor_parallel.replace_with_kernel_inject"),
-    _flag("expert_parallel.enabled"),
     _flag("nebula.enabled"),
     _flag("datastates.enabled"),
     _flag("quantize_training.enabled"),

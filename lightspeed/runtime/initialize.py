@@ -29,6 +29,7 @@ from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.validation import validate_training_config
 from lightspeed.parallel.experts import expert_parallel_size
+from lightspeed.parallel.experts.autoep import autoep_mesh_size
 from lightspeed.parallel.pipeline import PipelineModule, PipelineParallelGrid, schedule_kind
 from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.precision.float8 import convert_to_float8
@@ -118,12 +119,28 @@ def _mesh_sizes(source) -> dict[str, int]:
 
 def _build_topology(source, mpu, pp: int = 1, ep: int = 1) -> Topology:
     sizes = _mesh_sizes(source)
+    raw = source.raw if isinstance(source, LightspeedConfig) else read_source(source)[0]
+    autoep = autoep_mesh_size(raw) is not None
     try:
         # the sequence-parallel groups are this process's record (register_with_transformers or the user
         # may have built them before initialize): build_topology keeps the record and the mesh in agreement
         return build_topology(mpu, sp_size=sizes["sp"], tp_size=sizes["tp"], pp_size=pp, ep_size=ep)
     except (TopologyError, ValueError) as error:
-        raise ConfigError(str(error)) from None
+        where = f"expert_parallel.autoep_size={ep}: " if autoep and ep > 1 else ""
+        raise ConfigError(f"{where}{error}") from None
+
+
+def _expert_parallel_size(source, model: torch.nn.Module) -> int:
+    """The mesh's ep dim: `expert_parallel.autoep_size` with AutoEP on (parallel/experts/autoep.py), else
+    the ep_size of the model's MoE layers (parallel/experts/transform.py)."""
+    raw = source.raw if isinstance(source, LightspeedConfig) else read_source(source)[0]
+    size = autoep_mesh_size(raw)
+    if size is None:
+        return expert_parallel_size(model)
+    if expert_parallel_size(model) != 1:
+        raise ConfigError("expert_parallel.enabled: the model holds DeepSpeed MoE layers with ep_size > 1; AutoEP is "
+                          "for Hugging Face MoE models, turn one off")
+    return size
 
 
 def _pipeline_stages(model: PipelineModule, cfg, topology: Topology, optimizer, model_parameters):
@@ -178,8 +195,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     pipeline = isinstance(model, PipelineModule)
     if pipeline and isinstance(mpu, PipelineParallelGrid):  # the module's own grid (`model.mpu()`): the mesh's groups
         mpu = None
-    # the MoE layers' ep_size decides the mesh's ep dim (parallel/experts/transform.py)
-    topology = _build_topology(source, mpu, pp=model.num_stages if pipeline else 1, ep=expert_parallel_size(model))
+    topology = _build_topology(source, mpu, pp=model.num_stages if pipeline else 1, ep=_expert_parallel_size(source,
+                                                                                                         model))
     record_topology(topology)  # for deepspeed.utils.groups' argument-less functions
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`

@@ -4,8 +4,9 @@ Owns: the order. Each transform is a small function `transform(model, placements
 (model, placements)` over an unchanged model, as torchtitan's `parallelize` functions are, and writes
 where each parameter it changes lives on the mesh (parallel/placement.py; every parameter starts
 replicated): tensor parallelism first (it decides which slice of each weight a rank keeps), then
-sequence parallelism (it wraps attention over the sp group), then expert parallelism (it binds the
-MoE layers to the "ep" group and places their experts), then activation checkpointing (it wraps whole
+sequence parallelism (it wraps attention over the sp group), then AutoEP (it swaps the experts of a
+Hugging Face model's MoE blocks for this ep rank's share and places them), then expert parallelism (it
+binds DeepSpeed MoE layers to the "ep" group and places their experts), then activation checkpointing (it wraps whole
 blocks, which must already hold their parallel layers), and last ZeRO, which is not a module transform
 here but the strategy `initialize()` selects over the transformed model's parameters, and which reads
 the placements. Pipeline splits will join after expert parallelism. Must not: build an optimizer or
@@ -22,6 +23,7 @@ from lightspeed.checkpointing import apply_activation_checkpointing
 from lightspeed.comm.topology import Topology
 from lightspeed.parallel.autotp import tensor_parallel_transform
 from lightspeed.parallel.experts import expert_parallel_transform
+from lightspeed.parallel.experts.autoep import autoep_transform
 from lightspeed.parallel.placement import PlacementTable, tensor_parallel_placements
 from lightspeed.sequence import apply_sequence_parallel
 
@@ -44,6 +46,7 @@ def _keeps_placements(transform):
 TRANSFORMS: tuple[tuple[str, ModelTransform], ...] = (
     ("tensor_parallel", _tensor_parallel),
     ("sequence_parallel", _keeps_placements(apply_sequence_parallel)),
+    ("autoep", autoep_transform),
     ("expert_parallel", expert_parallel_transform),
     # DeepSpeed wraps no module for `activation_checkpointing`: the block configures checkpoint() over
     # the model-parallel group (see lightspeed/checkpointing/settings.py)

@@ -112,5 +112,5 @@ def test_layers_that_do_not_divide_are_refused():
 def test_initialize_transform_order():
     from lightspeed.runtime.model_transforms import TRANSFORMS
 
-    assert [name for name, _ in TRANSFORMS] == ["tensor_parallel", "sequence_parallel", "expert_parallel",
+    assert [name for name, _ in TRANSFORMS] == ["tensor_parallel", "sequence_parallel", "autoep", "expert_parallel",
                                               "activation_checkpointing"]

@@ -1,0 +1,255 @@
+"""AutoEP, as DeepSpeed 0.19's ``expert_parallel`` section: find the mixture-of-experts blocks of a
+Hugging Face transformers 5 model and split their experts over the run's "ep" group.
+
+Owns: the presets (DeepSpeed's names: mixtral, qwen3_moe (also Qwen2-MoE), qwen3_5_moe, deepseek_v2,
+deepseek_v3), the detection (`detect_moe_blocks`), the ep size the section asks for
+(`autoep_mesh_size`, read before the topology exists), the refusal of the section's keys that are
+not built (`check_autoep_config`), and the model transform (`autoep_transform`: swap each block's
+fused experts module for an `EPExperts`, place its weights). Must not: route tokens (the model's
+router runs unchanged), build groups, or touch ZeRO.
+
+Note: [detection] A preset names the block (a regular expression matched against the whole module
+name: DeepSpeed's `model\\.layers\\.\\d+\\.mlp`, relaxed here to any prefix so a bare base model
+matches too), its router child, its experts child and the experts' fused weights (`gate_up_proj`
+[E, 2I, H], `down_proj` [E, H, I]), the model config's expert-count attribute, and, for models with
+one, the shared expert's children. The preset is `preset_model` when given, else the one whose
+Hugging Face `model_type`s include the model's, else every preset is tried (the first that finds
+blocks wins). The section's pattern and name keys override the preset's. A block is a module matching
+the pattern whose experts child holds the two weights as 3-D parameters and nothing else, and whose
+router child has a [E, H] `weight`. Enabled AutoEP that finds no block is an error naming
+`expert_parallel.enabled`.
+
+Note: [what is swapped] Only the experts child: the block's own forward still runs the router (with
+its dtype, softmax or sigmoid, top-k, group limit, normalisation and scaling), the shared expert and
+its gate, so the routes and everything but the experts' arithmetic are the model's own code. The
+experts child becomes an `EPExperts` (autoep_layer.py) holding global experts [r x E/ep, (r+1) x E/ep)
+of ep rank r, under the same parameter names; the placements give each weight its global [E, ...]
+shape, this rank's rows along dim 0, `sharded_over=("ep",)` and `reduced_over` the expert-data-parallel
+dims (transform.py's `EXPERT_DATA_PARALLEL`). The supported path to load a Hugging Face checkpoint is to
+build the model whole (from_pretrained), then `initialize()`, which slices it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightspeed._utils.logging import get_logger
+from lightspeed.comm.sequence_groups import as_group
+from lightspeed.comm.topology import Topology
+from lightspeed.config.errors import ConfigError
+from lightspeed.config.expert_parallel import ExpertParallelConfig
+from lightspeed.parallel.experts.autoep_layer import EPExperts
+from lightspeed.parallel.experts.transform import EXPERT_DATA_PARALLEL, moe_layers
+from lightspeed.parallel.placement import Placement, PlacementTable
+
+logger = get_logger(__name__)
+
+_LAYERS = r"(.*\.)?layers\.\d+\.mlp"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How one model family's MoE blocks look (the Note on detection)."""
+
+    moe_layer_pattern: str
+    router: str
+    experts: str
+    w1: str
+    w2: str
+    num_experts_attr: str
+    model_types: tuple[str, ...]
+    shared_experts: str = ""
+    shared_experts_gate: str = ""
+
+
+PRESETS = {
+    "mixtral": Preset(_LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "num_local_experts", ("mixtral",)),
+    "qwen3_moe": Preset(_LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "num_experts",
+                        ("qwen3_moe", "qwen2_moe"), "shared_expert", "shared_expert_gate"),
+    "qwen3_5_moe": Preset(_LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "num_experts",
+                          ("qwen3_5_moe_text",), "shared_expert", "shared_expert_gate"),
+    "deepseek_v2": Preset(_LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "n_routed_experts",
+                          ("deepseek_v2",), "shared_experts"),
+    "deepseek_v3": Preset(_LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "n_routed_experts",
+                          ("deepseek_v3",), "shared_experts"),
+}
+
+# keys whose non-default value would change the routing: the model's own router decides it here
+_ROUTING_KEYS = {"route_norm": None, "route_scale": 1.0, "score_apply": "auto", "score_func": "auto",
+                 "top_k": "auto", "routed_scaling_factor": "auto", "num_expert_groups": None,
+                 "num_limited_groups": None, "top_k_attr": None}
+
+
+@dataclass(frozen=True)
+class MoEBlock:
+    """One detected block: its module name, module, preset name, expert count and the preset used."""
+
+    name: str
+    module: nn.Module
+    preset_name: str
+    num_experts: int
+    preset: Preset
+
+
+def check_autoep_config(section: ExpertParallelConfig) -> None:
+    """Refuse the section's settings that are not built, each by its key."""
+    if not section.enabled:
+        return
+    prefix = "expert_parallel."
+    for key, default in _ROUTING_KEYS.items():
+        value = getattr(section, key)
+        if value != default:
+            raise NotImplementedError(f"{prefix}{key}={value!r}: AutoEP in lightspeed keeps the model's own router "
+                                      "(its score function, top-k, groups, normalisation and scaling come from the "
+                                      f"model's config); remove the key or leave it at {default!r}")
+    refused = {"expert_tensor_parallel_size": section.expert_tensor_parallel_size != 1,
+               "validate_folding_routing": section.validate_folding_routing,
+               "load_balance_coeff": section.load_balance_coeff is not None,
+               "combine_impl": section.combine_impl == "legacy_bmm",
+               "expert_w3": section.expert_w3_given and section.expert_w3 is not None}
+    for key, active in refused.items():
+        if active:
+            raise NotImplementedError(f"{prefix}{key}={getattr(section, key)!r} is not implemented in lightspeed's "
+                                      "AutoEP (fused gate|up experts, no expert tensor parallelism, no expert bias, "
+                                      "a weighted-sum combine)")
+    if section.preset_model is not None and section.preset_model not in PRESETS:
+        raise ConfigError(f"expert_parallel.preset_model={section.preset_model!r}: unknown preset (available: "
+                          f"{', '.join(PRESETS)})")
+
+
+def autoep_mesh_size(raw: dict) -> int | None:
+    """The ep size the raw config's `expert_parallel` section asks for (None while AutoEP is off)."""
+    section = raw.get("expert_parallel") or {}
+    if not isinstance(section, dict) or section.get("enabled") is not True:
+        return None
+    size = section.get("autoep_size", 1)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"expert_parallel.autoep_size must be a positive integer (got {size!r})")
+    return size
+
+
+def _candidates(section: ExpertParallelConfig, model: nn.Module) -> list[tuple[str, Preset]]:
+    if section.preset_model is not None:
+        return [(section.preset_model, PRESETS[section.preset_model])]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    named = [(name, p) for name, p in PRESETS.items() if model_type in p.model_types]
+    return named or list(PRESETS.items())
+
+
+def _override(preset: Preset, section: ExpertParallelConfig) -> Preset:
+    fields = {"moe_layer_pattern": section.moe_layer_pattern, "router": section.router_pattern,
+              "experts": section.expert_pattern, "w1": section.expert_w1, "w2": section.expert_w2,
+              "num_experts_attr": section.num_experts_attr, "shared_experts": section.shared_experts_pattern,
+              "shared_experts_gate": section.shared_experts_gate_pattern}
+    values = {k: v for k, v in fields.items() if v is not None}
+    return Preset(**{**preset.__dict__, **values}) if values else preset
+
+
+def _block(name: str, module: nn.Module, preset: Preset) -> int | None:
+    """The block's expert count when `module` is a block of `preset` (the Note on detection), else None."""
+    experts, router = getattr(module, preset.experts, None), getattr(module, preset.router, None)
+    if not isinstance(experts, nn.Module) or not isinstance(router, nn.Module):
+        return None
+    params = dict(experts.named_parameters())
+    w1, w2 = params.get(preset.w1), params.get(preset.w2)
+    if w1 is None or w2 is None or w1.dim() != 3 or w2.dim() != 3:
+        return None
+    if set(params) != {preset.w1, preset.w2}:
+        raise NotImplementedError(f"AutoEP: the experts of {name} hold parameters other than {preset.w1} and "
+                                  f"{preset.w2} ({', '.join(sorted(set(params) - {preset.w1, preset.w2}))}); "
+                                  "experts with biases or other weights are not supported")
+    weight = getattr(router, "weight", None)
+    if weight is None or weight.dim() != 2 or weight.shape[0] != w1.shape[0]:
+        return None
+    if not callable(getattr(experts, "act_fn", None)):
+        raise NotImplementedError(f"AutoEP: the experts module of {name} has no `act_fn`; only transformers' "
+                                  "fused gated experts (gate_up_proj / down_proj / act_fn) are supported")
+    return int(w1.shape[0])
+
+
+def detect_moe_blocks(model: nn.Module, section: ExpertParallelConfig) -> list[MoEBlock]:
+    """Every MoE block of `model` (the Note on detection); raises when there is none."""
+    config = getattr(model, "config", None)
+    for preset_name, preset in _candidates(section, model):
+        preset = _override(preset, section)
+        pattern = re.compile(preset.moe_layer_pattern)
+        blocks = []
+        for name, module in model.named_modules():
+            if not pattern.fullmatch(name):
+                continue
+            count = _block(name, module, preset)
+            if count is None:
+                continue
+            declared = getattr(config, preset.num_experts_attr, None) if config is not None else None
+            if declared is not None and declared != count:
+                raise ConfigError(f"expert_parallel: the model config's {preset.num_experts_attr}={declared} "
+                                  f"but {name}.{preset.experts}.{preset.w1} holds {count} experts")
+            if section.has_shared_experts:
+                for child in (preset.shared_experts, preset.shared_experts_gate):
+                    if child and getattr(module, child, None) is None:
+                        raise ConfigError(f"expert_parallel.has_shared_experts: {name} has no child {child!r}")
+            blocks.append(MoEBlock(name, module, preset_name, count, preset))
+        if blocks:
+            return blocks
+    model_type = getattr(config, "model_type", None)
+    raise ConfigError(f"expert_parallel.enabled: no MoE block found in {type(model).__name__} "
+                      f"(model_type={model_type!r}, presets tried: "
+                      f"{', '.join(n for n, _ in _candidates(section, model))}); AutoEP supports transformers 5 "
+                      "models with fused experts (gate_up_proj / down_proj) beside a router `gate`: set "
+                      "expert_parallel.preset_model or the pattern keys (moe_layer_pattern, router_pattern, "
+                      "expert_pattern, expert_w1, expert_w2), or turn AutoEP off")
+
+
+def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology: Topology
+                     ) -> tuple[nn.Module, PlacementTable]:
+    """With `expert_parallel.enabled`: swap each MoE block's experts for this ep rank's `EPExperts` and
+    place them (the Note on what is swapped); otherwise the model passes unchanged."""
+    section: ExpertParallelConfig = cfg.expert_parallel
+    if not section.enabled:
+        return model, placements
+    check_autoep_config(section)
+    if moe_layers(model):
+        raise ConfigError("expert_parallel.enabled: the model already holds DeepSpeed MoE layers "
+                          "(lightspeed.parallel.experts.MoE); AutoEP is for Hugging Face MoE models, turn one off")
+    if topology.size("tp") > 1:
+        raise NotImplementedError("expert_parallel.enabled with tensor_parallel.autotp_size > 1: AutoEP beside "
+                                  "tensor parallelism is not implemented (nor in DeepSpeed)")
+    if topology.size("pp") > 1:
+        raise NotImplementedError("expert_parallel.enabled in a pipeline-parallel model is not implemented")
+    ep, ep_rank = topology.size("ep"), topology.rank("ep")
+    if ep != section.autoep_size:
+        raise ConfigError(f"expert_parallel.autoep_size={section.autoep_size} but the run's expert-parallel size is "
+                          f"{ep}")
+    blocks = detect_moe_blocks(model, section)
+    group = as_group(topology.group("ep")) if ep > 1 else None
+    placed = []
+    for block in blocks:
+        if block.num_experts % ep:
+            raise ConfigError(f"expert_parallel.autoep_size={ep} does not divide the {block.num_experts} experts of "
+                              f"{block.name}")
+        source = getattr(block.module, block.preset.experts)
+        if any(p.is_meta for p in source.parameters()):
+            raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are on the meta device "
+                                      "(zero.Init); build the model whole, AutoEP slices it in initialize()")
+        experts = EPExperts(source, (block.preset.w1, block.preset.w2), block.num_experts, ep_rank, ep,
+                            source.act_fn, use_grouped_mm=section.use_grouped_mm)
+        if ep > 1:
+            experts.bind(group)
+        setattr(block.module, block.preset.experts, experts)
+        local = block.num_experts // ep
+        for w in (block.preset.w1, block.preset.w2):
+            p = getattr(experts, w)
+            shape = (block.num_experts,) + tuple(p.shape[1:])
+            box = ((ep_rank * local, (ep_rank + 1) * local),) + tuple((0, n) for n in p.shape[1:])
+            placed.append(Placement(f"{block.name}.{block.preset.experts}.{w}", shape, (box,), ("ep",),
+                                    EXPERT_DATA_PARALLEL))
+    logger.info("AutoEP: %d MoE blocks (preset %s), %d experts each, %d per rank over ep %d", len(blocks),
+                blocks[0].preset_name, blocks[0].num_experts, blocks[0].num_experts // ep, ep)
+    return model, placements.placed(placed)
+
+
+__all__ = ["MoEBlock", "PRESETS", "Preset", "autoep_mesh_size", "autoep_transform", "check_autoep_config",
+           "detect_moe_blocks"]

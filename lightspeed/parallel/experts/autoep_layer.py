@@ -1,0 +1,130 @@
+"""The expert-parallel replacement of a Hugging Face transformers 5 fused experts module
+(`MixtralExperts`, `Qwen2MoeExperts`, `Qwen3MoeExperts`, `DeepseekV3Experts`, ...): `EPExperts` holds
+this ep rank's `num_experts / ep` experts, sliced from the fused [E, ...] weights, and computes
+`forward(hidden_states, top_k_index, top_k_weights)` exactly as the module it replaces, with the
+tokens of the other ranks' experts sent there and back.
+
+Owns: the dispatch (sort routes by expert, an all-to-all with per-rank sizes over the "ep" group,
+regroup by local expert), the experts' MLP (grouped_mlp.py) and the combine (the results come home
+by the inverse exchange, are weighted by the router and summed per token). Must not: route (the
+model's own router module still runs, so routing is the model's to the bit), build groups, or place
+parameters (autoep.py does).
+
+Note: [what is exact] The replaced module computes, for each token t and each of its k routes (e, w):
+`act(x W_gu[e]^T)[:I] * (x W_gu[e]^T)[I:]` through `W_down[e]`, times w (in the promoted dtype of the
+expert output and the router weight), cast to the hidden dtype, summed over the routes into zeros.
+So does `EPExperts`: every route is computed (no capacity, nothing dropped), in the same dtypes; only
+the order in which a token's k results are summed may differ (k <= a few terms).
+
+Note: [state dicts] `state_dict()` holds this rank's rows under the replaced module's names (the
+placements say where they sit in the whole [E, ...] tensor). `load_state_dict` takes either this
+rank's rows or the whole model's tensors (every expert, as a Hugging Face checkpoint holds them), from
+which it keeps this rank's rows.
+
+Note: [the expert gradient's average] As layer.py's Note of that name: an expert's gradient on its
+rank sums the contributions of every ep rank's tokens, while the strategies average it over the
+expert-data-parallel ranks only, so the return exchange's backward divides the gradient reaching the
+experts by ep and the dispatch exchange's backward multiplies it back for the tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightspeed.comm.differentiable import ragged_all_to_all
+from lightspeed.parallel.experts.grouped_mlp import grouped_mlp, grouped_mlp_reference
+
+
+class EPExperts(nn.Module):
+    """This ep rank's share of a fused experts module. `weight_names` (w1, w2) are the fused gate|up
+    and down parameters' names (kept, so the state dict keeps the model's names, holding this rank's
+    rows); `ep_group` is bound by `bind` before the first forward when `ep_size` > 1."""
+
+    def __init__(self, source: nn.Module, weight_names: tuple[str, str], num_experts: int, ep_rank: int,
+                 ep_size: int, act_fn: Callable[[torch.Tensor], torch.Tensor], use_grouped_mm: bool = True) -> None:
+        super().__init__()
+        w1, w2 = weight_names
+        self.weight_names = weight_names
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.ep_rank, self.ep_size = ep_rank, ep_size
+        self.act_fn = act_fn
+        self.mlp = grouped_mlp if use_grouped_mm else grouped_mlp_reference
+        self.ep_group = None
+        self._bound = ep_size == 1
+        first = ep_rank * self.num_local_experts
+        for name in weight_names:
+            full = getattr(source, name)
+            local = full.detach()[first:first + self.num_local_experts].clone()
+            self.register_parameter(name, nn.Parameter(local, requires_grad=full.requires_grad))
+        gate_up, down = getattr(self, w1), getattr(self, w2)
+        self.hidden_dim, self.intermediate_dim = down.shape[1], down.shape[2]
+        if gate_up.shape[1:] != (2 * self.intermediate_dim, self.hidden_dim):
+            raise ValueError(f"AutoEP: {w1} {tuple(gate_up.shape)} and {w2} {tuple(down.shape)} are not a fused "
+                             "gate|up [E, 2I, H] and down [E, H, I] pair")
+
+    def bind(self, ep_group) -> None:
+        """Give the module its expert-parallel process group."""
+        self.ep_group = ep_group
+        self._bound = True
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # a whole model's state dict (every expert's rows) loads too: this rank takes its rows (the Note on
+        # state dicts)
+        first, local = self.ep_rank * self.num_local_experts, self.num_local_experts
+        for name in self.weight_names:
+            value = state_dict.get(prefix + name)
+            if value is not None and local != self.num_experts and value.dim() == 3 \
+                    and value.shape[0] == self.num_experts:
+                state_dict[prefix + name] = value[first:first + local]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.ep_rank * self.num_local_experts}..{(self.ep_rank + 1) * self.num_local_experts - 1} "
+                f"of {self.num_experts}, ep {self.ep_rank}/{self.ep_size}")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        if not self._bound:
+            raise RuntimeError("AutoEP experts: no expert-parallel group is bound; the model must pass through "
+                               "lightspeed.initialize() with expert_parallel.enabled")
+        w_gate_up, w_down = (getattr(self, name) for name in self.weight_names)
+        k = top_k_index.shape[-1]
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)  # routes sorted by global expert (so by ep rank)
+        token_of_route = order // k
+        x_send = hidden_states.index_select(0, token_of_route)
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        if self.ep_size == 1:
+            out_sorted = self.mlp(x_send, counts, w_gate_up, w_down, self.act_fn)
+        else:
+            out_sorted = self._exchange(x_send, counts, w_gate_up, w_down)
+        weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        routed = (out_sorted * weights).to(hidden_states.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token_of_route, routed)
+
+    def _exchange(self, x_send: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+                  ) -> torch.Tensor:
+        ep, local = self.ep_size, self.num_local_experts
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts.contiguous(), group=self.ep_group)  # [source rank, local expert]
+        send_sizes = counts.view(ep, local).sum(1).tolist()
+        by_source = recv_counts.view(ep, local)
+        recv_sizes = by_source.sum(1).tolist()
+        x_recv = ragged_all_to_all(x_send, self.ep_group, send_sizes, recv_sizes, grad_scale=float(ep))
+        # each source's rows come grouped by local expert: regroup all of them by local expert
+        label = torch.arange(local, device=counts.device).repeat(ep)
+        expert_of_row = torch.repeat_interleave(label, by_source.reshape(-1), output_size=x_recv.shape[0])
+        perm = torch.argsort(expert_of_row, stable=True).to(x_recv.device)
+        y = self.mlp(x_recv.index_select(0, perm), by_source.sum(0), w_gate_up, w_down, self.act_fn)
+        y = y.index_select(0, torch.argsort(perm))  # back to the received order
+        return ragged_all_to_all(y, self.ep_group, recv_sizes, send_sizes, grad_scale=1.0 / ep)
+
+
+__all__ = ["EPExperts"]

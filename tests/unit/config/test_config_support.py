@@ -59,7 +59,6 @@ def test_stage_message_and_all_named_at_once():
         ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),
         ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, "curriculum_learning.enabled=true"),
         ({"autotuning": {"enabled": True}}, "autotuning.enabled=true"),
-        ({"pipeline": {"stages": 2}}, "pipeline (stages=2)"),
         ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
         ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop.enabled=true"),
         ({"sparse_gradients": True}, "sparse_gradients=true"),
@@ -78,6 +77,10 @@ def test_registered_feature_is_named(config, expected):
 
 def test_default_config_has_no_unimplemented_features():
     assert features({}) == []
+
+
+def test_pipeline_section_is_implemented():
+    assert features({"pipeline": {"stages": 2, "schedule": "zbv_zero_bubble", "activation_checkpoint_interval": 1}}) == []
 
 
 @pytest.mark.parametrize("section", ["tensorboard", "csv_monitor", "wandb", "comet", "flops_profiler"])

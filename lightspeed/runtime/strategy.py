@@ -154,7 +154,8 @@ class ShardingStrategy(Protocol):
     def external_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
         """The parameters gathered around `module`'s forward and backward that are not its own (stage 3:
         tied, registered with `register_external_parameter` or found in use; DeepSpeed's
-        `module.ds_external_parameters()`); none where nothing is gathered."""
+        `module.ds_external_parameters()`; stage 3 gathers a group at a time, so all of a group); none
+        where nothing is gathered."""
         ...
 
     def remove_hooks(self) -> None:

@@ -140,6 +140,24 @@ class ShardingStrategy(Protocol):
         stays. A no-op where parameters are whole."""
         ...
 
+    def trace_complete(self) -> bool:
+        """True while forwards follow a recorded module order (stage 3 prefetches along it); False while
+        the next forward and backward record one, and always where nothing is gathered (stages 0-2)."""
+        ...
+
+    def restart_trace(self) -> None:
+        """Forget the recorded module order: the next forward and backward record it again (DeepSpeed's
+        `_invalidate_trace`, which TRL calls after generation). Refused during a forward or backward; a
+        no-op where nothing is gathered."""
+        ...
+
+    def external_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """The parameters gathered around `module`'s forward and backward that are not its own (stage 3:
+        tied, registered with `register_external_parameter` or found in use; DeepSpeed's
+        `module.ds_external_parameters()`; stage 3 gathers a group at a time, so all of a group); none
+        where nothing is gathered."""
+        ...
+
     def remove_hooks(self) -> None:
         """Finish the work in flight (reductions, an overlapped step), reshard what is unsharded and remove
         every hook the strategy registered on the model and its parameters (`engine.destroy`); the

@@ -79,6 +79,17 @@ class WholeParameters:
     def empty_partition_cache(self) -> None:
         """Nothing is cached: every rank holds whole parameters."""
 
+    def trace_complete(self) -> bool:
+        """No module order is followed: nothing is gathered ahead of a module."""
+        return False
+
+    def restart_trace(self) -> None:
+        """No module order is recorded at this stage."""
+
+    def external_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """Nothing is gathered around a module's forward at this stage."""
+        return []
+
 
 class Stage0Strategy(WholeParameters):
     stage = 0

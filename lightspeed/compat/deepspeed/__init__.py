@@ -41,7 +41,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                collate_fn=None, config=None, mesh_param=None, config_params=None):
     """`deepspeed.initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`;
     see `lightspeed.initialize` (the same call, in DeepSpeed's argument order). The optimizer is an
-    `EngineOptimizer` view of `engine.optimizer` with DeepSpeed's `overflow` flag."""
+    `EngineOptimizer` view of `engine.optimizer` with DeepSpeed's `overflow` flag. At ZeRO stage 3,
+    `engine.optimizer.parameter_offload` is DeepSpeed's owner of the module hooks, as a view over the
+    engine (runtime/zero/parameter_offload.py)."""
     from lightspeed.runtime.engine_optimizer import EngineOptimizer
     from lightspeed.runtime.initialize import initialize as _initialize
 
@@ -49,6 +51,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
         lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu, dist_init_required=dist_init_required,
         collate_fn=collate_fn, config=config, config_params=config_params, mesh_param=mesh_param)
+    from lightspeed.compat.deepspeed.runtime.zero.parameter_offload import attach
+
+    attach(engine)  # stage 3: engine.optimizer.parameter_offload, as DeepSpeed's stage-3 optimizer has
     # DeepSpeed returns its wrapped optimizer, whose `overflow` says whether the last step was skipped
     return engine, (EngineOptimizer(engine) if optimizer is not None else None), loader, scheduler
 

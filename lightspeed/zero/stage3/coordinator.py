@@ -226,6 +226,29 @@ class Coordinator:
             self._cum_numel.append(self._cum_numel[-1] + sum(g.numel for g in groups))
         self._trace_done = True
 
+    @property
+    def trace_complete(self) -> bool:
+        """True once a forward+backward has been recorded and later iterations follow it."""
+        return self._trace_done
+
+    def restart_trace(self) -> None:
+        """Forget the recorded order: the next forward and backward record it again (with the external-use
+        detection of a first forward, `detects_external`)."""
+        if self._stack or self._in_backward:
+            raise RuntimeError("ZeRO-3: the module-order trace cannot be restarted during a forward or backward")
+        self._trace, self._trace_done, self._trace_ok = [], False, True
+        self._occurrences, self._cum_numel = {}, [0]
+
+    def holders(self, g: ParamGroup) -> list[torch.nn.Module]:
+        """The modules whose forward is running now and holds `g` gathered (innermost last)."""
+        return [m for m in self._stack if g in self.uses.get(id(m), ())]
+
+    def gathered_for(self, module: torch.nn.Module) -> tuple[torch.nn.Module, list[ParamGroup]]:
+        """The unit that gathers for `module` (itself, or the unit it is inside) and the groups that unit
+        gathers around its forward and backward."""
+        unit = self.unit_of.get(id(module), module)
+        return unit, list(self.uses.get(id(unit), ()))
+
     def _following(self) -> bool:
         return self._trace_done and self._trace_ok
 

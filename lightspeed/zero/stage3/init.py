@@ -112,6 +112,10 @@ class StandaloneScheduler:
         if g.state != RELEASED and (force or g.pins == 0):
             g.release()
 
+    def holders(self, g: ParamGroup) -> list[torch.nn.Module]:
+        """No module hooks run before a strategy takes the groups: no forward holds one."""
+        return []
+
 
 _STANDALONE = StandaloneScheduler()
 

@@ -408,6 +408,32 @@ class Stage3Strategy:
         `empty_partition_cache`); they are gathered again when next used."""
         self.coordinator.release_unheld()
 
+    def trace_complete(self) -> bool:
+        """True while forwards follow the recorded module order (coordinator.py's Note: the trace)."""
+        return self.coordinator.trace_complete
+
+    def restart_trace(self) -> None:
+        """Record the module order again from the next forward (refused during a forward or backward)."""
+        self.coordinator.restart_trace()
+
+    def external_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """The parameters gathered around `module`'s forward and backward from outside the subtree of the
+        unit that gathers for it (units.py; a module inside a unit reports its unit's): tied, registered
+        or detected external parameters, each once."""
+        self._check_module(module)
+        unit, groups = self.coordinator.gathered_for(module)
+        own = {id(p) for p in unit.parameters()}
+        out: list[torch.nn.Parameter] = []
+        for g in groups:
+            for p in g.params:
+                if id(p) not in own and all(p is not q for q in out):
+                    out.append(p)
+        return out
+
+    def _check_module(self, module: torch.nn.Module) -> None:
+        if not any(m is module for m in self.module.modules()):
+            raise ValueError(f"ZeRO-3: the {type(module).__name__} passed is not a module of the model")
+
     def remove_hooks(self) -> None:
         """Finish the reductions and an overlapped step in flight, reshard what is unsharded, then remove
         the coordinator's forward and gradient hooks (engine.destroy)."""
@@ -419,8 +445,7 @@ class Stage3Strategy:
     def _groups_under(self, module: torch.nn.Module | None) -> list[ParamGroup]:
         if module is None:
             return list(self.groups)
-        if not any(m is module for m in self.module.modules()):
-            raise ValueError(f"unshard/reshard: the {type(module).__name__} passed is not a module of the model")
+        self._check_module(module)
         wanted = set(self.coordinator.groups_used_under(module))
         wanted.update(st.group for p in module.parameters() if (st := param_state(p)) is not None)
         return [g for g in self.groups if g in wanted]

@@ -1,5 +1,6 @@
 """`ZeroParameter`: the class of a stage-3 partitioned parameter, whose DeepSpeed attributes (`ds_id`,
-`ds_numel`, `ds_shape`, `ds_status`, `ds_tensor`, `ds_persist`) are read from its `ParamState`.
+`ds_numel`, `ds_shape`, `ds_status`, `ds_tensor`, `ds_persist`, `ds_active_sub_modules`) are read from
+its `ParamState`.
 
 Owns: that class, `ZeroParamStatus` (DeepSpeed's enum) and `as_zero_parameter`, which gives an existing
 parameter the class. Must not: hold any state of its own (the per-parameter state object is the one
@@ -16,10 +17,19 @@ creates its parameters with it. Parameter subclasses of other libraries are left
 `ds_*` attributes are then absent, as for a parameter no strategy manages: `hasattr` is False).
 The class adds no behaviour to tensor operations: `nn.Parameter` disables `__torch_function__`, so
 every op on it returns a plain tensor.
+
+Note (active sub-modules): DeepSpeed's `ds_active_sub_modules` is the set of modules that gathered the
+parameter for their forward and have not released it yet; TRL clears it on every parameter before
+generation so that no stale claim keeps a parameter gathered. Here a module holds its unit's groups
+from its forward pre-hook to its forward hook, which runs also when the forward raises
+(`always_call`), so outside a running forward no module holds anything: the view is empty and
+`clear()` has nothing to drop. Inside a forward, `clear()` is refused rather than letting go of
+parameters that forward still reads.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 import weakref
 
@@ -81,6 +91,42 @@ class ZeroParameter(torch.nn.Parameter):
     @property
     def ds_persist(self) -> bool:
         return bool(_state(self).group.persistent)
+
+    @property
+    def ds_active_sub_modules(self) -> "ActiveSubModules":
+        """The modules whose forward is running now and holds this parameter gathered (Note: active
+        sub-modules)."""
+        return ActiveSubModules(_state(self).group)
+
+
+class ActiveSubModules(collections.abc.Set):
+    """DeepSpeed's `param.ds_active_sub_modules`, read from the coordinator: the `id()` of each module
+    whose forward is running now and holds the parameter's group gathered (DeepSpeed keeps its modules'
+    `ds_id`; lightspeed numbers no modules). A live view, not a copy: it follows the forwards."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def _ids(self) -> list[int]:
+        return [id(m) for m in self._group.coordinator.holders(self._group)]
+
+    def __contains__(self, item) -> bool:
+        return item in self._ids()
+
+    def __iter__(self):
+        return iter(self._ids())
+
+    def __len__(self) -> int:
+        return len(self._ids())
+
+    def clear(self) -> None:
+        """Drop the modules' holds: there is nothing to drop outside a running forward (see the Note);
+        refused inside one, whose parameters must stay gathered until its forward hook lets them go."""
+        held = self._group.coordinator.holders(self._group)
+        if held:
+            raise RuntimeError(f"ZeRO-3: the parameters of group {self._group.name} are held by the running "
+                               f"forward of {', '.join(type(m).__name__ for m in held)}; they cannot be let go "
+                               "before it returns")
 
 
 def as_zero_parameter(param: torch.nn.Parameter) -> None:

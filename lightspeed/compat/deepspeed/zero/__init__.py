@@ -15,7 +15,7 @@ __all__ = [*_zero.__all__, "MiCS_Init", "TiledLinear", "TiledLinearReturnBias", 
 def __getattr__(name: str):
     if name in _zero.__all__:
         return getattr(_zero, name)
-    if name in ("partition_parameters", "config", "offload_config", "stage3"):
+    if name in ("partition_parameters", "config", "offload_config", "stage3", "parameter_offload"):
         import importlib
 
         return importlib.import_module(f"lightspeed.compat.deepspeed.runtime.zero.{name}")

@@ -66,6 +66,7 @@ class _Saved:
     offset: int
     placement: Placement | None = None
     coords: dict[str, int] | None = None
+    partitioned: bool = False  # the saving rank's fragments are disjoint over its placement's reduced_over dims
 
 
 class OneTensorCache:
@@ -137,7 +138,8 @@ class LightspeedSource:
                 name, shape, start, end, owner, offset = entry
                 placement = Placement.from_record(str(name), placed[str(name)]) if placed is not None else None
                 saved = _Saved(i, str(name), tuple(int(s) for s in shape), int(start), int(end), int(owner),
-                               int(offset), placement, {str(k): int(v) for k, v in coords.items()} if coords else None)
+                               int(offset), placement, {str(k): int(v) for k, v in coords.items()} if coords else None,
+                               bool(state.get("partitioned", False)))
                 if placement is not None and placement.local_shape != saved.shape:
                     raise ValueError(f"its placement holds {placement.local_shape}, the fragment says {saved.shape}")
                 numel = state["owners"][saved.owner].numel()
@@ -182,10 +184,13 @@ class LightspeedSource:
 
     def _placed_groups(self, name: str) -> dict[Placement, list[_Saved]]:
         """The pieces of a placed parameter by the slice they belong to, from the ranks whose copy counts
-        (a slice replicated over a mesh dim is read from coordinate 0 of it, zero/norm.py's rule)."""
+        (a slice replicated over a mesh dim is read from coordinate 0 of it, zero/norm.py's rule, unless
+        the saving strategy partitioned the parameter's state over that dim: a tied module of a pipeline
+        is reduced, and so partitioned at ZeRO 1-2, over pp, its pieces disjoint across the stages)."""
         groups: dict[Placement, list[_Saved]] = {}
         for p in self._pieces(name):
-            if p.placement.counts_on(p.coords, p.coords):
+            dims = [d for d in p.coords if not (p.partitioned and d in p.placement.reduced_over)]
+            if p.placement.counts_on(p.coords, dims):
                 groups.setdefault(p.placement, []).append(p)
         return groups
 

@@ -38,7 +38,10 @@ from lightspeed._utils.logging import get_logger
 from lightspeed._utils.progress import progress
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.deepspeed_format import (
-    DeepSpeedCheckpointSource, is_deepspeed_checkpoint, is_deepspeed_tag_dir,
+    DeepSpeedCheckpointSource, is_deepspeed_checkpoint, is_deepspeed_tag_dir, resolve_deepspeed_tag_dir,
+)  # fmt: skip
+from lightspeed.checkpoint.deepspeed_pipeline import (
+    DeepSpeedPipelineSource, PipelineLayout, is_deepspeed_pipeline_tag_dir,
 )  # fmt: skip
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification, verify_zip
@@ -307,14 +310,21 @@ class LightspeedSource:
         return out
 
 
-def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_names=None, mesh_rank: int | None = None):
+def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_names=None, mesh_rank: int | None = None,
+                pipeline: PipelineLayout | None = None):
     """The checkpoint in `load_dir` (tag, or the one `latest` names) as `(path, source, rng_state)`, or None
     when there is no `latest` and no tag. lightspeed's layout gives a `LightspeedSource` and `dp_rank`'s saved
     RNG state (or None); DeepSpeed's layout a `DeepSpeedCheckpointSource` (`param_names`: the module's
     trainable parameter names in order, which DeepSpeed's stage-0 files do not record) and no RNG state,
     which DeepSpeed's engine does not save. A checkpoint saved over a mesh (tensor parallelism: `mesh` in its
-    shared file) keeps one RNG state per rank of the mesh: `mesh_rank`'s is returned there."""
+    shared file) keeps one RNG state per rank of the mesh: `mesh_rank`'s is returned there. DeepSpeed's
+    pipeline layout gives a `DeepSpeedPipelineSource`, whose layer files `pipeline` (the PipelineModule
+    loading it) names."""
     if is_deepspeed_checkpoint(load_dir):
+        tag_path = resolve_deepspeed_tag_dir(load_dir, tag)
+        if is_deepspeed_pipeline_tag_dir(tag_path):
+            source = DeepSpeedPipelineSource(tag_path, layout=pipeline)
+            return Path(source.path), source, None
         source = DeepSpeedCheckpointSource(load_dir, tag, param_names=param_names)
         return Path(source.path), source, None
     loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank, load_strategy=False, mesh_rank=mesh_rank)
@@ -365,7 +375,13 @@ def _check_deepspeed_tag(path: Path) -> tuple[list[str], list[str]]:
             problems.append(str(err))
     if not problems:
         try:
-            DeepSpeedCheckpointSource(path, verify=False)  # every file was just checked
+            if not is_deepspeed_pipeline_tag_dir(path):
+                DeepSpeedCheckpointSource(path, verify=False)  # every file was just checked
+            elif any(p.name.endswith("_optim_states.pt") for p in path.iterdir()):
+                DeepSpeedPipelineSource(path, verify=False)
+            else:  # without ZeRO a stage's optimizer names its parameters by position: needs the model
+                notes.append(f"{path}: a pipeline checkpoint without ZeRO: which parameter each stage's optimizer "
+                             "state is, is checked when it is loaded into its PipelineModule")
         except CheckpointError as err:
             problems.append(str(err))
     return problems, notes

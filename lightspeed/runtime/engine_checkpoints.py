@@ -17,6 +17,7 @@ import torch
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import atomic_torch_save
+from lightspeed.checkpoint.deepspeed_pipeline import PipelineLayout
 from lightspeed.checkpoint.deepspeed_writer import module_entry_names, save_as_deepspeed
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification
@@ -26,6 +27,7 @@ from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record
 from lightspeed.checkpoint.universal import apply_training_state, read_training_state
 from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
+from lightspeed.parallel.pipeline.layout import parts_at, tied_layers
 from lightspeed.parallel.pipeline.module import PipelineModule
 from lightspeed.parallel.placement import DATA_PARALLEL
 from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
@@ -206,7 +208,7 @@ class EngineCheckpoints:
             # (checkpoint/tensor_parallel.py); the fragments path below then re-slices over dp and stage
             opened = open_at_tp_size(load_dir, tag, dp_rank=self.groups.seq_dp_rank, param_names=trainable,
                                      current=None if self._tp_comm is None else self._tp_record(),
-                                     mesh_rank=self._ckpt_rank)
+                                     mesh_rank=self._ckpt_rank, pipeline=self._pipeline_layout())
             read = None
             if opened is not None:
                 path, source, rng = opened
@@ -250,6 +252,14 @@ class EngineCheckpoints:
             logger.info("checkpoint %s was saved by %d ranks: ranks from %d on keep their own RNG state", path,
                         saved_world, saved_world)
         return path, client_state
+
+    def _pipeline_layout(self) -> PipelineLayout | None:
+        """What a DeepSpeed pipeline checkpoint's reader needs of this PipelineModule (None for another
+        module)."""
+        if not isinstance(self.module, PipelineModule):
+            return None
+        module = self.module
+        return PipelineLayout(tied_layers=tied_layers(module), parts_at=lambda n: parts_at(module, n))
 
     def _module_state_to_load(self, source, load_module_only: bool) -> dict[str, Any]:
         """The saved module state, less the parameters the source holds fp32 masters of whose saved entry

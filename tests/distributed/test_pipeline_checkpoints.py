@@ -73,6 +73,35 @@ def _deepspeed_tag(run: str) -> str:
     return os.path.join(FIXTURES, run, "ckpt")
 
 
+def _deepspeed_file(path: str):
+    from lightspeed.checkpoint.deepspeed_pickle import load_deepspeed_file
+
+    return load_deepspeed_file(path)
+
+
+def _loaded_vs_deepspeed(engine, run: str) -> dict:
+    """The largest difference between the engine's weights / Adam state and DeepSpeed's files, after
+    loading DeepSpeed's checkpoint of `run` (ZeRO-0: the stage file's torch optimizer state, indexed in
+    the stage module's parameter order)."""
+    tag = os.path.join(_deepspeed_tag(run), "global_step3")
+    names = [n for n, _ in engine.module.named_parameters()]
+    weights = 0.0
+    for name, p in engine.module.named_parameters():
+        layer, rest = (("00", name[len("tied_modules.embed."):]) if name.startswith("tied_modules.")
+                       else (f"{int(name.split('.', 1)[0]):02d}", name.split(".", 1)[1]))
+        saved = _deepspeed_file(os.path.join(tag, f"layer_{layer}-model_states.pt"))[rest]
+        weights = max(weights, (p.detach() - saved).abs().max().item())
+    optimizer = _deepspeed_file(os.path.join(tag, f"mp_rank_{engine.stage_id:02d}_model_states.pt"))["optimizer"]
+    state = {f.name: engine.optimizer.state[f.owner] for f in engine.strategy.fragments()}
+    moments, steps = 0.0, set()
+    for i, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq"):
+            moments = max(moments, (state[name][key].reshape(-1) - optimizer["state"][i][key].reshape(-1)).abs().max().item())
+        steps.add(int(state[name]["step"]))
+    return {"weights": weights, "moments": moments, "steps": sorted(steps), "names": names,
+            "global_steps": engine.global_steps}
+
+
 def _world2(tmp: str):
     import torch.distributed as dist
 
@@ -85,8 +114,7 @@ def _world2(tmp: str):
     path, _ = resumed.load_checkpoint(os.path.join(tmp, "A_pp2"))
     out["A_counters"] = (resumed.global_steps, resumed.global_samples)
     out["A_resumed"] = _train(resumed, "A_pp2_z1", range(3, 6), tied=False)
-    files = sorted(os.listdir(path))
-    out["files"] = files
+    out["files"] = sorted(os.listdir(path))
 
     b = _engine("B_tied_pp2_z0", 2, 1, stage=1)
     out["B_first"] = _train(b, "B_tied_pp2_z0", range(3), tied=True)
@@ -97,6 +125,69 @@ def _world2(tmp: str):
     ds.load_checkpoint(_deepspeed_tag("A_pp2_z1"))
     out["DS_A_counters"] = (ds.global_steps, ds.global_samples)
     out["DS_A_resumed"] = _train(ds, "A_pp2_z1", range(3, 6), tied=False)
+
+    ds_b = _engine("B_tied_pp2_z0", 2, 1)
+    ds_b.load_checkpoint(_deepspeed_tag("B_tied_pp2_z0"))
+    out["DS_B"] = _loaded_vs_deepspeed(ds_b, "B_tied_pp2_z0")
+    dist.barrier()
+    return out
+
+
+def _world1(tmp: str):
+    out = {}
+    a = _engine("A_pp2_z1", 1, 1)
+    a.load_checkpoint(os.path.join(tmp, "A_pp2"))
+    out["A_from_pp2"] = _train(a, "A_pp2_z1", range(3, 6), tied=False)
+
+    ref = _engine("A_pp2_z1", 1, 1)
+    out["A_first"] = _train(ref, "A_pp2_z1", range(3), tied=False)
+    ref.save_checkpoint(os.path.join(tmp, "A_pp1"))
+    out["A_uninterrupted"] = _train(ref, "A_pp2_z1", range(3, 6), tied=False)
+
+    ds = _engine("A_pp2_z1", 1, 1)
+    ds.load_checkpoint(_deepspeed_tag("A_pp2_z1"))
+    out["DS_A_resumed"] = _train(ds, "A_pp2_z1", range(3, 6), tied=False)
+
+    b = _engine("B_tied_pp2_z0", 1, 1, stage=1)
+    b.load_checkpoint(os.path.join(tmp, "B_pp2"))
+    out["B_from_pp2"] = _train(b, "B_tied_pp2_z0", range(3, 6), tied=True)
+    return out
+
+
+def _world4(tmp: str):
+    import torch.distributed as dist
+
+    from lightspeed.checkpoint.errors import CheckpointError
+
+    out = {}
+    a = _engine("A_pp2_z1", 4, 1)
+    a.load_checkpoint(os.path.join(tmp, "A_pp1"))
+    out["A_pp4_from_pp1"] = _train(a, "A_pp2_z1", range(3, 6), tied=False)
+
+    wide = _engine("A_pp2_z1", 2, 2)  # both data-parallel ranks see rank 0's data: the pp2 run's gradient
+    before = {n: p.detach().clone() for n, p in wide.module.named_parameters()}
+    if dist.get_rank() == 0:  # rank 1's RNG file damaged: only mesh rank 1 fails to read the tag
+        import shutil
+
+        shutil.copytree(os.path.join(tmp, "A_pp2"), os.path.join(tmp, "A_pp2_bad"))
+        with open(os.path.join(tmp, "A_pp2_bad", "global_step3", "rng_rank1.pt"), "r+b") as f:
+            f.seek(-200, os.SEEK_END)
+            f.write(b"\0" * 16)
+    dist.barrier()
+    try:
+        wide.load_checkpoint(os.path.join(tmp, "A_pp2_bad"))
+        out["failed"] = None
+    except CheckpointError as err:
+        out["failed"] = str(err)
+    out["unchanged"] = all(torch.equal(before[n], p.detach()) for n, p in wide.module.named_parameters())
+    out["steps_after_failure"] = wide.global_steps
+    wide.load_checkpoint(os.path.join(tmp, "A_pp2"))
+    out["A_pp2dp2_from_pp2"] = _train(wide, "A_pp2_z1", range(3, 6), tied=False, data_rank=0)
+
+    ds = _engine("A_pp2_dp2_z1", 2, 2)
+    ds.load_checkpoint(_deepspeed_tag("A_pp2_dp2_z1"))
+    out["DS_counters"] = (ds.global_steps, ds.global_samples)
+    out["DS_A_dp2_resumed"] = _train(ds, "A_pp2_dp2_z1", range(3, 6), tied=False, data_rank=ds.groups.dp_rank)
     dist.barrier()
     return out
 
@@ -105,7 +196,9 @@ def _world2(tmp: str):
 def worlds(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("pipe_ckpt"))
     two = run_world(_world2, 2, tmp, timeout=240)
-    return {"tmp": tmp, "two": two}
+    one = run_world(_world1, 1, tmp, timeout=240)
+    four = run_world(_world4, 4, tmp, timeout=240)
+    return {"tmp": tmp, "two": two, "one": one, "four": four}
 
 
 def test_pp2_resumes_at_pp2(worlds):
@@ -113,11 +206,53 @@ def test_pp2_resumes_at_pp2(worlds):
     assert out["A_first"] == pytest.approx(_expected("A_pp2_z1")["losses"][:3], abs=TOL)
     assert out["A_counters"] == (3, 24)
     assert out["A_resumed"] == pytest.approx(out["A_uninterrupted"], abs=TOL)
-    assert "module_states_pp1.pt" in out["files"] and "optim_states_rank1.pt" in out["files"]
+    assert {"module_states_pp0.pt", "module_states_pp1.pt", "optim_states_rank1.pt"} <= set(out["files"])
+
+
+def test_pp2_resumes_at_pp1_and_pp2_dp2(worlds):
+    two, one, four = worlds["two"][0], worlds["one"][0], worlds["four"]
+    assert one["A_from_pp2"] == pytest.approx(two["A_uninterrupted"], abs=1e-5)
+    for rank in four:
+        assert rank["A_pp2dp2_from_pp2"] == pytest.approx(two["A_uninterrupted"], abs=1e-5)
+
+
+def test_pp1_resumes_at_pp4(worlds):
+    one, four = worlds["one"][0], worlds["four"]
+    assert one["A_first"] == pytest.approx(_expected("A_pp2_z1")["losses"][:3], abs=1e-5)
+    for rank in four:
+        assert rank["A_pp4_from_pp1"] == pytest.approx(one["A_uninterrupted"], abs=1e-5)
+
+
+def test_tied_pp2_zero1_resumes_at_pp1(worlds):
+    two, one = worlds["two"][0], worlds["one"][0]
+    assert one["B_from_pp2"] == pytest.approx(two["B_uninterrupted"], abs=1e-5)
+
+
+def test_failed_load_is_agreed_and_changes_nothing(worlds):
+    for rank, out in enumerate(worlds["four"]):
+        assert out["failed"] is not None, rank
+        assert ("rng_rank1" in out["failed"]) if rank == 1 else ("rank 1 could not read" in out["failed"])
+        assert out["unchanged"] and out["steps_after_failure"] == 0
 
 
 def test_deepspeed_pipeline_checkpoint_resumes(worlds):
-    out = worlds["two"][0]
-    ckpt = _expected("A_pp2_z1")["checkpoint"]
+    out, one = worlds["two"][0], worlds["one"][0]
+    after = _expected("A_pp2_z1")["checkpoint"]["losses_after_resume"]
     assert out["DS_A_counters"] == (3, 24)
-    assert out["DS_A_resumed"] == pytest.approx(ckpt["losses_after_resume"], abs=TOL)
+    assert out["DS_A_resumed"] == pytest.approx(after, abs=TOL)
+    assert one["DS_A_resumed"] == pytest.approx(after, abs=1e-5)
+
+
+def test_deepspeed_pipeline_dp2_checkpoint_resumes(worlds):
+    after = _expected("A_pp2_dp2_z1")["checkpoint"]["losses_after_resume"]
+    for out in worlds["four"]:
+        assert out["DS_counters"] == (3, 48)
+        assert out["DS_A_dp2_resumed"] == pytest.approx(after, abs=TOL)
+
+
+def test_deepspeed_tied_zero0_checkpoint_loads(worlds):
+    for stage, out in enumerate(worlds["two"]):
+        ds = out["DS_B"]
+        assert ds["names"][0] == "tied_modules.embed.weight"
+        assert ds["weights"] == 0.0 and ds["moments"] == 0.0, stage
+        assert ds["steps"] == [3] and ds["global_steps"] == 3

@@ -2,8 +2,9 @@
 saves, and the background writer's waits, as a mixin of `LightspeedEngine` (engine.py).
 
 Owns: what a save collects from the engine (module state, counters, the strategy's fragments; over a
-mesh, whole module tensors and the placements) and how a load is read on every rank, agreed, and only
-then applied. Must not: know a file layout (checkpoint/engine_checkpoint.py does) or a ZeRO stage (the
+mesh, whole module tensors, the placements and the mesh coordinates; over pipeline stages, each stage's
+module state) and how a load is read on every rank (a pipeline stage takes its own layers' entries),
+agreed over the whole mesh, and only then applied. Must not: know a file layout (checkpoint/engine_checkpoint.py does) or a ZeRO stage (the
 strategy's fragments and module state carry it).
 """
 

@@ -56,6 +56,21 @@ class PipelineLayout:
 
     tied_layers: Mapping[int, str] = field(default_factory=dict)
     parts_at: Callable[[int], list[int]] | None = None
+    # the layers DeepSpeed saves a file for (a module; a tied one only where it has no forward_fn)
+    module_layers: frozenset[int] = frozenset()
+
+    def layer_prefix(self, index: int) -> str:
+        """The module-state prefix of layer `index`'s entries."""
+        key = self.tied_layers.get(index)
+        return f"tied_modules.{key}." if key is not None else f"{index}."
+
+    def stage_prefixes(self, parts: list[int], stage: int) -> list[str]:
+        """The module-state prefixes of stage `stage` in DeepSpeed's `parameters()` order: the tied
+        modules its layers use (in order of first use: DeepSpeed registers them before the layers),
+        then its layers."""
+        indices = range(parts[stage], parts[stage + 1])
+        tied = [self.layer_prefix(i) for i in indices if i in self.tied_layers]
+        return list(dict.fromkeys(tied)) + [f"{i}." for i in indices if i not in self.tied_layers]
 
 
 def is_deepspeed_pipeline_tag_dir(path) -> bool:
@@ -112,10 +127,6 @@ class DeepSpeedPipelineSource:
             self._verified.add(path)
         return load_deepspeed_file(path, mmap=True)
 
-    def _prefix(self, index: int) -> str:
-        key = self.layout.tied_layers.get(index)
-        return f"tied_modules.{key}." if key is not None else f"{index}."
-
     def _layers(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The module state from the layer files, named as the PipelineModule names it."""
         module: dict[str, torch.Tensor] = {}
@@ -126,7 +137,7 @@ class DeepSpeedPipelineSource:
             if not isinstance(state, Mapping):
                 raise CheckpointError(f"{path}: not a layer's state_dict")
             for key, value in state.items():
-                module.setdefault(self._prefix(index) + str(key), value)
+                module.setdefault(self.layout.layer_prefix(index) + str(key), value)
         return module
 
     def _stage_module(self, stage: int) -> dict[str, torch.Tensor]:
@@ -135,11 +146,8 @@ class DeepSpeedPipelineSource:
             raise CheckpointError(f"{self.path}: a DeepSpeed pipeline checkpoint without ZeRO names its optimizer's "
                                   "parameters by position only; load it into the PipelineModule it was saved from")
         parts = [int(p) for p in self.layout.parts_at(self.num_stages)]
-        indices = range(parts[stage], parts[stage + 1])
-        order = [f"tied_modules.{self.layout.tied_layers[i]}." for i in indices if i in self.layout.tied_layers]
-        order = list(dict.fromkeys(order)) + [f"{i}." for i in indices if i not in self.layout.tied_layers]
         out: dict[str, torch.Tensor] = {}
-        for prefix in order:
+        for prefix in self.layout.stage_prefixes(parts, stage):
             held = {k: v for k, v in self.module.items() if k.startswith(prefix)}
             if not held and prefix.startswith("tied_modules."):
                 raise CheckpointError(f"{self.path}: no layer file holds tied module {prefix[13:-1]!r}")

@@ -28,7 +28,7 @@ from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record
 from lightspeed.checkpoint.universal import apply_training_state, read_training_state
 from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
-from lightspeed.parallel.pipeline.layout import parts_at, tied_layers
+from lightspeed.parallel.pipeline.layout import module_layers, parts_at, tied_layers
 from lightspeed.parallel.pipeline.module import PipelineModule
 from lightspeed.parallel.placement import DATA_PARALLEL
 from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
@@ -52,9 +52,6 @@ class EngineCheckpoints:
         if keyed:  # their fragments repeat names across the ranks that hold other experts
             raise NotImplementedError(f"save_checkpoint: parameters reduced over another group than data parallelism "
                                       f"(expert parallelism: {keyed[0]}, ...) cannot be saved yet")
-        if self.config.checkpoint.format == "deepspeed" and self._pp_comm is not None:
-            raise NotImplementedError(f"checkpoint.format: 'deepspeed' over {self._pp_comm.world_size} pipeline "
-                                      "stages is not implemented; save in lightspeed's format")
         engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
                                                self.config.checkpoint.tag_validation)
         module_state = self.strategy.module_state_dict()
@@ -110,7 +107,9 @@ class EngineCheckpoints:
             self._checkpoint_writer.wait(self._ckpt_comm)
             save_as_deepspeed(save_dir, tag, comm=self._ckpt_comm, rank=self._ckpt_rank,
                               stage=self.zero_optimization_stage(), world_size=self.seq_dp_world_size,
-                              sub_group_size=self.config.zero_optimization.sub_group_size)
+                              sub_group_size=self.config.zero_optimization.sub_group_size,
+                              pipeline=None if self._pp_comm is None else (self._pipeline_layout(),
+                                                                           self._pp_comm.world_size))
         return True
 
     def _stage_writer_rank(self, stage: int) -> int:
@@ -260,7 +259,8 @@ class EngineCheckpoints:
         if not isinstance(self.module, PipelineModule):
             return None
         module = self.module
-        return PipelineLayout(tied_layers=tied_layers(module), parts_at=lambda n: parts_at(module, n))
+        return PipelineLayout(tied_layers=tied_layers(module), parts_at=lambda n: parts_at(module, n),
+                              module_layers=module_layers(module))
 
     def _module_state_to_load(self, source, load_module_only: bool) -> dict[str, Any]:
         """The saved module state, less the parameters the source holds fp32 masters of whose saved entry

@@ -187,9 +187,10 @@ class EngineCheckpoints:
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, *, verify: bool = True):
-        """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size, ZeRO stage
-        and tensor-parallel size; returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file
-        and no tag is given. Everything is read and checked on every rank before anything changes: a
+        """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size, ZeRO stage,
+        tensor-parallel size and number of pipeline stages (or DeepSpeed's, pipeline layout included);
+        returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file and no
+        tag is given. Everything is read and checked on every rank before anything changes: a
         load that fails raises on every rank and leaves the engine as it was. Every file read is verified
         (lightspeed's against its checksum manifest, DeepSpeed's against its CRC-32s); `verify=False`
         reads them unchecked (e.g. a tag whose manifests were lost), with a warning."""
@@ -301,6 +302,6 @@ class EngineCheckpoints:
         if failed is not None:
             raise failed if isinstance(failed, CheckpointError) else CheckpointError(str(failed)) from failed
         if flag.item() > 0:
-            what = "data-parallel rank" if self._tp_comm is None else "rank"
+            what = "rank" if self._mesh_save else "data-parallel rank"
             raise CheckpointError(f"load_checkpoint: {what} {int(flag.item()) - 1} could not read the "
                                   "checkpoint (its error is raised there); nothing was loaded")

@@ -7,11 +7,14 @@ losses; model B (tied embedding, ZeRO-1: its state partitioned over dp x pp) sav
 own pipeline checkpoints `A_pp2_z1` and `B_tied_pp2_z0` load into the pp2 engine (A: steps 4-6 give
 DeepSpeed's `losses_after_resume`; B: the loaded weights and Adam state equal the files', as DeepSpeed's
 ZeRO-0 clipping norm differs from lightspeed's, so later losses would not compare).
-World 1: the pp2 tag loads at pp1 and continues as the pp2 run did; a pp1 run saves after 3 steps;
+World 1: the pp2 tag loads at pp1 and continues as the pp2 run did; a pp1 run saves after 3 steps, and
+so does the same model as a plain nn.Sequential through the non-pipeline engine;
 DeepSpeed's `A_pp2_z1` loads at pp1 and reproduces `losses_after_resume`; B's pp2 tag loads at pp1.
 World 4: the pp1 tag loads at pp4 and the pp2 tag at pp2 x dp2 (both data-parallel ranks fed rank 0's
 data, so the averaged gradient is the pp2 run's), each continuing with its reference's losses;
-DeepSpeed's `A_pp2_dp2_z1` loads at pp2 x dp2 and reproduces its `losses_after_resume`.
+the plain model's tag loads at pp2 x dp2 too (a non-pipeline checkpoint of the same names); a load
+whose RNG file of rank 1 is damaged fails on every rank and changes nothing; DeepSpeed's
+`A_pp2_dp2_z1` loads at pp2 x dp2 and reproduces its `losses_after_resume`.
 """
 
 from __future__ import annotations
@@ -135,8 +138,43 @@ def _world2(tmp: str):
     return out
 
 
+class _Tanh(torch.nn.Module):
+    def forward(self, x):
+        return torch.tanh(x)
+
+
+def _plain_model_a():
+    """Model A as a plain nn.Sequential with the PipelineModule's names and initialisation (layer i built
+    after seeding 1234 + i), trained by the non-pipeline engine."""
+    import model as M
+    from torch import nn
+
+    layers = []
+    for i, build in enumerate([lambda: nn.Linear(M.IN_DIM, M.HIDDEN), nn.ReLU, lambda: nn.Linear(M.HIDDEN, M.HIDDEN),
+                               _Tanh, lambda: nn.Linear(M.HIDDEN, M.HIDDEN), lambda: nn.LayerNorm(M.HIDDEN),
+                               lambda: nn.Linear(M.HIDDEN, M.HIDDEN), lambda: nn.Linear(M.HIDDEN, M.CLASSES)]):
+        M.seed_layer(M.BASE_SEED + i)
+        layers.append(build())
+    return nn.Sequential(*layers)
+
+
 def _world1(tmp: str):
+    sys.path.insert(0, FIXTURES)
+    import model as M
+
+    import lightspeed
+
     out = {}
+    exp = _expected("A_pp2_z1")
+    plain = _plain_model_a()
+    engine, *_ = lightspeed.initialize(model=plain, config=exp["config"], model_parameters=list(plain.parameters()))
+    loss_fn = M.loss_fn(False)
+    for step in range(3):
+        for m in range(exp["gradient_accumulation_steps"]):
+            x, y = M.batches(step, m, exp["micro_batch"], exp["data_seed"], 0, False)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+    engine.save_checkpoint(os.path.join(tmp, "A_plain"))
     a = _engine("A_pp2_z1", 1, 1)
     a.load_checkpoint(os.path.join(tmp, "A_pp2"))
     out["A_from_pp2"] = _train(a, "A_pp2_z1", range(3, 6), tied=False)
@@ -185,6 +223,8 @@ def _world4(tmp: str):
     out["steps_after_failure"] = wide.global_steps
     wide.load_checkpoint(os.path.join(tmp, "A_pp2"))
     out["A_pp2dp2_from_pp2"] = _train(wide, "A_pp2_z1", range(3, 6), tied=False, data_rank=0)
+    wide.load_checkpoint(os.path.join(tmp, "A_plain"))  # a non-pipeline module's checkpoint, same names
+    out["A_pp2dp2_from_plain"] = _train(wide, "A_pp2_z1", range(3, 6), tied=False, data_rank=0)
 
     ds = _engine("A_pp2_dp2_z1", 2, 2)
     ds.load_checkpoint(_deepspeed_tag("A_pp2_dp2_z1"))
@@ -216,6 +256,12 @@ def test_pp2_resumes_at_pp1_and_pp2_dp2(worlds):
     assert one["A_from_pp2"] == pytest.approx(two["A_uninterrupted"], abs=1e-5)
     for rank in four:
         assert rank["A_pp2dp2_from_pp2"] == pytest.approx(two["A_uninterrupted"], abs=1e-5)
+
+
+def test_non_pipeline_checkpoint_resumes_in_a_pipeline(worlds):
+    two = worlds["two"][0]
+    for rank in worlds["four"]:
+        assert rank["A_pp2dp2_from_plain"] == pytest.approx(two["A_uninterrupted"], abs=1e-5)
 
 
 def test_pp1_resumes_at_pp4(worlds):

@@ -18,6 +18,14 @@ one of its own fragments a rank reads, from each saved file that holds an overla
 overlap (files are mapped with mmap, so untouched bytes are never read). No rank ever assembles more
 than the parameters it holds a part of, one at a time.
 
+Note (placements): a file of a mesh-wide save (tensor or pipeline parallelism) gives each fragment its
+parameter's placement (parallel/placement.py) and the saving rank's mesh coordinates (`tp`, `pp`). A
+fragment covers elements of the rank's local tensor; the whole tensor is assembled box by box from the
+ranks whose copy counts: along a dim the parameter is sharded over (tp slices, a pipeline stage's
+layers) every rank's, along any other only coordinate 0's, unless the file says its strategy
+partitioned its state (`partitioned`) and the dim is one the parameter is reduced over (a tied
+module of a pipeline, reduced over dp x pp: its pieces are disjoint over pp too).
+
 Note (optimizer state): elementwise state (a tensor with one value per element, e.g. exp_avg) is
 re-sliced like the masters; scalar state (e.g. "step") is per optimizer param group, taken from the
 first saved tensor of that group, and handed to the optimizer as a Python number, so torch's

@@ -12,6 +12,7 @@ so does the same model as a plain nn.Sequential through the non-pipeline engine;
 DeepSpeed's `A_pp2_z1` loads at pp1 and reproduces `losses_after_resume`; B's pp2 tag loads at pp1.
 World 4: the pp1 tag loads at pp4 and the pp2 tag at pp2 x dp2 (both data-parallel ranks fed rank 0's
 data, so the averaged gradient is the pp2 run's), each continuing with its reference's losses;
+model B at ZeRO-0 and pp2 x dp2 saves and loads at pp4 (ZeRO-1) with the consolidated weights;
 the plain model's tag loads at pp2 x dp2 too (a non-pipeline checkpoint of the same names); a load
 whose RNG file of rank 1 is damaged fails on every rank and changes nothing; DeepSpeed's
 `A_pp2_dp2_z1` loads at pp2 x dp2 and reproduces its `losses_after_resume`.
@@ -226,6 +227,16 @@ def _world4(tmp: str):
     wide.load_checkpoint(os.path.join(tmp, "A_plain"))  # a non-pipeline module's checkpoint, same names
     out["A_pp2dp2_from_plain"] = _train(wide, "A_pp2_z1", range(3, 6), tied=False, data_rank=0)
 
+    # ZeRO-0 (state replicated: data-parallel rank 0 of each stage writes; the tied embedding counted
+    # from stage 0) at pp2 x dp2, loaded at pp4 and ZeRO-1
+    b = _engine("B_tied_pp2_z0", 2, 2, stage=0)
+    _train(b, "B_tied_pp2_z0", range(2), tied=True, data_rank=b.groups.dp_rank)
+    b.save_checkpoint(os.path.join(tmp, "B_pp2dp2_z0"))
+    b4 = _engine("B_tied_pp2_z0", 4, 1, stage=1)
+    b4.load_checkpoint(os.path.join(tmp, "B_pp2dp2_z0"))
+    out["B_pp4"] = {n: p.detach().clone() for n, p in b4.module.named_parameters()}
+    out["B_pp4_step"] = sorted({int(st["step"]) for st in b4.optimizer.state.values()})
+
     ds = _engine("A_pp2_dp2_z1", 2, 2)
     ds.load_checkpoint(_deepspeed_tag("A_pp2_dp2_z1"))
     out["DS_counters"] = (ds.global_steps, ds.global_samples)
@@ -274,6 +285,19 @@ def test_pp1_resumes_at_pp4(worlds):
 def test_tied_pp2_zero1_resumes_at_pp1(worlds):
     two, one = worlds["two"][0], worlds["one"][0]
     assert one["B_from_pp2"] == pytest.approx(two["B_uninterrupted"], abs=1e-5)
+
+
+def test_replicated_tied_pp2_dp2_loads_at_pp4(worlds):
+    from lightspeed.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    whole = get_fp32_state_dict_from_zero_checkpoint(os.path.join(worlds["tmp"], "B_pp2dp2_z0"))
+    seen = set()
+    for out in worlds["four"]:
+        assert out["B_pp4_step"] == [2]
+        for name, value in out["B_pp4"].items():
+            assert torch.equal(value, whole[name]), name
+            seen.add(name)
+    assert seen == set(whole) and "tied_modules.embed.weight" in seen
 
 
 def test_failed_load_is_agreed_and_changes_nothing(worlds):

@@ -227,6 +227,9 @@ class DeepSpeedCheckpointSource:
         if not self._verify and mp_rank is None:
             warn_unverified(self.path)
         names = sorted(os.listdir(self.path))
+        if mp_rank is None and any(re.match(r"^layer_\d+-model_states\.pt$", n) for n in names):
+            raise CheckpointError(f"{self.path}: a DeepSpeed pipeline checkpoint (layer_<XX>-model_states.pt files); "
+                                  "read it with deepspeed_pipeline.DeepSpeedPipelineSource")
         for pattern, feature in _UNSUPPORTED[1:] if mp_rank is not None else _UNSUPPORTED:
             found = next((n for n in names if pattern.match(n)), None)
             if found:

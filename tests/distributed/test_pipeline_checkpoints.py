@@ -12,7 +12,8 @@ so does the same model as a plain nn.Sequential through the non-pipeline engine;
 DeepSpeed's `A_pp2_z1` loads at pp1 and reproduces `losses_after_resume`; B's pp2 tag loads at pp1.
 World 4: the pp1 tag loads at pp4 and the pp2 tag at pp2 x dp2 (both data-parallel ranks fed rank 0's
 data, so the averaged gradient is the pp2 run's), each continuing with its reference's losses;
-model B at ZeRO-0 and pp2 x dp2 saves and loads at pp4 (ZeRO-1) with the consolidated weights;
+model B at ZeRO-0 and pp2 x dp2 saves and loads at pp4 (ZeRO-1) with the consolidated weights; model B
+at pp2 x tp2 saves and resumes at pp2 x tp2 and at pp2 x dp2;
 the plain model's tag loads at pp2 x dp2 too (a non-pipeline checkpoint of the same names); a load
 whose RNG file of rank 1 is damaged fails on every rank and changes nothing; DeepSpeed's
 `A_pp2_dp2_z1` loads at pp2 x dp2 and reproduces its `losses_after_resume`.
@@ -33,6 +34,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "deepspeed_pipeline")
 TOL = 1e-6
+# ResidualMLP's fc1 column-parallel, fc2 row-parallel (model B's blocks)
+TP_PLAN = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*\.fc1\.weight$", r".*\.fc1\.bias$"], "partition_type": "column"},
+    {"patterns": [r".*\.fc2\.weight$"], "partition_type": "row"}]}}
 
 
 def _expected(run: str) -> dict:
@@ -40,7 +45,8 @@ def _expected(run: str) -> dict:
         return json.load(f)
 
 
-def _engine(run: str, pp: int, dp: int, *, tied: bool | None = None, stage: int | None = None, fmt: str | None = None):
+def _engine(run: str, pp: int, dp: int, *, tied: bool | None = None, stage: int | None = None, fmt: str | None = None,
+            extra: dict | None = None):
     sys.path.insert(0, FIXTURES)
     import model as M  # the fixtures' models and data
 
@@ -55,6 +61,7 @@ def _engine(run: str, pp: int, dp: int, *, tied: bool | None = None, stage: int 
         cfg["zero_optimization"] = {"stage": stage}
     if fmt is not None:
         cfg["checkpoint"] = {"format": fmt}
+    cfg.update(extra or {})
     net = PipelineModule(M.layer_specs(LayerSpec, TiedLayerSpec, tied), num_stages=pp, loss_fn=M.loss_fn(tied),
                          partition_method=exp["partition_method"], seed_layers=True, seed_fn=M.seed_layer,
                          base_seed=M.BASE_SEED)
@@ -237,6 +244,18 @@ def _world4(tmp: str):
     out["B_pp4"] = {n: p.detach().clone() for n, p in b4.module.named_parameters()}
     out["B_pp4_step"] = sorted({int(st["step"]) for st in b4.optimizer.state.values()})
 
+    # pp2 x tp2 (tied model B, ZeRO-1): resumed at pp2 x tp2, and at pp2 x dp2 without tensor parallelism
+    tp = _engine("B_tied_pp2_z0", 2, 1, stage=1, extra={"tensor_parallel": TP_PLAN})
+    _train(tp, "B_tied_pp2_z0", range(3), tied=True)
+    tp.save_checkpoint(os.path.join(tmp, "B_pp2tp2"))
+    out["B_tp_uninterrupted"] = _train(tp, "B_tied_pp2_z0", range(3, 6), tied=True)
+    tp_again = _engine("B_tied_pp2_z0", 2, 1, stage=1, extra={"tensor_parallel": TP_PLAN})
+    tp_again.load_checkpoint(os.path.join(tmp, "B_pp2tp2"))
+    out["B_tp_resumed"] = _train(tp_again, "B_tied_pp2_z0", range(3, 6), tied=True)
+    no_tp = _engine("B_tied_pp2_z0", 2, 2, stage=1)
+    no_tp.load_checkpoint(os.path.join(tmp, "B_pp2tp2"))
+    out["B_dp2_from_tp2"] = _train(no_tp, "B_tied_pp2_z0", range(3, 6), tied=True, data_rank=0)
+
     ds = _engine("A_pp2_dp2_z1", 2, 2)
     ds.load_checkpoint(_deepspeed_tag("A_pp2_dp2_z1"))
     out["DS_counters"] = (ds.global_steps, ds.global_samples)
@@ -298,6 +317,12 @@ def test_replicated_tied_pp2_dp2_loads_at_pp4(worlds):
             assert torch.equal(value, whole[name]), name
             seen.add(name)
     assert seen == set(whole) and "tied_modules.embed.weight" in seen
+
+
+def test_pp2_tp2_resumes_at_pp2_tp2_and_pp2_dp2(worlds):
+    for out in worlds["four"]:
+        assert out["B_tp_resumed"] == pytest.approx(out["B_tp_uninterrupted"], abs=TOL)
+        assert out["B_dp2_from_tp2"] == pytest.approx(out["B_tp_uninterrupted"], abs=1e-5)
 
 
 def test_failed_load_is_agreed_and_changes_nothing(worlds):

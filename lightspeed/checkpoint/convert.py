@@ -36,7 +36,10 @@ import torch
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.atomic import LATEST_FILENAME, atomic_torch_save, atomic_write_bytes, atomic_write_via
-from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource, is_deepspeed_checkpoint
+from lightspeed.checkpoint.deepspeed_format import (
+    DeepSpeedCheckpointSource, is_deepspeed_checkpoint, resolve_deepspeed_tag_dir,
+)  # fmt: skip
+from lightspeed.checkpoint.deepspeed_pipeline import DeepSpeedPipelineSource, is_deepspeed_pipeline_tag_dir
 from lightspeed.checkpoint.engine_checkpoint import is_tag_dir
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification
@@ -57,7 +60,9 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def open_checkpoint(checkpoint_dir: str | os.PathLike | TrainingStateSource,
                     tag: str | int | None = None, *, verify: bool = True) -> TrainingStateSource:
-    """The reader for what is in `checkpoint_dir`: DeepSpeed's files -> `DeepSpeedCheckpointSource`;
+    """The reader for what is in `checkpoint_dir`: DeepSpeed's files -> `DeepSpeedCheckpointSource` (its
+    pipeline layout -> `DeepSpeedPipelineSource`, which without the model names tied layers by index and
+    needs ZeRO files);
     otherwise lightspeed's own reader (`lightspeed.checkpoint.universal.open_source`), every tp rank's
     slices joined into whole tensors for a tensor-parallel run's directory (`tensor_parallel.MergedTPSource`).
     `checkpoint_dir` is a save directory (the tag `latest` names, or `tag`) or one tag directory. Every file
@@ -70,6 +75,9 @@ def open_checkpoint(checkpoint_dir: str | os.PathLike | TrainingStateSource,
         raise CheckpointError(f"{path}: checkpoint directory not found")
     with verification(verify):
         if is_deepspeed_checkpoint(path):
+            tag_path = resolve_deepspeed_tag_dir(path, tag)
+            if is_deepspeed_pipeline_tag_dir(tag_path):  # without the model: layers named by their index
+                return DeepSpeedPipelineSource(tag_path)
             return DeepSpeedCheckpointSource(path, tag)
         if tag is None and is_tag_dir(path) and not os.path.isfile(os.path.join(path, LATEST_FILENAME)):
             # one tag directory of lightspeed's layout: read it as its save directory's tag

@@ -214,28 +214,46 @@ class DeepSpeedCheckpointSource:
     """
 
     def __init__(self, checkpoint_dir: str | os.PathLike, tag: str | int | None = None, *,
-                 param_names: Sequence[str] | None = None, verify: bool | None = None):
+                 param_names: Sequence[str] | None = None, verify: bool | None = None,
+                 mp_rank: int | None = None, module: Mapping[str, torch.Tensor] | None = None,
+                 verified: set[str] | None = None):
+        """`mp_rank`, `module`, `verified`: for one stage of a pipeline checkpoint (deepspeed_pipeline.py):
+        the stage's model-parallel rank (its files' `mp_rank_<SS>`), its module state (DeepSpeed's
+        pipeline engine saves `module` None and each layer in its own file), and the set of files
+        already checked, shared between the stages."""
         self.path = resolve_deepspeed_tag_dir(checkpoint_dir, tag)
         self._verify = verification_enabled() if verify is None else bool(verify)
-        self._verified: set[str] = set()
-        if not self._verify:
+        self._verified: set[str] = verified if verified is not None else set()
+        if not self._verify and mp_rank is None:
             warn_unverified(self.path)
         names = sorted(os.listdir(self.path))
-        for pattern, feature in _UNSUPPORTED:
+        if mp_rank is None and any(re.match(r"^layer_\d+-model_states\.pt$", n) for n in names):
+            raise CheckpointError(f"{self.path}: a DeepSpeed pipeline checkpoint (layer_<XX>-model_states.pt files); "
+                                  "read it with deepspeed_pipeline.DeepSpeedPipelineSource")
+        for pattern, feature in _UNSUPPORTED[1:] if mp_rank is not None else _UNSUPPORTED:
             found = next((n for n in names if pattern.match(n)), None)
             if found:
                 raise CheckpointError(f"{os.path.join(self.path, found)}: DeepSpeed checkpoints with {feature} "
                                       "are not supported")
-        self._optim_files = self._ranked(names, _OPTIM, group=2)
-        self._zero3_model_files = self._ranked(names, _ZERO3_MODEL, group=1)
-        model_file = _MODEL_FILE if _MODEL_FILE in names else (self._zero3_model_files[0] if self._zero3_model_files else None)
+        mp = 0 if mp_rank is None else int(mp_rank)
+        model_name = f"mp_rank_{mp:02d}_model_states.pt"
+        self._optim_re = _OPTIM if mp == 0 else re.compile(
+            rf"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_{mp:02d}_optim_states\.pt$")
+        self._optim_files = self._ranked(names, self._optim_re, group=2)
+        self._zero3_model_files = self._ranked(names, _ZERO3_MODEL, group=1) if mp == 0 else []
+        model_file = model_name if model_name in names else (self._zero3_model_files[0] if self._zero3_model_files else None)
         if model_file is None:
-            raise CheckpointError(f"{self.path}: no {_MODEL_FILE} or zero_pp_rank_0_mp_rank_00_model_states.pt; "
+            raise CheckpointError(f"{self.path}: no {model_name} or zero_pp_rank_0_mp_rank_00_model_states.pt; "
                                   "not a DeepSpeed checkpoint directory")
         self._model_path = os.path.join(self.path, model_file)
         self._model = self._load(self._model_path)
         if not isinstance(self._model, dict) or "module" not in self._model:
             raise CheckpointError(f"{self._model_path}: is not a DeepSpeed model-states file (no 'module' entry)")
+        if module is not None:
+            self._model = {**self._model, "module": dict(module)}
+        elif not isinstance(self._model["module"], Mapping):
+            raise CheckpointError(f"{self._model_path}: holds no module state (a pipeline stage's file: its layers "
+                                  "are in the layer_<XX>-model_states.pt files)")
         self._optim_cache: dict[int, dict] = {}
         self._bytes_since_map = 0
         self._params: dict[str, _Param] = {}
@@ -313,7 +331,7 @@ class DeepSpeedCheckpointSource:
             raise CheckpointError(f"{path0}: param groups partitioned over different world sizes {counts} "
                                   "(expert parallelism) are not supported")
         self.world_size = int(counts[0])
-        self._check_rank_count(self._optim_files, _OPTIM, 2)
+        self._check_rank_count(self._optim_files, self._optim_re, 2)
         if self.zero_stage == 3 and self._zero3_model_files:  # each rank's model file holds its frozen parts
             self._check_rank_count(self._zero3_model_files, _ZERO3_MODEL, 1)
         shapes = self._model.get("param_shapes")

@@ -87,7 +87,8 @@ class _Plan:
     def __init__(self, source: TrainingStateSource, where: str, stage: int | None, world_size: int | None,
                  dtype: str | torch.dtype | None):
         extra = source.extra()
-        if extra.get("mesh") or extra.get("tensor_parallel"):
+        self.mp_rank, self.pipeline_stages = 0, None  # a pipeline stage's files (deepspeed_pipeline_writer.py)
+        if int((extra.get("mesh") or {}).get("tp", 1)) > 1 or extra.get("tensor_parallel"):
             raise CheckpointError(f"{where}: a tensor-parallel checkpoint; DeepSpeed's layout is written for "
                                   "data parallelism only (mp_rank_00)")
         self.extra = extra
@@ -185,7 +186,7 @@ def _model_file(plan: _Plan, module: "OrderedDict[str, torch.Tensor]", *, optimi
     counters = extra.get("counters") or {}
     zero = plan.stage > 0
     state = {
-        "module": module,
+        "module": module if plan.pipeline_stages is None else None,  # a pipeline's layers have their own files
         "buffer_names": list(plan.buffers),
         "optimizer": optimizer,
         "param_shapes": param_shapes,
@@ -200,8 +201,8 @@ def _model_file(plan: _Plan, module: "OrderedDict[str, torch.Tensor]", *, optimi
         "global_steps": int(counters.get("global_steps") or 0),
         "global_samples": int(counters.get("global_samples") or 0),
         "dp_world_size": plan.world,
-        "mp_world_size": 1,
-        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "mp_world_size": plan.pipeline_stages or 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": plan.pipeline_stages or 1, "tp_degree": 1},
         "ds_config": ds_config if ds_config is not None else {},
         "ds_version": DEEPSPEED_VERSION,
     }
@@ -237,7 +238,11 @@ def _save(obj: Any, path: str) -> None:
 
 
 def _optim_name(plan: _Plan, rank: int) -> str:
-    return f"{'bf16_' if plan.dtype == torch.bfloat16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return f"{'bf16_' if plan.dtype == torch.bfloat16 else ''}zero_pp_rank_{rank}_mp_rank_{plan.mp_rank:02d}_optim_states.pt"
+
+
+def _model_name(plan: _Plan) -> str:
+    return f"mp_rank_{plan.mp_rank:02d}_model_states.pt"
 
 
 # ------------------------------------------------------------------------------------------- stage 0
@@ -264,7 +269,7 @@ def _write_stage0(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_con
                      "optimizer_state_dict": inner, "fp32_groups": masters}
     module = _lowp_module(plan, source, empty_params=False)
     _save(_model_file(plan, module, optimizer=optimizer, param_shapes=None, frozen_fragments=None, shared=None,
-                      ds_config=ds_config), os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+                      ds_config=ds_config), os.path.join(tag_dir, _model_name(plan)))
 
 
 # --------------------------------------------------------------------------------------- stages 1, 2
@@ -325,7 +330,7 @@ def _write_stage12(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_co
     fragments = OrderedDict((n, plan.module[n].detach().clone()) for n in plan.frozen)
     _save(_model_file(plan, module, optimizer=None, param_shapes=param_shapes, frozen_fragments=fragments,
                       shared=dict(plan.aliases), ds_config=ds_config),
-          os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+          os.path.join(tag_dir, _model_name(plan)))
 
 
 # ------------------------------------------------------------------------------------------- stage 3
@@ -414,13 +419,15 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
                                *, tag: str | None = None, source_tag: str | None = None, stage: int | None = None,
                                world_size: int | None = None, dtype: str | torch.dtype | None = None,
                                sub_group_size: int = DEFAULT_SUB_GROUP_SIZE, ds_config: dict | None = None,
-                               save_latest: bool = True, verify: bool = True) -> str:
+                               save_latest: bool = True, verify: bool = True, pipeline: tuple | None = None) -> str:
     """Write `checkpoint` (a directory any lightspeed reader opens, or a source) as DeepSpeed 0.19.8's
     ``<output_dir>/<tag>/`` for ZeRO `stage` over `world_size` data-parallel ranks (default: the
     saved ones), then ``<output_dir>/latest`` (unless `save_latest` is False). `tag` defaults to the
     source's tag (``global_step<N>``). `dtype` (fp32 / bf16) defaults to the saved module's; at stage 3
     `sub_group_size` must be DeepSpeed's ``zero_optimization.sub_group_size``. `ds_config` is recorded
-    as the files' ``ds_config``. Returns the tag directory; an existing one is an error."""
+    as the files' ``ds_config``. `pipeline`: (a `PipelineLayout`, the number of stages) to write
+    DeepSpeed's pipeline layout (deepspeed_pipeline_writer.py). Returns the tag directory; an existing
+    one is an error."""
     from lightspeed.checkpoint.convert import open_checkpoint  # convert imports the readers this needs
 
     where = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else repr(checkpoint)
@@ -438,7 +445,13 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     try:
-        if plan.stage == 0:
+        if pipeline is not None:
+            from lightspeed.checkpoint.deepspeed_pipeline_writer import write_pipeline_stages
+
+            layout, num_stages = pipeline
+            write_pipeline_stages(source, where, staging, layout=layout, num_stages=int(num_stages), stage=stage,
+                                  world_size=world_size, dtype=dtype, ds_config=ds_config)
+        elif plan.stage == 0:
             _write_stage0(source, plan, staging, ds_config)
         elif plan.stage in (1, 2):
             _write_stage12(source, plan, staging, ds_config)
@@ -457,7 +470,8 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
 
 
 def convert_tag_in_place(save_dir: str | os.PathLike, tag: str, *, stage: int, world_size: int,
-                         dtype: torch.dtype | None, sub_group_size: int, ds_config: dict | None) -> str:
+                         dtype: torch.dtype | None, sub_group_size: int, ds_config: dict | None,
+                         pipeline: tuple | None = None) -> str:
     """Replace lightspeed's files of ``save_dir/tag`` by DeepSpeed's layout of the same state (one process;
     the caller has every rank's files in place and waits for this before going on). The converted tag
     is written next to it, then swapped in: a crash leaves the lightspeed tag or the DeepSpeed one."""
@@ -466,7 +480,8 @@ def convert_tag_in_place(save_dir: str | os.PathLike, tag: str, *, stage: int, w
     scratch = os.path.join(save_dir, f".{tag}.deepspeed.out")
     shutil.rmtree(scratch, ignore_errors=True)
     write_deepspeed_checkpoint(tag_dir, scratch, tag=tag, stage=stage, world_size=world_size, dtype=dtype,
-                               sub_group_size=sub_group_size, ds_config=ds_config, save_latest=False)
+                               sub_group_size=sub_group_size, ds_config=ds_config, save_latest=False,
+                               pipeline=pipeline)
     old = os.path.join(save_dir, f".{tag}.lightspeed.old")
     shutil.rmtree(old, ignore_errors=True)
     os.replace(tag_dir, old)
@@ -478,7 +493,7 @@ def convert_tag_in_place(save_dir: str | os.PathLike, tag: str, *, stage: int, w
 
 
 def save_as_deepspeed(save_dir: str | os.PathLike, tag: str, *, comm: Any, rank: int, stage: int, world_size: int,
-                      sub_group_size: int) -> None:
+                      sub_group_size: int, pipeline: tuple | None = None) -> None:
     """The engine's ``checkpoint.format: "deepspeed"``: every rank has written its part of lightspeed's
     ``save_dir/tag``; rank `rank` 0 converts it in place (`convert_tag_in_place`) while the others wait.
     Collective over `comm` (a `Communicator`); a failure on rank 0 is raised on every rank."""
@@ -486,7 +501,7 @@ def save_as_deepspeed(save_dir: str | os.PathLike, tag: str, *, comm: Any, rank:
     if rank == 0:
         try:
             convert_tag_in_place(save_dir, tag, stage=stage, world_size=world_size, dtype=None,
-                                 sub_group_size=sub_group_size, ds_config=None)
+                                 sub_group_size=sub_group_size, ds_config=None, pipeline=pipeline)
         except Exception as exc:  # every rank raises it below, so none waits forever
             error = f"{type(exc).__name__}: {exc}"
     errors = comm.all_gather_object(error) if comm.world_size > 1 else [error]

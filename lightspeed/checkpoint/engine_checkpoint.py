@@ -7,10 +7,19 @@ Layout of a tag directory:
     optim_states_rank<R>.pt every rank, when each holds its own part (sharded stages)
     rng_rank<R>.pt          every rank: its python / torch / CUDA (/ numpy) RNG states
     checksums_rank<R>.json  every rank, written last: size and CRC-32s of each file that rank wrote
-R is the rank's data-parallel rank (dp x sp), or, in a run over a larger mesh (tensor parallelism),
-its rank in the whole mesh: every rank then writes, its optimizer-state file holds its fragments with
-their placements (universal.py's Note), model_states.pt the whole module state and `mesh` (the sizes),
-and the tag is published once for every rank of the mesh.
+    module_states_pp<S>.pt  pipeline runs: the module state of stage S (its layers and the tied modules),
+                            written by the stage's rank at data-parallel and tp coordinate 0
+R is the rank's data-parallel rank (dp x sp), or, in a run over a larger mesh (tensor or pipeline
+parallelism), its rank in the whole mesh: every rank then writes, its optimizer-state file holds its
+fragments with their placements and mesh coordinates (universal.py's Note), model_states.pt `mesh`
+(the sizes) and the whole module state, and the tag is published once for every rank of the mesh.
+
+Note: [pipeline stages] Each stage holds only its layers, so at pp > 1 no rank has the whole module
+state: each stage writes its own `module_states_pp<S>.pt`, model_states.pt lists them in
+`module_parts` ([file name, writer rank]) and holds an empty `module`, and `load` merges them into
+`module` (layers are named by their global index, so the merged state is the whole PipelineModule's,
+whatever pp reads it; a tied module, on every stage, is taken from the first). No rank gathers the
+model.
 
 Note (atomic save, verified load): every rank writes into `save_dir/.<tag>.tmp/`; rank 0 publishes
 it as `save_dir/<tag>` once every rank's manifest is there, and only then writes `latest`
@@ -78,6 +87,35 @@ def rng_file(dp_rank: int) -> str:
     return f"rng_rank{dp_rank}.pt"
 
 
+def module_file(pp_rank: int) -> str:
+    return f"module_states_pp{pp_rank}.pt"
+
+
+def _merge_module_parts(reader: TagReader, shared: dict[str, Any]) -> dict[str, Any]:
+    """`shared` with `module` the whole module state, merged from the pipeline stages' files that
+    `shared["module_parts"]` lists as [file name, writer rank] (an entry on several stages, a tied
+    module's, is taken from the first)."""
+    parts = shared.get("module_parts")
+    if parts is None:
+        return shared
+    if not isinstance(parts, list) or not parts:
+        raise CheckpointError(f"{reader.path / MODEL_FILE}: malformed module_parts {parts!r}")
+    module: dict[str, Any] = dict(shared.get("module") or {})
+    for entry in parts:
+        try:
+            name, writer = str(entry[0]), int(entry[1])
+        except (TypeError, ValueError, IndexError):
+            raise CheckpointError(f"{reader.path / MODEL_FILE}: malformed module_parts entry {entry!r}") from None
+        if not reader.lists(name, writer_rank=writer):
+            raise CheckpointError(f"{reader.path / name}: a pipeline stage's module-state file is missing")
+        part = reader.load(name, writer_rank=writer)
+        if not isinstance(part, dict):
+            raise CheckpointError(f"{reader.path / name}: not a lightspeed module-state file")
+        for key, value in part.items():
+            module.setdefault(key, value)
+    return {**shared, "module": module}
+
+
 def _by_rank(values: list[str]) -> str:
     """ "'a' on ranks 0, 2; 'b' on rank 1" (at most 8 ranks named per value)."""
     ranks: dict[str, list[int]] = {}
@@ -119,14 +157,18 @@ def check_save_agreement(save_dir, tag: str, comm: Communicator, tag_validation:
 
 
 def save(save_dir, tag: str, *, shared: dict[str, Any], strategy_state: dict[str, Any], strategy_replicated: bool,
-         comm: Communicator, dp_rank: int, save_latest: bool = True, writer: CheckpointWriter | None = None) -> Path:
+         comm: Communicator, dp_rank: int, save_latest: bool = True, writer: CheckpointWriter | None = None,
+         module_part: dict[str, Any] | None = None, pp_rank: int = 0) -> Path:
     """Save this rank's part of the engine state as `save_dir/<tag>/` (collective; the ranks agreed on
     `save_dir` and `tag` first, `check_save_agreement`). With a decoupled `writer` the files are
     written in the background: the tag is complete once `writer.wait(comm)` (or the next save) has
-    returned."""
+    returned. `module_part`: this rank's pipeline stage's module state, written as
+    `module_states_pp<S>.pt` (S = `pp_rank`; the layout's pipeline Note)."""
     tag = validate_tag(tag)
     _check_plain(shared.get("client_state", {}), "client_state")
     files: dict[str, Any] = {}
+    if module_part is not None:
+        files[module_file(pp_rank)] = module_part
     if dp_rank == 0:
         files[MODEL_FILE] = shared
     if not strategy_replicated:
@@ -202,6 +244,7 @@ def load_tag(reader: TagReader, *, dp_rank: int, load_strategy: bool = True,
     shared = reader.load(MODEL_FILE, writer_rank=0)
     if not isinstance(shared, dict) or "module" not in shared or "counters" not in shared:
         raise CheckpointError(f"{path / MODEL_FILE}: not a lightspeed model_states file")
+    shared = _merge_module_parts(reader, shared)
     if shared.get("mesh") is not None and mesh_rank is not None:
         dp_rank = mesh_rank
     strategy_state: dict[str, Any] = {}

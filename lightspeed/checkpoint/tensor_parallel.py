@@ -213,15 +213,16 @@ def _is_tp_layout(load_dir: Path, tag: str | None) -> bool:
 
 
 def open_at_tp_size(load_dir, tag: str | None = None, *, dp_rank: int = 0, current: dict[str, Any] | None = None,
-                    param_names=None, mesh_rank: int | None = None):
+                    param_names=None, mesh_rank: int | None = None, pipeline=None):
     """The checkpoint in `load_dir` as `(path, source, rng_state)` for tp rank `current["tp_rank"]` of a run
     whose layout is `current` (its `tp_record`; None: a run without tensor parallelism, or consolidation,
     which get whole tensors), or None when there is nothing to load (no `latest`, no tag). `dp_rank`,
-    `param_names`, `mesh_rank`: as `universal.open_source`. CheckpointError when the checkpoint cannot be
+    `param_names`, `mesh_rank`, `pipeline`: as `universal.open_source`. CheckpointError when the checkpoint cannot be
     read so."""
     load_dir = Path(load_dir)
     if not _is_tp_layout(load_dir, tag):
-        opened = open_source(load_dir, tag, dp_rank=dp_rank, param_names=param_names, mesh_rank=mesh_rank)
+        opened = open_source(load_dir, tag, dp_rank=dp_rank, param_names=param_names, mesh_rank=mesh_rank,
+                             pipeline=pipeline)
         if opened is None:
             return None
         path, source, rng = opened

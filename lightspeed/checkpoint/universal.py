@@ -18,6 +18,14 @@ one of its own fragments a rank reads, from each saved file that holds an overla
 overlap (files are mapped with mmap, so untouched bytes are never read). No rank ever assembles more
 than the parameters it holds a part of, one at a time.
 
+Note (placements): a file of a mesh-wide save (tensor or pipeline parallelism) gives each fragment its
+parameter's placement (parallel/placement.py) and the saving rank's mesh coordinates (`tp`, `pp`). A
+fragment covers elements of the rank's local tensor; the whole tensor is assembled box by box from the
+ranks whose copy counts: along a dim the parameter is sharded over (tp slices, a pipeline stage's
+layers) every rank's, along any other only coordinate 0's, unless the file says its strategy
+partitioned its state (`partitioned`) and the dim is one the parameter is reduced over (a tied
+module of a pipeline, reduced over dp x pp: its pieces are disjoint over pp too).
+
 Note (optimizer state): elementwise state (a tensor with one value per element, e.g. exp_avg) is
 re-sliced like the masters; scalar state (e.g. "step") is per optimizer param group, taken from the
 first saved tensor of that group, and handed to the optimizer as a Python number, so torch's
@@ -38,7 +46,10 @@ from lightspeed._utils.logging import get_logger
 from lightspeed._utils.progress import progress
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.deepspeed_format import (
-    DeepSpeedCheckpointSource, is_deepspeed_checkpoint, is_deepspeed_tag_dir,
+    DeepSpeedCheckpointSource, is_deepspeed_checkpoint, is_deepspeed_tag_dir, resolve_deepspeed_tag_dir,
+)  # fmt: skip
+from lightspeed.checkpoint.deepspeed_pipeline import (
+    DeepSpeedPipelineSource, PipelineLayout, is_deepspeed_pipeline_tag_dir,
 )  # fmt: skip
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification, verify_zip
@@ -66,6 +77,7 @@ class _Saved:
     offset: int
     placement: Placement | None = None
     coords: dict[str, int] | None = None
+    partitioned: bool = False  # the saving rank's fragments are disjoint over its placement's reduced_over dims
 
 
 class OneTensorCache:
@@ -137,7 +149,8 @@ class LightspeedSource:
                 name, shape, start, end, owner, offset = entry
                 placement = Placement.from_record(str(name), placed[str(name)]) if placed is not None else None
                 saved = _Saved(i, str(name), tuple(int(s) for s in shape), int(start), int(end), int(owner),
-                               int(offset), placement, {str(k): int(v) for k, v in coords.items()} if coords else None)
+                               int(offset), placement, {str(k): int(v) for k, v in coords.items()} if coords else None,
+                               bool(state.get("partitioned", False)))
                 if placement is not None and placement.local_shape != saved.shape:
                     raise ValueError(f"its placement holds {placement.local_shape}, the fragment says {saved.shape}")
                 numel = state["owners"][saved.owner].numel()
@@ -182,10 +195,13 @@ class LightspeedSource:
 
     def _placed_groups(self, name: str) -> dict[Placement, list[_Saved]]:
         """The pieces of a placed parameter by the slice they belong to, from the ranks whose copy counts
-        (a slice replicated over a mesh dim is read from coordinate 0 of it, zero/norm.py's rule)."""
+        (a slice replicated over a mesh dim is read from coordinate 0 of it, zero/norm.py's rule, unless
+        the saving strategy partitioned the parameter's state over that dim: a tied module of a pipeline
+        is reduced, and so partitioned at ZeRO 1-2, over pp, its pieces disjoint across the stages)."""
         groups: dict[Placement, list[_Saved]] = {}
         for p in self._pieces(name):
-            if p.placement.counts_on(p.coords, p.coords):
+            dims = [d for d in p.coords if not (p.partitioned and d in p.placement.reduced_over)]
+            if p.placement.counts_on(p.coords, dims):
                 groups.setdefault(p.placement, []).append(p)
         return groups
 
@@ -302,14 +318,21 @@ class LightspeedSource:
         return out
 
 
-def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_names=None, mesh_rank: int | None = None):
+def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_names=None, mesh_rank: int | None = None,
+                pipeline: PipelineLayout | None = None):
     """The checkpoint in `load_dir` (tag, or the one `latest` names) as `(path, source, rng_state)`, or None
     when there is no `latest` and no tag. lightspeed's layout gives a `LightspeedSource` and `dp_rank`'s saved
     RNG state (or None); DeepSpeed's layout a `DeepSpeedCheckpointSource` (`param_names`: the module's
     trainable parameter names in order, which DeepSpeed's stage-0 files do not record) and no RNG state,
     which DeepSpeed's engine does not save. A checkpoint saved over a mesh (tensor parallelism: `mesh` in its
-    shared file) keeps one RNG state per rank of the mesh: `mesh_rank`'s is returned there."""
+    shared file) keeps one RNG state per rank of the mesh: `mesh_rank`'s is returned there. DeepSpeed's
+    pipeline layout gives a `DeepSpeedPipelineSource`, whose layer files `pipeline` (the PipelineModule
+    loading it) names."""
     if is_deepspeed_checkpoint(load_dir):
+        tag_path = resolve_deepspeed_tag_dir(load_dir, tag)
+        if is_deepspeed_pipeline_tag_dir(tag_path):
+            source = DeepSpeedPipelineSource(tag_path, layout=pipeline)
+            return Path(source.path), source, None
         source = DeepSpeedCheckpointSource(load_dir, tag, param_names=param_names)
         return Path(source.path), source, None
     loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank, load_strategy=False, mesh_rank=mesh_rank)
@@ -360,7 +383,13 @@ def _check_deepspeed_tag(path: Path) -> tuple[list[str], list[str]]:
             problems.append(str(err))
     if not problems:
         try:
-            DeepSpeedCheckpointSource(path, verify=False)  # every file was just checked
+            if not is_deepspeed_pipeline_tag_dir(path):
+                DeepSpeedCheckpointSource(path, verify=False)  # every file was just checked
+            elif any(p.name.endswith("_optim_states.pt") for p in path.iterdir()):
+                DeepSpeedPipelineSource(path, verify=False)
+            else:  # without ZeRO a stage's optimizer names its parameters by position: needs the model
+                notes.append(f"{path}: a pipeline checkpoint without ZeRO: which parameter each stage's optimizer "
+                             "state is, is checked when it is loaded into its PipelineModule")
         except CheckpointError as err:
             problems.append(str(err))
     return problems, notes

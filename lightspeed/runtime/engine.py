@@ -58,10 +58,16 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         # where each parameter lives on the mesh (parallel/placement.py), saved with the fragments
         self.placements = placements if placements is not None else PlacementTable.for_module(module)
         self.comm = comm
+        pp_size = topology.size("pp") if topology is not None else 1
+        # the pipeline group, for the stages' module-state files of a mesh save (None without pp)
+        self._pp_comm = Communicator(topology.group("pp"), pp_size) if pp_size > 1 else None
+        # a save over the whole mesh (engine_checkpoint.py's layout) when a model dim splits the model
+        self._mesh_save = self._tp_comm is not None or self._pp_comm is not None
         # the ranks one checkpoint is committed over: the data-parallel ranks, or every rank of the mesh
-        self._ckpt_comm = comm if self._tp_comm is None else Communicator(topology.group("tp_dp_sp"),
-                                                                          topology.size("tp_dp_sp"))
-        self._ckpt_rank = groups.seq_dp_rank if self._tp_comm is None else topology.rank("tp_dp_sp")
+        mesh_group = "world" if self._pp_comm is not None else "tp_dp_sp"
+        self._ckpt_comm = Communicator(topology.group(mesh_group), topology.size(mesh_group)) \
+            if self._mesh_save else comm
+        self._ckpt_rank = topology.rank(mesh_group) if self._mesh_save else groups.seq_dp_rank
         self.device = device
         self.policy = policy
         self.strategy = strategy

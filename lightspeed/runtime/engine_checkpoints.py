@@ -2,8 +2,9 @@
 saves, and the background writer's waits, as a mixin of `LightspeedEngine` (engine.py).
 
 Owns: what a save collects from the engine (module state, counters, the strategy's fragments; over a
-mesh, whole module tensors and the placements) and how a load is read on every rank, agreed, and only
-then applied. Must not: know a file layout (checkpoint/engine_checkpoint.py does) or a ZeRO stage (the
+mesh, whole module tensors, the placements and the mesh coordinates; over pipeline stages, each stage's
+module state) and how a load is read on every rank (a pipeline stage takes its own layers' entries),
+agreed over the whole mesh, and only then applied. Must not: know a file layout (checkpoint/engine_checkpoint.py does) or a ZeRO stage (the
 strategy's fragments and module state carry it).
 """
 
@@ -17,6 +18,7 @@ import torch
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import atomic_torch_save
+from lightspeed.checkpoint.deepspeed_pipeline import PipelineLayout
 from lightspeed.checkpoint.deepspeed_writer import module_entry_names, save_as_deepspeed
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification
@@ -26,6 +28,8 @@ from lightspeed.checkpoint.tensor_parallel import open_at_tp_size, tp_record
 from lightspeed.checkpoint.universal import apply_training_state, read_training_state
 from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
+from lightspeed.parallel.pipeline.layout import module_layers, parts_at, tied_layers
+from lightspeed.parallel.pipeline.module import PipelineModule
 from lightspeed.parallel.placement import DATA_PARALLEL
 from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
 from lightspeed.zero.fragments import first_names
@@ -42,7 +46,9 @@ class EngineCheckpoints:
         """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
         `checkpoint.writer.decoupled` from a host snapshot in the background (see `wait_checkpoint`)."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        keyed = sorted(n for n, p in self.placements.items() if p.reduced_over != DATA_PARALLEL)
+        # a tied module of a pipeline is reduced over pp as well: its fragments are disjoint over it
+        keyed = sorted(n for n, p in self.placements.items()
+                       if tuple(d for d in p.reduced_over if d != "pp") != DATA_PARALLEL)
         if keyed:  # their fragments repeat names across the ranks that hold other experts
             raise NotImplementedError(f"save_checkpoint: parameters reduced over another group than data parallelism "
                                       f"(expert parallelism: {keyed[0]}, ...) cannot be saved yet")
@@ -67,13 +73,26 @@ class EngineCheckpoints:
         shared["buffer_names"], shared["frozen_param_names"] = module_entry_names(self.module)
         strategy_state = self.strategy.state_dict()
         replicated = self.strategy.state_is_replicated
-        if self._tp_comm is not None:  # one tag for the whole mesh (engine_checkpoint.py's layout)
-            # collective over tp (every rank calls it); only the rank that writes the model file keeps them
-            module_state = self._whole_tensors(module_state, keep=self._ckpt_rank == 0)
+        module_part, pp_rank = None, 0
+        if self._mesh_save:  # one tag for the whole mesh (engine_checkpoint.py's layout)
+            tp_rank = self._tp_comm.rank if self._tp_comm is not None else 0
+            pp_rank = self._pp_comm.rank if self._pp_comm is not None else 0
+            # collective over tp (every rank calls it); only the rank that writes the module keeps them
+            writes_module = tp_rank == 0 and self.groups.seq_dp_rank == 0
+            module_state = self._whole_tensors(module_state, keep=writes_module)
             shared["module"] = module_state
-            shared["mesh"] = {"tp": self._tp_comm.world_size, "dp_sp": self.seq_dp_world_size}
+            shared["mesh"] = {"tp": self._tp_comm.world_size if self._tp_comm is not None else 1,
+                              "dp_sp": self.seq_dp_world_size}
+            coords = {"tp": tp_rank}
+            if self._pp_comm is not None:  # each stage writes its own module state (the layout's pipeline Note)
+                shared["mesh"]["pp"] = self._pp_comm.world_size
+                shared["module"] = {}
+                shared["module_parts"] = [[engine_checkpoint.module_file(s), self._stage_writer_rank(s)]
+                                          for s in range(self._pp_comm.world_size)]
+                module_part = module_state if writes_module else None
+                coords["pp"] = pp_rank
             names = {entry[0] for entry in strategy_state.get("fragments", ())}
-            strategy_state = {**strategy_state, "mesh_coords": {"tp": self._tp_comm.rank},
+            strategy_state = {**strategy_state, "mesh_coords": coords, "partitioned": not replicated,
                               "mesh_rank": self._ckpt_rank, "mesh_size": self._ckpt_comm.world_size,
                               "placements": {n: self.placements[n].as_record() for n in sorted(names)}}
             if replicated and self.groups.seq_dp_rank != 0:  # the same state as dp rank 0 of its tp column
@@ -83,13 +102,20 @@ class EngineCheckpoints:
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=strategy_state,
                                strategy_replicated=replicated, comm=self._ckpt_comm,
                                dp_rank=self._ckpt_rank, save_latest=save_latest,
-                               writer=self._checkpoint_writer)
+                               writer=self._checkpoint_writer, module_part=module_part, pp_rank=pp_rank)
         if self.config.checkpoint.format == "deepspeed":  # lightspeed's tag, converted in place by rank 0
             self._checkpoint_writer.wait(self._ckpt_comm)
             save_as_deepspeed(save_dir, tag, comm=self._ckpt_comm, rank=self._ckpt_rank,
                               stage=self.zero_optimization_stage(), world_size=self.seq_dp_world_size,
-                              sub_group_size=self.config.zero_optimization.sub_group_size)
+                              sub_group_size=self.config.zero_optimization.sub_group_size,
+                              pipeline=None if self._pp_comm is None else (self._pipeline_layout(),
+                                                                           self._pp_comm.world_size))
         return True
+
+    def _stage_writer_rank(self, stage: int) -> int:
+        """The mesh rank that writes pipeline stage `stage`'s module state: its rank at data-parallel and
+        tp coordinate 0."""
+        return self.groups.topology.shape.rank_of({"pp": stage})
 
     def _tp_record(self) -> dict:
         return tp_record(self.module, self._tp_comm.world_size, self._tp_comm.rank)
@@ -138,6 +164,10 @@ class EngineCheckpoints:
         only with `zero_optimization.stage3_gather_16bit_weights_on_model_save` (DeepSpeed's rule):
         otherwise nothing is written and False is returned. Every rank must call it."""
         path = os.path.join(save_dir, save_filename)
+        if self._pp_comm is not None:
+            raise NotImplementedError(f"save_16bit_model over {self._pp_comm.world_size} pipeline stages is not "
+                                      "implemented (each stage holds only its layers); save_checkpoint saves every "
+                                      "stage, and `lightspeed checkpoint` consolidates it")
         # strategies that hold whole parameters (stages 0-2) can always save; stage 3 says whether it may gather
         if not self.strategy.gather_16bit_weights_on_model_save:
             logger.warning("did not save the model %s: zero_optimization.stage3_gather_16bit_weights_on_model_save "
@@ -157,9 +187,10 @@ class EngineCheckpoints:
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, *, verify: bool = True):
-        """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size, ZeRO stage
-        and tensor-parallel size; returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file
-        and no tag is given. Everything is read and checked on every rank before anything changes: a
+        """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size, ZeRO stage,
+        tensor-parallel size and number of pipeline stages (or DeepSpeed's, pipeline layout included);
+        returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file and no
+        tag is given. Everything is read and checked on every rank before anything changes: a
         load that fails raises on every rank and leaves the engine as it was. Every file read is verified
         (lightspeed's against its checksum manifest, DeepSpeed's against its CRC-32s); `verify=False`
         reads them unchecked (e.g. a tag whose manifests were lost), with a warning."""
@@ -178,7 +209,7 @@ class EngineCheckpoints:
             # (checkpoint/tensor_parallel.py); the fragments path below then re-slices over dp and stage
             opened = open_at_tp_size(load_dir, tag, dp_rank=self.groups.seq_dp_rank, param_names=trainable,
                                      current=None if self._tp_comm is None else self._tp_record(),
-                                     mesh_rank=self._ckpt_rank)
+                                     mesh_rank=self._ckpt_rank, pipeline=self._pipeline_layout())
             read = None
             if opened is not None:
                 path, source, rng = opened
@@ -223,6 +254,15 @@ class EngineCheckpoints:
                         saved_world, saved_world)
         return path, client_state
 
+    def _pipeline_layout(self) -> PipelineLayout | None:
+        """What a DeepSpeed pipeline checkpoint's reader needs of this PipelineModule (None for another
+        module)."""
+        if not isinstance(self.module, PipelineModule):
+            return None
+        module = self.module
+        return PipelineLayout(tied_layers=tied_layers(module), parts_at=lambda n: parts_at(module, n),
+                              module_layers=module_layers(module))
+
     def _module_state_to_load(self, source, load_module_only: bool) -> dict[str, Any]:
         """The saved module state, less the parameters the source holds fp32 masters of whose saved entry
         is an empty placeholder (a ZeRO-3 writer keeps them partitioned): those come from the masters, or,
@@ -230,7 +270,11 @@ class EngineCheckpoints:
         saved = source.module_state()
         masters = set(source.param_names())
         out: dict[str, Any] = {}
+        held_layers = set(self.module._modules) if isinstance(self.module, PipelineModule) else None
         for name in list(saved.keys()):
+            layer = name.split(".", 1)[0]
+            if held_layers is not None and layer.isdigit() and layer not in held_layers:
+                continue  # another pipeline stage's layer (PipelineModule names layers by global index)
             value = saved[name]
             first = self._first_name.get(name)
             if first in masters and torch.is_tensor(value) and value.numel() == 0:
@@ -258,6 +302,6 @@ class EngineCheckpoints:
         if failed is not None:
             raise failed if isinstance(failed, CheckpointError) else CheckpointError(str(failed)) from failed
         if flag.item() > 0:
-            what = "data-parallel rank" if self._tp_comm is None else "rank"
+            what = "rank" if self._mesh_save else "data-parallel rank"
             raise CheckpointError(f"load_checkpoint: {what} {int(flag.item()) - 1} could not read the "
                                   "checkpoint (its error is raised there); nothing was loaded")

@@ -12,9 +12,9 @@ at a time (refused, as DeepSpeed's pipeline engine refuses them).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm import api as comm_api
 from lightspeed.parallel.pipeline.module import PipelineModule
 from lightspeed.parallel.pipeline.schedule import PipelineDriver, schedule_kind
 from lightspeed.runtime.engine import LightspeedEngine
@@ -155,10 +155,10 @@ class PipelineEngine(LightspeedEngine):
             out[0] = mean.to(self.device)
             out[1] = out[0]
             if self.is_data_parallel:
-                dist.all_reduce(out[1:], group=self.groups.dp_group)
+                comm_api.all_reduce(out[1:], group=self.groups.dp_group)
                 out[1] /= self.groups.dp_world_size
         if broadcast and self.is_pipe_parallel:
-            dist.broadcast(out, src=self._loss_src, group=self._pp_group)
+            comm_api.broadcast(out, src=self._loss_src, group=self._pp_group)
         return out
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
@@ -235,7 +235,7 @@ def prepare_tied(module: PipelineModule, topology, device: torch.device, zero_st
     with torch.no_grad():
         for _, p in sorted(module.tied_modules.named_parameters()):
             buf = p.detach().to(device)
-            dist.broadcast(buf, src=src, group=group)
+            comm_api.broadcast(buf, src=src, group=group)
             if buf is not p:
                 p.copy_(buf)
             if p.requires_grad:

@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightspeed.comm import api as comm_api
 from lightspeed.comm.differentiable import ragged_all_to_all
 from lightspeed.parallel.experts.grouped_mlp import grouped_mlp, grouped_mlp_reference
 
@@ -113,7 +113,7 @@ class EPExperts(nn.Module):
                   ) -> torch.Tensor:
         ep, local = self.ep_size, self.num_local_experts
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts.contiguous(), group=self.ep_group)  # [source rank, local expert]
+        comm_api.all_to_all_single(recv_counts, counts.contiguous(), group=self.ep_group)  # [source rank, local expert]
         send_sizes = counts.view(ep, local).sum(1).tolist()
         by_source = recv_counts.view(ep, local)
         recv_sizes = by_source.sum(1).tolist()

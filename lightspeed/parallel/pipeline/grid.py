@@ -7,8 +7,7 @@ into pipe x data (`_prime_factors`). Must not: build groups other than through t
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
+from lightspeed.comm import api as comm_api
 from lightspeed.comm.topology import Topology
 from lightspeed.parallel.pipeline.topology import PipeDataParallelTopology, ProcessTopology
 
@@ -31,8 +30,8 @@ class PipelineParallelGrid:
     factors as DeepSpeed does). Every rank must construct it (a collective: the groups are built)."""
 
     def __init__(self, topology: ProcessTopology | None = None, process_group=None):
-        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.global_rank = comm_api.get_rank() if comm_api.is_initialized() else 0
+        self.world_size = comm_api.get_world_size() if comm_api.is_initialized() else 1
         if topology is None:
             pp = dp = 1
             for i, prime in enumerate(_prime_factors(self.world_size)):

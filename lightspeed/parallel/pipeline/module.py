@@ -31,9 +31,9 @@ import functools
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm import api as comm_api
 from lightspeed.parallel.pipeline.partition import partition_layers
 from lightspeed.parallel.pipeline.spec import LayerSpec, TiedLayerSpec
 from lightspeed.parallel.pipeline.topology import PipeDataParallelTopology, ProcessTopology
@@ -133,8 +133,8 @@ class PipelineModule(torch.nn.Module):
                                       "batches are not implemented; pad the batches to one shape")
         if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
             raise TypeError("PipelineModule: checkpointable_layers must be a list of layer class names")
-        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.global_rank = comm_api.get_rank() if comm_api.is_initialized() else 0
+        self.world_size = comm_api.get_world_size() if comm_api.is_initialized() else 1
         if topology is None:
             if self.world_size % num_stages:
                 raise RuntimeError(f"PipelineModule: num_stages ({num_stages}) must divide the world size "

@@ -38,9 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as torch_schedules
 
+from lightspeed.comm.pipelining import BracketedStage, as_tuple, example_of, recv_tensors, schedule_class, send_tensors
 from lightspeed.parallel.pipeline.module import PipelineModule
 
 
@@ -70,90 +69,6 @@ def schedule_kind(name: str) -> ScheduleKind:
     return kind
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
-_MAX_DIMS = 8
-
-
-def _as_tuple(x) -> tuple:
-    return x if isinstance(x, tuple) else (x,)
-
-
-def _example(t: torch.Tensor) -> torch.Tensor:
-    """A detached example of `t` carrying whether the schedule sends a gradient back for it."""
-    out = t.detach()
-    return out.requires_grad_(out.is_floating_point())
-
-
-def _send_tensors(tensors: tuple, dst: int) -> None:
-    import torch.distributed as dist
-
-    dist.send(torch.tensor([len(tensors)], dtype=torch.int64, device=tensors[0].device), dst)
-    for t in tensors:
-        if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
-            raise TypeError(f"a pipeline stage output of dtype {t.dtype} and {t.dim()} dims cannot be sent")
-        header = [_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_MAX_DIMS - t.dim())
-        dist.send(torch.tensor(header, dtype=torch.int64, device=t.device), dst)
-        dist.send(t.detach().contiguous(), dst)
-
-
-def _recv_tensors(src: int, device: torch.device) -> tuple:
-    import torch.distributed as dist
-
-    count = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(count, src)
-    out = []
-    for _ in range(int(count)):
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
-        dist.recv(header, src)
-        h = header.tolist()
-        buf = torch.empty(h[2:2 + h[1]], dtype=_DTYPES[h[0]], device=device)
-        dist.recv(buf, src)
-        out.append(buf)
-    return tuple(out)
-
-
-def _run_accumulate_hooks(module: torch.nn.Module) -> None:
-    """Run each parameter's post-accumulate-grad hooks where it holds a gradient (the Note on brackets)."""
-    for p in module.parameters():
-        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
-        if p.grad is not None and hooks:
-            for hook in list(hooks.values()):
-                hook(p)
-
-
-class _Stage(PipelineStage):
-    """A `PipelineStage` whose gradient-writing backwards are bracketed by the driver."""
-
-    def __init__(self, chunk, stage_index, num_stages, device, group, driver: "PipelineDriver", example_in,
-                 example_out):
-        super().__init__(chunk, stage_index, num_stages, device, input_args=example_in, output_args=example_out,
-                         group=group)
-        self._driver = driver
-
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        if not full_backward or not self.has_backward:
-            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                              last_backward=last_backward)
-        self._driver.backward_begin()
-        try:
-            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
-        finally:
-            self._driver.backward_done()
-
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        if not self.has_backward:
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        self._driver.backward_begin()
-        try:
-            out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-            if self.stage_index != 0 and self.dw_builder is None:  # param.grad assigned, not accumulated
-                _run_accumulate_hooks(self.submod)
-            return out
-        finally:
-            self._driver.backward_done()
-
-
 class PipelineDriver:
     """Runs batches of `n_microbatches` through `module`'s local stages with the schedule `kind`.
 
@@ -169,7 +84,7 @@ class PipelineDriver:
         self._every_step = reduces_every_step
         self.num_stages = pp_size * module.virtual_stages
         self._schedules: dict[tuple[int, bool], object] = {}
-        self._stages: dict[tuple[int, bool], list[_Stage]] = {}
+        self._stages: dict[tuple[int, bool], list[BracketedStage]] = {}
         self._labels: list = []
         self._loss: Callable | None = None
         self._losses: dict[int, torch.Tensor] = {}
@@ -203,16 +118,16 @@ class PipelineDriver:
                 elif stage - 1 in mine:
                     x = carried
                 else:
-                    x = tuple(_example(t) for t in _recv_tensors(self._global_rank_of(self._owner(stage - 1)),
-                                                                 self.device))
+                    x = tuple(example_of(t) for t in recv_tensors(self._global_rank_of(self._owner(stage - 1)),
+                                                                  self.device))
                 try:
-                    y = _as_tuple(chunk(*x))
+                    y = as_tuple(chunk(*x))
                 finally:
                     chunk.inputs = None
-                examples[stage] = (x, tuple(_example(t) for t in y))
+                examples[stage] = (x, tuple(example_of(t) for t in y))
                 carried = examples[stage][1]
                 if stage + 1 < self.num_stages and stage + 1 not in mine:
-                    _send_tensors(y, self._global_rank_of(self._owner(stage + 1)))
+                    send_tensors(y, self._global_rank_of(self._owner(stage + 1)))
         return examples
 
     @property
@@ -248,9 +163,9 @@ class PipelineDriver:
     def _schedule(self, n: int, train: bool):
         key = (n, train)
         if key not in self._schedules:
-            stages = [_Stage(chunk, chunk.stage, self.num_stages, self.device, self.group, self,
-                             *self._examples[chunk.stage]) for chunk in self.module.chunks]
-            cls = getattr(torch_schedules, self.kind.torch_class)
+            stages = [BracketedStage(chunk, chunk.stage, self.num_stages, self.device, self.group, self,
+                                     *self._examples[chunk.stage]) for chunk in self.module.chunks]
+            cls = schedule_class(self.kind.torch_class)
             target = stages if self.kind.multi else stages[0]
             self._schedules[key] = cls(target, n, loss_fn=self._loss_of, scale_grads=False)
             self._stages[key] = stages

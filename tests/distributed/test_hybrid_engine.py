@@ -109,7 +109,10 @@ def _plain_zero3(world: int, rank: int) -> dict:
     released_before = sum(g.state == "released" for g in engine.strategy.groups)
     out = engine.generate(prompt, **GEN)
     all_gathers = stats.calls["all_gather"]
-    via_module = engine.module.generate(prompt, **GEN)  # DeepSpeed-Chat's spelling: the engine's generate
+    # DeepSpeed-Chat's call (dschat/rlhf/ppo_trainer.py): the model's generate, which is the engine's
+    with torch.no_grad():
+        via_module = engine.module.generate(prompt, attention_mask=torch.ones_like(prompt), max_length=5 + 6,
+                                            pad_token_id=PAD, synced_gpus=True)
     released_after = _released(engine)
     with torch.no_grad():
         expected = _whole(engine, reference).generate(prompt, **GEN)

@@ -80,13 +80,13 @@ def _reference(engine, model_before):
     return model_before.eval()
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_generate_with_lora_fuses_and_restores_exactly(stage):
+@pytest.mark.parametrize("stage,bf16", [(0, False), (3, False), (3, True)])
+def test_generate_with_lora_fuses_and_restores_exactly(stage, bf16):
     import copy
 
     model = dschat_lora(tiny_opt())
-    reference = copy.deepcopy(model)
-    engine, *_ = lightspeed.initialize(model=model, config=config(1, stage))
+    reference = copy.deepcopy(model).to(torch.bfloat16 if bf16 else torch.float32)
+    engine, *_ = lightspeed.initialize(model=model, config={**config(1, stage), "bf16": {"enabled": bf16}})
     assert len(lora_modules(engine.module)) == 12 and engine.module.generate == engine.generate
     x = torch.randint(4, 96, (2, 8))
     loss = engine(input_ids=x, labels=x).loss

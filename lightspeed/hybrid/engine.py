@@ -13,6 +13,8 @@ Note: [generate is the model's] DeepSpeed swaps the model's layers for its infer
 model's own forward runs (no kernel injection), and `engine.module.generate` is likewise pointed at
 `engine.generate` (an attribute on the model instance, removed by `destroy()`), so both spellings get
 the gather, the LoRA fusion and the timing. `engine.generate` calls the model's original bound method.
+The attribute holds the engine and the model by weak reference (no cycle), and a deep copy of the model
+(a reference model made from the actor) gets its class's own `generate`, bound to the copy, not the engine.
 
 Note: [pin_parameters] DeepSpeed's `pin_parameters` (default true) gathers every layer before generating
 and keeps them gathered to the end: one all-gather per parameter group per call, every decode step free
@@ -32,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+import types
+import weakref
 
 import torch
 
@@ -54,6 +58,28 @@ def _sequences(output):
     return output if torch.is_tensor(output) else getattr(output, "sequences", None)
 
 
+class _EngineGenerate:
+    """`engine.module.generate` while a hybrid engine holds the model (Note: [generate is the model's])."""
+
+    def __init__(self, engine: "HybridEngine", model: torch.nn.Module):
+        self._engine = weakref.ref(engine)
+        self._model = weakref.ref(model)
+        self.__doc__ = engine.generate.__doc__
+
+    def __call__(self, *args, **kwargs):
+        engine = self._engine()
+        if engine is None:  # the engine is gone: the model's own generate
+            model = self._model()
+            return type(model).generate(model, *args, **kwargs)
+        return engine.generate(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        copied = memo.get(id(self._model()))  # the model's copy, registered before its attributes are copied
+        if copied is None:
+            raise TypeError("engine.module.generate cannot be copied apart from its model")
+        return types.MethodType(type(copied).generate, copied)
+
+
 class HybridEngine(LightspeedEngine):
     """The training engine plus DeepSpeed's hybrid-engine API: `generate(*args, **kwargs)` (the model's
     own `generate`, with the ZeRO-3 weights gathered once and LoRA fused), and `eval()` / `train()`
@@ -68,7 +94,7 @@ class HybridEngine(LightspeedEngine):
         # Note: [generate is the model's]
         self._module_generate = getattr(self.module, "generate", None)
         if callable(self._module_generate):
-            self.module.generate = self.generate
+            self.module.generate = _EngineGenerate(self, self.module)
         # DeepSpeed's performance counters (its names)
         self._t_start: float | None = None
         self._total_latency = 0.0
@@ -193,7 +219,7 @@ class HybridEngine(LightspeedEngine):
 
     def destroy(self) -> None:
         """`LightspeedEngine.destroy`, and the model's `generate` given back (Note: [generate is the model's])."""
-        if self.module.__dict__.get("generate") == self.generate:
+        if isinstance(self.module.__dict__.get("generate"), _EngineGenerate):
             del self.module.__dict__["generate"]
         super().destroy()
 

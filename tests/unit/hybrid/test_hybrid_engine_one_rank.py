@@ -4,6 +4,7 @@ the gather machinery on (pinned and layer by layer), LoRA fused and restored exa
 the timing line, destroy, and the DeepSpeed names. World size 2 runs in
 tests/distributed/test_hybrid_engine.py."""
 
+import copy
 import logging
 
 import pytest
@@ -80,28 +81,40 @@ def _reference(engine, model_before):
     return model_before.eval()
 
 
-@pytest.mark.parametrize("stage,bf16", [(0, False), (3, False), (3, True)])
-def test_generate_with_lora_fuses_and_restores_exactly(stage, bf16):
-    import copy
-
+@pytest.mark.parametrize("stage,bf16,persistent", [(0, False, False), (3, False, False), (3, True, False),
+                                                   (3, False, True)])
+def test_generate_with_lora_fuses_and_restores_exactly(stage, bf16, persistent):
+    """`persistent`: stage 3's default thresholds, under which this model's groups stay gathered between
+    forwards, so the fused weights are the ones training reads next."""
     model = dschat_lora(tiny_opt())
     reference = copy.deepcopy(model).to(torch.bfloat16 if bf16 else torch.float32)
-    engine, *_ = lightspeed.initialize(model=model, config={**config(1, stage), "bf16": {"enabled": bf16}})
-    assert len(lora_modules(engine.module)) == 12 and engine.module.generate == engine.generate
+    cfg = {**config(1, stage), "bf16": {"enabled": bf16}}
+    if persistent:
+        cfg["zero_optimization"] = {"stage": 3}
+    engine, *_ = lightspeed.initialize(model=model, config=cfg)
+    assert len(lora_modules(engine.module)) == 12
     x = torch.randint(4, 96, (2, 8))
     loss = engine(input_ids=x, labels=x).loss
     engine.backward(loss)
     engine.step()
     engine.eval()
     before = {k: v.clone() for k, v in engine.strategy.module_state_dict().items()}
+    whole = {n: p.detach().clone() for n, p in engine.module.named_parameters()}  # stage 3: what stays gathered
+    with torch.no_grad():
+        loss_before = engine(input_ids=x, labels=x).loss
     prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3))
     counter = GatherCounter(engine.strategy.groups) if stage == 3 else None
     out = engine.generate(prompt, output_scores=True, return_dict_in_generate=True, **GEN)
-    if counter is not None:  # one gather per group for the whole generate, all released after
+    if counter is not None and not persistent:  # one gather per group for the whole generate, released after
         assert sorted(counter.gathers) == sorted(g.name for g in engine.strategy.groups)
         assert all(g.state == "released" for g in engine.strategy.groups)
+    if persistent:  # nothing to gather: the groups stayed gathered, and were fused and restored in place
+        assert counter.gathers == [] and all(g.state != "released" for g in engine.strategy.groups)
     after = engine.strategy.module_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(whole[n], p) for n, p in engine.module.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(engine(input_ids=x, labels=x).loss, loss_before)
     assert not any(m.fuse_lora for m in engine.module.modules() if isinstance(m, LinearLayer_LoRA))
     merged = convert_lora_to_linear_layer(_reference(engine, reference))
     with torch.no_grad():
@@ -111,8 +124,6 @@ def test_generate_with_lora_fuses_and_restores_exactly(stage, bf16):
 
 
 def test_unpinned_stage3_gathers_layer_by_layer_and_generates_the_same():
-    import copy
-
     model = tiny_opt()
     reference = copy.deepcopy(model)
     cfg = config(1, 3, pin_parameters=False, release_inference_cache=True)
@@ -166,7 +177,14 @@ def test_model_without_generate_and_destroy():
         engine.generate(torch.zeros(1, 4))
     engine, *_ = lightspeed.initialize(model=tiny_opt(), config=config(1, 0))
     model = engine.module
-    assert model.generate == engine.generate
+    calls = []
+    engine.generate = lambda *a, **k: calls.append(a)  # what the model's generate reaches
+    model.generate(torch.zeros(1, 2, dtype=torch.long))
+    assert len(calls) == 1
+    # a copy of the model (a reference model) generates on its own, without the engine
+    copied = copy.deepcopy(model)
+    assert copied.generate.__self__ is copied and copied.generate.__func__ is type(model).generate
+    del engine.generate
     engine.destroy()
     assert "generate" not in vars(model) and model.generate.__func__ is type(model).generate
 

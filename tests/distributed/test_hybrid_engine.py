@@ -101,7 +101,9 @@ def _plain_zero3(world: int, rank: int) -> dict:
 
     model = tiny_opt()
     reference = copy.deepcopy(model)
+    torch.manual_seed(100 + rank)  # the ranks' RNGs differ; the engine gives every rank rank 0's
     engine, *_ = lightspeed.initialize(model=model, config=config(world, 3))
+    rng = torch.get_rng_state()
     losses = [_train(engine, data[0])]
     engine.eval()
     stats = engine.strategy.comm.stats
@@ -119,7 +121,7 @@ def _plain_zero3(world: int, rank: int) -> dict:
     losses += [_train(engine, x) for x in data[1:]]
     return {"type": type(engine).__name__, "out": out, "via_module": via_module, "expected": expected,
             "all_gathers": all_gathers, "released_before": released_before, "num_groups": len(engine.strategy.groups),
-            "released_after": released_after, "losses": losses, "ref_losses": ref_losses}
+            "released_after": released_after, "losses": losses, "ref_losses": ref_losses, "rng": rng}
 
 
 def _lora(world: int, rank: int, stage: int, kind: str) -> dict:
@@ -183,6 +185,10 @@ def test_zero3_generate_matches_the_whole_model_and_gathers_once(results):
         assert r["released_before"] == r["num_groups"] > 1
         assert r["all_gathers"] == r["num_groups"], r["all_gathers"]
         assert r["released_after"]
+
+
+def test_rng_synchronized_from_rank_0(results):
+    assert torch.equal(results[0]["plain"]["rng"], results[1]["plain"]["rng"])
 
 
 def test_training_after_generation_matches_training_without(results):

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 transformers = pytest.importorskip("transformers")
 
-from tests.distributed.test_hybrid_engine import GEN, config, dschat_lora, tiny_opt  # noqa: E402
+from tests.distributed.test_hybrid_engine import GEN, RELEASE_ALL, config, dschat_lora, tiny_opt  # noqa: E402
 from tests.distributed.test_stage3 import GatherCounter  # noqa: E402
 
 BASE = {"train_batch_size": 2}
@@ -81,16 +81,21 @@ def _reference(engine, model_before):
     return model_before.eval()
 
 
-@pytest.mark.parametrize("stage,bf16,persistent", [(0, False, False), (3, False, False), (3, True, False),
-                                                   (3, False, True)])
-def test_generate_with_lora_fuses_and_restores_exactly(stage, bf16, persistent):
-    """`persistent`: stage 3's default thresholds, under which this model's groups stay gathered between
-    forwards, so the fused weights are the ones training reads next."""
+@pytest.mark.parametrize("stage,bf16,zero", [(0, False, None), (3, False, None), (3, True, None),
+                                             (3, False, {"stage": 3}),
+                                             (3, False, {**RELEASE_ALL, "stage": 3,
+                                                         "zero_quantized_nontrainable_weights": True})],
+                         ids=["stage0", "stage3", "stage3-bf16", "stage3-persistent", "stage3-int8-frozen"])
+def test_generate_with_lora_fuses_and_restores_exactly(stage, bf16, zero):
+    """`stage3-persistent`: stage 3's default thresholds, under which this model's groups stay gathered
+    between forwards, so the fused weights are the ones training reads next; `stage3-int8-frozen`:
+    DeepSpeed-Chat's `enable_mixed_precision_lora` (the frozen base weights stored in int8)."""
+    persistent = zero is not None and "stage3_param_persistence_threshold" not in zero
     model = dschat_lora(tiny_opt())
     reference = copy.deepcopy(model).to(torch.bfloat16 if bf16 else torch.float32)
     cfg = {**config(1, stage), "bf16": {"enabled": bf16}}
-    if persistent:
-        cfg["zero_optimization"] = {"stage": 3}
+    if zero is not None:
+        cfg["zero_optimization"] = zero
     engine, *_ = lightspeed.initialize(model=model, config=cfg)
     assert len(lora_modules(engine.module)) == 12
     x = torch.randint(4, 96, (2, 8))

@@ -65,6 +65,11 @@ def test_initialize_builds_the_hybrid_engine_only_when_enabled():
     assert type(lightspeed.initialize(model=tiny_opt(), config=plain)[0]) is not HybridEngine
     with pytest.raises(ConfigError, match=r"^hybrid_engine.enabled: .*lightspeed.initialize"):
         runtime_initialize(model=tiny_opt(), config=config(1, 0))
+    from lightspeed.parallel.pipeline import PipelineModule
+
+    pipe = PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1, loss_fn=torch.nn.MSELoss())
+    with pytest.raises(ConfigError, match=r"^hybrid_engine.enabled: .*PipelineModule"):
+        lightspeed.initialize(model=pipe, config=config(1, 0))
 
 
 def test_deepspeed_names():

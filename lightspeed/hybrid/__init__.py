@@ -1,7 +1,8 @@
 """DeepSpeed's RLHF hybrid engine: one ZeRO actor that trains and generates (`hybrid_engine.enabled`).
 
 Owns `HybridEngine` (engine.py: `generate`, `eval()` / `train()`, the timing line), LoRA fused for
-generation and restored exactly (lora.py), and `initialize`, which is `lightspeed.runtime`'s
+generation and restored exactly (lora.py), generation split over inference groups (tensor_parallel.py:
+`inference_tp_size`), and `initialize`, which is `lightspeed.runtime`'s
 `initialize` building a `HybridEngine` when the config enables the hybrid engine
 (`lightspeed.initialize` and `deepspeed.initialize` are this one).
 Must not: be imported by the training packages (it sits above runtime/, and is the one training-side

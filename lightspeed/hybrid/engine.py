@@ -1,7 +1,8 @@
 """`HybridEngine`: DeepSpeed's `DeepSpeedHybridEngine`, one engine that trains (any ZeRO stage) and
 generates (RLHF actors: DeepSpeed-Chat's step 3, TRL).
 
-Owns `generate` (the stage-3 weights gathered once per call, LoRA fused for its length, the model's own
+Owns `generate` (the stage-3 weights gathered once per call, LoRA fused for its length, with
+`inference_tp_size` > 1 the layers split over an inference group (tensor_parallel.py), the model's own
 `generate` run, then LoRA taken out exactly and the weights resharded), `eval()` / `train()` with
 DeepSpeed's per-iteration timing line, and the `hybrid_engine` config section's meaning.
 Must not: reach into the strategy beyond the stage-3 seam (`unshard` / `reshard` / `unsharded`), change
@@ -42,6 +43,8 @@ import torch
 from lightspeed._utils.accelerator import get_accelerator
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
+from lightspeed.config.errors import ConfigError
+from lightspeed.hybrid import tensor_parallel
 from lightspeed.hybrid.lora import fused_lora, lora_modules
 from lightspeed.runtime.engine import LightspeedEngine
 from lightspeed.runtime.strategy import strategy_places_params
@@ -91,6 +94,19 @@ class HybridEngine(LightspeedEngine):
         self._sync_rng()
         self.Z3_enabled = strategy_places_params(self.config)  # DeepSpeed's attribute name
         self.gather_all_layers = bool(self.hybrid_config.pin_parameters)
+        # generation split over groups of consecutive ranks (tensor_parallel.py's Note: [tp generation])
+        self._inference_comm = None
+        tp_size = self.hybrid_config.inference_tp_size
+        if tp_size > 1:
+            if self.Z3_enabled and not self.gather_all_layers:
+                raise ConfigError("hybrid_engine.inference_tp_size: splitting the layers for generation needs them "
+                                  "gathered first; set hybrid_engine.pin_parameters true (its default)")
+            try:
+                self._inference_comm = tensor_parallel.inference_groups(self.groups.world_size,
+                                                                        self.groups.world_rank, tp_size)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+        self.mp_group = None if self._inference_comm is None else self._inference_comm.group  # DeepSpeed's name
         # Note: [generate is the model's]
         self._module_generate = getattr(self.module, "generate", None)
         if callable(self._module_generate):
@@ -146,11 +162,18 @@ class HybridEngine(LightspeedEngine):
             self._total_batch_size = prompt.shape[0] * self.groups.world_size
         self._check_max_out_tokens(prompt, kwargs)
         t0 = time.perf_counter()
+        comm = self._inference_comm
+        if comm is not None:
+            inputs, kwargs, batch = tensor_parallel.join_prompts(comm, inputs, kwargs)
         gather = self.Z3_enabled and self.gather_all_layers
         with self.unsharded() if gather else contextlib.nullcontext():
             gathered_at = time.perf_counter()
             with fused_lora(self.module, enabled=gather or not self.Z3_enabled):
-                output = self._module_generate(*inputs, **kwargs)
+                with tensor_parallel.split_for_generation(self.module, comm) if comm is not None \
+                        else contextlib.nullcontext():
+                    output = self._module_generate(*inputs, **kwargs)
+        if comm is not None:
+            output = tensor_parallel.own_rows(output, comm, batch)
         if self.hybrid_config.release_inference_cache:
             gc.collect()
             get_accelerator().empty_cache()

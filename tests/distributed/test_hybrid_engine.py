@@ -3,7 +3,9 @@
 generates token for token what the whole model generates, the parameters go back to their shards, and
 training after a generation has the losses of training without one; DeepSpeed-Chat's LoRA layers (ZeRO-3
 and ZeRO-2) and PEFT's are fused for generation (the merged model's scores, bit for bit) and the weights
-are bit-identical afterwards. One world runs every scenario (few process start-ups)."""
+are bit-identical afterwards; with inference_tp_size 2 the two ranks generate together over their joined
+prompts, each getting its own rows, as the whole model generates them. One world runs every scenario (few
+process start-ups)."""
 
 from __future__ import annotations
 
@@ -160,12 +162,54 @@ def _lora(world: int, rank: int, stage: int, kind: str) -> dict:
             "num_scores": (len(out.scores), len(expected.scores)), "losses": losses, "ref_losses": ref_losses}
 
 
+def _tensor_parallel(world: int, rank: int, lora: bool) -> dict:
+    """inference_tp_size 2 over the two ranks: one generate over both ranks' prompts, each rank its rows."""
+    import lightspeed
+
+    adapt = dschat_lora if lora else (lambda m: m)
+    data, prompt = _batches(rank), _prompt(rank)
+    ref_engine, *_ = lightspeed.initialize(model=adapt(tiny_opt()), config=config(world, 3))
+    ref_losses = [_train(ref_engine, x) for x in data]
+
+    model = adapt(tiny_opt())
+    reference = copy.deepcopy(model)
+    engine, *_ = lightspeed.initialize(model=model, config=config(world, 3, inference_tp_size=2))
+    losses = [_train(engine, data[0])]
+    engine.eval()
+    before = _state(engine)
+    layers_before = [(n, type(m).__name__) for n, m in engine.module.named_modules()]
+    attention = engine.module.get_submodule("model.decoder.layers.0.self_attn")
+    seen = []  # what the attention's forwards find: this rank's slices of q and out
+    hook = attention.register_forward_pre_hook(lambda m, a: seen.append(
+        (type(m.q_proj).__name__, tuple(m.q_proj.weight.shape), tuple(m.out_proj.weight.shape))))
+    out = engine.generate(prompt, **GEN)
+    hook.remove()
+    with torch.no_grad():
+        via_module = engine.module.generate(prompt, attention_mask=torch.ones_like(prompt), max_length=5 + 6,
+                                            pad_token_id=PAD, synced_gpus=True)
+    after = _state(engine)
+    merged = _whole(engine, reference)
+    if lora:
+        from lightspeed.testing.lora import convert_lora_to_linear_layer
+
+        merged = convert_lora_to_linear_layer(merged)
+    with torch.no_grad():
+        expected = merged.generate(prompt, **GEN)
+    losses += [_train(engine, x) for x in data[1:]]
+    return {"out": out, "via_module": via_module, "expected": expected, "seen": seen,
+            "mp_group": engine.mp_group is not None,
+            "same_state": all(torch.equal(before[k], after[k]) for k in before),
+            "same_layers": layers_before == [(n, type(m).__name__) for n, m in engine.module.named_modules()],
+            "released_after": _released(engine), "losses": losses, "ref_losses": ref_losses}
+
+
 def _worker():
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
     return {"plain": _plain_zero3(world, rank), "dschat-z3": _lora(world, rank, 3, "dschat"),
-            "dschat-z2": _lora(world, rank, 2, "dschat"), "peft-z3": _lora(world, rank, 3, "peft")}
+            "dschat-z2": _lora(world, rank, 2, "dschat"), "peft-z3": _lora(world, rank, 3, "peft"),
+            "tp": _tensor_parallel(world, rank, False), "tp-lora": _tensor_parallel(world, rank, True)}
 
 
 @pytest.fixture(scope="module")
@@ -204,4 +248,15 @@ def test_lora_fused_for_generation_and_restored_exactly(results, case):
             assert r["released_after"]
         assert torch.equal(r["seq"], r["expected_seq"])
         assert r["num_scores"][0] == r["num_scores"][1] and r["scores_equal"]  # the merged model's, bit for bit
+        assert r["losses"] == r["ref_losses"]
+
+
+@pytest.mark.parametrize("case", ["tp", "tp-lora"])
+def test_inference_tp_size_2_generates_each_ranks_prompt_as_the_whole_model(results, case):
+    for r in (rank[case] for rank in results):
+        assert torch.equal(r["out"], r["expected"]), (r["out"], r["expected"])
+        assert torch.equal(r["via_module"], r["expected"])
+        assert r["same_state"] and r["same_layers"] and r["released_after"]
+        # every forward of the generate ran on this rank's half of the heads (hidden 32: q [16, 32], out [32, 16])
+        assert r["mp_group"] and r["seen"] == [("Linear", (16, 32), (32, 16))] * GEN["max_new_tokens"], r["seen"]
         assert r["losses"] == r["ref_losses"]

@@ -1,5 +1,5 @@
 """The hybrid engine in one process (a world of one): the `hybrid_engine` section (DeepSpeed's keys and
-defaults, the refused settings), which initialize() builds it, generate at stage 0 and at stage 3 with
+defaults, the refused settings, inference_tp_size's checks), which initialize() builds it, generate at stage 0 and at stage 3 with
 the gather machinery on (pinned and layer by layer), LoRA fused and restored exactly, max_out_tokens,
 the timing line, destroy, and the DeepSpeed names. World size 2 runs in
 tests/distributed/test_hybrid_engine.py."""
@@ -46,12 +46,16 @@ def test_enabled_loads_and_unbuilt_settings_are_refused_by_name():
     cfg = load({**BASE, "hybrid_engine": {"enabled": True, "max_out_tokens": 64, "release_inference_cache": True,
                                           "pin_parameters": False, "tp_gather_partition_size": 4}}, world_size=1)
     assert cfg.hybrid_engine.enabled and cfg.hybrid_engine.max_out_tokens == 64
-    with pytest.raises(NotImplementedError, match=r"^hybrid_engine.inference_tp_size=2 .*not implemented"):
-        load({**BASE, "hybrid_engine": {"enabled": True, "inference_tp_size": 2}}, world_size=1)
+    assert load({**BASE, "hybrid_engine": {"enabled": True, "inference_tp_size": 2}},
+                world_size=1).hybrid_engine.inference_tp_size == 2
+    with pytest.raises(NotImplementedError, match=r"^hybrid_engine.tp_gather_partition_size=4 .*not implemented"):
+        load({**BASE, "hybrid_engine": {"enabled": True, "inference_tp_size": 2, "tp_gather_partition_size": 4}},
+             world_size=1)
     with pytest.raises(NotImplementedError, match=r"^hybrid_engine.enable_cuda_graph=true is not implemented"):
         load({**BASE, "hybrid_engine": {"enabled": True, "enable_cuda_graph": True}}, world_size=1)
     # DeepSpeed reads the section only when the engine is enabled
-    load({**BASE, "hybrid_engine": {"inference_tp_size": 2, "enable_cuda_graph": True}}, world_size=1)
+    load({**BASE, "hybrid_engine": {"inference_tp_size": 2, "enable_cuda_graph": True, "tp_gather_partition_size": 4}},
+         world_size=1)
     with pytest.raises(ConfigError, match="hybrid_engine.max_out_token"):
         load({**BASE, "hybrid_engine": {"enabled": True, "max_out_token": 64}}, world_size=1)
     with pytest.raises(ConfigError, match="hybrid_engine.max_out_tokens"):
@@ -65,6 +69,10 @@ def test_initialize_builds_the_hybrid_engine_only_when_enabled():
     assert type(lightspeed.initialize(model=tiny_opt(), config=plain)[0]) is not HybridEngine
     with pytest.raises(ConfigError, match=r"^hybrid_engine.enabled: .*lightspeed.initialize"):
         runtime_initialize(model=tiny_opt(), config=config(1, 0))
+    with pytest.raises(ConfigError, match=r"^hybrid_engine.inference_tp_size: 2 does not divide the world size 1"):
+        lightspeed.initialize(model=tiny_opt(), config=config(1, 0, inference_tp_size=2))
+    with pytest.raises(ConfigError, match=r"^hybrid_engine.inference_tp_size: .*pin_parameters true"):
+        lightspeed.initialize(model=tiny_opt(), config=config(1, 3, inference_tp_size=2, pin_parameters=False))
     from lightspeed.parallel.pipeline import PipelineModule
 
     pipe = PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1, loss_fn=torch.nn.MSELoss())

@@ -1,7 +1,7 @@
 """The hybrid engine in one process (a world of one): the `hybrid_engine` section (DeepSpeed's keys and
-defaults, the refused settings, inference_tp_size's checks), which initialize() builds it, generate at stage 0 and at stage 3 with
-the gather machinery on (pinned and layer by layer), LoRA fused and restored exactly, max_out_tokens,
-the timing line, destroy, and the DeepSpeed names. World size 2 runs in
+defaults, the refused settings, inference_tp_size's checks), which initialize() builds it, generate at
+stage 0 and at stage 3 with the gather machinery on (pinned and layer by layer), LoRA fused and restored
+exactly, max_out_tokens, the timing line, destroy, and the DeepSpeed names. World size 2 runs in
 tests/distributed/test_hybrid_engine.py."""
 
 import copy
@@ -25,6 +25,11 @@ from tests.distributed.test_hybrid_engine import GEN, RELEASE_ALL, config, dscha
 from tests.distributed.test_stage3 import GatherCounter  # noqa: E402
 
 BASE = {"train_batch_size": 2}
+
+
+def _init(model, cfg, initialize=lightspeed.initialize):
+    """A world of one without a process group (none is left behind for later tests)."""
+    return initialize(model=model, config=cfg, dist_init_required=False)
 
 
 @pytest.fixture(autouse=True)
@@ -63,21 +68,21 @@ def test_enabled_loads_and_unbuilt_settings_are_refused_by_name():
 
 
 def test_initialize_builds_the_hybrid_engine_only_when_enabled():
-    engine, *_ = lightspeed.initialize(model=tiny_opt(), config=config(1, 0))
+    engine, *_ = _init(tiny_opt(), config(1, 0))
     assert type(engine) is HybridEngine
     plain = {**config(1, 0), "hybrid_engine": {"enabled": False}}
-    assert type(lightspeed.initialize(model=tiny_opt(), config=plain)[0]) is not HybridEngine
+    assert type(_init(tiny_opt(), plain)[0]) is not HybridEngine
     with pytest.raises(ConfigError, match=r"^hybrid_engine.enabled: .*lightspeed.initialize"):
-        runtime_initialize(model=tiny_opt(), config=config(1, 0))
+        _init(tiny_opt(), config(1, 0), runtime_initialize)
     with pytest.raises(ConfigError, match=r"^hybrid_engine.inference_tp_size: 2 does not divide the world size 1"):
-        lightspeed.initialize(model=tiny_opt(), config=config(1, 0, inference_tp_size=2))
+        _init(tiny_opt(), config(1, 0, inference_tp_size=2))
     with pytest.raises(ConfigError, match=r"^hybrid_engine.inference_tp_size: .*pin_parameters true"):
-        lightspeed.initialize(model=tiny_opt(), config=config(1, 3, inference_tp_size=2, pin_parameters=False))
+        _init(tiny_opt(), config(1, 3, inference_tp_size=2, pin_parameters=False))
     from lightspeed.parallel.pipeline import PipelineModule
 
     pipe = PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1, loss_fn=torch.nn.MSELoss())
     with pytest.raises(ConfigError, match=r"^hybrid_engine.enabled: .*PipelineModule"):
-        lightspeed.initialize(model=pipe, config=config(1, 0))
+        _init(pipe, config(1, 0))
 
 
 def test_deepspeed_names():
@@ -109,7 +114,7 @@ def test_generate_with_lora_fuses_and_restores_exactly(stage, bf16, zero):
     cfg = {**config(1, stage), "bf16": {"enabled": bf16}}
     if zero is not None:
         cfg["zero_optimization"] = zero
-    engine, *_ = lightspeed.initialize(model=model, config=cfg)
+    engine, *_ = _init(model, cfg)
     assert len(lora_modules(engine.module)) == 12
     x = torch.randint(4, 96, (2, 8))
     loss = engine(input_ids=x, labels=x).loss
@@ -145,7 +150,7 @@ def test_unpinned_stage3_gathers_layer_by_layer_and_generates_the_same():
     model = tiny_opt()
     reference = copy.deepcopy(model)
     cfg = config(1, 3, pin_parameters=False, release_inference_cache=True)
-    engine, *_ = lightspeed.initialize(model=model, config=cfg)
+    engine, *_ = _init(model, cfg)
     engine.eval()
     counter = GatherCounter(engine.strategy.groups)
     prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3))
@@ -156,7 +161,7 @@ def test_unpinned_stage3_gathers_layer_by_layer_and_generates_the_same():
 
 
 def test_max_out_tokens_bounds_a_generate_call():
-    engine, *_ = lightspeed.initialize(model=tiny_opt(), config=config(1, 0, max_out_tokens=10))
+    engine, *_ = _init(tiny_opt(), config(1, 0, max_out_tokens=10))
     prompt = torch.randint(4, 96, (1, 5))
     assert engine.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=1).shape[1] <= 10
     with pytest.raises(ValueError, match=r"^hybrid_engine.max_out_tokens: .* 11 tokens"):
@@ -170,7 +175,7 @@ def test_timing_line_at_eval(caplog):
     logger.addHandler(caplog.handler)
     caplog.set_level(logging.INFO, logger="lightspeed")
     try:
-        engine, *_ = lightspeed.initialize(model=tiny_opt(), config=config(1, 0))
+        engine, *_ = _init(tiny_opt(), config(1, 0))
         prompt = torch.randint(4, 96, (2, 5))
         for _ in range(2):
             engine.eval()
@@ -190,10 +195,10 @@ def test_timing_line_at_eval(caplog):
 
 
 def test_model_without_generate_and_destroy():
-    engine, *_ = lightspeed.initialize(model=torch.nn.Linear(4, 4), config=config(1, 0))
+    engine, *_ = _init(torch.nn.Linear(4, 4), config(1, 0))
     with pytest.raises(TypeError, match="has no generate method"):
         engine.generate(torch.zeros(1, 4))
-    engine, *_ = lightspeed.initialize(model=tiny_opt(), config=config(1, 0))
+    engine, *_ = _init(tiny_opt(), config(1, 0))
     model = engine.module
     calls = []
     engine.generate = lambda *a, **k: calls.append(a)  # what the model's generate reaches

@@ -45,7 +45,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.config.errors import ConfigError
 from lightspeed.hybrid import tensor_parallel
-from lightspeed.hybrid.lora import fused_lora, lora_modules
+from lightspeed.hybrid.lora import fused_lora, is_dschat_lora, lora_modules
 from lightspeed.runtime.engine import LightspeedEngine
 from lightspeed.runtime.strategy import strategy_places_params
 
@@ -101,6 +101,9 @@ class HybridEngine(LightspeedEngine):
             if self.Z3_enabled and not self.gather_all_layers:
                 raise ConfigError("hybrid_engine.inference_tp_size: splitting the layers for generation needs them "
                                   "gathered first; set hybrid_engine.pin_parameters true (its default)")
+            if any(not is_dschat_lora(m) for m in lora_modules(self.module)):
+                raise NotImplementedError("hybrid_engine.inference_tp_size > 1 with PEFT LoRA layers is not "
+                                          "implemented (DeepSpeed-Chat's LoRA layers are split)")
             try:
                 self._inference_comm = tensor_parallel.inference_groups(self.groups.world_size,
                                                                         self.groups.world_rank, tp_size)
@@ -153,8 +156,10 @@ class HybridEngine(LightspeedEngine):
         """DeepSpeed's `engine.generate`: the model's own `generate(*inputs, **kwargs)`, with the ZeRO-3
         weights gathered once for the whole call (Note: [pin_parameters]) and every LoRA adapter fused
         into its base weight; afterwards LoRA is taken out exactly and the weights go back to their
-        shards (also on an exception). A collective at stage 3: every rank calls it. Returns what the
-        model's `generate` returns."""
+        shards (also on an exception). With `inference_tp_size` > 1 the ranks of an inference group
+        generate together over their joined prompts, each on its slices of the layers, and each gets its
+        own rows (tensor_parallel.py). A collective at stage 3 or with inference_tp_size > 1: every rank
+        calls it. Returns what the model's `generate` returns."""
         if not callable(self._module_generate):
             raise TypeError(f"engine.generate: the model ({type(self.module).__name__}) has no generate method")
         prompt = _prompt(inputs, kwargs)

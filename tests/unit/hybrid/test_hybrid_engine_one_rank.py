@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 transformers = pytest.importorskip("transformers")
 
-from tests.distributed.test_hybrid_engine import GEN, RELEASE_ALL, config, dschat_lora, tiny_opt  # noqa: E402
+from tests.distributed.test_hybrid_engine import GEN, RELEASE_ALL, config, dschat_lora, peft_lora, tiny_opt  # noqa: E402
 from tests.distributed.test_stage3 import GatherCounter  # noqa: E402
 
 BASE = {"train_batch_size": 2}
@@ -78,6 +78,9 @@ def test_initialize_builds_the_hybrid_engine_only_when_enabled():
         _init(tiny_opt(), config(1, 0, inference_tp_size=2))
     with pytest.raises(ConfigError, match=r"^hybrid_engine.inference_tp_size: .*pin_parameters true"):
         _init(tiny_opt(), config(1, 3, inference_tp_size=2, pin_parameters=False))
+    pytest.importorskip("peft")
+    with pytest.raises(NotImplementedError, match=r"^hybrid_engine.inference_tp_size > 1 with PEFT"):
+        _init(peft_lora(tiny_opt()), config(1, 0, inference_tp_size=2))
     from lightspeed.parallel.pipeline import PipelineModule
 
     pipe = PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1, loss_fn=torch.nn.MSELoss())

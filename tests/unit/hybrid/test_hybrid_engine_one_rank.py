@@ -15,7 +15,7 @@ from lightspeed.config import ConfigError, load
 from lightspeed.hybrid import HybridEngine, fused_lora, lora_modules
 from lightspeed.runtime.initialize import initialize as runtime_initialize
 from lightspeed.testing.lora import LinearLayer_LoRA, convert_lora_to_linear_layer
-from lightspeed.zero.stage3 import strategy as stage3_strategy
+from lightspeed.zero.stage3 import options as stage3_options
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +36,7 @@ def _init(model, cfg, initialize=lightspeed.initialize):
 def gather_machinery_at_one_rank(monkeypatch):
     """At a world of one, stage 3's parameters would view their shards (never gathered); turn that off so
     the gather / release path runs as at any larger world."""
-    monkeypatch.setattr(stage3_strategy, "ONE_RANK_VIEWS", False)
+    monkeypatch.setattr(stage3_options, "ONE_RANK_VIEWS", False)
 
 
 # ------------------------------------------------------------------ config

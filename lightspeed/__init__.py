@@ -4,8 +4,9 @@ __version__ = "0.1.0"
 
 
 def initialize(*args, **kwargs):
-    """See :func:`lightspeed.runtime.initialize.initialize` (imported lazily to keep import light)."""
-    from lightspeed.runtime.initialize import initialize as _initialize
+    """See :func:`lightspeed.runtime.initialize.initialize` (imported lazily to keep import light); with
+    `hybrid_engine.enabled` the engine is a :class:`lightspeed.hybrid.HybridEngine`."""
+    from lightspeed.hybrid import initialize as _initialize
 
     return _initialize(*args, **kwargs)
 

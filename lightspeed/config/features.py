@@ -179,7 +179,7 @@ class AutotuningConfig(Section):
 
 
 class HybridEngineConfig(Section):
-    """``hybrid_engine``: switch between training and inference kernels (RLHF actors)."""
+    """``hybrid_engine``: one engine that trains and generates (RLHF actors; built by ``lightspeed.hybrid``)."""
 
     enabled: Bool = False
     max_out_tokens: PosInt = 512

@@ -179,11 +179,13 @@ def _place(model: torch.nn.Module, device: torch.device, policy) -> None:
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
                dist_init_required: bool | None = None, collate_fn=None, config=None, config_params=None,
-               mesh_param=None):
+               mesh_param=None, hybrid_engine_class: type[LightspeedEngine] | None = None):
     """Returns `(engine, optimizer, training_dataloader, lr_scheduler)`, as `deepspeed.initialize`.
 
     `config` (or `config_params`, or `args.deepspeed_config`) is a dict, a JSON/HJSON file path or a
     JSON string; `optimizer` and `lr_scheduler` may be instances, callables, or come from the config.
+    `hybrid_engine_class`: the engine built when `hybrid_engine.enabled` is true (lightspeed.hybrid's
+    `HybridEngine`, which `lightspeed.initialize` passes; this layer cannot import it).
     """
     if model is None:
         raise ArgumentAssertionError("initialize(): `model` is required")
@@ -200,6 +202,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     record_topology(topology)  # for deepspeed.utils.groups' argument-less functions
     groups = ParallelGroups.from_topology(topology)
     cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
+    if cfg.hybrid_engine.enabled:
+        if pipeline:
+            raise ConfigError("hybrid_engine.enabled: the hybrid engine generates with a whole model; a PipelineModule "
+                              "is not supported (DeepSpeed builds its pipeline engine instead)")
+        if hybrid_engine_class is None:
+            raise ConfigError("hybrid_engine.enabled: lightspeed.runtime.initialize builds training engines only; "
+                              "call lightspeed.initialize (or deepspeed.initialize), which builds the hybrid engine")
     apply_config_timeout(cfg.comm.timeout_seconds)
     heartbeat.set_stall_seconds(cfg.comm.stall_seconds)
     policy = policy_from_config(cfg)
@@ -254,7 +263,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         "world size": groups.world_size, "data parallel size": groups.dp_world_size,
         "batch size per GPU": cfg.train_micro_batch_size_per_gpu,
         "gradient accumulation steps": cfg.gradient_accumulation_steps, "samples per step": cfg.train_batch_size})
-    engine_class = PipelineEngine if pipeline else LightspeedEngine
+    engine_class = PipelineEngine if pipeline else hybrid_engine_class if cfg.hybrid_engine.enabled \
+        else LightspeedEngine
     engine = engine_class(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
                               strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
                               loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler,

@@ -26,6 +26,7 @@ _SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "compressio
 # name -> (module, attribute), imported on first access
 _LAZY = {
     "DeepSpeedEngine": ("lightspeed.compat.deepspeed.runtime.engine", "DeepSpeedEngine"),
+    "DeepSpeedHybridEngine": ("lightspeed.compat.deepspeed.runtime.hybrid_engine", "DeepSpeedHybridEngine"),
     "DeepSpeedConfig": ("lightspeed.compat.deepspeed.runtime.config", "DeepSpeedConfig"),
     "DeepSpeedConfigError": ("lightspeed.compat.deepspeed.runtime.config", "DeepSpeedConfigError"),
     "get_accelerator": ("lightspeed.compat.deepspeed.accelerator", "get_accelerator"),
@@ -44,8 +45,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     `EngineOptimizer` view of `engine.optimizer` with DeepSpeed's `overflow` flag. At ZeRO stage 3,
     `engine.optimizer.parameter_offload` is DeepSpeed's owner of the module hooks, as a view over the
     engine (runtime/zero/parameter_offload.py)."""
+    from lightspeed.hybrid import initialize as _initialize
     from lightspeed.runtime.engine_optimizer import EngineOptimizer
-    from lightspeed.runtime.initialize import initialize as _initialize
 
     engine, optimizer, loader, scheduler = _initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
@@ -93,5 +94,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'deepspeed' (lightspeed {__name__}) has no attribute {name!r}")
 
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "OnDevice", "add_config_arguments", "get_accelerator",
-           "init_distributed", "init_inference", "initialize", "logger", "tp_model_init", "__version__", *_SUBMODULES]
+__all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "DeepSpeedHybridEngine", "OnDevice", "add_config_arguments",
+           "get_accelerator", "init_distributed", "init_inference", "initialize", "logger", "tp_model_init",
+           "__version__", *_SUBMODULES]

@@ -1,10 +1,10 @@
-"""`deepspeed.runtime`: the engine, config, data loader, LR schedules and ZeRO under DeepSpeed's module
-paths. Submodules load on first use."""
+"""`deepspeed.runtime`: the engine, the hybrid engine, config, data loader, LR schedules and ZeRO under
+DeepSpeed's module paths. Submodules load on first use."""
 
 import importlib
 
-_SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "lr_schedules", "pipe", "precision_config",
-               "sequence_parallel", "utils", "zero")
+_SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "hybrid_engine", "lr_schedules", "pipe",
+               "precision_config", "sequence_parallel", "utils", "zero")
 
 
 def __getattr__(name: str):

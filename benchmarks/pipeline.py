@@ -299,7 +299,8 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(REPO))
     tput_m = args.throughput_m or args.micro_batches
     print(f"model: {args.layers} x relu(Linear({args.width}, {args.width})), micro-batch {args.rows} rows, fp32, "
-          f"SGD, ZeRO-0; CPU gloo, 1 thread per rank, {os.cpu_count()} cores; torch {torch.__version__}")
+          f"SGD, ZeRO-0; CPU gloo, 1 thread per rank, {os.cpu_count()} cores; torch {torch.__version__}; "
+          f"load average at start {os.getloadavg()[0]:.2f}")
     for pp in args.pp:
         cases = [] if args.no_bubble else [(s, m, "bubble") for s in args.schedules for m in args.micro_batches]
         ls_tput = ("1f1b", "zbv_zero_bubble")
@@ -334,6 +335,7 @@ def main(argv=None) -> None:
                 ratio = f"{base['ms_per_step'] / r['ms_per_step']:.2f}x" if base else "n/a"
                 print(f"{name:<34}{m:>4}{r['ms_per_step']:>10.1f}{sps:>11.1f}{ratio:>14}  "
                       f"{r['loss_first']:.5f} -> {r['loss_last']:.5f}")
+        print(f"load average after pp={pp}: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ def _lightspeed_world(args_dict: dict, cases: list, pp: int) -> list[dict]:
         data = batches(args, m)
         losses, runs, busies = [], [], []
 
-        def step():
+        def step(engine=engine, data=data):
             clock["busy"] = clock["run"] = 0.0
             losses.append(float(engine.train_batch(iter(data))))
             runs.append(clock["run"])

@@ -321,8 +321,8 @@ def main(argv=None) -> None:
                     th = theory(s, pp, m)
                     print(f"{s:<25}{m:>4}{mean:>10.3f}{max(x['bubble'] for x in r):>8.3f}{th:>9.3f}"
                           f"{mean - th:>+12.3f}{r[0]['run_ms']:>9.1f}{r[0]['busy_ms']:>9.1f}{r[0]['ms_per_step']:>9.1f}")
-        ds = {} if args.no_deepspeed else run_deepspeed(argparse.Namespace(**{**vars(args), "micro_batches": tput_m}),
-                                                        pp)
+        ds_args = argparse.Namespace(**{**vars(args), "micro_batches": tput_m})
+        ds = {} if args.no_deepspeed else run_deepspeed(ds_args, pp)
         print(f"\n== samples/s, pp={pp}{contended}: train_batch, rank 0, median window "
               f"(lightspeed worlds {ls_s:.0f} s)")
         print(f"{'run':<34}{'m':>4}{'ms/step':>10}{'samples/s':>11}{'vs DeepSpeed':>14}  loss first -> last")

@@ -1,7 +1,8 @@
 """Pipeline-parallel scripts through the `lightspeed` launcher on 2 CPU processes (gloo, pp=2):
 examples/pipeline_gpt.py as its docstring launches it, and DeepSpeedExamples' unchanged
 training/pipeline_parallelism/train.py (tests/fixtures/deepspeedexamples_pipeline: its data made
-synthetic, README.md there) under `--as_deepspeed`. Each must exit 0 with its loss falling."""
+synthetic, README.md there) under `--as_deepspeed`. Each must exit 0; the example's loss falls, the
+DeepSpeed script's follows real DeepSpeed's."""
 
 import json
 import math
@@ -34,19 +35,23 @@ def test_pipeline_gpt_example_trains(tmp_path, home):
 
 @pytest.mark.no_real_deepspeed
 def test_deepspeedexamples_pipeline_script_trains_as_deepspeed(tmp_path, home):
-    # the vendored ds_config.json, its batch cut to 4 micro-batches of 8 and its loss printed every step
+    """Real DeepSpeed's losses on the same files (expected_deepspeed.json): the same first two steps
+    (same weights, data order and dropout masks); after two Adam steps the optimizers' rounding differs.
+    Neither run's loss falls within 8 steps (AlexNet from scratch, Adam at 1e-3): "trains" here is
+    DeepSpeed's own trajectory, every step's loss finite and changing."""
+    expected = json.loads((DSX / "expected_deepspeed.json").read_text())
     config = json.loads((DSX / "ds_config.json").read_text())
-    config.update(train_batch_size=32, steps_per_print=1)
+    config.update(expected["config_changes"])  # 4 micro-batches of 8, the loss logged every step
     (tmp_path / "ds_config.json").write_text(json.dumps(config))
     proc = run_cli(["--as_deepspeed", "--num_procs", 2, DSX / "train.py", "--deepspeed_config",
-                    tmp_path / "ds_config.json", "-p", 2, "--steps", 6, "--backend", "gloo"], tmp_path, home,
+                    tmp_path / "ds_config.json", "-p", 2, "--steps", 4, "--backend", "gloo"], tmp_path, home,
                    timeout=240, LIGHTSPEED_ACCELERATOR="cpu", SYNTHETIC_CIFAR_SIZE="64")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, _fail(proc)
     assert "registered lightspeed as deepspeed" in out
     assert "micro batch 8 x 4 accumulation steps = 32 global" in out, _fail(proc)
     losses = [float(v) for v in re.findall(r"step \d+: loss (\S+)", out)]
-    assert len(losses) == 6, _fail(proc)
-    assert all(math.isfinite(x) for x in losses)
-    assert losses[0] == pytest.approx(math.log(10), abs=0.1)  # ten classes, untrained
-    assert min(losses[3:]) < losses[0]
+    assert len(losses) == 4, _fail(proc)
+    assert losses[:2] == pytest.approx(expected["losses"][:2], abs=5e-4)
+    assert all(math.isfinite(x) and abs(x - math.log(10)) < 1.0 for x in losses[2:])
+    assert len(set(losses)) == 4

@@ -35,8 +35,11 @@ Part 2, samples/s: `train_batch` (the whole step: data, schedule, loss broadcast
 the same model, initial weights, data, micro-batch size and count, `torch.optim.SGD` built by both engines
 from the same callable, ZeRO-0, fp32. DeepSpeed runs in its own environment (an interpreter
 where `import deepspeed` works: `--deepspeed-python`, default the venv of
-lightspeed.testing.deepspeed_env) in a subprocess with DS_ACCELERATOR=cpu; lightspeed never imports
-it. samples/s = m x rows / (ms per step), the median of `--repeats` windows of `--steps` steps on rank 0.
+lightspeed.testing.deepspeed_env; or this interpreter with `--deepspeed-path` on its PYTHONPATH) in a
+subprocess with DS_ACCELERATOR=cpu; lightspeed never imports it. samples/s = m x rows / (ms per step),
+the median of `--repeats` windows of `--steps` steps on rank 0. `--rounds` rounds alternate a lightspeed
+world and a DeepSpeed world (on a shared machine a neighbour's load then falls on both); the table gives
+the median over rounds of each ms/step and of each round's ratio, with the ratios' range.
 """
 
 from __future__ import annotations
@@ -236,6 +239,8 @@ def _ds_child(args) -> None:
 
 def run_deepspeed(args, pp: int) -> dict[int, dict]:
     python = args.deepspeed_python
+    if python is None and args.deepspeed_path:
+        python = sys.executable
     if python is None:
         sys.path.insert(0, str(REPO))
         from lightspeed.testing import deepspeed_env
@@ -245,7 +250,7 @@ def run_deepspeed(args, pp: int) -> dict[int, dict]:
             print(f"DeepSpeed not measured: {deepspeed_env.missing_reason()}")
             return {}
         python = str(found)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH="")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=args.deepspeed_path)
     passthrough = ["--width", args.width, "--layers", args.layers, "--rows", args.rows, "--warmup", args.warmup,
                    "--steps", args.steps, "--repeats", args.repeats, "--micro-batches", *args.micro_batches]
     proc = subprocess.run([python, __file__, "--ds-child", str(pp), *map(str, passthrough)], env=env,
@@ -290,6 +295,9 @@ def main(argv=None) -> None:
     ap.add_argument("--deepspeed-python", default=None, help="an interpreter that imports deepspeed")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-bubble", action="store_true", help="only the samples/s table")
+    ap.add_argument("--no-throughput", action="store_true", help="only the bubble table")
+    ap.add_argument("--rounds", type=int, default=3, help="samples/s: alternating lightspeed/DeepSpeed rounds")
+    ap.add_argument("--deepspeed-path", default="", help="PYTHONPATH of the DeepSpeed child (default: none)")
     ap.add_argument("--timeout", type=float, default=3000)
     ap.add_argument("--ds-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -302,15 +310,10 @@ def main(argv=None) -> None:
           f"SGD, ZeRO-0; CPU gloo, 1 thread per rank, {os.cpu_count()} cores; torch {torch.__version__}; "
           f"load average at start {os.getloadavg()[0]:.2f}")
     for pp in args.pp:
-        cases = [] if args.no_bubble else [(s, m, "bubble") for s in args.schedules for m in args.micro_batches]
-        ls_tput = ("1f1b", "zbv_zero_bubble")
-        cases += [(s, m, "tput") for s in ls_tput for m in tput_m if (s, m, "bubble") not in cases]
-        t0 = time.perf_counter()
-        rows = run_lightspeed(args, pp, cases)
-        ls_s = time.perf_counter() - t0
-        by = {(r[0]["schedule"], r[0]["m"]): r for r in rows}
         contended = " (contended: more ranks than cores)" if pp > (os.cpu_count() or 1) else ""
         if not args.no_bubble:
+            cases = [(s, m, "bubble") for s in args.schedules for m in args.micro_batches]
+            by = {(r[0]["schedule"], r[0]["m"]): r for r in run_lightspeed(args, pp, cases)}
             print(f"\n== bubble, pp={pp}{contended}: 1 - busy/run per rank, mean over ranks (max), median step")
             print(f"{'schedule':<25}{'m':>4}{'measured':>10}{'(max)':>8}{'theory':>9}{'meas-theory':>12}"
                   f"{'run ms':>9}{'busy ms':>9}{'step ms':>9}")
@@ -319,24 +322,49 @@ def main(argv=None) -> None:
                     r = by[(s, m)]
                     mean = sum(x["bubble"] for x in r) / len(r)
                     th = theory(s, pp, m)
-                    print(f"{s:<25}{m:>4}{mean:>10.3f}{max(x['bubble'] for x in r):>8.3f}{th:>9.3f}"
-                          f"{mean - th:>+12.3f}{r[0]['run_ms']:>9.1f}{r[0]['busy_ms']:>9.1f}{r[0]['ms_per_step']:>9.1f}")
+                    worst = max(x["bubble"] for x in r)
+                    print(f"{s:<25}{m:>4}{mean:>10.3f}{worst:>8.3f}{th:>9.3f}{mean - th:>+12.3f}"
+                          f"{r[0]['run_ms']:>9.1f}{r[0]['busy_ms']:>9.1f}{r[0]['ms_per_step']:>9.1f}")
+        if args.no_throughput:
+            continue
+        # samples/s: rounds alternate lightspeed's world and DeepSpeed's, so a neighbour's load on a shared
+        # machine lands on both; per m, the median over rounds of each ms/step and of each round's ratio
+        ls_tput = ("1f1b", "zbv_zero_bubble")
         ds_args = argparse.Namespace(**{**vars(args), "micro_batches": tput_m})
-        ds = {} if args.no_deepspeed else run_deepspeed(ds_args, pp)
-        print(f"\n== samples/s, pp={pp}{contended}: train_batch, rank 0, median window "
-              f"(lightspeed worlds {ls_s:.0f} s)")
-        print(f"{'run':<34}{'m':>4}{'ms/step':>10}{'samples/s':>11}{'vs DeepSpeed':>14}  loss first -> last")
-        for m in tput_m:
-            base = ds.get(m)
-            lines = [(f"DeepSpeed {base['version']} PipelineEngine", base)] if base else []
-            lines += [(f"lightspeed {s}", by[(s, m)][0]) for s in ls_tput]
-            for name, r in lines:
-                sps = m * args.rows / (r["ms_per_step"] / 1e3)
-                ratio = f"{base['ms_per_step'] / r['ms_per_step']:.2f}x" if base else "n/a"
-                print(f"{name:<34}{m:>4}{r['ms_per_step']:>10.1f}{sps:>11.1f}{ratio:>14}  "
-                      f"{r['loss_first']:.5f} -> {r['loss_last']:.5f}")
-        print(f"load average after pp={pp}: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
+        rounds = []
+        for _ in range(args.rounds):
+            rows = run_lightspeed(args, pp, [(s, m, "tput") for s in ls_tput for m in tput_m])
+            ls = {(r[0]["schedule"], r[0]["m"]): r[0] for r in rows}
+            ds = {} if args.no_deepspeed else run_deepspeed(ds_args, pp)
+            rounds.append((ls, ds))
 
+        def med(xs):
+            xs = sorted(xs)
+            return xs[len(xs) // 2] if xs else float("nan")
+
+        print(f"\n== samples/s, pp={pp}{contended}: train_batch, rank 0; median over {args.rounds} rounds "
+              f"(each: the median of {args.repeats} windows of {args.steps} steps)")
+        print(f"{'run':<34}{'m':>4}{'ms/step':>10}{'samples/s':>11}{'vs DeepSpeed':>14}{'(rounds)':>19}  loss")
+        version = next((d[m]["version"] for _, d in rounds for m in d), None)
+        for m in tput_m:
+            ds_ms = [d[m]["ms_per_step"] for _, d in rounds if m in d]
+            lines = [(f"DeepSpeed {version} PipelineEngine", ds_ms, None, [d[m] for _, d in rounds if m in d])]
+            lines = lines if ds_ms else []
+            for s in ls_tput:
+                ms = [ls[(s, m)]["ms_per_step"] for ls, _ in rounds]
+                ratios = [d[m]["ms_per_step"] / ls[(s, m)]["ms_per_step"] for ls, d in rounds if m in d]
+                lines.append((f"lightspeed {s}", ms, ratios, [ls[(s, m)] for ls, _ in rounds]))
+            for name, ms, ratios, rs in lines:
+                sps = m * args.rows / (med(ms) / 1e3)
+                if ratios is None:
+                    ratio, spread = "1.00", ""
+                elif ratios:
+                    ratio, spread = f"{med(ratios):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x"
+                else:
+                    ratio, spread = "n/a", ""
+                print(f"{name:<34}{m:>4}{med(ms):>10.1f}{sps:>11.1f}{ratio:>14}{spread:>19}  "
+                      f"{rs[0]['loss_first']:.5f} -> {rs[0]['loss_last']:.5f}")
+        print(f"load average after pp={pp}: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 if __name__ == "__main__":
     main()

@@ -11,8 +11,9 @@ are contended (the bubble's busy time then counts time a stage waited for a core
 Model: `--layers` blocks of `relu(Linear(width, width))` (LayerSpec each, partition "uniform"), inputs
 and targets `randn(rows, width)`, MSE loss: a sleep-free matmul stack whose three GEMMs per layer and
 micro-batch (forward, input gradient, weight gradient) are of equal size, so T_F = T_B = T_W, the
-zero-bubble papers' assumption. At the defaults one micro-batch through one stage of pp=2 takes ~50 ms
-(forward + backward, one core), against well under 1 ms of gloo send/recv of its 128 KiB activation.
+zero-bubble papers' assumption. At the defaults one micro-batch through one stage of pp=2 takes 12-25 ms
+on one core of the 2-core machine the figures in BENCHMARKS.md come from (forward + backward), against
+well under 1 ms of gloo send/recv of its 128 KiB activation; `--width`, `--layers`, `--rows` scale it.
 
 Part 1, the bubble (lightspeed only). In each rank, the compute of every schedule action is timed
 (`forward_one_chunk`, `backward_one_chunk`, `backward_weight_one_chunk` of torch's pipeline stage,
@@ -27,8 +28,7 @@ timed steps after `--warmup`. Theory, for equal stages and T_F = T_B = T_W, as t
   1F1B's at equal times: (p-1) / (3m+p-1). torch's interleaved zero bubble is ZB1P over v stages per
   rank; its line here, ((p-1)/v) / (3m + (p-1)/v), takes interleaving's 1/v onto ZB1P's (our
   extrapolation, not the paper's figure). ZB-V (two stages per rank in a V) is bubble-free at
-  T_F = T_B = T_W: 0, plus its warm-up and cool-down ramps when m is small next to p (the paper's
-  schedule reaches zero only for m >= 2p).
+  T_F = T_B = T_W: 0.
 Gloo's p2p time counts as bubble; at these sizes it is under 1% of a step.
 
 Part 2, samples/s: `train_batch` (the whole step: data, schedule, loss broadcast, optimizer step) with

@@ -273,7 +273,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     dataloader = None
     if training_data is not None:
-        dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+        sampler = None
+        if pipeline and not isinstance(training_data, torch.utils.data.IterableDataset):
+            # DeepSpeed's PipelineEngine reads its training data in order (DistributedSampler, shuffle=False)
+            sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=groups.dp_world_size,
+                                                          rank=groups.dp_rank, shuffle=False)
+        dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn, data_sampler=sampler)
         engine.training_dataloader = dataloader
     logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, sp %d, micro batch %d x %d accumulation "
                 "steps = %d global, device %s", cfg.zero_optimization.stage, policy.param_dtype,

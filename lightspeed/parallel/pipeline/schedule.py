@@ -107,7 +107,8 @@ class PipelineDriver:
         """Every local stage's input and output examples, from the first micro-batch (the Note on shapes)."""
         mine = {c.stage: c for c in self.module.chunks}
         examples, carried = {}, None
-        with torch.no_grad():
+        # forked RNG: a probe through dropout draws no numbers the first training step would have drawn
+        with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for stage in range(self.num_stages):
                 if stage not in mine:
                     continue

@@ -131,7 +131,8 @@ def _world2():
 
 
 def _world4():
-    return {"dp2": _train("A_pp2_dp2_z1")[0], "tied_dp2": _train("B_tied_pp2_dp2_z1")[0],
+    return {"dp2": _train("A_pp2_dp2_z1")[0], "dp2_z2": _train("A_pp2_dp2_z1", stage=2)[0],
+            "tied_dp2": _train("B_tied_pp2_dp2_z1")[0],
             "pp4": _train("A_pp2_z1", pp=4)[:2], "pp4_zbv": _train("A_pp2_z1", pp=4, schedule="zbv_zero_bubble")[:2],
             "pp4_z2": _train("A_pp2_z1", pp=4, stage=2)[0], "tp2": _train("B_tied_pp2_z1", extra={"tensor_parallel": TP_PLAN})[0]}
 
@@ -176,6 +177,7 @@ def test_pp2_schedules_stages_and_tied_follow_deepspeed():
 def test_pp4_dp2_and_tp2_follow_deepspeed():
     out = run_world(_world4, 4)[0]
     _close(out["dp2"], _expected("A_pp2_dp2_z1")["losses"], 1e-6)
+    _close(out["dp2_z2"], _expected("A_pp2_dp2_z1")["losses"], 1e-6)
     _close(out["tied_dp2"], _expected("B_tied_pp2_dp2_z1")["losses"], 1e-5)
     want = _expected("A_pp2_z1")["losses"]
     assert out["pp4"][1] == [0, 2, 4, 6, 8]

@@ -189,10 +189,10 @@ class Coordinator:
         for g in groups:
             g.wait()
 
-    def release(self, g: ParamGroup, force: bool = False) -> None:
+    def release(self, g: ParamGroup, force: bool = False, hand_over: bool = False) -> None:
         if g.state == RELEASED or g.always_gathered or (not force and (g.pins > 0 or g.persistent)):
             return
-        g.release()
+        g.release(hand_over=hand_over)
         self.live_numel -= g.numel
 
     def release_all(self, force: bool = False) -> None:

@@ -212,6 +212,11 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         finally:
             self._inside_no_sync = False
 
+    def _as_forward(self, method):
+        """A `forward_*` method of the module, reached through the engine (module_passthrough.py's Note:
+        [forward methods]), run as a forward by the strategy."""
+        return self.strategy.forward_method(method)
+
     def forward(self, *inputs, **kwargs):
         self.tput_timer.start()
         self.timers.start("forward")

@@ -7,15 +7,31 @@ Must not: shadow anything the engine has (its own attributes, methods and proper
 nn.Module's parameters, buffers and submodules win), pass dunder names through (copy, pickle and
 the like probe those and must see the engine's answer), or hide an AttributeError raised inside an
 engine property behind the module's attribute of the same name.
+
+Note: [forward methods] a method of the module named `forward_*` (DeepSpeed-Chat's
+`engine.forward_value(...)` on its reward and critic models) is a forward by another name: it comes
+back wrapped by `_as_forward` (the engine's: its strategy's `forward_method`), so at stage 3 the
+model's root parameters are gathered around it as around `engine(...)`; under DeepSpeed, whose ZeRO-3
+hooks sit on every module, any method works. Other methods pass through unwrapped (a wrapped
+`gradient_checkpointing_enable` would count as a forward); calling `engine.module.forward_*` directly
+bypasses the engine and so the wrap.
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
 
 import torch
 
 
 class ModulePassthrough:
     """Mix into an nn.Module subclass (before nn.Module) whose wrapped model is the submodule `module`."""
+
+    def _as_forward(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """`method` of the module, to run as a forward of it (Note: [forward methods]); the engine's
+        override gathers what its forward would."""
+        return method
 
     def __getattr__(self, name: str):
         try:
@@ -30,9 +46,13 @@ class ModulePassthrough:
         module = modules.get("module") if modules is not None else None
         if module is not None and not (name.startswith("__") and name.endswith("__")):
             try:
-                return getattr(module, name)
+                value = getattr(module, name)
             except AttributeError:
                 pass
+            else:
+                if name.startswith("forward_") and inspect.ismethod(value) and value.__self__ is module:
+                    return self._as_forward(value)  # Note: [forward methods]
+                return value
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module "
                              f"{type(module).__name__})" if module is not None else
                              f"'{type(self).__name__}' object has no attribute '{name}'")

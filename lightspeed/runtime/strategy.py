@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import typing
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -156,6 +156,12 @@ class ShardingStrategy(Protocol):
         tied, registered with `register_external_parameter` or found in use; DeepSpeed's
         `module.ds_external_parameters()`; stage 3 gathers a group at a time, so all of a group); none
         where nothing is gathered."""
+        ...
+
+    def forward_method(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """`method` (a bound method of the model other than `forward`) made to run as a forward of the whole
+        model: stage 3 gathers and releases around it what the model's forward hooks would (FSDP2's
+        `register_fsdp_forward_method`); `method` itself where parameters are whole."""
         ...
 
     def remove_hooks(self) -> None:

@@ -18,7 +18,7 @@ Adam's local steps) is gathered into the state rank 0 writes.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -89,6 +89,10 @@ class WholeParameters:
     def external_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Nothing is gathered around a module's forward at this stage."""
         return []
+
+    def forward_method(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """`method` as it is: nothing is gathered around a forward at this stage."""
+        return method
 
 
 class Stage0Strategy(WholeParameters):

@@ -117,10 +117,10 @@ class PeakGathered:
                 tracker.peak = max(tracker.peak, tracker.live)
             originals["gather"](group)
 
-        def release(group):
+        def release(group, **kwargs):
             if group.state != param_group.RELEASED:
                 tracker.live -= group.layout.numel
-            originals["release"](group)
+            originals["release"](group, **kwargs)
 
         def discard(group):
             if group.state != param_group.RELEASED:

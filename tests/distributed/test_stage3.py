@@ -416,9 +416,9 @@ class GatherCounter:
 
     @staticmethod
     def _wrap(method, log, name):
-        def counted():
+        def counted(**kwargs):
             log.append(name)
-            return method()
+            return method(**kwargs)
         return counted
 
     def reset(self) -> None:

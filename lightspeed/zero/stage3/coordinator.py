@@ -35,6 +35,13 @@ pre-backward hook in between), and their gradients' arrival or `backward_end` re
 backward. A forward is a rerun when it starts between
 `backward_start` and `backward_end` while the autograd engine is running a backward on this thread.
 
+Note (other forward methods): the root's hooks run when the root module is called; a model method that
+is a forward by another name (DeepSpeed-Chat's `RewardModel.forward_value`, which calls the base model and
+the value head, never `forward`) would run its own code with the root unit's groups released, where
+DeepSpeed, whose hooks are on every module, gathers them. `call_as_forward` runs such a method between
+the root's forward hooks, as FSDP2's `register_fsdp_forward_method` does; the engine routes its module's
+`forward_*` methods through it (runtime/module_passthrough.py).
+
 Note (external parameters): a parameter read outside its owner's forward (e.g. `self.wte.weight` in
 the top-level forward) is found by a TorchFunctionMode active during forward: the op that receives
 the released parameter triggers its gather, and the innermost running module gathers that group
@@ -182,10 +189,10 @@ class Coordinator:
         for g in groups:
             g.wait()
 
-    def release(self, g: ParamGroup, force: bool = False) -> None:
+    def release(self, g: ParamGroup, force: bool = False, hand_over: bool = False) -> None:
         if g.state == RELEASED or g.always_gathered or (not force and (g.pins > 0 or g.persistent)):
             return
-        g.release()
+        g.release(hand_over=hand_over)
         self.live_numel -= g.numel
 
     def release_all(self, force: bool = False) -> None:
@@ -342,6 +349,19 @@ class Coordinator:
                         self.release(g)
             finally:
                 self._busy = False
+
+    def call_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:
+        """`fn(*args, **kwargs)` run as a forward of the root (Note: other forward methods): the root's
+        forward hooks run around it unless a forward of the root is running already."""
+        if not self.hooks_forward or self.root in self._stack:
+            return fn(*args, **kwargs)
+        self._pre_forward(self.root, args)
+        out = None
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self._post_forward(self.root, args, out)
+        return out
 
     def detects_external(self) -> bool:
         """Whether the next forward runs under the external-use mode (its ops must then run eagerly

@@ -75,11 +75,13 @@ def hold(groups: list[ParamGroup]) -> None:
         g.wait()
 
 
-def let_go(groups: list[ParamGroup]) -> None:
-    """Unpin `groups`; each is released unless another holder (or its persistence) keeps it."""
+def let_go(groups: list[ParamGroup], hand_over: bool = False) -> None:
+    """Unpin `groups`; each is released unless another holder (or its persistence) keeps it. `hand_over`:
+    what was gathered stays valid where referenced (param_group.py's Note: values taken inside
+    GatheredParameters)."""
     for g in groups:
         g.pins -= 1
-        g.coordinator.release(g)
+        g.coordinator.release(g, hand_over=hand_over)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -121,7 +123,7 @@ class GatheredParameters:
                 for g in self.groups:
                     self._write_back(g)
         finally:
-            let_go(self.groups)
+            let_go(self.groups, hand_over=True)
 
     def _write_back(self, g: ParamGroup) -> None:
         with torch.no_grad():

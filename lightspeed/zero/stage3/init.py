@@ -108,9 +108,9 @@ class StandaloneScheduler:
         for g in groups:
             g.wait()
 
-    def release(self, g: ParamGroup, force: bool = False) -> None:
+    def release(self, g: ParamGroup, force: bool = False, hand_over: bool = False) -> None:
         if g.state != RELEASED and (force or g.pins == 0):
-            g.release()
+            g.release(hand_over=hand_over)
 
     def holders(self, g: ParamGroup) -> list[torch.nn.Module]:
         """No module hooks run before a strategy takes the groups: no forward holds one."""

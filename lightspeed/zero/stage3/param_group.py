@@ -24,6 +24,14 @@ backward re-gathers into the same storage object, so the saved views read the ri
 Consequence: a tensor derived from a parameter in forward (e.g. `p.detach()`) must not be read after
 the group is released; the pre-backward hooks re-gather before any module's backward.
 
+Note (values taken inside GatheredParameters): DeepSpeed releases a parameter by pointing `param.data`
+at an empty tensor, so a tensor taken from it inside `GatheredParameters` (`v = p.data`, and on the CPU
+`p.data.cpu()`, which is `p.data` itself) keeps its values after the block; DeepSpeed-Chat's
+`save_zero_three_model` saves such tensors. A group that the end of a `GatheredParameters` block
+releases therefore hands its gathered storage over (`release(hand_over=True)`): the storage lives on
+while something references it, and the group gathers into a new one next time. Releases in forward
+and backward free the storage in place (the Note above).
+
 Note (one rank): with a data-parallel world of one the shard is the whole buffer, so `full_flat` is
 `lp_shard` itself: the parameters view it from set-up on (`always_gathered`), gathering and releasing
 do nothing and an update of the shard is already what the module computes with. When every group
@@ -261,14 +269,22 @@ class ParamGroup:
             for p, view in zip(self.params, self.views):
                 p.data = view
 
-    def release(self) -> None:
+    def release(self, hand_over: bool = False) -> None:
+        """Point the parameters at the placeholder and free the gathered storage; with `hand_over`
+        (Note: values taken inside GatheredParameters) the gathered storage is left to whatever still
+        references it and the next gather fills a new one."""
         if self.state == RELEASED or self.always_gathered:
             return
         if self.state == INFLIGHT:
             self.wait()
         for p in self.params:
             p.data = self.placeholder
-        self.full_flat.untyped_storage().resize_(0)
+        if hand_over:
+            fresh = torch.empty(0, dtype=self.full_flat.dtype, device=self.full_flat.device)
+            fresh.set_(torch.UntypedStorage(0, device=self.full_flat.device), 0, self.full_flat.shape)
+            self.full_flat, self.views = fresh, flat_views(fresh, self.layout)
+        else:
+            self.full_flat.untyped_storage().resize_(0)
         self.state = RELEASED
         self.lp_out()
 

@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -605,6 +605,18 @@ class Stage3Strategy:
         if not self.coordinator.hooks_forward:
             return [self.module]
         return compile_regions(self.module, [u.module for u in self.units])
+
+    def forward_method(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """`method` run as a forward of the whole model: the root unit's groups gathered around it and
+        released after it, the units inside it hooked as in any forward (coordinator.py's Note: other
+        forward methods)."""
+        coordinator = self.coordinator
+
+        @functools.wraps(method)
+        def as_forward(*args, **kwargs):
+            return coordinator.call_as_forward(method, args, kwargs)
+
+        return as_forward
 
     def needs_eager_forward(self) -> bool:
         """True while forwards run under the coordinator's external-use mode (the first forward and

@@ -3,7 +3,8 @@ saves, and the background writer's waits, as a mixin of `LightspeedEngine` (engi
 
 Owns: what a save collects from the engine (module state, counters, the strategy's fragments; over a
 mesh, whole module tensors, the placements and the mesh coordinates; over pipeline stages, each stage's
-module state) and how a load is read on every rank (a pipeline stage takes its own layers' entries),
+module state; with experts, every expert under its ep = 1 name, parallel/experts/names.py) and how a
+load is read on every rank (a pipeline stage takes its own layers' entries, an ep rank its experts),
 agreed over the whole mesh, and only then applied. Must not: know a file layout (checkpoint/engine_checkpoint.py does) or a ZeRO stage (the
 strategy's fragments and module state carry it).
 """
@@ -74,7 +75,7 @@ class EngineCheckpoints:
         if self._expert_names:  # their names in the ep = 1 model (parallel/experts/names.py); this rank's experts
             for key in ("excluded_frozen_parameters", "buffer_names", "frozen_param_names"):
                 shared[key] = sorted({self._expert_names.to_global(n, r) for n in shared[key]
-                                      for r in range(self._ep_comm.world_size if self._ep_comm is not None else 1)})
+                                      for r in range(self._ep_size())})
         strategy_state = self.strategy.state_dict()
         replicated = self.strategy.state_is_replicated
         module_part, pp_rank = None, 0
@@ -121,6 +122,9 @@ class EngineCheckpoints:
                               pipeline=None if self._pp_comm is None else (self._pipeline_layout(),
                                                                            self._pp_comm.world_size))
         return True
+
+    def _ep_size(self) -> int:
+        return self._ep_comm.world_size if self._ep_comm is not None else 1
 
     def _data_coords(self) -> dict[str, int]:
         """This rank's coordinates on the expert-parallel and data-parallel mesh dims."""
@@ -194,11 +198,12 @@ class EngineCheckpoints:
         if not self.zero_optimization_partition_weights():
             raise ValueError("_zero3_consolidated_16bit_state_dict requires ZeRO stage 3 "
                              f"(got stage {self.zero_optimization_stage()})")
-        state = self.strategy.module_state_dict()
+        state = self._whole_experts(self.strategy.module_state_dict(), keep=self.global_rank == 0)
         if self.global_rank != 0:
             return None
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            frozen = {self._expert_names.to_global(n, r) for n, p in self.module.named_parameters()
+                      if not p.requires_grad for r in range(self._ep_size())}
             state = {k: v for k, v in state.items() if k not in frozen}
         return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
 
@@ -233,8 +238,10 @@ class EngineCheckpoints:
                            "is false", path)
             return False
         state = self._whole_tensors(self.strategy.module_state_dict(), keep=self.global_rank == 0)
+        state = self._whole_experts(state, keep=self.global_rank == 0)  # every expert, under the ep = 1 names
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            frozen = {self._expert_names.to_global(n, r) for n, p in self.module.named_parameters()
+                      if not p.requires_grad for r in range(self._ep_size())}
             state = {k: v for k, v in state.items() if k not in frozen}
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)

@@ -8,7 +8,8 @@ loads the tag and continues with the reference's losses (1e-6); an AutoEP Mixtra
 ZeRO-1) trains 2 steps and saves. World 4: ep2 x dp2 resumes at ZeRO-3 and at ZeRO-0 (the reference's
 losses, 1e-5), each saving again. World 1: ep1 (ZeRO-2, the whole batch a micro-batch) resumes
 (1e-5); the ep2 tag and the ep2 x dp2 ZeRO-3 and ZeRO-0 tags consolidate (`zero_to_fp32`) to the ep1 model's
-names and per-global-expert tensors, equal to each other within 1e-5; the AutoEP tag loads at
+names and per-global-expert tensors, equal to each other within 1e-5 (and the ep2 run's
+`save_16bit_model`, float32 training, to the ep2 tag's exactly); the AutoEP tag loads at
 autoep_size 1 and gives the ep2 run's logits (1e-5).
 """
 
@@ -136,6 +137,7 @@ def _world2(tmp: str):
     ref.save_checkpoint(tmp, tag="t3")
     out = {"reference": _train(ref, range(3, 6))}
     ref.save_checkpoint(tmp, tag="t6")
+    ref.save_16bit_model(os.path.join(tmp, "weights"))
     if rank == 0:
         shutil.copytree(os.path.join(tmp, "t3"), os.path.join(tmp, "bad"))
         with open(os.path.join(tmp, "bad", "optim_states_rank1.pt"), "r+b") as f:
@@ -183,6 +185,7 @@ def _world1(tmp: str):
     for stage in (3, 0):
         out[f"fp32_z{stage}"] = {k: v.contiguous().clone() for k, v in
                                  get_fp32_state_dict_from_zero_checkpoint(tmp, tag=f"t6_z{stage}_ep2dp2").items()}
+    out["weights"] = torch.load(os.path.join(tmp, "weights", "pytorch_model.bin"), weights_only=True)
     auto = _autoep(1)
     auto.load_checkpoint(tmp, tag="auto")
     out["auto_logits"] = _logits(auto)
@@ -230,7 +233,9 @@ def test_consolidated_by_global_expert(worlds):
     assert set(fp32) == names and set(one["fp32_z0"]) == names and set(one["fp32_z3"]) == names  # ep1's names
     assert {k for k in fp32 if k.startswith(PREFIX)} == {f"{PREFIX}{g}.{r}" for g in range(EXPERTS)
                                                          for r in ("0.weight", "0.bias", "2.weight", "2.bias")}
+    assert set(one["weights"]) == names  # save_16bit_model at ep2: every expert, under ep1's names
     for key, value in fp32.items():
+        torch.testing.assert_close(one["weights"][key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
         assert value.shape == one["ep1_state"][key].shape, key
         # both runs trained steps 4-6 from the same tag on the same global batches
         for stage in (3, 0):

@@ -25,7 +25,7 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import timeout_seconds
 from lightspeed.monitor import MonitorMaster
-from lightspeed.parallel.experts.names import expert_names
+from lightspeed.parallel.experts.names import ExpertNames, expert_names
 from lightspeed.parallel.placement import PlacementTable, keyed_placements
 from lightspeed.optim.schedules import scheduled_steps
 from lightspeed.precision.policy import PrecisionPolicy
@@ -65,7 +65,8 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         # the experts' names in a checkpoint (parallel/experts/names.py), and the ep group that gathers
         # their module state for a save (None without expert parallelism)
         ep_size = topology.size("ep") if topology is not None else 1
-        self._expert_names = expert_names(module, topology.rank("ep") if ep_size > 1 else 0)
+        self._expert_names = expert_names(module, topology.rank("ep") if ep_size > 1 else 0) \
+            if topology is not None else ExpertNames((), ())  # no mesh: no expert was placed
         self._ep_comm = Communicator(topology.group("ep"), ep_size) if ep_size > 1 else None
         # a save over the whole mesh (engine_checkpoint.py's layout) when a model dim splits the model, or
         # some parameter (an expert) is reduced over another group than data parallelism

@@ -9,7 +9,8 @@ ZeRO-1) trains 2 steps and saves. World 4: ep2 x dp2 resumes at ZeRO-3 and at Ze
 losses, 1e-5), each saving again. World 1: ep1 (ZeRO-2, the whole batch a micro-batch) resumes
 (1e-5); the ep2 tag and the ep2 x dp2 ZeRO-3 and ZeRO-0 tags consolidate (`zero_to_fp32`) to the ep1 model's
 names and per-global-expert tensors, equal to each other within 1e-5 (and the ep2 run's
-`save_16bit_model`, float32 training, to the ep2 tag's exactly); the AutoEP tag loads at
+`save_16bit_model`, float32 training, and an ep1 ZeRO-1 engine's module-only load of it, to the ep2
+tag's exactly); the AutoEP tag loads at
 autoep_size 1 and gives the ep2 run's logits (1e-5).
 """
 
@@ -185,6 +186,9 @@ def _world1(tmp: str):
     for stage in (3, 0):
         out[f"fp32_z{stage}"] = {k: v.contiguous().clone() for k, v in
                                  get_fp32_state_dict_from_zero_checkpoint(tmp, tag=f"t6_z{stage}_ep2dp2").items()}
+    weights_only = _engine(1, 1)
+    weights_only.load_checkpoint(tmp, tag="t6", load_module_only=True)
+    out["module_only"] = _snapshot(weights_only)
     out["weights"] = torch.load(os.path.join(tmp, "weights", "pytorch_model.bin"), weights_only=True)
     auto = _autoep(1)
     auto.load_checkpoint(tmp, tag="auto")
@@ -236,6 +240,7 @@ def test_consolidated_by_global_expert(worlds):
     assert set(one["weights"]) == names  # save_16bit_model at ep2: every expert, under ep1's names
     for key, value in fp32.items():
         torch.testing.assert_close(one["weights"][key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(one["module_only"][key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
         assert value.shape == one["ep1_state"][key].shape, key
         # both runs trained steps 4-6 from the same tag on the same global batches
         for stage in (3, 0):

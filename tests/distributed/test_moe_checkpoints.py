@@ -6,12 +6,11 @@ goes on for 3 more: the uninterrupted reference. World 2: a fresh ep2 engine fir
 copy of the tag whose rank-1 optimizer file is truncated (every rank raises, nothing changes), then
 loads the tag and continues with the reference's losses (1e-6); an AutoEP Mixtral (autoep_size 2,
 ZeRO-1) trains 2 steps and saves. World 4: ep2 x dp2 resumes at ZeRO-3 and at ZeRO-0 (the reference's
-losses, 1e-5), each saving again. World 1: ep1 (ZeRO-2, the whole batch a micro-batch) resumes
-(1e-5); the ep2 tag and the ep2 x dp2 ZeRO-3 and ZeRO-0 tags consolidate (`zero_to_fp32`) to the ep1 model's
-names and per-global-expert tensors, equal to each other within 1e-5 (and the ep2 run's
-`save_16bit_model`, float32 training, and an ep1 ZeRO-1 engine's module-only load of it, to the ep2
-tag's exactly); the AutoEP tag loads at
-autoep_size 1 and gives the ep2 run's logits (1e-5).
+losses, 1e-5), each saving again. World 1: ep1 (ZeRO-2, the whole batch a micro-batch) resumes (1e-5);
+the ep2 tag and the ep2 x dp2 ZeRO-3 and ZeRO-0 tags consolidate (`zero_to_fp32`) to the ep1 model's
+names and per-global-expert tensors, equal to each other within 1e-5 (the ep2 run's `save_16bit_model`,
+float32 training, and an ep1 engine's module-only load of the ep2 tag equal to it exactly); the AutoEP
+tag loads at autoep_size 1 and gives the ep2 run's logits (1e-5).
 """
 
 from __future__ import annotations

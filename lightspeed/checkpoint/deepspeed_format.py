@@ -55,7 +55,7 @@ _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _UNSUPPORTED = (
     (re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_(?!00_)\d+_model_states\.pt$"), "model (tensor) parallelism"),
-    (re.compile(r"^expp_rank_\d+_.*optim_states\.pt$|^layer_\d+_expert_\d+_.*\.pt$"), "expert parallelism (MoE)"),
+    (re.compile(r"^expp_rank_\d+_.*optim_states\.pt$|^(layer_\d+_)?expert_\d+_mp_rank_.*\.pt$"), "expert parallelism (MoE)"),
     (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline parallelism"),
 )
 # Entries of the model file that are DeepSpeed's own; anything else came from save_checkpoint's client_state.

@@ -269,6 +269,9 @@ class EngineCheckpoints:
                          load_module_only):
         try:
             trainable = [n for n, p in self.module.named_parameters() if p.requires_grad]
+            if self._expert_names:  # the whole model's names, as a checkpoint of experts holds them
+                trainable = list(dict.fromkeys(self._expert_names.to_global(n, r) for r in range(self._ep_size())
+                                               for n in trainable))
             self._first_name = {n: first_names(self.module)[id(p)]
                                 for n, p in self.module.named_parameters(remove_duplicate=False)}
             # at another tp size (or plan) the source merges the saved slices and cuts this tp rank's

@@ -10,7 +10,9 @@ losses, 1e-5), each saving again. World 1: ep1 (ZeRO-2, the whole batch a micro-
 the ep2 tag and the ep2 x dp2 ZeRO-3 and ZeRO-0 tags consolidate (`zero_to_fp32`) to the ep1 model's
 names and per-global-expert tensors, equal to each other within 1e-5 (the ep2 run's `save_16bit_model`,
 float32 training, and an ep1 engine's module-only load of the ep2 tag equal to it exactly); the AutoEP
-tag loads at autoep_size 1 and gives the ep2 run's logits (1e-5).
+tag loads at autoep_size 1 and gives the ep2 run's logits (1e-5). In every world, DeepSpeed's own MoE
+checkpoints (tests/fixtures/deepspeed_moe_checkpoint: ep2 ZeRO-1, ep2 x dp2 ZeRO-2) resume (at ep2 ZeRO-1,
+ep2 x dp2 ZeRO-2, ep1 ZeRO-0) with the losses DeepSpeed went on with (1e-5).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 D, SEQ, GLOBAL, EXPERTS, LR = 8, 4, 4, 4, 0.02
 PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
+DEEPSPEED = os.path.join(os.path.dirname(__file__), "..", "fixtures", "deepspeed_moe_checkpoint")
 
 
 class MoENet(nn.Module):
@@ -61,17 +64,36 @@ def _batch(step: int):
     return torch.randn(GLOBAL, SEQ, D, generator=gen), torch.randn(GLOBAL, SEQ, generator=gen)
 
 
-def _engine(ep: int, stage: int):
+def _engine(ep: int, stage: int, groups: bool = False):
+    """`groups`: DeepSpeed's MoE optimizer groups (dense, experts) and torch's AdamW, as DeepSpeed's fixtures
+    were trained."""
     import torch.distributed as dist
 
     import lightspeed
+    from lightspeed.compat.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     world = dist.get_world_size()
     config = {"train_micro_batch_size_per_gpu": GLOBAL // world, "gradient_accumulation_steps": 1,
               "steps_per_print": 1000, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": stage}}
-    engine, *_ = lightspeed.initialize(model=MoENet(ep, dist.get_rank() % ep), config=config)
+    if groups:  # and DeepSpeed's optimizer: torch's AdamW
+        config["optimizer"]["params"]["torch_adam"] = True
+    model = MoENet(ep, dist.get_rank() % ep)
+    params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                   "name": "dense"}) if groups else None
+    engine, *_ = lightspeed.initialize(model=model, model_parameters=params, config=config)
     return engine
+
+
+def _deepspeed_resumes(ep: int, stage: int) -> dict[str, list[float]]:
+    """Each of DeepSpeed's MoE checkpoints loaded here, then steps 2-3 (DeepSpeed's own went on the same)."""
+    out = {}
+    for run in sorted(os.listdir(DEEPSPEED)):
+        if os.path.isdir(os.path.join(DEEPSPEED, run)):
+            engine = _engine(ep, stage, groups=True)
+            engine.load_checkpoint(os.path.join(DEEPSPEED, run))
+            out[run] = _train(engine, range(2, 4))
+    return out
 
 
 def _train(engine, steps) -> list[float]:
@@ -153,6 +175,7 @@ def _world2(tmp: str):
     out["unchanged"] = all(torch.equal(v, before[k]) for k, v in _snapshot(resumed).items())
     resumed.load_checkpoint(tmp, tag="t3")
     out["same_layout"] = _train(resumed, range(3, 6))
+    out["deepspeed"] = _deepspeed_resumes(2, 1)
     auto = _autoep(2)
     for step in range(2):
         ids = _ids(step)[rank:rank + 1].repeat(2, 1)
@@ -165,7 +188,7 @@ def _world2(tmp: str):
 
 
 def _world4(tmp: str):
-    out = {}
+    out = {"deepspeed": _deepspeed_resumes(2, 2)}
     for stage in (3, 0):
         engine = _engine(2, stage)
         engine.load_checkpoint(tmp, tag="t3")
@@ -177,9 +200,10 @@ def _world4(tmp: str):
 def _world1(tmp: str):
     from lightspeed.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    out = {"deepspeed": _deepspeed_resumes(1, 0)}
     engine = _engine(1, 2)
     engine.load_checkpoint(tmp, tag="t3")
-    out = {"ep1": _train(engine, range(3, 6)), "ep1_state": _snapshot(engine)}
+    out.update(ep1=_train(engine, range(3, 6)), ep1_state=_snapshot(engine))
     out["fp32"] = {k: v.contiguous().clone() for k, v in
                    get_fp32_state_dict_from_zero_checkpoint(tmp, tag="t6").items()}
     for stage in (3, 0):
@@ -252,3 +276,16 @@ def test_autoep_tag_loads_at_autoep_size_1(worlds):
     two, _, one = worlds
     torch.testing.assert_close(two[0]["auto_logits"], two[1]["auto_logits"])
     torch.testing.assert_close(one["auto_logits"], two[0]["auto_logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("run", ["ep2_z1", "ep2_dp2_z2"])
+def test_deepspeed_moe_checkpoint_resumes(worlds, run):
+    """DeepSpeed's own MoE checkpoints (ep2 ZeRO-1, ep2 x dp2 ZeRO-2) resume at ep2 ZeRO-1, ep2 x dp2 ZeRO-2
+    and ep1 ZeRO-0 with the losses DeepSpeed's run went on with."""
+    import json
+
+    with open(os.path.join(DEEPSPEED, run, "expected.json")) as f:
+        expected = json.load(f)["losses_after_resume"]
+    two, four, one = worlds
+    for result in [*two, *four, one]:
+        assert result["deepspeed"][run] == pytest.approx(expected, abs=1e-5, rel=0)

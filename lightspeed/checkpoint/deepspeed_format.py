@@ -387,7 +387,13 @@ class DeepSpeedCheckpointSource:
                         lo, hi = max(offset, starts[k]), min(offset + numel, starts[k + 1])
                         if lo < hi:
                             pieces.append((r, g, lo - starts[k], hi - lo))
-                    name = name if ep_rank is None else global_name(name, ep_rank, local)
+                    if ep_rank is not None:
+                        renamed = global_name(name, ep_rank, local)
+                        if renamed == name:  # e.g. DeepSpeed's AutoEP layers' fused experts.w1 / w2 / w3
+                            raise CheckpointError(f"{self.path}: {name} is in an expert param group but is not a "
+                                                  "`MoE` layer's expert (deepspeed_experts.<i>); only DeepSpeed "
+                                                  "MoE layers' checkpoints are read (not AutoEP's)")
+                        name = renamed
                     self._params[name] = _Param(shape, tuple(pieces))
                     group_names[g].append(name)
                     offset += numel + (int(paddings[g][i]) if paddings else 0)

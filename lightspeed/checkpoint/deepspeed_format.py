@@ -389,7 +389,7 @@ class DeepSpeedCheckpointSource:
                             pieces.append((r, g, lo - starts[k], hi - lo))
                     if ep_rank is not None:
                         renamed = global_name(name, ep_rank, local)
-                        if renamed == name:  # e.g. DeepSpeed's AutoEP layers' fused experts.w1 / w2 / w3
+                        if renamed is None:  # e.g. DeepSpeed's AutoEP layers' fused experts.w1 / w2 / w3
                             raise CheckpointError(f"{self.path}: {name} is in an expert param group but is not a "
                                                   "`MoE` layer's expert (deepspeed_experts.<i>); only DeepSpeed "
                                                   "MoE layers' checkpoints are read (not AutoEP's)")

@@ -36,11 +36,12 @@ def num_local_experts(names: list[str]) -> dict[str, int]:
     return out
 
 
-def global_name(name: str, ep_rank: int, local: dict[str, int]) -> str:
-    """The global name of ep rank `ep_rank`'s local expert entry `name` (unchanged when not an expert's)."""
+def global_name(name: str, ep_rank: int, local: dict[str, int]) -> str | None:
+    """The global name of ep rank `ep_rank`'s local expert entry `name`; None when `name` is not a `MoE`
+    layer's expert (`...deepspeed_experts.<i>.*`)."""
     m = _LOCAL.match(name)
     if not m or m.group(1) not in local:
-        return name
+        return None
     return f"{m.group(1)}{ep_rank * local[m.group(1)] + int(m.group(2))}{m.group(3)}"
 
 

@@ -23,3 +23,16 @@ def test_deepspeed_moe_checkpoint_is_refused(tmp_path, expert_file):
     with pytest.raises(CheckpointError, match=rf"{expert_file}(: DeepSpeed checkpoints with expert parallelism|\) "
                                               "without ZeRO optimizer files)"):
         open_source(tmp_path)
+
+
+def test_deepspeed_moe_names_and_groups():
+    from lightspeed.checkpoint.deepspeed_moe import expert_group_ranks, global_name, num_local_experts
+
+    names = ["a.deepspeed_experts.0.w", "a.deepspeed_experts.1.w", "b.weight", "m.experts.w1"]
+    local = num_local_experts(names)
+    assert local == {"a.deepspeed_experts.": 2}
+    assert global_name("a.deepspeed_experts.1.w", 0, local) == "a.deepspeed_experts.1.w"
+    assert global_name("a.deepspeed_experts.1.w", 1, local) == "a.deepspeed_experts.3.w"
+    assert global_name("m.experts.w1", 1, local) is None  # DeepSpeed AutoEP's fused experts: refused by the reader
+    assert expert_group_ranks(4, 2) == [[0, 2], [1, 3]]  # ep 2: ep rank e's experts over ranks e, e + 2
+    assert expert_group_ranks(2, 1) == [[0], [1]]

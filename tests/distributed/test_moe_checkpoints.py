@@ -10,7 +10,8 @@ losses, 1e-5), each saving again. World 1: ep1 (ZeRO-2, the whole batch a micro-
 the ep2 tag and the ep2 x dp2 ZeRO-3 and ZeRO-0 tags consolidate (`zero_to_fp32`) to the ep1 model's
 names and per-global-expert tensors, equal to each other within 1e-5 (the ep2 run's `save_16bit_model`,
 float32 training, and an ep1 engine's module-only load of the ep2 tag equal to it exactly); the AutoEP
-tag loads at autoep_size 1 and gives the ep2 run's logits (1e-5). In every world, DeepSpeed's own MoE
+tag loads at autoep_size 1 and gives the ep2 run's logits (1e-5), and consolidates to the whole model's
+fused [E, ...] tensors (equal to the loaded ones). In every world, DeepSpeed's own MoE
 checkpoints (tests/fixtures/deepspeed_moe_checkpoint: ep2 ZeRO-1, ep2 x dp2 ZeRO-2) resume (at ep2 ZeRO-1,
 ep2 x dp2 ZeRO-2, ep1 ZeRO-0) with the losses DeepSpeed went on with (1e-5).
 """
@@ -216,6 +217,9 @@ def _world1(tmp: str):
     auto = _autoep(1)
     auto.load_checkpoint(tmp, tag="auto")
     out["auto_logits"] = _logits(auto)
+    out["auto_state"] = _snapshot(auto)
+    out["auto_fp32"] = {k: v.contiguous().clone() for k, v in
+                        get_fp32_state_dict_from_zero_checkpoint(tmp, tag="auto").items()}
     return out
 
 
@@ -289,3 +293,12 @@ def test_deepspeed_moe_checkpoint_resumes(worlds, run):
     two, four, one = worlds
     for result in [*two, *four, one]:
         assert result["deepspeed"][run] == pytest.approx(expected, abs=1e-5, rel=0)
+
+
+def test_autoep_tag_consolidates_to_the_whole_model(worlds):
+    _, _, one = worlds
+    whole = {k: v.shape for k, v in _mixtral().state_dict().items()}
+    fused = [k for k in one["auto_fp32"] if k.endswith("experts.gate_up_proj")]
+    assert fused and all(one["auto_fp32"][k].shape == whole[k] for k in fused)  # [E, 2I, H]: every expert
+    for key, value in one["auto_fp32"].items():
+        torch.testing.assert_close(one["auto_state"][key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")

@@ -3,7 +3,9 @@
 Owns the layout DeepSpeed's engine writes under ``<save_dir>/<tag>/``: ``mp_rank_00_model_states.pt``
 (stages 0-2) or ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (stage 3, one per rank), and
 ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (ZeRO, one per data-parallel rank), in fp32,
-fp16 and bf16. Must not: unpickle DeepSpeed's classes (deepspeed_pickle.py turns them into plain data),
+fp16 and bf16, and at ZeRO 1-2 with MoE experts (their ``layer_<L>_expert_<G>_...`` model files and
+expert param groups, deepspeed_moe.py: read under the experts' global names, the ep = 1 model's).
+Must not: unpickle DeepSpeed's classes (deepspeed_pickle.py turns them into plain data),
 read more of a file than a call needs, or write anything.
 
 Note: [where a parameter's fp32 values live]
@@ -40,6 +42,7 @@ import torch
 
 from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed.checkpoint.atomic import read_latest, validate_tag
+from lightspeed.checkpoint.deepspeed_moe import expert_files, expert_group_ranks, global_name, num_local_experts
 from lightspeed.checkpoint.deepspeed_pickle import load_deepspeed_file
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification_enabled, verify_zip
@@ -55,7 +58,8 @@ _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _UNSUPPORTED = (
     (re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_(?!00_)\d+_model_states\.pt$"), "model (tensor) parallelism"),
-    (re.compile(r"^expp_rank_\d+_.*optim_states\.pt$|^layer_\d+_expert_\d+_.*\.pt$"), "expert parallelism (MoE)"),
+    (re.compile(r"^expp_rank_\d+_.*optim_states\.pt$|^expert_\d+_mp_rank_.*\.pt$"),
+     "expert parallelism (MoE) without ZeRO, or in DeepSpeed's older expert_<X> layout"),
     (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline parallelism"),
 )
 # Entries of the model file that are DeepSpeed's own; anything else came from save_checkpoint's client_state.
@@ -254,12 +258,16 @@ class DeepSpeedCheckpointSource:
         elif not isinstance(self._model["module"], Mapping):
             raise CheckpointError(f"{self._model_path}: holds no module state (a pipeline stage's file: its layers "
                                   "are in the layer_<XX>-model_states.pt files)")
+        self._expert_files = expert_files(names) if mp == 0 else []  # MoE layers' experts (deepspeed_moe.py)
         self._optim_cache: dict[int, dict] = {}
         self._bytes_since_map = 0
         self._params: dict[str, _Param] = {}
         self._groups: list[dict] = []
         self._loss_scaler: Any = None
         self._state_keys: list[str] = []
+        if self._expert_files and not self._optim_files:
+            raise CheckpointError(f"{self.path}: a DeepSpeed MoE checkpoint ({self._expert_files[0]}) without ZeRO "
+                                  "optimizer files: read at ZeRO stages 1 and 2 only")
         if self._optim_files:
             self._read_zero_layout()
             # ZeRO files name their parameters; names given anyway must agree with them.
@@ -326,11 +334,15 @@ class DeepSpeedCheckpointSource:
         self._bf16_optimizer = "zero_stage" not in first
         self.zero_stage = 1 if self._bf16_optimizer else int(first["zero_stage"])
         counts = first.get("partition_count")
-        counts = counts if isinstance(counts, list) else [counts]
-        if len(set(counts)) != 1:
-            raise CheckpointError(f"{path0}: param groups partitioned over different world sizes {counts} "
-                                  "(expert parallelism) are not supported")
-        self.world_size = int(counts[0])
+        counts = [int(c) for c in (counts if isinstance(counts, list) else [counts])]
+        if self._expert_files and self.zero_stage not in (1, 2):
+            raise CheckpointError(f"{path0}: DeepSpeed MoE checkpoints are read at ZeRO stages 1 and 2 only "
+                                  f"(this one: stage {self.zero_stage})")
+        self.world_size = max(counts)
+        if (len(set(counts)) != 1 and not self._expert_files) or any(self.world_size % c for c in counts):
+            raise CheckpointError(f"{path0}: param groups partitioned over world sizes {counts}, and no "
+                                  "layer_<L>_expert_<G> files (not a DeepSpeed MoE checkpoint of this layout)")
+        self._counts = counts
         self._check_rank_count(self._optim_files, self._optim_re, 2)
         if self.zero_stage == 3 and self._zero3_model_files:  # each rank's model file holds its frozen parts
             self._check_rank_count(self._zero3_model_files, _ZERO3_MODEL, 1)
@@ -354,35 +366,51 @@ class DeepSpeedCheckpointSource:
     def _layout_partitioned_groups(self, shapes: list[dict], first: dict) -> None:
         key = "single_partition_of_fp32_groups"
         paddings = first.get("param_alignment_paddings")
-        align_to = 2 * self.world_size
+        local = num_local_experts([n for group_shapes in shapes for n in group_shapes])
+        group_names: list[list[str]] = []
         for g, group_shapes in enumerate(shapes):
-            lengths = [int(self._optim(r)[key][g].numel()) for r in range(self.world_size)]
-            starts = [sum(lengths[:r]) for r in range(self.world_size + 1)]
-            offset = 0
-            for i, (name, shape) in enumerate(group_shapes.items()):
-                shape = torch.Size(shape)
-                numel = shape.numel()
-                pieces = []
-                for r in range(self.world_size):
-                    lo, hi = max(offset, starts[r]), min(offset + numel, starts[r + 1])
-                    if lo < hi:
-                        pieces.append((r, g, lo - starts[r], hi - lo))
-                self._params[name] = _Param(shape, tuple(pieces))
-                offset += numel + (int(paddings[g][i]) if paddings else 0)
-            total = starts[-1]
-            if offset > total or (not self._bf16_optimizer
-                                  and math.ceil(offset / align_to) != math.ceil(total / align_to)):
-                raise CheckpointError(f"{os.path.join(self.path, self._optim_files[0])}: param_shapes of group {g} "
-                                      f"need {offset} elements but the ranks saved {total}")
+            count = self._counts[g] if g < len(self._counts) else self.world_size
+            # a dense group over every rank; an expert group once per ep rank (deepspeed_moe.py)
+            splits = [(list(range(self.world_size)), None)] if count == self.world_size else \
+                [(ranks, e) for e, ranks in enumerate(expert_group_ranks(self.world_size, count))]
+            group_names.append([])
+            align_to = 2 * count
+            for ranks, ep_rank in splits:
+                lengths = [int(self._optim(r)[key][g].numel()) for r in ranks]
+                starts = [sum(lengths[:k]) for k in range(len(ranks) + 1)]
+                offset = 0
+                for i, (name, shape) in enumerate(group_shapes.items()):
+                    shape = torch.Size(shape)
+                    numel = shape.numel()
+                    pieces = []
+                    for k, r in enumerate(ranks):
+                        lo, hi = max(offset, starts[k]), min(offset + numel, starts[k + 1])
+                        if lo < hi:
+                            pieces.append((r, g, lo - starts[k], hi - lo))
+                    if ep_rank is not None:
+                        renamed = global_name(name, ep_rank, local)
+                        if renamed is None:  # e.g. DeepSpeed's AutoEP layers' fused experts.w1 / w2 / w3
+                            raise CheckpointError(f"{self.path}: {name} is in an expert param group but is not a "
+                                                  "`MoE` layer's expert (deepspeed_experts.<i>); only DeepSpeed "
+                                                  "MoE layers' checkpoints are read (not AutoEP's)")
+                        name = renamed
+                    self._params[name] = _Param(shape, tuple(pieces))
+                    group_names[g].append(name)
+                    offset += numel + (int(paddings[g][i]) if paddings else 0)
+                total = starts[-1]
+                if offset > total or (not self._bf16_optimizer
+                                      and math.ceil(offset / align_to) != math.ceil(total / align_to)):
+                    raise CheckpointError(f"{os.path.join(self.path, self._optim_files[ranks[0]])}: param_shapes of "
+                                          f"group {g} need {offset} elements but the ranks saved {total}")
         base = self._base_state(0)
         step = first.get("base_optimizer_state_step")
         if isinstance(base, list):  # elastic checkpoint: per group, the state with the padding removed
             self._slot_states = lambda r, s: self._base_state(r)[s]
-            self._groups = [{"names": list(gs), "scalars": {}} for gs in shapes]
+            self._groups = [{"names": list(gs), "scalars": {}} for gs in group_names]
         else:
             ids = [i for pg in base["param_groups"] for i in pg["params"]]
             self._slot_states = lambda r, s: self._base_state(r)["state"].get(ids[s], {})
-            self._groups = [{**_hyperparameters(pg), "names": list(shapes[g]), "scalars": {}}
+            self._groups = [{**_hyperparameters(pg), "names": list(group_names[g]), "scalars": {}}
                             for g, pg in enumerate(base["param_groups"])]
         for g, group in enumerate(self._groups):
             scalars = {k: _number(v) for k, v in self._slot_states(0, g).items() if not self._is_elementwise(v)}
@@ -507,7 +535,13 @@ class DeepSpeedCheckpointSource:
         if self.zero_stage == 3 and shapes and self._model.get("frozen_param_fragments") is not None:
             files = [os.path.join(self.path, f) for f in self._zero3_model_files]
             return StitchedModuleState(saved, shapes, self._frozen_fragments, files)
-        return dict(saved)
+        out = dict(saved)
+        for name in self._expert_files:  # each MoE expert's entries, under its global name
+            entries = self._load(os.path.join(self.path, name))
+            if not isinstance(entries, Mapping):
+                raise CheckpointError(f"{os.path.join(self.path, name)}: not a DeepSpeed expert model-states file")
+            out.update(entries)
+        return out
 
     def _frozen_fragments(self) -> list[dict[str, torch.Tensor]]:
         first = self._model.get("frozen_param_fragments") or {}

@@ -21,6 +21,12 @@ state: each stage writes its own `module_states_pp<S>.pt`, model_states.pt lists
 whatever pp reads it; a tied module, on every stage, is taken from the first). No rank gathers the
 model.
 
+Note: [experts] A run with experts (parallel/experts/) saves over the mesh of tp x dp x sp (ep
+included): R is the rank in it, each fragment file records the rank's ep and data-parallel coordinates
+with its fragments' placements, and the tag holds the ep = 1 model (parallel/experts/names.py's Note on
+global names): model_states.pt's `module` every expert, gathered over the ep group, and DeepSpeed-style
+experts' fragments under their global names. So the layout does not depend on the saving ep size.
+
 Note (atomic save, verified load): every rank writes into `save_dir/.<tag>.tmp/`; rank 0 publishes
 it as `save_dir/<tag>` once every rank's manifest is there, and only then writes `latest`
 (tag_dir.py and writer.py say how, and why a kill at any instant leaves `latest` naming a complete

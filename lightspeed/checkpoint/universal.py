@@ -24,7 +24,9 @@ fragment covers elements of the rank's local tensor; the whole tensor is assembl
 ranks whose copy counts: along a dim the parameter is sharded over (tp slices, a pipeline stage's
 layers) every rank's, along any other only coordinate 0's, unless the file says its strategy
 partitioned its state (`partitioned`) and the dim is one the parameter is reduced over (a tied
-module of a pipeline, reduced over dp x pp: its pieces are disjoint over pp too).
+module of a pipeline, reduced over dp x pp: its pieces are disjoint over pp too; an expert, reduced
+over edp x sp and sharded over ep: its pieces are disjoint over edp x sp x ep). An expert-parallel run
+records its ep and data-parallel coordinates too (engine_checkpoint.py's Note on experts).
 
 Note (optimizer state): elementwise state (a tensor with one value per element, e.g. exp_avg) is
 re-sliced like the masters; scalar state (e.g. "step") is per optimizer param group, taken from the

@@ -133,6 +133,12 @@ class Placement:
                 "transposed": self.transposed}
 
 
+def keyed_placements(table: Mapping[str, "Placement"]) -> list[str]:
+    """The names of the parameters reduced over another group than data parallelism (experts), a tied
+    module of a pipeline's reduction over pp aside, sorted."""
+    return sorted(n for n, p in table.items() if tuple(d for d in p.reduced_over if d != "pp") != DATA_PARALLEL)
+
+
 def tp_placement(name: str, layout: TPLayout, tp_rank: int) -> Placement:
     """The placement of tensor-parallel rank `tp_rank`'s slice of a parameter split by `layout`."""
     shape = layout.full_shape

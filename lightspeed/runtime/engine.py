@@ -25,7 +25,8 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import timeout_seconds
 from lightspeed.monitor import MonitorMaster
-from lightspeed.parallel.placement import PlacementTable
+from lightspeed.parallel.experts.names import ExpertNames, expert_names
+from lightspeed.parallel.placement import PlacementTable, keyed_placements
 from lightspeed.optim.schedules import scheduled_steps
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
@@ -61,8 +62,16 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         pp_size = topology.size("pp") if topology is not None else 1
         # the pipeline group, for the stages' module-state files of a mesh save (None without pp)
         self._pp_comm = Communicator(topology.group("pp"), pp_size) if pp_size > 1 else None
-        # a save over the whole mesh (engine_checkpoint.py's layout) when a model dim splits the model
-        self._mesh_save = self._tp_comm is not None or self._pp_comm is not None
+        # the experts' names in a checkpoint (parallel/experts/names.py), and the ep group that gathers
+        # their module state for a save (None without expert parallelism)
+        ep_size = topology.size("ep") if topology is not None else 1
+        self._expert_names = expert_names(module, topology.rank("ep") if ep_size > 1 else 0) \
+            if topology is not None else ExpertNames((), ())  # no mesh: no expert was placed
+        self._ep_comm = Communicator(topology.group("ep"), ep_size) if ep_size > 1 else None
+        # a save over the whole mesh (engine_checkpoint.py's layout) when a model dim splits the model, or
+        # some parameter (an expert) is reduced over another group than data parallelism
+        self._mesh_save = self._tp_comm is not None or self._pp_comm is not None or bool(self._expert_names) \
+            or bool(keyed_placements(self.placements))
         # the ranks one checkpoint is committed over: the data-parallel ranks, or every rank of the mesh
         mesh_group = "world" if self._pp_comm is not None else "tp_dp_sp"
         self._ckpt_comm = Communicator(topology.group(mesh_group), topology.size(mesh_group)) \

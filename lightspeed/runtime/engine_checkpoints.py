@@ -3,7 +3,8 @@ saves, and the background writer's waits, as a mixin of `LightspeedEngine` (engi
 
 Owns: what a save collects from the engine (module state, counters, the strategy's fragments; over a
 mesh, whole module tensors, the placements and the mesh coordinates; over pipeline stages, each stage's
-module state) and how a load is read on every rank (a pipeline stage takes its own layers' entries),
+module state; with experts, every expert under its ep = 1 name, parallel/experts/names.py) and how a
+load is read on every rank (a pipeline stage takes its own layers' entries, an ep rank its experts),
 agreed over the whole mesh, and only then applied. Must not: know a file layout (checkpoint/engine_checkpoint.py does) or a ZeRO stage (the
 strategy's fragments and module state carry it).
 """
@@ -21,6 +22,7 @@ from lightspeed.checkpoint.atomic import atomic_torch_save
 from lightspeed.checkpoint.deepspeed_pipeline import PipelineLayout
 from lightspeed.checkpoint.deepspeed_writer import module_entry_names, save_as_deepspeed
 from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.experts import ExpertSource
 from lightspeed.checkpoint.integrity import verification
 from lightspeed.checkpoint.module_state import check_module_state
 from lightspeed.checkpoint.rng import get_rng_state, set_rng_state
@@ -30,9 +32,10 @@ from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
 from lightspeed.parallel.pipeline.layout import module_layers, parts_at, tied_layers
 from lightspeed.parallel.pipeline.module import PipelineModule
-from lightspeed.parallel.placement import DATA_PARALLEL
+from lightspeed.parallel.experts.transform import EXPERT_DATA_PARALLEL
+from lightspeed.parallel.placement import Placement, keyed_placements
 from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
-from lightspeed.zero.fragments import first_names
+from lightspeed.zero.fragments import first_names, select_fragments
 
 logger = get_logger(__name__)
 
@@ -46,12 +49,10 @@ class EngineCheckpoints:
         """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
         `checkpoint.writer.decoupled` from a host snapshot in the background (see `wait_checkpoint`)."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        # a tied module of a pipeline is reduced over pp as well: its fragments are disjoint over it
-        keyed = sorted(n for n, p in self.placements.items()
-                       if tuple(d for d in p.reduced_over if d != "pp") != DATA_PARALLEL)
-        if keyed:  # their fragments repeat names across the ranks that hold other experts
-            raise NotImplementedError(f"save_checkpoint: parameters reduced over another group than data parallelism "
-                                      f"(expert parallelism: {keyed[0]}, ...) cannot be saved yet")
+        if self._expert_names and self.config.checkpoint.format == "deepspeed":
+            raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts: DeepSpeed's expert checkpoint "
+                                      "files are not written by lightspeed; save in lightspeed's format "
+                                      "(`lightspeed convert to-fp32` consolidates it)")
         engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
                                                self.config.checkpoint.tag_validation)
         module_state = self.strategy.module_state_dict()
@@ -71,6 +72,10 @@ class EngineCheckpoints:
             "dp_world_size": self.seq_dp_world_size,  # the ranks that wrote shards (dp x sp)
         }
         shared["buffer_names"], shared["frozen_param_names"] = module_entry_names(self.module)
+        if self._expert_names:  # their names in the ep = 1 model (parallel/experts/names.py); this rank's experts
+            for key in ("excluded_frozen_parameters", "buffer_names", "frozen_param_names"):
+                shared[key] = sorted({self._expert_names.to_global(n, r) for n in shared[key]
+                                      for r in range(self._ep_size())})
         strategy_state = self.strategy.state_dict()
         replicated = self.strategy.state_is_replicated
         module_part, pp_rank = None, 0
@@ -80,10 +85,14 @@ class EngineCheckpoints:
             # collective over tp (every rank calls it); only the rank that writes the module keeps them
             writes_module = tp_rank == 0 and self.groups.seq_dp_rank == 0
             module_state = self._whole_tensors(module_state, keep=writes_module)
+            module_state = self._whole_experts(module_state, keep=writes_module)
             shared["module"] = module_state
             shared["mesh"] = {"tp": self._tp_comm.world_size if self._tp_comm is not None else 1,
                               "dp_sp": self.seq_dp_world_size}
             coords = {"tp": tp_rank}
+            if self._expert_names or keyed_placements(self.placements):  # the layout's Note on experts
+                shared["mesh"]["ep"] = self._ep_comm.world_size if self._ep_comm is not None else 1
+                coords.update(self._data_coords())
             if self._pp_comm is not None:  # each stage writes its own module state (the layout's pipeline Note)
                 shared["mesh"]["pp"] = self._pp_comm.world_size
                 shared["module"] = {}
@@ -91,13 +100,15 @@ class EngineCheckpoints:
                                           for s in range(self._pp_comm.world_size)]
                 module_part = module_state if writes_module else None
                 coords["pp"] = pp_rank
-            names = {entry[0] for entry in strategy_state.get("fragments", ())}
+            if replicated and "ep" in coords:  # each parameter's state as coordinate 0 of the dims it is reduced over
+                strategy_state = select_fragments(strategy_state, lambda n: self.placements[n].counts_on(
+                    coords, [d for d in coords if d in self.placements[n].reduced_over]))
+            elif replicated and self.groups.seq_dp_rank != 0:  # the same state as dp rank 0 of its tp column
+                strategy_state = {**strategy_state, "fragments": [], "owners": [], "owner_groups": [], "state": []}
+            strategy_state, placed = self._global_fragments(strategy_state)
             strategy_state = {**strategy_state, "mesh_coords": coords, "partitioned": not replicated,
                               "mesh_rank": self._ckpt_rank, "mesh_size": self._ckpt_comm.world_size,
-                              "placements": {n: self.placements[n].as_record() for n in sorted(names)}}
-            if replicated and self.groups.seq_dp_rank != 0:  # the same state as dp rank 0 of its tp column
-                strategy_state = {**strategy_state, "fragments": [], "owners": [], "owner_groups": [], "state": [],
-                                  "placements": {}}
+                              "placements": placed}
             replicated = False
         engine_checkpoint.save(save_dir, tag, shared=shared, strategy_state=strategy_state,
                                strategy_replicated=replicated, comm=self._ckpt_comm,
@@ -111,6 +122,58 @@ class EngineCheckpoints:
                               pipeline=None if self._pp_comm is None else (self._pipeline_layout(),
                                                                            self._pp_comm.world_size))
         return True
+
+    def _ep_size(self) -> int:
+        return self._ep_comm.world_size if self._ep_comm is not None else 1
+
+    def _data_coords(self) -> dict[str, int]:
+        """This rank's coordinates on the expert-parallel and data-parallel mesh dims."""
+        coords = self.groups.topology.coords()
+        return {d: int(coords.get(d, 0)) for d in ("ep", *EXPERT_DATA_PARALLEL)}
+
+    def _global_fragments(self, state: dict) -> tuple[dict, dict[str, dict]]:
+        """A fragments state with each DeepSpeed-style expert's fragments under its global name, and the
+        placement records of its fragments' parameters (such an expert: its whole tensor, sharded over ep;
+        the layout's Note on experts)."""
+        names = self._expert_names
+        placed: dict[str, dict] = {}
+        entries = []
+        for entry in state.get("fragments", ()):
+            name = entry[0]
+            placement = self.placements[name]
+            renamed = names.to_global(name)
+            if names.is_expert(name) and not names.is_fused(name):
+                placement = Placement(renamed, placement.local_shape, (tuple((0, n) for n in placement.local_shape),),
+                                      ("ep",), placement.reduced_over)
+            placed[renamed] = placement.as_record()
+            entries.append([renamed, *entry[1:]])
+        return {**state, "fragments": entries}, placed
+
+    def _whole_experts(self, state: dict, keep: bool) -> dict:
+        """`state` with the expert entries of every ep rank under their global names (AutoEP's fused
+        tensors whole), gathered over the ep group by the ranks at data-parallel coordinate 0 of the
+        experts (each ep group of them: a collective); with `keep` False this rank only contributes."""
+        names = self._expert_names
+        if not names:
+            return state
+        if self._ep_comm is None:  # ep = 1: this rank holds every expert, under its global name
+            return {names.to_global(k): v for k, v in state.items()}
+        if any(self._data_coords()[d] for d in EXPERT_DATA_PARALLEL):
+            return state  # another expert-data-parallel rank's ep group gathers them
+        out = {k: v for k, v in state.items() if not names.is_expert(k)} if keep else state
+        ep = self._ep_comm.world_size
+        for key in sorted(k for k, v in state.items() if names.is_expert(k) and torch.is_tensor(v)):
+            local = state[key].detach().to(self.device).contiguous()
+            gathered = torch.empty((ep, *local.shape), dtype=local.dtype, device=local.device)
+            self._ep_comm.all_gather(gathered.view(-1), local.view(-1))
+            if not keep:
+                continue
+            parts = [t.to(state[key].device) for t in gathered.unbind(0)]
+            if names.is_fused(key):  # ep rank r holds rows [r x E/ep, (r + 1) x E/ep): autoep.py's placements
+                out[key] = torch.cat(parts)
+            else:
+                out.update((names.to_global(key, r), part) for r, part in enumerate(parts))
+        return out
 
     def _stage_writer_rank(self, stage: int) -> int:
         """The mesh rank that writes pipeline stage `stage`'s module state: its rank at data-parallel and
@@ -135,11 +198,12 @@ class EngineCheckpoints:
         if not self.zero_optimization_partition_weights():
             raise ValueError("_zero3_consolidated_16bit_state_dict requires ZeRO stage 3 "
                              f"(got stage {self.zero_optimization_stage()})")
-        state = self.strategy.module_state_dict()
+        state = self._whole_experts(self.strategy.module_state_dict(), keep=self.global_rank == 0)
         if self.global_rank != 0:
             return None
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            frozen = {self._expert_names.to_global(n, r) for n, p in self.module.named_parameters()
+                      if not p.requires_grad for r in range(self._ep_size())}
             state = {k: v for k, v in state.items() if k not in frozen}
         return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
 
@@ -174,8 +238,10 @@ class EngineCheckpoints:
                            "is false", path)
             return False
         state = self._whole_tensors(self.strategy.module_state_dict(), keep=self.global_rank == 0)
+        state = self._whole_experts(state, keep=self.global_rank == 0)  # every expert, under the ep = 1 names
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            frozen = {self._expert_names.to_global(n, r) for n, p in self.module.named_parameters()
+                      if not p.requires_grad for r in range(self._ep_size())}
             state = {k: v for k, v in state.items() if k not in frozen}
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
@@ -203,6 +269,9 @@ class EngineCheckpoints:
                          load_module_only):
         try:
             trainable = [n for n, p in self.module.named_parameters() if p.requires_grad]
+            if self._expert_names:  # the whole model's names, as a checkpoint of experts holds them
+                trainable = list(dict.fromkeys(self._expert_names.to_global(n, r) for r in range(self._ep_size())
+                                               for n in trainable))
             self._first_name = {n: first_names(self.module)[id(p)]
                                 for n, p in self.module.named_parameters(remove_duplicate=False)}
             # at another tp size (or plan) the source merges the saved slices and cuts this tp rank's
@@ -213,6 +282,9 @@ class EngineCheckpoints:
             read = None
             if opened is not None:
                 path, source, rng = opened
+                if self._expert_names:  # this ep rank's experts of the whole model's (checkpoint/experts.py)
+                    source = ExpertSource(source, self._expert_names, {
+                        n: p for n, p in self.placements.items() if self._expert_names.is_fused(n)})
                 source_params = set(source.param_names())
                 extra = source.extra()
                 module_state = self._module_state_to_load(source, load_module_only)

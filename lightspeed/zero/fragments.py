@@ -83,6 +83,17 @@ def fragments_state_dict(fragments: list[Fragment], optimizer: torch.optim.Optim
             "state": state, "param_groups": param_groups}
 
 
+def select_fragments(state: dict, keep) -> dict:
+    """A `fragments_state_dict` holding only the fragments whose name `keep(name)` accepts, and the owners
+    (with their optimizer state and group) those fragments lie in."""
+    kept = [entry for entry in state["fragments"] if keep(entry[0])]
+    used = sorted({entry[4] for entry in kept})
+    index = {old: new for new, old in enumerate(used)}
+    return {**state, "fragments": [[*entry[:4], index[entry[4]], entry[5]] for entry in kept],
+            "owners": [state["owners"][i] for i in used], "owner_groups": [state["owner_groups"][i] for i in used],
+            "state": [state["state"][i] for i in used]}
+
+
 def module_shapes(module: torch.nn.Module, full_shape=None) -> dict[str, tuple[int, ...]]:
     """Name -> full shape of every entry of `module.state_dict()`; `full_shape(param)` gives a parameter's
     logical shape where the tensor itself is a placeholder (stage 3), or None to take the tensor's."""

@@ -1,0 +1,52 @@
+"""DeepSpeed's checkpoints of MoE training (`deepspeed.moe.layer.MoE` with ZeRO 1-2), as DeepSpeed
+0.19.8's engine writes them: what deepspeed_format.py needs beyond a dense checkpoint.
+
+Owns the expert files' names and the expert param groups' layout. DeepSpeed writes, beside the dense
+files, one `layer_<L>_expert_<G>_mp_rank_00_model_states.pt` per MoE layer L and global expert G (that
+expert's module entries under the global name `...deepspeed_experts.<G>.*`; `mp_rank_00_model_states.pt`
+then holds only the dense entries). Its ZeRO optimizer puts the experts of an MoE param group (`moe`:
+True, one per expert-parallel size) in a flat buffer of their own, partitioned over the
+expert-data-parallel group only (`partition_count` W / ep, the dense groups' W): ep rank e's buffer is
+its local experts (named locally, `...deepspeed_experts.<i>.*`, as `param_shapes` lists them for rank 0)
+split over the ranks e, e + ep, e + 2 ep, ... (DeepSpeed's expert-data-parallel groups), local expert i
+being global expert e x num_local + i. Must not: read files (deepspeed_format.py does).
+"""
+
+from __future__ import annotations
+
+import re
+
+EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+_LOCAL = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
+
+
+def expert_files(names: list[str]) -> list[str]:
+    """The per-expert model files among a tag directory's file names, by layer then expert."""
+    found = [(int(m.group(1)), int(m.group(2)), n) for n in names if (m := EXPERT_FILE.match(n))]
+    return [n for _, _, n in sorted(found)]
+
+
+def num_local_experts(names: list[str]) -> dict[str, int]:
+    """{expert prefix: number of local experts} of the local expert names `names`."""
+    out: dict[str, int] = {}
+    for name in names:
+        m = _LOCAL.match(name)
+        if m:
+            out[m.group(1)] = max(out.get(m.group(1), 0), int(m.group(2)) + 1)
+    return out
+
+
+def global_name(name: str, ep_rank: int, local: dict[str, int]) -> str | None:
+    """The global name of ep rank `ep_rank`'s local expert entry `name`; None when `name` is not a `MoE`
+    layer's expert (`...deepspeed_experts.<i>.*`)."""
+    m = _LOCAL.match(name)
+    if not m or m.group(1) not in local:
+        return None
+    return f"{m.group(1)}{ep_rank * local[m.group(1)] + int(m.group(2))}{m.group(3)}"
+
+
+def expert_group_ranks(world: int, count: int) -> list[list[int]]:
+    """For each ep rank, the data-parallel ranks its experts' buffer is split over, in order (DeepSpeed's
+    expert-data-parallel group: ranks e, e + ep, ...); `count` the group's `partition_count`."""
+    ep = world // count
+    return [[e + k * ep for k in range(count)] for e in range(ep)]

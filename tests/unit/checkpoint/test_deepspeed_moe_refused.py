@@ -1,0 +1,38 @@
+"""A DeepSpeed checkpoint of MoE training that lightspeed does not read is refused by name: without ZeRO
+(its `expp_rank_<R>` optimizer files, or expert files beside no ZeRO file) or in the older
+`expert_<X>_mp_rank_<XX>` naming. (Those at ZeRO 1-2 load: tests/distributed/test_moe_checkpoints.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightspeed.checkpoint.errors import CheckpointError
+from lightspeed.checkpoint.universal import open_source
+
+
+@pytest.mark.parametrize("expert_file", ["layer_0_expert_3_mp_rank_00_model_states.pt",
+                                         "expert_1_mp_rank_00_model_states.pt",
+                                         "expp_rank_0_mp_rank_00_optim_states.pt"])
+def test_deepspeed_moe_checkpoint_is_refused(tmp_path, expert_file):
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    torch.save({"module": {}}, tag / "mp_rank_00_model_states.pt")
+    torch.save({}, tag / expert_file)
+    (tmp_path / "latest").write_text("global_step1")
+    with pytest.raises(CheckpointError, match=rf"{expert_file}(: DeepSpeed checkpoints with expert parallelism|\) "
+                                              "without ZeRO optimizer files)"):
+        open_source(tmp_path)
+
+
+def test_deepspeed_moe_names_and_groups():
+    from lightspeed.checkpoint.deepspeed_moe import expert_group_ranks, global_name, num_local_experts
+
+    names = ["a.deepspeed_experts.0.w", "a.deepspeed_experts.1.w", "b.weight", "m.experts.w1"]
+    local = num_local_experts(names)
+    assert local == {"a.deepspeed_experts.": 2}
+    assert global_name("a.deepspeed_experts.1.w", 0, local) == "a.deepspeed_experts.1.w"
+    assert global_name("a.deepspeed_experts.1.w", 1, local) == "a.deepspeed_experts.3.w"
+    assert global_name("m.experts.w1", 1, local) is None  # DeepSpeed AutoEP's fused experts: refused by the reader
+    assert expert_group_ranks(4, 2) == [[0, 2], [1, 3]]  # ep 2: ep rank e's experts over ranks e, e + 2
+    assert expert_group_ranks(2, 1) == [[0], [1]]

@@ -358,14 +358,17 @@ class EngineCheckpoints:
 
     def _saved_counters(self, saved: dict) -> tuple[int, int, int, int]:
         """(global_steps, global_samples, micro_steps, skipped_steps) from a checkpoint's counters; what a
-        writer did not record (DeepSpeed keeps no micro-step count) follows from the steps taken."""
+        writer did not record follows from the steps taken. The micro-step count restarts at the
+        accumulation window after the last step, at this engine's accumulation steps (the gradients of a
+        window in progress are not saved, and the count saved at another `gradient_accumulation_steps`
+        would misplace the boundary); DeepSpeed keeps no micro-step count either."""
         def get(key, default):
             value = saved.get(key)
             return int(default if value is None else value)
 
         steps = get("global_steps", 0)
         return (steps, get("global_samples", steps * self.train_batch_size()),
-                get("micro_steps", steps * self.gradient_accumulation_steps()), get("skipped_steps", 0))
+                steps * self.gradient_accumulation_steps(), get("skipped_steps", 0))
 
     def _agree_or_raise(self, failed: BaseException | None) -> None:
         """Every rank learns whether any rank failed to read the checkpoint, and then all raise."""

@@ -30,6 +30,7 @@ routes stably by expert, and sums a token's k routes in j order in fp32).
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -57,7 +58,7 @@ def _log_once(message: str) -> None:
 
 def _triton_importable() -> bool:
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError:
         return False
     return True

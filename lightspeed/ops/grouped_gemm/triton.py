@@ -59,7 +59,8 @@ def _tile_of(offs_ptr, G, T, pid_m, BLOCK_M: tl.constexpr, G_P2: tl.constexpr):
 @triton.jit
 def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, T, N, G, stride_am, stride_ak, stride_bg, stride_bk,
                        stride_bn, stride_cm, stride_cn, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, G_P2: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                       BLOCK_K: tl.constexpr, G_P2: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                       UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g, row0, row_end, work = _tile_of(offs_ptr, G, T, pid_m, BLOCK_M, G_P2)
@@ -80,6 +81,8 @@ def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, T, N, G, stride_am, stride
                 k_ok = (k0 + ks) < K
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
@@ -89,20 +92,22 @@ def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, T, N, G, stride_am, stride
 
 @triton.jit
 def _wgrad_step(acc, x_ptr, dy_ptr, t0, end, ts, kk, nn, k_ok, n_ok, stride_xm, stride_xk, stride_ym, stride_yn,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     t = (t0 + ts).to(tl.int64)
     t_ok = t < end
     a = tl.load(x_ptr + t[None, :] * stride_xm + kk[:, None] * stride_xk, mask=k_ok[:, None] & t_ok[None, :],
                 other=0.0)
     b = tl.load(dy_ptr + t[:, None] * stride_ym + nn[None, :] * stride_yn, mask=t_ok[:, None] & n_ok[None, :],
                 other=0.0)
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
 def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, K, N, stride_xm, stride_xk, stride_ym, stride_yn, stride_wg,
                   stride_wk, stride_wn, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                  PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     g = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -119,12 +124,12 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, K, N, stride_xm, stride_xk, s
         t0 = start
         while t0 < end:
             acc = _wgrad_step(acc, x_ptr, dy_ptr, t0, end, ts, kk, nn, k_ok, n_ok, stride_xm, stride_xk, stride_ym,
-                              stride_yn, PRECISION)
+                              stride_yn, PRECISION, UPCAST)
             t0 += BLOCK_T
     else:
         for t0 in range(start, end, BLOCK_T):
             acc = _wgrad_step(acc, x_ptr, dy_ptr, t0, end, ts, kk, nn, k_ok, n_ok, stride_xm, stride_xk, stride_ym,
-                              stride_yn, PRECISION)
+                              stride_yn, PRECISION, UPCAST)
     w_ptrs = dw_ptr + g.to(tl.int64) * stride_wg + kk[:, None].to(tl.int64) * stride_wk + nn[None, :] * stride_wn
     tl.store(w_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
@@ -187,6 +192,12 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def _upcast(dtype: torch.dtype) -> bool:
+    """The interpreter's tl.dot gives garbage for bf16 operands (Triton 3.6): there they are made fp32
+    first (exact; the products are fp32 anyway)."""
+    return INTERPRET and dtype == torch.bfloat16
+
+
 def mm_config(T: int, N: int, K: int, dtype: torch.dtype) -> dict:
     """Block sizes and launch options of `grouped_mm` (untuned heuristics): the interpreter's small fixed
     blocks; on the GPU 128 x 128 (64 for narrow N) with BLOCK_K 64 for 16-bit inputs, 32 for fp32."""
@@ -217,7 +228,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, config: 
     _grouped_mm_kernel[grid](x, w, out, offsets, T, N, G, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                              w.stride(2), out.stride(0), out.stride(1), K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                              G_P2=max(triton.next_power_of_2(G), 2), EVEN_K=K % bk == 0,
-                             PRECISION=_precision(x.dtype), **cfg)
+                             PRECISION=_precision(x.dtype), UPCAST=_upcast(x.dtype), **cfg)
     return out
 
 
@@ -234,7 +245,8 @@ def wgrad(x: torch.Tensor, dout: torch.Tensor, offsets: torch.Tensor, config: di
     grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), G)
     _wgrad_kernel[grid](x, dout, dw, offsets, K, N, x.stride(0), x.stride(1), dout.stride(0), dout.stride(1),
                         dw.stride(0), dw.stride(1), dw.stride(2), BLOCK_K=bk, BLOCK_N=bn, BLOCK_T=bt,
-                        PRECISION=_precision(x.dtype), INTERPRETED=INTERPRET, **cfg)
+                        PRECISION=_precision(x.dtype), INTERPRETED=INTERPRET,
+                        UPCAST=_upcast(x.dtype), **cfg)
     return dw
 
 

@@ -1,13 +1,13 @@
 """Triton kernels of `lightspeed.ops.grouped_gemm` (the results of reference.py, read on the device: no host
 sync, so a MoE step can be captured in a CUDA graph).
 
-Grouped GEMM (`grouped_mm`): out [T, N] = x_g @ w[g] per group. The grid is (M tiles, N tiles) with
-cdiv(T, BLOCK_M) + G + 1 M tiles, an upper bound on the groups' tiles (each group rounds up once) plus the
+Grouped GEMM (`grouped_mm`): out [T, N] = x_g @ w[g] per group. The grid walks (M tiles, N tiles)
+(`_swizzle`: SWIZZLE M tiles at a time, for L2 reuse) with cdiv(T, BLOCK_M) + G + 1 M tiles, an upper bound on the groups' tiles (each group rounds up once) plus the
 tail's (the rows past offsets[-1]). Program m finds its tile from the offsets (`_tile_of`): the groups'
 tile counts, their running sum (tl.cumsum) and the first group whose running sum passes m. A tile of the
 tail stores zeros; a tile past the tail stores nothing; neither runs the K loop. B is
 read through strides, so w^T (the input gradient's B) is a view, not a copy. `wgrad`: dw[g] = x_g^T @
-dout_g, grid (K tiles x N tiles, G), each program reducing its group's rows in BLOCK_T chunks; an empty
+dout_g, grid (K tiles x N tiles, swizzled likewise; G), each program reducing its group's rows in BLOCK_T chunks; an empty
 group writes zeros.
 
 Routing: `gather_rows` (permute: sorted row i is token order[i] // k, zero for a dropped route),
@@ -57,12 +57,21 @@ def _tile_of(offs_ptr, G, T, pid_m, BLOCK_M: tl.constexpr, G_P2: tl.constexpr):
 
 
 @triton.jit
-def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, T, N, G, stride_am, stride_ak, stride_bg, stride_bk,
+def _swizzle(pid, num_a, num_b, GROUP: tl.constexpr):
+    """(a, b) of program `pid` on a num_a x num_b grid walked GROUP a-tiles at a time (b fastest within a
+    group of a-tiles): the programs running together share GROUP a-tiles and a few b-tiles in L2."""
+    per_group = GROUP * num_b
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(num_a - first, GROUP)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, T, N, G, num_m, stride_am, stride_ak, stride_bg, stride_bk,
                        stride_bn, stride_cm, stride_cn, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, G_P2: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                       UPCAST: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                       UPCAST: tl.constexpr, SWIZZLE: tl.constexpr):
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), SWIZZLE)
     g, row0, row_end, work = _tile_of(offs_ptr, G, T, pid_m, BLOCK_M, G_P2)
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,11 +116,9 @@ def _wgrad_step(acc, x_ptr, dy_ptr, t0, end, ts, kk, nn, k_ok, n_ok, stride_xm, 
 @triton.jit
 def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, K, N, stride_xm, stride_xk, stride_ym, stride_yn, stride_wg,
                   stride_wk, stride_wn, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-                  PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
+                  PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, UPCAST: tl.constexpr, SWIZZLE: tl.constexpr):
+    pid_k, pid_n = _swizzle(tl.program_id(0), tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N), SWIZZLE)
     g = tl.program_id(1)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_k, pid_n = pid // n_tiles, pid % n_tiles
     start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int32)
     end = tl.load(offs_ptr + g).to(tl.int32)
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -224,11 +231,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, config: 
         return out
     cfg = dict(config or mm_config(T, N, K, x.dtype))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    grid = (triton.cdiv(T, bm) + G + 1, triton.cdiv(N, bn))
-    _grouped_mm_kernel[grid](x, w, out, offsets, T, N, G, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+    num_m = triton.cdiv(T, bm) + G + 1
+    grid = (num_m * triton.cdiv(N, bn),)
+    _grouped_mm_kernel[grid](x, w, out, offsets, T, N, G, num_m, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                              w.stride(2), out.stride(0), out.stride(1), K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                              G_P2=max(triton.next_power_of_2(G), 2), EVEN_K=K % bk == 0,
-                             PRECISION=_precision(x.dtype), UPCAST=_upcast(x.dtype), **cfg)
+                             PRECISION=_precision(x.dtype), UPCAST=_upcast(x.dtype),
+                             SWIZZLE=cfg.pop("SWIZZLE", 8), **cfg)
     return out
 
 
@@ -246,7 +255,7 @@ def wgrad(x: torch.Tensor, dout: torch.Tensor, offsets: torch.Tensor, config: di
     _wgrad_kernel[grid](x, dout, dw, offsets, K, N, x.stride(0), x.stride(1), dout.stride(0), dout.stride(1),
                         dw.stride(0), dw.stride(1), dw.stride(2), BLOCK_K=bk, BLOCK_N=bn, BLOCK_T=bt,
                         PRECISION=_precision(x.dtype), INTERPRETED=INTERPRET,
-                        UPCAST=_upcast(x.dtype), **cfg)
+                        UPCAST=_upcast(x.dtype), SWIZZLE=cfg.pop("SWIZZLE", 8), **cfg)
     return dw
 
 

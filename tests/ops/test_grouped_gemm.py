@@ -171,6 +171,26 @@ def test_torch_path_forward_backward_match_reference(transposed):
     _check_against_reference(x, w, offsets, dout, "torch", torch.bfloat16)
 
 
+@pytest.mark.skipif(not _torch_grouped_mm_runs_here(), reason="this torch has no usable torch._grouped_mm here")
+def test_torch_path_ignores_rows_past_the_last_group(monkeypatch):
+    """NaN in the rows past the last group (the inner tensors grouped_mlp leaves unwritten there) reach
+    no group's result; grouped_mlp on the torch path (forced, as on Hopper) matches the reference."""
+    x, w, offsets, dout = _problem(40, 24, 16, [7, 0, 20, 9], torch.bfloat16, seed=7)
+    x_nan, dout_nan = x.clone(), dout.clone()
+    x_nan[36:], dout_nan[36:] = float("nan"), float("nan")
+    y, dx, dw = _fwd_bwd(x_nan, w, offsets, dout_nan, "torch")
+    y_ref, dx_ref, dw_ref = _fwd_bwd(x, w, offsets, dout, "reference")
+    for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        _close(got, want, torch.bfloat16)
+    monkeypatch.setattr(gg, "_torch_path_problem", lambda x, w: None)
+    mx, moffsets, gate_up, down = _mlp_problem(torch.bfloat16, H=24, inter=16, counts=(4, 0, 7, 2), T=16)
+    got = _mlp_grads(lambda a, b, c: grouped_mlp(a, moffsets, b, c, backend="torch"), mx, gate_up, down)
+    want = _mlp_grads(lambda a, b, c: grouped_mlp(a, moffsets, b, c, backend="reference"), mx, gate_up, down)
+    for name, g, r in zip(("out", "dx", "d gate_up", "d down"), got, want):
+        _close(g, r, torch.bfloat16, name, TOL_MLP)
+    assert torch.all(got[0][13:] == 0) and torch.all(got[1][13:] == 0)
+
+
 # ---- the backend rule ---------------------------------------------------------------------------------------
 
 def test_backend_rule_on_cpu(monkeypatch):

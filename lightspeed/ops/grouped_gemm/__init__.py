@@ -152,7 +152,8 @@ def _zero_tail(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: str) -> torch.Tensor:
+def _mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: str,
+        zero_tail: bool = True) -> torch.Tensor:
     if backend == "triton":
         from . import triton as kernels
 
@@ -160,7 +161,8 @@ def _mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: str) -
     if backend == "torch":
         if w.shape[0] == 0:
             return torch.zeros(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
-        return _zero_tail(torch._grouped_mm(x, w, offs=offsets), offsets)
+        out = torch._grouped_mm(x, w, offs=offsets)
+        return _zero_tail(out, offsets) if zero_tail else out
     return reference.grouped_mm(x, w, offsets)
 
 
@@ -178,13 +180,18 @@ def _wgrad(x: torch.Tensor, dout: torch.Tensor, offsets: torch.Tensor, backend: 
 class GroupedMatmul(torch.autograd.Function):
     """out = grouped_mm(x, w, offsets) with dx = grouped_mm(dout, w^T) (w^T a strided view) and dw[g] =
     x_g^T dout_g; forward and backward run on the path `backend` names (already resolved, see
-    `choose_backend`). Use `grouped_mm`, which validates and resolves."""
+    `choose_backend`). Use `grouped_mm`, which validates and resolves.
+
+    zero_tail_out / zero_tail_dx: whether the torch path zeroes out's / dx's rows past the last group
+    (Note: [rows past the last group]); the other paths always do. `grouped_mlp` turns off the ones
+    whose rows only reach products that never read them (its inner tensors)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: str,
+                zero_tail_out: bool = True, zero_tail_dx: bool = True) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets)
-        ctx.backend = backend
-        return _mm(x, w, offsets, backend)
+        ctx.backend, ctx.zero_tail_dx = backend, zero_tail_dx
+        return _mm(x, w, offsets, backend, zero_tail_out)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
@@ -192,10 +199,10 @@ class GroupedMatmul(torch.autograd.Function):
         dout = dout.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _mm(dout, w.transpose(1, 2), offsets, ctx.backend)
+            dx = _mm(dout, w.transpose(1, 2), offsets, ctx.backend, ctx.zero_tail_dx)
         if ctx.needs_input_grad[1]:
             dw = _wgrad(x, dout, offsets, ctx.backend)
-        return dx, dw, None, None
+        return dx, dw, None, None, None, None
 
 
 def _check_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -220,8 +227,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend:
     `offs`); groups may be empty. fp32 / bf16 / fp16 (x and w alike), fp32 accumulation, output in x's
     dtype. Differentiable in x and w (`GroupedMatmul`). Offsets' values are not checked on the device
     paths (that would wait for the device); the reference path raises on bad ones."""
+    return _grouped_mm(x, w, offsets, backend, True, True)
+
+
+def _grouped_mm(x, w, offsets, backend: str, zero_tail_out: bool, zero_tail_dx: bool) -> torch.Tensor:
     _check_mm(x, w, offsets)
-    return GroupedMatmul.apply(x, w, offsets, choose_backend(x, w, backend))
+    return GroupedMatmul.apply(x, w, offsets, choose_backend(x, w, backend), zero_tail_out, zero_tail_dx)
 
 
 def offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
@@ -345,9 +356,11 @@ def grouped_mlp(x: torch.Tensor, offsets: torch.Tensor, w_gate_up, w_down: torch
         inter = w_gate_up.shape[-1] // 2
     if w_down.dim() != 3 or w_down.shape[1] != inter:
         raise ValueError(f"grouped_mlp: w_down must be [G, I={inter}, H_out], got {tuple(w_down.shape)}")
+    # the inner tensors' rows past the last group reach only grouped products, which never read them: the
+    # torch path leaves them unwritten (GroupedMatmul's zero_tail_*); the output and dx are zeroed there
     if pair:
-        gate = grouped_mm(x, w_gate_up[0], offsets, backend)
-        up = grouped_mm(x, w_gate_up[1], offsets, backend)
+        gate = _grouped_mm(x, w_gate_up[0], offsets, backend, False, True)
+        up = _grouped_mm(x, w_gate_up[1], offsets, backend, False, True)
     else:
-        gate, up = grouped_mm(x, w_gate_up, offsets, backend).chunk(2, dim=-1)
-    return grouped_mm(reference.activate(gate, activation) * up, w_down, offsets, backend)
+        gate, up = _grouped_mm(x, w_gate_up, offsets, backend, False, True).chunk(2, dim=-1)
+    return _grouped_mm(reference.activate(gate, activation) * up, w_down, offsets, backend, True, False)

@@ -2,13 +2,13 @@
 sync, so a MoE step can be captured in a CUDA graph).
 
 Grouped GEMM (`grouped_mm`): out [T, N] = x_g @ w[g] per group. The grid walks (M tiles, N tiles)
-(`_swizzle`: SWIZZLE M tiles at a time, for L2 reuse) with cdiv(T, BLOCK_M) + G + 1 M tiles, an upper bound on the groups' tiles (each group rounds up once) plus the
-tail's (the rows past offsets[-1]). Program m finds its tile from the offsets (`_tile_of`): the groups'
-tile counts, their running sum (tl.cumsum) and the first group whose running sum passes m. A tile of the
-tail stores zeros; a tile past the tail stores nothing; neither runs the K loop. B is
-read through strides, so w^T (the input gradient's B) is a view, not a copy. `wgrad`: dw[g] = x_g^T @
-dout_g, grid (K tiles x N tiles, swizzled likewise; G), each program reducing its group's rows in BLOCK_T chunks; an empty
-group writes zeros.
+(`_swizzle`: SWIZZLE M tiles at a time, for L2 reuse) with cdiv(T, BLOCK_M) + G + 1 M tiles, an upper
+bound on the groups' tiles (each group rounds up once) plus the tail's (the rows past offsets[-1]).
+Program m finds its tile from the offsets (`_tile_of`): the groups' tile counts, their running sum
+(tl.cumsum) and the first group whose running sum passes m. A tile of the tail stores zeros; a tile
+past the tail stores nothing; neither runs the K loop. B is read through strides, so w^T (the input
+gradient's B) is a view, not a copy. `wgrad`: dw[g] = x_g^T @ dout_g, grid (K tiles x N tiles, swizzled
+likewise; G), each program reducing its group's rows in BLOCK_T chunks; an empty group writes zeros.
 
 Routing: `gather_rows` (permute: sorted row i is token order[i] // k, zero for a dropped route),
 `combine` (unpermute's weighted sum of each token's k rows, or permute's backward with unit weights;
@@ -226,6 +226,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, config: 
     """out [T, N] of x [T, K] (any strides) by w [G, K, N] (any strides) over int32 `offsets` [G]."""
     T, K = x.shape
     G, _, N = w.shape
+    offsets = offsets.contiguous()
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return out
@@ -246,6 +247,7 @@ def wgrad(x: torch.Tensor, dout: torch.Tensor, offsets: torch.Tensor, config: di
     T, K = x.shape
     N = dout.shape[1]
     G = offsets.shape[0]
+    offsets = offsets.contiguous()
     dw = torch.empty(G, K, N, dtype=x.dtype, device=x.device)
     if dw.numel() == 0:
         return dw
@@ -263,7 +265,8 @@ def _block_h(H: int) -> int:
     return min(triton.next_power_of_2(max(H, 1)), 64 if INTERPRET else 1024)
 
 
-def gather_rows(tokens: torch.Tensor, order: torch.Tensor, keys: torch.Tensor, k: int, num_experts: int) -> torch.Tensor:
+def gather_rows(tokens: torch.Tensor, order: torch.Tensor, keys: torch.Tensor, k: int,
+                num_experts: int) -> torch.Tensor:
     """permute's rows: out[i] = tokens[order[i] // k], zero where keys[order[i]] >= num_experts."""
     R, H = order.shape[0], tokens.shape[1]
     out = torch.empty(R, H, dtype=tokens.dtype, device=tokens.device)

@@ -193,10 +193,11 @@ def _scatter_rows_kernel(grad_ptr, map_ptr, w_ptr, rows_ptr, gsrc_ptr, gw_ptr, H
     tl.store(gw_ptr + s * k + js, dots.to(gw_ptr.dtype.element_ty), mask=js < k)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    """tl.dot's input_precision: fp32 per Note: [fp32 inputs]; None (the default) for 16-bit inputs."""
+    if dtype != torch.float32:
+        return None
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _upcast(dtype: torch.dtype) -> bool:

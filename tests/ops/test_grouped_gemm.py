@@ -323,6 +323,19 @@ def test_grouped_mlp_reference_path_matches_spec(activation):
     assert torch.all(got[0][13:] == 0)
 
 
+def test_grouped_mlp_callable_activation_and_no_rows():
+    """A callable activation (a model's act_fn) equals its name; zero rows give an empty output and zero
+    weight gradients."""
+    x, offsets, gate_up, down = _mlp_problem(torch.float32)
+    w = gate_up.transpose(1, 2)
+    torch.testing.assert_close(grouped_mlp(x, offsets, w, down.transpose(1, 2), torch.nn.SiLU()),
+                               grouped_mlp(x, offsets, w, down.transpose(1, 2), "silu"))
+    zero = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    for backend in ["reference"] + (["triton"] if RUN_HERE else []):
+        got = _mlp_grads(lambda a, b, c: grouped_mlp(a, zero, b, c, backend=backend), x[:0], gate_up, down)
+        assert got[0].shape == (0, 20) and torch.all(got[2] == 0) and torch.all(got[3] == 0)
+
+
 def test_grouped_mlp_pair_equals_fused_and_checks():
     x, offsets, gate_up, down = _mlp_problem(torch.float32)
     w = gate_up.transpose(1, 2)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -159,7 +160,7 @@ def _mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: str,
 
         return kernels.grouped_mm(x, w, offsets)
     if backend == "torch":
-        if w.shape[0] == 0:
+        if w.shape[0] == 0 or x.shape[0] == 0:
             return torch.zeros(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
         out = torch._grouped_mm(x, w, offs=offsets)
         return _zero_tail(out, offsets) if zero_tail else out
@@ -171,7 +172,7 @@ def _wgrad(x: torch.Tensor, dout: torch.Tensor, offsets: torch.Tensor, backend: 
         from . import triton as kernels
 
         return kernels.wgrad(x, dout, offsets)
-    if backend == "torch" and offsets.numel():
+    if backend == "torch" and offsets.numel() and x.shape[0]:
         # 2-D x 2-D with offs: the groups split the reduction dimension (T); an empty group gives zeros
         return torch._grouped_mm(x.t(), dout, offs=offsets)
     return reference.grouped_mm_wgrad(x, dout, offsets)
@@ -336,14 +337,16 @@ def unpermute(sorted_out: torch.Tensor, row_map: torch.Tensor, weights: torch.Te
 # ---- the experts' MLP ---------------------------------------------------------------------------------
 
 def grouped_mlp(x: torch.Tensor, offsets: torch.Tensor, w_gate_up, w_down: torch.Tensor,
-                activation: str = "silu", backend: str = "auto") -> torch.Tensor:
+                activation: str | Callable[[torch.Tensor], torch.Tensor] = "silu",
+                backend: str = "auto") -> torch.Tensor:
     """The experts' gated MLP on expert-sorted rows x [T, H]: for group g (offsets as in `grouped_mm`),
     (act(x_g @ W_gate[g]) * (x_g @ W_up[g])) @ w_down[g] -> [T, H_out]. w_gate_up: [G, H, 2I] (gate
     columns first, then up; HF's gate_up_proj [G, 2I, H] passed as .transpose(1, 2)) or a pair (w_gate,
-    w_up) of [G, H, I]; w_down [G, I, H_out]. activation: "silu" (SwiGLU), "gelu" (GeGLU), "gelu_tanh".
+    w_up) of [G, H, I]; w_down [G, I, H_out]. activation: "silu" (SwiGLU), "gelu" (GeGLU), "gelu_tanh", or
+    an elementwise callable applied to the gate half (e.g. the model's act_fn).
     Products by `grouped_mm` (the same `backend`), activation and gating by torch in x's dtype;
     differentiable in x and every weight. Rows past offsets[-1] give zero rows."""
-    if activation not in ACTIVATIONS:
+    if not callable(activation) and activation not in ACTIVATIONS:
         raise ValueError(f"grouped_mlp: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     pair = isinstance(w_gate_up, (tuple, list))
     if pair:

@@ -98,7 +98,10 @@ def unpermute(sorted_out: torch.Tensor, row_map: torch.Tensor, weights: torch.Te
     return (rows * scale[..., None]).sum(dim=1).to(sorted_out.dtype)
 
 
-def activate(gate: torch.Tensor, activation: str) -> torch.Tensor:
+def activate(gate: torch.Tensor, activation) -> torch.Tensor:
+    """activation(gate): one of ACTIVATIONS by name, or any elementwise callable (e.g. HF's act_fn)."""
+    if callable(activation):
+        return activation(gate)
     if activation == "silu":
         return F.silu(gate)
     if activation == "gelu":
@@ -116,7 +119,7 @@ def split_gate_up(w_gate_up) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def grouped_mlp(x: torch.Tensor, offsets: torch.Tensor, w_gate_up, w_down: torch.Tensor,
-                activation: str = "silu") -> torch.Tensor:
+                activation="silu") -> torch.Tensor:
     """The experts' gated MLP on sorted rows: for group g, (act(x_g @ W_gate[g]) * (x_g @ W_up[g])) @
     w_down[g], each product by the reference `grouped_mm`, the activation in fp32; rows past offsets[-1]
     give zero. Differentiable through torch's autograd (the loop is plain slicing)."""

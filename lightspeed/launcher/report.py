@@ -57,6 +57,9 @@ KERNEL_FAMILIES: list[KernelFamily] = [
     KernelFamily("one-bit compression", "lightspeed.ops.onebit", ("pack_signs", "unpack_signs"), needs="cpu"),
     KernelFamily("weight-only FP6/INT8/INT4 linear", "lightspeed.ops.wquant", ("quantized_matmul",),
                  min_capability=(8, 0)),
+    KernelFamily("MoE grouped GEMM (training)", "lightspeed.ops.grouped_gemm",
+                 ("grouped_mm", "grouped_mlp", "permute", "unpermute"),
+                 without_kernel="the plain-PyTorch reference (a loop over the experts) runs instead"),
 ]
 
 LAUNCHER_PROGRAMS = ("pdsh", "ssh", "mpirun", "srun", "numactl")

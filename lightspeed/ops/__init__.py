@@ -11,7 +11,10 @@ parameters, no C++ build). `multi_tensor/` is what the device optimizers share: 
 `FusedOptimizer`, whose `step(grads=, grad_scale=, lowp_out=)` is the fused ZeRO step; the CPU optimizers
 take the same call and write through `lowp_writer.py`. `onebit/` packs signs (1-bit optimizers),
 `quantize/` quantizes rows block-wise (ZeRO++), `wquant/` is the FP6 / INT8 / INT4 weight-only matmul
-(one folder for the three formats because they share one kernel).
+(one folder for the three formats because they share one kernel). `grouped_gemm/` is mixture-of-experts
+training's grouped GEMM (forward and both gradients), the routing's permute / unpermute and the experts'
+gated MLP (`grouped_mlp`); on CUDA it also picks `torch._grouped_mm` where that is faster (its Note:
+[backend rule]).
 
 Backend: Triton for CUDA tensors, the reference otherwise; `LIGHTSPEED_OPS_BACKEND=reference|triton`
 overrides the automatic choice (e.g. to rule the kernels out while debugging, or to run them under

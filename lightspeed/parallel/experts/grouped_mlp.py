@@ -22,6 +22,11 @@ expert's count), runs two `torch.bmm`s and gathers the rows back. The padded row
 dropped; they contribute nothing to any gradient (their inputs are constants and their outputs are not
 read). The cost is E x max count rows instead of N: fine for the balanced loads of training, wasteful
 for a very skewed one (the grouped-GEMM kernels avoid it).
+
+Note: [on the GPU] CUDA tensors go to ops/grouped_gemm's `grouped_mlp` (its Triton kernels, or
+`torch._grouped_mm` for bf16 on Hopper: no padding, no per-expert loop), handed this layout's weights
+as transposed views. On the CPU ops/ has only its per-group reference loop, so the padded batched
+matmuls stay.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from lightspeed.ops import grouped_gemm
 
 
 def _check(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
@@ -45,6 +52,8 @@ def grouped_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.T
                 act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Every expert's gated MLP on its rows of `x_sorted` (the Notes on the interface and padding)."""
     _check(x_sorted, counts, w_gate_up, w_down)
+    if x_sorted.is_cuda:
+        return grouped_kernel(x_sorted, counts, w_gate_up, w_down, act)
     experts, hidden = w_gate_up.shape[0], x_sorted.shape[-1]
     counts = counts.to(device=x_sorted.device, dtype=torch.long)
     rows = x_sorted.shape[0]
@@ -59,6 +68,14 @@ def grouped_mlp(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.T
     gate, up = torch.bmm(padded, w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
     out = torch.bmm(act(gate) * up, w_down.transpose(1, 2))
     return out.reshape(experts * width, hidden).index_select(0, slot)
+
+
+def grouped_kernel(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   act: Callable[[torch.Tensor], torch.Tensor], backend: str = "auto") -> torch.Tensor:
+    """`grouped_mlp` through ops/grouped_gemm (the Note on the GPU); `backend` as its `grouped_mlp`."""
+    offsets = grouped_gemm.offsets_from_counts(counts.to(device=x_sorted.device))
+    return grouped_gemm.grouped_mlp(x_sorted, offsets, w_gate_up.transpose(1, 2), w_down.transpose(1, 2), act,
+                                    backend=backend)
 
 
 def grouped_mlp_reference(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,

@@ -6,6 +6,8 @@ unwrapped model's, one training step's loss and gradients as the unwrapped model
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +18,7 @@ from lightspeed.config.errors import ConfigError
 from lightspeed.config.expert_parallel import ExpertParallelConfig
 from lightspeed.parallel.experts.autoep import detect_moe_blocks
 from lightspeed.parallel.experts.autoep_layer import EPExperts
-from lightspeed.parallel.experts.grouped_mlp import grouped_mlp, grouped_mlp_reference
+from lightspeed.parallel.experts.grouped_mlp import grouped_kernel, grouped_mlp, grouped_mlp_reference
 
 
 def _weights(experts=3, hidden=5, inter=4):
@@ -30,14 +32,17 @@ def test_grouped_mlp_matches_the_loop(counts):
     counts = torch.tensor(counts)
     x = torch.randn(int(counts.sum()), 5, generator=torch.Generator().manual_seed(1), requires_grad=True)
     results = []
-    for fn in (grouped_mlp, grouped_mlp_reference):
+    # the GPU's path through ops/grouped_gemm (here its reference backend): the same layout, read transposed
+    through_ops = functools.partial(grouped_kernel, backend="reference")
+    for fn in (grouped_mlp, through_ops, grouped_mlp_reference):
         w1, w2 = _weights()
         out = fn(x, counts, w1, w2, F.silu)
         (out * torch.arange(out.numel()).view_as(out)).sum().backward()
         results.append((out.detach(), x.grad.clone(), w1.grad, w2.grad))
         x.grad = None
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for other in results[:2]:
+        for got, want in zip(other, results[2]):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     # the definition: expert e's rows through its own gated MLP
     w1, w2 = _weights()
     if int(counts.sum()):

@@ -292,6 +292,8 @@ def _ds_worker(rank: int, world: int, port: int, args_dict: dict, system: str, o
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     args = argparse.Namespace(**args_dict)
+    if args.gpu:  # the rank's GPU before NCCL's communicator is made
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if args.gpu else "gloo")
@@ -451,8 +453,8 @@ def main(argv=None) -> None:
                           f"step {min(step_ratios):.2f}-{max(step_ratios):.2f}x")
         peak = f"{ok[0]['peak_gib']:.2f}" if ok[0]["peak_gib"] is not None else "n/a"
         same = "n/a" if plain_seq is None else ("= plain" if ok[0]["seq"] == plain_seq else "differ from plain")
-        print(f"{name:<38}{gen:>9.3f}{tokens / gen:>11.1f}{vs_gen:>7.2f}x{step:>9.3f}{vs_step:>7.2f}x{peak:>10}"
-              f"  {same}")
+        vs_gen, vs_step = (f"{v:.2f}x" if pairs else "n/a" for v in (vs_gen, vs_step))
+        print(f"{name:<38}{gen:>9.3f}{tokens / gen:>11.1f}{vs_gen:>8}{step:>9.3f}{vs_step:>8}{peak:>10}  {same}")
     if spread:
         print("ratios over the rounds: " + "; ".join(spread))
     print(f"load average at end: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")

@@ -9,7 +9,7 @@ import lightspeed
 def _engine(gas: int):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    engine, *_ = lightspeed.initialize(model=model, config={
+    engine, *_ = lightspeed.initialize(model=model, dist_init_required=False, config={
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     return engine

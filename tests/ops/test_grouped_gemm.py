@@ -90,7 +90,7 @@ def test_reference_is_per_group_matmul_and_its_gradients(T, K, N, counts, dtype)
     for g, c in enumerate(counts):
         parts.append(xx[start:start + c] @ ww[g])
         start += c
-    parts.append(torch.zeros(T - start, N))
+    parts.append(torch.zeros(T - start, N, device=xx.device))
     want = torch.cat(parts)
     want.backward(dout.float())
     assert y.dtype == dw.dtype == dx.dtype == dtype and dw.shape == w.shape

@@ -40,9 +40,9 @@ def test_grouped_mlp_matches_the_loop(counts):
         (out * torch.arange(out.numel()).view_as(out)).sum().backward()
         results.append((out.detach(), x.grad.clone(), w1.grad, w2.grad))
         x.grad = None
-    for other in results[:2]:
+    for other in results[:2]:  # fp32, summed in another order than the loop's: fp32's tolerance
         for got, want in zip(other, results[2]):
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the definition: expert e's rows through its own gated MLP
     w1, w2 = _weights()
     if int(counts.sum()):

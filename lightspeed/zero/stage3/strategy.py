@@ -3,8 +3,9 @@
 Owns: building the ParamGroups (materializing an `Init`-built model one module at a time), pointing
 the optimizer at flat fp32 shards, the step (overflow check agreed across ranks, global norm, clip,
 optimizer, lp write-back), checkpoint state, the gathered module state_dict and which groups
-`unshard()` covers (`gathered.Unsharding` holds them). Gathering, releasing and gradient reduction are
-scheduled by `coordinator.Coordinator`. Must not: touch the loss scaler or the LR schedule (the engine
+`unshard()` covers (`gathered.Unsharding` holds them; the methods that serve code outside the step,
+unshard and the trace among them, are seam.py's mixin). Gathering, releasing and gradient reduction
+are scheduled by `coordinator.Coordinator`. Must not: touch the loss scaler or the LR schedule (the engine
 does).
 
 Note (granularity): the unit of communication is a *unit* (rule in `units.py`: the root, each
@@ -29,11 +30,10 @@ buffer) are whole at once.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -55,6 +55,7 @@ from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage3.coordinator import Coordinator
 from lightspeed.zero.stage3.options import Stage3Options
+from lightspeed.zero.stage3.seam import ModelSeam
 from lightspeed.zero.stage3.gathered import Unsharding, take_pending_external
 from lightspeed.zero.stage3.init import (StandaloneScheduler, init_record, materialize_module, seed_from_global_rng,
                                          take_init_groups)
@@ -79,7 +80,7 @@ def _gaps(whole: Range, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-class Stage3Strategy:
+class Stage3Strategy(ModelSeam):
     stage = 3
     state_is_replicated = False  # each rank holds its own slices: every rank writes its file
 
@@ -386,50 +387,6 @@ class Stage3Strategy:
     def wait_gradients(self) -> None:
         self.coordinator.wait_reduces()
 
-    # ---------------------------------------------------------------- unshard (gathered.py's Note: unshard)
-    def unshard(self, module: torch.nn.Module | None = None) -> None:
-        """Gather every group the units under `module` (None: the whole model) use and keep them
-        gathered: forwards then run with no collective for them, until `reshard`. Unsharding what is
-        already unsharded is a no-op. A collective: every rank calls it with the same module."""
-        self._unsharding.unshard(module)
-
-    def reshard(self, module: torch.nn.Module | None = None) -> None:
-        """Release the unsharded groups under `module` (None: all) back to their shards; a no-op for
-        groups not unsharded."""
-        self._unsharding.reshard(module)
-
-    def unsharded(self, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """`unshard(module)` for a `with` block yielding the module (None: the whole model); on exit,
-        also by an exception, reshards what it unsharded."""
-        return self._unsharding.unsharded(module, module if module is not None else self.module)
-
-    def empty_partition_cache(self) -> None:
-        """Release every gathered group nothing holds, persistent ones included (DeepSpeed's
-        `empty_partition_cache`); they are gathered again when next used."""
-        self.coordinator.release_unheld()
-
-    def trace_complete(self) -> bool:
-        """True while forwards follow the recorded module order (coordinator.py's Note: the trace)."""
-        return self.coordinator.trace_complete
-
-    def restart_trace(self) -> None:
-        """Record the module order again from the next forward (refused during a forward or backward)."""
-        self.coordinator.restart_trace()
-
-    def external_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
-        """The parameters gathered around `module`'s forward and backward from outside the subtree of the
-        unit that gathers for it (units.py; a module inside a unit reports its unit's): tied, registered
-        or detected external parameters, each once."""
-        self._check_module(module)
-        unit, groups = self.coordinator.gathered_for(module)
-        own = {id(p) for p in unit.parameters()}
-        out: list[torch.nn.Parameter] = []
-        for g in groups:
-            for p in g.params:
-                if id(p) not in own and all(p is not q for q in out):
-                    out.append(p)
-        return out
-
     def _check_module(self, module: torch.nn.Module) -> None:
         if not any(m is module for m in self.module.modules()):
             raise ValueError(f"ZeRO-3: the {type(module).__name__} passed is not a module of the model")
@@ -605,23 +562,6 @@ class Stage3Strategy:
         if not self.coordinator.hooks_forward:
             return [self.module]
         return compile_regions(self.module, [u.module for u in self.units])
-
-    def forward_method(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        """`method` run as a forward of the whole model: the root unit's groups gathered around it and
-        released after it, the units inside it hooked as in any forward (coordinator.py's Note: other
-        forward methods)."""
-        coordinator = self.coordinator
-
-        @functools.wraps(method)
-        def as_forward(*args, **kwargs):
-            return coordinator.call_as_forward(method, args, kwargs)
-
-        return as_forward
-
-    def needs_eager_forward(self) -> bool:
-        """True while forwards run under the coordinator's external-use mode (the first forward and
-        backward, with the default `external_detection`): compiled regions then run eagerly."""
-        return self.coordinator.detects_external()
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category (gathered buffers count while they are held)."""

@@ -6,7 +6,9 @@ slices) and global norm, and the final parameters must match in fp32 within 1e-5
 consolidated 16-bit save gathers whole tensors; checkpoints load at the same tp size, at another (tp2 ->
 tp1 x dp2, no tp -> tp2, with a ZeRO stage change) and consolidate (zero_to_fp32, safetensors) from the
 tp slices; tp_model_init before initialize, model_parameters given before the split (a generator, param groups),
-and the errors (a model built under zero.Init, a stale optimizer, a parameter not the model's)."""
+and the errors (a model built under zero.Init, a stale optimizer, a parameter not the model's). In the tp2 x dp2
+world, a save overwriting its tag fails at every point of the publisher's and of another rank's part of the
+protocol: every rank then loads the old save or the new one, never a mix, and the tag verifies."""
 
 from __future__ import annotations
 
@@ -175,7 +177,83 @@ def _train_runs(tp: int, runs, save_to: str):
     # the GPT-2 runs at ZeRO-0 and ZeRO-3 save their checkpoints: tp2 x dp2 slices, replicated over dp (the
     # dp ranks but 0 of each tp column write no fragments) or partitioned
     saves = {("gpt2", 0): f"{save_to}/s0", ("gpt2", 3): f"{save_to}/s3"}
-    return {run: _train(run[0], tp, *run[1:], save_to=saves.get(run)) for run in runs}
+    results = {run: _train(run[0], tp, *run[1:], save_to=saves.get(run)) for run in runs}
+    results["faults"] = _publish_faults(tp, f"{save_to}/faults")
+    return results
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+def _publish_faults(tp: int, root: str):
+    """A tp x dp save overwriting its tag, failed at each point of one rank's part of the protocol (each
+    file's atomic write, its manifest; on rank 0 also each step of the publish and `latest`), injected
+    as an exception at the point, deterministically: rank 0 (the publisher) and the last rank in turn.
+    Per trial: whether this rank's save returned, and which save `latest` then loads (1 the old, 2 the
+    new, None a mix of the two or neither), with the tag verified from the save directory."""
+    import torch.distributed as dist
+
+    import lightspeed
+    from lightspeed.checkpoint import atomic
+    from lightspeed.checkpoint.errors import CheckpointError
+    from lightspeed.checkpoint.tag_dir import resolve
+    from lightspeed.checkpoint.tag_reader import verify_tag
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    engine, _, _, _ = lightspeed.initialize(model=_model("demo"), config=_config(tp, world // tp, 1, "demo"))
+    micro = GLOBAL_BATCH // (world // tp)
+    batches = _batches()
+
+    def train_step(ids):
+        dp_rank = engine.groups.dp_rank
+        engine.backward(_loss(engine, "demo", ids[dp_rank * micro:(dp_rank + 1) * micro]))
+        engine.step()
+
+    def snapshot():
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+    events = []
+    atomic._fault_hook = lambda point, path: events.append(point)
+    try:
+        engine.save_checkpoint(f"{root}/probe", tag="t")
+    finally:
+        atomic._fault_hook = None
+    counts = [None] * world
+    dist.all_gather_object(counts, len(events))
+    trials = [(r, i) for r in (0, world - 1) for i in range(counts[r])]
+
+    train_step(batches[0])
+    old = snapshot()
+    for k in range(len(trials)):
+        engine.save_checkpoint(f"{root}/{k}", tag="t")
+    train_step(batches[1])
+    new = snapshot()
+    saved = []
+    for k, (faulty, at) in enumerate(trials):
+        seen = [0]
+
+        def hook(point, path, at=at):
+            seen[0] += 1
+            if seen[0] - 1 == at:  # once: the failure marker the writer then leaves must go through
+                raise _Injected(f"injected at {point} of {path}")
+
+        atomic._fault_hook = hook if rank == faulty else None
+        try:
+            engine.save_checkpoint(f"{root}/{k}", tag="t")
+            saved.append(True)
+        except CheckpointError:
+            saved.append(False)
+        finally:
+            atomic._fault_hook = None
+    loaded = []
+    for k in range(len(trials)):
+        engine.load_checkpoint(f"{root}/{k}")
+        now = snapshot()
+        same = [all(torch.equal(now[n], ref[n]) for n in now) for ref in (old, new)]
+        problems, _ = verify_tag(resolve(f"{root}/{k}", "t"), "t") if rank == 0 else ([], [])
+        loaded.append((1 if same[0] else 2 if same[1] else None, problems))
+    return {"counts": counts, "trials": trials, "saved": saved, "loaded": loaded}
 
 
 def test_tp2_dp2_matches_single_process(tmp_path):
@@ -186,6 +264,7 @@ def test_tp2_dp2_matches_single_process(tmp_path):
     for per_rank in results:
         for run in TP_DP_RUNS:
             _check(per_rank[run], references[run[0]])
+    _check_publish_faults([per_rank["faults"] for per_rank in results])
     # zero_to_fp32 of the tp2 x dp2 ZeRO-0 and ZeRO-3 checkpoints: the trained model's whole tensors, bit for bit
     for stage in (0, 3):
         consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"s{stage}"), tag="end")
@@ -193,6 +272,31 @@ def test_tp2_dp2_matches_single_process(tmp_path):
         assert set(consolidated) == set(state)
         for name, value in consolidated.items():
             assert torch.equal(value, state[name]), (stage, name)
+
+
+def _check_publish_faults(per_rank):
+    """Every trial of `_publish_faults`: all ranks return or all raise, every rank then loads the same
+    save, old or new and never a mix, and the tag verifies; the old one exactly when the save raised
+    before the publish put the new tag in place."""
+    first = per_rank[0]
+    counts, trials = first["counts"], first["trials"]
+    assert counts[0] > counts[-1] >= 9  # three points per file: its files, its manifest; rank 0 also the publish
+    assert len(trials) == counts[0] + counts[-1]
+    for k, trial in enumerate(trials):
+        saved = {out["saved"][k] for out in per_rank}
+        assert len(saved) == 1, (trial, saved)
+        versions = {out["loaded"][k][0] for out in per_rank}
+        assert len(versions) == 1 and None not in versions, (trial, versions)
+        assert first["loaded"][k][1] == [], (trial, first["loaded"][k][1])
+        if saved == {True}:
+            assert versions == {2}, trial
+    # rank 0's points: the old save until the publish puts the new tag in place, the new one after (its
+    # files and manifest come first); a failure at any of the last rank's points keeps the old save
+    on_rank0 = [out[0] for out in first["loaded"][:counts[0]]]
+    switch = on_rank0.index(2)
+    assert switch >= counts[-1] and on_rank0 == [1] * switch + [2] * (counts[0] - switch), on_rank0
+    assert [out[0] for out in first["loaded"][counts[0]:]] == [1] * counts[-1]
+    assert not any(first["saved"])  # every point raised: each trial injected one failure
 
 
 @pytest.mark.parametrize("stage", [0])

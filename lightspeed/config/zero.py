@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from lightspeed.config.base import Bool, Choice, Float, FreeDict, Int, NonNegInt, Section, Str, StrList
 
@@ -80,12 +80,25 @@ class OffloadOptimizerConfig(Section):
         return self.pipeline_read or self.pipeline_write
 
 
-class LeafModuleConfig(Section):
-    """``zero_optimization.leaf_module``: modules ZeRO-3 gathers as one unit (no hooks inside)."""
+# DeepSpeed 0.18's default leaf classes: Hugging Face's sparse MoE blocks, whose experts a step may not
+# all run (a hook per expert would wait for a gather that never comes)
+DEFAULT_LEAF_MODULE_CLASSES = ("transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                               "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                               "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock")
 
-    classes: StrList = []
+
+class LeafModuleConfig(Section):
+    """``zero_optimization.leaf_module``: modules ZeRO-3 gathers as one unit (no hooks inside); repeated
+    entries are dropped (DeepSpeed's order kept)."""
+
+    classes: StrList = list(DEFAULT_LEAF_MODULE_CLASSES)
     names: StrList = []
     name_suffixes: StrList = []
+
+    @field_validator("classes", "names", "name_suffixes")
+    @classmethod
+    def _drop_repeats(cls, value: list) -> list:
+        return list(dict.fromkeys(value))
 
 
 class ZeroConfig(Section):

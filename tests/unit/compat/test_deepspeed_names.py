@@ -108,6 +108,20 @@ def test_zero_config_model_under_deepspeeds_names():
         zc.DeepSpeedZeroConfig(prefetch_bucket_size=1, stage3_prefetch_bucket_size=2)
 
 
+def test_leaf_module_config_under_deepspeeds_names():
+    from lightspeed.compat.deepspeed.runtime.zero import leaf_module_config as lc
+
+    # DeepSpeed 0.18's defaults: Hugging Face's sparse MoE blocks are leaves unless the config says otherwise
+    assert zc.DeepSpeedZeroConfig().leaf_module.classes == lc.DEFAULT_LEAF_MODULE_CLASSES
+    assert len(lc.DEFAULT_LEAF_MODULE_CLASSES) == 3 and all(c.startswith("transformers.models.")
+                                                            for c in lc.DEFAULT_LEAF_MODULE_CLASSES)
+    assert lc.DEFAULT_LEAF_MODULE_NAMES == [] and lc.DEFAULT_LEAF_MODULE_NAME_SUFFIXES == []
+    leaf = zc.DeepSpeedZeroConfig(leaf_module={"classes": "my.Class", "names": ["a", "b", "a"],
+                                               "name_suffixes": "tail"}).leaf_module
+    assert (leaf.classes, leaf.names, leaf.name_suffixes) == (["my.Class"], ["a", "b"], ["tail"])
+    assert isinstance(leaf, lc.DeepSpeedZeroLeafModuleConfig)
+
+
 def test_deepspeed_config_exposes_the_models():
     cfg = ds_config.DeepSpeedConfig({
         "train_batch_size": 2, "fp16": {"enabled": True, "initial_scale_power": 4},

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,7 +58,8 @@ FILES = [
 SITECUSTOMIZE = "import lightspeed\nlightspeed.register_as_deepspeed()\n"
 
 
-def run_file(tests_dir: Path, rel: str, site_dir: str, timeout: int, out_dir: Path) -> dict[str, int]:
+def run_file(tests_dir: Path, rel: str, site_dir: str, timeout: int, out_dir: Path,
+             file_timeout: int) -> dict[str, int]:
     """Run one test file; returns its counts (passed, failed, errors, skipped)."""
     xml = out_dir / (rel.replace("/", "_") + ".xml")
     # LOCAL_SIZE: how many devices DeepSpeed's CPU accelerator (and lightspeed's) reports; its harness skips a
@@ -66,8 +68,16 @@ def run_file(tests_dir: Path, rel: str, site_dir: str, timeout: int, out_dir: Pa
         p for p in (site_dir, str(ROOT), os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--timeout={timeout}",
            f"--junitxml={xml}", rel]
-    proc = subprocess.run(cmd, cwd=tests_dir, env=env, capture_output=True, text=True)
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    # its own session, so that a hung file (DeepSpeed's pool workers outliving a test) is killed whole
+    proc = subprocess.Popen(cmd, cwd=tests_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        proc.wait(timeout=file_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"{rel}: killed after {file_timeout} s", file=sys.stderr)
     if not xml.exists():
         counts["errors"] = 1
         return counts
@@ -92,6 +102,8 @@ def main() -> None:
     parser.add_argument("files", nargs="*", help="test files relative to its tests/ (default: FILES)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test (pytest-timeout)")
     parser.add_argument("--keep", type=Path, help="directory to keep the JUnit XML reports in")
+    parser.add_argument("--file-timeout", type=int, default=1800,
+                        help="seconds per file; a file still running then is killed and counts as one error")
     args = parser.parse_args()
     tests_dir = args.deepspeed / "tests"
     if not (tests_dir / "unit").is_dir():
@@ -102,7 +114,7 @@ def main() -> None:
         out_dir = args.keep or Path(tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
         for rel in args.files or FILES:
-            counts = run_file(tests_dir, rel, site_dir, args.timeout, out_dir)
+            counts = run_file(tests_dir, rel, site_dir, args.timeout, out_dir, args.file_timeout)
             for k, v in counts.items():
                 total[k] += v
             print(f"{rel:60s} " + " ".join(f"{k} {v}" for k, v in counts.items()), flush=True)

@@ -103,6 +103,8 @@ class DeepSpeedConfig:
         self.checkpoint_config = cfg.checkpoint
         self.elasticity_enabled = bool(cfg.elasticity.enabled)
         self.dataloader_drop_last = cfg.dataloader_drop_last
+        # DeepSpeed's per-mode dict of the section (None when absent); models build their layout from it
+        self.sparse_attention = cfg.sparse_attention.deepspeed_dict() if cfg.sparse_attention is not None else None
 
     @property
     def gradient_allreduce_op(self) -> str:

@@ -78,6 +78,13 @@ def test_block_mask_encodes_layout(config, seq_len):
     layout = config.make_layout(seq_len)
     bm = flex.layout_block_mask(layout, config.block, seq_len, "cpu")
     assert bm.BLOCK_SIZE[0] == flex.tile_size(config.block)
+    full = torch.zeros(bm.full_kv_indices.shape[:3] + (bm.full_kv_indices.shape[-1],), dtype=torch.bool)
+    partial = torch.zeros_like(full)
+    for dense, nums, idx in ((full, bm.full_kv_num_blocks, bm.full_kv_indices), (partial, bm.kv_num_blocks,
+                                                                                bm.kv_indices)):
+        for pos in torch.ones(nums.shape).nonzero().tolist():
+            dense[tuple(pos)][idx[tuple(pos)][:int(nums[tuple(pos)])].long()] = True
+    assert not (full & partial).any()  # a tile listed as both would be computed twice by the kernels
     got = _element_mask_of_block_mask(bm, config.num_heads, seq_len)
     assert torch.equal(got, reference.expand_layout(layout, config.block))
     if config.block % 128 == 0:  # every computed tile is a whole layout block: no mask evaluated
@@ -158,9 +165,13 @@ def test_module_errors_and_env_backend(monkeypatch):
         module(torch.randn(1, 3, 48, 8), torch.randn(1, 3, 48, 8), torch.randn(1, 3, 48, 8))
     with pytest.raises(ValueError, match="'add' or 'mul'"):
         sa.SparseSelfAttention(sa.DenseSparsityConfig(2), attn_mask_mode="multiply")
-    monkeypatch.setenv("LIGHTSPEED_OPS_BACKEND", "triton")
+    monkeypatch.setenv("LIGHTSPEED_OPS_BACKEND", "cuda")
     with pytest.raises(ValueError, match="LIGHTSPEED_OPS_BACKEND"):
         module(q, q, q)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sa.SparseSelfAttention(sa.DenseSparsityConfig(2), max_seq_length=64, backend="triton")(q, q, q)
+    monkeypatch.setenv("LIGHTSPEED_OPS_BACKEND", "reference")
+    module(q.requires_grad_(), q, q).sum().backward()  # the reference path: CPU autograd works
 
 
 def test_config_section_builds_deepspeed_kinds():
@@ -187,3 +198,36 @@ def test_config_section_builds_deepspeed_kinds():
     for mode in ("dense", "variable", "bslongformer"):
         d = load({**base, "sparse_attention": {"mode": mode}}, world_size=1).sparse_attention.deepspeed_dict()
         assert type(sa.sparsity_config_from_dict(d, 2)).__name__.lower().startswith(mode)
+
+
+def test_loaded_layout_replaces_cached_block_mask():
+    random.seed(0)
+    config = sa.BigBirdSparsityConfig(2, block=16, num_random_blocks=2)
+    a = sa.SparseSelfAttention(config, max_seq_length=128, backend="flex")
+    b = sa.SparseSelfAttention(config, max_seq_length=128, backend="flex")
+    q, k, v, *_ = _inputs(1, 2, 128, 8, torch.float32)
+    assert not torch.equal(a.master_layout, b.master_layout)
+    b(q, k, v)  # caches b's own block mask
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(b(q, k, v), a(q, k, v))
+
+
+@pytest.mark.slow
+def test_compiled_flex_consumes_block_mask_and_score_mod():
+    """The GPU path's code (torch.compile(flex_attention) with the layout's BlockMask, whose full tiles
+    skip the mask, and the masks' score_mod), compiled for the CPU: equal to the reference."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    random.seed(0)
+    config = sa.BigBirdSparsityConfig(2, block=16, different_layout_per_head=True, num_random_blocks=1,
+                                      num_sliding_window_blocks=17)
+    L = 512
+    layout = config.make_layout(L)
+    block_mask = flex.layout_block_mask(layout, 16, L, "cpu")
+    assert int(block_mask.full_kv_num_blocks.sum()) > 0 and int(block_mask.kv_num_blocks.sum()) > 0
+    q, k, v, kpm, am, rpe = _inputs(1, 2, L, 16, torch.float32, seed=5)
+    score_mod = flex._score_mod(rpe, kpm, am, "add", "mul")
+    got = torch.compile(flex_attention, dynamic=False)(q, k, v, score_mod=score_mod, scale=0.25,
+                                                       block_mask=block_mask)
+    want = _sdpa_expected(q, k, v, layout, 16, rpe=rpe, kpm=kpm, am=am)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

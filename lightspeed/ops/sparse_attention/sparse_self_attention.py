@@ -8,9 +8,10 @@ broadcast is injected: Note: [layout on every rank]).
 Note: [paths] "flex": `flex.sparse_attention` (compiled flex_attention for CUDA tensors; off CUDA the
 eager, unfused one, which has no backward in torch, so forward only); "reference":
 `reference.sparse_attention` (dense scores, masked: the CPU path). "auto" picks "flex" for CUDA
-tensors and "reference" otherwise; `backend=` or LIGHTSPEED_OPS_BACKEND=reference|flex forces one, any
-other value is refused. Unlike DeepSpeed's Triton kernels, which took fp16 only, every path takes
-fp32, fp16 and bf16.
+tensors and "reference" otherwise; `backend=` forces one; so does LIGHTSPEED_OPS_BACKEND ("reference",
+or "flex" / "triton": flex's CUDA kernels are Triton's; its "auto" and "torch" leave the choice
+automatic); other values are refused. Unlike DeepSpeed's Triton kernels, which took fp16 only, every
+path takes fp32, fp16 and bf16.
 
 Note: [layout on every rank] DeepSpeed broadcasts the master layout from global rank 0 on first use,
 so that random layouts (Variable, BigBird) agree across ranks. `layout_broadcast` (a class attribute:
@@ -35,11 +36,20 @@ __all__ = ["BACKENDS", "SparseSelfAttention"]
 BACKENDS = ("auto", "flex", "reference")
 
 
+# LIGHTSPEED_OPS_BACKEND is shared by every op family: its values map onto this family's paths
+_ENV_BACKENDS = {"auto": "auto", "torch": "auto", "triton": "flex", "flex": "flex", "reference": "reference"}
+
+
 def _backend(chosen: Optional[str], query: torch.Tensor) -> str:
-    backend = chosen if chosen is not None else (os.environ.get("LIGHTSPEED_OPS_BACKEND") or "auto")
-    if backend not in BACKENDS:
-        raise ValueError(f"sparse attention backend (or LIGHTSPEED_OPS_BACKEND) must be one of {BACKENDS}, "
-                         f"got {backend!r}")
+    if chosen is not None:
+        if chosen not in BACKENDS:
+            raise ValueError(f"sparse attention backend must be one of {BACKENDS}, got {chosen!r}")
+        backend = chosen
+    else:
+        env = os.environ.get("LIGHTSPEED_OPS_BACKEND") or "auto"
+        if env not in _ENV_BACKENDS:
+            raise ValueError(f"LIGHTSPEED_OPS_BACKEND must be one of {sorted(_ENV_BACKENDS)}, got {env!r}")
+        backend = _ENV_BACKENDS[env]
     if backend == "auto":
         return "flex" if query.is_cuda else "reference"
     return backend
@@ -92,6 +102,10 @@ class SparseSelfAttention(nn.Module):
         if key not in self._block_masks:
             self._block_masks[key] = flex.layout_block_mask(self.get_layout(L), self.sparsity_config.block, L, device)
         return self._block_masks[key]
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._block_masks.clear()  # a loaded master_layout replaces the one the cached masks encode
+        super()._load_from_state_dict(*args, **kwargs)
 
     def transpose_key_for_scores(self, x, L):
         """DeepSpeed's rule: a key whose dim 2 is not the sequence length is taken as [B, H, D, L]."""

@@ -161,6 +161,8 @@ def test_module_errors_and_env_backend(monkeypatch):
         module(q[:, :, :40], q[:, :, :40], q[:, :, :40])
     with pytest.raises(ValueError, match="key_padding_mask of shape"):
         module(q, q, q, key_padding_mask=torch.zeros(2, 48))
+    with pytest.raises(ValueError, match="rpe must be"):
+        module(q, q, q, rpe=torch.zeros(1, 2, 48, 40))
     with pytest.raises(ValueError, match="heads"):
         module(torch.randn(1, 3, 48, 8), torch.randn(1, 3, 48, 8), torch.randn(1, 3, 48, 8))
     with pytest.raises(ValueError, match="'add' or 'mul'"):
@@ -175,7 +177,7 @@ def test_module_errors_and_env_backend(monkeypatch):
 
 
 def test_config_section_builds_deepspeed_kinds():
-    from lightspeed.compat.deepspeed.runtime.config import DeepSpeedConfig
+    from lightspeed.compat.deepspeed.runtime.config import DeepSpeedConfig, get_sparse_attention
     from lightspeed.config import load
 
     base = {"train_micro_batch_size_per_gpu": 1}
@@ -195,6 +197,8 @@ def test_config_section_builds_deepspeed_kinds():
     assert torch.equal(built.make_layout(256), sa.FixedSparsityConfig(
         8, different_layout_per_head=True, num_different_global_patterns=4).make_layout(256))
     assert DeepSpeedConfig(base).sparse_attention is None
+    assert get_sparse_attention({"sparse_attention": {"mode": "dense"}}) == {"mode": "dense", "block": 16}
+    assert get_sparse_attention(base) is None
     for mode in ("dense", "variable", "bslongformer"):
         d = load({**base, "sparse_attention": {"mode": mode}}, world_size=1).sparse_attention.deepspeed_dict()
         assert type(sa.sparsity_config_from_dict(d, 2)).__name__.lower().startswith(mode)

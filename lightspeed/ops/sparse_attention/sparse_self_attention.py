@@ -123,8 +123,12 @@ class SparseSelfAttention(nn.Module):
             raise ValueError(f"query has {num_heads} heads but the sparsity config was made for "
                              f"{self.master_layout.shape[0]}")
         key_padding_mask, attn_mask = reference.prepare_masks(query.dtype, key_padding_mask, attn_mask, bsz, tgt_len)
-        if rpe is not None and rpe.dtype != query.dtype:
-            raise ValueError(f"rpe must have the query's dtype {query.dtype}, got {rpe.dtype}")
+        if rpe is not None:
+            if rpe.dtype != query.dtype:
+                raise ValueError(f"rpe must have the query's dtype {query.dtype}, got {rpe.dtype}")
+            if rpe.dim() > 4 or tuple(rpe.shape[-2:]) != (tgt_len, tgt_len):
+                raise ValueError(f"rpe must be [batch, heads, seq_len, seq_len] (batch and heads may be 1), got "
+                                 f"shape {tuple(rpe.shape)} for seq_len {tgt_len}")
         scale = float(head_dim) ** -0.5
         extras = dict(rpe=rpe, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                       key_padding_mask_mode=self.key_padding_mask_mode, attn_mask_mode=self.attn_mask_mode)

@@ -192,7 +192,10 @@ def test_config_section_builds_deepspeed_kinds():
         "mode": "fixed", "block": 16, "different_layout_per_head": True, "num_local_blocks": 4,
         "num_global_blocks": 1, "attention": "bidirectional", "horizontal_global_attention": False,
         "num_different_global_patterns": 4}
-    built = sa.sparsity_config_from_dict(ds.sparse_attention, num_heads=8)
+    sa_config = ds.sparse_attention  # what DeepSpeed scripts do with it: drop "mode", pass the rest
+    del sa_config["mode"]
+    assert sa.FixedSparsityConfig(num_heads=8, **sa_config).num_different_global_patterns == 4
+    built = sa.sparsity_config_from_dict(DeepSpeedConfig(ds._param_dict).sparse_attention, num_heads=8)
     assert isinstance(built, sa.FixedSparsityConfig) and built.num_different_global_patterns == 4
     assert torch.equal(built.make_layout(256), sa.FixedSparsityConfig(
         8, different_layout_per_head=True, num_different_global_patterns=4).make_layout(256))

@@ -17,6 +17,12 @@ Note: [score_mod] The scale is flex_attention's `scale` (head_dim ** -0.5, as De
 score_mod then adds rpe[b, h, q, kv], the key-padding mask (b, kv) and the attention mask (q, kv)
 ("add"), or sends the score to -inf where a "mul" mask is 0: reference.py's Note: [semantics]. The
 masks and rpe are read without gradient, as DeepSpeed's kernel gives none for them.
+
+Note: [compiled once per shape] On CUDA one `torch.compile(flex_attention, dynamic=False)` serves every
+module; each new sequence length (or set of masks given) is a recompile, and past dynamo's recompile
+limit (`torch._dynamo.config.recompile_limit`, 8 by default) torch runs flex_attention unfused, which
+materialises L x L scores. Runs that see many lengths should pad to a few (pad_to_block_size with a
+coarser block) or raise that limit.
 """
 
 from __future__ import annotations

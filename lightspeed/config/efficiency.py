@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lightspeed._utils.logging import warn_once
 from lightspeed.config.base import Bool, Choice, Float, FreeDict, Int, IntList, NonNegInt, PosInt, Section, Str
 
 
@@ -106,6 +107,10 @@ class SparseAttentionConfig(Section):
         """DeepSpeed's parsed form (`DeepSpeedConfig.sparse_attention`): ``mode`` and the keys that mode
         reads, with defaults filled in; the other keys are dropped, as DeepSpeed drops them. (BigBird and
         BSLongformer carry no ``attention``: DeepSpeed's parser does not pass it to them.)"""
+        unread = sorted(set(self.model_fields_set) - {"mode", *_SPARSE_MODE_KEYS[self.mode]})
+        if unread:
+            warn_once(f"sparse_attention: mode {self.mode!r} does not read " + ", ".join(unread)
+                      + " (set for another mode; DeepSpeed ignores it too)")
         out = {"mode": self.mode}
         for key in _SPARSE_MODE_KEYS[self.mode]:
             value = getattr(self, key)

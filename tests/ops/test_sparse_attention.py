@@ -176,7 +176,7 @@ def test_module_errors_and_env_backend(monkeypatch):
     module(q.requires_grad_(), q, q).sum().backward()  # the reference path: CPU autograd works
 
 
-def test_config_section_builds_deepspeed_kinds():
+def test_config_section_builds_deepspeed_kinds(ls_caplog):
     from lightspeed.compat.deepspeed.runtime.config import DeepSpeedConfig, get_sparse_attention
     from lightspeed.config import load
 
@@ -186,6 +186,7 @@ def test_config_section_builds_deepspeed_kinds():
     assert cfg.sparse_attention.deepspeed_dict() == {
         "mode": "bigbird", "block": 32, "different_layout_per_head": False, "num_random_blocks": 2,
         "num_sliding_window_blocks": 3, "num_global_blocks": 1}
+    assert "mode 'bigbird' does not read attention" in ls_caplog.text  # set, but not a BigBird key
     ds = DeepSpeedConfig({**base, "sparse_attention": {"mode": "fixed", "different_layout_per_head": True,
                                                        "num_different_global_patterns": 4}})
     assert ds.sparse_attention == {

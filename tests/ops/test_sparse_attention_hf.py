@@ -116,3 +116,7 @@ def test_compat_alias_classes():
     bert = ds_sa.BertSparseSelfAttention(_config(transformers.BertConfig, "eager"), sa.DenseSparsityConfig(HEADS))
     assert type(bert.sparse_self_attention) is ds_sa.SparseSelfAttention
     assert ds_sa.SparseAttentionUtils.bert_attention_class.attention_class is ds_sa.SparseSelfAttention
+    from lightspeed.compat.deepspeed.ops.sparse_attention.matmul import MatMul
+
+    with pytest.raises(NotImplementedError, match="block-sparse matmul"):
+        MatMul(torch.ones(1, 2, 2), 16, "sdd")

@@ -1,6 +1,7 @@
 """`deepspeed.ops.sparse_attention`: DeepSpeed's block-sparse attention API on lightspeed's FlexAttention
 implementation (lightspeed.ops.sparse_attention); the modules here broadcast random layouts from rank
-0 as DeepSpeed does."""
+0 as DeepSpeed does. Its stand-alone Triton kernels (`matmul.MatMul`, `softmax.Softmax`) are not built:
+constructing one raises NotImplementedError."""
 
 from lightspeed.compat.deepspeed.ops.sparse_attention.bert_sparse_self_attention import BertSparseSelfAttention
 from lightspeed.compat.deepspeed.ops.sparse_attention.sparse_attention_utils import SparseAttentionUtils

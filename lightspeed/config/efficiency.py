@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lightspeed._utils.logging import warn_once
 from lightspeed.config.base import Bool, Choice, Float, FreeDict, Int, IntList, NonNegInt, PosInt, Section, Str
 
 
@@ -70,8 +71,23 @@ class ProgressiveLayerDropConfig(Section):
 SPARSE_MODES = ("dense", "fixed", "variable", "bigbird", "bslongformer")
 
 
+_SPARSE_MODE_KEYS = {
+    "dense": ("block",),
+    "fixed": ("block", "different_layout_per_head", "num_local_blocks", "num_global_blocks", "attention",
+              "horizontal_global_attention", "num_different_global_patterns"),
+    "variable": ("block", "different_layout_per_head", "num_random_blocks", "local_window_blocks",
+                 "global_block_indices", "global_block_end_indices", "attention", "horizontal_global_attention"),
+    "bigbird": ("block", "different_layout_per_head", "num_random_blocks", "num_sliding_window_blocks",
+                "num_global_blocks"),
+    "bslongformer": ("block", "different_layout_per_head", "num_sliding_window_blocks", "global_block_indices",
+                     "global_block_end_indices"),
+}
+
+
 class SparseAttentionConfig(Section):
-    """``sparse_attention``: the union of the keys of every mode; each mode reads its own subset."""
+    """``sparse_attention``: the union of the keys of every mode; each mode reads its own subset
+    (`deepspeed_dict`). The engine does not act on it: models read it to build their sparse attention
+    (lightspeed.ops.sparse_attention.sparsity_config_from_dict)."""
 
     mode: Choice(*SPARSE_MODES) = "fixed"
     block: PosInt = 16
@@ -86,6 +102,20 @@ class SparseAttentionConfig(Section):
     global_block_indices: IntList(ge=0) = [0]
     global_block_end_indices: Optional[IntList(ge=0)] = None
     num_sliding_window_blocks: PosInt = 3
+
+    def deepspeed_dict(self) -> dict:
+        """DeepSpeed's parsed form (`DeepSpeedConfig.sparse_attention`): ``mode`` and the keys that mode
+        reads, with defaults filled in; the other keys are dropped, as DeepSpeed drops them. (BigBird and
+        BSLongformer carry no ``attention``: DeepSpeed's parser does not pass it to them.)"""
+        unread = sorted(set(self.model_fields_set) - {"mode", *_SPARSE_MODE_KEYS[self.mode]})
+        if unread:
+            warn_once(f"sparse_attention: mode {self.mode!r} does not read " + ", ".join(unread)
+                      + " (set for another mode; DeepSpeed ignores it too)")
+        out = {"mode": self.mode}
+        for key in _SPARSE_MODE_KEYS[self.mode]:
+            value = getattr(self, key)
+            out[key] = list(value) if isinstance(value, list) else value
+        return out
 
 
 class EigenvalueConfig(Section):

@@ -150,7 +150,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("data_efficiency.enabled"),
     _flag("curriculum_learning.enabled"),
     _flag("progressive_layer_drop.enabled"),
-    _set("sparse_attention"),
     _flag("eigenvalue.enabled"),
     # Sections kept as free dicts (compile is a modelled section: see config/compiler.py)
     Unimplemented(

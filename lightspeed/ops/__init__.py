@@ -15,6 +15,8 @@ take the same call and write through `lowp_writer.py`. `onebit/` packs signs (1-
 training's grouped GEMM (forward and both gradients), the routing's permute / unpermute and the experts'
 gated MLP (`grouped_mlp`); on CUDA it also picks `torch._grouped_mm` where that is faster (its Note:
 [backend rule]).
+`sparse_attention/` is DeepSpeed's block-sparse attention (`deepspeed.ops.sparse_attention`) on PyTorch
+FlexAttention: layouts, `SparseSelfAttention`, the BERT layer and the HF helpers.
 
 Backend: Triton for CUDA tensors, the reference otherwise; `LIGHTSPEED_OPS_BACKEND=reference|triton`
 overrides the automatic choice (e.g. to rule the kernels out while debugging, or to run them under

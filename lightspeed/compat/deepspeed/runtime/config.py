@@ -8,6 +8,7 @@ from __future__ import annotations
 from lightspeed import config as _config
 from lightspeed.compat.deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from lightspeed.compat.deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from lightspeed.config.efficiency import SparseAttentionConfig as _SparseAttentionConfig
 from lightspeed.config.errors import ConfigError as DeepSpeedConfigError
 
 # DeepSpeed's names for the optimizers it builds from a config's `optimizer.type` (lowercased), as in
@@ -32,6 +33,14 @@ TORCH_ADAM_PARAM = "torch_adam"  # optimizer.params key: torch.optim.Adam(W) ins
 ADAM_W_MODE = "adam_w_mode"  # optimizer.params key of "Adam": decoupled weight decay (AdamW)
 ADAM_W_MODE_DEFAULT = True
 GRADIENT_ALLREDUCE_OP_MEAN = "mean"  # lightspeed averages gradients over the data-parallel ranks (zero/reduce.py)
+
+
+def get_sparse_attention(param_dict: dict):
+    """DeepSpeed's parser of the `sparse_attention` section: its per-mode dict (mode, block and that
+    mode's keys, defaults filled in), or None when `param_dict` has no such section."""
+    if "sparse_attention" not in param_dict:
+        return None
+    return _SparseAttentionConfig.model_validate(param_dict["sparse_attention"]).deepspeed_dict()
 
 
 class DeepSpeedConfig:
@@ -103,6 +112,8 @@ class DeepSpeedConfig:
         self.checkpoint_config = cfg.checkpoint
         self.elasticity_enabled = bool(cfg.elasticity.enabled)
         self.dataloader_drop_last = cfg.dataloader_drop_last
+        # DeepSpeed's per-mode dict of the section (None when absent); models build their layout from it
+        self.sparse_attention = cfg.sparse_attention.deepspeed_dict() if cfg.sparse_attention is not None else None
 
     @property
     def gradient_allreduce_op(self) -> str:
@@ -118,4 +129,4 @@ class DeepSpeedConfig:
 __all__ = ["ADAGRAD_OPTIMIZER", "ADAMW_OPTIMIZER", "ADAM_OPTIMIZER", "ADAM_W_MODE", "ADAM_W_MODE_DEFAULT",
            "DEEPSPEED_OPTIMIZERS", "DeepSpeedConfig", "DeepSpeedConfigError", "LAMB_OPTIMIZER", "LION_OPTIMIZER",
            "MUADAMW_OPTIMIZER", "MUADAM_OPTIMIZER", "MUON_OPTIMIZER", "MUSGD_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER",
-           "ONEBIT_LAMB_OPTIMIZER", "TORCH_ADAM_PARAM", "ZERO_ONE_ADAM_OPTIMIZER"]
+           "ONEBIT_LAMB_OPTIMIZER", "TORCH_ADAM_PARAM", "ZERO_ONE_ADAM_OPTIMIZER", "get_sparse_attention"]

@@ -60,7 +60,7 @@ from lightspeed.zero.stage3.gathered import Unsharding, take_pending_external
 from lightspeed.zero.stage3.init import (StandaloneScheduler, init_record, materialize_module, seed_from_global_rng,
                                          take_init_groups)
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
-from lightspeed.zero.stage3.units import choose_units, compile_regions
+from lightspeed.zero.stage3.units import choose_units, compile_regions, mark_named_leaves
 from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.ops.lowp_writer import LowpWriter
@@ -107,6 +107,7 @@ class Stage3Strategy(ModelSeam):
         if optimizer is not None:
             opt_index = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.setup_peak_numel = 0  # most full-size parameter elements alive at once while sharding
+        mark_named_leaves(module, self.options.leaf_rule)
         self.units = choose_units(module, self.options.leaf_rule)
         self.groups = self._build_groups(opt_index, stream)
         self._group_set = set(self.groups)

@@ -86,9 +86,13 @@ def _matching(model: torch.nn.Module, leaf_module_classes) -> list[torch.nn.Modu
                          f"or class names (got {leaf_module_classes!r})")
 
     def match(m: torch.nn.Module) -> bool:
-        return any(isinstance(m, c) if isinstance(c, type) else type(m).__name__ == c for c in wanted)
+        cls = type(m)
+        return any(isinstance(m, c) if isinstance(c, type) else c in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+                   for c in wanted)
 
-    return [m for m in model.modules() if match(m)]
+    found: list[torch.nn.Module] = []
+    model.apply(lambda m: found.append(m) if match(m) else None)  # DeepSpeed's order: children first
+    return found
 
 
 def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True):
@@ -153,6 +157,12 @@ def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes, 
         raise ValueError(f"set_z3_leaf_modules_by_suffix: no module name ends with {missing} in the model")
     _mark(found, flag)
     return found, missing
+
+
+def mark_named_leaves(root: torch.nn.Module, rule: LeafRule) -> None:
+    """Mark the modules `zero_optimization.leaf_module` names as `set_z3_leaf_modules` marks them: DeepSpeed
+    flags them when its engine is built, so `z3_leaf_module` then reports them."""
+    _mark([m for name, m in root.named_modules() if rule.named(m, name)], True)
 
 
 def z3_leaf_module(module: torch.nn.Module) -> bool:

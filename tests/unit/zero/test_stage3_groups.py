@@ -198,6 +198,20 @@ def test_set_z3_leaf_modules_makes_units_from_code():
     with pytest.raises(ValueError, match="no module"):
         set_z3_leaf_modules(model, [torch.nn.Conv1d])
     assert set_z3_leaf_modules(model, [torch.nn.Conv1d], raise_if_not_found=False) == []
+    # a fully qualified class name, and DeepSpeed's order (children before their parent)
+    assert set_z3_leaf_modules(model, [f"{_Experts.__module__}.{_Experts.__qualname__}"]) == [model[0]]
+    assert set_z3_leaf_modules(torch.nn.Sequential(model), [torch.nn.Sequential])[0] is model
+    unset_z3_leaf_modules(model, [_Experts, torch.nn.Sequential])
+
+
+def test_configured_leaf_modules_are_marked_when_the_strategy_is_built():
+    from lightspeed.zero.stage3.units import LeafRule, z3_leaf_module
+
+    model = torch.nn.Sequential(_Experts(), torch.nn.Linear(4, 4))
+    Stage3Strategy(model, None, PrecisionPolicy(), Communicator(None, world_size=1),
+                   Stage3Options(one_rank_views=False, leaf_rule=LeafRule(name_suffixes=("experts",))),
+                   device=torch.device("cpu"))
+    assert z3_leaf_module(model[0].experts) and not z3_leaf_module(model[0])  # DeepSpeed flags them at initialize
 
 
 def test_init_signature_dtype_config_module_and_nesting():

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 
 
+_VIEW_CLASSES: dict[type, type] = {}
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """A view of `engine.optimizer`; `optimizer` is the wrapped torch optimizer. It subclasses
     torch.optim.Optimizer so torch's LR schedulers accept it; Optimizer.__init__ is not run (the
@@ -20,6 +23,25 @@ class EngineOptimizer(torch.optim.Optimizer):
         # No Optimizer.__init__: its state would be a second, unused copy of the wrapped optimizer's.
         self._engine = engine
         self.optimizer = engine.optimizer
+
+    @classmethod
+    def of(cls, engine) -> "EngineOptimizer":
+        """The view of `engine.optimizer`, also an instance of that optimizer's class and equal to it
+        (DeepSpeed returns the optimizer itself where it does not wrap it: `isinstance(opt, AdamW)` and
+        `opt == client_optimizer` hold for its users)."""
+        wrapped = type(engine.optimizer)
+        view_class = _VIEW_CLASSES.get(wrapped)
+        if view_class is None:
+            view_class = _VIEW_CLASSES[wrapped] = type(f"EngineOptimizer[{wrapped.__name__}]", (cls, wrapped), {})
+        view = object.__new__(view_class)
+        cls.__init__(view, engine)
+        return view
+
+    def __eq__(self, other) -> bool:
+        return other is self or other is self.optimizer
+
+    def __hash__(self) -> int:
+        return id(self)
 
     @property
     def overflow(self) -> bool:

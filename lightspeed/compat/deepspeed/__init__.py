@@ -56,7 +56,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     attach(engine)  # stage 3: engine.optimizer.parameter_offload, as DeepSpeed's stage-3 optimizer has
     # DeepSpeed returns its wrapped optimizer, whose `overflow` says whether the last step was skipped
-    return engine, (EngineOptimizer(engine) if optimizer is not None else None), loader, scheduler
+    return engine, (EngineOptimizer.of(engine) if optimizer is not None else None), loader, scheduler
 
 
 def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,

@@ -297,3 +297,22 @@ def test_initialize_accepts_the_autos_deepspeed_accepts():
         default.zero_optimization.stage3_prefetch_bucket_size
     with pytest.raises(ConfigError, match='gradient_clipping: must be a concrete value'):
         lightspeed.initialize(model=TinyMLP(), config={**config, "gradient_clipping": "auto"}, dist_init_required=False)
+
+
+@pytest.mark.parametrize("client", ["instance", "callable"])
+def test_initialize_returns_a_view_equal_to_and_an_instance_of_the_optimizer(client):
+    """DeepSpeed returns the client's optimizer itself where it does not wrap it: its users compare it
+    (`opt == client_optimizer`) and test its class; the view also carries `overflow` and refuses `step`."""
+    from lightspeed.compat.deepspeed import initialize
+
+    model = torch.nn.Linear(4, 4)
+    given = torch.optim.Adam(model.parameters()) if client == "instance" else (lambda p: torch.optim.AdamW(p))
+    engine, opt, _, _ = initialize(model=model, optimizer=given, model_parameters=list(model.parameters()),
+                                   config={"train_batch_size": 1}, dist_init_required=False)
+    assert opt == engine.optimizer and opt.param_groups is engine.optimizer.param_groups
+    assert isinstance(opt, torch.optim.Adam if client == "instance" else torch.optim.AdamW)
+    assert opt.overflow is False and len({opt, engine.optimizer}) == 2  # hashable, by identity
+    if client == "instance":
+        assert opt == given
+    with pytest.raises(RuntimeError, match="stepped by engine.step"):
+        opt.step()

@@ -201,7 +201,8 @@ class ShardedStrategy(WholeParameters):
                                   to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
                                   overlap_warmup=self.offload.overlap_step_warmup,
                                   write_sub_group=lambda i: self._all_gather_params(stepped[i]),
-                                  copied_early=[s.master_grad for s in self.shards], early_ranges=True)
+                                  copied_early=[s.master_grad for s in self.shards], early_ranges=True,
+                                  speculative=self.offload.super_offload)
         param_access.register(self, self._shard_of_params())
         # device gradient buffers hold memory from a backward's first gradient to the step (zero/grad_buffers.py)
         self._grads = GradBuffers([t for s in self.shards for t in (s.flat.grad_flat, s.grad)
@@ -384,6 +385,10 @@ class ShardedStrategy(WholeParameters):
         for s in self.shards:
             if s.stepped:
                 self._all_gather_params(s, copy=not self._views.optimizer_writes_lowp)
+
+    def note_loss_scale(self, loss_scale: float | None) -> None:
+        """The loss scale of the coming backward (the speculative offloaded step unscales with it)."""
+        self._runner.note_loss_scale(loss_scale)
 
     def flush(self) -> None:
         """Finish an overlapped step still running and write its update into the parameters."""

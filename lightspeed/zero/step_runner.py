@@ -22,6 +22,7 @@ from lightspeed._utils.device import Stream
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.offload.early_step import EarlyStep
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
+from lightspeed.offload.speculative import Rollback
 from lightspeed.offload.swapped_step import SwappedOptimizerState
 from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
 
@@ -40,7 +41,8 @@ class StepRunner:
     def __init__(self, views: ShardViews, agree: AllReduce | None, *, write_back: Callable[[], None],
                  to_host: Stream | None = None, swap: SwappedOptimizerState | None = None, overlap: bool = False,
                  write_sub_group: Callable[[int], None] | None = None, after_swapped: Callable[[], None] | None = None,
-                 copied_early: list[torch.Tensor] = (), early_ranges: bool = False, overlap_warmup: int = 0):
+                 copied_early: list[torch.Tensor] = (), early_ranges: bool = False, overlap_warmup: int = 0,
+                 speculative: bool = False):
         self.views = views
         self.agree = agree
         self.to_host = to_host
@@ -63,6 +65,26 @@ class StepRunner:
         self._early: EarlyStep | None = None
         self._stepped = {id(t) for t in views.opt_grads}  # the optimizer's tensors (by id: no tensor ==)
         self.early_ranges = 0  # ranges stepped during backward so far (for tests and the log)
+        # the speculative step (offload/speculative.py, `offload_optimizer.super_offload`): stepping during
+        # backward whatever the step does to the gradients, rolled back and redone when it clips or skips
+        self._rollback: Rollback | None = None
+        self._spec_scale: float | None = None  # the loss scale of the coming backward (`note_loss_scale`)
+        if speculative:
+            if not self._early_possible:
+                raise ValueError("zero_optimization.offload_optimizer.super_offload: needs a CPU optimizer stepping "
+                                 "host masters through the fused ZeRO step (offload_optimizer.device \"cpu\", the "
+                                 "config's Adam/AdamW/Lion/Adagrad, no overlap_step)")
+            self._rollback = Rollback(views.optimizer)
+
+    @property
+    def rollbacks(self) -> int:
+        """Speculative steps restored and redone (clipping) or undone (overflow) so far."""
+        return self._rollback.rollbacks if self._rollback is not None else 0
+
+    def note_loss_scale(self, loss_scale: float | None) -> None:
+        """The loss scale the coming backward's loss was multiplied by (the speculative step unscales
+        with it during backward)."""
+        self._spec_scale = loss_scale
 
     def backward_start(self, is_boundary: bool) -> None:
         """A backward begins: at the boundary the gradient copies to the host are issued as each
@@ -70,9 +92,17 @@ class StepRunner:
         self.host_filled = is_boundary and self.to_host is not None
         if is_boundary and self.swap is not None:
             self.swap.prefetch(0)
-        if is_boundary and self._early_possible and self._early_exact and self._early is None:
-            params = self.views.optimizer.begin_zero_step(self.views.opt_grads, None, self.views.lowp_out)
-            self._early = EarlyStep(self.views.optimizer, params)
+        if is_boundary and self._early_possible and self._early is None and (self._early_exact or self._rollback):
+            coef = None
+            if self._rollback is not None and self._spec_scale is not None:
+                # the synchronous step's coefficient when nothing clips: fp32 1/scale (zero/grad_clip.py)
+                coef = torch.full((), 1.0 / self._spec_scale, dtype=torch.float32)
+            params = self.views.optimizer.begin_zero_step(self.views.opt_grads, coef, self.views.lowp_out)
+            saver = None
+            if self._rollback is not None:
+                self._rollback.begin(params, None if coef is None else float(coef))
+                saver = self._rollback.save
+            self._early = EarlyStep(self.views.optimizer, params, saver=saver)
 
     def host_copy_queued(self, master: torch.Tensor, start: int, end: int) -> None:
         """The strategy queued the copy of `master`'s gradient elements [start, end) to the host (at the
@@ -94,6 +124,8 @@ class StepRunner:
             early, self._early = self._early, None
             early.finish()
             self.early_ranges += early.ranges
+            if early.saver is not None:
+                return self._settle(loss_scale, max_norm, check)
             if not exact:
                 raise RuntimeError("the offloaded step ran during backward, but this step clips or scales the "
                                    "gradients (gradient_clipping / loss scaling changed between steps)")
@@ -113,6 +145,23 @@ class StepRunner:
         if result.applied:
             self._write_back()
             self._synchronous_left -= 1
+        return result
+
+    def _settle(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
+        """The speculative step's verdict: keep it when the synchronous step would have used the same
+        coefficient; otherwise restore what was stepped and redo it (clipping) or leave it undone
+        (overflow), as the synchronous step would have."""
+        result, coef = prepare_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
+        rollback = self._rollback
+        if not result.applied:
+            rollback.restore(self.views.lowp_out)
+            self._write_back()
+            return result
+        wanted = 1.0 if coef is None else float(coef)
+        if wanted != (1.0 if rollback.coef is None else rollback.coef):
+            rollback.restore()
+            apply_step(self.views, coef)  # writes the low-precision copies again
+        self._write_back()
         return result
 
     def _overlapped(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:

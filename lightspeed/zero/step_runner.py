@@ -42,9 +42,10 @@ class StepRunner:
                  to_host: Stream | None = None, swap: SwappedOptimizerState | None = None, overlap: bool = False,
                  write_sub_group: Callable[[int], None] | None = None, after_swapped: Callable[[], None] | None = None,
                  copied_early: list[torch.Tensor] = (), early_ranges: bool = False, overlap_warmup: int = 0,
-                 speculative: bool = False):
+                 speculative: bool = False, zenflow=None):
         self.views = views
         self.agree = agree
+        self.zenflow = zenflow  # zero/zenflow.py's ZenFlowStep: it runs every step itself
         self.to_host = to_host
         self.swap = swap
         self._write_back = write_back
@@ -118,6 +119,8 @@ class StepRunner:
             self.to_host.make_current_wait()  # the device reads the reduced shards (overflow, norm)
             self.to_host.synchronize()  # the CPU optimizer reads the host copies
         check = check_overflow if check_overflow is not None else loss_scale is not None
+        if self.zenflow is not None:
+            return self.zenflow.step(loss_scale, max_norm, check)
         exact = loss_scale is None and max_norm <= 0 and not check
         self._early_exact = exact
         if self._early is not None:
@@ -177,6 +180,8 @@ class StepRunner:
 
     def flush(self) -> None:
         """Finish an overlapped step still running and write its update into the parameters."""
+        if self.zenflow is not None:
+            self.zenflow.flush()
         if self._background is None:
             return
         self._background.wait()

@@ -115,6 +115,7 @@ class ZenFlowStep:
         self._cur = 0
         self._count = 0  # steps accumulated in the current interval
         self._background = BackgroundStep() if options.overlap_step else None
+        self._adder = BackgroundStep()  # a step's accumulation, run under the next forward
         self._pending = False  # an overlapped update is in the masters, not yet in the parameters
         # the adaptive update (update_interval "auto")
         self._flag = False
@@ -137,6 +138,7 @@ class ZenFlowStep:
 
     # ------------------------------------------------------------------ the step
     def step(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
+        self._adder.wait()
         result, coef = prepare_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
         m, sch = self._m, self.schedule
         self._m += 1
@@ -147,8 +149,8 @@ class ZenFlowStep:
         update = sch.updates(m, flagged)
         background = self._background is not None and selective
         single = update and self._count == 0 and not background  # this step's gradient is the interval's
-        if not single:
-            self._accumulate(1.0 / loss_scale if loss_scale else 1.0)
+        if not single:  # an update needs it now; otherwise it runs while the next forward does
+            self._accumulate(1.0 / loss_scale if loss_scale else 1.0, later=not update)
         colsums = None
         if selective and (self._sel is None or self._reselect or sch.selects(m)):
             self.flush(gather=False)  # the host masters take the device values before the columns change
@@ -163,14 +165,27 @@ class ZenFlowStep:
         self._write_back()
         return result
 
-    def _accumulate(self, inv_scale: float) -> None:
-        acc = self._acc[self._cur]
-        for z, a in zip(self.shards, acc):
-            if self._count == 0:
-                torch.mul(z.master_grad, inv_scale, out=a)
-            else:
-                a.add_(z.master_grad, alpha=inv_scale)
+    def _accumulate(self, inv_scale: float, later: bool) -> None:
+        """Add this step's host gradients (unscaled) to the interval's accumulator; `later`: on a
+        thread, waited for before the next backward's copies overwrite the host gradients."""
+        acc, first = self._acc[self._cur], self._count == 0
         self._count += 1
+
+        def run():
+            for z, a in zip(self.shards, acc):
+                if first:
+                    torch.mul(z.master_grad, inv_scale, out=a)
+                else:
+                    a.add_(z.master_grad, alpha=inv_scale)
+
+        if later:
+            self._adder.launch(run)
+        else:
+            run()
+
+    def before_backward(self) -> None:
+        """A backward begins: the host gradients are about to be overwritten."""
+        self._adder.wait()
 
     def _interval_coef(self, max_norm: float) -> torch.Tensor:
         """1/steps of the interval, times the clip factor of the accumulated mean's global norm."""
@@ -195,7 +210,7 @@ class ZenFlowStep:
             coef = self._interval_coef(max_norm)
         self._count = 0
         self.updates += 1
-        self.flush(gather=False)  # the previous overlapped update reaches the parameters first
+        self._drain(gather=False)  # the previous overlapped update reaches the parameters first
         for z in self.shards:  # DeepSpeed's step_id: the Adam step count is the number of steps taken
             self.optimizer._init_state(z.master)["step"] = m
         if background:
@@ -318,6 +333,15 @@ class ZenFlowStep:
         """Finish an overlapped update and write it into the parameters (all-gathered unless the caller
         does it next: `gather`); the host masters take the device values of the selected elements
         (what every reader of the masters sees)."""
+        self._adder.wait()
+        self._drain(gather)
+        if self._sel is not None:
+            for z, s in zip(self.shards, self._sel):
+                z.master.index_copy_(0, s.idx_host, s.master.to("cpu"))
+
+    def _drain(self, gather: bool) -> None:
+        """Wait for the overlapped update and write it into the parameters (the selected elements keep
+        the device's values)."""
         if self._background is not None:
             self._background.wait()
             if self._pending:
@@ -331,9 +355,6 @@ class ZenFlowStep:
                         z.lp_flat.index_copy_(0, s.lp_idx, s.master.to(z.lp_flat.dtype))
                 if gather:
                     self._write_back()
-        if self._sel is not None:
-            for z, s in zip(self.shards, self._sel):
-                z.master.index_copy_(0, s.idx_host, s.master.to("cpu"))
 
     def merge_state(self, state: dict) -> dict:
         """`state` (a `fragments_state_dict` of the masters after `flush`) with the device moments at
@@ -357,6 +378,7 @@ class ZenFlowStep:
     def reset(self) -> None:
         """The masters were replaced (a load): a new interval, and a new selection at the next step.
         The device values are dropped, not written back (an update in flight is waited for)."""
+        self._adder.wait()
         if self._background is not None:
             self._background.wait()
             self._pending = False

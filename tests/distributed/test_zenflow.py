@@ -43,6 +43,8 @@ def zenflow_reference(zf: dict, clip: float = 0.0, steps: int = STEPS):
     w, u, s = zf.get("full_warm_up_rounds", 0), zf["update_interval"], zf["select_interval"]
     ratio, overlap = zf["topk_ratio"], zf.get("overlap_step", False)
     masks, dev, k, count, pending = None, None, 0, 0, False
+    auto = u == "auto"  # DeepSpeed's adaptive update: the next step updates once enough weights call for it
+    flag, interval, sums, tops, updates = False, 0, {}, {}, 0
 
     def write(names_vals):
         with torch.no_grad():
@@ -71,13 +73,18 @@ def zenflow_reference(zf: dict, clip: float = 0.0, steps: int = STEPS):
             acc[n] += grads[n]
         count += 1
         selective = m >= w
+        flagged, flag = flag, False
+        if auto:
+            update = bool(s and (m + 1) % s == 0) or m + 1 <= w or flagged
+        else:
+            update = m + 1 < w or (m + 1 - w) % u == 0 or bool(s and (m + 1) % s == 0)
         if selective and (dev is None or m == w or (s and m % s == 0)):
             sync()
             masks = {}
             for n in names:
                 g = grads[n]
                 if g.dim() == 2:
-                    top = torch.topk(g.abs().sum(0), int(ratio * g.shape[1])).indices
+                    top = tops[n] = torch.topk(g.abs().sum(0), int(ratio * g.shape[1])).indices
                     masks[n] = torch.zeros_like(g, dtype=torch.bool)
                     masks[n][:, top] = True
                 else:
@@ -85,7 +92,23 @@ def zenflow_reference(zf: dict, clip: float = 0.0, steps: int = STEPS):
             dev = {n: [master[n][masks[n]].clone(), None, None] for n in names}
             for n in names:  # the moments start again, their step count goes on
                 dev[n][1:] = [torch.zeros_like(dev[n][0]), torch.zeros_like(dev[n][0])]
-        if m + 1 < w or (m + 1 - w) % u == 0 or (s and (m + 1) % s == 0):
+        if selective and auto:
+            if flagged:
+                interval = 0
+                for v in sums.values():
+                    v[1] = 0.0
+            interval += 1
+            need = 0
+            for n in tops:
+                col = grads[n].abs().sum(0)
+                total, critic = float(col.sum()), float(col[tops[n]].sum())
+                v = sums.setdefault(n, [0.0, 0.0])
+                v[0] = (v[0] * (interval - 1) + critic) / interval / (ratio * 10)
+                v[1] += (total - critic) / ((1 - ratio) * 10)
+                need += v[1] >= v[0]
+            flag = need >= int(zf.get("auto_ratio", 0.99) * len(tops))
+        if update:
+            updates += 1
             sync()
             mean = {n: acc[n] / count for n in names}
             mnorm = float(torch.stack([g.norm() for g in mean.values()]).norm())
@@ -107,7 +130,7 @@ def zenflow_reference(zf: dict, clip: float = 0.0, steps: int = STEPS):
                 new[masks[n]] = val
                 write([(n, new)])
     sync()
-    return losses, {n: v.detach().clone() for n, v in model.state_dict().items()}
+    return losses, {n: v.detach().clone() for n, v in model.state_dict().items()}, updates
 
 
 def _zero(zf: dict | None) -> dict:
@@ -135,7 +158,7 @@ def _train(cfg: dict, steps: int = STEPS, save: str | None = None, load: str | N
         dist.all_reduce(loss)
         losses.append((loss / world).item())
     state = {k: v.float().clone() for k, v in engine.strategy.module_state_dict().items()}
-    extra = None
+    extra = engine.strategy._runner.zenflow.updates if engine.strategy._runner.zenflow is not None else None
     if save is not None:
         engine.save_checkpoint(save, tag="zf")
         zf = engine.strategy._runner.zenflow
@@ -148,14 +171,18 @@ CASES = {
     "warm-overlap": {"topk_ratio": 0.3, "select_strategy": "step", "select_interval": 6, "update_interval": 3,
                      "full_warm_up_rounds": 2, "overlap_step": True},
     "all": {"topk_ratio": 1.0, "select_strategy": "step", "select_interval": 0, "update_interval": 2},
+    "auto": {"topk_ratio": 0.3, "select_strategy": "step", "select_interval": 0, "update_interval": "auto",
+             "auto_ratio": 0.5},
 }
 
 
 def _worker(tmp: str):
     world = dist.get_world_size()
     out = {name: _train(_config(world, gradient_clipping=0.5 if name == "seq" else 0.0,
-                                zero_optimization=_zero(zf)))[:2] for name, zf in CASES.items()}
-    out["plain"] = _train(_config(world, zero_optimization=_zero(None)))[:2]
+                                zero_optimization=_zero(zf))) for name, zf in CASES.items()}
+    out["stage1"] = _train(_config(world, gradient_clipping=0.5, zero_optimization={
+        **_zero(CASES["seq"]), "stage": 1}))
+    out["plain"] = _train(_config(world, zero_optimization=_zero(None)))
     # a ZenFlow checkpoint, loaded by a run without ZenFlow
     saved = _train(_config(world, zero_optimization=_zero(CASES["seq"])), steps=3, save=tmp)
     model = TinyMLP()
@@ -174,14 +201,18 @@ def _worker(tmp: str):
 def test_zenflow_against_the_reference(world):
     with tempfile.TemporaryDirectory(prefix="zenflow_test_") as tmp:
         out = run_world(_worker, world, tmp)[0]
-    for name in ("seq", "warm-overlap"):
-        ref_losses, ref_state = zenflow_reference(CASES[name], clip=0.5 if name == "seq" else 0.0)
-        losses, state = out[name]
+    for name in ("seq", "stage1", "warm-overlap", "auto"):
+        case = CASES["seq" if name == "stage1" else name]
+        ref_losses, ref_state, ref_updates = zenflow_reference(case, clip=0.5 if name in ("seq", "stage1") else 0.0)
+        losses, state, updates = out[name]
+        assert updates == ref_updates, name
+        if name == "auto":  # the rule both waited and fired
+            assert 1 < updates < STEPS - 1, updates
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7), name
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
     # every column selected: the plain offloaded step (the same kernel, elements in other SIMD lanes)
-    losses, state = out["all"]
+    losses, state, _ = out["all"]
     assert losses == pytest.approx(out["plain"][0], rel=1e-6, abs=1e-7)
     for k, v in out["plain"][1].items():
         torch.testing.assert_close(state[k], v, rtol=1e-6, atol=1e-7)

@@ -28,6 +28,11 @@ interval behind (DeepSpeed runs it in a separate process; the bound on staleness
 updates run synchronously. Readers of the masters (`flush`) wait for it and take the device values of
 the selected elements.
 
+Note (accumulation): each step's host gradients are added to the interval's accumulator on a thread
+while the next forward and backward run (an update step adds at once: it reads the sum next). The
+host gradient tensors alternate between two buffers, moved with `set_` at the next backward's start,
+so that backward's copies never wait for the addition; the next step waits for it.
+
 Note (checkpoints): a save holds one standard state: the host masters (with the device values of the
 selected elements) and the host moments with the device moments at the selected elements, and step
 count = steps taken. It loads into a run without ZenFlow; a ZenFlow run loading any checkpoint starts
@@ -49,6 +54,7 @@ from typing import Callable
 import torch
 
 from lightspeed._utils.logging import get_logger
+from lightspeed._utils.pinned import page_locked_empty
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
 from lightspeed.offload.zenflow_config import ZenFlowOptions
@@ -115,7 +121,11 @@ class ZenFlowStep:
         self._cur = 0
         self._count = 0  # steps accumulated in the current interval
         self._background = BackgroundStep() if options.overlap_step else None
-        self._adder = BackgroundStep()  # a step's accumulation, run under the next forward
+        self._adder = BackgroundStep()  # a step's accumulation, run under the next forward and backward
+        # a second host gradient buffer per shard: the next backward's copies go to one while the last
+        # step's gradients are added from the other (Note: accumulation)
+        self._spare = [page_locked_empty(z.master_grad.numel(), z.master_grad.dtype) if z.master_grad.is_pinned()
+                       else torch.empty_like(z.master_grad) for z in shards]
         self._pending = False  # an overlapped update is in the masters, not yet in the parameters
         # the adaptive update (update_interval "auto")
         self._flag = False
@@ -170,13 +180,14 @@ class ZenFlowStep:
         thread, waited for before the next backward's copies overwrite the host gradients."""
         acc, first = self._acc[self._cur], self._count == 0
         self._count += 1
+        grads = [z.master_grad.view_as(z.master_grad) for z in self.shards]  # this storage, whatever comes
 
         def run():
-            for z, a in zip(self.shards, acc):
+            for g, a in zip(grads, acc):
                 if first:
-                    torch.mul(z.master_grad, inv_scale, out=a)
+                    torch.mul(g, inv_scale, out=a)
                 else:
-                    a.add_(z.master_grad, alpha=inv_scale)
+                    a.add_(g, alpha=inv_scale)
 
         if later:
             self._adder.launch(run)
@@ -184,8 +195,15 @@ class ZenFlowStep:
             run()
 
     def before_backward(self) -> None:
-        """A backward begins: the host gradients are about to be overwritten."""
-        self._adder.wait()
+        """A backward begins: its copies would overwrite the host gradients the last step's accumulation
+        may still read, so the host gradient tensors move to the other buffer (same tensors, other
+        storage: every holder of them sees the move)."""
+        if not self._adder.running:
+            return
+        for i, z in enumerate(self.shards):
+            current = z.master_grad.view_as(z.master_grad)
+            z.master_grad.set_(self._spare[i])
+            self._spare[i] = current
 
     def _interval_coef(self, max_norm: float) -> torch.Tensor:
         """1/steps of the interval, times the clip factor of the accumulated mean's global norm."""

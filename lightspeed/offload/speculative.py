@@ -11,6 +11,10 @@ the same fp32 number: the clip factor is ``min(1, ...)`` = 1.0); otherwise every
 restored, the step count taken back, and the step redone with the real coefficient (clipping) or
 skipped (overflow), the parameters rewritten from the restored masters.
 
+Without clipping, loss scaling or an overflow check the early step is exact (offload/early_step.py)
+and runs without copies; the speculative one takes over from the step after one that clipped or
+scaled (the first step is speculative: nothing is known yet).
+
 Owns: the pre-step copies (one buffer per optimizer tensor and state, kept across steps), which ranges
 were stepped, the restore, and the rollback count. Must not: decide whether to roll back (the step
 runner compares the coefficients) or step anything.

@@ -96,13 +96,15 @@ class StepRunner:
         if is_boundary and self.swap is not None:
             self.swap.prefetch(0)
         if is_boundary and self._early_possible and self._early is None and (self._early_exact or self._rollback):
+            # speculative only where the last step clipped or scaled: an exact early step needs no copies
+            speculative = self._rollback is not None and not self._early_exact
             coef = None
-            if self._rollback is not None and self._spec_scale is not None:
+            if speculative and self._spec_scale is not None:
                 # the synchronous step's coefficient when nothing clips: fp32 1/scale (zero/grad_clip.py)
                 coef = torch.full((), 1.0 / self._spec_scale, dtype=torch.float32)
             params = self.views.optimizer.begin_zero_step(self.views.opt_grads, coef, self.views.lowp_out)
             saver = None
-            if self._rollback is not None:
+            if speculative:
                 self._rollback.begin(params, None if coef is None else float(coef))
                 saver = self._rollback.save
             self._early = EarlyStep(self.views.optimizer, params, saver=saver)

@@ -193,6 +193,17 @@ def _worker(tmp: str):
     shard = engine.strategy.shards[0]
     state = engine.optimizer.state[shard.master]
     out["ckpt"] = (saved[1], loaded, saved[2][0][0], saved[2][0][1], state["exp_avg"].clone(), state["step"])
+    # and into a ZenFlow run, which selects again and goes on
+    model = TinyMLP()
+    engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(),
+                                       config=_config(world, zero_optimization=_zero(CASES["seq"])))
+    engine.load_checkpoint(tmp, tag="zf")
+    again = {k: v.float().clone() for k, v in engine.strategy.module_state_dict().items()}
+    x, y = regression_data(GLOBAL_BATCH)
+    micro = engine.train_micro_batch_size_per_gpu()
+    engine.backward(engine(x[dist.get_rank() * micro:][:micro], y[dist.get_rank() * micro:][:micro]))
+    engine.step()
+    out["ckpt-zf"] = (again, engine.strategy._runner.zenflow._sel is not None)
     return out
 
 
@@ -223,6 +234,10 @@ def test_zenflow_against_the_reference(world):
         assert torch.equal(loaded[k], v), k
     assert step == 3  # the steps taken, whatever the last CPU update counted
     assert torch.equal(host_avg[idx], dev_avg)  # the device moments of the selected elements
+    again, selected = out["ckpt-zf"]
+    for k, v in saved.items():
+        assert torch.equal(again[k], v), k
+    assert selected
 
 
 def test_zenflow_config_follows_deepspeed():

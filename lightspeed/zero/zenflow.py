@@ -263,7 +263,7 @@ class ZenFlowStep:
                 tail = end - first_full - rows * ncols
                 if tail:
                     col[:tail] += g[g.numel() - tail:]
-            if z.all_reduce is not None:
+            if z.all_reduce is not None and sums.numel():
                 z.all_reduce(sums)
             out.append(sums)
         return out

@@ -232,6 +232,7 @@ class ShardedStrategy(WholeParameters):
                                        pos + part.start - chunk.start))
             shards.append(ZenFlowShard(s.master, s.master_grad, s.grad, s.flat.lp_flat, list(s.chunks), pieces,
                                        s.collectives.all_reduce if s.collectives.world_size > 1 else None,
+                                       weights=[(i, tuple(p.shape)) for i, p in enumerate(s.flat.params)],
                                        group=group_of[id(s.master)]))
         return ZenFlowStep(self.offload.zenflow, self._views, shards, self.collectives.all_reduce, self._write_back)
 

@@ -77,6 +77,8 @@ class ZenFlowShard:
     chunks: list[tuple[Range, int]]  # (flat-buffer range, shard position) per bucket
     pieces: list[tuple[int, tuple[int, ...], int, int, int]]  # (param key, shape, start, end, shard position)
     all_reduce: AllReduce | None  # over the ranks holding the other parts of these parameters
+    weights: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (key, shape) of every parameter
+    # of the flat buffer, on every rank (a rank may hold no piece of some: the column sums must agree)
     group: dict | None = None  # the optimizer param group stepping `master`
     # laid out once: each 2-D weight's place in the shard's vector of column sums
     cols: dict[int, tuple[int, int]] = field(default_factory=dict)  # 2-D param key -> (column offset, columns)
@@ -104,7 +106,7 @@ class ZenFlowStep:
         self._write_back = write_back
         for z in shards:
             offset = 0
-            for key, shape, *_ in z.pieces:
+            for key, shape in z.weights:
                 if len(shape) == 2 and key not in z.cols:
                     z.cols[key] = (offset, shape[1])
                     offset += shape[1]

@@ -40,8 +40,8 @@ def _run(cfg: dict, inject: set[int]):
     losses = []
     for s in range(STEPS):
         base = s * GLOBAL_BATCH + rank * micro
-        loss = engine(x[base:base + micro].to(engine.policy.param_dtype), y[base:base + micro].to(
-            torch.float16 if fp16 else torch.float32))
+        dtype = engine.policy.param_dtype
+        loss = engine(x[base:base + micro].to(dtype), y[base:base + micro].to(dtype if fp16 else torch.float32))
         if s in inject and rank == world - 1:
             loss = loss * float("inf")
         engine.backward(loss)
@@ -62,6 +62,8 @@ def _cases(world: int):
         cases[f"clip-{tag}"] = (_config(world, gradient_clipping=0.05, zero_optimization=_zero(2, spec)), set())
         cases[f"stage3-clip-{tag}"] = (_config(world, gradient_clipping=0.05, zero_optimization=_zero(3, spec)),
                                        set())
+        cases[f"bf16-clip-{tag}"] = (_config(world, gradient_clipping=0.05, bf16={"enabled": True},
+                                             zero_optimization=_zero(2, spec)), set())
         cases[f"fp16-{tag}"] = (_config(world, zero_optimization=_zero(1, spec), **copy.deepcopy(fp16)), {2})
     return cases
 
@@ -73,10 +75,10 @@ def _worker(world: int):
 @pytest.mark.parametrize("world", [1, 2])
 def test_speculative_step_equals_the_synchronous_step(world):
     out = run_world(_worker, world, world)[0]
-    for name in ("plain", "inactive", "fp16", "clip", "stage3-clip"):
+    for name in ("plain", "inactive", "fp16", "clip", "stage3-clip", "bf16-clip"):
         sync, spec = out[f"{name}-sync"], out[f"{name}-spec"]
         assert spec[3] > 0, name  # ranges were stepped during backward, from the first step on
-        rollback = name in ("fp16", "clip", "stage3-clip")
+        rollback = name in ("fp16", "clip", "stage3-clip", "bf16-clip")
         if rollback:
             assert spec[2] == (1 if name == "fp16" else STEPS), name
             assert spec[0] == pytest.approx(sync[0], rel=1e-6, abs=1e-7), name

@@ -4,7 +4,9 @@ step with the gradient transfers).
 
 Exact only where no step-wide quantity changes the update: no gradient clipping (its coefficient
 needs every gradient's norm) and no loss scaling (its overflow check needs every gradient). The step
-runner (zero/step_runner.py) decides per step; otherwise the optimizer steps after backward as usual.
+runner (zero/step_runner.py) decides per step; otherwise the optimizer steps after backward as usual,
+or (`offload_optimizer.super_offload`) early anyway, a `saver` keeping each range's pre-step values
+(offload/speculative.py).
 
 Owns: one worker thread per step, the queue of ready ranges (each with the event of its copy to the
 host), and re-raising the worker's error in the caller. Must not: decide when stepping early is exact,

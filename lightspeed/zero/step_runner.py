@@ -4,7 +4,10 @@ one step behind (``offload_optimizer.overlap_step``): one object every ZeRO stag
 Owns: the choice among the plain step (`sharded_step`), the swapped step (each NVMe sub-group read,
 stepped, written back and swapped out in turn: `offload/swapped_step.py`), the overlapped step
 (the optimizer step on a background thread: `offload/overlap.py`) and the early step (each range
-stepped during backward as its gradients reach the host: `offload/early_step.py`); the state those carry across
+stepped during backward as its gradients reach the host: `offload/early_step.py`), the speculative
+step (the early step whatever the step clips or scales, rolled back exactly when it does:
+`offload/speculative.py`, `offload_optimizer.super_offload`), or ZenFlow's step, handed over whole
+(`zero/zenflow.py`); the state those carry across
 calls (the side stream of the early device-to-host gradient copies and whether this step's copies
 were issued, the update not yet written into the parameters); and `flush`, which every reader of the
 parameters or masters calls first. Must not: know a stage or how parameters are laid out: the

@@ -9,7 +9,9 @@ Each configuration runs in a fresh process (world size 1, NCCL on GPU). Model an
 benchmarks/zero_step.py's (examples/gpt.py, bf16 with fp32 master weights, AdamW, clipping 1.0); the
 offloaded runs use DeepSpeed's offload block (`device: cpu, pin_memory: true`), so the config's AdamW
 becomes CPUAdam in both engines. `--overlap-step` adds lightspeed's one-step-delayed CPU step;
-`--param` adds ZeRO-3 with the parameters offloaded too. `--variants` runs exactly the variants named,
+`--param` adds ZeRO-3 with the parameters offloaded too.
+`--zenflow` adds ZenFlow (topk 0.05, update_interval 4, sequential and overlapped; stage 2), and
+`--speculative` the speculative CPU step (`super_offload`; its rows say how many steps rolled back). `--variants` runs exactly the variants named,
 for both systems; the size sweep of the largest GPT that trains with optimizer and parameters on the
 CPU (a run that does not fit reports "out of memory" or its error):
 
@@ -56,7 +58,16 @@ VARIANTS = {  # name -> the zero_optimization keys added to {"stage": s}
     "cpu-overlap": {"offload_optimizer": {"device": "cpu", "pin_memory": True, "overlap_step": True}},
     "cpu-param": {"offload_optimizer": {"device": "cpu", "pin_memory": True},
                   "offload_param": {"device": "cpu", "pin_memory": True}},
+    # ZenFlow as DeepSpeed's tutorial sets it (select once: no dataloader, so no epoch), stages 1-2
+    "cpu-zenflow": {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                    "zenflow": {"topk_ratio": 0.05, "update_interval": 4, "full_warm_up_rounds": 0}},
+    "cpu-zenflow-overlap": {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                            "zenflow": {"topk_ratio": 0.05, "update_interval": 4, "full_warm_up_rounds": 0,
+                                        "overlap_step": True}},
+    # the speculative CPU step during backward, rolled back when the clip (1.0) acts
+    "cpu-super": {"offload_optimizer": {"device": "cpu", "pin_memory": True, "super_offload": True}},
 }
+ZENFLOW = ("cpu-zenflow", "cpu-zenflow-overlap")
 
 
 def config(stage: int, variant: str, micro: int, bf16: bool) -> dict:
@@ -110,6 +121,11 @@ def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
         meta = GPT(cfg)
     result = finish(Result(name), ms, losses, meta, args)
     result.note += f"; host peak {host_peak_gib():.1f} GiB"
+    runner = getattr(getattr(engine, "strategy", None), "_runner", None)
+    if runner is not None and variant == "cpu-super":
+        result.note += f"; {runner.rollbacks} rolled back, {runner.early_ranges} ranges during backward"
+    if runner is not None and runner.zenflow is not None:
+        result.note += f"; {runner.zenflow.updates} CPU updates"
     if args.phases:
         result.note = (result.note + "; " if result.note else "") + phases(engine, batches, name)
     dist.destroy_process_group()
@@ -200,6 +216,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--overlap-step", action="store_true", help="also lightspeed's one-step-delayed CPU step")
     ap.add_argument("--param", action="store_true", help="also ZeRO-3 with the parameters offloaded")
+    ap.add_argument("--zenflow", action="store_true", help="also ZenFlow, sequential and overlapped (stages 1-2)")
+    ap.add_argument("--speculative", action="store_true", help="also the speculative CPU step (super_offload)")
     ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed's engine (must be importable)")
     ap.add_argument("--variants", nargs="+", default=None, choices=sorted(VARIANTS),
                     help="exactly these variants, for both systems (the size sweep: --variants cpu-param)")
@@ -216,7 +234,7 @@ def main():
         size, system, stage, variant = args.one.split(":")
         print("RESULT " + json.dumps(asdict(run_one(args, size, system, int(stage), variant))), flush=True)
         return
-    flags = ("--deepspeed", "--overlap-step", "--param", "--bound")
+    flags = ("--deepspeed", "--overlap-step", "--param", "--bound", "--zenflow", "--speculative")
     passthrough, skip = [], False
     for a in sys.argv[1:]:  # the child runs one configuration: drop the flags that choose them
         if a in ("--variants", "--run-timeout"):
@@ -239,6 +257,12 @@ def main():
             variants = ["none", "cpu"] + (["cpu-overlap"] if args.overlap_step else [])
             variants += ["cpu-param"] if args.param and stage == 3 else []
             ds_variants = ["none", "cpu"]
+            if args.zenflow and stage in (1, 2):
+                variants += list(ZENFLOW)
+                ds_variants += list(ZENFLOW)
+            if args.speculative:
+                variants.append("cpu-super")
+                ds_variants.append("cpu-super")  # DeepSpeed's SuperOffload: stage 3 on Grace Hopper only
             if args.variants:
                 variants = ds_variants = [v for v in args.variants if stage == 3 or v != "cpu-param"]
             runs += [("lightspeed", stage, v) for v in variants]

@@ -96,7 +96,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _zeropp(_above("zero_optimization.zero_hpz_partition_size", 1)),
     _above("zero_optimization.mics_shard_size", 0),
     _flag("zero_optimization.mics_hierarchical_params_gather"),
-    _set("zero_optimization.zenflow"),
     # Precision
     _flag("fp16.auto_cast"),
     _flag("fp16.fp16_master_weights_and_grads"),

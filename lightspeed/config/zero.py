@@ -120,6 +120,7 @@ class ZeroConfig(Section):
     offload_param: Optional[OffloadParamConfig] = None
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     zenflow: Optional[FreeDict] = None
+    """DeepSpeed's ZenFlow section; its keys are validated by `lightspeed.offload.zenflow_config`."""
     sub_group_size: NonNegInt = 1_000_000_000
     stage3_prefetch_bucket_size: NonNegInt = 50_000_000
     stage3_param_persistence_threshold: NonNegInt = 100_000

@@ -5,7 +5,9 @@ Modules: `policy.py` (`OffloadPolicy`, frozen, built once from `offload_optimize
 `aio`: the strategies ask it where a tensor goes and never read those keys), `nvme.py` (`NvmeSwapper`),
 `swapped_step.py` (NVMe optimizer offload, one sub-group at a time), `overlap.py` (the one-step-delayed
 CPU step, `offload_optimizer.overlap_step`, lightspeed's own key), `early_step.py` (stepping during
-backward). Elsewhere: `_utils/pinned.py` (exact-size pinned host memory), `ops/lowp_writer.py` (stepped
+backward), `speculative.py` (`offload_optimizer.super_offload`: stepping during backward whatever
+the step clips or scales, rolled back exactly when it does), `zenflow_config.py` (DeepSpeed's
+`zero_optimization.zenflow` options; ZenFlow's step is `zero/zenflow.py`). Elsewhere: `_utils/pinned.py` (exact-size pinned host memory), `ops/lowp_writer.py` (stepped
 pieces to the device), `zero/step_runner.py` (`StepRunner`, the one driver of the plain, swapped,
 overlapped and early steps for stages 1-3; it calls back into the strategy only for `write_back` and
 `write_sub_group(i)`), and the strategies, which place the tensors.

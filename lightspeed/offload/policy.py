@@ -21,6 +21,10 @@ DeepSpeed's keys and meaning:
     aio.*                         the swap IO: block_size (bytes per request, the O_DIRECT alignment
                                   unit), thread_count (IO threads), queue_depth (requests in flight)
 
+``offload_optimizer.super_offload`` (DeepSpeed's SuperOffload, there for stage 3 on Grace Hopper,
+honoured here on any host and at stages 1-3): the CPU step runs during backward speculatively and is
+rolled back when the step clips or overflows (offload/speculative.py).
+
 Beyond DeepSpeed (off by default): ``offload_optimizer.overlap_step`` runs the CPU optimizer step in
 the background while the next forward and backward run, so parameters lag one step behind the
 gradients (the one-step-delayed parameter update of the ZeRO-Offload paper). DeepSpeed has no key for
@@ -37,6 +41,7 @@ import torch
 from lightspeed._utils.logging import get_logger
 from lightspeed._utils.pinned import page_locked_empty
 from lightspeed.config.errors import ConfigError
+from lightspeed.offload.zenflow_config import ZenFlowOptions
 
 logger = get_logger(__name__)
 
@@ -72,6 +77,8 @@ class OffloadPolicy:
     sub_group_size: int = 1_000_000_000
     overlap_step: bool = False
     overlap_step_warmup: int = 0  # synchronous steps before the delayed update begins
+    super_offload: bool = False  # the speculative CPU step during backward (offload/speculative.py)
+    zenflow: ZenFlowOptions | None = None  # ZenFlow's selective update (zero/zenflow.py)
     aio: AioOptions = field(default_factory=AioOptions)
 
     def __post_init__(self):
@@ -86,6 +93,9 @@ class OffloadPolicy:
             raise ConfigError("zero_optimization.offload_optimizer.ratio: must be in [0, 1]")
         if self.overlap_step_warmup and not self.overlap_step:
             raise ConfigError("zero_optimization.offload_optimizer.overlap_step_warmup: needs overlap_step true")
+        if self.super_offload and (self.optimizer != "cpu" or self.overlap_step):
+            raise ConfigError("zero_optimization.offload_optimizer.super_offload: needs offload_optimizer.device "
+                              f'"cpu" (got "{self.optimizer}") and no overlap_step (it steps during backward)')
         if self.overlap_step and self.optimizer != "cpu":
             raise ConfigError("zero_optimization.offload_optimizer.overlap_step: needs offload_optimizer.device "
                               f'"cpu" (got "{self.optimizer}")')
@@ -142,11 +152,10 @@ class OffloadPolicy:
             if opt.pipeline_read or opt.pipeline_write:
                 raise NotImplementedError("zero_optimization.offload_optimizer.pipeline_read/pipeline_write "
                                           "(DeepSpeed's pipelined optimizer swapping) is not implemented yet")
-            if opt.super_offload:
-                raise NotImplementedError("zero_optimization.offload_optimizer.super_offload is not implemented yet")
             if opt.fast_init:
                 logger.info("zero_optimization.offload_optimizer.fast_init has no effect: swap files are written "
                             "once, at the first swap-out")
+        zenflow = _zenflow(z, opt, opt_device)
         aio = cfg.aio
         threads = max(int(aio.thread_count), int(aio.intra_op_parallelism))
         if "nvme" in (opt_device, par_device):
@@ -164,8 +173,33 @@ class OffloadPolicy:
             sub_group_size=int(z.sub_group_size),
             overlap_step=bool(getattr(opt, "overlap_step", False)) if opt is not None else False,
             overlap_step_warmup=int(getattr(opt, "overlap_step_warmup", 0)) if opt is not None else 0,
+            super_offload=bool(opt.super_offload) if opt is not None and opt_device != "none" else False,
+            zenflow=zenflow,
             aio=AioOptions(block_size=int(aio.block_size), queue_depth=int(aio.queue_depth), thread_count=threads,
                            single_submit=bool(aio.single_submit), overlap_events=bool(aio.overlap_events)))
+
+
+def _zenflow(z, opt, opt_device: str) -> ZenFlowOptions | None:
+    """`zero_optimization.zenflow` validated, with the rules that tie it to the offload keys."""
+    if z.zenflow is None:
+        return None
+    options = ZenFlowOptions.from_dict(dict(z.zenflow))
+    if opt_device != "cpu":
+        raise ConfigError('zero_optimization.zenflow: needs zero_optimization.offload_optimizer.device "cpu" '
+                          f'(got "{opt_device}"); ZenFlow is a form of ZeRO-Offload')
+    if z.stage == 3:
+        raise NotImplementedError("zero_optimization.zenflow at ZeRO stage 3 is not implemented yet (stages 1 and 2 "
+                                  "are)")
+    if options.offload:
+        raise NotImplementedError("zero_optimization.zenflow.offload (the selected columns' Adam state in host "
+                                  "memory) is not implemented yet")
+    if opt.super_offload or opt.overlap_step:
+        raise ConfigError("zero_optimization.zenflow: cannot be combined with offload_optimizer.super_offload or "
+                          "offload_optimizer.overlap_step (use zenflow.overlap_step)")
+    if options.pt_reserved_cores_perc != 0.5:
+        logger.info("zero_optimization.zenflow.pt_reserved_cores_perc has no effect: the overlapped CPU update is "
+                    "a thread of this process, on torch's thread pool")
+    return options
 
 
 def _nvme_notes(aio, opt, par) -> None:

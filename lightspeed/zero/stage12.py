@@ -68,6 +68,9 @@ from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
+from lightspeed.zero.zenflow import ZenFlowShard, ZenFlowStep
+from lightspeed.config.errors import ConfigError
+from lightspeed.ops.adam import CPUAdam
 from lightspeed.zero.stage0 import WholeParameters, broadcast_unflattened
 
 MAX_INFLIGHT_REDUCES = 2  # stage 2: reductions in flight at once (each holds a bucket-sized staging buffer)
@@ -197,16 +200,46 @@ class ShardedStrategy(WholeParameters):
         # early device-to-host gradient copies; not with overlap_step, whose background step still
         # reads `master_grad` while the next backward runs
         to_host = Stream(self._views.device) if host and not self.offload.overlap_step else None
+        zenflow = self._zenflow(stepped) if self.offload.zenflow is not None else None
         self._runner = StepRunner(self._views, self.collectives.all_reduce, write_back=self._write_back,
                                   to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
                                   overlap_warmup=self.offload.overlap_step_warmup,
                                   write_sub_group=lambda i: self._all_gather_params(stepped[i]),
-                                  copied_early=[s.master_grad for s in self.shards], early_ranges=True)
+                                  copied_early=[s.master_grad for s in self.shards], early_ranges=zenflow is None,
+                                  zenflow=zenflow,
+                                  speculative=self.offload.super_offload)
         param_access.register(self, self._shard_of_params())
         # device gradient buffers hold memory from a backward's first gradient to the step (zero/grad_buffers.py)
         self._grads = GradBuffers([t for s in self.shards for t in (s.flat.grad_flat, s.grad)
                                    + (() if host else (s.master_grad,))], on_release=self._unset_param_grads)
         self._grads.release()
+
+    def _zenflow(self, stepped: list[Shard]) -> ZenFlowStep:
+        """ZenFlow's view of the stepped shards: each parameter's pieces in them (zero/zenflow.py)."""
+        if not isinstance(self.optimizer, CPUAdam):
+            raise ConfigError("zero_optimization.zenflow: needs the Adam or AdamW optimizer (stepped by CPUAdam on "
+                              f"the host and by Adam on the device; got {type(self.optimizer).__name__})")
+        group_of = {id(t): g for g in self.optimizer.param_groups for t in g["params"]}
+        shards = []
+        for s in stepped:
+            pieces = []
+            for i, p in enumerate(s.flat.params):
+                r = s.flat.param_range(i)
+                for chunk, pos in s.chunks:
+                    part = r.intersect(chunk)
+                    if part.numel:
+                        pieces.append((i, tuple(p.shape), part.start - r.start, part.end - r.start,
+                                       pos + part.start - chunk.start))
+            shards.append(ZenFlowShard(s.master, s.master_grad, s.grad, s.flat.lp_flat, list(s.chunks), pieces,
+                                       s.collectives.all_reduce if s.collectives.world_size > 1 else None,
+                                       weights=[(i, tuple(p.shape)) for i, p in enumerate(s.flat.params)],
+                                       group=group_of[id(s.master)]))
+        return ZenFlowStep(self.offload.zenflow, self._views, shards, self.collectives.all_reduce, self._write_back)
+
+    def set_steps_per_epoch(self, n: int) -> None:
+        """The training dataloader's length (ZenFlow's "epoch" selection counts in it)."""
+        if self._runner.zenflow is not None:
+            self._runner.zenflow.set_steps_per_epoch(n)
 
     def _unset_param_grads(self) -> None:
         """`param.grad` are views of `grad_flat`: unset them before its storage goes (the next
@@ -385,6 +418,10 @@ class ShardedStrategy(WholeParameters):
             if s.stepped:
                 self._all_gather_params(s, copy=not self._views.optimizer_writes_lowp)
 
+    def note_loss_scale(self, loss_scale: float | None) -> None:
+        """The loss scale of the coming backward (the speculative offloaded step unscales with it)."""
+        self._runner.note_loss_scale(loss_scale)
+
     def flush(self) -> None:
         """Finish an overlapped step still running and write its update into the parameters."""
         self._runner.flush()
@@ -420,10 +457,15 @@ class ShardedStrategy(WholeParameters):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return fragments_state_dict(self.fragments(), self.optimizer, stage=self.stage,
-                                    dp_world_size=self.comm.world_size, dp_rank=self.comm.rank)
+        state = fragments_state_dict(self.fragments(), self.optimizer, stage=self.stage,
+                                     dp_world_size=self.comm.world_size, dp_rank=self.comm.rank)
+        if self._runner.zenflow is not None:  # the device moments of ZenFlow's selected elements
+            state = self._runner.zenflow.merge_state(state)
+        return state
 
     def masters_loaded(self) -> None:
+        if self._runner.zenflow is not None:
+            self._runner.zenflow.reset()  # the loaded masters replace the device part too
         self.flush()
         self._masters_in()
         for s in self.shards:
@@ -435,6 +477,8 @@ class ShardedStrategy(WholeParameters):
         self._masters_in()
         for s in self.shards:
             self._copy_params_to_master(s)
+        if self._runner.zenflow is not None:
+            self._runner.zenflow.reset()
         self._masters_out()
 
     def module_shapes(self) -> dict[str, tuple[int, ...]]:

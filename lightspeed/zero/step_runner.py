@@ -4,7 +4,10 @@ one step behind (``offload_optimizer.overlap_step``): one object every ZeRO stag
 Owns: the choice among the plain step (`sharded_step`), the swapped step (each NVMe sub-group read,
 stepped, written back and swapped out in turn: `offload/swapped_step.py`), the overlapped step
 (the optimizer step on a background thread: `offload/overlap.py`) and the early step (each range
-stepped during backward as its gradients reach the host: `offload/early_step.py`); the state those carry across
+stepped during backward as its gradients reach the host: `offload/early_step.py`), the speculative
+step (the early step whatever the step clips or scales, rolled back exactly when it does:
+`offload/speculative.py`, `offload_optimizer.super_offload`), or ZenFlow's step, handed over whole
+(`zero/zenflow.py`); the state those carry across
 calls (the side stream of the early device-to-host gradient copies and whether this step's copies
 were issued, the update not yet written into the parameters); and `flush`, which every reader of the
 parameters or masters calls first. Must not: know a stage or how parameters are laid out: the
@@ -22,6 +25,7 @@ from lightspeed._utils.device import Stream
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.offload.early_step import EarlyStep
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
+from lightspeed.offload.speculative import Rollback
 from lightspeed.offload.swapped_step import SwappedOptimizerState
 from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
 
@@ -40,9 +44,11 @@ class StepRunner:
     def __init__(self, views: ShardViews, agree: AllReduce | None, *, write_back: Callable[[], None],
                  to_host: Stream | None = None, swap: SwappedOptimizerState | None = None, overlap: bool = False,
                  write_sub_group: Callable[[int], None] | None = None, after_swapped: Callable[[], None] | None = None,
-                 copied_early: list[torch.Tensor] = (), early_ranges: bool = False, overlap_warmup: int = 0):
+                 copied_early: list[torch.Tensor] = (), early_ranges: bool = False, overlap_warmup: int = 0,
+                 speculative: bool = False, zenflow=None):
         self.views = views
         self.agree = agree
+        self.zenflow = zenflow  # zero/zenflow.py's ZenFlowStep: it runs every step itself
         self.to_host = to_host
         self.swap = swap
         self._write_back = write_back
@@ -63,16 +69,48 @@ class StepRunner:
         self._early: EarlyStep | None = None
         self._stepped = {id(t) for t in views.opt_grads}  # the optimizer's tensors (by id: no tensor ==)
         self.early_ranges = 0  # ranges stepped during backward so far (for tests and the log)
+        # the speculative step (offload/speculative.py, `offload_optimizer.super_offload`): stepping during
+        # backward whatever the step does to the gradients, rolled back and redone when it clips or skips
+        self._rollback: Rollback | None = None
+        self._spec_scale: float | None = None  # the loss scale of the coming backward (`note_loss_scale`)
+        if speculative:
+            if not self._early_possible:
+                raise ValueError("zero_optimization.offload_optimizer.super_offload: needs a CPU optimizer stepping "
+                                 "host masters through the fused ZeRO step (offload_optimizer.device \"cpu\", the "
+                                 "config's Adam/AdamW/Lion/Adagrad, no overlap_step)")
+            self._rollback = Rollback(views.optimizer)
+
+    @property
+    def rollbacks(self) -> int:
+        """Speculative steps restored and redone (clipping) or undone (overflow) so far."""
+        return self._rollback.rollbacks if self._rollback is not None else 0
+
+    def note_loss_scale(self, loss_scale: float | None) -> None:
+        """The loss scale the coming backward's loss was multiplied by (the speculative step unscales
+        with it during backward)."""
+        self._spec_scale = loss_scale
 
     def backward_start(self, is_boundary: bool) -> None:
         """A backward begins: at the boundary the gradient copies to the host are issued as each
         reduction completes, and NVMe reads the first sub-group while backward runs."""
+        if self.zenflow is not None:
+            self.zenflow.before_backward()  # its accumulation still reads the host gradients
         self.host_filled = is_boundary and self.to_host is not None
         if is_boundary and self.swap is not None:
             self.swap.prefetch(0)
-        if is_boundary and self._early_possible and self._early_exact and self._early is None:
-            params = self.views.optimizer.begin_zero_step(self.views.opt_grads, None, self.views.lowp_out)
-            self._early = EarlyStep(self.views.optimizer, params)
+        if is_boundary and self._early_possible and self._early is None and (self._early_exact or self._rollback):
+            # speculative only where the last step clipped or scaled: an exact early step needs no copies
+            speculative = self._rollback is not None and not self._early_exact
+            coef = None
+            if speculative and self._spec_scale is not None:
+                # the synchronous step's coefficient when nothing clips: fp32 1/scale (zero/grad_clip.py)
+                coef = torch.full((), 1.0 / self._spec_scale, dtype=torch.float32)
+            params = self.views.optimizer.begin_zero_step(self.views.opt_grads, coef, self.views.lowp_out)
+            saver = None
+            if speculative:
+                self._rollback.begin(params, None if coef is None else float(coef))
+                saver = self._rollback.save
+            self._early = EarlyStep(self.views.optimizer, params, saver=saver)
 
     def host_copy_queued(self, master: torch.Tensor, start: int, end: int) -> None:
         """The strategy queued the copy of `master`'s gradient elements [start, end) to the host (at the
@@ -88,12 +126,16 @@ class StepRunner:
             self.to_host.make_current_wait()  # the device reads the reduced shards (overflow, norm)
             self.to_host.synchronize()  # the CPU optimizer reads the host copies
         check = check_overflow if check_overflow is not None else loss_scale is not None
+        if self.zenflow is not None:
+            return self.zenflow.step(loss_scale, max_norm, check)
         exact = loss_scale is None and max_norm <= 0 and not check
         self._early_exact = exact
         if self._early is not None:
             early, self._early = self._early, None
             early.finish()
             self.early_ranges += early.ranges
+            if early.saver is not None:
+                return self._settle(loss_scale, max_norm, check)
             if not exact:
                 raise RuntimeError("the offloaded step ran during backward, but this step clips or scales the "
                                    "gradients (gradient_clipping / loss scaling changed between steps)")
@@ -115,6 +157,23 @@ class StepRunner:
             self._synchronous_left -= 1
         return result
 
+    def _settle(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
+        """The speculative step's verdict: keep it when the synchronous step would have used the same
+        coefficient; otherwise restore what was stepped and redo it (clipping) or leave it undone
+        (overflow), as the synchronous step would have."""
+        result, coef = prepare_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
+        rollback = self._rollback
+        if not result.applied:
+            rollback.restore(self.views.lowp_out)
+            self._write_back()
+            return result
+        wanted = 1.0 if coef is None else float(coef)
+        if wanted != (1.0 if rollback.coef is None else rollback.coef):
+            rollback.restore()
+            apply_step(self.views, coef)  # writes the low-precision copies again
+        self._write_back()
+        return result
+
     def _overlapped(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
         """Write the previous step's update into the parameters, then start this step's optimizer step
         in the background (see `offload/overlap.py`)."""
@@ -128,6 +187,8 @@ class StepRunner:
 
     def flush(self) -> None:
         """Finish an overlapped step still running and write its update into the parameters."""
+        if self.zenflow is not None:
+            self.zenflow.flush()
         if self._background is None:
             return
         self._background.wait()

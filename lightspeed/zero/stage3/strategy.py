@@ -133,7 +133,8 @@ class Stage3Strategy(ModelSeam):
                                   overlap_warmup=self.offload.overlap_step_warmup,
                                   write_sub_group=lambda i: swapped[i].copy_master_to_lp(self._lowp_writer),
                                   after_swapped=lambda: self.coordinator.release_all(force=True),
-                                  copied_early=[g.master_grad_shard for g in swapped], early_ranges=True)
+                                  copied_early=[g.master_grad_shard for g in swapped], early_ranges=True,
+                                  speculative=self.offload.super_offload)
         self._param_swapper = self._param_swap() if self.offload.param == "nvme" else None
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
@@ -214,7 +215,7 @@ class Stage3Strategy(ModelSeam):
         # elements keep their master and optimizer state on the device
         total = sum(torch.Size(shape_of(p)).numel() for u in self.units for _, p in u.owned() if p.requires_grad)
         offloaded_numel = 0
-        device_kept = dataclasses.replace(self.offload, optimizer="none", overlap_step=False)
+        device_kept = dataclasses.replace(self.offload, optimizer="none", overlap_step=False, super_offload=False)
 
         unit_numels = [sum(math.prod(shape_of(p)) for _, _, _, owned in u.members for _, p in owned) for u in self.units]
         what = "materializing and partitioning" if seeds else "partitioning"
@@ -429,6 +430,10 @@ class Stage3Strategy(ModelSeam):
             else:
                 g.copy_master_to_lp(self._lowp_writer)
         self.coordinator.release_all(force=True)
+
+    def note_loss_scale(self, loss_scale: float | None) -> None:
+        """The loss scale of the coming backward (the speculative offloaded step unscales with it)."""
+        self._runner.note_loss_scale(loss_scale)
 
     def flush(self) -> None:
         """Finish an overlapped step still running and write its update into the lp shards."""

@@ -1,0 +1,407 @@
+"""ZenFlow (``zero_optimization.zenflow``, ZeRO 1-2 with the optimizer in host memory): every step the
+most important columns of each 2-D weight are updated on the device at once, with their own Adam
+state there; the other elements' gradients are accumulated in host memory and stepped by the CPU
+optimizer every `update_interval` steps, in the background with `overlap_step`.
+
+Owns: the column importance (the L1 norm of each column's gradient over the whole weight, summed over
+the ranks that hold parts of it), the selection and its device state (fp32 masters, moments and the
+shard/parameter indices of the selected elements), the host gradient accumulators (two with
+`overlap_step`), the adaptive update rule, the CPU update and the one in flight. Must not: reduce
+gradients, compute the step's norm or overflow verdict (`zero/sharded_step.prepare_step` does), or
+all-gather parameters (the strategy's `write_back`).
+
+Note (the step, DeepSpeed's order): the CPU update steps every element of the shard with the
+interval's accumulated (unscaled, averaged) gradient, clipped by that mean's norm, with the Adam step
+count set to the number of steps taken (DeepSpeed's `step_id`); the selected elements' values it
+produces are then replaced by the device's, which step with this step's gradient and its own
+unscale/clip coefficient. At a selection the host masters take the device values of the previous
+selection (exact: both are fp32; DeepSpeed copies the bf16 parameters back), the device moments are
+zeroed and their step count goes on, as DeepSpeed's. Elements of parameters that are not 2-D are
+always selected. Selection is per weight, not per shard (the column sums are all-reduced), so it does
+not depend on the world size; DeepSpeed selects within each rank's part and drops columns cut by a
+partition boundary.
+
+Note (overlap_step): at an update the previous update is waited for and written into the parameters
+(the host masters to the low-precision chunks, then the selected elements over them), and this
+interval's update is launched on a thread over the other accumulator: the unselected elements lag one
+interval behind (DeepSpeed runs it in a separate process; the bound on staleness is the same). Warm-up
+updates run synchronously. Readers of the masters (`flush`) wait for it and take the device values of
+the selected elements.
+
+Note (accumulation): each step's host gradients are added to the interval's accumulator on a thread
+while the next forward and backward run (an update step adds at once: it reads the sum next). The
+host gradient tensors alternate between two buffers, moved with `set_` at the next backward's start,
+so that backward's copies never wait for the addition; the next step waits for it.
+
+Note (checkpoints): a save holds one standard state: the host masters (with the device values of the
+selected elements) and the host moments with the device moments at the selected elements, and step
+count = steps taken. It loads into a run without ZenFlow; a ZenFlow run loading any checkpoint starts
+a new interval and selects again at its next step.
+
+Deviations from DeepSpeed: the selected columns keep fp32 masters and moments (DeepSpeed steps the
+bf16 parameters with bf16 moments); both sides use the configured optimizer's Adam or AdamW (DeepSpeed's
+device side is always AdamW); the unscale/clip coefficient applies to the device step (DeepSpeed leaves
+it unclipped); the interval counts optimizer steps and keeps `gradient_accumulation_steps` (DeepSpeed
+replaces the accumulation steps with `update_interval` and divides each loss by it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from lightspeed._utils.logging import get_logger
+from lightspeed._utils.pinned import page_locked_empty
+from lightspeed.comm.codecs import AllReduce
+from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
+from lightspeed.offload.zenflow_config import ZenFlowOptions
+from lightspeed.ops.lowp_writer import LowpWriter
+from lightspeed.zero.grad_clip import squared_norm
+from lightspeed.zero.partition import Range
+from lightspeed.zero.sharded_step import ShardViews, StepResult, prepare_step
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class ZenFlowShard:
+    """One stepped master shard as ZenFlow sees it (built by the strategy)."""
+
+    master: torch.Tensor  # host fp32 shard (the CPU optimizer's tensor)
+    master_grad: torch.Tensor  # host fp32 copy of this step's reduced gradient shard
+    grad: torch.Tensor  # the device's reduced gradient shard
+    lp_flat: torch.Tensor  # the device's low-precision flat buffer holding the shard's chunks
+    chunks: list[tuple[Range, int]]  # (flat-buffer range, shard position) per bucket
+    pieces: list[tuple[int, tuple[int, ...], int, int, int]]  # (param key, shape, start, end, shard position)
+    all_reduce: AllReduce | None  # over the ranks holding the other parts of these parameters
+    weights: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (key, shape) of every parameter
+    # of the flat buffer, on every rank (a rank may hold no piece of some: the column sums must agree)
+    group: dict | None = None  # the optimizer param group stepping `master`
+    # laid out once: each 2-D weight's place in the shard's vector of column sums
+    cols: dict[int, tuple[int, int]] = field(default_factory=dict)  # 2-D param key -> (column offset, columns)
+    ncols: int = 0
+
+
+@dataclass
+class _Selected:
+    idx: torch.Tensor  # shard positions (device, int64, ascending)
+    idx_host: torch.Tensor
+    lp_idx: torch.Tensor  # positions in `lp_flat`
+    master: torch.Tensor  # fp32 values (device)
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    columns: dict[int, torch.Tensor]  # 2-D param key -> selected columns
+
+
+class ZenFlowStep:
+    """The ZenFlow step over `shards`; `write_back()` all-gathers the written low-precision chunks."""
+
+    def __init__(self, options: ZenFlowOptions, views: ShardViews, shards: list[ZenFlowShard],
+                 agree: AllReduce | None, write_back: Callable[[], None]):
+        self.options, self.views, self.shards, self.agree = options, views, shards, agree
+        self.optimizer = views.optimizer
+        self._write_back = write_back
+        for z in shards:
+            offset = 0
+            for key, shape in z.weights:
+                if len(shape) == 2 and key not in z.cols:
+                    z.cols[key] = (offset, shape[1])
+                    offset += shape[1]
+            z.ncols = offset
+        self._steps_per_epoch = options.steps_per_epoch
+        self._schedule = None
+        self._m = 0  # steps taken (DeepSpeed's micro_step + 1)
+        self._k = 0  # device steps taken
+        self._sel: list[_Selected] | None = None
+        self._reselect = False
+        host = [z.master for z in shards]
+        nacc = 2 if options.overlap_step else 1
+        self._acc = [[torch.empty_like(t) for t in host] for _ in range(nacc)]
+        self._cur = 0
+        self._count = 0  # steps accumulated in the current interval
+        self._background = BackgroundStep() if options.overlap_step else None
+        self._adder = BackgroundStep()  # a step's accumulation, run under the next forward and backward
+        # a second host gradient buffer per shard: the next backward's copies go to one while the last
+        # step's gradients are added from the other (Note: accumulation)
+        self._spare = [page_locked_empty(z.master_grad.numel(), z.master_grad.dtype) if z.master_grad.is_pinned()
+                       else torch.empty_like(z.master_grad) for z in shards]
+        self._pending = False  # an overlapped update is in the masters, not yet in the parameters
+        # the adaptive update (update_interval "auto")
+        self._flag = False
+        self._interval = 0
+        self._critic: dict[tuple[int, int], list[float]] = {}  # (shard, key) -> [avg critic, non-critic]
+        self._n2d = len({key for z in shards for key in z.cols})
+        self.updates = 0  # CPU updates launched (for tests and the log)
+
+    # ------------------------------------------------------------------ schedule
+    def set_steps_per_epoch(self, n: int) -> None:
+        if self._steps_per_epoch is None:
+            self._steps_per_epoch = int(n)
+            self._schedule = None
+
+    @property
+    def schedule(self):
+        if self._schedule is None:
+            self._schedule = self.options.schedule(self._steps_per_epoch)
+        return self._schedule
+
+    # ------------------------------------------------------------------ the step
+    def step(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
+        self._adder.wait()
+        result, coef = prepare_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
+        m, sch = self._m, self.schedule
+        self._m += 1
+        if not result.applied:
+            return result
+        selective = m >= sch.warm_up
+        flagged, self._flag = self._flag, False
+        update = sch.updates(m, flagged)
+        background = self._background is not None and selective
+        single = update and self._count == 0 and not background  # this step's gradient is the interval's
+        if not single:  # an update needs it now; otherwise it runs while the next forward does
+            self._accumulate(1.0 / loss_scale if loss_scale else 1.0, later=not update)
+        colsums = None
+        if selective and (self._sel is None or self._reselect or sch.selects(m)):
+            self.flush(gather=False)  # the host masters take the device values before the columns change
+            colsums = self._column_sums()
+            self._select(colsums)
+        if selective and sch.update_interval == 0:
+            self._adapt(colsums if colsums is not None else self._column_sums(), flagged)
+        if update:
+            self._update(m, max_norm, coef, single, background)
+        if selective:
+            self._device_step(coef)
+        self._write_back()
+        return result
+
+    def _accumulate(self, inv_scale: float, later: bool) -> None:
+        """Add this step's host gradients (unscaled) to the interval's accumulator; `later`: on a
+        thread, waited for before the next backward's copies overwrite the host gradients."""
+        acc, first = self._acc[self._cur], self._count == 0
+        self._count += 1
+        grads = [z.master_grad.view_as(z.master_grad) for z in self.shards]  # this storage, whatever comes
+
+        def run():
+            for g, a in zip(grads, acc):
+                if first:
+                    torch.mul(g, inv_scale, out=a)
+                else:
+                    a.add_(g, alpha=inv_scale)
+
+        if later:
+            self._adder.launch(run)
+        else:
+            run()
+
+    def before_backward(self) -> None:
+        """A backward begins: its copies would overwrite the host gradients the last step's accumulation
+        may still read, so the host gradient tensors move to the other buffer (same tensors, other
+        storage: every holder of them sees the move)."""
+        if not self._adder.running:
+            return
+        for i, z in enumerate(self.shards):
+            current = z.master_grad.view_as(z.master_grad)
+            z.master_grad.set_(self._spare[i])
+            self._spare[i] = current
+
+    def _interval_coef(self, max_norm: float) -> torch.Tensor:
+        """1/steps of the interval, times the clip factor of the accumulated mean's global norm."""
+        n = self._count
+        acc = self._acc[self._cur]
+        coef = torch.full((), 1.0 / n, dtype=torch.float32)
+        if max_norm > 0:
+            sq = squared_norm(acc).to(self.views.device)
+            if self.agree is not None:
+                self.agree(sq)
+            norm = sq.cpu().sqrt() / n
+            coef = coef * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return coef
+
+    def _update(self, m: int, max_norm: float, coef: torch.Tensor | None, single: bool, background: bool) -> None:
+        """The CPU update of step `m`: over this step's gradient alone with its coefficient `coef`
+        (`single`), or over the interval's accumulated gradients."""
+        if single:
+            grads = {z.master: z.master_grad for z in self.shards}
+        else:
+            grads = {z.master: a for z, a in zip(self.shards, self._acc[self._cur])}
+            coef = self._interval_coef(max_norm)
+        self._count = 0
+        self.updates += 1
+        self._drain(gather=False)  # the previous overlapped update reaches the parameters first
+        for z in self.shards:  # DeepSpeed's step_id: the Adam step count is the number of steps taken
+            self.optimizer._init_state(z.master)["step"] = m
+        if background:
+            snapshot = optimizer_snapshot(self.optimizer)
+            self._background.launch(lambda: snapshot.step(grads=grads, grad_scale=coef, lowp_out={}))
+            self._pending = True
+            self._cur ^= 1
+        else:
+            self.optimizer.step(grads=grads, grad_scale=coef, lowp_out=self.views.lowp_out)
+
+    # ------------------------------------------------------------------ selection
+    def _column_sums(self) -> list[torch.Tensor]:
+        """Per shard: the L1 norm of each 2-D weight's columns over this step's gradient, summed over
+        the ranks holding parts of the weight."""
+        out = []
+        for z in self.shards:
+            sums = torch.zeros(z.ncols, dtype=torch.float32, device=z.grad.device)
+            for key, shape, start, end, pos in z.pieces:
+                if key not in z.cols:
+                    continue
+                off, ncols = z.cols[key]
+                g = z.grad[pos:pos + end - start].float().abs()
+                col = sums[off:off + ncols]
+                first_full = min(end, -(-start // ncols) * ncols)
+                head = first_full - start
+                if head:
+                    c0 = start % ncols
+                    col[c0:c0 + head] += g[:head]
+                rows = (end - first_full) // ncols
+                if rows:
+                    col += g[head:head + rows * ncols].view(rows, ncols).sum(0)
+                tail = end - first_full - rows * ncols
+                if tail:
+                    col[:tail] += g[g.numel() - tail:]
+            if z.all_reduce is not None and sums.numel():
+                z.all_reduce(sums)
+            out.append(sums)
+        return out
+
+    def _select(self, colsums: list[torch.Tensor]) -> None:
+        ratio = self.options.topk_ratio
+        old = self._sel
+        sel = []
+        for i, (z, sums) in enumerate(zip(self.shards, colsums)):
+            device = z.grad.device
+            columns = {}
+            for key, (off, ncols) in z.cols.items():
+                k = int(ratio * ncols)
+                top = torch.topk(sums[off:off + ncols], k).indices if k else sums.new_empty(0, dtype=torch.long)
+                columns[key] = top.sort().values
+            parts = []
+            for key, shape, start, end, pos in z.pieces:
+                if key in columns:
+                    ncols = shape[1]
+                    rows = torch.arange(start // ncols, (end - 1) // ncols + 1, device=device)
+                    e = (rows[:, None] * ncols + columns[key][None, :]).reshape(-1)
+                    e = e[(e >= start) & (e < end)]
+                    parts.append(e - start + pos)
+                else:
+                    parts.append(torch.arange(pos, pos + end - start, device=device))
+            idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+            starts = torch.tensor([p for _, p in z.chunks], device=device)
+            shift = torch.tensor([r.start - p for r, p in z.chunks], device=device)
+            lp_idx = idx + shift[torch.searchsorted(starts, idx, right=True) - 1] if idx.numel() else idx
+            idx_host = idx.cpu()
+            master = z.master.index_select(0, idx_host).to(device)
+            if old is not None and old[i].exp_avg.numel() == idx.numel():
+                exp_avg, exp_avg_sq = old[i].exp_avg.zero_(), old[i].exp_avg_sq.zero_()
+            else:
+                exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+            sel.append(_Selected(idx, idx_host, lp_idx, master, exp_avg, exp_avg_sq, columns))
+        self._sel = sel
+        self._reselect = False
+        logger.debug("ZenFlow: %d elements selected for the device step", sum(s.idx.numel() for s in sel))
+
+    def _adapt(self, colsums: list[torch.Tensor], flagged: bool) -> None:
+        """DeepSpeed's adaptive update: after each step, count the 2-D weights whose unselected gradient
+        mass since the last update reached their (scaled) average selected mass; the next step updates
+        when at least `auto_ratio` of them did."""
+        ratio = self.options.topk_ratio
+        if flagged:  # this step updates: the counters start again
+            self._interval = 0
+            for v in self._critic.values():
+                v[1] = 0.0
+        self._interval += 1
+        if not 0.0 < ratio < 1.0:
+            return
+        u, need = self._interval, 0
+        for i, (z, sums, s) in enumerate(zip(self.shards, colsums, self._sel)):
+            for key, (off, ncols) in z.cols.items():
+                col = sums[off:off + ncols]
+                total, critic = float(col.sum()), float(col[s.columns[key]].sum())
+                v = self._critic.setdefault((i, key), [0.0, 0.0])
+                v[0] = (v[0] * (u - 1) + critic) / u / (ratio * 10)
+                v[1] += (total - critic) / ((1 - ratio) * 10)
+                need += v[1] >= v[0]
+        self._flag = need >= int(self.options.auto_ratio * self._n2d)
+
+    # ------------------------------------------------------------------ the device step
+    def _device_step(self, coef: torch.Tensor | None) -> None:
+        self._k += 1
+        adamw = getattr(self.optimizer, "adam_w_mode", True)
+        for z, s in zip(self.shards, self._sel):
+            if not s.idx.numel():
+                continue
+            group = z.group
+            beta1, beta2 = group["betas"]
+            wd = float(group["weight_decay"])
+            fn = torch._fused_adamw_ if (adamw and wd) else torch._fused_adam_
+            device = s.master.device
+            g = z.grad.index_select(0, s.idx).float()
+            step = torch.tensor(float(self._k) if group["bias_correction"] else math.inf, device=device)
+            kwargs = {} if coef is None else {"grad_scale": 1.0 / coef.to(device=device, dtype=torch.float32)}
+            fn([s.master], [g], [s.exp_avg], [s.exp_avg_sq], [], [step], lr=float(group["lr"]), beta1=float(beta1),
+               beta2=float(beta2), weight_decay=wd, eps=float(group["eps"]), amsgrad=False, maximize=False, **kwargs)
+            z.lp_flat.index_copy_(0, s.lp_idx, s.master.to(z.lp_flat.dtype))
+
+    # ------------------------------------------------------------------ readers
+    def flush(self, gather: bool = True) -> None:
+        """Finish an overlapped update and write it into the parameters (all-gathered unless the caller
+        does it next: `gather`); the host masters take the device values of the selected elements
+        (what every reader of the masters sees)."""
+        self._adder.wait()
+        self._drain(gather)
+        if self._sel is not None:
+            for z, s in zip(self.shards, self._sel):
+                z.master.index_copy_(0, s.idx_host, s.master.to("cpu"))
+
+    def _drain(self, gather: bool) -> None:
+        """Wait for the overlapped update and write it into the parameters (the selected elements keep
+        the device's values)."""
+        if self._background is not None:
+            self._background.wait()
+            if self._pending:
+                self._pending = False
+                writer = LowpWriter()
+                for z in self.shards:
+                    writer.write(z.master, 0, z.master.numel(), self.views.lowp_out.get(z.master, ()))
+                writer.finish()
+                if self._sel is not None:
+                    for z, s in zip(self.shards, self._sel):
+                        z.lp_flat.index_copy_(0, s.lp_idx, s.master.to(z.lp_flat.dtype))
+                if gather:
+                    self._write_back()
+
+    def merge_state(self, state: dict) -> dict:
+        """`state` (a `fragments_state_dict` of the masters after `flush`) with the device moments at
+        the selected elements and the step count of the steps taken, in copies of the host moments."""
+        if self._sel is None or self.optimizer is None:
+            return state
+        owners = {(o.data_ptr(), o.numel()): i for i, o in enumerate(state["owners"])}  # detached views
+        merged = list(state["state"])
+        for z, s in zip(self.shards, self._sel):
+            i = owners.get((z.master.data_ptr(), z.master.numel()))
+            if i is None:
+                continue
+            entry = dict(merged[i])
+            for key, dev in (("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)):
+                if key in entry:
+                    entry[key] = entry[key].clone().index_copy_(0, s.idx_host, dev.to("cpu"))
+            entry["step"] = self._m
+            merged[i] = entry
+        return {**state, "state": merged}
+
+    def reset(self) -> None:
+        """The masters were replaced (a load): a new interval, and a new selection at the next step.
+        The device values are dropped, not written back (an update in flight is waited for)."""
+        self._adder.wait()
+        if self._background is not None:
+            self._background.wait()
+            self._pending = False
+        self._sel = None
+        self._count = 0
+        self._reselect = True

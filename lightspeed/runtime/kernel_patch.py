@@ -22,8 +22,10 @@ own):
 Note: [how a class is replaced] A module's class becomes a subclass of its own class made once per
 (class, backend) ("Fused" + name) that overrides `forward` only: isinstance checks, parameter names and
 hooks are unchanged. For RoPE the subclass's forward is the attention's own forward (each decorator
-level rebuilt around it) with `apply_rotary_pos_emb` resolved in a copy of its module's globals: no
-global of transformers is modified, so unpatched models in the same process keep HF's function.
+level rebuilt around it) with `apply_rotary_pos_emb` resolved in a shadow copy of its module (registered in sys.modules as
+lightspeed.runtime.kernel_patch.shadow.<module>.<class>_<backend>, as torch.compile wants a function's
+globals to be a module's): no global of transformers is modified, so unpatched models in the same
+process keep HF's function.
 
 Note: [the causal-LM loss] HF's `*ForCausalLM.forward` computes `logits = lm_head(hidden)` and then
 `self.loss_function(logits, labels, ...)`. Re-implementing those forwards (Liger-Kernel's way) ties the
@@ -46,6 +48,7 @@ reduce-scatters like any other; the lm_head forward also checks that its weight 
 from __future__ import annotations
 
 import functools
+import sys
 import types
 
 import torch
@@ -97,15 +100,28 @@ def _mlp_class(cls: type, backend: str) -> type:
 
 
 # ------------------------------------------------------------------------------------------------ RoPE
-def _rebuilt(fn, replace: dict):
+def _shadow_module(namespace: dict, replace: dict, tag: str) -> types.ModuleType:
+    """A module registered in sys.modules holding a copy of `namespace` overlaid by `replace`: the
+    rebuilt function's globals. torch.compile resolves a function's globals through
+    sys.modules[globals["__name__"]], so they must be a real module's namespace, not a loose dict."""
+    name = f"{__name__}.shadow.{namespace['__name__']}.{tag}"
+    if name not in sys.modules:
+        module = types.ModuleType(name)
+        module.__dict__.update({k: v for k, v in namespace.items() if k not in ("__name__", "__spec__", "__loader__")})
+        module.__dict__.update(replace)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def _rebuilt(fn, replace: dict, tag: str):
     """`fn` with its innermost function's globals overlaid by `replace`; each decorator level (a
     functools.wraps wrapper holding the inner function in a closure cell) rebuilt around the new one."""
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
-        new_globals = {**fn.__globals__, **replace}
-        new = types.FunctionType(fn.__code__, new_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+        new = types.FunctionType(fn.__code__, _shadow_module(fn.__globals__, replace, tag).__dict__, fn.__name__,
+                                 fn.__defaults__, fn.__closure__)
     else:
-        new_inner = _rebuilt(inner, replace)
+        new_inner = _rebuilt(inner, replace, tag)
         cells, swapped = [], False
         for cell in fn.__closure__ or ():
             try:
@@ -142,7 +158,8 @@ def _attention_class(cls: type, backend: str) -> type | None:
     def rope(q, k, cos, sin, unsqueeze_dim=1):
         return fused.apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, backend=backend)
 
-    return _subclass(cls, f"rope/{backend}", {"forward": _rebuilt(forward, {"apply_rotary_pos_emb": rope})})
+    replaced = _rebuilt(forward, {"apply_rotary_pos_emb": rope}, f"{cls.__name__}_{backend}")
+    return _subclass(cls, f"rope/{backend}", {"forward": replaced})
 
 
 # ------------------------------------------------------------------------------------------------ the loss

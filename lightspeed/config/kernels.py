@@ -15,6 +15,8 @@ from typing import Optional
 
 from lightspeed.config.base import Bool, Choice, PosInt, Section
 
+KERNEL_BACKENDS = ("auto", "triton", "reference")
+
 
 class KernelsConfig(Section):
     """``kernels``."""
@@ -29,5 +31,5 @@ class KernelsConfig(Section):
     fused_linear_cross_entropy: Bool = True
     """The causal-LM loss computed from the hidden states in chunks, the logits never whole (HF
     Llama-family and GPT-2 causal LMs; a model of one's own with `lightspeed_fused_lm_loss`)."""
-    backend: Choice("auto", "triton", "reference") = "auto"
+    backend: Choice(*KERNEL_BACKENDS) = "auto"
     chunk_size: Optional[PosInt] = None

@@ -19,8 +19,9 @@ references round after each op, as HF does: the tolerance table in tests/ops/tes
 RMSNorm rounds the normalised row to x's dtype before the weight multiplies it (HF's order); outputs are
 promote(x, weight) for RMSNorm, promote(q, cos) for RoPE, as the references' type promotion gives.
 
-Note: [torch.compile] RMSNorm, RoPE and SwiGLU launch plain @triton.jit kernels from autograd.Functions
-that read shapes only, which torch.compile traces (user-defined Triton kernels). The linear
+Note: [torch.compile] RMSNorm, RoPE and SwiGLU are autograd.Functions whose forward and backward call
+torch custom ops (lightspeed::fused_*), one per Triton launcher, with fake implementations: the compiler
+traces the Functions and keeps each launch as one opaque call, with no graph break. The linear
 cross-entropy runs under `torch.compiler.disable`: a graph break at the loss, the chunk loop eager (its
 time is the matmuls; a traced loop would let the compiler keep chunks' logits alive together).
 """
@@ -28,6 +29,7 @@ time is the matmuls; a traced loop would let the compiler keep chunks' logits al
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 import torch
@@ -49,12 +51,11 @@ def _kernels():
     return importlib.import_module("lightspeed.ops.fused.triton")
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None  # found, not imported (Note: [TRITON_INTERPRET])
+
+
 def _triton_importable() -> bool:
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        return False
-    return True
+    return _HAS_TRITON
 
 
 def _interpreting() -> bool:
@@ -84,18 +85,77 @@ def choose_backend(x: torch.Tensor, backend: str = "auto", what: str = "fused ke
     return "triton"
 
 
+# ------------------------------------------------------------------------------------------------ custom ops
+# The Triton launchers as torch custom ops: torch.compile keeps each as one opaque call (its fake
+# implementation gives the shapes), so nothing of the launchers is traced (Note: [torch.compile]).
+@torch.library.custom_op("lightspeed::fused_rms_norm_forward", mutates_args=())
+def _rms_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels().rms_norm_forward(x, weight, eps)
+
+
+@_rms_forward.register_fake
+def _(x, weight, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+            x.new_empty(rows, dtype=torch.float32))
+
+
+@torch.library.custom_op("lightspeed::fused_rms_norm_backward", mutates_args=())
+def _rms_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels().rms_norm_backward(dy, x, weight, rstd)
+
+
+@_rms_backward.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+@torch.library.custom_op("lightspeed::fused_rope", mutates_args=())
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+          backward: bool) -> torch.Tensor:
+    return _kernels().rope_apply(x, _broadcast(cos, unsqueeze_dim, x.shape), _broadcast(sin, unsqueeze_dim, x.shape),
+                                 backward=backward)
+
+
+@_rope.register_fake
+def _(x, cos, sin, unsqueeze_dim, backward):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype))
+
+
+@torch.library.custom_op("lightspeed::fused_swiglu_forward", mutates_args=())
+def _swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _kernels().swiglu_forward(gate, up)
+
+
+@_swiglu_forward.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+@torch.library.custom_op("lightspeed::fused_swiglu_backward", mutates_args=())
+def _swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels().swiglu_backward(dy, gate.contiguous(), up.contiguous())
+
+
+@_swiglu_backward.register_fake
+def _(dy, gate, up):
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(up, memory_format=torch.contiguous_format))
+
+
 # ------------------------------------------------------------------------------------------------ RMSNorm
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = _kernels().rms_norm_forward(x, weight, eps)
+        y, rstd = _rms_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = _kernels().rms_norm_backward(dy, x, weight, rstd)
+        dx, dw = _rms_backward(dy, x, weight, rstd)
         return dx, dw, None
 
 
@@ -116,24 +176,15 @@ def _broadcast(t: torch.Tensor, dim: int, shape: torch.Size) -> torch.Tensor:
 class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, unsqueeze_dim):
-        kern = _kernels()
-        qe = kern.rope_apply(q, _broadcast(cos, unsqueeze_dim, q.shape), _broadcast(sin, unsqueeze_dim, q.shape))
-        ke = kern.rope_apply(k, _broadcast(cos, unsqueeze_dim, k.shape), _broadcast(sin, unsqueeze_dim, k.shape))
         ctx.save_for_backward(cos, sin)
         ctx.unsqueeze_dim, ctx.q_dtype, ctx.k_dtype = unsqueeze_dim, q.dtype, k.dtype
-        return qe, ke
+        return _rope(q, cos, sin, unsqueeze_dim, False), _rope(k, cos, sin, unsqueeze_dim, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        kern, dim = _kernels(), ctx.unsqueeze_dim
-        gq = gk = None
-        if dq is not None:
-            gq = kern.rope_apply(dq, _broadcast(cos, dim, dq.shape), _broadcast(sin, dim, dq.shape),
-                                 backward=True).to(ctx.q_dtype)
-        if dk is not None:
-            gk = kern.rope_apply(dk, _broadcast(cos, dim, dk.shape), _broadcast(sin, dim, dk.shape),
-                                 backward=True).to(ctx.k_dtype)
+        gq = _rope(dq, cos, sin, ctx.unsqueeze_dim, True).to(ctx.q_dtype) if dq is not None else None
+        gk = _rope(dk, cos, sin, ctx.unsqueeze_dim, True).to(ctx.k_dtype) if dk is not None else None
         return gq, gk, None, None, None
 
 
@@ -161,12 +212,12 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return _kernels().swiglu_forward(gate, up)
+        return _swiglu_forward(gate, up)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dg, du = _kernels().swiglu_backward(dy, gate.contiguous(), up.contiguous())
+        dg, du = _swiglu_backward(dy, gate, up)
         return dg, du
 
 

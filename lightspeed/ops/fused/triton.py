@@ -74,6 +74,10 @@ def _rms_bwd(dy_ptr, dy_stride, x_ptr, x_stride, w_ptr, rstd_ptr, dx_ptr, dx_str
     tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
 
 
+def _warps(block: int) -> int:
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -90,7 +94,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     if x2.shape[0]:
-        _rms_fwd[(x2.shape[0],)](x2, x2.stride(0), weight, y, y.stride(0), rstd, n, eps, BLOCK_N=block)
+        _rms_fwd[(x2.shape[0],)](x2, x2.stride(0), weight, y, y.stride(0), rstd, n, eps, BLOCK_N=block,
+                                 num_warps=_warps(block))
     return y.view(x.shape), rstd
 
 
@@ -104,7 +109,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     partial = torch.zeros(progs, n, dtype=torch.float32, device=x.device)
     if rows:
         _rms_bwd[(progs,)](dy2, dy2.stride(0), x2, x2.stride(0), weight, rstd, dx, dx.stride(0), partial, rows, n,
-                           ROWS_PER_PROG=triton.cdiv(rows, progs), BLOCK_N=triton.next_power_of_2(n))
+                           ROWS_PER_PROG=triton.cdiv(rows, progs), BLOCK_N=triton.next_power_of_2(n),
+                           num_warps=_warps(triton.next_power_of_2(n)))
     return dx.view(x.shape), partial.sum(0).to(weight.dtype)
 
 

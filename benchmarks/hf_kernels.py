@@ -15,6 +15,7 @@ Systems (each in a fresh process, world size 1):
 - "torch.compile": plain PyTorch, fp32 params under bf16 autocast, torch.compile(model), fused AdamW;
 - "lightspeed": lightspeed.initialize (bf16, ZeRO --stage, AdamW) + engine.compile(), kernels off;
 - "lightspeed+kernels": the same with {"kernels": {"enabled": true}} (every kernel the model has a place for);
+- "lightspeed+ce": the same with the fused linear cross-entropy only (RMSNorm, RoPE, SwiGLU left to the compiler);
 - "lightspeed+liger": the same engine, kernels off, Liger-Kernel's apply_liger_kernel_to_llama(model=...)
   applied before initialize (HF Llama only; n/a unless `import liger_kernel` works: its wheel is pure
   Python and needs no other torch, `pip install --no-deps liger-kernel`, or LIGER_KERNEL_PATH=<unpacked wheel>);
@@ -44,7 +45,9 @@ from benchmarks.harness import H200_BF16_PEAK_FLOPS, Result, peak_gib, print_tab
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 LR = 1e-4
-SYSTEMS = ("torch.compile", "lightspeed", "lightspeed+kernels", "lightspeed+liger", "deepspeed")
+SYSTEMS = ("torch.compile", "lightspeed", "lightspeed+kernels", "lightspeed+ce", "lightspeed+liger", "deepspeed")
+KERNELS = {"lightspeed+kernels": {"enabled": True},
+           "lightspeed+ce": {"enabled": True, "rms_norm": False, "rope": False, "swiglu": False}}
 LLAMA_SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64),
@@ -74,14 +77,14 @@ def build(name: str, seq: int):
     return model, flops, "llama"
 
 
-def ds_config(args, kernels: bool) -> dict:
+def ds_config(args, kernels: dict | None) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
            "gradient_clipping": 1.0, "zero_optimization": {"stage": args.stage},
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}}
     if not args.smoke:
         cfg["bf16"] = {"enabled": True}
     if kernels:
-        cfg["kernels"] = {"enabled": True}
+        cfg["kernels"] = kernels
     return cfg
 
 
@@ -142,7 +145,7 @@ def run_one(args, name: str, system: str) -> Result:
             except ImportError as err:
                 return Result(system, note=f"n/a: {err}")
         engine, *_ = initialize(model=model, model_parameters=model.parameters(),
-                                config=ds_config(args, kernels=system == "lightspeed+kernels"))
+                                config=ds_config(args, KERNELS.get(system)))
         engine.compile(backend=args.backend)
 
         def step():

@@ -11,6 +11,12 @@ and dW += dlogits_c^T x_c (db += the column sums). Only one chunk's logits live 
 multiplies the stored dx, dW, db by the incoming gradient (in place: a second backward through the same
 graph is refused). dW accumulates in W's dtype (`addmm_`), as dx does in x's; db in fp32.
 
+Note: [fp16] The gradients are computed in the forward, before the backward's incoming gradient (a
+loss scale, 1 / accumulation steps) multiplies them: in fp16 a small gradient may underflow where the
+unfused head, scaled first, keeps it. bf16 and fp32 have fp32's range. A target outside [0, vocab) that
+is not ignore_index is not checked on the Triton path (torch's cross-entropy raises; the kernel reads
+out of its row).
+
 Note: [chunk size] Default: the power of two nearest above tokens / ceil(vocab / hidden), so a chunk's
 logits are about the size of x (Liger-Kernel's rule); `chunk_size` overrides it.
 

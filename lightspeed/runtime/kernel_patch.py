@@ -214,7 +214,7 @@ def _patch_causal_lm(model: torch.nn.Module, loss_fn) -> None:
     def post_hook(module, args, kwargs, output):
         loss, state.loss, state.armed = state.loss, None, False
         state.labels = state.shift_labels = state.num_items = None
-        if loss is None:
+        if loss is None or output is None:  # not armed, or the forward raised
             return None
         if isinstance(output, tuple):
             return (loss, None) + tuple(output[1:])  # HF's tuple leaves the None loss out: output[0] is the logits

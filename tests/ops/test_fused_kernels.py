@@ -139,6 +139,11 @@ def test_fused_linear_cross_entropy_under_autocast_and_errors():
         loss = fused.fused_linear_cross_entropy(x, w, t, b)
         want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w, b).float().view(-1, 70), t.view(-1))
     torch.testing.assert_close(loss, want, rtol=2e-2, atol=2e-2)
+    with torch.no_grad():  # no gradient wanted: the losses only
+        loss = fused.fused_linear_cross_entropy(_leaf(x), w, t, b, label_smoothing=0.2, chunk_size=7)
+    torch.testing.assert_close(loss, reference.linear_cross_entropy(x.view(-1, 16), w, t.view(-1), b,
+                                                                    label_smoothing=0.2), rtol=1e-5, atol=1e-6)
+    assert not loss.requires_grad
     with pytest.raises(ValueError, match="reduction must be one of mean, sum"):
         fused.fused_linear_cross_entropy(x, w, t, reduction="none")
     with pytest.raises(ValueError, match="does not fit weight"):

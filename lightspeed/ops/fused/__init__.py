@@ -37,7 +37,7 @@ import torch
 from lightspeed._utils.logging import get_logger
 
 from . import reference
-from .linear_ce import LinearCrossEntropy, check_arguments, default_chunk_size
+from .linear_ce import LinearCrossEntropy, check_arguments, chunked_loss, default_chunk_size
 
 __all__ = ["BACKENDS", "choose_backend", "fused_linear_cross_entropy", "reference", "rms_norm", "apply_rope",
            "swiglu"]
@@ -253,6 +253,9 @@ def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: to
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     target = target.reshape(-1).contiguous()
     chunk = chunk_size or default_chunk_size(x2.shape[0], weight.shape[0], weight.shape[1])
+    args = (x2, weight, bias, target, int(ignore_index), float(label_smoothing), reduction, softcap, chunk, chunk_fn)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x2, weight, bias)):
+        with torch.autocast(device_type, enabled=False):  # evaluation: the losses only, no gradient computed
+            return chunked_loss(*args, needs=(False, False, False))[0]
     with torch.autocast(device_type, enabled=False):
-        return LinearCrossEntropy.apply(x2, weight, bias, target, int(ignore_index), float(label_smoothing),
-                                        reduction, softcap, chunk, chunk_fn)
+        return LinearCrossEntropy.apply(*args)

@@ -40,35 +40,43 @@ def default_chunk_size(tokens: int, vocab: int, hidden: int) -> int:
     return max(1, min(tokens, 1 << (rows - 1).bit_length()))
 
 
+def chunked_loss(x, weight, bias, target, ignore_index, label_smoothing, reduction, softcap, chunk_size, chunk_fn,
+                 needs: tuple[bool, bool, bool]):
+    """(loss, dx, dW, db) of the chunk walk (Note: [gradients in the forward]); a gradient is None
+    where `needs` says it is not wanted (with none wanted, only the losses are computed)."""
+    tokens, _ = x.shape
+    valid = target != ignore_index
+    if reduction == "mean":
+        scale = valid.sum().to(torch.float32).reciprocal()
+    else:
+        scale = torch.ones((), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x) if needs[0] else None
+    grad_w = torch.zeros_like(weight) if needs[1] else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if bias is not None and needs[2] \
+        else None
+    losses = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    for start in range(0, tokens, chunk_size):
+        end = min(start + chunk_size, tokens)
+        xc = x[start:end]
+        logits = F.linear(xc, weight, bias)
+        losses[start:end] = chunk_fn(logits, target[start:end], scale, ignore_index, label_smoothing, softcap)
+        if grad_x is not None:
+            torch.mm(logits, weight, out=grad_x[start:end])
+        if grad_w is not None:
+            grad_w.addmm_(logits.t(), xc)
+        if grad_b is not None:
+            grad_b += logits.sum(0, dtype=torch.float32)
+    return losses.sum() * scale, grad_x, grad_w, grad_b
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """(x [N, H], weight [V, H], bias [V] or None, target [N]) -> the scalar loss; see the module Notes."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, ignore_index, label_smoothing, reduction, softcap, chunk_size,
                 chunk_fn):
-        tokens, _ = x.shape
-        valid = target != ignore_index
-        if reduction == "mean":
-            scale = valid.sum().to(torch.float32).reciprocal()
-        else:
-            scale = torch.ones((), dtype=torch.float32, device=x.device)
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) \
-            if bias is not None and ctx.needs_input_grad[2] else None
-        losses = torch.empty(tokens, dtype=torch.float32, device=x.device)
-        for start in range(0, tokens, chunk_size):
-            end = min(start + chunk_size, tokens)
-            xc = x[start:end]
-            logits = F.linear(xc, weight, bias)
-            losses[start:end] = chunk_fn(logits, target[start:end], scale, ignore_index, label_smoothing, softcap)
-            if grad_x is not None:
-                torch.mm(logits, weight, out=grad_x[start:end])
-            if grad_w is not None:
-                grad_w.addmm_(logits.t(), xc)
-            if grad_b is not None:
-                grad_b += logits.sum(0, dtype=torch.float32)
-        loss = losses.sum() * scale
+        loss, grad_x, grad_w, grad_b = chunked_loss(x, weight, bias, target, ignore_index, label_smoothing, reduction,
+                                                    softcap, chunk_size, chunk_fn, ctx.needs_input_grad[:3])
         ctx.save_for_backward(grad_x, grad_w, grad_b)
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.done = False

@@ -198,6 +198,8 @@ def main():
               f"compile backend {args.backend}, each run in a fresh process", flush=True)
         results = []
         for system in args.systems:
+            if system == "lightspeed+ce" and name.startswith("gpt"):
+                continue  # the fused loss is the GPT's only kernel: "lightspeed+kernels" is this row
             env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(29600 + len(results)))
             argv = [a for a in sys.argv[1:]]

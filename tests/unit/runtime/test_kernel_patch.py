@@ -135,3 +135,25 @@ def test_eval_mode_disabled_switches_and_errors():
         apply_kernels(torch.nn.Sequential(torch.nn.Linear(2, 2)), kernels())
     with pytest.raises(Exception, match="kernels.backend"):
         kernels(backend="cuda")
+
+
+@pytest.mark.parametrize("family,count", [("Qwen2", 10), ("Qwen3", 14), ("Mistral", 10)])
+def test_llama_family_models_take_every_kernel(family, count):
+    """Qwen3's per-head q / k norms are RMSNorms too (4 more modules)."""
+    cfg = getattr(transformers, f"{family}Config")(vocab_size=VOCAB, hidden_size=32, intermediate_size=40,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                    max_position_embeddings=64, head_dim=8)
+    torch.manual_seed(0)
+    base = getattr(transformers, f"{family}ForCausalLM")(cfg)
+    base.loss_type = "ForCausalLM"
+    model = copy.deepcopy(base)
+    done = apply_kernels(model, kernels())
+    assert len(done) == count and {d.split(": ")[1] for d in done} == {
+        "fused linear cross-entropy (lm_head)", "rms_norm", "rope", "swiglu"}
+    ids, labels = _batch(3, (2, 9))
+    out, ref = model(input_ids=ids, labels=labels), base(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward(), ref.loss.backward()
+    got, want = _grads(model), _grads(base)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

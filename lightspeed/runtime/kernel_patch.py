@@ -17,7 +17,11 @@ own):
   MistralForCausalLM, GPT2LMHeadModel (the loss from the hidden states, HF's ForCausalLMLoss
   semantics); and any module with a `lightspeed_fused_lm_loss` attribute (the examples' GPT), which is
   set to the fused function `(hidden, weight, targets) -> loss`.
-`kernels.enabled` with nothing to replace in the model is a ConfigError naming the section.
+`kernels.enabled` with nothing to replace in the model is a ConfigError naming the section, and so is a
+causal LM whose lm_head is not a plain nn.Linear (split by tensor parallelism, converted by float8:
+its own forward would be bypassed). The transform runs after the model transforms and float8, so the
+MLP and attention of a tensor-parallel model keep their split projections (the kernels are
+elementwise / per head and run on the local shards).
 
 Note: [how a class is replaced] A module's class becomes a subclass of its own class made once per
 (class, backend) ("Fused" + name) that overrides `forward` only: isinstance checks, parameter names and
@@ -196,9 +200,10 @@ def _lm_head_class(cls: type, state: _LossState, loss_fn) -> type:
 
 def _patch_causal_lm(model: torch.nn.Module, loss_fn) -> None:
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(lm_head, torch.nn.Linear):
-        raise ConfigError(f"kernels.fused_linear_cross_entropy: {type(model).__name__}'s output embeddings are not "
-                          f"an nn.Linear ({type(lm_head).__name__}); set the key to false")
+    if type(lm_head) is not torch.nn.Linear:  # a subclass (tensor parallel, float8) has a forward of its own
+        raise ConfigError(f"kernels.fused_linear_cross_entropy: {type(model).__name__}'s output embeddings are a "
+                          f"{type(lm_head).__name__}, not a plain nn.Linear (split by tensor parallelism, or converted "
+                          f"by float8: keep it out with float8.filter_fqns); set the key to false")
     state = _LossState()
     lm_head.__class__ = _lm_head_class(type(lm_head), state, loss_fn)
 

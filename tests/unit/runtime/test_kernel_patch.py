@@ -133,6 +133,10 @@ def test_eval_mode_disabled_switches_and_errors():
     assert apply_kernels(llama(), load({"train_batch_size": 1}).kernels) == []
     with pytest.raises(ConfigError, match="kernels.enabled: nothing in Sequential has a fused kernel"):
         apply_kernels(torch.nn.Sequential(torch.nn.Linear(2, 2)), kernels())
+    odd = gpt2()
+    odd.lm_head.__class__ = type("SplitHead", (torch.nn.Linear,), {})
+    with pytest.raises(ConfigError, match="output embeddings are a SplitHead, not a plain nn.Linear"):
+        apply_kernels(odd, kernels())
     with pytest.raises(Exception, match="kernels.backend"):
         kernels(backend="cuda")
 

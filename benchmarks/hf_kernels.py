@@ -4,6 +4,7 @@ without them, through lightspeed's engine with engine.compile(), against plain t
 
     python benchmarks/hf_kernels.py [--models llama-1b llama-8b-8l gpt-1.3b] [--stage 2] [--micro 1]
         [--seq 4096] [--steps 10] [--warmup 3] [--systems ...] [--smoke]
+    python benchmarks/hf_kernels.py --ops [--seq 4096] [--smoke]     # each kernel alone vs its reference
 
 Models: "llama-1b" is HF Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, vocab
 128256, tied embeddings), "llama-8b-8l" Llama-3-8B's shape cut to 8 layers (hidden 4096, MLP 14336, vocab
@@ -163,6 +164,55 @@ def run_one(args, name: str, system: str) -> Result:
     return r
 
 
+def bench_ops(args) -> None:
+    """Each kernel alone, forward + backward: the Triton path against the reference eager and compiled
+    (Llama-3.2-1B's shapes at --seq tokens; the CE head at vocab 128256)."""
+    from lightspeed.ops import fused
+    from lightspeed.ops.fused import reference
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    backend = "reference" if args.smoke else "triton"
+    dt = torch.float32 if args.smoke else torch.bfloat16
+    t, h, inter, heads, kv, hd, vocab = (32, 64, 96, 4, 2, 16, 256) if args.smoke else \
+        (args.seq, 2048, 8192, 32, 8, 64, 128256)
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dt).requires_grad_()
+
+    x, w = leaf(t, h), leaf(h)
+    q, k = leaf(1, heads, t, hd), leaf(1, kv, t, hd)
+    cos, sin = torch.randn(1, t, hd, device=device, dtype=dt), torch.randn(1, t, hd, device=device, dtype=dt)
+    g, u = leaf(t, inter), leaf(t, inter)
+    head, target = leaf(vocab, h, scale=0.02), torch.randint(0, vocab, (t,), device=device)
+    cases = {
+        "rms_norm": (lambda f: f(x, w, 1e-5), fused.rms_norm, reference.rms_norm),
+        "rope": (lambda f: sum(o.float().sum() for o in f(q, k, cos, sin)), fused.apply_rope, reference.apply_rope),
+        "swiglu": (lambda f: f(g, u), fused.swiglu, reference.swiglu),
+        "linear_cross_entropy": (lambda f: f(x, head, target), fused.fused_linear_cross_entropy,
+                                 reference.linear_cross_entropy),
+    }
+    print(f"\n== kernels alone, forward + backward, {t} tokens, {dt}, {device}")
+    print(f"{'op':<22}{'path':<20}{'ms':>9}{'peak GiB':>10}")
+    for name, (call, fast, ref) in cases.items():
+        kw = {"backend": backend}
+        paths = [("fused " + backend, lambda *a, _f=fast, **k: _f(*a, **k, **kw)), ("reference eager", ref),
+                 ("reference compiled", torch.compile(ref, backend=args.backend))]
+        for label, fn in paths:
+            def step(fn=fn):
+                out = call(fn)
+                out.float().sum().backward()
+                return out.detach().float().sum()
+
+            reset_memory()
+            try:
+                ms, _ = time_steps(step, args.steps, args.warmup)
+                print(f"{name:<22}{label:<20}{ms:>9.3f}{peak_gib():>10.2f}")
+            except Exception as err:  # one failing path must not hide the others' figures
+                print(f"{name:<22}{label:<20}  failed: {type(err).__name__}: {str(err)[:100]}")
+            for p in (x, w, q, k, g, u, head):
+                p.grad = None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["llama-1b", "llama-8b-8l", "gpt-1.3b"])
@@ -176,6 +226,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU (keeps the script alive in CI)")
+    ap.add_argument("--ops", action="store_true", help="only each kernel alone against its reference")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # model:system, run in a child
     args = ap.parse_args()
     if args.smoke:
@@ -185,6 +236,9 @@ def main():
         args.models = list(dict.fromkeys(args.models))
         args.micro, args.seq, args.gpt_micro, args.gpt_seq, args.steps, args.warmup = 2, 32, 2, 32, 2, 1
         args.backend = "aot_eager"
+    if args.ops:
+        bench_ops(args)
+        return
     if args.one:
         name, system = args.one.split(":")
         if name.startswith("gpt"):

@@ -26,10 +26,11 @@ elementwise / per head and run on the local shards).
 Note: [how a class is replaced] A module's class becomes a subclass of its own class made once per
 (class, backend) ("Fused" + name) that overrides `forward` only: isinstance checks, parameter names and
 hooks are unchanged. For RoPE the subclass's forward is the attention's own forward (each decorator
-level rebuilt around it) with `apply_rotary_pos_emb` resolved in a shadow copy of its module (registered in sys.modules as
-lightspeed.runtime.kernel_patch.shadow.<module>.<class>_<backend>, as torch.compile wants a function's
-globals to be a module's): no global of transformers is modified, so unpatched models in the same
-process keep HF's function.
+level rebuilt around it) with `apply_rotary_pos_emb` resolved in a shadow copy of its module,
+registered in sys.modules as lightspeed.runtime.kernel_patch.shadow.<module>.<class>_<backend> (torch.compile
+wants a function's globals to be a module's): no global of transformers is modified, so unpatched
+models in the same process keep HF's function. The subclasses are made at run time, so pickling the
+whole module (torch.save(model)) is not supported; state dicts are unchanged.
 
 Note: [the causal-LM loss] HF's `*ForCausalLM.forward` computes `logits = lm_head(hidden)` and then
 `self.loss_function(logits, labels, ...)`. Re-implementing those forwards (Liger-Kernel's way) ties the

@@ -173,3 +173,22 @@ def test_rope_refuses_cos_with_grad_and_bad_shapes():
         fused.apply_rope(q[..., :3], q[..., :3], cos[..., :3], cos[..., :3])
     with pytest.raises(ValueError, match="weight \\[5\\] does not fit"):
         fused.rms_norm(q, torch.ones(5))
+
+
+@kernel_test
+def test_custom_ops_fake_implementations_match():
+    """The Triton launchers' custom ops (what torch.compile sees): schema and fake shapes / dtypes / strides
+    agree with the real kernels."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 4, 10, generator=g).to(DEVICE)
+    w = torch.randn(10, generator=g).to(DEVICE, torch.bfloat16)
+    q = torch.randn(2, 4, 3, 8, generator=g).to(DEVICE).transpose(1, 2)
+    cos = torch.randn(2, 3, 8, generator=g).to(DEVICE)
+    y, rstd = torch.ops.lightspeed.fused_rms_norm_forward(x, w, 1e-6)
+    checks = [(torch.ops.lightspeed.fused_rms_norm_forward, (x, w, 1e-6)),
+              (torch.ops.lightspeed.fused_rms_norm_backward, (torch.randn_like(y), x, w, rstd)),
+              (torch.ops.lightspeed.fused_swiglu_forward, (x, x.bfloat16())),
+              (torch.ops.lightspeed.fused_swiglu_backward, (x, x + 1, x - 1)),
+              (torch.ops.lightspeed.fused_rope, (q, cos, cos.sin(), 2, True))]
+    for op, args in checks:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

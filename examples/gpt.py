@@ -102,6 +102,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # lightspeed's `kernels.fused_linear_cross_entropy` sets this to its fused (hidden, weight, targets) -> loss:
+    # the loss from the final hidden states in chunks, the logits never materialised whole
+    lightspeed_fused_lm_loss = None
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -143,7 +147,10 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if targets is not None and self.lightspeed_fused_lm_loss is not None:
+            return self.lightspeed_fused_lm_loss(x, self.lm_head.weight, targets.reshape(-1))
+        logits = self.lm_head(x)
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))

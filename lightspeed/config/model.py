@@ -16,6 +16,7 @@ from pydantic import BeforeValidator, PrivateAttr
 from lightspeed.config.base import Bool, Choice, Flag, Float, FreeDict, PosInt, Section, as_int, expectation
 from lightspeed.config.comm import CommConfig
 from lightspeed.config.compiler import CompileConfig, Float8Config
+from lightspeed.config.kernels import KernelsConfig
 from lightspeed.config.efficiency import (
     CompressionTrainingConfig, CurriculumLearningConfig, DataEfficiencyConfig, EigenvalueConfig,
     ProgressiveLayerDropConfig, SparseAttentionConfig,
@@ -134,6 +135,7 @@ class LightspeedConfig(Section):
     # Compiler and float8 training (lightspeed's own section: DeepSpeed has none)
     compile: CompileConfig = CompileConfig()
     float8: Float8Config = Float8Config()
+    kernels: KernelsConfig = KernelsConfig()  # lightspeed's own: fused training kernels (config/kernels.py)
 
     # Sections kept as free dicts (large, fast-moving schemas nothing here consumes yet)
     nebula: FreeDict = {}

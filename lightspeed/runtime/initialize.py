@@ -2,7 +2,7 @@
 sequence-parallel ones when `sequence_parallel_size` > 1), the validated config, the precision policy,
 the model transforms (model_transforms.py: tensor and sequence parallelism, expert parallelism, activation
 checkpointing),
-float8 conversion, the module on its device and dtype, the optimizer, the sharding strategy, the loss
+float8 conversion, the fused kernels (kernel_patch.py, the ``kernels`` section), the module on its device and dtype, the optimizer, the sharding strategy, the loss
 scaler, the LR scheduler, the monitors and the flops profiler's schedule, and the data loader, and
 hands them to the engine."""
 
@@ -39,6 +39,7 @@ from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
 from lightspeed.runtime.pipe_engine import PipelineEngine, prepare_tied
 from lightspeed.runtime.errors import ArgumentAssertionError
+from lightspeed.runtime.kernel_patch import apply_kernels
 from lightspeed.runtime.model_transforms import apply_model_transforms
 from lightspeed.runtime.param_names import params_by_name, params_from_names
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
@@ -232,6 +233,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if named_parameters is not None:
         model_parameters = params_from_names(model, named_parameters)
     convert_to_float8(model, cfg.float8)  # after the split layers exist, before anything is placed or sharded
+    apply_kernels(model, cfg.kernels)  # fused kernels: classes swapped in place, before placing or sharding
     offload = OffloadPolicy.from_config(cfg, groups.local_rank)
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself

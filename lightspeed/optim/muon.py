@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightspeed.comm.collectives import Communicator
+from lightspeed.config.errors import ConfigError
 from lightspeed.ops.muon import NS_METHODS, NS_STEPS, orthogonalize
 
 __all__ = ["Muon", "MUON_DEFAULTS", "ADAM_DEFAULTS", "muon_param_groups", "tag_muon_params"]
@@ -69,7 +70,7 @@ def muon_param_groups(model_parameters, hyper: dict) -> list[dict]:
         groups.append({"params": loose})
     missing = [p for g in groups for p in g["params"] if not hasattr(p, "use_muon")]
     if missing:
-        raise ValueError(f"optimizer.type: Muon needs every parameter tagged with use_muon, and {len(missing)} are "
+        raise ConfigError(f"optimizer.type: Muon needs every parameter tagged with use_muon, and {len(missing)} are "
                          "not (initialize() tags the model's; set `param.use_muon = True / False` on others)")
     halves = []
     for use_muon, label, keys, override in ((True, "muon", _MUON_KEYS, "muon_lr"),

@@ -1,0 +1,146 @@
+"""Muon's pieces without the engine: the Newton-Schulz fast path against the reference (awkward shapes,
+both methods, tolerances by dtype), the Gram iteration equal to the standard one in fp64, DeepSpeed's
+numbers (compute dtypes, aspect-ratio scale, the inf/nan rule of muon_update), the optimizer's groups,
+defaults and config errors, and its step equal to DeepSpeed's formulas written out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightspeed.config.errors import ConfigError
+from lightspeed.ops.muon import (aspect_ratio_scale, muon_update, newton_schulz, newton_schulz_reference,
+                                 ns_compute_dtype)
+from lightspeed.optim.factory import build_optimizer
+from lightspeed.optim.muon import Muon, tag_muon_params
+
+SHAPES = [(7, 13), (13, 7), (16, 16), (1, 31), (40, 3), (3, 5, 9), (2, 9, 4)]
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 0.1, torch.float16: 0.02}
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_path_matches_reference(method, dtype):
+    gen = torch.Generator().manual_seed(0)
+    for shape in SHAPES:
+        g = torch.randn(shape, generator=gen) * 3
+        want = newton_schulz_reference(g, method=method, dtype=dtype)
+        got = newton_schulz(g, method=method, dtype=dtype, compile=False)
+        assert got.dtype == want.dtype == dtype and got.shape == g.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=0, msg=f"{shape} {method}")
+
+
+def test_gram_is_the_standard_iteration_and_orthogonalises():
+    gen = torch.Generator().manual_seed(1)
+    for shape in [(6, 20), (20, 6), (5, 5), (3, 4, 11)]:
+        g = torch.randn(shape, generator=gen, dtype=torch.float64)
+        gram = newton_schulz_reference(g, method="gram", dtype=torch.float64)
+        standard = newton_schulz_reference(g, method="standard", dtype=torch.float64)
+        torch.testing.assert_close(gram, standard, atol=1e-10, rtol=0)
+        # singular values pushed into DeepSpeed's band around 1 (the quintic does not converge to exactly 1)
+        s = torch.linalg.svdvals(gram)
+        assert s.min() > 0.5 and s.max() < 1.3, s
+
+
+def test_deepspeeds_numbers():
+    assert ns_compute_dtype("gram", "cuda") == torch.float16 and ns_compute_dtype("standard", "cuda") == torch.bfloat16
+    assert ns_compute_dtype("standard", "cpu") == torch.bfloat16
+    assert aspect_ratio_scale(12, 3) == 2.0 and aspect_ratio_scale(3, 12) == 1.0
+    # one step by hand: momentum, Nesterov blend, NS (the reference) and the scale of a tall matrix
+    gen = torch.Generator().manual_seed(2)
+    grad, buf = torch.randn(12, 3, generator=gen), torch.randn(12, 3, generator=gen)
+    m = buf.lerp(grad, 0.05)
+    want = newton_schulz_reference(grad.lerp(m, 0.95), method="gram") * 2.0
+    got = muon_update(grad.clone(), buf, beta=0.95, reference=True)
+    torch.testing.assert_close(buf, m)
+    torch.testing.assert_close(got, want)
+    # a non-finite gradient leaves the momentum and comes back as the update (the step is then skipped)
+    bad = grad.clone()
+    bad[0, 0] = float("inf")
+    kept = buf.clone()
+    assert not torch.isfinite(muon_update(bad, buf, reference=True)).all()
+    assert torch.equal(buf, kept)
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(10, 6), "fc": torch.nn.Linear(6, 8),
+                                 "conv": torch.nn.Conv2d(2, 3, 2), "lm_head": torch.nn.Linear(8, 10)})
+    tag_muon_params(model)
+    return model
+
+
+def test_groups_defaults_and_tags():
+    model = _model()
+    assert {n for n, p in model.named_parameters() if p.use_muon} == {"fc.weight", "conv.weight"}
+    opt = build_optimizer({"type": "muon", "params": {"lr": 0.1, "muon_lr": 0.05, "weight_decay": 0.01}},
+                          [{"params": list(model.parameters()), "weight_decay": 0.0}])
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    assert groups == [
+        {"use_muon": True, "name": "muon-params", "lr": 0.05, "momentum": 0.95, "weight_decay": 0.0,
+         "ns_method": "gram"},
+        {"use_muon": False, "name": "adam-params", "lr": 0.1, "betas": (0.9, 0.95), "eps": 1e-10,
+         "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"ns_method": "svd"}, "optimizer.params.ns_method"),
+    ({"per_head_muon": True}, "optimizer.params.per_head_muon"),
+    ({"momentum": 1.5}, "optimizer.params.momentum"),
+    ({"nesterov": False}, "optimizer.params.nesterov"),
+])
+def test_config_errors(params, match):
+    with pytest.raises(ConfigError, match=match):
+        build_optimizer({"type": "Muon", "params": params}, list(_model().parameters()))
+
+
+def test_untagged_parameters_and_offload_are_refused():
+    with pytest.raises(ConfigError, match="use_muon"):
+        build_optimizer({"type": "Muon"}, [torch.nn.Parameter(torch.zeros(3, 3))])
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        build_optimizer({"type": "Muon"}, list(_model().parameters()), cpu_offload=True)
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_step_is_deepspeeds(adam_w_mode):
+    """Two steps of Muon over whole parameters against DeepSpeed's formulas written out."""
+    model = _model()
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer({"type": "Muon", "params": {"lr": 0.05, "adam_lr": 0.01, "weight_decay": 0.1,
+                                                      "adam_w_mode": adam_w_mode}}, list(model.parameters()))
+    state: dict = {}
+    for step in range(1, 3):
+        gen = torch.Generator().manual_seed(step)
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()
+        for n, p in model.named_parameters():
+            g, st = grads[n], state.setdefault(n, {})
+            if p.use_muon:
+                buf = st.setdefault("m", torch.zeros_like(g))
+                buf.lerp_(g, 0.05)
+                u = g.lerp(buf, 0.95)
+                shape = u.shape
+                o = newton_schulz_reference(u.reshape(len(u), -1), method="gram")
+                o = o * aspect_ratio_scale(shape[-2], shape[-1])
+                ref[n] = ref[n] * (1 - 0.05 * 0.1) - 0.05 * o.reshape(shape)
+            else:
+                g = g if adam_w_mode else g + 0.1 * ref[n]
+                m1, m2 = st.setdefault("m1", torch.zeros_like(g)), st.setdefault("m2", torch.zeros_like(g))
+                m1.lerp_(g, 0.1)
+                m2.lerp_(g * g, 0.05)
+                upd = (m1 / (1 - 0.9 ** step)) / ((m2 / (1 - 0.95 ** step)).sqrt() + 1e-10)
+                decay = 1 - 0.01 * 0.1 if adam_w_mode else 1.0
+                ref[n] = ref[n] * decay - 0.01 * upd
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref[n], atol=1e-5, rtol=0, msg=n)
+    assert math.isclose(opt.state[model["fc"].weight]["momentum_buffer"].norm().item(),
+                        state["fc.weight"]["m"].norm().item(), rel_tol=1e-6)
+
+
+def test_direct_use_needs_use_muon_groups():
+    with pytest.raises(ValueError, match="use_muon"):
+        Muon([{"params": [torch.nn.Parameter(torch.zeros(2, 2))]}])

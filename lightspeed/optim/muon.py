@@ -23,11 +23,17 @@ every rank (stage 0) nothing is gathered and each result goes to the other ranks
 moves. Each piece must be held by exactly one rank, or the whole matrix by every rank (else an error
 at `attach`). Unattached (plain PyTorch use) each tensor is a whole parameter.
 
+Note [clipping]: as DeepSpeed. At ZeRO 0 (its engine's and its BF16_Optimizer's step) the gradients
+are clipped, then Muon runs on them. At ZeRO 1-3 Muon runs first, between the overflow check and the
+norm (`before_norm`, called by the shared step: `attach(..., update_before_clip=True)`): the global
+norm is taken over the orthogonalised updates of the Muon matrices and the gradients of the Adam
+ones, and `gradient_clipping` scales both.
+
 Note [differences from DeepSpeed]: DeepSpeed keeps a matrix's momentum when its gradient holds
 inf/nan; here the loss-scaled step is skipped before the optimizer runs (as for Adam), and without
-loss scaling a non-finite gradient reaches the momentum. DeepSpeed's ZeRO 1/2 orthogonalise before
-`gradient_clipping` and clip the update; here (as DeepSpeed's stage 0) the gradients are clipped and
-Muon then runs on them. `per_head_muon` and expert (MoE) parameters are not built.
+loss scaling a non-finite gradient reaches the momentum. Under fp16 the momentum takes the unscaled
+gradient (DeepSpeed's ZeRO 1-3 fold the loss-scaled one in, which differs once the scale changes).
+`per_head_muon` and expert (MoE) parameters are not built.
 """
 
 from __future__ import annotations
@@ -130,12 +136,32 @@ class Muon(torch.optim.Optimizer):
         self.reference = reference
         self.ns_steps = ns_steps
         self._plan: _Plan | None = None
+        self._update_before_clip = False
+        self._updates_in_grads = False
 
     # ------------------------------------------------------------------------------------------
-    def attach(self, fragments, comm: Communicator) -> None:
+    def attach(self, fragments, comm: Communicator, update_before_clip: bool = False) -> None:
         """Step the pieces `fragments` describe (objects with name, shape, start, end, owner, offset:
-        lightspeed.zero.fragments.Fragment) over `comm`'s ranks (see Note [whole matrices])."""
+        lightspeed.zero.fragments.Fragment) over `comm`'s ranks (see Note [whole matrices]).
+        `update_before_clip`: orthogonalise in `before_norm` (see Note [clipping])."""
         self._plan = _Plan.build(self, fragments, comm)
+        self._update_before_clip = update_before_clip
+
+    @torch.no_grad()
+    def before_norm(self, grads: dict, loss_scale: float | None) -> None:
+        """The shared step's hook between the overflow check and the norm (zero/sharded_step.py): with
+        `update_before_clip`, each Muon tensor's gradient in `grads` (tensor -> gradient, still carrying
+        `loss_scale`) becomes its orthogonalised update times `loss_scale`."""
+        if not self._update_before_clip:
+            return
+        scale = loss_scale or 1.0
+        muon = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
+        unscaled = {id(p): grads[p] / scale if scale != 1.0 else grads[p] for p in muon if p in grads}
+        updates = self._plan.orthogonalize(self._blends(unscaled))
+        for p in muon:
+            if p in grads:
+                grads[p].copy_(updates[id(p)].view(grads[p].shape).mul_(scale))
+        self._updates_in_grads = True
 
     def _own_plan(self) -> "_Plan":
         if self._plan is None:  # plain use: every tensor a whole parameter, on this rank alone
@@ -157,22 +183,33 @@ class Muon(torch.optim.Optimizer):
                 self._adam_group(group)
         return loss
 
-    def _muon_step(self) -> None:
-        plan = self._own_plan()
+    def _blends(self, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Advance each Muon tensor's momentum by its gradient (`grads`: id -> gradient; zeros where
+        absent) and return the Nesterov blends."""
         blends: dict[int, torch.Tensor] = {}
         for group in self.param_groups:
             if not group["use_muon"]:
                 continue
             beta = group["momentum"]
             for p in group["params"]:
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 momentum = state["momentum_buffer"]
-                momentum.lerp_(grad.to(momentum.dtype), 1 - beta)
-                blends[id(p)] = grad.to(momentum.dtype).lerp(momentum, beta)
-        updates = plan.orthogonalize(blends)
+                grad = grads.get(id(p))
+                grad = torch.zeros_like(momentum) if grad is None else grad.to(momentum.dtype)
+                momentum.lerp_(grad, 1 - beta)
+                blends[id(p)] = grad.lerp(momentum, beta)
+        return blends
+
+    def _muon_step(self) -> None:
+        if self._updates_in_grads:  # before_norm left the (clipped) updates in the gradients
+            self._updates_in_grads = False
+            updates = {id(p): p.grad for g in self.param_groups if g["use_muon"] for p in g["params"]}
+        else:
+            grads = {id(p): p.grad for g in self.param_groups if g["use_muon"] for p in g["params"]
+                     if p.grad is not None}
+            updates = self._own_plan().orthogonalize(self._blends(grads))
         for group in self.param_groups:
             if not group["use_muon"]:
                 continue

@@ -257,7 +257,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if optimizer is not None:
         strategy.use_placements(placements, topology)  # the gradient norm over the mesh (zero/norm.py)
     if isinstance(optimizer, Muon):  # whole matrices from the pieces the strategy holds (optim/muon.py)
-        optimizer.attach(strategy.fragments(), comm)
+        optimizer.attach(strategy.fragments(), comm, update_before_clip=cfg.zero_optimization.stage > 0)
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)

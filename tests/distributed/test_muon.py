@@ -92,8 +92,10 @@ def _worker(save_dir: str):
     return out
 
 
-def _reference(steps: int) -> dict:
-    """DeepSpeed's MuonWithAuxAdam step over whole parameters, written out with the reference iteration."""
+def _reference(zero_steps: list[bool]) -> dict:
+    """DeepSpeed's MuonWithAuxAdam step over whole parameters, written out with the reference iteration:
+    at ZeRO 0 the gradients are clipped, then Muon runs; at ZeRO 1-3 (`zero`) Muon runs first and the
+    norm and clip take its updates in place of the Muon matrices' gradients. One flag per step."""
     from lightspeed.ops.muon import muon_update
 
     model = _Net()
@@ -101,20 +103,25 @@ def _reference(steps: int) -> dict:
     p_ = OPT["params"]
     state: dict = {}
     x, y = _data()
-    for s in range(steps):
+    for s, zero in enumerate(zero_steps):
         model.zero_grad()
         for a in range(GAS):
             base = s * BATCH + a * (BATCH // GAS)
             (model(x[base:base + BATCH // GAS], y[base:base + BATCH // GAS]) / GAS).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         with torch.no_grad():
+            if not zero:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            for n, p in model.named_parameters():
+                if n in muon:
+                    buf = state.setdefault(n, {}).setdefault("m", torch.zeros_like(p))
+                    p.grad = muon_update(p.grad.clone(), buf, beta=p_["momentum"], reference=True).reshape(p.shape)
+            if zero:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             for n, p in model.named_parameters():
                 st = state.setdefault(n, {})
                 if n in muon:
-                    buf = st.setdefault("m", torch.zeros_like(p))
-                    update = muon_update(p.grad.clone(), buf, beta=p_["momentum"], reference=True)
                     p.mul_(1 - p_["lr"] * p_["weight_decay"])
-                    p.add_(update.reshape(p.shape), alpha=-p_["lr"])
+                    p.add_(p.grad, alpha=-p_["lr"])
                 else:
                     (b1, b2), lr = p_["betas"], p_["adam_lr"]
                     m1, m2 = st.setdefault("m1", torch.zeros_like(p)), st.setdefault("m2", torch.zeros_like(p))
@@ -133,9 +140,12 @@ def _close(got: dict, want: dict, what: str):
 
 
 def test_muon_zero_stages_worlds_and_resume(tmp_path):
-    want, want_more = _reference(STEPS), _reference(STEPS + 1)
+    want = {zero: _reference([zero] * STEPS) for zero in (False, True)}
     start = _Net().state_dict()
-    assert all(not torch.allclose(want[k], start[k], atol=1e-4) for k in want)  # every parameter moved
+    assert all(not torch.allclose(want[True][k], start[k], atol=1e-4) for k in start)  # every parameter moved
+    assert not torch.allclose(want[True]["fc1.weight"], want[False]["fc1.weight"], atol=1e-4)  # the clip matters
+    # the checkpoint is saved at ZeRO 2 after STEPS steps; the step after it runs at the resuming stage
+    more = {stage: _reference([True] * STEPS + [stage > 0]) for stage in (0, 3)}
     save_dir = str(tmp_path)
     for world in (2, 1, 4):  # world 2 saves the checkpoint the others resume
         results = run_world(_worker, world, save_dir)
@@ -143,6 +153,6 @@ def test_muon_zero_stages_worlds_and_resume(tmp_path):
             loaded = [v for k, v in out.items() if isinstance(k, str) and k.startswith("loaded")]
             assert all(flags and all(flags) for flags in loaded), loaded  # the momentum and moments came back
             for stage in (0, 1, 2, 3):
-                _close(out[stage], want, f"world {world} rank {rank} stage {stage}")
+                _close(out[stage], want[stage > 0], f"world {world} rank {rank} stage {stage}")
             for key in [k for k in out if isinstance(k, str) and k.startswith("resumed")]:
-                _close(out[key], want_more, f"world {world} rank {rank} {key}")
+                _close(out[key], more[int(key[-1])], f"world {world} rank {rank} {key}")

@@ -7,9 +7,11 @@ Two tables:
 1. Newton-Schulz alone on the model's distinct matrix shapes (lightspeed.ops.muon): DeepSpeed's
    op-for-op iteration (the reference), the fused fast path eagerly and torch.compile'd, per method;
    ms for one iteration of every hidden matrix of the model, and the ratio to the reference.
-2. The engine step (`engine.step()` after a backward, synchronised around it; reduction, norm, clip,
-   optimizer, parameter write-back): lightspeed AdamW (FusedAdam) and lightspeed Muon (gram / standard),
-   DeepSpeed Muon; ms per step and the ratio to lightspeed AdamW. Each in a fresh process.
+2. The engine step (`engine.step()` after a backward, synchronised around it: norm, clip, optimizer,
+   parameter write-back) and the whole iteration (forward + backward + step): lightspeed AdamW
+   (FusedAdam) and lightspeed Muon (gram / standard), DeepSpeed Muon; ms and the ratio to lightspeed
+   AdamW. Each in a fresh process. DeepSpeed's ZeRO-1/2 orthogonalise at the end of backward (its
+   gradient partitioning), so its "step" column leaves Muon out: compare iterations.
 
 The GPT's token and position embeddings sit under a module named `embed`, so DeepSpeed's rule (which
 both engines apply at initialize) sends them, the tied head, biases and norms to Adam, and the 4 x
@@ -131,8 +133,10 @@ def run_one(args, system: str, optimizer: str, ns_method: str) -> dict:
                             config=ds_config(optimizer, ns_method, args.micro, device.type == "cuda"))
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, cfg.vocab_size, (args.micro, args.seq + 1), generator=g).to(device)
-    times, losses = [], []
+    times, iters, losses = [], [], []
     for i in range(args.warmup + args.steps):
+        sync(device)
+        start = time.perf_counter()
         loss = engine(batch[:, :-1], batch[:, 1:])
         engine.backward(loss)
         sync(device)
@@ -141,11 +145,12 @@ def run_one(args, system: str, optimizer: str, ns_method: str) -> dict:
         sync(device)
         if i >= args.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
+            iters.append((time.perf_counter() - start) * 1e3)
         losses.append(float(loss))
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     muon = sum(p.numel() for p in model.parameters() if getattr(p, "use_muon", False))
     dist.destroy_process_group()
-    return {"ms": statistics.median(times), "peak_gib": peak, "loss": f"{losses[0]:.3f} -> {losses[-1]:.3f}",
+    return {"ms": statistics.median(times), "iter_ms": statistics.median(iters), "peak_gib": peak, "loss": f"{losses[0]:.3f} -> {losses[-1]:.3f}",
             "muon_params": muon}
 
 
@@ -178,7 +183,7 @@ def main() -> None:
     hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\n== optimizer step, {args.size}, ZeRO-1, world 1, micro {args.micro} x seq {args.seq}, {hw}, "
           f"torch {torch.__version__}, each run in a fresh process")
-    print(f"{'run':<34}{'step ms':>10}{'vs AdamW':>10}{'peak GiB':>10}  note")
+    print(f"{'run':<30}{'step ms':>9}{'vs AdamW':>10}{'iter ms':>9}{'vs AdamW':>10}{'peak GiB':>10}  note")
     base = None
     passthrough = [a for a in sys.argv[1:] if a != "--deepspeed"]
     for i, (system, optimizer, ns) in enumerate(runs):
@@ -190,12 +195,13 @@ def main() -> None:
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            print(f"{name:<34}{'failed':>10}  {tail[:160]}", flush=True)
+            print(f"{name:<30}{'failed':>9}  {tail[:160]}", flush=True)
             continue
         r = json.loads(line[len("RESULT "):])
-        base = base or r["ms"]
+        base = base or r
         note = f"loss {r['loss']}" + (f", {r['muon_params'] / 1e6:.0f}M params on Muon" if optimizer == "muon" else "")
-        print(f"{name:<34}{r['ms']:>10.2f}{r['ms'] / base:>10.2f}{r['peak_gib']:>10.2f}  {note}", flush=True)
+        print(f"{name:<30}{r['ms']:>9.2f}{r['ms'] / base['ms']:>10.2f}{r['iter_ms']:>9.2f}"
+              f"{r['iter_ms'] / base['iter_ms']:>10.2f}{r['peak_gib']:>10.2f}  {note}", flush=True)
 
 
 if __name__ == "__main__":

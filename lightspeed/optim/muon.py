@@ -157,10 +157,9 @@ class Muon(torch.optim.Optimizer):
         scale = loss_scale or 1.0
         muon = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
         unscaled = {id(p): grads[p] / scale if scale != 1.0 else grads[p] for p in muon if p in grads}
-        updates = self._plan.orthogonalize(self._blends(unscaled))
-        for p in muon:
-            if p in grads:
-                grads[p].copy_(updates[id(p)].view(grads[p].shape).mul_(scale))
+        self._plan.orthogonalize(self._blends(unscaled), out={id(p): grads[p] for p in muon if p in grads})
+        if scale != 1.0:
+            torch._foreach_mul_([grads[p] for p in muon if p in grads], scale)
         self._updates_in_grads = True
 
     def _own_plan(self) -> "_Plan":
@@ -330,13 +329,16 @@ class _Plan:
         owners = list({id(f.owner): f.owner for f in mine}.values())
         return cls(optimizer, comm, matrices, owners)
 
-    def orthogonalize(self, blends: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The orthogonalised update of every owner tensor, from the Nesterov blends (same layout)."""
+    def orthogonalize(self, blends: dict[int, torch.Tensor], out: dict[int, torch.Tensor] | None = None
+                      ) -> dict[int, torch.Tensor]:
+        """The orthogonalised update of every owner tensor, from the Nesterov blends (same layout), written
+        into `out` (id -> tensor of the owner's layout, not aliasing the blends) or new zeroed tensors."""
         rank, world = self.comm.rank, self.comm.world_size
         opt = self.opt
         any_tensor = next(p for g in opt.param_groups for p in g["params"])
         some = next(iter(blends.values()), torch.empty(0, device=any_tensor.device))  # dtype and device
-        out = {id(o): torch.zeros_like(blends[id(o)]) for o in self.owners}
+        if out is None:
+            out = {id(o): torch.zeros_like(blends[id(o)]) for o in self.owners}
         received = {}
         if world > 1 and self.chunk:
             send = torch.zeros(world * self.chunk, dtype=some.dtype, device=some.device)
@@ -369,16 +371,16 @@ class _Plan:
                         whole[start:end] = received[(m.name, start)]
             group = opt.param_groups[m.group]
             u = orthogonalize(whole.view(m.shape), opt.ns_steps, group["ns_method"], reference=opt.reference)
-            u = u.reshape(-1).to(some.dtype)
+            u = u.reshape(-1)
             results[m.name] = u
             for start, end, owner, offset in m.local:
-                out[id(owner)].view(-1)[offset:offset + end - start] = u[start:end]
+                out[id(owner)].view(-1)[offset:offset + end - start].copy_(u[start:end])
         if world > 1 and self.back_chunk:
             send = torch.zeros(world * self.back_chunk, dtype=some.dtype, device=some.device)
             for dst, items in enumerate(self.back_send):
                 pos = dst * self.back_chunk
                 for m, start, end in items:
-                    send[pos:pos + end - start] = results[m.name][start:end]
+                    send[pos:pos + end - start].copy_(results[m.name][start:end])
                     pos += end - start
             recv = torch.empty_like(send)
             self.comm.all_to_all(recv, send)

@@ -87,6 +87,9 @@ def _worker(save_dir: str):
             moments = [opt.state[p]["momentum_buffer" if g["use_muon"] else "exp_avg"]
                        for g in opt.param_groups for p in g["params"]]
             out[f"loaded{stage}"] = [bool(m.abs().sum() > 0) for m in moments]
+            # and nothing else: no momentum on Adam's tensors, no moments on Muon's
+            out[f"loaded{stage}"].append(all(("momentum_buffer" in opt.state[p]) != ("exp_avg" in opt.state[p])
+                                              for g in opt.param_groups for p in g["params"]))
             _train(engine, STEPS, 1)
             out[f"resumed{stage}"] = _params(engine)
     return out

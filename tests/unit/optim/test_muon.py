@@ -144,3 +144,16 @@ def test_step_is_deepspeeds(adam_w_mode):
 def test_direct_use_needs_use_muon_groups():
     with pytest.raises(ValueError, match="use_muon"):
         Muon([{"params": [torch.nn.Parameter(torch.zeros(2, 2))]}])
+
+
+def test_fast_path_traces_whole_for_torch_compile():
+    """The CUDA path compiles `_ns_fast`; it must trace without graph breaks (checked here without a
+    compiler backend's code generation)."""
+    from lightspeed.ops.muon.newton_schulz import _ns_fast
+
+    torch._dynamo.reset()
+    traced = torch.compile(_ns_fast, dynamic=False, backend="aot_eager", fullgraph=True)
+    g = torch.randn(6, 15, generator=torch.Generator().manual_seed(3))
+    for method in ("gram", "standard"):
+        torch.testing.assert_close(traced(g, 5, method, torch.float32),
+                                   newton_schulz_reference(g, method=method, dtype=torch.float32), atol=1e-5, rtol=0)

@@ -27,6 +27,10 @@ Note [one-bit optimizers]: OneBitAdam, ZeroOneAdam and OneBitLamb (lightspeed.op
 DeepSpeed's params and a compressed all-reduce built here over the data-parallel communicator
 `comm` (required for them); see lightspeed.optim.onebit for their semantics and backend keys.
 
+Note [mup]: MuAdam, MuAdamW and MuSGD are mup's (the `mup` package, imported when named): its function
+over the param groups with the remaining params, as DeepSpeed calls it; without mup installed they are
+a ConfigError naming the package.
+
 Note [Muon]: "Muon" builds lightspeed.optim.muon.Muon (DeepSpeed's MuonWithAuxAdam): parameters tagged
 `use_muon` (initialize() tags hidden matrices, optim/muon.py `tag_muon_params`) take Muon with `lr` /
 `muon_lr`, `momentum`, `weight_decay`, `ns_method`; the others AdamW with `lr` / `adam_lr`, `betas`,
@@ -64,12 +68,8 @@ logger = get_logger(__name__)
 __all__ = ["build_optimizer", "make_optimizer"]
 
 _ONEBIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
-_NOT_IMPLEMENTED = {
-    "muadam": "MuAdam",
-    "muadamw": "MuAdamW",
-    "musgd": "MuSGD",
-}
-_DISPLAY_NAMES = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "Muon", *_ONEBIT.values(), *_NOT_IMPLEMENTED.values()]
+_MUP = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+_DISPLAY_NAMES = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "Muon", *_ONEBIT.values(), *_MUP.values()]
 
 
 def _check_betas(value):
@@ -258,6 +258,19 @@ def _muon(param_groups: list, params: dict, cpu: bool = False) -> Muon:
     return Muon(muon_param_groups(param_groups, hyper), adam_w_mode=adam_w_mode)
 
 
+def _mup(display: str, param_groups: list, params: dict):
+    """mup's MuAdam / MuAdamW / MuSGD (the `mup` package): a torch.optim optimizer whose groups mup
+    rescales by each parameter's width multiplier (the model's `set_base_shapes`)."""
+    try:
+        import mup
+    except ImportError:
+        raise ConfigError(f"optimizer.type: {display} is mup's optimizer and needs the `mup` package, which is not "
+                          "installed (pip install mup)") from None
+    common = {k: v for k, v in params.items() if k in _TorchCommonParams.model_fields}
+    params = {**params, **_validate(_TorchCommonParams, common, only_set=True)}
+    return getattr(mup, display)(param_groups, **params)
+
+
 def _torch_optimizer(cls: type, param_groups: list, params: dict):
     problems = kwargs_problems(cls, params, "optimizer.params", skip=("params",))
     common = {k: v for k, v in params.items() if k in _TorchCommonParams.model_fields}
@@ -304,8 +317,8 @@ def build_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: b
     the data-parallel communicator, needed by the one-bit optimizers only; `cpu_offload` builds the CPU
     kernels (see Note [optimizer offload]).
 
-    Bad types and params raise ConfigError naming `optimizer.type` / `optimizer.params.<key>`;
-    MuAdam/MuAdamW/MuSGD raise NotImplementedError.
+    Bad types and params raise ConfigError naming `optimizer.type` / `optimizer.params.<key>`, as do
+    MuAdam/MuAdamW/MuSGD without the `mup` package.
     """
     optimizer = make_optimizer(optimizer_config, model_parameters, cpu_offload, comm)
     logger.info(f"optimizer: {read_section(optimizer_config, 'optimizer')[0]} -> "
@@ -326,8 +339,6 @@ def make_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: bo
             "use the top-level gradient_clipping"
         )
     name = type_name.lower()
-    if name in _NOT_IMPLEMENTED:
-        raise NotImplementedError(f"optimizer.type: {_NOT_IMPLEMENTED[name]} is not implemented in lightspeed yet")
     try:
         return _onebit(name, param_groups, params, comm) if name in _ONEBIT else _build(
             name, type_name, param_groups, params, cpu_offload)
@@ -361,4 +372,6 @@ def _build(name: str, type_name: str, param_groups: list, params: dict, cpu: boo
         return _adagrad(param_groups, params, cpu)
     if name == "muon":
         return _muon(param_groups, params, cpu)
+    if name in _MUP:
+        return _mup(_MUP[name], param_groups, params)
     return _torch_optimizer(_torch_class(type_name), param_groups, params)

@@ -157,3 +157,24 @@ def test_fast_path_traces_whole_for_torch_compile():
     for method in ("gram", "standard"):
         torch.testing.assert_close(traced(g, 5, method, torch.float32),
                                    newton_schulz_reference(g, method=method, dtype=torch.float32), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["MuAdam", "MuAdamW", "musgd"])
+def test_mup_optimizers(name, monkeypatch):
+    """mup's optimizers are mup's functions over the groups and params; without mup, an error naming it."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "mup", None)  # not importable
+    with pytest.raises(ConfigError, match=r"optimizer.type: Mu.* needs the `mup` package"):
+        build_optimizer({"type": name, "params": {"lr": 0.1}}, list(_model().parameters()))
+    calls = []
+    fake = types.ModuleType("mup")
+    for cls_name, base in (("MuAdam", torch.optim.Adam), ("MuAdamW", torch.optim.AdamW), ("MuSGD", torch.optim.SGD)):
+        setattr(fake, cls_name, lambda groups, _b=base, _n=cls_name, **kw: calls.append(_n) or _b(groups, **kw))
+    monkeypatch.setitem(sys.modules, "mup", fake)
+    opt = build_optimizer({"type": name, "params": {"lr": 0.1, "weight_decay": 0.01}}, list(_model().parameters()))
+    assert calls == [{"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}[name.lower()]]
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["weight_decay"] == 0.01
+    with pytest.raises(ConfigError, match="optimizer.params.lr"):
+        build_optimizer({"type": name, "params": {"lr": -1}}, list(_model().parameters()))

@@ -16,7 +16,8 @@ the shards like Adam's (each rank its own elements), and only the orthogonalisat
 
 Note [whole matrices]: `attach(fragments, comm)` tells the optimizer which pieces of which parameter
 each of its tensors holds, on every rank of `comm` (an all_gather_object of the tables, once). Every
-matrix gets one rank (greedy by Newton-Schulz cost, ties to the rank holding most of it): that rank
+matrix gets one rank (greedy by Newton-Schulz cost, largest first, a rank's load counted lower by the
+share of the matrix it holds, so that matrices mostly stay where they are): that rank
 receives the other ranks' pieces of the blend (one all_to_all), iterates, and sends each holder its
 piece of the result (a second all_to_all). No rank gathers every matrix; with every matrix whole on
 every rank (stage 0) nothing is gathered and each result goes to the other ranks; at one rank nothing
@@ -324,8 +325,10 @@ class _Plan:
             held = [0] * comm.world_size
             for r, s, e in m.pieces:
                 held[r] += e - s
-            m.ns_rank = min(range(comm.world_size), key=lambda r: (load[r], -held[r], r))
-            load[m.ns_rank] += m.numel * min(m.shape[-2:])
+            cost = m.numel * min(m.shape[-2:])
+            # the least loaded rank, a rank's load counted lower by the part of the matrix it holds already
+            m.ns_rank = min(range(comm.world_size), key=lambda r: (load[r] + cost * (1 - held[r] / m.numel), r))
+            load[m.ns_rank] += cost
         owners = list({id(f.owner): f.owner for f in mine}.values())
         return cls(optimizer, comm, matrices, owners)
 
@@ -406,7 +409,8 @@ def _check_tiling(m: _Matrix, world: int) -> None:
     for s, e in spans:
         if s != pos:
             raise ValueError(f"Muon: the pieces of {m.name} over the data-parallel ranks neither tile it nor are "
-                             f"each whole (elements {pos}..{s}); Muon steps ZeRO 0-3 over one data-parallel group")
+                             f"each whole (elements {pos}..{s}); Muon steps ZeRO 0-3 over one data-parallel group "
+                             "(expert-parallel parameters are not built for it)")
         pos = e
     if pos != m.numel:
         raise ValueError(f"Muon: the pieces of {m.name} cover {pos} of its {m.numel} elements")

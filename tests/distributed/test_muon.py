@@ -76,7 +76,9 @@ def _worker(save_dir: str):
     for stage in (0, 1, 2, 3):
         engine, *_ = lightspeed.initialize(model=_Net(), config=_config(stage))
         _train(engine, 0, STEPS)
-        out[stage] = _params(engine)
+        out[f"z{stage}"] = _params(engine)
+        plan = engine.optimizer._plan  # which matrices this rank orthogonalises
+        out[f"ns{stage}"] = sorted(m.name for m in plan.matrices if m.ns_rank == dist.get_rank())
         if world == 2 and stage == 2:
             engine.save_checkpoint(save_dir, tag="mid")
     if world > 2 or world == 1:
@@ -152,10 +154,13 @@ def test_muon_zero_stages_worlds_and_resume(tmp_path):
     save_dir = str(tmp_path)
     for world in (2, 1, 4):  # world 2 saves the checkpoint the others resume
         results = run_world(_worker, world, save_dir)
+        for stage in (0, 1, 2, 3):  # each matrix orthogonalised on exactly one rank
+            owned = [name for out in results for name in out[f"ns{stage}"]]
+            assert sorted(owned) == ["fc1.weight", "fc2.weight", "fc3.weight"], (world, stage, owned)
         for rank, out in enumerate(results):
-            loaded = [v for k, v in out.items() if isinstance(k, str) and k.startswith("loaded")]
+            loaded = [v for k, v in out.items() if k.startswith("loaded")]
             assert all(flags and all(flags) for flags in loaded), loaded  # the momentum and moments came back
             for stage in (0, 1, 2, 3):
-                _close(out[stage], want[stage > 0], f"world {world} rank {rank} stage {stage}")
-            for key in [k for k in out if isinstance(k, str) and k.startswith("resumed")]:
+                _close(out[f"z{stage}"], want[stage > 0], f"world {world} rank {rank} stage {stage}")
+            for key in [k for k in out if k.startswith("resumed")]:
                 _close(out[key], more[int(key[-1])], f"world {world} rank {rank} {key}")

@@ -156,11 +156,15 @@ class Muon(torch.optim.Optimizer):
         if not self._update_before_clip:
             return
         scale = loss_scale or 1.0
-        muon = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
-        unscaled = {id(p): grads[p] / scale if scale != 1.0 else grads[p] for p in muon if p in grads}
-        self._plan.orthogonalize(self._blends(unscaled), out={id(p): grads[p] for p in muon if p in grads})
+        mine = [grads[p] for g in self.param_groups if g["use_muon"] for p in g["params"] if p in grads]
         if scale != 1.0:
-            torch._foreach_mul_([grads[p] for p in muon if p in grads], scale)
+            torch._foreach_div_(mine, scale)
+        # in place: the blend, then the update, take the gradient's memory (no shard-sized temporaries)
+        blends = self._blends({id(p): grads[p] for g in self.param_groups if g["use_muon"] for p in g["params"]
+                               if p in grads}, in_place=True)
+        self._plan.orthogonalize(blends, out=blends)
+        if scale != 1.0:
+            torch._foreach_mul_(mine, scale)
         self._updates_in_grads = True
 
     def _own_plan(self) -> "_Plan":
@@ -183,9 +187,9 @@ class Muon(torch.optim.Optimizer):
                 self._adam_group(group)
         return loss
 
-    def _blends(self, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def _blends(self, grads: dict[int, torch.Tensor], in_place: bool = False) -> dict[int, torch.Tensor]:
         """Advance each Muon tensor's momentum by its gradient (`grads`: id -> gradient; zeros where
-        absent) and return the Nesterov blends."""
+        absent) and return the Nesterov blends (written into the gradients with `in_place`)."""
         blends: dict[int, torch.Tensor] = {}
         for group in self.param_groups:
             if not group["use_muon"]:
@@ -199,7 +203,7 @@ class Muon(torch.optim.Optimizer):
                 grad = grads.get(id(p))
                 grad = torch.zeros_like(momentum) if grad is None else grad.to(momentum.dtype)
                 momentum.lerp_(grad, 1 - beta)
-                blends[id(p)] = grad.lerp(momentum, beta)
+                blends[id(p)] = grad.lerp_(momentum, beta) if in_place else grad.lerp(momentum, beta)
         return blends
 
     def _muon_step(self) -> None:
@@ -335,7 +339,8 @@ class _Plan:
     def orthogonalize(self, blends: dict[int, torch.Tensor], out: dict[int, torch.Tensor] | None = None
                       ) -> dict[int, torch.Tensor]:
         """The orthogonalised update of every owner tensor, from the Nesterov blends (same layout), written
-        into `out` (id -> tensor of the owner's layout, not aliasing the blends) or new zeroed tensors."""
+        into `out` (id -> tensor of the owner's layout; may be the blends themselves: each matrix's elements
+        are read, sent or copied before its result is written) or new zeroed tensors."""
         rank, world = self.comm.rank, self.comm.world_size
         opt = self.opt
         any_tensor = next(p for g in opt.param_groups for p in g["params"])

@@ -24,8 +24,9 @@ every rank (stage 0) nothing is gathered and each result goes to the other ranks
 moves. Each piece must be held by exactly one rank, or the whole matrix by every rank (else an error
 at `attach`). Unattached (plain PyTorch use) each tensor is a whole parameter.
 
-Note [clipping]: as DeepSpeed. At ZeRO 0 (its engine's and its BF16_Optimizer's step) the gradients
-are clipped, then Muon runs on them. At ZeRO 1-3 Muon runs first, between the overflow check and the
+Note [clipping]: as DeepSpeed. At ZeRO 0, and at ZeRO 1 with bf16 parameters accumulating gradients in
+fp32 (DeepSpeed's BF16_Optimizer), the gradients are clipped, then Muon runs on them. Otherwise at
+ZeRO 1-3 Muon runs first, between the overflow check and the
 norm (`before_norm`, called by the shared step: `attach(..., update_before_clip=True)`): the global
 norm is taken over the orthogonalised updates of the Muon matrices and the gradients of the Adam
 ones, and `gradient_clipping` scales both.
@@ -47,7 +48,8 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.config.errors import ConfigError
 from lightspeed.ops.muon import NS_METHODS, NS_STEPS, orthogonalize
 
-__all__ = ["Muon", "MUON_DEFAULTS", "ADAM_DEFAULTS", "muon_param_groups", "tag_muon_params"]
+__all__ = ["Muon", "MUON_DEFAULTS", "ADAM_DEFAULTS", "muon_param_groups", "muon_updates_before_clip",
+           "tag_muon_params"]
 
 MUON_DEFAULTS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram"}
 ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
@@ -55,6 +57,16 @@ ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay":
 
 _MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def muon_updates_before_clip(cfg, policy) -> bool:
+    """DeepSpeed's order for this config (Note [clipping]): the ZeRO optimizers of stages 1-3 orthogonalise
+    before the norm; its engine (stage 0) and its BF16_Optimizer (stage 1 with bf16 parameters and
+    `data_types.grad_accum_dtype` fp32, which DeepSpeed routes there) clip first."""
+    stage = cfg.zero_optimization.stage
+    bf16_optimizer = (stage == 1 and policy.param_dtype == torch.bfloat16
+                      and policy.grad_accum_dtype == torch.float32)
+    return stage > 0 and not bf16_optimizer
 
 
 def tag_muon_params(module: torch.nn.Module) -> None:

@@ -27,7 +27,7 @@ from lightspeed.ops.adagrad import CPUAdagrad
 from lightspeed.ops.adam import CPUAdam
 from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
-from lightspeed.optim.muon import Muon, tag_muon_params
+from lightspeed.optim.muon import Muon, muon_updates_before_clip, tag_muon_params
 from lightspeed.optim.validation import validate_training_config
 from lightspeed.parallel.experts import expert_parallel_size
 from lightspeed.parallel.experts.autoep import autoep_mesh_size
@@ -257,7 +257,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if optimizer is not None:
         strategy.use_placements(placements, topology)  # the gradient norm over the mesh (zero/norm.py)
     if isinstance(optimizer, Muon):  # whole matrices from the pieces the strategy holds (optim/muon.py)
-        optimizer.attach(strategy.fragments(), comm, update_before_clip=cfg.zero_optimization.stage > 0)
+        optimizer.attach(strategy.fragments(), comm, update_before_clip=muon_updates_before_clip(cfg, policy))
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)

@@ -178,3 +178,28 @@ def test_mup_optimizers(name, monkeypatch):
     assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["weight_decay"] == 0.01
     with pytest.raises(ConfigError, match="optimizer.params.lr"):
         build_optimizer({"type": name, "params": {"lr": -1}}, list(_model().parameters()))
+
+
+def test_deepspeed_names():
+    """DeepSpeed's Muon modules (lightspeed.compat's `deepspeed.runtime.zero.muon`) step as lightspeed's Muon."""
+    from lightspeed.compat.deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+
+    gen = torch.Generator().manual_seed(4)
+    g = torch.randn(9, 4, generator=gen)
+    torch.testing.assert_close(original_muon.zeropower_via_gram_newtonschulz(g, 5),
+                               newton_schulz_reference(g, method="gram"), atol=1e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match="per_head_muon"):
+        original_muon.muon_update(g, torch.zeros_like(g), num_heads=3)
+    a, b = _model(), _model()
+    ours = build_optimizer({"type": "Muon", "params": {"lr": 0.02}}, list(a.parameters()))
+    groups = [{"params": [p for p in b.parameters() if p.use_muon], "use_muon": True, "lr": 0.02},
+              {"params": [p for p in b.parameters() if not p.use_muon], "use_muon": False, "lr": 0.02}]
+    theirs = muon_optimizer.MuonWithAuxAdam(groups, adam_optimizer=None)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        pa.grad = pb.grad = torch.randn(pa.shape, generator=gen)
+    ours.step()
+    theirs.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb)
+    plain = original_muon.Muon([torch.nn.Parameter(torch.ones(3, 5))], lr=0.1)
+    assert plain.param_groups[0]["use_muon"] and plain.param_groups[0]["lr"] == 0.1

@@ -230,8 +230,11 @@ class Muon(torch.optim.Optimizer):
             if not group["use_muon"]:
                 continue
             for p in group["params"]:
+                update = updates.get(id(p))
+                if update is None:  # a tensor the step handed no gradient (frozen)
+                    continue
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(updates[id(p)].view(p.shape), alpha=-group["lr"])
+                p.add_(update.view(p.shape), alpha=-group["lr"])
 
     def _adam_group(self, group: dict) -> None:
         beta1, beta2 = group["betas"]

@@ -3,9 +3,10 @@
 Owns: the two iterations DeepSpeed's Muon offers (`ns_method` "standard": the quintic iteration on the
 rectangular matrix; "gram": the same polynomial iterated on the small Gram matrix X Xᵀ, restarted once),
 each as a plain PyTorch reference written op for op as DeepSpeed's, and a fast path that fuses each
-"scalar times matrix plus product" into one addmm/baddbmm (and is torch.compile'd on CUDA); the compute
-dtype per method and device; the aspect-ratio scale; `muon_update` (momentum, Nesterov blend,
-orthogonalisation, scale) for one whole matrix. Must not: know about shards, ranks or optimizers.
+"scalar times matrix plus product" into one addmm/baddbmm (and is torch.compile'd on CUDA;
+LIGHTSPEED_OPS_BACKEND=reference runs the reference there instead); the compute dtype per method and
+device; the aspect-ratio scale; `muon_update` (momentum, Nesterov blend, orthogonalisation, scale) for
+one whole matrix. Must not: know about shards, ranks or optimizers.
 
 Note [DeepSpeed's numbers]: coefficients (a, b, c) = (3.4445, -4.7750, 2.0315), five steps, the input
 divided by its Frobenius norm + 1e-7, a tall matrix iterated on its transpose, the result scaled by
@@ -27,6 +28,7 @@ rounding (the tests bound it per dtype); in fp32 they agree to ~1e-6.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -201,14 +203,19 @@ def _compiled_fast():
 
 def newton_schulz(G: torch.Tensor, steps: int = NS_STEPS, method: str = "gram", dtype: torch.dtype | None = None,
                   compile: bool | None = None) -> torch.Tensor:
-    """The fast path of `newton_schulz_reference` (see Note [fast path]); `compile` (default: on CUDA)
-    runs it torch.compile'd."""
+    """The fast path of `newton_schulz_reference` (see Note [fast path]); `compile` (default: on CUDA
+    unless LIGHTSPEED_OPS_BACKEND=reference, which runs the reference instead) runs it torch.compile'd."""
     if method not in NS_METHODS:
         raise ValueError(f"ns_method must be one of {NS_METHODS}, got {method!r}")
     if G.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(G.shape)}")
     dtype = dtype or ns_compute_dtype(method, G.device)
-    if compile if compile is not None else G.is_cuda:
+    if compile is None:
+        backend = os.environ.get("LIGHTSPEED_OPS_BACKEND", "auto")
+        if backend == "reference" and G.is_cuda:
+            return newton_schulz_reference(G, steps, method, dtype)
+        compile = G.is_cuda
+    if compile:
         return _compiled_fast()(G, steps, method, dtype)
     return _ns_fast(G, steps, method, dtype)
 

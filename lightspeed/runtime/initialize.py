@@ -245,7 +245,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # ZeRO partitions and reduces over dp x sp (the dp group while sp is 1): comm/topology.py's Note
     comm = Communicator(topology.grad_reduce_group, topology.size("dp_sp"))
     comms_logger.configure(cfg.comms_logger)
-    if cfg.optimizer is not None and cfg.optimizer.type.lower() == "muon":
+    if cfg.optimizer is not None and cfg.optimizer.name == "muon":
         tag_muon_params(model)  # DeepSpeed's set_optimizer_flags: which parameters Muon steps
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:

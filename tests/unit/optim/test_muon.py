@@ -203,3 +203,32 @@ def test_deepspeed_names():
         torch.testing.assert_close(pa, pb)
     plain = original_muon.Muon([torch.nn.Parameter(torch.ones(3, 5))], lr=0.1)
     assert plain.param_groups[0]["use_muon"] and plain.param_groups[0]["lr"] == 0.1
+
+
+def test_before_norm_under_a_loss_scale():
+    """ZeRO 1-3's order: the update takes the gradient's place, carrying the loss scale the norm and the
+    unscale expect; the momentum takes the unscaled gradient."""
+    from lightspeed.comm.collectives import Communicator
+    from lightspeed.zero.fragments import Fragment
+
+    def attached():
+        model = _model()
+        opt = build_optimizer({"type": "Muon"}, list(model.parameters()))
+        frags = [Fragment(n, tuple(p.shape), 0, p.numel(), p, 0) for n, p in model.named_parameters()]
+        opt.attach(frags, Communicator(None, 1), update_before_clip=True)
+        return model, opt
+
+    gen = torch.Generator().manual_seed(6)
+    (a, opt_a), (b, opt_b) = attached(), attached()
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in a.named_parameters()}
+    scaled = {p: grads[n] * 128 for n, p in a.named_parameters()}
+    plain = {p: grads[n].clone() for n, p in b.named_parameters()}
+    opt_a.before_norm(scaled, 128.0)
+    opt_b.before_norm(plain, None)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(scaled[pa] / 128, plain[pb], msg=n)
+        if pa.use_muon:
+            torch.testing.assert_close(opt_a.state[pa]["momentum_buffer"], opt_b.state[pb]["momentum_buffer"])
+            assert not torch.allclose(plain[pb], grads[n])  # the update, not the gradient
+        else:
+            torch.testing.assert_close(plain[pb], grads[n])  # Adam's gradients untouched

@@ -170,6 +170,7 @@ def main() -> None:
     if args.smoke:
         os.environ["LIGHTSPEED_ACCELERATOR"] = "cpu"
         args.size, args.micro, args.seq, args.steps, args.warmup = "demo", 2, 32, 2, 1
+        torch.set_num_threads(1)  # a shared CPU: threads fighting each other time nothing useful
     if args.one:
         system, optimizer, ns_method = args.one.split(":")
         print("RESULT " + json.dumps(run_one(args, system, optimizer, ns_method)), flush=True)

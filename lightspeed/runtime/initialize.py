@@ -256,6 +256,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                placements=placements, topology=topology)
     if optimizer is not None:
         strategy.use_placements(placements, topology)  # the gradient norm over the mesh (zero/norm.py)
+    if isinstance(optimizer, Muon) and cfg.checkpoint.format == "deepspeed":
+        raise ConfigError("checkpoint.format: DeepSpeed's layout of the Muon optimizer's state is not written by "
+                          "lightspeed; save in lightspeed's format (it resumes at any world size and stage)")
     if isinstance(optimizer, Muon):  # whole matrices from the pieces the strategy holds (optim/muon.py)
         optimizer.attach(strategy.fragments(), comm, update_before_clip=muon_updates_before_clip(cfg, policy))
     if places_params:

@@ -62,3 +62,10 @@ def test_follows_deepspeed(name):
         torch.testing.assert_close(final[k].float(), want, atol=param_atol, rtol=0, msg=lambda m: f"{k}: {m}")
         moved += not torch.allclose(want, case["start"][k])
     assert moved == len(case["final"])  # every parameter trained
+
+
+def test_deepspeed_checkpoint_layout_is_refused():
+    case = CASES["z0_gram_clip"]
+    with pytest.raises(lightspeed.ConfigError, match="checkpoint.format"):
+        lightspeed.initialize(model=Net(), dist_init_required=False,
+                              config={**case["config"], "checkpoint": {"format": "deepspeed"}})

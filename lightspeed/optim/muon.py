@@ -35,8 +35,8 @@ Note [differences from DeepSpeed]: DeepSpeed keeps a matrix's momentum when its 
 inf/nan; here the loss-scaled step is skipped before the optimizer runs (as for Adam), and without
 loss scaling a non-finite gradient reaches the momentum. Under fp16 the momentum takes the unscaled
 gradient (DeepSpeed's ZeRO 1-3 fold the loss-scaled one in, which differs once the scale changes).
-`per_head_muon`, expert (MoE) parameters, the optimizer offloaded, and checkpoints in DeepSpeed's layout
-(`checkpoint.format: "deepspeed"`) are not built, each refused naming its key.
+Not built, and refused: `per_head_muon`, the optimizer offloaded and checkpoints in DeepSpeed's layout
+(`checkpoint.format: "deepspeed"`), each naming its key; expert (MoE) parameters, at `attach`.
 """
 
 from __future__ import annotations

@@ -485,11 +485,13 @@ def _optimizer_state(source, fragments: list[Fragment], optimizer: torch.optim.O
             held = [f for f in frags if any(has_state(source, f.name, k) for k in keys)]
             if held and group_of.get(id(tensor)) == gi:
                 entry: dict[str, Any] = dict(saved_groups[gi]["scalars"])
-                for key in keys:
+                for key in keys:  # only the keys its parameters had (Muon: momentum here, Adam moments there)
+                    present = [f for f in frags if has_state(source, f.name, key)]
+                    if not present:
+                        continue
                     buf = torch.zeros(tensor.numel(), dtype=torch.float32)
-                    for f in frags:
-                        if has_state(source, f.name, key):
-                            buf[f.offset:f.offset + f.numel] = _read_piece(source, f.name, key, f.start, f.end)
+                    for f in present:
+                        buf[f.offset:f.offset + f.numel] = _read_piece(source, f.name, key, f.start, f.end)
                     entry[key] = buf.view(tensor.shape)
                 state[index] = entry
             index += 1

@@ -27,6 +27,15 @@ Note [one-bit optimizers]: OneBitAdam, ZeroOneAdam and OneBitLamb (lightspeed.op
 DeepSpeed's params and a compressed all-reduce built here over the data-parallel communicator
 `comm` (required for them); see lightspeed.optim.onebit for their semantics and backend keys.
 
+Note [mup]: MuAdam, MuAdamW and MuSGD are mup's (the `mup` package, imported when named): its function
+over the param groups with the remaining params, as DeepSpeed calls it; without mup installed they are
+a ConfigError naming the package.
+
+Note [Muon]: "Muon" builds lightspeed.optim.muon.Muon (DeepSpeed's MuonWithAuxAdam): parameters tagged
+`use_muon` (initialize() tags hidden matrices, optim/muon.py `tag_muon_params`) take Muon with `lr` /
+`muon_lr`, `momentum`, `weight_decay`, `ns_method`; the others AdamW with `lr` / `adam_lr`, `betas`,
+`eps`, `weight_decay`, `adam_w_mode`. Not with the optimizer offloaded, nor `per_head_muon`.
+
 Note [fused families]: Lamb, Lion and Adagrad build lightspeed.ops' FusedLamb / FusedLion /
 FusedAdagrad (Triton on CUDA, reference on CPU). Adagrad params outside FusedAdagrad's (lr, lr_decay,
 weight_decay, initial_accumulator_value, eps), e.g. `maximize` or `foreach`, build torch.optim.Adagrad
@@ -50,6 +59,7 @@ from lightspeed.ops.adagrad import CPUAdagrad, FusedAdagrad
 from lightspeed.ops.adam import CPUAdam, FusedAdam
 from lightspeed.ops.lamb import FusedLamb
 from lightspeed.ops.lion import CPULion, FusedLion
+from lightspeed.optim.muon import Muon, muon_param_groups
 from lightspeed.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 from lightspeed.optim.schedules import kwargs_problems, read_section
 
@@ -58,13 +68,8 @@ logger = get_logger(__name__)
 __all__ = ["build_optimizer", "make_optimizer"]
 
 _ONEBIT = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
-_NOT_IMPLEMENTED = {
-    "muadam": "MuAdam",
-    "muadamw": "MuAdamW",
-    "musgd": "MuSGD",
-    "muon": "Muon",
-}
-_DISPLAY_NAMES = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", *_ONEBIT.values(), *_NOT_IMPLEMENTED.values()]
+_MUP = {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+_DISPLAY_NAMES = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "Muon", *_ONEBIT.values(), *_MUP.values()]
 
 
 def _check_betas(value):
@@ -147,6 +152,22 @@ class _OneBitLambParams(_OneBitCommon):
     factor_threshold: NonNegFloat = 0.1
 
 
+class _MuonParams(Section):
+    """DeepSpeed's Muon keys; unset ones take MuonWithAuxAdam's per-half defaults (optim/muon.py)."""
+
+    lr: NonNegFloat = None
+    muon_lr: NonNegFloat = None
+    adam_lr: NonNegFloat = None
+    momentum: Float(ge=0, le=1) = None
+    weight_decay: NonNegFloat = None
+    ns_method: Str = None
+    betas: Betas = None
+    eps: NonNegFloat = None
+    adam_w_mode: Bool = True
+    torch_adam: Bool = False
+    per_head_muon: Bool = False
+
+
 _ONEBIT_PARAMS = {"onebitadam": (_OneBitAdamParams, OneBitAdam), "zerooneadam": (_ZeroOneAdamParams, ZeroOneAdam),
                   "onebitlamb": (_OneBitLambParams, OneBitLamb)}
 
@@ -219,6 +240,37 @@ def _adagrad(param_groups: list, params: dict, cpu: bool = False):
     return _torch_optimizer(torch.optim.Adagrad, param_groups, params)
 
 
+def _muon(param_groups: list, params: dict, cpu: bool = False) -> Muon:
+    """DeepSpeed's MuonWithAuxAdam over the `use_muon` halves of `param_groups` (see optim/muon.py)."""
+    hyper = _validate(_MuonParams, params, only_set=True)
+    if hyper.pop("per_head_muon", False):
+        raise ConfigError("optimizer.params.per_head_muon: per-head Muon is not built in lightspeed")
+    if hyper.pop("torch_adam", False):
+        raise ConfigError("optimizer.params.torch_adam: Muon's Adam half is its own inline AdamW in lightspeed; "
+                          "torch.optim's is not built for it")
+    if cpu:
+        raise ConfigError("zero_optimization.offload_optimizer: Muon with the optimizer offloaded is not built "
+                          "in lightspeed")
+    if hyper.get("ns_method", "gram") not in ("gram", "standard"):
+        raise ConfigError(f"optimizer.params.ns_method: must be \"gram\" or \"standard\", got "
+                          f"{show(hyper['ns_method'])}")
+    adam_w_mode = hyper.pop("adam_w_mode", True)
+    return Muon(muon_param_groups(param_groups, hyper), adam_w_mode=adam_w_mode)
+
+
+def _mup(display: str, param_groups: list, params: dict):
+    """mup's MuAdam / MuAdamW / MuSGD (the `mup` package): a torch.optim optimizer whose groups mup
+    rescales by each parameter's width multiplier (the model's `set_base_shapes`)."""
+    try:
+        import mup
+    except ImportError:
+        raise ConfigError(f"optimizer.type: {display} is mup's optimizer and needs the `mup` package, which is not "
+                          "installed (pip install mup)") from None
+    common = {k: v for k, v in params.items() if k in _TorchCommonParams.model_fields}
+    params = {**params, **_validate(_TorchCommonParams, common, only_set=True)}
+    return getattr(mup, display)(param_groups, **params)
+
+
 def _torch_optimizer(cls: type, param_groups: list, params: dict):
     problems = kwargs_problems(cls, params, "optimizer.params", skip=("params",))
     common = {k: v for k, v in params.items() if k in _TorchCommonParams.model_fields}
@@ -265,8 +317,8 @@ def build_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: b
     the data-parallel communicator, needed by the one-bit optimizers only; `cpu_offload` builds the CPU
     kernels (see Note [optimizer offload]).
 
-    Bad types and params raise ConfigError naming `optimizer.type` / `optimizer.params.<key>`;
-    MuAdam/MuAdamW/MuSGD and Muon raise NotImplementedError.
+    Bad types and params raise ConfigError naming `optimizer.type` / `optimizer.params.<key>`, as do
+    MuAdam/MuAdamW/MuSGD without the `mup` package.
     """
     optimizer = make_optimizer(optimizer_config, model_parameters, cpu_offload, comm)
     logger.info(f"optimizer: {read_section(optimizer_config, 'optimizer')[0]} -> "
@@ -287,8 +339,6 @@ def make_optimizer(optimizer_config, model_parameters: Iterable, cpu_offload: bo
             "use the top-level gradient_clipping"
         )
     name = type_name.lower()
-    if name in _NOT_IMPLEMENTED:
-        raise NotImplementedError(f"optimizer.type: {_NOT_IMPLEMENTED[name]} is not implemented in lightspeed yet")
     try:
         return _onebit(name, param_groups, params, comm) if name in _ONEBIT else _build(
             name, type_name, param_groups, params, cpu_offload)
@@ -320,4 +370,8 @@ def _build(name: str, type_name: str, param_groups: list, params: dict, cpu: boo
         return _lion(param_groups, cpu=cpu, **_validate(_FusedLionParams, params))
     if name == "adagrad":
         return _adagrad(param_groups, params, cpu)
+    if name == "muon":
+        return _muon(param_groups, params, cpu)
+    if name in _MUP:
+        return _mup(_MUP[name], param_groups, params)
     return _torch_optimizer(_torch_class(type_name), param_groups, params)

@@ -27,7 +27,10 @@ __all__ = ["validate_training_config", "optimizer_problems", "scheduler_problems
 
 
 def _probe_groups(num_groups: int) -> list[dict]:
-    return [{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(num_groups)]
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(num_groups)]
+    for group in groups:
+        group["params"][0].use_muon = False  # Muon asks every parameter which half it takes
+    return groups
 
 
 def _probe_optimizer(optimizer_config, num_groups: int) -> torch.optim.Optimizer:

@@ -27,6 +27,7 @@ from lightspeed.ops.adagrad import CPUAdagrad
 from lightspeed.ops.adam import CPUAdam
 from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
+from lightspeed.optim.muon import Muon, muon_updates_before_clip, tag_muon_params
 from lightspeed.optim.validation import validate_training_config
 from lightspeed.parallel.experts import expert_parallel_size
 from lightspeed.parallel.experts.autoep import autoep_mesh_size
@@ -246,6 +247,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     # ZeRO partitions and reduces over dp x sp (the dp group while sp is 1): comm/topology.py's Note
     comm = Communicator(topology.grad_reduce_group, topology.size("dp_sp"))
     comms_logger.configure(cfg.comms_logger)
+    if cfg.optimizer is not None and cfg.optimizer.name == "muon":
+        tag_muon_params(model)  # DeepSpeed's set_optimizer_flags: which parameters Muon steps
     optimizer = _build_optimizer(optimizer, cfg, model, model_parameters, comm, cpu_offload=offload.offloads_optimizer)
     if client_optimizer and offload.offloads_optimizer:
         _check_offload_optimizer(optimizer, cfg)
@@ -255,6 +258,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                placements=placements, topology=topology)
     if optimizer is not None:
         strategy.use_placements(placements, topology)  # the gradient norm over the mesh (zero/norm.py)
+    if isinstance(optimizer, Muon) and cfg.checkpoint.format == "deepspeed":
+        raise ConfigError("checkpoint.format: DeepSpeed's layout of the Muon optimizer's state is not written by "
+                          "lightspeed; save in lightspeed's format (it resumes at any world size and stage)")
+    if isinstance(optimizer, Muon):  # whole matrices from the pieces the strategy holds (optim/muon.py)
+        optimizer.attach(strategy.fragments(), comm, update_before_clip=muon_updates_before_clip(cfg, policy))
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)

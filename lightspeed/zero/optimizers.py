@@ -2,7 +2,8 @@
 
 Owns: the list of optimizers whose update is elementwise (so stepping one flat shard that holds
 pieces of many parameters gives the same result as stepping the parameters), the check that refuses
-others unless `zero_allow_untested_optimizer` is set (DeepSpeed's rule), and `fused_step`: whether
+others unless `zero_allow_untested_optimizer` is set (DeepSpeed's rule) or they know the shards' pieces
+(Muon, attached to the strategy's fragments at initialize: optim/muon.py), and `fused_step`: whether
 the optimizer takes `step(grad_scale=..., lowp_out=...)` (lightspeed.ops' fused optimizers), so the
 strategies hand it low-precision gradients, the unscale/clip coefficient and the parameter copy to
 write, instead of spending passes on them. With the optimizer offloaded to host memory the CPU
@@ -20,6 +21,7 @@ from lightspeed.ops.adam import CPUAdam, FusedAdam
 from lightspeed.ops.adam.cpu_adam import CPUOptimizerBase
 from lightspeed.ops.lion import CPULion, FusedLion
 from lightspeed.ops.multi_tensor.optimizer import FusedOptimizer
+from lightspeed.optim.muon import Muon
 
 ELEMENTWISE_OPTIMIZERS = (
     FusedAdam, FusedLion, FusedAdagrad, CPUAdam, CPUAdagrad, CPULion,
@@ -28,8 +30,12 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 
+# optimizers that step shards knowing which pieces of which parameter they hold (attached to fragments)
+SHARD_AWARE_OPTIMIZERS = (Muon,)
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer | None, allow_untested: bool, stage: int) -> None:
-    if optimizer is None or allow_untested or type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+    if optimizer is None or allow_untested or type(optimizer) in ELEMENTWISE_OPTIMIZERS + SHARD_AWARE_OPTIMIZERS:
         return
     # DeepSpeed asserts here: an AssertionError as well as a ConfigError
     raise ConfigAssertionError(f"zero_allow_untested_optimizer: ZeRO stage {stage} steps {type(optimizer).__name__} "

@@ -13,6 +13,10 @@ data-parallel group of the sharded stages), or None when every rank holds the sa
 `agree_norm=False` only the inf/nan decision is agreed and each rank's norm is its own: the case of
 an optimizer that reduces the gradients itself (one-bit), whose ranks step on local gradients.
 
+Note (before the norm): an optimizer with `before_norm(opt_grads, loss_scale)` rewrites its gradients
+after the overflow check and before the norm (Muon at ZeRO 1-3 puts its orthogonalised update there,
+so the norm and the clip are taken over the update, as DeepSpeed's ZeRO optimizers do).
+
 Note (placements): with `views.norm` set (zero/norm.py: some parameter is sharded over a mesh dim
 beyond the data-parallel partition, e.g. tensor parallelism), the norm's partial squares are those of
 the plan's counted views, summed over the plan's group, which takes the place of the agreement for the
@@ -97,6 +101,9 @@ def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *
             to_host |= down
     if to_host:
         synchronize(views.device)  # the host buffers are read next (the norm or the CPU optimizer)
+    before_norm = getattr(views.optimizer, "before_norm", None)
+    if before_norm is not None:  # Muon at ZeRO 1-3: the orthogonalised update takes the gradient's place
+        before_norm(views.opt_grads, loss_scale)
     if views.norm is None:
         sq = squared_norm(views.norm_grads if views.norm_grads is not None else views.master_grads).to(views.device)
         if agree is not None and agree_norm:

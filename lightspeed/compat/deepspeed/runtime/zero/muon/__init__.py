@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.zero.muon`: DeepSpeed's Muon modules, over lightspeed.optim.muon and lightspeed.ops.muon."""

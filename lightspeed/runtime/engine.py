@@ -250,9 +250,8 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
             loss = loss / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)  # in fp32: an fp16 loss times 2**16 could overflow
-        note = getattr(self.strategy, "note_loss_scale", None)
-        if note is not None:  # the speculative offloaded step unscales during backward
-            note(self.loss_scaler.loss_scale if self.loss_scaler is not None else None)
+        # the speculative offloaded step unscales during backward
+        self.strategy.note_loss_scale(self.loss_scaler.loss_scale if self.loss_scaler is not None else None)
         self.strategy.backward_start(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         loss.backward(retain_graph=retain_graph)
         self.strategy.backward_end()

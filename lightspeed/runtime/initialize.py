@@ -290,9 +290,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                                           rank=groups.dp_rank, shuffle=False)
         dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn, data_sampler=sampler)
         engine.training_dataloader = dataloader
-        per_epoch = getattr(engine.strategy, "set_steps_per_epoch", None)
-        if per_epoch is not None and hasattr(dataloader, "__len__"):
-            per_epoch(max(1, len(dataloader) // cfg.gradient_accumulation_steps))  # ZenFlow's "epoch" selection (in steps)
+        if hasattr(dataloader, "__len__"):  # ZenFlow's "epoch" selection (in steps)
+            engine.strategy.set_steps_per_epoch(max(1, len(dataloader) // cfg.gradient_accumulation_steps))
     logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, sp %d, micro batch %d x %d accumulation "
                 "steps = %d global, device %s", cfg.zero_optimization.stage, policy.param_dtype,
                 groups.dp_world_size, groups.sp_world_size, cfg.train_micro_batch_size_per_gpu,

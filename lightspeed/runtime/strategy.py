@@ -164,6 +164,17 @@ class ShardingStrategy(Protocol):
         `register_fsdp_forward_method`); `method` itself where parameters are whole."""
         ...
 
+    def note_loss_scale(self, loss_scale: float | None) -> None:
+        """The loss scale of the coming backward (None without loss scaling), before it starts: the
+        speculative offloaded step (`offload_optimizer.super_offload`) unscales with it while gradients
+        land; nothing elsewhere."""
+        ...
+
+    def set_steps_per_epoch(self, n: int) -> None:
+        """Optimizer steps in one pass over the engine's training data (`initialize(training_data=)`):
+        ZenFlow's epoch-based column selection counts in them; nothing elsewhere."""
+        ...
+
     def remove_hooks(self) -> None:
         """Finish the work in flight (reductions, an overlapped step), reshard what is unsharded and remove
         every hook the strategy registered on the model and its parameters (`engine.destroy`); the

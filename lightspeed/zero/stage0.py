@@ -86,6 +86,12 @@ class WholeParameters:
     def restart_trace(self) -> None:
         """No module order is recorded at this stage."""
 
+    def note_loss_scale(self, loss_scale: float | None) -> None:
+        """Nothing is stepped during backward at this stage."""
+
+    def set_steps_per_epoch(self, n: int) -> None:
+        """No epoch-based selection at this stage (ZenFlow runs at stages 1-2)."""
+
     def external_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Nothing is gathered around a module's forward at this stage."""
         return []

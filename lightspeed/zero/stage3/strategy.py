@@ -435,6 +435,9 @@ class Stage3Strategy(ModelSeam):
         """The loss scale of the coming backward (the speculative offloaded step unscales with it)."""
         self._runner.note_loss_scale(loss_scale)
 
+    def set_steps_per_epoch(self, n: int) -> None:
+        """No epoch-based selection at stage 3 (ZenFlow is refused there)."""
+
     def flush(self) -> None:
         """Finish an overlapped step still running and write its update into the lp shards."""
         self._runner.flush()

@@ -190,7 +190,7 @@ def measure_stall(args, root: str, decoupled: bool, pool: str = "first_save") ->
     timed_steps(engine, args, args.warmup)
     base = timed_steps(engine, args, args.steps)
     out_dir = os.path.join(root, f"async_{pool}" if decoupled else "sync")
-    stalls, parts, during, overlapped, allocations = [], [], [], [], []
+    stalls, parts, during, overlapped, allocations, firsts = [], [], [], [], [], []
     for i in range(args.saves):
         before = writer._pool.num_allocations
         sync()
@@ -202,6 +202,8 @@ def measure_stall(args, root: str, decoupled: bool, pool: str = "first_save") ->
         steps = 0
         while steps < args.steps or (writer.writing and steps < args.max_steps):
             during.extend(timed_steps(engine, args, 1))
+            if steps == 0:
+                firsts.append(during[-1])
             steps += 1
         sync()
         t0 = time.perf_counter()
@@ -218,6 +220,8 @@ def measure_stall(args, root: str, decoupled: bool, pool: str = "first_save") ->
             "parts_ms": "/".join(f"{statistics.median(p[k] for p in later) * 1e3:.1f}" for k in range(3)),
             "first_allocations": allocations[0], "later_allocations": sum(allocations[1:]),
             "step_s": statistics.median(base), "step_during_s": statistics.median(during),
+            # the first step after a save: where copies the host did not wait for would show
+            "first_after_s": statistics.median(firsts),
             "steps_during": statistics.median(overlapped)}
 
 
@@ -272,7 +276,7 @@ def print_stall_table(args, root: str) -> None:
     if ds_row is not None:
         head += f"{'first/DS':>9}{'later/DS':>9}"
     print(head + f"{'later: return/wait/rest ms':>28}{'pool allocs 1st/later':>23}{'step ms':>9}"
-          f"{'step ms, writing':>20}")
+          f"{'step ms, writing':>20}{'1st step after':>15}")
     for name, r in rows:
         line = (f"  {name:<32}{r['first_stall_s'] * 1e3:10.1f}{r['stall_s'] * 1e3:10.1f}"
                 f"{r['first_stall_s'] / sync_row['first_stall_s']:11.3f}{r['stall_s'] / sync_row['stall_s']:11.3f}")
@@ -280,7 +284,8 @@ def print_stall_table(args, root: str) -> None:
             line += f"{r['first_stall_s'] / ds_row['first_stall_s']:9.3f}{r['stall_s'] / ds_row['stall_s']:9.3f}"
         allocs = f"{r['first_allocations']}/{r['later_allocations']}" if "first_allocations" in r else "-"
         during = f"{r['step_during_s'] * 1e3:8.1f} ({r['steps_during']:.0f} steps)" if "step_during_s" in r else "-"
-        print(line + f"{r.get('parts_ms', '-'):>28}{allocs:>23}{r['step_s'] * 1e3:9.1f}{during:>20}")
+        first_after = f"{r['first_after_s'] * 1e3:.1f}" if "first_after_s" in r else "-"
+        print(line + f"{r.get('parts_ms', '-'):>28}{allocs:>23}{r['step_s'] * 1e3:9.1f}{during:>20}{first_after:>15}")
     if deepspeed_note:
         print("  " + deepspeed_note)
 

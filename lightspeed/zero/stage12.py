@@ -37,6 +37,13 @@ kernel and copies each stepped piece into the device's lp chunks while it steps 
 all-gather. With `overlap_step` the CPU step runs in the background (see `offload/overlap.py`). On
 NVMe each stepped master shard (with its optimizer state) is a sub-group swapped out between steps
 and stepped one at a time (`offload/swapped_step.py`); its update is all-gathered before it goes out.
+
+Note (low-precision masters): with ``bf16.bf16_master_weights_and_grads`` and
+``bf16.bf16_optimizer_states`` the master shard, the gradients the optimizer reads and the optimizer
+state are bf16 (DeepSpeed's DeepSpeedZeroOptimizer keeps its master partition in
+``master_weights_and_grads_dtype``): 2 bytes of master and 4 of Adam state per parameter instead of
+4 and 8. The master shard stays a tensor of its own (as DeepSpeed's), so the step is unchanged: the
+fused kernels compute in fp32 and round the master, the state and the lp chunks once each.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from lightspeed.zero.fragments import Fragment, module_shapes, first_names, frag
 from lightspeed.zero.partition import Range, owned_chunks
 from lightspeed.zero.reduce import PendingReduce, PendingToHost, ReduceOptions
 from lightspeed.zero.memory import MemoryTally
-from lightspeed.zero.optimizers import check_optimizer, fused_step
+from lightspeed.zero.optimizers import check_optimizer, fused_step, low_precision_masters
 from lightspeed.comm.topology import dims_of
 from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.reduce_groups import ReduceGroups
@@ -83,9 +90,9 @@ class Shard:
 
     flat: FlatParams
     chunks: list[tuple[Range, int]]  # (flat-buffer range, start in the shard) per bucket
-    master: torch.Tensor  # fp32 [shard_numel]: the tensor the optimizer steps
+    master: torch.Tensor  # fp32 (or the low-precision master dtype) [shard_numel]: the tensor the optimizer steps
     grad: torch.Tensor  # grad_accum dtype [shard_numel]: reduced gradients
-    master_grad: torch.Tensor  # fp32 view of `grad` for the optimizer (a copy when grad is not fp32)
+    master_grad: torch.Tensor  # `grad` in the master dtype for the optimizer (a copy when the dtypes differ)
     stepped: bool  # False for trainable params outside every optimizer group
     collectives: Collectives  # the group its gradients are reduced and its state partitioned over
 
@@ -115,6 +122,7 @@ class ShardedStrategy(WholeParameters):
         # itself; on the device it reads the reduced (low-precision) gradient shard (no fp32 gradient
         # copy), in host memory the host copies (zero/optimizers.py)
         self._fused = fused_step(optimizer, self.offload)
+        master_dtype = low_precision_masters(policy, optimizer, self.offload)
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
         self.collectives = collectives or Collectives.default(comm)
@@ -152,10 +160,10 @@ class ShardedStrategy(WholeParameters):
                     master = self.offload.host_empty(numel, torch.float32, flat.device,
                                                      pin=pin and self.offload.optimizer != "nvme")
                     master_grad = self.offload.host_empty(numel, torch.float32, flat.device, pin=pin).zero_()
-                else:
-                    master = torch.empty(numel, dtype=torch.float32, device=flat.device)
-                    fp32_copy = grad.dtype != torch.float32 and not self._fused
-                    master_grad = torch.zeros_like(grad, dtype=torch.float32) if fp32_copy else grad
+                else:  # fp32, or the master dtype of bf16/fp16_master_weights_and_grads (Note: low-precision masters)
+                    master = torch.empty(numel, dtype=master_dtype, device=flat.device)
+                    copy = grad.dtype != master_dtype and not self._fused
+                    master_grad = torch.zeros_like(grad, dtype=master_dtype) if copy else grad
                 shard = Shard(flat, chunks, master, grad, master_grad, stepped=group_index is not None,
                               collectives=shard_collectives)
                 self._copy_params_to_master(shard)

@@ -64,7 +64,7 @@ from lightspeed.zero.stage3.units import choose_units, compile_regions
 from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.ops.lowp_writer import LowpWriter
-from lightspeed.zero.optimizers import check_optimizer, fused_step
+from lightspeed.zero.optimizers import check_optimizer, fused_step, low_precision_masters
 
 logger = get_logger(__name__)
 
@@ -93,6 +93,14 @@ class Stage3Strategy(ModelSeam):
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
         # the optimizer unscales, clips and writes the lp shards (zero/optimizers.py says when)
         self._fused = fused_step(optimizer, self.offload)
+        # bf16 masters (bf16_master_weights_and_grads): the bf16 lp shard is the master, as DeepSpeed's
+        # stage 3 aliases a partition already in the master dtype; no second copy is kept
+        self._lowp_master = low_precision_masters(policy, optimizer, self.offload) != torch.float32
+        if self._lowp_master and (self.offload.offloads_params or (
+                policy.grad_accum_dtype != policy.master_dtype and not self._fused)):
+            raise NotImplementedError(
+                "bf16.bf16_master_weights_and_grads at ZeRO stage 3 with offload_param, or with "
+                "data_types.grad_accum_dtype other than bf16 and an unfused optimizer, is not implemented yet")
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
@@ -248,7 +256,8 @@ class Stage3Strategy(ModelSeam):
                                collectives.comm, collectives=collectives, dtype=self.policy.param_dtype,
                                device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
-                               keep_master=self.policy.master_dtype is not None, stream=stream,
+                               keep_master=self.policy.master_dtype is not None and not self._lowp_master,
+                               stream=stream,
                                fp32_grad_copy=not self._fused, offload=offload,
                                one_rank_views=self.options.one_rank_views)
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)

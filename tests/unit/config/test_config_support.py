@@ -53,7 +53,6 @@ def test_stage_message_and_all_named_at_once():
         ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size=4"),
         ({"amp": {"enabled": True, "opt_level": "O2"}}, "amp.enabled=true"),
         ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled=true"),
-        ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 1}}, "fp16.fp16_master_weights_and_grads=true"),
         ({"trackio": {"enabled": True}}, "trackio.enabled=true"),
         ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}, "compression_training (weight_quantization)"),
         ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),

@@ -213,7 +213,8 @@ def reduce_options(cfg, policy: PrecisionPolicy) -> ReduceOptions:
                          gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                          reduce_dtype=policy.reduce_dtype,
                          overlap_comm=bool(cfg.zero_optimization.overlap_comm),
-                         allgather_bucket_numel=int(cfg.zero_optimization.allgather_bucket_size))
+                         allgather_bucket_numel=int(cfg.zero_optimization.allgather_bucket_size),
+                         average=cfg.gradient_allreduce_op == "mean")
 
 
 def strategy_places_params(cfg) -> bool:

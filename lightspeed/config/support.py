@@ -10,6 +10,7 @@ gradient_clipping, prescale_gradients, gradient_predivide_factor, gradient_allre
 scheduler, fp16 (not auto_cast), bf16, low-precision masters (fp16.fp16_master_weights_and_grads,
 bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states: ``lightspeed.precision.policy``, which
 refuses what DeepSpeed refuses; with the optimizer offloaded they are refused by zero/optimizers.py),
+torch_autocast (``lightspeed.precision.autocast``; its fp16 dtype and a PipelineModule are refused there),
 ZeRO stage 0, data_types.grad_accum_dtype,
 communication_data_type, checkpoint.tag_validation, checkpoint.writer (type PYTHON, decoupled, show_statistics,
 snapshot_pool), checkpoint.format (lightspeed's own key: "deepspeed" saves DeepSpeed's layout,
@@ -103,7 +104,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     # Precision
     _flag("fp16.auto_cast"),
     _flag("amp.enabled"),
-    _flag("torch_autocast.enabled"),
     _set("data_types.buffer_dtype"),
     # Gradients, communication, optimizer
     _flag("sparse_gradients"),

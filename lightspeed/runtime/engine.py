@@ -28,6 +28,7 @@ from lightspeed.monitor import MonitorMaster
 from lightspeed.parallel.experts.names import ExpertNames, expert_names
 from lightspeed.parallel.placement import PlacementTable, keyed_placements
 from lightspeed.optim.schedules import scheduled_steps
+from lightspeed.precision.autocast import AutocastSettings
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.dataloader import build_dataloader
@@ -52,6 +53,7 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         self.module = module
         self.config = config
         self.groups = groups
+        self._autocast = AutocastSettings.from_config(config, device.type)  # torch_autocast: the forward's
         topology = groups.topology
         tp_size = topology.size("tp") if topology is not None else 1
         # the tensor-parallel group, for whole-tensor saves and the checkpoint layout (None without tp)
@@ -229,11 +231,12 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
     def forward(self, *inputs, **kwargs):
         self.tput_timer.start()
         self.timers.start("forward")
-        if self._compiled and self.strategy.needs_eager_forward():
-            with torch.compiler.set_stance("force_eager"):
+        with self._autocast.forward_context() if self._autocast is not None else contextlib.nullcontext():
+            if self._compiled and self.strategy.needs_eager_forward():
+                with torch.compiler.set_stance("force_eager"):
+                    out = self.module(*inputs, **kwargs)
+            else:
                 out = self.module(*inputs, **kwargs)
-        else:
-            out = self.module(*inputs, **kwargs)
         self.timers.stop("forward")
         return out
 

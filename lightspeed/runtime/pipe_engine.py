@@ -63,6 +63,9 @@ class PipelineEngine(LightspeedEngine):
         super().__init__(**kwargs)
         if not isinstance(self.module, PipelineModule):
             raise TypeError("PipelineEngine: the model must be a PipelineModule")
+        if self._autocast is not None:
+            raise NotImplementedError("torch_autocast.enabled with a PipelineModule (the stages' forwards under "
+                                      "autocast) is not implemented yet")
         topology = self.groups.topology
         self.num_stages = topology.size("pp")
         self.stage_id = topology.rank("pp")

@@ -20,6 +20,7 @@ from lightspeed.comm.zeropp import zeropp_collectives, zeropp_enabled
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.config.errors import ConfigError
 from lightspeed.optim.onebit.base import ReducesOwnGradients
+from lightspeed.precision.autocast import AutocastSettings
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.reduce import ReduceOptions
 from lightspeed.zero.reduce_groups import ReduceGroups
@@ -241,6 +242,9 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
         raise ConfigError(f"zero_optimization.stage: {type(optimizer).__name__} communicates compressed momentum "
                           f"instead of gradients and runs at ZeRO stage 0 only (got stage {stage})")
     collectives = Collectives.default(comm)
+    autocast = AutocastSettings.from_config(cfg, device.type if device is not None else "cpu")
+    # torch_autocast: ZeRO 1-3 reduce each gradient in its parameter's communication dtype (stage 0 does not)
+    comm_dtypes = autocast.comm_dtypes(module) if autocast is not None and stage > 0 else None
     if zeropp_enabled(cfg.zero_optimization):
         collectives = _zeropp(cfg, comm, offload)
     groups = ReduceGroups.build(module, placements, topology, collectives)
@@ -255,12 +259,13 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
     elif stage in (1, 2):
         strategy = ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
                                    allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload,
-                                   collectives=collectives, reduce_groups=groups)
+                                   collectives=collectives, reduce_groups=groups, comm_dtypes=comm_dtypes)
     elif stage == 3:
         from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy
 
         strategy = Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy),
-                                  device=device, offload=offload, collectives=collectives, reduce_groups=groups)
+                                  device=device, offload=offload, collectives=collectives, reduce_groups=groups,
+                                  comm_dtypes=comm_dtypes)
     else:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")
     return check_strategy(strategy)

@@ -48,6 +48,7 @@ fused kernels compute in fp32 and round the master, the state and the lp chunks 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,7 @@ class Shard:
     master_grad: torch.Tensor  # `grad` in the master dtype for the optimizer (a copy when the dtypes differ)
     stepped: bool  # False for trainable params outside every optimizer group
     collectives: Collectives  # the group its gradients are reduced and its state partitioned over
+    reduce: ReduceOptions  # how its gradients are reduced (the reduce dtype is the shard's, with torch_autocast)
 
     def chunk_pairs(self):
         """(flat-buffer slice, shard slice) per bucket."""
@@ -111,7 +113,9 @@ class ShardedStrategy(WholeParameters):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False,
                  offload: OffloadPolicy | None = None, collectives: Collectives | None = None,
-                 reduce_groups: ReduceGroups | None = None):
+                 reduce_groups: ReduceGroups | None = None, comm_dtypes: dict[int, torch.dtype] | None = None):
+        """`comm_dtypes` (torch_autocast, precision/autocast.py): id(param) -> the dtype its gradient is
+        reduced in; when given, every parameter not in it is reduced in its own dtype."""
         assert stage in (1, 2)
         check_optimizer(optimizer, allow_untested_optimizer, stage)
         self.offload = offload if offload is not None else OffloadPolicy()
@@ -136,10 +140,13 @@ class ShardedStrategy(WholeParameters):
         self.shards: list[Shard] = []
         self._shard_of: dict[int, Shard] = {}
         for group_index, params in self._param_groups(module, optimizer):
-            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+            by_dtype: dict[tuple, list[torch.nn.Parameter]] = {}  # (dtype, reduce dtype) -> params
             for p in params:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for key, dtype_params in [kp for ps in by_dtype.values() for kp in self.reduce_groups.split(ps)]:
+                comm_dtype = comm_dtypes.get(id(p), p.dtype) if comm_dtypes is not None else None
+                by_dtype.setdefault((p.dtype, comm_dtype), []).append(p)
+            for comm_dtype, key, dtype_params in [(cd, k, kp) for (_, cd), ps in by_dtype.items()
+                                                  for k, kp in self.reduce_groups.split(ps)]:
+                shard_reduce = reduce if comm_dtype is None else dataclasses.replace(reduce, reduce_dtype=comm_dtype)
                 shard_collectives = self.reduce_groups.for_key(key)
                 world, rank = shard_collectives.world_size, shard_collectives.rank
                 # a layout bucket is both the reduce-scatter and the all-gather unit: bound it by both sizes
@@ -165,7 +172,7 @@ class ShardedStrategy(WholeParameters):
                     copy = grad.dtype != master_dtype and not self._fused
                     master_grad = torch.zeros_like(grad, dtype=master_dtype) if copy else grad
                 shard = Shard(flat, chunks, master, grad, master_grad, stepped=group_index is not None,
-                              collectives=shard_collectives)
+                              collectives=shard_collectives, reduce=shard_reduce)
                 self._copy_params_to_master(shard)
                 self.shards.append(shard)
                 for p in dtype_params:
@@ -327,7 +334,7 @@ class ShardedStrategy(WholeParameters):
         bucket, _ = self.buckets.where[id(param)]
         staging = self._staging.get(bucket.index)
         if staging is None:  # zeros: parameters without a gradient this step contribute nothing
-            dtype = self.reduce.reduce_dtype or self.policy.grad_accum_dtype
+            dtype = shard.reduce.reduce_dtype or self.policy.grad_accum_dtype
             staging = self._staging[bucket.index] = torch.zeros(bucket.numel, dtype=dtype, device=flat.device)
         start = flat.layout.offsets[i] - bucket.start
         staging[start:start + param.numel()].view(param.shape).copy_(grad)
@@ -346,13 +353,13 @@ class ShardedStrategy(WholeParameters):
                 self._runner.host_copy_queued(shard.master, pos, pos + chunk.numel)
             return pending
         if self.stage == 1:
-            send, post = self.reduce.prepare(bucket.grad, world)
+            send, post = shard.reduce.prepare(bucket.grad, world)
         else:
             staged = self._staging.pop(bucket.index, None)
             if staged is None:
-                staged = torch.zeros(bucket.numel, dtype=self.reduce.reduce_dtype or self.policy.grad_accum_dtype,
+                staged = torch.zeros(bucket.numel, dtype=shard.reduce.reduce_dtype or self.policy.grad_accum_dtype,
                                      device=bucket.flat.device)
-            send, post = self.reduce.prepare(staged, world)
+            send, post = shard.reduce.prepare(staged, world)
         offset = chunk.start - bucket.start
         if self.stage == 2 and send.is_cuda and offset == shard.collectives.rank * chunk.numel:
             # NCCL's in-place reduce-scatter (output = this rank's chunk of the input): the staging

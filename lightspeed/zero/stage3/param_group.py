@@ -168,6 +168,7 @@ class ParamGroup:
         # optimizer offload, at the accumulation boundary: the copy stream on which each completed
         # reduction of this group is copied to `master_grad_shard` (set by the strategy)
         self.grads_to_host: Any = None
+        self.comm_dtype: torch.dtype | None = None  # torch_autocast: the dtype its gradients are reduced in
         self.on_host_queued: Any = None  # called once this step's copy of the gradients to the host is queued
         # one rank (Note: one rank): the shard is the whole buffer and the parameters view it
         self.always_gathered = (one_rank_views and comm.world_size == 1 and not offload.offloads_params

@@ -52,7 +52,6 @@ def test_stage_message_and_all_named_at_once():
         ({"zero_optimization": {"zero_quantized_nontrainable_weights": True}}, "zero_optimization.zero_quantized_nontrainable_weights=true"),
         ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size=4"),
         ({"amp": {"enabled": True, "opt_level": "O2"}}, "amp.enabled=true"),
-        ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled=true"),
         ({"trackio": {"enabled": True}}, "trackio.enabled=true"),
         ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}, "compression_training (weight_quantization)"),
         ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),

@@ -21,8 +21,11 @@ Note: [defaults, and why bf16 accumulates in bf16]
     model dtype, and current DeepSpeed (``get_data_types``) returns the model dtype whenever
     ``data_types.grad_accum_dtype`` is unset, for every stage. We follow current DeepSpeed: bf16
     grads accumulate in bf16 unless the config says ``"grad_accum_dtype": "fp32"``, which gives the
-    fp32 accumulation buffer (the numerically safer choice for long accumulation) on every stage.
-    Narrowing accumulation below the param dtype, or crossing fp16 <-> bf16, is refused.
+    fp32 accumulation buffer (the numerically safer choice for long accumulation).
+    Which combinations are accepted is DeepSpeed 0.19's rule (engine._do_optimizer_sanity_check):
+    with ZeRO (stages 1-3) any accumulation dtype goes with any model dtype (the buffers are
+    allocated in it and gradients are added into it); without ZeRO (stage 0) it must be the model's
+    dtype, and any other is refused.
 
 Note: [low-precision masters]
     ``bf16.bf16_master_weights_and_grads`` / ``fp16.fp16_master_weights_and_grads`` make the master
@@ -121,9 +124,10 @@ def policy_from_config(cfg: Any) -> PrecisionPolicy:
                           f"(got {_short(declared)})")
 
     accum = parse_dtype(_field(cfg, "data_types.grad_accum_dtype"), "data_types.grad_accum_dtype") or param
-    if accum != param and accum != torch.float32:
-        raise ConfigError(f"data_types.grad_accum_dtype: {_short(accum)} cannot accumulate {_short(param)} "
-                          f'gradients; use "{_short(param)}" or "fp32" (got {_short(accum)!r})')
+    if accum != param and not int(_field(cfg, "zero_optimization.stage", 0) or 0):  # see the Note
+        raise ConfigError(f"data_types.grad_accum_dtype: without ZeRO (zero_optimization.stage 0) gradients "
+                          f"accumulate in the model's dtype, {_short(param)}; other dtypes need stage 1, 2 or 3 "
+                          f"(got {_short(accum)})")
     reduce = parse_dtype(_field(cfg, "communication_data_type"), "communication_data_type") or param
     if (_field(cfg, "sequence_parallel_size") or 1) > 1:
         # DeepSpeed's rule: with sequence parallelism the gradients are reduced in this dtype (fp32 by default)

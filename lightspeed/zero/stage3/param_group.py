@@ -7,7 +7,7 @@ flat buffer padded to a multiple of the data-parallel world size; rank r keeps o
     lp_shard          [padded/W] param dtype     this rank's low-precision params (always allocated)
     master_shard      [padded/W] fp32 or None    fp32 master (trainable groups with lp params only)
     grad_shard        [padded/W] grad_accum      reduced, accumulated gradients (trainable groups)
-    master_grad_shard [padded/W] fp32            what the optimizer reads (is grad_shard when fp32 or fused)
+    master_grad_shard [padded/W] optimizer dtype what the optimizer reads (is grad_shard when of its dtype, or fused)
     full_flat         [padded]   param dtype     the gathered buffer; its storage exists only while
                                                  the group is gathered
 
@@ -206,9 +206,10 @@ class ParamGroup:
         if host_master:
             self.master_grad_shard = offload.host_empty(n, torch.float32, device, pin=offload.optimizer_pin_memory)
             self.master_grad_shard.zero_()
-        elif self.grad_shard is not None and self.master_shard is not None and grad_dtype != torch.float32 \
-                and fp32_grad_copy:
-            self.master_grad_shard = torch.zeros(n, dtype=torch.float32, device=device)
+        elif self.grad_shard is not None and grad_dtype != self.optimizer_shard.dtype and fp32_grad_copy:
+            # the optimizer reads gradients in its tensor's dtype: fp32 for an fp32 master or fp32
+            # parameters (with another data_types.grad_accum_dtype), bf16 for bf16 masters
+            self.master_grad_shard = torch.zeros(n, dtype=self.optimizer_shard.dtype, device=device)
         else:
             self.master_grad_shard = self.grad_shard
         # the device gradients hold memory from this group's first reduction of a step to the step's

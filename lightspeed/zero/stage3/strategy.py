@@ -100,11 +100,9 @@ class Stage3Strategy(ModelSeam):
         # bf16 masters (bf16_master_weights_and_grads): the bf16 lp shard is the master, as DeepSpeed's
         # stage 3 aliases a partition already in the master dtype; no second copy is kept
         self._lowp_master = low_precision_masters(policy, optimizer, self.offload) != torch.float32
-        if self._lowp_master and (self.offload.offloads_params or (
-                policy.grad_accum_dtype != policy.master_dtype and not self._fused)):
-            raise NotImplementedError(
-                "bf16.bf16_master_weights_and_grads at ZeRO stage 3 with offload_param, or with "
-                "data_types.grad_accum_dtype other than bf16 and an unfused optimizer, is not implemented yet")
+        if self._lowp_master and self.offload.offloads_params:
+            raise NotImplementedError("bf16.bf16_master_weights_and_grads at ZeRO stage 3 with "
+                                      "zero_optimization.offload_param is not implemented yet")
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm

@@ -10,7 +10,7 @@ gradient_clipping, prescale_gradients, gradient_predivide_factor, gradient_allre
 scheduler, fp16 (not auto_cast), bf16, low-precision masters (fp16.fp16_master_weights_and_grads,
 bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states: ``lightspeed.precision.policy``, which
 refuses what DeepSpeed refuses; with the optimizer offloaded they are refused by zero/optimizers.py),
-torch_autocast (``lightspeed.precision.autocast``; its fp16 dtype and a PipelineModule are refused there),
+managed_gradient_accumulation (the engine's step() is the boundary), torch_autocast (``lightspeed.precision.autocast``; its fp16 dtype and a PipelineModule are refused there),
 ZeRO stage 0, data_types.grad_accum_dtype,
 communication_data_type, checkpoint.tag_validation, checkpoint.writer (type PYTHON, decoupled, show_statistics,
 snapshot_pool), checkpoint.format (lightspeed's own key: "deepspeed" saves DeepSpeed's layout,
@@ -107,7 +107,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _set("data_types.buffer_dtype"),
     # Gradients, communication, optimizer
     _flag("sparse_gradients"),
-    Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
     # Features
     _flag("checkpoint.load_universal"),
     _flag("checkpoint.use_node_local_storage"),

@@ -11,6 +11,8 @@ with ZeRO (all of them, at stages 1-3) trains: the gradients accumulate over two
 buffers of the accumulation dtype, and two SGD steps land within `ACCUM_ATOL` = 5e-3 of fp32 training
 of the same batches: about one bf16 ulp of a parameter near 1 (2**-8), the coarsest rounding here
 (measured at most 1.2e-3, against parameter changes of 0.06). Stage 0 accepts only the model's dtype, as DeepSpeed.
+
+``managed_gradient_accumulation`` false: step() is the accumulation boundary (stages 0-3).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def _world():
                 torch.testing.assert_close(value, total[name] * factor, atol=1e-6, rtol=1e-5,
                                            msg=f"stage {stage} {op} {extra} {name}")
     _accumulation(total)
+    _unmanaged()
     model = _model()
     with pytest.raises(ConfigError, match='gradient_allreduce_op: "sum" is not supported with zero_optimization.stage 3'):
         lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
@@ -137,6 +140,44 @@ def _accumulation(_total):
         lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                               config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
                                       "data_types": {"grad_accum_dtype": "fp32"}})
+
+
+def _unmanaged():
+    """managed_gradient_accumulation false: three backwards then step() equal the managed window of three
+    micro-steps exactly (each backward still divides by gradient_accumulation_steps, as DeepSpeed's); the
+    samples count the backwards actually run."""
+    import torch.distributed as dist
+
+    import lightspeed
+    from lightspeed.runtime.errors import UsageAssertionError
+
+    rank = dist.get_rank()
+    for stage in (0, 1, 2, 3):
+        params = {}
+        for managed in (True, False):
+            model = _model()
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                   "managed_gradient_accumulation": managed,
+                   "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+            engine, *_ = lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                               config=cfg)
+            for m in range(3):
+                x = torch.randn(2, 6, generator=torch.Generator().manual_seed(m + 100 * rank))
+                assert engine.is_gradient_accumulation_boundary() == (managed and m == 2)
+                engine.backward(engine(x).square().sum())
+                if managed:
+                    engine.step()
+            if not managed:
+                engine.step()
+                with pytest.raises(UsageAssertionError, match="managed_gradient_accumulation"):
+                    engine.set_gradient_accumulation_boundary(True)
+            assert (engine.global_steps, engine.global_samples) == (1, 12)
+            from lightspeed.zero.param_access import safe_get_full_fp32_param
+
+            params[managed] = [safe_get_full_fp32_param(p) for p in engine.module.parameters()]
+            engine.destroy()
+        for a, b in zip(params[True], params[False]):
+            assert torch.equal(a, b), stage
 
 
 def test_gradient_options():

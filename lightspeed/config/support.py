@@ -10,7 +10,8 @@ gradient_clipping, prescale_gradients, gradient_predivide_factor, gradient_allre
 scheduler, fp16 (not auto_cast), bf16, low-precision masters (fp16.fp16_master_weights_and_grads,
 bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states: ``lightspeed.precision.policy``, which
 refuses what DeepSpeed refuses; with the optimizer offloaded they are refused by zero/optimizers.py),
-managed_gradient_accumulation (the engine's step() is the boundary), torch_autocast (``lightspeed.precision.autocast``; its fp16 dtype and a PipelineModule are refused there),
+managed_gradient_accumulation (the engine's step() is the boundary), sparse_gradients (stage 0:
+``lightspeed.zero.sparse``; refused at stages 1-3 by ``select_strategy``), torch_autocast (``lightspeed.precision.autocast``; its fp16 dtype and a PipelineModule are refused there),
 ZeRO stage 0, data_types.grad_accum_dtype,
 communication_data_type, checkpoint.tag_validation, checkpoint.writer (type PYTHON, decoupled, show_statistics,
 snapshot_pool), checkpoint.format (lightspeed's own key: "deepspeed" saves DeepSpeed's layout,
@@ -106,7 +107,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("amp.enabled"),
     _set("data_types.buffer_dtype"),
     # Gradients, communication, optimizer
-    _flag("sparse_gradients"),
     # Features
     _flag("checkpoint.load_universal"),
     _flag("checkpoint.use_node_local_storage"),

@@ -22,6 +22,7 @@ from lightspeed.config.errors import ConfigError
 from lightspeed.optim.onebit.base import ReducesOwnGradients
 from lightspeed.precision.autocast import AutocastSettings
 from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.zero.sparse import sparse_parameters
 from lightspeed.zero.reduce import ReduceOptions
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.fragments import Fragment
@@ -255,7 +256,11 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
                                   "(expert parameters) is not implemented")
     if stage == 0:
         strategy = Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy), collectives=collectives,
-                                  reduce_groups=groups)
+                                  reduce_groups=groups, sparse_params=sparse_parameters(module, cfg.sparse_gradients))
+    elif cfg.sparse_gradients:
+        raise NotImplementedError(f"sparse_gradients at zero_optimization.stage {stage} is not implemented: ZeRO "
+                                  "reduce-scatters dense gradients (the sparse row all-gather is stage 0's, as "
+                                  "DeepSpeed's)")
     elif stage in (1, 2):
         strategy = ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
                                    allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload,

@@ -59,7 +59,6 @@ def test_stage_message_and_all_named_at_once():
         ({"autotuning": {"enabled": True}}, "autotuning.enabled=true"),
         ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
         ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop.enabled=true"),
-        ({"sparse_gradients": True}, "sparse_gradients=true"),
         ({"checkpoint": {"writer": {"type": "fast"}}}, 'checkpoint.writer.type="FAST" (DeepSpeed\'s DeepNVMe writer through pinned I/O buffers; "PYTHON", decoupled or not, is built)'),
         ({"checkpoint": {"writer": {"type": "mock", "decoupled": True}}}, 'checkpoint.writer.type="MOCK" (DeepSpeed\'s writer that writes nothing; "PYTHON", decoupled or not, is built)'),
         ({"checkpoint": {"writer": {"type": "python", "data_parallel": "replica"}}}, 'checkpoint.writer.data_parallel="REPLICA"'),

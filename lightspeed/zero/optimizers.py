@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from lightspeed.config.errors import ConfigAssertionError
+from lightspeed.config.errors import ConfigAssertionError, ConfigError
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.precision.policy import PrecisionPolicy, check_master_placement
 from lightspeed.ops.adagrad import CPUAdagrad, FusedAdagrad
@@ -65,10 +65,20 @@ def low_precision_masters(policy: PrecisionPolicy, optimizer: torch.optim.Optimi
     key = ("fp16.fp16_master_weights_and_grads" if policy.master_dtype == torch.float16
            else "bf16.bf16_master_weights_and_grads")
     if offloaded:
-        raise NotImplementedError(f"{key} with zero_optimization.offload_optimizer (low-precision masters in host "
-                                  "memory) is not implemented yet")
-    if isinstance(optimizer, FusedOptimizer):
+        # DeepSpeed: host masters in low precision are stepped by DeepSpeedCPUAdam only, its moments
+        # in bf16 with bf16_optimizer_states (it overrides fp32_optimizer_states), else in fp32
+        if optimizer is not None and not isinstance(optimizer, CPUAdam):
+            raise ConfigError(f"{key}: with zero_optimization.offload_optimizer the optimizer must be the CPU Adam "
+                              f"(DeepSpeedCPUAdam's rule; got {type(optimizer).__name__})")
+        if not fused_step(optimizer, offload):
+            raise NotImplementedError(f"{key} with offload_optimizer on NVMe, a partial offload ratio, overlap_step "
+                                      "or offload_param on NVMe is not implemented yet")
+        if optimizer is not None:
+            if optimizer.state:
+                raise ValueError("the optimizer already has state; pass a freshly constructed optimizer")
+            optimizer.fp32_optimizer_states = policy.state_dtype == torch.float32
+    elif isinstance(optimizer, FusedOptimizer):
         optimizer.state_dtype = policy.state_dtype
     elif isinstance(optimizer, CPUOptimizerBase):
-        raise NotImplementedError(f"{key} with a CPU optimizer is not implemented yet")
+        raise NotImplementedError(f"{key} with a CPU optimizer stepping device tensors is not implemented")
     return policy.master_dtype

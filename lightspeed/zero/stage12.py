@@ -164,9 +164,9 @@ class ShardedStrategy(WholeParameters):
                 if host:
                     pin = self.offload.optimizer_pin_memory
                     # a swapped master frees and re-allocates its storage: never pinned
-                    master = self.offload.host_empty(numel, torch.float32, flat.device,
+                    master = self.offload.host_empty(numel, master_dtype, flat.device,
                                                      pin=pin and self.offload.optimizer != "nvme")
-                    master_grad = self.offload.host_empty(numel, torch.float32, flat.device, pin=pin).zero_()
+                    master_grad = self.offload.host_empty(numel, master_dtype, flat.device, pin=pin).zero_()
                 else:  # fp32, or the master dtype of bf16/fp16_master_weights_and_grads (Note: low-precision masters)
                     master = torch.empty(numel, dtype=master_dtype, device=flat.device)
                     copy = grad.dtype != master_dtype and not self._fused

@@ -98,7 +98,8 @@ class Stage3Strategy(ModelSeam):
         # the optimizer unscales, clips and writes the lp shards (zero/optimizers.py says when)
         self._fused = fused_step(optimizer, self.offload)
         # bf16 masters (bf16_master_weights_and_grads): the bf16 lp shard is the master, as DeepSpeed's
-        # stage 3 aliases a partition already in the master dtype; no second copy is kept
+        # stage 3 aliases a partition already in the master dtype; no second copy is kept (with the
+        # optimizer offloaded the master is a host copy in that dtype)
         self._lowp_master = low_precision_masters(policy, optimizer, self.offload) != torch.float32
         if self._lowp_master and self.offload.offloads_params:
             raise NotImplementedError("bf16.bf16_master_weights_and_grads at ZeRO stage 3 with "
@@ -271,7 +272,8 @@ class Stage3Strategy(ModelSeam):
                                keep_master=self.policy.master_dtype is not None and not self._lowp_master,
                                stream=stream,
                                fp32_grad_copy=not self._fused, offload=offload,
-                               one_rank_views=self.options.one_rank_views)
+                               one_rank_views=self.options.one_rank_views,
+                               master_dtype=self.policy.shard_master_dtype())
                 g.comm_dtype = comm_dtype
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)

@@ -19,6 +19,10 @@ run. The fused optimizer (FusedAdam: fp32 math, state and master rounded to bf16
 bf16 state and stays within the same bound (measured 0.0032: closer to fp32 masters than torch's
 AdamW on bf16 tensors, which rounds after every operation).
 
+fp16 masters (``fp16.fp16_master_weights_and_grads``, offloaded as DeepSpeed requires, fp32 state)
+stay within `DRIFT_ATOL` of fp32 masters (DeepSpeed's CPU accelerator runs no fp16, so there is no
+fixture for them), and are refused on the device with their key.
+
 Also: the memory breakdown shows the master and the optimizer state at half their fp32 bytes
 (stage 3 keeps no separate master: the bf16 shard is stepped in place, as DeepSpeed's); a checkpoint
 saved with bf16 state loads into an fp32-state run (exactly) and one saved with fp32 state into a
@@ -94,6 +98,7 @@ def _params(engine):
 def _world(tmp: str):
     import torch.distributed as dist
 
+    import lightspeed
     from lightspeed.config.errors import ConfigError
 
     fx = _fixture_module()
@@ -146,6 +151,31 @@ def _world(tmp: str):
             out[(stage, mode)] = engine.memory_breakdown()["cpu"]
             engine.destroy()
 
+    # fp16 masters (fp16_master_weights_and_grads: offloaded only, fp32 state), against fp32 masters
+    fp16 = {}
+    for master in (True, False):
+        cfg = fx.ds_config(2, "offload-fp32")
+        cfg["optimizer"]["params"].pop("torch_adam")
+        cfg.pop("bf16")
+        cfg["fp16"] = {"enabled": True, "fp16_master_weights_and_grads": master, "initial_scale_power": 8}
+        model = fx.build_model()
+        engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        for step in range(fx.STEPS):
+            x, y = fx.batch_for(step, dist.get_rank())
+            engine.backward(torch.nn.functional.mse_loss(engine(x.half()).float(), y))
+            engine.step()
+        assert {engine.strategy.fragment(p).master.dtype for p in engine.module.parameters()} == \
+            {torch.float16 if master else torch.float32}
+        fp16[master] = _params(engine)
+        engine.destroy()
+    for name in fp16[True]:  # fp16 has 3 more mantissa bits than bf16: the drift bound holds with room
+        torch.testing.assert_close(fp16[True][name], fp16[False][name], atol=DRIFT_ATOL, rtol=0)
+    cfg["zero_optimization"].pop("offload_optimizer")
+    cfg["fp16"]["fp16_master_weights_and_grads"] = True
+    model = fx.build_model()
+    with pytest.raises(ConfigError, match="fp16.fp16_master_weights_and_grads: .*offload_optimizer"):
+        lightspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
     # checkpoints across bf16-state and fp32-state runs (stage 2 saves, stage 1 and 3 load)
     src = {}
     for lowp in (True, False):
@@ -160,7 +190,6 @@ def _world(tmp: str):
                 assert torch.equal(got, want), (lowp, stage, name)
 
     # DeepSpeed's rule: bf16 masters with fp32 optimizer state need the optimizer offloaded
-    import lightspeed
 
     cfg = fx.ds_config(1, True)
     cfg["bf16"]["bf16_optimizer_states"] = False

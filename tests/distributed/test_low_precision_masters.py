@@ -26,7 +26,7 @@ fixture for them), and are refused on the device with their key.
 Also: the memory breakdown shows the master and the optimizer state at half their fp32 bytes
 (stage 3 keeps no separate master: the bf16 shard is stepped in place, as DeepSpeed's); a checkpoint
 saved with bf16 state loads into an fp32-state run (exactly) and one saved with fp32 state into a
-bf16-state run (rounded once); DeepSpeed's rule that bf16 masters with fp32 state need the optimizer
+bf16-state run, on the device or offloaded (rounded once, the state kept in bf16); DeepSpeed's rule that bf16 masters with fp32 state need the optimizer
 offloaded is refused with its key.
 """
 
@@ -182,12 +182,16 @@ def _world(tmp: str):
         engine, _ = _train(fx, 2, lowp, steps=3, save=f"{tmp}/{'lowp' if lowp else 'fp32'}")
         src[lowp] = _full(engine)
         engine.destroy()
-    for lowp, stage in ((True, 1), (False, 3)):  # load the other kind
-        engine, _ = _train(fx, stage, not lowp, steps=0, load=f"{tmp}/{'lowp' if lowp else 'fp32'}")
+    # (saved with bf16 state?, loading stage, loading run): the other kind, on the device or offloaded
+    for lowp, stage, target in ((True, 1, False), (False, 3, True), (False, 2, "offload-bf16")):
+        engine, _ = _train(fx, stage, target, steps=0, load=f"{tmp}/{'lowp' if lowp else 'fp32'}")
+        want_state = torch.float32 if target is False else torch.bfloat16
+        assert {v.dtype for st in engine.optimizer.state.values() for v in st.values()
+                if torch.is_tensor(v) and v.dim() > 0} == {want_state}, (lowp, stage, target)
         for name, values in _full(engine).items():
             for got, saved in zip(values, src[lowp][name]):
                 want = saved if lowp else saved.bfloat16().float()  # fp32 -> bf16 rounds once
-                assert torch.equal(got, want), (lowp, stage, name)
+                assert torch.equal(got, want), (lowp, stage, target, name)
 
     # DeepSpeed's rule: bf16 masters with fp32 optimizer state need the optimizer offloaded
 

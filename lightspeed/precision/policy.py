@@ -161,7 +161,7 @@ def policy_from_config(cfg: Any) -> PrecisionPolicy:
     )
 
 
-def check_master_placement(policy: PrecisionPolicy, optimizer_offloaded: bool, optimizer: Any) -> None:
+def check_master_placement(policy: PrecisionPolicy, optimizer_offloaded: bool) -> None:
     """DeepSpeed's rule for low-precision masters (see the Note): fp32 optimizer state beside a
     low-precision master is kept only by a CPU optimizer with the optimizer offloaded; bf16 state on
     the device needs no offload. Raises ConfigError naming the key."""

@@ -59,7 +59,7 @@ def low_precision_masters(policy: PrecisionPolicy, optimizer: torch.optim.Optimi
     master dtype when `policy.state_dtype` says so (torch's optimizers create state like the master,
     which is that dtype already)."""
     offloaded = offload is not None and offload.offloads_optimizer
-    check_master_placement(policy, offloaded, optimizer)
+    check_master_placement(policy, offloaded)
     if not policy.low_precision_master:
         return torch.float32
     key = ("fp16.fp16_master_weights_and_grads" if policy.master_dtype == torch.float16
@@ -70,7 +70,7 @@ def low_precision_masters(policy: PrecisionPolicy, optimizer: torch.optim.Optimi
         if optimizer is not None and not isinstance(optimizer, CPUAdam):
             raise ConfigError(f"{key}: with zero_optimization.offload_optimizer the optimizer must be the CPU Adam "
                               f"(DeepSpeedCPUAdam's rule; got {type(optimizer).__name__})")
-        if not fused_step(optimizer, offload):
+        if optimizer is not None and not fused_step(optimizer, offload):
             raise NotImplementedError(f"{key} with offload_optimizer on NVMe, a partial offload ratio, overlap_step "
                                       "or offload_param on NVMe is not implemented yet")
         if optimizer is not None:

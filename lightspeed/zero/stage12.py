@@ -472,8 +472,9 @@ class ShardedStrategy(WholeParameters):
 
     def remove_hooks(self) -> None:
         """Finish the reductions and an overlapped step in flight, then remove the gradient hooks
-        (engine.destroy)."""
-        self.buckets.wait()
+        (engine.destroy). Buckets not launched stay so: without a backward there is nothing to reduce
+        (and the gradient buffers may be released)."""
+        self.buckets.wait_launched()
         self.flush()
         for h in self._hooks:
             h.remove()

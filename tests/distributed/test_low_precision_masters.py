@@ -192,6 +192,7 @@ def _world(tmp: str):
             for got, saved in zip(values, src[lowp][name]):
                 want = saved if lowp else saved.bfloat16().float()  # fp32 -> bf16 rounds once
                 assert torch.equal(got, want), (lowp, stage, target, name)
+        engine.destroy()
 
     # DeepSpeed's rule: bf16 masters with fp32 optimizer state need the optimizer offloaded
 

@@ -85,7 +85,8 @@ class TorchAutocastConfig(Section):
 
     enabled: Bool = False
     dtype: Optional[Choice(*AUTOCAST_DTYPE_NAMES, normalize=str.lower)] = None
-    """Lower-precision dtype; None means DeepSpeed's default, bfloat16."""
+    """Lower-precision dtype; None is handed to torch.autocast as DeepSpeed does: torch's default for the
+    device (bf16 on CPU, fp16 on CUDA)."""
     lower_precision_safe_modules: Optional[StrList] = None
     """Module classes (dotted names) whose grads/params may be communicated in `dtype`."""
 

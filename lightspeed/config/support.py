@@ -6,8 +6,13 @@ entry is deleted from the list (and nothing else changes). `check_supported(cfg)
 entry at once, e.g. ``zero_optimization.stage=2 is not implemented yet``.
 
 Implemented today, hence absent: the batch triad, steps_per_print, wall_clock_breakdown,
-gradient_clipping, prescale_gradients, gradient_predivide_factor, optimizer, scheduler, fp16 (not
-auto_cast, not fp16_master_weights_and_grads), bf16, ZeRO stage 0, data_types.grad_accum_dtype,
+gradient_clipping, prescale_gradients, gradient_predivide_factor, gradient_allreduce_op, optimizer,
+scheduler, fp16 (not auto_cast), bf16, low-precision masters (fp16.fp16_master_weights_and_grads,
+bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states: ``lightspeed.precision.policy``, which
+refuses what DeepSpeed refuses; zero/optimizers.py checks the optimizer and the offload they go with),
+managed_gradient_accumulation (the engine's step() is the boundary), sparse_gradients (stage 0:
+``lightspeed.zero.sparse``; refused at stages 1-3 by ``select_strategy``), torch_autocast (``lightspeed.precision.autocast``; its fp16 dtype and a PipelineModule are refused there),
+ZeRO stage 0, data_types.grad_accum_dtype,
 communication_data_type, checkpoint.tag_validation, checkpoint.writer (type PYTHON, decoupled, show_statistics,
 snapshot_pool), checkpoint.format (lightspeed's own key: "deepspeed" saves DeepSpeed's layout,
 checkpoint/deepspeed_writer.py), memory_breakdown, dump_state; also
@@ -98,16 +103,9 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("zero_optimization.mics_hierarchical_params_gather"),
     # Precision
     _flag("fp16.auto_cast"),
-    _flag("fp16.fp16_master_weights_and_grads"),
-    _flag("bf16.bf16_master_weights_and_grads"),
-    _flag("bf16.bf16_optimizer_states"),
     _flag("amp.enabled"),
-    _flag("torch_autocast.enabled"),
     _set("data_types.buffer_dtype"),
     # Gradients, communication, optimizer
-    _flag("sparse_gradients"),
-    Unimplemented("gradient_allreduce_op", lambda cfg: cfg.gradient_allreduce_op != "mean"),
-    Unimplemented("managed_gradient_accumulation", lambda cfg: cfg.managed_gradient_accumulation is False),
     # Features
     _flag("checkpoint.load_universal"),
     _flag("checkpoint.use_node_local_storage"),

@@ -21,8 +21,22 @@ Note: [defaults, and why bf16 accumulates in bf16]
     model dtype, and current DeepSpeed (``get_data_types``) returns the model dtype whenever
     ``data_types.grad_accum_dtype`` is unset, for every stage. We follow current DeepSpeed: bf16
     grads accumulate in bf16 unless the config says ``"grad_accum_dtype": "fp32"``, which gives the
-    fp32 accumulation buffer (the numerically safer choice for long accumulation) on every stage.
-    Narrowing accumulation below the param dtype, or crossing fp16 <-> bf16, is refused.
+    fp32 accumulation buffer (the numerically safer choice for long accumulation).
+    Which combinations are accepted is DeepSpeed 0.19's rule (engine._do_optimizer_sanity_check):
+    with ZeRO (stages 1-3) any accumulation dtype goes with any model dtype (the buffers are
+    allocated in it and gradients are added into it); without ZeRO (stage 0) it must be the model's
+    dtype, and any other is refused.
+
+Note: [low-precision masters]
+    ``bf16.bf16_master_weights_and_grads`` / ``fp16.fp16_master_weights_and_grads`` make the master
+    copy (and the gradients the optimizer reads) bf16 / fp16 instead of fp32: ``master_dtype`` is
+    that dtype. ``bf16.bf16_optimizer_states`` keeps the optimizer state in it too
+    (``state_dtype``); otherwise the state stays fp32. DeepSpeed's rules (base_optimizer's
+    _configure_master_weights): the two master flags exclude each other, bf16_optimizer_states
+    needs bf16_master_weights_and_grads, and a master kept in low precision with fp32 optimizer
+    state (fp16 masters, or bf16 masters without bf16_optimizer_states) needs the optimizer
+    offloaded to the CPU; those are checked where the offload policy is known
+    (`check_master_placement`).
 """
 
 from __future__ import annotations
@@ -35,7 +49,7 @@ import torch
 
 from lightspeed.config.errors import ConfigError
 
-__all__ = ["PrecisionPolicy", "policy_from_config", "parse_dtype"]
+__all__ = ["PrecisionPolicy", "check_master_placement", "policy_from_config", "parse_dtype"]
 
 # DeepSpeed's DtypeEnum spellings (runtime/config.py), plus torch dtypes themselves.
 _DTYPE_NAMES = {
@@ -57,11 +71,21 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype | None = None
     loss_scaling: bool = False
+    state_dtype: torch.dtype = torch.float32  # the optimizer state (bf16 with bf16_optimizer_states)
 
     @property
     def mixed(self) -> bool:
         """True when params are kept in a low-precision dtype with a separate master copy."""
         return self.master_dtype is not None
+
+    @property
+    def low_precision_master(self) -> bool:
+        """True when the master copy is bf16/fp16 (bf16_master_weights_and_grads, fp16_master_weights_and_grads)."""
+        return self.master_dtype is not None and self.master_dtype != torch.float32
+
+    def shard_master_dtype(self) -> torch.dtype:
+        """The dtype of a master shard the sharded stages keep (fp32 unless low-precision masters)."""
+        return self.master_dtype if self.low_precision_master else torch.float32
 
 
 def parse_dtype(value: Any, key: str) -> torch.dtype | None:
@@ -100,19 +124,54 @@ def policy_from_config(cfg: Any) -> PrecisionPolicy:
                           f"(got {_short(declared)})")
 
     accum = parse_dtype(_field(cfg, "data_types.grad_accum_dtype"), "data_types.grad_accum_dtype") or param
-    if accum != param and accum != torch.float32:
-        raise ConfigError(f"data_types.grad_accum_dtype: {_short(accum)} cannot accumulate {_short(param)} "
-                          f'gradients; use "{_short(param)}" or "fp32" (got {_short(accum)!r})')
+    if accum != param and not int(_field(cfg, "zero_optimization.stage", 0) or 0):  # see the Note
+        raise ConfigError(f"data_types.grad_accum_dtype: without ZeRO (zero_optimization.stage 0) gradients "
+                          f"accumulate in the model's dtype, {_short(param)}; other dtypes need stage 1, 2 or 3 "
+                          f"(got {_short(accum)})")
     reduce = parse_dtype(_field(cfg, "communication_data_type"), "communication_data_type") or param
     if (_field(cfg, "sequence_parallel_size") or 1) > 1:
         # DeepSpeed's rule: with sequence parallelism the gradients are reduced in this dtype (fp32 by default)
         reduce = parse_dtype(_field(cfg, "seq_parallel_comm_data_type", "fp32"), "seq_parallel_comm_data_type")
 
+    master = None if param == torch.float32 else torch.float32
+    state = torch.float32
+    fp16_master = bool(_field(cfg, "fp16.fp16_master_weights_and_grads", False))
+    bf16_master = bool(_field(cfg, "bf16.bf16_master_weights_and_grads", False))
+    bf16_states = bool(_field(cfg, "bf16.bf16_optimizer_states", False))
+    if fp16_master and bf16_master:
+        raise ConfigError("fp16.fp16_master_weights_and_grads, bf16.bf16_master_weights_and_grads: "
+                          "mutually exclusive (got both true)")
+    if bf16_states and not bf16_master:
+        raise ConfigError("bf16.bf16_optimizer_states: needs bf16.bf16_master_weights_and_grads true (got false)")
+    if fp16_master or bf16_master:
+        want = torch.float16 if fp16_master else torch.bfloat16
+        key = "fp16.fp16_master_weights_and_grads" if fp16_master else "bf16.bf16_master_weights_and_grads"
+        if param != want:
+            raise ConfigError(f"{key}: needs {_short(want)}.enabled true (the parameters are {_short(param)})")
+        master = want
+        state = torch.bfloat16 if bf16_states else torch.float32
     return PrecisionPolicy(
         param_dtype=param,
         compute_dtype=param,
         grad_accum_dtype=accum,
         reduce_dtype=reduce,
-        master_dtype=None if param == torch.float32 else torch.float32,
+        master_dtype=master,
         loss_scaling=fp16,
+        state_dtype=state,
     )
+
+
+def check_master_placement(policy: PrecisionPolicy, optimizer_offloaded: bool) -> None:
+    """DeepSpeed's rule for low-precision masters (see the Note): fp32 optimizer state beside a
+    low-precision master is kept only by a CPU optimizer with the optimizer offloaded; bf16 state on
+    the device needs no offload. Raises ConfigError naming the key."""
+    if not policy.low_precision_master:
+        return
+    key = ("fp16.fp16_master_weights_and_grads" if policy.master_dtype == torch.float16
+           else "bf16.bf16_master_weights_and_grads")
+    needs_offload = policy.state_dtype == torch.float32
+    if needs_offload and not optimizer_offloaded:
+        extra = "" if policy.master_dtype == torch.float16 else " (or set bf16.bf16_optimizer_states true to keep " \
+            "bf16 optimizer state on the device)"
+        raise ConfigError(f"{key}: low-precision masters with fp32 optimizer state need "
+                          f"zero_optimization.offload_optimizer.device \"cpu\" with a CPU Adam{extra}")

@@ -28,6 +28,7 @@ from lightspeed.monitor import MonitorMaster
 from lightspeed.parallel.experts.names import ExpertNames, expert_names
 from lightspeed.parallel.placement import PlacementTable, keyed_placements
 from lightspeed.optim.schedules import scheduled_steps
+from lightspeed.precision.autocast import AutocastSettings
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.dataloader import build_dataloader
@@ -52,6 +53,7 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         self.module = module
         self.config = config
         self.groups = groups
+        self._autocast = AutocastSettings.from_config(config, device.type)  # torch_autocast: the forward's
         topology = groups.topology
         tp_size = topology.size("tp") if topology is not None else 1
         # the tensor-parallel group, for whole-tensor saves and the checkpoint layout (None without tp)
@@ -88,6 +90,10 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
+        # managed_gradient_accumulation false (Note: [unmanaged accumulation]): step() is the boundary
+        self._managed = bool(config.managed_gradient_accumulation)
+        self._in_step = False
+        self._unmanaged_backwards = 0  # backwards since the last step(), for global_samples
         self._inside_no_sync = False
         self._step_applied = False
         self._grad_norm: torch.Tensor | None = None
@@ -194,13 +200,19 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
 
     # ------------------------------------------------------------------ training step
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the current micro-step is the last of its accumulation window."""
+        """True when the current micro-step is the last of its accumulation window (with
+        managed_gradient_accumulation false: only while step() runs)."""
+        if not self._managed:
+            return self._in_step
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Override the boundary computed from the step counter (None restores it)."""
+        if not self._managed:
+            raise UsageAssertionError("set_gradient_accumulation_boundary() is not supported with "
+                                      "managed_gradient_accumulation false: step() is the boundary")
         self._boundary_override = is_boundary
 
     @contextlib.contextmanager
@@ -229,11 +241,12 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
     def forward(self, *inputs, **kwargs):
         self.tput_timer.start()
         self.timers.start("forward")
-        if self._compiled and self.strategy.needs_eager_forward():
-            with torch.compiler.set_stance("force_eager"):
+        with self._autocast.forward_context() if self._autocast is not None else contextlib.nullcontext():
+            if self._compiled and self.strategy.needs_eager_forward():
+                with torch.compiler.set_stance("force_eager"):
+                    out = self.module(*inputs, **kwargs)
+            else:
                 out = self.module(*inputs, **kwargs)
-        else:
-            out = self.module(*inputs, **kwargs)
         self.timers.stop("forward")
         return out
 
@@ -246,6 +259,7 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         self._loss_count += 1
         self.monitor.record_loss(detached, self.global_samples)
         self.timers.start("backward")
+        self._unmanaged_backwards += not self._managed
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
@@ -259,7 +273,29 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """Optimizer step at the accumulation boundary (skipped on fp16 overflow); a no-op otherwise."""
+        """Optimizer step at the accumulation boundary (skipped on fp16 overflow); a no-op otherwise.
+        With managed_gradient_accumulation false every call is the boundary."""
+        if not self._managed:
+            self._in_step = True
+            try:
+                self._unmanaged_reduce()
+                self._step(lr_kwargs)
+            finally:
+                self._in_step = False
+            return
+        self._step(lr_kwargs)
+
+    def _unmanaged_reduce(self) -> None:
+        """Note: [unmanaged accumulation] With managed_gradient_accumulation false (DeepSpeed's
+        engine.step), every backward accumulates locally and step() is the boundary: stages 0 and 1
+        reduce the accumulated gradients here, stages 2 and 3 reduced each backward's already."""
+        if self._inside_no_sync:
+            raise UsageAssertionError("engine.step() inside no_sync(): the gradients were not reduced")
+        if not strategy_partitions_gradients(self.config):
+            self.strategy.backward_start(True)  # a boundary backward that reaches no parameter:
+            self.strategy.backward_end()  # every bucket of accumulated gradients is reduced
+
+    def _step(self, lr_kwargs: dict | None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._checkpoint_writer.wait_snapshot()  # a background save's copies may still read the state
@@ -285,7 +321,12 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
             self.strategy.zero_grad()
             self.timers.stop("step")
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            if self._managed:
+                self.global_samples += self.train_batch_size()
+            else:  # the micro-batches actually run since the last step (DeepSpeed's count)
+                self.global_samples += self.train_batch_size() // self.gradient_accumulation_steps() \
+                    * self._unmanaged_backwards
+                self._unmanaged_backwards = 0
             step_ms = self.timers.step_ms()
             self.monitor.after_step(global_samples=self.global_samples, lr=self.get_lr(), step_ms=step_ms,
                                     loss_scale=self.loss_scale if self.loss_scaler is not None else None)

@@ -15,6 +15,7 @@ import torch
 
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm import api as comm_api
+from lightspeed.config.errors import ConfigError
 from lightspeed.parallel.pipeline.module import PipelineModule
 from lightspeed.parallel.pipeline.schedule import PipelineDriver, schedule_kind
 from lightspeed.runtime.engine import LightspeedEngine
@@ -63,6 +64,11 @@ class PipelineEngine(LightspeedEngine):
         super().__init__(**kwargs)
         if not isinstance(self.module, PipelineModule):
             raise TypeError("PipelineEngine: the model must be a PipelineModule")
+        if not self._managed:  # DeepSpeed's rule
+            raise ConfigError("managed_gradient_accumulation: false is not supported with pipeline parallelism")
+        if self._autocast is not None:
+            raise NotImplementedError("torch_autocast.enabled with a PipelineModule (the stages' forwards under "
+                                      "autocast) is not implemented yet")
         topology = self.groups.topology
         self.num_stages = topology.size("pp")
         self.stage_id = topology.rank("pp")

@@ -20,7 +20,9 @@ from lightspeed.comm.zeropp import zeropp_collectives, zeropp_enabled
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.config.errors import ConfigError
 from lightspeed.optim.onebit.base import ReducesOwnGradients
+from lightspeed.precision.autocast import AutocastSettings
 from lightspeed.precision.policy import PrecisionPolicy
+from lightspeed.zero.sparse import sparse_parameters
 from lightspeed.zero.reduce import ReduceOptions
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.fragments import Fragment
@@ -224,7 +226,8 @@ def reduce_options(cfg, policy: PrecisionPolicy) -> ReduceOptions:
                          gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                          reduce_dtype=policy.reduce_dtype,
                          overlap_comm=bool(cfg.zero_optimization.overlap_comm),
-                         allgather_bucket_numel=int(cfg.zero_optimization.allgather_bucket_size))
+                         allgather_bucket_numel=int(cfg.zero_optimization.allgather_bucket_size),
+                         average=cfg.gradient_allreduce_op == "mean")
 
 
 def strategy_places_params(cfg) -> bool:
@@ -251,6 +254,9 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
         raise ConfigError(f"zero_optimization.stage: {type(optimizer).__name__} communicates compressed momentum "
                           f"instead of gradients and runs at ZeRO stage 0 only (got stage {stage})")
     collectives = Collectives.default(comm)
+    autocast = AutocastSettings.from_config(cfg, device.type if device is not None else "cpu")
+    # torch_autocast: ZeRO 1-3 reduce each gradient in its parameter's communication dtype (stage 0 does not)
+    comm_dtypes = autocast.comm_dtypes(module) if autocast is not None and stage > 0 else None
     if zeropp_enabled(cfg.zero_optimization):
         collectives = _zeropp(cfg, comm, offload)
     groups = ReduceGroups.build(module, placements, topology, collectives)
@@ -261,16 +267,21 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
                                   "(expert parameters) is not implemented")
     if stage == 0:
         strategy = Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy), collectives=collectives,
-                                  reduce_groups=groups)
+                                  reduce_groups=groups, sparse_params=sparse_parameters(module, cfg.sparse_gradients))
+    elif cfg.sparse_gradients:
+        raise NotImplementedError(f"sparse_gradients at zero_optimization.stage {stage} is not implemented: ZeRO "
+                                  "reduce-scatters dense gradients (the sparse row all-gather is stage 0's, as "
+                                  "DeepSpeed's)")
     elif stage in (1, 2):
         strategy = ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
                                    allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload,
-                                   collectives=collectives, reduce_groups=groups)
+                                   collectives=collectives, reduce_groups=groups, comm_dtypes=comm_dtypes)
     elif stage == 3:
         from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy
 
         strategy = Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy),
-                                  device=device, offload=offload, collectives=collectives, reduce_groups=groups)
+                                  device=device, offload=offload, collectives=collectives, reduce_groups=groups,
+                                  comm_dtypes=comm_dtypes)
     else:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")
     return check_strategy(strategy)

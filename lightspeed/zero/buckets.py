@@ -104,6 +104,10 @@ class GradBuckets:
 
     def wait(self) -> None:
         self.flush()
+        self.wait_launched()
+
+    def wait_launched(self) -> None:
+        """Finish the reductions launched so far (and launch none: a teardown after no backward)."""
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()

@@ -6,7 +6,8 @@ others unless `zero_allow_untested_optimizer` is set (DeepSpeed's rule) or they 
 (Muon, attached to the strategy's fragments at initialize: optim/muon.py), and `fused_step`: whether
 the optimizer takes `step(grad_scale=..., lowp_out=...)` (lightspeed.ops' fused optimizers), so the
 strategies hand it low-precision gradients, the unscale/clip coefficient and the parameter copy to
-write, instead of spending passes on them. With the optimizer offloaded to host memory the CPU
+write, instead of spending passes on them; and `low_precision_masters`, the dtype of the master
+shards (bf16/fp16_master_weights_and_grads). With the optimizer offloaded to host memory the CPU
 optimizers take the same call (`ops/adam/cpu_adam.py`): they apply the coefficient inside their kernel
 and copy each stepped piece to the device while stepping the next.
 """
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from lightspeed.config.errors import ConfigAssertionError
+from lightspeed.config.errors import ConfigAssertionError, ConfigError
 from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.precision.policy import PrecisionPolicy, check_master_placement
 from lightspeed.ops.adagrad import CPUAdagrad, FusedAdagrad
 from lightspeed.ops.adam import CPUAdam, FusedAdam
 from lightspeed.ops.adam.cpu_adam import CPUOptimizerBase
@@ -54,3 +56,35 @@ def fused_step(optimizer: torch.optim.Optimizer | None, offload: OffloadPolicy |
         return isinstance(optimizer, FusedOptimizer) and optimizer.fuses_lowp_out
     return (isinstance(optimizer, CPUOptimizerBase) and optimizer.fuses_lowp_out and offload.optimizer == "cpu"
             and offload.param != "nvme" and offload.ratio == 1.0 and not offload.overlap_step)
+
+
+def low_precision_masters(policy: PrecisionPolicy, optimizer: torch.optim.Optimizer | None,
+                          offload: OffloadPolicy | None) -> torch.dtype:
+    """The dtype of the master shards a sharded stage keeps, after DeepSpeed's rules for bf16/fp16
+    masters (precision/policy.py's Note) are checked; makes a fused optimizer keep its state in the
+    master dtype when `policy.state_dtype` says so (torch's optimizers create state like the master,
+    which is that dtype already)."""
+    offloaded = offload is not None and offload.offloads_optimizer
+    check_master_placement(policy, offloaded)
+    if not policy.low_precision_master:
+        return torch.float32
+    key = ("fp16.fp16_master_weights_and_grads" if policy.master_dtype == torch.float16
+           else "bf16.bf16_master_weights_and_grads")
+    if offloaded:
+        # DeepSpeed: host masters in low precision are stepped by DeepSpeedCPUAdam only, its moments
+        # in bf16 with bf16_optimizer_states (it overrides fp32_optimizer_states), else in fp32
+        if optimizer is not None and not isinstance(optimizer, CPUAdam):
+            raise ConfigError(f"{key}: with zero_optimization.offload_optimizer the optimizer must be the CPU Adam "
+                              f"(DeepSpeedCPUAdam's rule; got {type(optimizer).__name__})")
+        if optimizer is not None and not fused_step(optimizer, offload):
+            raise NotImplementedError(f"{key} with offload_optimizer on NVMe, a partial offload ratio, overlap_step "
+                                      "or offload_param on NVMe is not implemented yet")
+        if optimizer is not None:
+            if optimizer.state:
+                raise ValueError("the optimizer already has state; pass a freshly constructed optimizer")
+            optimizer.fp32_optimizer_states = policy.state_dtype == torch.float32
+    elif isinstance(optimizer, FusedOptimizer):
+        optimizer.state_dtype = policy.state_dtype
+    elif isinstance(optimizer, CPUOptimizerBase):
+        raise NotImplementedError(f"{key} with a CPU optimizer stepping device tensors is not implemented")
+    return policy.master_dtype

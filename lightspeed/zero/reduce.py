@@ -3,7 +3,10 @@ and the in-flight reductions the strategies wait on. Shared by every stage.
 
 DeepSpeed: with `prescale_gradients`, divide by the world size before the sum; otherwise divide by
 `gradient_predivide_factor` before and multiply by `predivide / world_size` after (skipped when
-they are equal). Either way the result is the mean over ranks.
+they are equal). Either way the result is the mean over ranks. With ``gradient_allreduce_op``
+"sum" (`average` False) neither factor is applied: the result is the sum over ranks, whatever
+prescale_gradients and gradient_predivide_factor say (DeepSpeed's allreduce_bucket, which tests
+`gradient_average` before them).
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ class ReduceOptions:
     reduce_dtype: torch.dtype | None = None  # communication_data_type; None = the gradient dtype
     overlap_comm: bool = True  # False: each sharded-stage reduction is waited on as soon as it starts
     allgather_bucket_numel: int = 500_000_000
+    average: bool = True  # gradient_allreduce_op "mean"; False ("sum"): no factor before or after
 
     def scaling(self, world_size: int) -> tuple[float, float]:
         """(factor before the sum, factor after it)."""
+        if not self.average:
+            return 1.0, 1.0
         return mean_scaling(self.prescale_gradients, self.gradient_predivide_factor, world_size)
 
     def prepare(self, grad: torch.Tensor, world_size: int) -> tuple[torch.Tensor, float]:

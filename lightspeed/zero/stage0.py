@@ -37,6 +37,7 @@ from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 from lightspeed.zero.norm import NormPlan
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
+from lightspeed.zero.sparse import all_gather_rows
 
 __all__ = ["Stage0Strategy", "StepResult", "WholeParameters", "broadcast_unflattened", "group_trainable_params"]
 
@@ -108,7 +109,9 @@ class Stage0Strategy(WholeParameters):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, reduce: ReduceOptions, *, collectives: Collectives | None = None,
-                 reduce_groups: ReduceGroups | None = None):
+                 reduce_groups: ReduceGroups | None = None, sparse_params: set[int] = frozenset()):
+        """`sparse_params`: ids of the embedding weights whose gradients are reduced by all-gathering the
+        rows each rank touched (zero/sparse.py), each in a flat buffer of its own."""
         self.module, self.optimizer, self.policy, self.comm, self.reduce = module, optimizer, policy, comm, reduce
         self.collectives = collectives or Collectives.default(comm)
         # each flat buffer holds parameters of one reduce group (zero/reduce_groups.py)
@@ -120,9 +123,12 @@ class Stage0Strategy(WholeParameters):
         self.flats, self._flat_collectives = [], []
         for params in group_trainable_params(module).values():
             for key, keyed in self.reduce_groups.split(params):
-                self.flats.append(FlatParams(keyed, grad_dtype, keep_master=policy.master_dtype is not None,
-                                             bucket_numel=reduce.bucket_numel))
-                self._flat_collectives.append(self.reduce_groups.for_key(key))
+                dense = [p for p in keyed if id(p) not in sparse_params]
+                for members in ([dense] if dense else []) + [[p] for p in keyed if id(p) in sparse_params]:
+                    self.flats.append(FlatParams(members, grad_dtype, keep_master=policy.master_dtype is not None,
+                                                 bucket_numel=reduce.bucket_numel))
+                    self._flat_collectives.append(self.reduce_groups.for_key(key))
+        self._sparse_flats = {id(f) for f in self.flats if id(f.params[0]) in sparse_params}
         self._collectives_of = {id(flat): c for flat, c in zip(self.flats, self._flat_collectives)}
         self._flat_of = {id(p): flat for flat in self.flats for p in flat.params}
         # fused step (lightspeed.ops optimizers): the optimizer reads the low-precision gradients,
@@ -207,7 +213,10 @@ class Stage0Strategy(WholeParameters):
         flat = self._flat_of[id(param)]
         view = flat.grad_views[flat.index[id(param)]]
         grad = param.grad
-        if grad is None or grad.data_ptr() != view.data_ptr():
+        if grad is not None and grad.is_sparse:  # Embedding(sparse=True): added into the dense buffer
+            view.add_(grad)
+            param.grad = None  # never a dense .grad: autograd would add the next sparse one out of place
+        elif grad is None or grad.data_ptr() != view.data_ptr():
             if grad is not None:  # autograd made a new tensor (other dtype, or .grad was reset)
                 view.add_(grad)
             param.grad = view if flat.grads_alias_autograd else None
@@ -218,6 +227,10 @@ class Stage0Strategy(WholeParameters):
         if not self._reduce_here:  # the optimizer communicates (compressed) what these gradients feed
             return None
         collectives = self._collectives_of[id(bucket.flat)]
+        if id(bucket.flat) in self._sparse_flats:  # one embedding weight: its touched rows, gathered
+            flat = bucket.flat
+            all_gather_rows(flat.grad_views[0].view(flat.params[0].shape), collectives, self.reduce)
+            return None
         buf, post = self.reduce.prepare(bucket.grad, collectives.world_size)
         return PendingReduce(collectives.all_reduce(buf, async_op=True), buf, bucket.grad, post)
 

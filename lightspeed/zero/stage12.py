@@ -37,10 +37,18 @@ kernel and copies each stepped piece into the device's lp chunks while it steps 
 all-gather. With `overlap_step` the CPU step runs in the background (see `offload/overlap.py`). On
 NVMe each stepped master shard (with its optimizer state) is a sub-group swapped out between steps
 and stepped one at a time (`offload/swapped_step.py`); its update is all-gathered before it goes out.
+
+Note (low-precision masters): with ``bf16.bf16_master_weights_and_grads`` and
+``bf16.bf16_optimizer_states`` the master shard, the gradients the optimizer reads and the optimizer
+state are bf16 (DeepSpeed's DeepSpeedZeroOptimizer keeps its master partition in
+``master_weights_and_grads_dtype``): 2 bytes of master and 4 of Adam state per parameter instead of
+4 and 8. The master shard stays a tensor of its own (as DeepSpeed's), so the step is unchanged: the
+fused kernels compute in fp32 and round the master, the state and the lp chunks once each.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +70,7 @@ from lightspeed.zero.fragments import Fragment, module_shapes, first_names, frag
 from lightspeed.zero.partition import Range, owned_chunks
 from lightspeed.zero.reduce import PendingReduce, PendingToHost, ReduceOptions
 from lightspeed.zero.memory import MemoryTally
-from lightspeed.zero.optimizers import check_optimizer, fused_step
+from lightspeed.zero.optimizers import check_optimizer, fused_step, low_precision_masters
 from lightspeed.comm.topology import dims_of
 from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.reduce_groups import ReduceGroups
@@ -86,11 +94,12 @@ class Shard:
 
     flat: FlatParams
     chunks: list[tuple[Range, int]]  # (flat-buffer range, start in the shard) per bucket
-    master: torch.Tensor  # fp32 [shard_numel]: the tensor the optimizer steps
+    master: torch.Tensor  # fp32 (or the low-precision master dtype) [shard_numel]: the tensor the optimizer steps
     grad: torch.Tensor  # grad_accum dtype [shard_numel]: reduced gradients
-    master_grad: torch.Tensor  # fp32 view of `grad` for the optimizer (a copy when grad is not fp32)
+    master_grad: torch.Tensor  # `grad` in the master dtype for the optimizer (a copy when the dtypes differ)
     stepped: bool  # False for trainable params outside every optimizer group
     collectives: Collectives  # the group its gradients are reduced and its state partitioned over
+    reduce: ReduceOptions  # how its gradients are reduced (the reduce dtype is the shard's, with torch_autocast)
 
     def chunk_pairs(self):
         """(flat-buffer slice, shard slice) per bucket."""
@@ -107,7 +116,9 @@ class ShardedStrategy(WholeParameters):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False,
                  offload: OffloadPolicy | None = None, collectives: Collectives | None = None,
-                 reduce_groups: ReduceGroups | None = None):
+                 reduce_groups: ReduceGroups | None = None, comm_dtypes: dict[int, torch.dtype] | None = None):
+        """`comm_dtypes` (torch_autocast, precision/autocast.py): id(param) -> the dtype its gradient is
+        reduced in; when given, every parameter not in it is reduced in its own dtype."""
         assert stage in (1, 2)
         check_optimizer(optimizer, allow_untested_optimizer, stage)
         self.offload = offload if offload is not None else OffloadPolicy()
@@ -118,6 +129,7 @@ class ShardedStrategy(WholeParameters):
         # itself; on the device it reads the reduced (low-precision) gradient shard (no fp32 gradient
         # copy), in host memory the host copies (zero/optimizers.py)
         self._fused = fused_step(optimizer, self.offload)
+        master_dtype = low_precision_masters(policy, optimizer, self.offload)
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
         self.collectives = collectives or Collectives.default(comm)
@@ -131,10 +143,13 @@ class ShardedStrategy(WholeParameters):
         self.shards: list[Shard] = []
         self._shard_of: dict[int, Shard] = {}
         for group_index, params in self._param_groups(module, optimizer):
-            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+            by_dtype: dict[tuple, list[torch.nn.Parameter]] = {}  # (dtype, reduce dtype) -> params
             for p in params:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for key, dtype_params in [kp for ps in by_dtype.values() for kp in self.reduce_groups.split(ps)]:
+                comm_dtype = comm_dtypes.get(id(p), p.dtype) if comm_dtypes is not None else None
+                by_dtype.setdefault((p.dtype, comm_dtype), []).append(p)
+            for comm_dtype, key, dtype_params in [(cd, k, kp) for (_, cd), ps in by_dtype.items()
+                                                  for k, kp in self.reduce_groups.split(ps)]:
+                shard_reduce = reduce if comm_dtype is None else dataclasses.replace(reduce, reduce_dtype=comm_dtype)
                 shard_collectives = self.reduce_groups.for_key(key)
                 world, rank = shard_collectives.world_size, shard_collectives.rank
                 # a layout bucket is both the reduce-scatter and the all-gather unit: bound it by both sizes
@@ -152,15 +167,15 @@ class ShardedStrategy(WholeParameters):
                 if host:
                     pin = self.offload.optimizer_pin_memory
                     # a swapped master frees and re-allocates its storage: never pinned
-                    master = self.offload.host_empty(numel, torch.float32, flat.device,
+                    master = self.offload.host_empty(numel, master_dtype, flat.device,
                                                      pin=pin and self.offload.optimizer != "nvme")
-                    master_grad = self.offload.host_empty(numel, torch.float32, flat.device, pin=pin).zero_()
-                else:
-                    master = torch.empty(numel, dtype=torch.float32, device=flat.device)
-                    fp32_copy = grad.dtype != torch.float32 and not self._fused
-                    master_grad = torch.zeros_like(grad, dtype=torch.float32) if fp32_copy else grad
+                    master_grad = self.offload.host_empty(numel, master_dtype, flat.device, pin=pin).zero_()
+                else:  # fp32, or the master dtype of bf16/fp16_master_weights_and_grads (Note: low-precision masters)
+                    master = torch.empty(numel, dtype=master_dtype, device=flat.device)
+                    copy = grad.dtype != master_dtype and not self._fused
+                    master_grad = torch.zeros_like(grad, dtype=master_dtype) if copy else grad
                 shard = Shard(flat, chunks, master, grad, master_grad, stepped=group_index is not None,
-                              collectives=shard_collectives)
+                              collectives=shard_collectives, reduce=shard_reduce)
                 self._copy_params_to_master(shard)
                 self.shards.append(shard)
                 for p in dtype_params:
@@ -352,7 +367,7 @@ class ShardedStrategy(WholeParameters):
         bucket, _ = self.buckets.where[id(param)]
         staging = self._staging.get(bucket.index)
         if staging is None:  # zeros: parameters without a gradient this step contribute nothing
-            dtype = self.reduce.reduce_dtype or self.policy.grad_accum_dtype
+            dtype = shard.reduce.reduce_dtype or self.policy.grad_accum_dtype
             staging = self._staging[bucket.index] = torch.zeros(bucket.numel, dtype=dtype, device=flat.device)
         start = flat.layout.offsets[i] - bucket.start
         staging[start:start + param.numel()].view(param.shape).copy_(grad)
@@ -371,13 +386,13 @@ class ShardedStrategy(WholeParameters):
                 self._runner.host_copy_queued(shard.master, pos, pos + chunk.numel)
             return pending
         if self.stage == 1:
-            send, post = self.reduce.prepare(bucket.grad, world)
+            send, post = shard.reduce.prepare(bucket.grad, world)
         else:
             staged = self._staging.pop(bucket.index, None)
             if staged is None:
-                staged = torch.zeros(bucket.numel, dtype=self.reduce.reduce_dtype or self.policy.grad_accum_dtype,
+                staged = torch.zeros(bucket.numel, dtype=shard.reduce.reduce_dtype or self.policy.grad_accum_dtype,
                                      device=bucket.flat.device)
-            send, post = self.reduce.prepare(staged, world)
+            send, post = shard.reduce.prepare(staged, world)
         offset = chunk.start - bucket.start
         if self.stage == 2 and send.is_cuda and offset == shard.collectives.rank * chunk.numel:
             # NCCL's in-place reduce-scatter (output = this rank's chunk of the input): the staging
@@ -501,8 +516,9 @@ class ShardedStrategy(WholeParameters):
 
     def remove_hooks(self) -> None:
         """Finish the reductions and an overlapped step in flight, then remove the gradient hooks
-        (engine.destroy)."""
-        self.buckets.wait()
+        (engine.destroy). Buckets not launched stay so: without a backward there is nothing to reduce
+        (and the gradient buffers may be released)."""
+        self.buckets.wait_launched()
         self.flush()
         for h in self._hooks:
             h.remove()

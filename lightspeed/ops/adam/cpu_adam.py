@@ -244,14 +244,16 @@ class CPUOptimizerBase(torch.optim.Optimizer):
         self._writer.finish()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As torch's, but keep the saved state dtypes (torch would cast fp32 states to a bf16 param's dtype)."""
+        """As torch's, but the state keeps the dtype this optimizer creates it in (fp32 with
+        `fp32_optimizer_states`, else the parameter's), not torch's cast to the parameter's dtype."""
         saved_groups = state_dict["param_groups"]
         super().load_state_dict(state_dict)
         for saved, group in zip(saved_groups, self.param_groups):
             for pid, p in zip(saved["params"], group["params"]):
                 for key, value in state_dict["state"].get(pid, {}).items():
                     if isinstance(value, torch.Tensor) and key in self._state_keys:
-                        self.state[p][key] = value.to(device=p.device, copy=True)
+                        dtype = torch.float32 if self.fp32_optimizer_states else p.dtype
+                        self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
 
     # -- per family ------------------------------------------------------------------------------
     def _check_group(self, group: dict) -> None:

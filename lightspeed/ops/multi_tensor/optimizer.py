@@ -1,7 +1,7 @@
 """FusedOptimizer: the torch.optim.Optimizer base of FusedAdam, FusedLamb, FusedLion, FusedAdagrad.
 
 Owns: collecting each group's parameters with gradients into segments (a parameter, or a piece of
-one), state creation (fp32 whatever the parameter dtype), grouping segments into launches of one
+one), state creation (fp32 whatever the parameter dtype, unless `state_dtype` says bf16), grouping segments into launches of one
 (step, dtypes, alignment) each, the choice of backend, and the two extras the ZeRO engine passes to
 `step`:
   * `grad_scale`: a float or 0-dim tensor every gradient is multiplied by inside the kernel (the
@@ -109,6 +109,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     _state_keys: tuple[str, ...] = ()
     #: whether step(lowp_out=...) is supported (the ZeRO engine then skips its own copy pass)
     fuses_lowp_out = True
+    #: the dtype new state is created in: fp32, or bf16 when ZeRO keeps bf16 masters and optimizer
+    #: state (bf16.bf16_optimizer_states: zero/optimizers.py sets it); the kernels compute in fp32
+    #: whatever the state dtype and round the state once per step
+    state_dtype: torch.dtype = torch.float32
 
     def __init__(self, params: Iterable, defaults: dict, *, set_grad_none: bool = True, backend: str = "auto"):
         if backend == "auto":
@@ -146,7 +150,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if len(state) == 0:
             state["step"] = 0
             for key in self._state_keys:
-                state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                state[key] = torch.zeros(p.shape, dtype=self.state_dtype, device=p.device)
             self._init_extra_state(p, state)
         return state
 

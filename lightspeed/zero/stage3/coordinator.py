@@ -449,7 +449,8 @@ class Coordinator:
 
     def _reduce(self, g: ParamGroup) -> None:
         s = self.schedule
-        self._pending.append(g.reduce_grads(s.prescale_gradients, s.gradient_predivide_factor, s.reduce_dtype))
+        self._pending.append(g.reduce_grads(s.prescale_gradients, s.gradient_predivide_factor,
+                                            g.comm_dtype or s.reduce_dtype))
         self._reduced.add(id(g))
         while len(self._pending) > MAX_INFLIGHT_REDUCES:
             self._pending.popleft().wait()

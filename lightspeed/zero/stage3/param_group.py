@@ -7,7 +7,7 @@ flat buffer padded to a multiple of the data-parallel world size; rank r keeps o
     lp_shard          [padded/W] param dtype     this rank's low-precision params (always allocated)
     master_shard      [padded/W] fp32 or None    fp32 master (trainable groups with lp params only)
     grad_shard        [padded/W] grad_accum      reduced, accumulated gradients (trainable groups)
-    master_grad_shard [padded/W] fp32            what the optimizer reads (is grad_shard when fp32 or fused)
+    master_grad_shard [padded/W] optimizer dtype what the optimizer reads (is grad_shard when of its dtype, or fused)
     full_flat         [padded]   param dtype     the gathered buffer; its storage exists only while
                                                  the group is gathered
 
@@ -140,12 +140,14 @@ class ParamGroup:
                  values: Sequence[torch.Tensor], comm: Communicator, *, dtype: torch.dtype, device: torch.device,
                  grad_dtype: torch.dtype, keep_master: bool, stream: Any = None, fp32_grad_copy: bool = True,
                  offload: OffloadPolicy | None = None, with_grads: bool = True,
-                 collectives: Collectives | None = None, one_rank_views: bool = False):
+                 collectives: Collectives | None = None, one_rank_views: bool = False,
+                 master_dtype: torch.dtype = torch.float32):
         """`values[i]` holds the full value of `params[i]` (any dtype/device). Every rank passes its own
         values and rank 0's win (broadcast), so all ranks start identical. `fp32_grad_copy=False` (the
         fused optimizer step reads low-precision gradients itself) skips the fp32 gradient shard;
         `with_grads=False` (a group that only stores values, as `zero.Init`'s) has no gradient shard.
-        `one_rank_views`: at a data-parallel world of one, the parameters view the shard (Note: one rank)."""
+        `one_rank_views`: at a data-parallel world of one, the parameters view the shard (Note: one rank).
+        `master_dtype`: of a host master (optimizer offload; bf16/fp16 with low-precision masters)."""
         self.name, self.comm, self.dtype, self.device, self.stream = name, comm, dtype, device, stream
         self.collectives = collectives or Collectives.default(comm)
         self.params = list(params)
@@ -168,6 +170,7 @@ class ParamGroup:
         # optimizer offload, at the accumulation boundary: the copy stream on which each completed
         # reduction of this group is copied to `master_grad_shard` (set by the strategy)
         self.grads_to_host: Any = None
+        self.comm_dtype: torch.dtype | None = None  # torch_autocast: the dtype its gradients are reduced in
         self.on_host_queued: Any = None  # called once this step's copy of the gradients to the host is queued
         # one rank (Note: one rank): the shard is the whole buffer and the parameters view it
         self.always_gathered = (one_rank_views and comm.world_size == 1 and not offload.offloads_params
@@ -196,18 +199,19 @@ class ParamGroup:
         host_master = offload.offloads_optimizer and self.trainable
         if host_master:
             pin = offload.optimizer_pin_memory and offload.optimizer != "nvme"
-            self.master_shard = offload.host_copy(self.lp_shard, torch.float32, device, pin=pin)
+            self.master_shard = offload.host_copy(self.lp_shard, master_dtype, device, pin=pin)
         elif self.trainable and ((keep_master and dtype != torch.float32) or offload.offloads_params):
             self.master_shard = self.lp_shard.to(device=device, dtype=torch.float32, copy=True)
         else:
             self.master_shard = None
         self.grad_shard = torch.zeros(n, dtype=grad_dtype, device=device) if self.trainable and with_grads else None
         if host_master:
-            self.master_grad_shard = offload.host_empty(n, torch.float32, device, pin=offload.optimizer_pin_memory)
+            self.master_grad_shard = offload.host_empty(n, master_dtype, device, pin=offload.optimizer_pin_memory)
             self.master_grad_shard.zero_()
-        elif self.grad_shard is not None and self.master_shard is not None and grad_dtype != torch.float32 \
-                and fp32_grad_copy:
-            self.master_grad_shard = torch.zeros(n, dtype=torch.float32, device=device)
+        elif self.grad_shard is not None and grad_dtype != self.optimizer_shard.dtype and fp32_grad_copy:
+            # the optimizer reads gradients in its tensor's dtype: fp32 for an fp32 master or fp32
+            # parameters (with another data_types.grad_accum_dtype), bf16 for bf16 masters
+            self.master_grad_shard = torch.zeros(n, dtype=self.optimizer_shard.dtype, device=device)
         else:
             self.master_grad_shard = self.grad_shard
         # the device gradients hold memory from this group's first reduction of a step to the step's

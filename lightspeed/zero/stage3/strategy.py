@@ -64,7 +64,7 @@ from lightspeed.zero.stage3.units import choose_units, compile_regions, mark_nam
 from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.ops.lowp_writer import LowpWriter
-from lightspeed.zero.optimizers import check_optimizer, fused_step
+from lightspeed.zero.optimizers import check_optimizer, fused_step, low_precision_masters
 
 logger = get_logger(__name__)
 
@@ -87,12 +87,23 @@ class Stage3Strategy(ModelSeam):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None,
                  offload: OffloadPolicy | None = None, *, collectives: Collectives | None = None,
-                 reduce_groups: ReduceGroups | None = None):
+                 reduce_groups: ReduceGroups | None = None, comm_dtypes: dict[int, torch.dtype] | None = None):
+        """`comm_dtypes` (torch_autocast, precision/autocast.py): id(param) -> the dtype its gradient is
+        reduced in; when given, the parameters not in it are reduced in their own dtype, and each group
+        holds parameters of one reduce dtype."""
         self.options = options or Stage3Options()
+        self._comm_dtypes = comm_dtypes
         self.offload = offload if offload is not None else OffloadPolicy()
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
         # the optimizer unscales, clips and writes the lp shards (zero/optimizers.py says when)
         self._fused = fused_step(optimizer, self.offload)
+        # bf16 masters (bf16_master_weights_and_grads): the bf16 lp shard is the master, as DeepSpeed's
+        # stage 3 aliases a partition already in the master dtype; no second copy is kept (with the
+        # optimizer offloaded the master is a host copy in that dtype)
+        self._lowp_master = low_precision_masters(policy, optimizer, self.offload) != torch.float32
+        if self._lowp_master and self.offload.offloads_params:
+            raise NotImplementedError("bf16.bf16_master_weights_and_grads at ZeRO stage 3 with "
+                                      "zero_optimization.offload_param is not implemented yet")
         if optimizer is not None and optimizer.state:
             raise ValueError("the optimizer already has state; pass a freshly constructed optimizer to initialize()")
         self.module, self.optimizer, self.policy, self.comm = module, optimizer, policy, comm
@@ -199,7 +210,14 @@ class Stage3Strategy(ModelSeam):
             sel = [(n, p) for n, p in owned if p.requires_grad == trainable]
             for key, params in self.reduce_groups.split([p for _, p in sel]):
                 ids = {id(p) for p in params}
-                out.append((trainable, key, [(n, p) for n, p in sel if id(p) in ids]))
+                kept = [(n, p) for n, p in sel if id(p) in ids]
+                if self._comm_dtypes is None or not trainable:
+                    out.append((trainable, key, kept))
+                    continue
+                by_comm: dict[torch.dtype, list] = {}  # torch_autocast: one group per reduce dtype
+                for n, p in kept:
+                    by_comm.setdefault(self._comm_dtypes.get(id(p), self.policy.param_dtype), []).append((n, p))
+                out.extend((trainable, key, members) for members in by_comm.values())
         return out
 
     def _build_groups(self, opt_index: dict[int, int], stream) -> list[ParamGroup]:
@@ -237,7 +255,10 @@ class Stage3Strategy(ModelSeam):
             full_numel = sum(p.numel() for _, p in owned)
             for trainable, key, sel in self._unit_groups(owned):
                 sel.sort(key=lambda item: opt_index.get(id(item[1]), last))
-                name = unit.name + ("" if trainable else " (frozen)") + (f" [{' x '.join(key)}]" if key else "")
+                comm_dtype = self._comm_dtypes.get(id(sel[0][1]), self.policy.param_dtype) \
+                    if trainable and self._comm_dtypes is not None else None
+                name = unit.name + ("" if trainable else " (frozen)") + (f" [{' x '.join(key)}]" if key else "") \
+                    + (f" ({str(comm_dtype).removeprefix('torch.')} reduce)" if comm_dtype is not None else "")
                 collectives = self.reduce_groups.for_key(key)
                 numel = sum(p.numel() if not p.is_meta else torch.Size(shape_of(p)).numel() for _, p in sel)
                 offload = self.offload
@@ -250,9 +271,12 @@ class Stage3Strategy(ModelSeam):
                                collectives.comm, collectives=collectives, dtype=self.policy.param_dtype,
                                device=self.device,
                                grad_dtype=self.policy.grad_accum_dtype,
-                               keep_master=self.policy.master_dtype is not None, stream=stream,
+                               keep_master=self.policy.master_dtype is not None and not self._lowp_master,
+                               stream=stream,
                                fp32_grad_copy=not self._fused, offload=offload,
-                               one_rank_views=self.options.one_rank_views)
+                               one_rank_views=self.options.one_rank_views,
+                               master_dtype=self.policy.shard_master_dtype())
+                g.comm_dtype = comm_dtype
                 self.setup_peak_numel = max(self.setup_peak_numel, full_numel + g.numel)
                 groups.append(g)
                 full_numel -= g.layout.numel  # the values now live in the group's shard only

@@ -135,7 +135,7 @@ def test_deepspeed_config_exposes_the_models():
     assert isinstance(cfg.bfloat16_config, pc.DeepSpeedBF16Config) and not cfg.bfloat16_config.enabled
     assert cfg.gradient_allreduce_op == "mean"
     with pytest.raises(AttributeError):
-        cfg.gradient_allreduce_op = "sum"  # read-only: lightspeed always averages
+        cfg.gradient_allreduce_op = "sum"  # read-only: the config decides
 
 
 class Block(torch.nn.Module):

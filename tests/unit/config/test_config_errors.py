@@ -106,6 +106,14 @@ def test_cross_section_rules():
     assert any(p.startswith("bf16.bf16_optimizer_states: needs zero_optimization.stage") for p in found)
     assert any(p.startswith("bf16.bf16_optimizer_states: needs bf16.bf16_master_weights_and_grads") for p in found)
     assert any(p.startswith("zero_optimization.offload_optimizer.ratio:") for p in found)
+    unmanaged = {"managed_gradient_accumulation": False}
+    assert problems({**unmanaged, "zero_optimization": {"stage": 1, "overlap_comm": True}}) == [
+        "managed_gradient_accumulation: false supports zero_optimization.overlap_comm only with ZeRO stage 2 or 3 "
+        "(got stage 1 with overlap_comm true)"]
+    for stage in (1, 3):  # overlap_comm defaults to stage == 3, which the rule accepts
+        load({**BASE, **unmanaged, "zero_optimization": {"stage": stage}}, world_size=1)
+    assert problems({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}) == [
+        'gradient_allreduce_op: "sum" is not supported with zero_optimization.stage 3 (got "sum")']
     assert 'zero_optimization.offload_param.nvme_path: is required when device is "nvme"' in problems(
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
     )

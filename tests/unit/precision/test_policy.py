@@ -34,10 +34,10 @@ def test_bf16_defaults_follow_current_deepspeed():
 
 def test_overrides():
     p = policy_from_config({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
-                            "communication_data_type": "fp32"})
+                            "communication_data_type": "fp32", "zero_optimization": {"stage": 1}})
     assert (p.param_dtype, p.grad_accum_dtype, p.reduce_dtype, p.master_dtype) == (bf16, fp32, fp32, fp32)
     p = policy_from_config({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "float32"},
-                            "communication_data_type": "fp32"})
+                            "communication_data_type": "fp32", "zero_optimization": {"stage": 2}})
     assert (p.grad_accum_dtype, p.reduce_dtype, p.loss_scaling) == (fp32, fp32, True)
     p = policy_from_config({"communication_data_type": "bf16"})
     assert (p.param_dtype, p.reduce_dtype) == (fp32, bf16)
@@ -63,10 +63,15 @@ def test_errors():
         policy_from_config({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
     with pytest.raises(ConfigError, match="data_types.grad_accum_dtype"):
         policy_from_config({"data_types": {"grad_accum_dtype": "fp8"}})
-    with pytest.raises(ConfigError, match="cannot accumulate"):
-        policy_from_config({"data_types": {"grad_accum_dtype": "fp16"}})
-    with pytest.raises(ConfigError, match="cannot accumulate"):
-        policy_from_config({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}})
+    # DeepSpeed's rule: without ZeRO the accumulation dtype is the model's; with ZeRO any combination
+    for model, accum in (("fp32", "fp16"), ("fp16", "bf16"), ("bf16", "fp32"), ("fp16", "fp32")):
+        section = {} if model == "fp32" else {("fp16" if model == "fp16" else "bf16"): {"enabled": True}}
+        with pytest.raises(ConfigError, match="data_types.grad_accum_dtype: without ZeRO .* stage 1, 2 or 3"):
+            policy_from_config({**section, "data_types": {"grad_accum_dtype": accum}})
+        for stage in (1, 2, 3):
+            p = policy_from_config({**section, "data_types": {"grad_accum_dtype": accum},
+                                    "zero_optimization": {"stage": stage}})
+            assert p.grad_accum_dtype == {"fp32": fp32, "fp16": fp16, "bf16": bf16}[accum]
     with pytest.raises(ConfigError, match="communication_data_type"):
         policy_from_config({"communication_data_type": "int8"})
     with pytest.raises(ConfigError, match="data_types.param_dtype"):
@@ -86,7 +91,7 @@ def test_parse_dtype_spellings():
 def test_real_config_object():
     from lightspeed.config import load
 
-    cfg = load({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+    cfg = load({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
                 "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"})
     assert policy_from_config(cfg) == PrecisionPolicy(bf16, bf16, fp32, fp32, fp32, False)
     cfg = load({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}})

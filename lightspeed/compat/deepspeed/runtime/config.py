@@ -117,9 +117,9 @@ class DeepSpeedConfig:
 
     @property
     def gradient_allreduce_op(self) -> str:
-        """DeepSpeed's `gradient_allreduce_op`: how gradients are combined over the data-parallel ranks.
-        Always DeepSpeed's default, "mean" (lightspeed has no "sum" mode)."""
-        return GRADIENT_ALLREDUCE_OP_MEAN
+        """DeepSpeed's `gradient_allreduce_op`: how gradients are combined over the data-parallel ranks,
+        "mean" (the default) or "sum"; read from the config (read-only here)."""
+        return self.ls_config.gradient_allreduce_op
 
     def __repr__(self) -> str:
         return (f"DeepSpeedConfig(train_batch_size={self.train_batch_size}, zero_optimization_stage="

@@ -123,7 +123,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _above("checkpoint.writer.io_multiplier", 1),
     Unimplemented("checkpoint.checkpoint_serialization", lambda cfg: cfg.checkpoint.checkpoint_serialization is False,
                   lambda cfg: "checkpoint.checkpoint_serialization=false (torch's legacy, non-zip file format)"),
-    _flag("autotuning.enabled"),
     # the hybrid engine (lightspeed.hybrid) is built; its decode graphs, and gathering in chunks of layers for
     # generation split over tensor-parallel ranks (the whole model is gathered first), are not
     Unimplemented("hybrid_engine.tp_gather_partition_size",

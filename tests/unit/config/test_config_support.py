@@ -58,7 +58,6 @@ def test_stage_message_and_all_named_at_once():
         ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}, "compression_training (weight_quantization)"),
         ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),
         ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, "curriculum_learning.enabled=true"),
-        ({"autotuning": {"enabled": True}}, "autotuning.enabled=true"),
         ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop.enabled=true"),
         ({"sparse_gradients": True}, "sparse_gradients=true"),
         ({"checkpoint": {"writer": {"type": "fast"}}}, 'checkpoint.writer.type="FAST" (DeepSpeed\'s DeepNVMe writer through pinned I/O buffers; "PYTHON", decoupled or not, is built)'),

@@ -146,7 +146,12 @@ class Autotuner:
         text = (exp_dir / "stdout.log").read_text(errors="replace")
         oom = "out of memory" in text.lower() or "outofmemory" in text.lower()
         last = next((ln for ln in reversed(text.strip().splitlines()) if ln.strip()), "")
-        return None, ("out of memory" if oom else f"exit {code}: {last[-200:]}")
+        if oom:
+            return None, "out of memory"
+        if code == 0:
+            return None, (f"the script ended before step {ds_config['autotuning']['end_profile_step'] + 1} without "
+                          f"reporting (run it for more steps)")
+        return None, f"exit {code}: {last[-200:]}"
 
     def _calibrate(self, family: Family, micro: int) -> Optional[str]:
         """Fit the memory model with one profiled step of `family` at `micro`; why it failed, or None."""

@@ -100,7 +100,7 @@ class Space:
         cfg["train_micro_batch_size_per_gpu"] = cand.micro
         cfg["gradient_accumulation_steps"] = cand.gas
         cfg["train_batch_size"] = cand.micro * cand.gas * self.dp
-        tuning = {k: v for k, v in _dict(cfg.get("autotuning")).items() if k not in ("metric_path", "memory_budget")}
+        tuning = {k: v for k, v in _dict(cfg.get("autotuning")).items() if k != "metric_path"}
         if experiment:  # the metric file is named by the environment (runtime/autotuning_probe.py)
             tuning.update(enabled=True, start_profile_step=start, end_profile_step=end)
         else:

@@ -153,7 +153,8 @@ class ElasticityConfig(Section):
 
 
 class AutotuningConfig(Section):
-    """``autotuning``: the DeepSpeed autotuner (driven by the launcher, not the engine)."""
+    """``autotuning``: DeepSpeed's autotuner (driven by the launcher, lightspeed/autotuning; with ``enabled``
+    the engine measures the profile window and exits, runtime/autotuning_probe.py)."""
 
     enabled: Bool = False
     fast: Bool = True
@@ -176,6 +177,8 @@ class AutotuningConfig(Section):
     max_train_micro_batch_size_per_gpu: PosInt = 1024
     min_train_micro_batch_size_per_gpu: PosInt = 1
     num_tuning_micro_batch_sizes: PosInt = 3
+    # lightspeed's own key: bytes per rank above which a candidate is pruned unrun (default: the accelerator's)
+    memory_budget: Optional[PosInt] = None
 
 
 class HybridEngineConfig(Section):

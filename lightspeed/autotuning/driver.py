@@ -88,7 +88,7 @@ def _with_config(user_args: list[str], path: str) -> list[str]:
 class Autotuner:
     """One tuning session: `tune()` fills `trials` and returns the best; `write()` writes the results."""
 
-    def __init__(self, user_config: dict, launcher_argv: list[str], script: str, user_args: list[str], dp: int,
+    def __init__(self, user_config: dict, launcher_argv: list[str], script: str, user_args: list[str], world_size: int,
                  memory_budget: Optional[int] = None, device_type: Optional[str] = None):
         self.user_config = user_config
         self.tuning = dict(user_config.get("autotuning") or {})
@@ -99,9 +99,16 @@ class Autotuner:
         if tuner not in ("gridsearch", "random", "model_based"):
             raise ConfigError(f"autotuning.tuner_type: must be gridsearch, random or model_based (got {tuner!r})")
         self.metric, self.tuner_type = metric, tuner
+        if self.tuning.get("fast", True) is False:
+            raise NotImplementedError("autotuning.fast=false (DeepSpeed then also tunes ZeRO's bucket sizes and overlap "
+                                      "flags; lightspeed tunes stage, micro batch, accumulation, offload, compile and "
+                                      "activation checkpointing, as with fast=true)")
         self.launcher_argv, self.script, self.user_args = list(launcher_argv), script, list(user_args)
         user_config_path(self.user_args)  # refused early when missing
-        self.space: Space = space_from_config(user_config, dp)
+        mp = int(self.tuning.get("mp_size", 1))
+        if world_size % mp:
+            raise ConfigError(f"autotuning.mp_size: must divide the world size {world_size} (got {mp})")
+        self.space: Space = space_from_config(user_config, world_size // mp)
         self.start = int(self.tuning.get("start_profile_step", 3))
         self.end = int(self.tuning.get("end_profile_step", 5))
         self.results_dir = Path(self.tuning.get("results_dir", "autotuning_results"))
@@ -316,7 +323,7 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
     return args + [flag, value]
 
 
-def run_autotuning(mode: str, launcher_argv: list[str], script: str, user_args: list[str], dp: int,
+def run_autotuning(mode: str, launcher_argv: list[str], script: str, user_args: list[str], world_size: int,
                    memory_budget: Optional[int] = None) -> int:
     """The launcher's ``--autotuning tune|run``: tune, write the results, and with ``run`` start the
     training with the best config. Returns an exit status."""
@@ -324,7 +331,7 @@ def run_autotuning(mode: str, launcher_argv: list[str], script: str, user_args: 
     from lightspeed.config.parse import read_source
 
     user_config, _ = read_source(path)
-    tuner = Autotuner(user_config, launcher_argv, script, user_args, dp, memory_budget=memory_budget)
+    tuner = Autotuner(user_config, launcher_argv, script, user_args, world_size, memory_budget=memory_budget)
     tuner.tune()
     optimal = tuner.write()
     logger.info("autotuning: trials in %s\n%s", tuner.results_dir / "trials.md", tuner.table())

@@ -155,9 +155,8 @@ def space_from_config(user: dict[str, Any], dp: int) -> Space:
     low = int(tuning.get("min_train_micro_batch_size_per_gpu", 1))
     high = int(tuning.get("max_train_micro_batch_size_per_gpu", 1024))
     max_train = tuning.get("max_train_batch_size")
-    mp = int(tuning.get("mp_size", 1))
-    if max_train:
-        high = min(high, max(int(max_train) * mp // dp, 1))  # DeepSpeed's max_train_micro_batch_size_per_gpu
+    if max_train:  # DeepSpeed's: max_train_batch_size * mp_size // GPUs, GPUs being dp * mp_size
+        high = min(high, max(int(max_train) // dp, 1))
     if high < low:
         raise ConfigError(f"autotuning.max_train_micro_batch_size_per_gpu: must be >= "
                           f"min_train_micro_batch_size_per_gpu {low} (got {high})")

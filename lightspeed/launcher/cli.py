@@ -201,7 +201,7 @@ def _autotune(args: argparse.Namespace, argv: Optional[list[str]], job) -> int:
     try:
         return run_autotuning(args.autotuning, launcher_argv, args.user_script, list(args.user_args),
                               plan.world_size, memory_budget=args.autotuning_memory_budget)
-    except ConfigError as e:
+    except (ConfigError, NotImplementedError) as e:
         return _error(str(e))
 
 

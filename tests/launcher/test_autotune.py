@@ -98,7 +98,7 @@ def test_search_order_and_helpers(tmp_path):
     assert _without_autotuning(["--num_procs", "2", "--autotuning", "run", "--autotuning_memory_budget=9"]) == \
         ["--num_procs", "2"]
     tuner = Autotuner({"autotuning": {"tuner_type": "model_based"}, "zero_optimization": {"stage": [0, 1]}}, [],
-                      "s.py", ["--deepspeed_config", "x.json"], dp=1, memory_budget=1 << 30, device_type="cpu")
+                      "s.py", ["--deepspeed_config", "x.json"], world_size=1, memory_budget=1 << 30, device_type="cpu")
     f0, f1 = tuner.space.families
     done = [(Candidate(f0, 1, 1), {"latency": 10.0}), (Candidate(f0, 2, 1), {"latency": 12.0})]
     pending = [(Candidate(f0, 4, 1), 0), (Candidate(f0, 8, 1), 0), (Candidate(f1, 8, 1), 0)]
@@ -106,3 +106,7 @@ def test_search_order_and_helpers(tmp_path):
     assert tuner._next(pending, done, random.Random(0))[0] == Candidate(f0, 8, 1)  # 8 / 16 ms beats 4 / 12 ms
     with pytest.raises(ConfigError, match="autotuning.metric"):
         Autotuner({"autotuning": {"metric": "speed"}}, [], "s.py", ["--deepspeed", "x.json"], 1, 1, "cpu")
+    with pytest.raises(NotImplementedError, match="autotuning.fast=false"):
+        Autotuner({"autotuning": {"fast": False}}, [], "s.py", ["--deepspeed", "x.json"], 1, 1, "cpu")
+    with pytest.raises(ConfigError, match="autotuning.mp_size"):
+        Autotuner({"autotuning": {"mp_size": 2}}, [], "s.py", ["--deepspeed", "x.json"], 3, 1, "cpu")

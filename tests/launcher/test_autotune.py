@@ -110,3 +110,11 @@ def test_search_order_and_helpers(tmp_path):
         Autotuner({"autotuning": {"fast": False}}, [], "s.py", ["--deepspeed", "x.json"], 1, 1, "cpu")
     with pytest.raises(ConfigError, match="autotuning.mp_size"):
         Autotuner({"autotuning": {"mp_size": 2}}, [], "s.py", ["--deepspeed", "x.json"], 3, 1, "cpu")
+
+
+def test_autotune_subcommand_is_autotuning_tune_and_needs_the_config_flag(cli):
+    code, _, err = cli("autotune", "--num_procs", "2", SCRIPTS / "autotune_gpt.py", "--steps", "3")
+    assert code == 2 and "--deepspeed_config FILE" in err
+    code, _, err = cli("--autotuning", "tune", "--num_procs", "2", SCRIPTS / "autotune_gpt.py", "--deepspeed_config",
+                       "missing.json")
+    assert code == 2 and "missing.json" in err

@@ -10,7 +10,8 @@ Note: [experiments]
     flags of DeepSpeed's keys) point at the experiment's ds_config, which turns ``autotuning.enabled``
     on; the engine reports to ``LIGHTSPEED_AUTOTUNING_METRIC_PATH`` after ``end_profile_step`` and
     ends the process. Per family (autotuning/space.py) the smallest micro batch runs first, one
-    profiled step only, to calibrate the memory model (autotuning/memory.py); grid points predicted
+    profiled step only and without compile (its memory is taken as the compiled one's), to calibrate the
+    memory model (autotuning/memory.py); grid points predicted
     over ``autotuning.memory_budget`` (lightspeed's key; default: the accelerator's memory) are
     pruned without running. A run that fails out of memory prunes that family's larger micro batches.
 
@@ -162,6 +163,7 @@ class Autotuner:
 
     def _calibrate(self, family: Family, micro: int) -> Optional[str]:
         """Fit the memory model with one profiled step of `family` at `micro`; why it failed, or None."""
+        family = Family(family.stage, family.offload, False, family.ckpt)  # compiled graphs hide saved tensors
         cand = Candidate(family, micro, 1)
         metrics, why = self._experiment(f"calibrate_{family.name}_mb{micro}",
                                         self.space.ds_config(cand, True, 1, 1), self.space.script_args(cand))

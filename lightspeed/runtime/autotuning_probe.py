@@ -1,7 +1,7 @@
 """What one autotuning experiment measures inside the training script, and the file it reports to.
 
 With ``autotuning.enabled`` the engine times the optimizer steps after ``start_profile_step`` up to
-``end_profile_step`` (DeepSpeed's window), writes the metrics as JSON on global rank 0, and ends the
+``end_profile_step + 1`` (DeepSpeed's window; the first step is never timed), writes the metrics as JSON on global rank 0, and ends the
 process after step ``end_profile_step + 1``, as DeepSpeed's engine does: the script needs no change.
 Owns `AutotuningProbe`. Must not choose configs or start processes (lightspeed.autotuning does).
 
@@ -9,12 +9,12 @@ Note: [the metric file]
     The path is ``autotuning.metric_path``, else env ``LIGHTSPEED_AUTOTUNING_METRIC_PATH`` (which the
     autotuner sets for each experiment), else ``./autotuning_metric.json`` (DeepSpeed's default). Keys:
     DeepSpeed's ``latency`` (ms per optimizer step), ``throughput`` (samples per second, all ranks) and
-    ``FLOPS_per_gpu`` (3 x the forward's FLOPs, counted once with torch's FlopCounterMode, per micro
-    step per second); and lightspeed's ``tokens_per_s`` (when the first tensor input of the forward is
+    ``FLOPS_per_gpu`` (3 x the forward's FLOPs, counted once with torch's FlopCounterMode in the step
+    before the window, per micro step per second); and lightspeed's ``tokens_per_s`` (when the first tensor input of the forward is
     an integer tensor: its element count, the tokens of a micro batch, null otherwise),
     ``peak_memory_bytes`` (the accelerator's peak over the window), ``memory_breakdown`` (the engine's
     `memory_breakdown()`), ``activation_bytes`` (the bytes autograd saved for backward in one forward,
-    counted with saved-tensor hooks) and the batch it ran. The autotuner's memory model is fitted to
+    counted with saved-tensor hooks; these counts are null for a compiled module) and the batch it ran. The autotuner's memory model is fitted to
     the last three (autotuning/memory.py).
 """
 
@@ -48,8 +48,12 @@ class AutotuningProbe:
 
     def __init__(self, engine):
         self.engine = engine
-        self.start = engine.config.autotuning.start_profile_step
+        # the window: the steps after `start` up to `end + 1` (at least one step, none before the first)
+        self.start = max(engine.config.autotuning.start_profile_step, 1)
         self.end = engine.config.autotuning.end_profile_step
+        if self.end + 1 <= self.start:
+            raise ValueError(f"autotuning.end_profile_step: must be >= 1 so that one step is timed "
+                             f"(got {self.end})")
         self._t0: Optional[float] = None
         self._measured_forward = False
         self.fwd_flops: Optional[int] = None
@@ -57,10 +61,14 @@ class AutotuningProbe:
         self.tokens_per_micro: Optional[int] = None
 
     def forward(self, call, inputs: tuple, kwargs: dict):
-        """Run `call()`; the first forward of the window also counts FLOPs, saved bytes and tokens."""
-        if self._measured_forward or self.engine.global_steps < self.start:
+        """Run `call()`; the first forward of the step before the window also counts FLOPs, saved bytes and
+        tokens (outside the timed steps, as counting slows it; not with compiled regions, whose graphs the
+        counters would break)."""
+        if self._measured_forward or self.engine.global_steps < self.start - 1:
             return call()
         self._measured_forward = True
+        if self.engine.is_compiled:
+            return call()
         first = next((x for x in list(inputs) + list(kwargs.values()) if torch.is_tensor(x)), None)
         if first is not None and not first.is_floating_point() and not first.is_complex():
             self.tokens_per_micro = int(first.numel())

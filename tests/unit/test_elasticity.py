@@ -133,3 +133,16 @@ def test_compat_module_is_the_same_function():
 
     assert elasticity.compute_elastic_config is compute_elastic_config
     assert issubclass(elasticity.config.ElasticityIncompatibleWorldSize, elasticity.ElasticityError)
+
+
+def test_deepspeed_config_reports_the_elastic_batch(monkeypatch):
+    monkeypatch.delenv("DEEPSPEED_ELASTICITY_CONFIG", raising=False)
+    from lightspeed.compat.deepspeed.runtime.config import DeepSpeedConfig
+
+    class Mpu:
+        def get_data_parallel_world_size(self):
+            return 2
+
+    cfg = DeepSpeedConfig({"elasticity": ELASTIC}, mpu=Mpu())
+    assert cfg.elasticity_enabled and (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                       cfg.gradient_accumulation_steps) == (4, 2, 1)

@@ -119,7 +119,8 @@ def build_launch_parser() -> argparse.ArgumentParser:
     add("--no_local_rank", action="store_true", help="never pass --local_rank to the script")
     add("--as_deepspeed", action="store_true",
         help="run an unchanged DeepSpeed script: every rank registers lightspeed as `deepspeed` before it starts")
-    add("--max_restarts", type=int, default=0, help="restart all workers up to N times after a failure")
+    add("--max_restarts", type=int, default=None,
+        help="restart all workers up to N times after a failure (default 0; 100 with --elastic_training, as DeepSpeed)")
     add("--comm_timeout", type=float, default=None, metavar="SECONDS",
         help="end the job when a collective waits longer than this; every rank's stacks are printed "
              "(default: $LIGHTSPEED_COMM_TIMEOUT, else 600)")

@@ -15,9 +15,10 @@ from lightspeed.comm.init import free_port
 
 from .conftest import SCRIPTS, clean_env
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = pytest.mark.dist
 
 
+@pytest.mark.slow
 def test_a_killed_node_restarts_the_job_at_one_process_from_the_checkpoint(tmp_path, home):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
@@ -66,3 +67,10 @@ def test_a_killed_node_restarts_the_job_at_one_process_from_the_checkpoint(tmp_p
     assert [s["step"] for s in steps[steps.index(two[-1]):]] == [2, 3, 4]
     assert {(s["batch"], s["micro"], s["gas"]) for s in two} == {(8, 4, 1)}  # elasticity: 8 = 4 x 1 x 2
     assert {(s["batch"], s["micro"], s["gas"]) for s in one} == {(8, 4, 2)}  # 8 = 4 x 2 x 1
+
+
+@pytest.mark.parametrize("extra, restarts", [((), "--max_restarts=100"), (("--max_restarts", "3"), "--max_restarts=3")])
+def test_elastic_jobs_restart_up_to_100_times_unless_told(cli, extra, restarts):
+    code, out, err = cli("--num_procs", "1", "--elastic_training", *extra, "--dry_run", SCRIPTS / "elastic_job.py")
+    assert code == 0, err
+    assert restarts in out

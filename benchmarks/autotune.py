@@ -13,6 +13,13 @@ throughputs compare. `--deepspeed-python` (a Python with DeepSpeed installed, e.
 `python -m lightspeed.testing.deepspeed_env`) also runs `deepspeed --autotuning tune` with the same
 `autotuning` section on the worker under real DeepSpeed and reports its wall time and its pick's
 throughput (its own metric file). `--smoke`: a tiny GPT on CPU, seconds per run.
+
+On one H200 (each run is a fresh launch, ~20 s), within a 10-minute command:
+
+    python benchmarks/autotune.py --preset gpt2 --stages 0 2 3 --max-micro 32 --num-micro 2
+
+`--only tuner` / `--only grid` run one side (the grid's best is then not known / the tuner not run), to
+split a larger space over two commands; the grid's per-point lines are printed as they finish.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ def main() -> None:
     p.add_argument("--workdir", default="autotune_bench")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--only", choices=("tuner", "grid"), default=None)
     a = p.parse_args()
     if a.smoke:
         a.preset, a.seq, a.stages, a.max_micro, a.num_micro, a.device = "demo", 32, [0, 1], 8, 2, "cpu"
@@ -78,10 +86,12 @@ def main() -> None:
     budget = ["--autotuning_memory_budget", str(int(a.budget_gib * 2**30))] if a.budget_gib else []
 
     t0 = time.perf_counter()
-    code = subprocess.run([sys.executable, "-m", "lightspeed.launcher", *launcher, "--autotuning", "tune", *budget,
-                           str(WORKER), *script_args], env=env).returncode
+    code = 0
+    if a.only != "grid":
+        code = subprocess.run([sys.executable, "-m", "lightspeed.launcher", *launcher, "--autotuning", "tune", *budget,
+                               str(WORKER), *script_args], env=env).returncode
     tuned_s = time.perf_counter() - t0
-    trials = json.loads((work / "results" / "trials.json").read_text()) if code == 0 else []
+    trials = json.loads((work / "results" / "trials.json").read_text()) if code == 0 and a.only != "grid" else []
     ran = [t for t in trials if t["status"] == "ok"]
     pick = max(ran, key=lambda t: t["metrics"]["throughput"]) if ran else None
 
@@ -92,7 +102,7 @@ def main() -> None:
     tuner = Autotuner(grid_cfg, launcher, str(WORKER), script_args, dp, memory_budget=1 << 62, device_type=a.device)
     t0 = time.perf_counter()
     grid = []
-    for family in tuner.space.families:
+    for family in tuner.space.families if a.only != "tuner" else []:
         for cand in tuner.space.candidates(family, tuner.space.micro_grid):
             metrics, why = tuner._experiment(cand.name, tuner.space.ds_config(cand, True, start, end),
                                              tuner.space.script_args(cand))
@@ -105,7 +115,9 @@ def main() -> None:
           f"micro {tuner.space.micro_grid}")
     print(f"{'search':<22}{'wall s':>9}{'runs':>6}  {'pick':<28}{'tokens/s':>12}{'vs grid best':>14}")
     best_tps = best_grid[1]["tokens_per_s"] if best_grid else float("nan")
-    if pick:
+    if a.only == "grid":
+        pass
+    elif pick:
         n = len(list((work / "exps").iterdir()))
         print(f"{'lightspeed autotuner':<22}{tuned_s:>9.1f}{n:>6}  {pick['name']:<28}"
               f"{pick['metrics']['tokens_per_s']:>12.0f}{pick['metrics']['tokens_per_s'] / best_tps:>14.3f}")

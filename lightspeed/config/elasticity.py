@@ -19,6 +19,13 @@ Note: [the search]
     to the largest (or smallest) multiple of ``micro * dp_size`` within the cap for that world size
     alone. The arithmetic (float divisions truncated with ``int``, the HCN table's last entry when the
     cap is beyond it) is DeepSpeed's, so the answers are identical.
+
+Note: [where this differs from DeepSpeed]
+    Errors only: `return_microbatch=True` without a world size at version 0.1 (DeepSpeed divides by
+    the zero world size) is an `ElasticityConfigError`; the scheduler's copy in
+    ``DEEPSPEED_ELASTICITY_CONFIG`` may be the section or a whole ds_config holding it (DeepSpeed reads
+    the top level as the section, so a whole config compares as the defaults); a missing copy is not
+    logged.
 """
 
 from __future__ import annotations

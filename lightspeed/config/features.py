@@ -137,23 +137,24 @@ class PipelineConfig(Section):
 
 
 class ElasticityConfig(Section):
-    """``elasticity``: pick a batch size that works for a range of GPU counts."""
+    """``elasticity``: pick a batch size that works for a range of GPU counts (config/elasticity.py)."""
 
     enabled: Bool = False
     max_train_batch_size: PosInt = 2000
     micro_batch_sizes: IntList(ge=1) = [2, 4, 6]
     min_gpus: PosInt = 1
     max_gpus: PosInt = 10000
-    min_time: NonNegInt = 20
+    min_time: NonNegInt = 0
     prefer_larger_batch: Bool = True
     ignore_non_elastic_batch_info: Bool = False
-    version: Float(gt=0) = 0.1
+    version: Float(gt=0) = 0.2
     model_parallel_size: PosInt = 1
     num_gpus_per_node: PosInt = 1
 
 
 class AutotuningConfig(Section):
-    """``autotuning``: the DeepSpeed autotuner (driven by the launcher, not the engine)."""
+    """``autotuning``: DeepSpeed's autotuner (driven by the launcher, lightspeed/autotuning; with ``enabled``
+    the engine measures the profile window and exits, runtime/autotuning_probe.py)."""
 
     enabled: Bool = False
     fast: Bool = True
@@ -176,6 +177,8 @@ class AutotuningConfig(Section):
     max_train_micro_batch_size_per_gpu: PosInt = 1024
     min_train_micro_batch_size_per_gpu: PosInt = 1
     num_tuning_micro_batch_sizes: PosInt = 3
+    # lightspeed's own key: bytes per rank above which a candidate is pruned unrun (default: the accelerator's)
+    memory_budget: Optional[PosInt] = None
 
 
 class HybridEngineConfig(Section):

@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from lightspeed._utils.logging import get_logger
 from lightspeed.config.base import as_int, dotted, problems_from, section_at, show
 from lightspeed.config.batch import BATCH_KEYS, detect_world_size, resolve_batch
+from lightspeed.config.elasticity import ElasticityError, elastic_batch
 from lightspeed.config.errors import ConfigError
 from lightspeed.config.legacy import map_legacy
 from lightspeed.config.model import LightspeedConfig, cross_problems
@@ -235,11 +236,12 @@ class Validation:
     unimplemented: list[str] = field(default_factory=list)
     valid_sections: Optional[LightspeedConfig] = None
     placeholders: list[str] = field(default_factory=list)  # the "auto"s `hf_placeholders` set aside
+    error_type: type = ConfigError  # elasticity's problems raise its own error classes, as DeepSpeed's do
 
     def raise_for_errors(self, check_support: bool = True) -> LightspeedConfig:
         """The config; ConfigError listing every problem, then NotImplementedError (when `check_support`)."""
         if self.problems:
-            raise ConfigError(self.problems)
+            raise self.error_type(self.problems)
         if check_support:
             raise_unimplemented(self.unimplemented)
         assert self.config is not None
@@ -295,13 +297,26 @@ def validate(source: Union[dict, str, "os.PathLike[str]", LightspeedConfig],
     elastic = isinstance(elasticity, dict) and elasticity.get("enabled") is True  # it sets the triad itself
     given = _batch_inputs(mapped)
     batch_placeholder = any(path[0] in BATCH_KEYS for path in placeholders)
+    error_type: type = ConfigError
     if world is not None and given is not None and not elastic and not batch_placeholder:
         *resolved, batch_problems = resolve_batch(*given, world, world_source)
         problems += batch_problems
+    elif world is not None and elastic and not hf_placeholders:
+        try:
+            resolved = list(elastic_batch(mapped, world))
+        except (ElasticityError, ValueError) as err:
+            problems.append(str(err))
+            error_type = type(err) if isinstance(err, ElasticityError) else ElasticityError
+        else:
+            for key, value in zip(BATCH_KEYS, resolved):
+                if key in mapped:
+                    logger.warning(f"elasticity: overriding {key} {mapped[key]} -> {value}")
+            logger.info(f"elasticity: batch {resolved[0]} = micro {resolved[1]} x accumulation {resolved[2]} x "
+                        f"world size {world}")
 
     shown = [dotted(path) for path in placeholders]
     if problems or hf_placeholders:  # a template with its placeholders set aside is checked, never used
-        return Validation(None, problems, unimplemented, partial, shown)
+        return Validation(None, problems, unimplemented, partial, shown, error_type)
     assert cfg is not None
     _warn_like_deepspeed(cfg)
     if resolved is not None:

@@ -121,8 +121,11 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _above("checkpoint.writer.io_multiplier", 1),
     Unimplemented("checkpoint.checkpoint_serialization", lambda cfg: cfg.checkpoint.checkpoint_serialization is False,
                   lambda cfg: "checkpoint.checkpoint_serialization=false (torch's legacy, non-zip file format)"),
-    _flag("elasticity.enabled"),
-    _flag("autotuning.enabled"),
+    # the autotuner calibrates memory from a profiled step itself; DeepSpeed's model-info profile run is not built
+    Unimplemented("autotuning.model_info", lambda cfg: cfg.autotuning.enabled and bool(
+        (cfg.autotuning.model_info or {}).get("profile")),
+        lambda cfg: "autotuning.model_info.profile=true (DeepSpeed's model-info profile run, which writes "
+        "autotuning.model_info_path; lightspeed's autotuner calibrates from a profiled step instead)"),
     # the hybrid engine (lightspeed.hybrid) is built; its decode graphs, and gathering in chunks of layers for
     # generation split over tensor-parallel ranks (the whole model is gathered first), are not
     Unimplemented("hybrid_engine.tp_gather_partition_size",

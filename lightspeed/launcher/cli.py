@@ -3,7 +3,7 @@
 ``lightspeed [launcher options] script.py [script args]`` starts a training script on this node or on
 every host of a hostfile, with the options of DeepSpeed's `deepspeed` command. Subcommands, named
 first: ``lightspeed demo``, ``lightspeed report``, ``lightspeed config check|show FILE``, ``lightspeed convert
-to-fp32|to-deepspeed CKPT_DIR OUT``, ``lightspeed checkpoint verify DIR``. (A script named like a subcommand is run as
+to-fp32|to-deepspeed CKPT_DIR OUT``, ``lightspeed checkpoint verify DIR``, ``lightspeed autotune [options] script.py [args]`` (``--autotuning tune``). (A script named like a subcommand is run as
 ``lightspeed ./report``.)
 
 Must not import torch (or anything that does) while parsing, so `lightspeed --help` and argument
@@ -119,7 +119,8 @@ def build_launch_parser() -> argparse.ArgumentParser:
     add("--no_local_rank", action="store_true", help="never pass --local_rank to the script")
     add("--as_deepspeed", action="store_true",
         help="run an unchanged DeepSpeed script: every rank registers lightspeed as `deepspeed` before it starts")
-    add("--max_restarts", type=int, default=0, help="restart all workers up to N times after a failure")
+    add("--max_restarts", type=int, default=None,
+        help="restart all workers up to N times after a failure (default 0; 100 with --elastic_training, as DeepSpeed)")
     add("--comm_timeout", type=float, default=None, metavar="SECONDS",
         help="end the job when a collective waits longer than this; every rank's stacks are printed "
              "(default: $LIGHTSPEED_COMM_TIMEOUT, else 600)")
@@ -127,6 +128,12 @@ def build_launch_parser() -> argparse.ArgumentParser:
         help="write each rank's output to DIR/<time>_rank<R>.log")
     add("--bind_cores_to_rank", action="store_true", help="give each rank its own share of the cores")
     add("--bind_core_list", default=None, help='cores to share out, e.g. "0-15,32-47" (implies --bind_cores_to_rank)')
+    add("--autotuning", default="", choices=("tune", "run"),
+        help="tune the ds_config's batch, ZeRO stage, offload and compile with short experiments (the script's "
+        "`autotuning` section), write the best config; `run` then trains with it (also `lightspeed autotune`)")
+    add("--autotuning_memory_budget", type=int, default=None, metavar="BYTES",
+        help="autotuning: prune candidates predicted above this many bytes per rank (default: "
+        "autotuning.memory_budget, else the accelerator's memory)")
     add("--elastic_training", action="store_true", help="elastic rendezvous: nodes may come and go")
     add("--min_elastic_nodes", type=int, default=-1, help="elastic: fewest nodes to run on (default 1)")
     add("--max_elastic_nodes", type=int, default=-1, help="elastic: most nodes (default: the hosts given)")
@@ -162,14 +169,16 @@ def _dry_run(job) -> list[str]:
             f"# each worker runs: {shlex.join(worker_command(plan))}"]
 
 
-def run_launch(args: argparse.Namespace) -> int:
-    """`lightspeed [options] script.py [args]`."""
+def run_launch(args: argparse.Namespace, argv: Optional[list[str]] = None) -> int:
+    """`lightspeed [options] script.py [args]`; `argv`: the command line, which `--autotuning` runs again."""
     from lightspeed.launcher import multinode
     from lightspeed.launcher.job import resolve_job
     from lightspeed.launcher.local import NodePlan, run_node
 
     try:
         job = resolve_job(args)
+        if args.autotuning:
+            return _autotune(args, argv, job)
         if args.dry_run:
             print("\n".join(_dry_run(job)))
             return 0
@@ -178,6 +187,35 @@ def run_launch(args: argparse.Namespace) -> int:
         return multinode.run(job, check_ssh_first=not args.no_ssh_check)
     except LaunchError as e:
         return _error(str(e))
+
+
+def _autotune(args: argparse.Namespace, argv: Optional[list[str]], job) -> int:
+    """`--autotuning tune|run`: experiments through this launcher with the same options (autotuning/driver.py)."""
+    from lightspeed.autotuning.driver import run_autotuning
+    from lightspeed.config.errors import ConfigError
+    from lightspeed.launcher.local import NodePlan
+
+    if argv is None:
+        raise LaunchError("--autotuning: the launcher's command line is needed to run the experiments")
+    launcher_argv = _without_autotuning(argv[:len(argv) - len(args.user_args) - 1])
+    plan = job if isinstance(job, NodePlan) else job.plan
+    try:
+        return run_autotuning(args.autotuning, launcher_argv, args.user_script, list(args.user_args),
+                              plan.world_size, memory_budget=args.autotuning_memory_budget)
+    except (ConfigError, NotImplementedError) as e:
+        return _error(str(e))
+
+
+def _without_autotuning(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--autotuning", "--autotuning_memory_budget"):
+            skip = True
+        elif not arg.startswith(("--autotuning=", "--autotuning_memory_budget=")):
+            out.append(arg)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ subcommands
@@ -386,8 +424,10 @@ def _ignore_missing_numpy() -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     _ignore_missing_numpy()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "autotune":  # `lightspeed autotune [options] script.py [args]`: --autotuning tune
+        argv = ["--autotuning", "tune", *argv[1:]]
     if not argv or argv[0] not in SUBCOMMANDS:
-        return run_launch(build_launch_parser().parse_args(argv))
+        return run_launch(build_launch_parser().parse_args(argv), argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passes_extra_args", False):

@@ -52,6 +52,8 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise LaunchError(f"--master_port must be between 1 and 65535 (got {args.master_port})")
     if args.comm_timeout is not None and not 0 < args.comm_timeout < float("inf"):
         raise LaunchError(f"--comm_timeout must be a positive number of seconds (got {args.comm_timeout:g})")
+    if args.max_restarts is None:  # DeepSpeed's elastic agent restarts up to 100 times; its other launches never
+        args.max_restarts = ELASTIC_MAX_RESTARTS if args.elastic_training else 0
     if args.max_restarts < 0:
         raise LaunchError(f"--max_restarts must be 0 or more (got {args.max_restarts})")
     if not args.elastic_training and (args.min_elastic_nodes > 0 or args.max_elastic_nodes > 0):
@@ -121,6 +123,9 @@ def _check_binding(args: argparse.Namespace, nprocs: int, local: bool) -> None:
             cores_for_rank(cores, nprocs, 0)
     except ValueError as e:
         raise LaunchError(f"--bind_cores_to_rank: {e}") from None
+
+
+ELASTIC_MAX_RESTARTS = 100
 
 
 def resolve_job(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Union[NodePlan, MultiNodeJob]:

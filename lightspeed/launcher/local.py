@@ -26,6 +26,10 @@ Note: rendezvous
     ranks handed out in node order (hosts may have different slot counts). --elastic_training:
     c10d at master_addr:master_port with min..max nodes (torchrun --nnodes=MIN:MAX); nodes get their
     ranks in the order they join, and each node still uses the slots the world info gives its host.
+    Once min nodes have joined, a round waits torch's last-call time (30 s) for more; env
+    ``LIGHTSPEED_RDZV_LAST_CALL_SECONDS`` sets it. A worker that fails (a peer node gone) restarts the
+    group (--max_restarts) at the nodes left: the script resumes from its last checkpoint, which loads
+    at any world size, and an ``elasticity`` config gives the batch for the new size.
 
 Note: --local_rank
     DeepSpeed appends ``--local_rank=N`` to every worker's arguments unless --no_local_rank, which
@@ -55,6 +59,7 @@ from lightspeed.launcher.hostfile import Resources
 logger = get_logger(__name__)
 
 RANK_EXEC = str(Path(__file__).with_name("rank_exec.py"))
+LAST_CALL_ENV = "LIGHTSPEED_RDZV_LAST_CALL_SECONDS"
 AS_DEEPSPEED = "lightspeed.as_deepspeed"
 LOCAL_RANK_MACRO = "${local_rank}"  # torch.distributed.elastic.utils.api.macros.local_rank
 # Every node of a job must use the same run id (the static rendezvous keys its store by it), and nodes
@@ -194,7 +199,11 @@ def rendezvous(plan: NodePlan) -> dict:
     """The agent's rendezvous settings for `plan` (rule in the module Note)."""
     if plan.elastic is not None:
         min_nodes, max_nodes = plan.elastic
-        return dict(rdzv_backend="c10d", rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}", rdzv_configs={},
+        configs = {}
+        last_call = os.environ.get(LAST_CALL_ENV)
+        if last_call:
+            configs["last_call_timeout"] = int(last_call)
+        return dict(rdzv_backend="c10d", rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}", rdzv_configs=configs,
                     min_nodes=min_nodes, max_nodes=max_nodes)
     if plan.master_port is None:
         assert plan.nnodes == 1, "several nodes need a fixed master port"

@@ -31,6 +31,7 @@ from lightspeed.optim.schedules import scheduled_steps
 from lightspeed.precision.autocast import AutocastSettings
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
+from lightspeed.runtime.autotuning_probe import AutotuningProbe
 from lightspeed.runtime.dataloader import build_dataloader
 from lightspeed.runtime.engine_checkpoints import EngineCheckpoints
 from lightspeed.runtime.errors import UsageAssertionError
@@ -117,6 +118,8 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         self._reserve_after_step = self._checkpoint_writer.options.snapshot_pool == "startup"
         if self._reserve_after_step:
             self._reserve_snapshot_pool()
+        # `autotuning.enabled`: this run is one autotuning experiment (autotuning_probe.py)
+        self._autotuning = AutotuningProbe(self) if config.autotuning.enabled else None
 
     # ------------------------------------------------------------------ configuration accessors
     def train_batch_size(self) -> int:
@@ -245,6 +248,8 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
             if self._compiled and self.strategy.needs_eager_forward():
                 with torch.compiler.set_stance("force_eager"):
                     out = self.module(*inputs, **kwargs)
+            elif self._autotuning is not None:
+                out = self._autotuning.forward(lambda: self.module(*inputs, **kwargs), inputs, kwargs)
             else:
                 out = self.module(*inputs, **kwargs)
         self.timers.stop("forward")
@@ -335,6 +340,8 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
                 self._reserve_after_step = False
                 self._reserve_snapshot_pool()
             self._after_step()
+            if self._autotuning is not None:
+                self._autotuning.after_step()  # ends the process after the profile window
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
 

@@ -2,7 +2,7 @@
 
 Thin re-exports and adapters of lightspeed's own objects under DeepSpeed's names and signatures; no
 logic of its own. Submodules (`comm`, `zero`, `accelerator`, `runtime`, `ops`, `utils`, `checkpoint`,
-`checkpointing`, `compression`, `launcher`, `moe`, `pipe`, `sequence`) load on first use, so
+`checkpointing`, `compression`, `elasticity`, `launcher`, `moe`, `pipe`, `sequence`) load on first use, so
 `import deepspeed` stays light. A DeepSpeed name whose feature lightspeed has not built exists and
 raises NotImplementedError naming that feature when called (`_missing.py`).
 """
@@ -21,8 +21,8 @@ __git_hash__ = None
 __git_branch__ = None
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
-_SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "compression", "launcher", "moe", "ops", "pipe",
-               "runtime", "sequence", "utils", "zero")
+_SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "compression", "elasticity", "launcher", "moe",
+               "ops", "pipe", "runtime", "sequence", "utils", "zero")
 # name -> (module, attribute), imported on first access
 _LAZY = {
     "DeepSpeedEngine": ("lightspeed.compat.deepspeed.runtime.engine", "DeepSpeedEngine"),

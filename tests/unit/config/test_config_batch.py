@@ -120,8 +120,8 @@ def test_reload_with_another_world_size():
     assert (again.train_batch_size, again.gradient_accumulation_steps, again.world_size) == (32, 1, 8)
 
 
-def test_elasticity_leaves_the_triad_to_elasticity():
-    cfg = load({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, world_size=2, check_support=False)
-    assert cfg.train_batch_size is None
-    with pytest.raises(NotImplementedError, match="elasticity.enabled=true"):
+def test_elasticity_sets_the_triad_itself():
+    cfg = load({"elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2, 4]}}, world_size=2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (48, 4, 6)  # 12 x 4: the largest HCN multiple of 4 within 64
+    with pytest.raises(ConfigError, match="elasticity.max_train_batch_size: required"):
         load({"elasticity": {"enabled": True}}, world_size=2)

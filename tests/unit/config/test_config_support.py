@@ -56,7 +56,9 @@ def test_stage_message_and_all_named_at_once():
         ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}, "compression_training (weight_quantization)"),
         ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),
         ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, "curriculum_learning.enabled=true"),
-        ({"autotuning": {"enabled": True}}, "autotuning.enabled=true"),
+        ({"autotuning": {"enabled": True, "model_info": {"profile": True}}},
+         "autotuning.model_info.profile=true (DeepSpeed's model-info profile run, which writes "
+         "autotuning.model_info_path; lightspeed's autotuner calibrates from a profiled step instead)"),
         ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop.enabled=true"),
         ({"checkpoint": {"writer": {"type": "fast"}}}, 'checkpoint.writer.type="FAST" (DeepSpeed\'s DeepNVMe writer through pinned I/O buffers; "PYTHON", decoupled or not, is built)'),
         ({"checkpoint": {"writer": {"type": "mock", "decoupled": True}}}, 'checkpoint.writer.type="MOCK" (DeepSpeed\'s writer that writes nothing; "PYTHON", decoupled or not, is built)'),

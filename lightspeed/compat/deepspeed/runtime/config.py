@@ -68,6 +68,10 @@ class DeepSpeedConfig:
         self.dump_state = cfg.dump_state
         self.wall_clock_breakdown = cfg.wall_clock_breakdown
         self.memory_breakdown = cfg.memory_breakdown
+        self.elasticity_enabled = cfg.elasticity.enabled  # the triad above is then the elastic one
+        if self.elasticity_enabled:
+            self.elastic_model_parallel_size = cfg.elasticity.model_parallel_size
+            self.num_gpus_per_node = cfg.elasticity.num_gpus_per_node
 
         self.gradient_clipping = cfg.gradient_clipping
         self.prescale_gradients = cfg.prescale_gradients

@@ -257,3 +257,80 @@ def test_zero_step_pieces_match_the_plain_step(cls, kw, scale, monkeypatch):
                 assert torch.equal(t, p[offset:offset + t.numel()].to(t.dtype))
     with pytest.raises(ValueError, match="pass one"):
         opt.step(fp16_param_groups=[[torch.zeros(7)] * 3], lowp_out=targets)
+
+
+def _one_call_per_piece(opt, p, g, step, scale, lo, hi):
+    """The fp32 ZeRO step as it was before the gradient was staged: one kernel call per piece on the
+    host gradient itself (which the kernel, or the multiply before it, overwrites)."""
+    group = opt.param_groups[0]
+    state = opt.state[p]
+    gp = g.view(-1)[lo:hi]
+    kwargs = {}
+    if opt._kernel_scales:
+        kwargs = {"grad_scale": 1.0 / scale}
+    else:
+        gp.mul_(scale)
+    opt._kernel([p.view(-1)[lo:hi]], [gp], [[state[k].view(-1)[lo:hi]] for k in opt._state_keys], [step], group,
+                **kwargs)
+
+
+@pytest.mark.parametrize("cls,kw", [(CPUAdam, dict(lr=1e-2, weight_decay=0.01)),
+                                    (CPUAdam, dict(lr=1e-2, weight_decay=0.01, adamw_mode=False)),
+                                    (CPUAdagrad, dict(lr=1e-2)), (CPULion, dict(lr=1e-3))])
+def test_zero_step_with_coefficient_reads_the_gradient_only(cls, kw, monkeypatch):
+    """With a coefficient the fp32 ZeRO step stages the gradient chunk by chunk: after N steps (ranges
+    of odd bounds, pieces of several chunks, ragged tails) the parameters and state equal bitwise
+    one kernel call per piece on the host gradient, and the host gradient is left as handed in
+    (the scaled input), where that call overwrote it."""
+    import lightspeed.ops.adam.cpu_adam as mod
+    monkeypatch.setattr(mod, "PIECE_ELEMS", 3 * 1024 + 128)
+    monkeypatch.setattr(mod, "CHUNK_ELEMS", 1024)
+    params = [p.detach() for p in _params(torch.float32, sizes=[7, 9001])]
+    old = [p.clone() for p in params]
+    opt, ref = cls(params, **kw), cls(old, **kw)
+    for s in range(STEPS):
+        gen = torch.Generator().manual_seed(s)
+        grads = {p: torch.randn(p.shape, generator=gen) for p in params}
+        handed = {p: g.clone() for p, g in grads.items()}
+        scale = torch.tensor(0.37 + s, dtype=torch.float32)
+        opt.begin_zero_step(grads, scale)
+        for p in params:  # two ranges, the first ending off any vector width
+            cut = min(p.numel(), 5003)
+            opt.zero_step_range(p, 0, cut)
+            opt.zero_step_range(p, cut, p.numel())
+        opt.end_zero_step()
+        for p, q in zip(params, old):
+            g = grads[p].clone()
+            step = ref._init_state(q)["step"] = ref.state[q].get("step", 0) + 1
+            cut = min(q.numel(), 5003)
+            for lo, hi in ((0, cut), (cut, q.numel())):
+                for a in range(lo, hi, mod.PIECE_ELEMS):
+                    _one_call_per_piece(ref, q, g, step, scale, a, min(hi, a + mod.PIECE_ELEMS))
+            assert not torch.equal(g, handed[p]) or p.numel() == 0  # the old path wrote the gradient
+            assert torch.equal(grads[p], handed[p]), "the host gradient was written"
+            assert torch.equal(p, q)
+            for k in opt._state_keys:
+                assert torch.equal(opt.state[p][k], ref.state[q][k])
+
+
+def test_zero_step_low_precision_chunks_match_one_reference_call(monkeypatch):
+    """bf16 masters with bf16 state (bf16_optimizer_states offloaded): the plain path runs chunk by
+    chunk and equals bitwise one reference call over the whole range; the gradient is only read and
+    the state stays bf16."""
+    import lightspeed.ops.adam.cpu_adam as mod
+    monkeypatch.setattr(mod, "CHUNK_ELEMS", 1000)
+    p = torch.randn(4099).bfloat16()
+    q = p.clone()
+    opt = CPUAdam([p], lr=1e-2, weight_decay=0.01, fp32_optimizer_states=False)
+    m, v = torch.zeros_like(q), torch.zeros_like(q)
+    for s in range(STEPS):
+        g = torch.randn(4099, generator=torch.Generator().manual_seed(s)).bfloat16()
+        handed = g.clone()
+        scale = torch.tensor(0.37)
+        opt.step(grads={p: g}, grad_scale=scale)
+        adam_step(q, handed * scale, m, v, step=s + 1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                  weight_decay=0.01, adamw=True)
+        assert torch.equal(g, handed)
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(opt.state[p]["exp_avg_sq"], v)
+        assert opt.state[p]["exp_avg"].dtype == torch.bfloat16

@@ -16,6 +16,24 @@ model's low-precision copies (usually on the device). The masters are stepped in
 ``grad_scale``) or to the piece of the gradient just before it; each stepped piece goes to its
 low-precision copies at once (`ops/lowp_writer.py`), so the host-to-device copies overlap the rest of
 the step instead of following it.
+
+Note [the gradient is read, not written]: torch's fused CPU Adam, given ``grad_scale``, stores the
+unscaled gradient back into its gradient argument, and the families that take no coefficient
+(Lion, Adagrad) were handed a gradient multiplied in place. Nothing reads the host gradient after
+the update (the speculative step's redo reads it again and needs it as handed in), so the ZeRO step
+with a coefficient stages each cache-sized chunk of the gradient in a scratch buffer and lets the
+kernel write there: host traffic of the fp32 step per parameter goes from 32 bytes (read master,
+gradient, exp_avg, exp_avg_sq; write all four) to 28 (the gradient is not written back; the copy
+into the scratch reads it once, the kernel then reads the scratch from cache). The results are
+bitwise those of one kernel call per piece (tests/ops/test_cpu_optimizers.py). Without a coefficient
+the kernel reads the gradient only and is called on the whole piece, as before.
+
+Note [low-precision masters and state]: bf16/fp16 masters (``*_master_weights_and_grads``) and bf16
+state (``bf16.bf16_optimizer_states``, state created in the master's dtype) take the plain
+reference path in the ZeRO step, DeepSpeedCPUAdam's numbers bit for bit, run chunk by chunk
+(``CHUNK_ELEMS``) so its fp32 temporaries stay cache-sized instead of several times the range.
+The state stays bf16 on the host: 2 + 2 + 2 + 2 bytes per parameter (master, gradient, moments)
+where fp32 masters and state hold 4 + 4 + 4 + 4.
 """
 from __future__ import annotations
 
@@ -216,27 +234,49 @@ class CPUOptimizerBase(torch.optim.Optimizer):
 
     def zero_step_range(self, p: torch.Tensor, start: int, end: int) -> None:
         """Step elements [start, end) of `p` (flat) in the ZeRO step `begin_zero_step` started and
-        copy them to their low-precision targets; each element once per step."""
+        copy them to their low-precision targets; each element once per step. The gradient is only
+        read (see the module's Note [the gradient is read, not written])."""
         group, g, step, scale, targets = self._spans[p]
         state = self.state[p]
         states = [state[k] for k in self._state_keys]
+        flat = [p.view(-1), g.view(-1)] + [x.view(-1) for x in states]
         if not (self._fast_ok(p, g, states) and all(t.dtype == torch.float32 for t in (p, g, *states))):
-            # mixed precision or odd layouts: the plain path on flat views of the range
-            pr, gr = p.view(-1)[start:end], g.view(-1)[start:end]
-            if scale is not None:
-                gr = gr * scale.to(g.device)
-            self._reference(pr, gr, [x.view(-1)[start:end] for x in states], step, group, None)
+            # mixed precision (bf16/fp16 masters, low-precision state) or odd layouts: the plain path,
+            # chunk by chunk so its fp32 temporaries stay cache-sized instead of the range's size
+            for lo in range(start, end, CHUNK_ELEMS):
+                hi = min(end, lo + CHUNK_ELEMS)
+                pr, gr, *sr = (t[lo:hi] for t in flat)
+                if scale is not None:
+                    gr = gr * scale.to(g.device)
+                self._reference(pr, gr, sr, step, group, None)
             self._writer.write(p, start, end, targets)
             return
-        flat = [p.view(-1), g.view(-1)] + [x.view(-1) for x in states]
         kwargs = {"grad_scale": 1.0 / scale} if scale is not None and self._kernel_scales else {}
         for lo in range(start, end, PIECE_ELEMS):
             hi = min(end, lo + PIECE_ELEMS)
             pp, gp, *sp = (t[lo:hi] for t in flat)
-            if scale is not None and not self._kernel_scales:
-                gp.mul_(scale)
-            self._kernel([pp], [gp], [[x] for x in sp], [step], group, **kwargs)
+            if scale is None:  # the kernel reads the gradient only
+                self._kernel([pp], [gp], [[x] for x in sp], [step], group)
+            else:
+                self._scaled_piece(pp, gp, sp, step, group, scale, kwargs)
             self._writer.write(p, lo, hi, targets)
+
+    def _scaled_piece(self, p: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tensor], step: int,
+                      group: dict, scale: torch.Tensor, kwargs: dict) -> None:
+        """One fp32 piece of the ZeRO step with a coefficient: each cache-sized chunk of the gradient
+        is staged in a scratch buffer (multiplied by `scale` there when the kernel takes no
+        coefficient), so what the kernel writes into its gradient argument lands in cache, not in
+        the host gradient. Bitwise the values of stepping the piece in one call: the kernel is
+        elementwise and the chunks are whole vector widths."""
+        buf = self._buffers(1, min(g.numel(), CHUNK_ELEMS))[0]
+        for lo in range(0, g.numel(), CHUNK_ELEMS):
+            hi = min(g.numel(), lo + CHUNK_ELEMS)
+            work = buf[: hi - lo]
+            if self._kernel_scales:
+                work.copy_(g[lo:hi])
+            else:
+                torch.mul(g[lo:hi], scale, out=work)
+            self._kernel([p[lo:hi]], [work], [[x[lo:hi]] for x in states], [step], group, **kwargs)
 
     def end_zero_step(self) -> None:
         """The copies of this ZeRO step are ordered before the compute stream's next work."""

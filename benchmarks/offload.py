@@ -28,6 +28,9 @@ between host and device, and one CPUAdam step over the model's parameter count i
 traffic: parameter, two moments and gradient read, three written). The floor it prints for one step
 is the gradient copy to the host (bf16), the parameter copy back (bf16) and that CPU step, in series:
 what an offloaded step costs beyond the GPU's forward and backward unless the pieces overlap.
+`--host-step M` only times CPUAdam's offloaded ZeRO step over M million parameters on this CPU (fp32
+masters with and without a coefficient; bf16 masters with fp32 and with bf16 state) and prints the
+host bytes per parameter each keeps.
 """
 
 from __future__ import annotations
@@ -205,8 +208,46 @@ def measure_bound(num_params: int) -> None:
     del p, opt
 
 
+def measure_host_step(num_params: int, threads: int | None = None) -> None:
+    """The offloaded ZeRO step of CPUAdam alone (`begin_zero_step` / `zero_step_range`, no device):
+    fp32 masters and state with and without a coefficient (clipping / loss scaling), bf16 masters
+    with fp32 state and with bf16 state (`bf16.bf16_optimizer_states`). Prints the host bytes each
+    parameter holds (master, gradient, moments) and ms per step. The coefficient is 1.0, which takes
+    the coefficient path while leaving the gradient's values unchanged from step to step."""
+    import time
+
+    from lightspeed.ops.adam import CPUAdam
+
+    if threads:
+        torch.set_num_threads(threads)
+    cases = (("fp32 masters+state, no coefficient", torch.float32, True, None),
+             ("fp32 masters+state, coefficient", torch.float32, True, 1.0),
+             ("bf16 masters, fp32 state, coefficient", torch.bfloat16, True, 1.0),
+             ("bf16 masters, bf16 state, coefficient", torch.bfloat16, False, 1.0))
+    for name, dtype, fp32_state, coef in cases:
+        gen = torch.Generator().manual_seed(0)
+        p = torch.randn(num_params, generator=gen).to(dtype)
+        g = (torch.randn(num_params, generator=gen) * 1e-3).to(dtype)
+        opt = CPUAdam([p], lr=1e-4, weight_decay=0.1, fp32_optimizer_states=fp32_state)
+        scale = None if coef is None else torch.tensor(coef)
+        times = []
+        for _ in range(8):
+            t0 = time.perf_counter()
+            for q in opt.begin_zero_step({p: g}, scale):
+                opt.zero_step_range(q, 0, q.numel())
+            opt.end_zero_step()
+            times.append(time.perf_counter() - t0)
+        held = p.element_size() + g.element_size() + sum(
+            t.element_size() for t in opt.state[p].values() if torch.is_tensor(t) and t.dim() > 0)
+        print(f"  CPUAdam ZeRO step, {name}, {num_params / 1e6:.0f}M params, {torch.get_num_threads()} threads: "
+              f"{sorted(times[1:])[3] * 1e3:.1f} ms (median of 7); host bytes/param held {held}", flush=True)
+        del p, g, opt
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--host-step", type=float, default=None, metavar="MPARAMS",
+                    help="only time CPUAdam's offloaded ZeRO step over this many million parameters, and exit")
     ap.add_argument("--bound", action="store_true", help="also measure the host-device and CPU-step bound")
     ap.add_argument("--sizes", nargs="+", default=["gpt2-medium", "1.3b"])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
@@ -227,6 +268,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, in seconds")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # size:system:stage:variant, in a child
     args = ap.parse_args()
+    if args.host_step:
+        measure_host_step(int(args.host_step * 1e6))
+        return
     if args.smoke:
         os.environ["LIGHTSPEED_ACCELERATOR"] = "cpu"
         args.sizes, args.micro, args.seq, args.steps, args.warmup = ["demo"], 2, 32, 2, 1

@@ -284,7 +284,7 @@ def test_zero_step_with_coefficient_reads_the_gradient_only(cls, kw, monkeypatch
     (the scaled input), where that call overwrote it."""
     import lightspeed.ops.adam.cpu_adam as mod
     monkeypatch.setattr(mod, "PIECE_ELEMS", 3 * 1024 + 128)
-    monkeypatch.setattr(mod, "CHUNK_ELEMS", 1024)
+    monkeypatch.setattr(mod, "STAGE_ELEMS", 1024)
     params = [p.detach() for p in _params(torch.float32, sizes=[7, 9001])]
     old = [p.clone() for p in params]
     opt, ref = cls(params, **kw), cls(old, **kw)

@@ -52,6 +52,10 @@ logger = get_logger(__name__)
 #: elements per chunk on the chunked (mixed-precision / copy-writing) path; 4 fp32 scratch buffers of
 #: this size (4 MiB total) stay in L2/L3.
 CHUNK_ELEMS = 256 * 1024
+#: elements per chunk of the gradient staged by the fp32 ZeRO step with a coefficient (4 MiB of fp32
+#: scratch; measured faster than 256K per chunk on a 2-core host: fewer kernel calls, 9.5 vs 11.1 ms
+#: over 16M parameters, one thread)
+STAGE_ELEMS = 1024 * 1024
 
 
 class CPUOptimizerBase(torch.optim.Optimizer):
@@ -268,9 +272,9 @@ class CPUOptimizerBase(torch.optim.Optimizer):
         coefficient), so what the kernel writes into its gradient argument lands in cache, not in
         the host gradient. Bitwise the values of stepping the piece in one call: the kernel is
         elementwise and the chunks are whole vector widths."""
-        buf = self._buffers(1, min(g.numel(), CHUNK_ELEMS))[0]
-        for lo in range(0, g.numel(), CHUNK_ELEMS):
-            hi = min(g.numel(), lo + CHUNK_ELEMS)
+        buf = self._buffers(1, min(g.numel(), STAGE_ELEMS))[0]
+        for lo in range(0, g.numel(), STAGE_ELEMS):
+            hi = min(g.numel(), lo + STAGE_ELEMS)
             work = buf[: hi - lo]
             if self._kernel_scales:
                 work.copy_(g[lo:hi])

@@ -27,7 +27,8 @@ at stage 3; `ShardViews.early_filled` / `master_grads_filled` tell the step not 
 norm reads the device gradients (`ShardViews.norm_grads`). The CPU optimizers take the fused call
 (`zero/optimizers.fused_step` says when: CPU optimizer offload, not NVMe, not `ratio` < 1, not parameters
 on NVMe, not `overlap_step`): masters stepped in pieces with the clip coefficient inside the kernel,
-each piece written to the device by `LowpWriter` while the next is stepped; the non-fused write-backs
+each piece written to the device by `LowpWriter` while the next is stepped, the host gradient read and
+never written (`ops/adam/cpu_adam.py`'s Note); the non-fused write-backs
 use the same writer. Without clipping and loss scaling (exact only then) stages 1-2 step each bucket's
 range during backward as its host copy completes (`StepRunner.host_copy_queued`, `EarlyStep`, the CPU
 optimizer's `begin_zero_step` / `zero_step_range` / `end_zero_step`), stage 3 each group's pieces

@@ -334,3 +334,28 @@ def test_zero_step_low_precision_chunks_match_one_reference_call(monkeypatch):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(opt.state[p]["exp_avg_sq"], v)
         assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_speculative_redo_reads_the_gradient_as_handed_in():
+    """The speculative step (offload/speculative.py) steps with 1/loss_scale, restores, and redoes the
+    step with the clip coefficient on the same host gradients: the redo equals stepping once with that
+    coefficient (it would unscale twice if the first step had written the unscaled gradient back)."""
+    from lightspeed.offload.speculative import Rollback
+
+    p = torch.randn(5000)
+    q = p.clone()
+    g = torch.randn(5000)
+    handed = g.clone()
+    # eps of the gradient's order: Adam's update then depends on the gradient's scale
+    opt, ref = CPUAdam([p], lr=1e-2, eps=1e-3), CPUAdam([q], lr=1e-2, eps=1e-3)
+    rollback = Rollback(opt)
+    params = opt.begin_zero_step({p: g}, torch.tensor(1 / 256.0))
+    rollback.begin(params, 1 / 256.0)
+    rollback.save(p, 0, p.numel())
+    opt.zero_step_range(p, 0, p.numel())
+    opt.end_zero_step()
+    rollback.restore()
+    clip = torch.tensor(0.001)
+    opt.step(grads={p: g}, grad_scale=clip)
+    ref.step(grads={q: handed}, grad_scale=clip)
+    assert torch.equal(p, q)

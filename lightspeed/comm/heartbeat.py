@@ -170,9 +170,11 @@ class Heartbeat:
                 continue
             reason = self.why_stalled(rank, self.peer(rank))
             if reason is not None:
-                self.store.set(STALLED_KEY, f"{rank},{self.rank}")
+                # the report (its error file's time) first, then the name: the named rank reports after it,
+                # so the launcher's first failure is this report, which says what this rank waits in
                 dog.report(f"rank {rank} stalled: {reason}; this rank waits in {oldest[1]} for "
                            f"{oldest[2]:.0f} s", hint=f"comm.stall_seconds is {self.stall_s:g}")
+                self.store.set(STALLED_KEY, f"{rank},{self.rank}")
                 time.sleep(2 * _interval(self.stall_s))  # the store may live here: let the named rank read it
                 self._exit("")
                 return

@@ -18,9 +18,18 @@ never reads a unit's parameters (released when the root's graph starts): the op'
 the unit's `forward` on fake tensors with fake whole-shape parameters.
 
 Note (what is opaque): a unit called with tensors only (no keyword arguments) whose output is a tensor
-or a tuple/list of tensors, as recorded by its last eager call (the first forward runs eagerly while
-the coordinator traces it); any other call keeps dynamo's graph break (the root's frame then runs
-eagerly, as before). A call whose forward runs without grad saves nothing for backward.
+or a tuple/list of tensors. The root's first forward runs eagerly and each unit records how it was
+called; the root runs compiled from then on only if every call was of that kind, and eagerly for good
+(its units still compiled, as before) once one is not (Hugging Face blocks take keyword arguments and
+cache objects). A unit first called later from a traced root keeps dynamo's graph break there.
+
+Note (limits): a call saves its local graph under a ticket until its backward runs: a forward with grad
+enabled whose backward never runs keeps it (as eager autograd would while its output lived). The op
+returns copies of the unit's outputs (one activation copy per unit call): the compiler may reuse the
+memory of an op's output once its graph is done with it, and the local graph may have saved it. The ops
+are pure to the compiler: two calls of one unit on the same input tensor in one graph could be merged.
+The unit's call slot `_compiled_call_impl` (set by `nn.Module.compile`) is where the wrapper sits; the
+module's class, hooks and parameters are untouched.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.utils.stateless import _reparametrize_module
 
 from lightspeed._utils.logging import get_logger
@@ -48,7 +58,7 @@ class _Entry:
 
 
 _ENTRIES: dict[int, _Entry] = {}
-_SAVED: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # ticket -> (input leaves, outputs)
+_SAVED: dict[int, tuple[list[torch.Tensor], list]] = {}  # ticket -> (input leaves, outputs' gradient edges)
 _uids = itertools.count(1)
 _tickets = itertools.count(1)
 
@@ -71,18 +81,18 @@ def _run_forward(uid: int, grad: bool, inputs: list[torch.Tensor]) -> list[torch
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
     ticket = -1
     if grad:
+        # the outputs' gradient edges, not the outputs: the graph holds only the copies returned
         ticket = next(_tickets)
-        _SAVED[ticket] = (leaves, outs)
-    ids = {id(t) for t in inputs}
-    # outputs of a custom op may not alias its inputs
-    returned = [o.detach().clone() if id(o) in ids or o._base is not None else o.detach() for o in outs]
-    return returned + [torch.tensor(ticket, dtype=torch.int64)]
+        _SAVED[ticket] = (leaves, [get_gradient_edge(o) if o.requires_grad else None for o in outs])
+    # copies: the compiler owns an op's outputs (it may reuse their memory once they are dead in its
+    # graph), while the unit's local graph may have saved an output itself for its backward
+    return [o.detach().clone() for o in outs] + [torch.tensor(ticket, dtype=torch.int64)]
 
 
 @torch._dynamo.disable
 def _run_backward(ticket: torch.Tensor, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
     leaves, outs = _SAVED.pop(int(ticket))
-    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+    pairs = [(edge, g) for edge, g in zip(outs, grads) if edge is not None]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]

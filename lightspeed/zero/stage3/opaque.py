@@ -28,6 +28,8 @@ enabled whose backward never runs keeps it (as eager autograd would while its ou
 returns copies of the unit's outputs (one activation copy per unit call): the compiler may reuse the
 memory of an op's output once its graph is done with it, and the local graph may have saved it. The ops
 are pure to the compiler: two calls of one unit on the same input tensor in one graph could be merged.
+The shape function sees the unit's own parameters and buffers only: a unit whose forward reads a tensor
+held elsewhere (another module's parameter, a tensor attribute outside its subtree) fails to trace.
 The unit's call slot `_compiled_call_impl` (set by `nn.Module.compile`) is where the wrapper sits; the
 module's class, hooks and parameters are untouched.
 """

@@ -14,9 +14,11 @@ Note: compiled regions (`engine.compile()`). The strategy names the modules to c
 (`compile_regions()` on the protocol) and each is compiled in place with `nn.Module.compile`, so its
 parameters, hooks and state-dict names stay; torch.compile starts tracing at a compiled module's
 `forward`, so the module's own hooks run outside the graph. Stages 0-2 compile the whole module (their
-gradient hooks run in autograd, never traced); stage 3 compiles each innermost unit and, under a unit
-that holds units, each parameter holder without units inside (zero/stage3/units.py's Note: compiled
-regions), and the whole module where no unit has forward hooks (a data-parallel world of one). The
+gradient hooks run in autograd, never traced); stage 3 compiles each innermost unit and the root around
+them, each unit one opaque op of the root's graph (`after_compile()` on the protocol joins them;
+zero/stage3/opaque.py), or, with units nested deeper, each parameter holder without units inside
+(zero/stage3/units.py's Note: compiled regions), and the whole module where no unit has forward hooks
+(a data-parallel world of one). The
 coordinator's forward hooks are wrapped in `torch.compiler.disable`, and while the torch-function mode
 that finds external parameters is on (the first forward and backward, by default) `engine.forward` runs
 under `torch.compiler.set_stance("force_eager")`, so that step is eager and later ones compiled.

@@ -481,6 +481,7 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         heartbeat.pause_during_compilation()  # compiling ranks are not reported as stalled
         for region in regions:
             region.compile(backend=backend, **kwargs)  # in place: hooks and parameters stay as they are
+        self.strategy.after_compile(regions)
         self._compiled = True
         logger.info("compiled %d region(s) with backend %s", len(regions),
                     backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend)))

@@ -102,6 +102,10 @@ class ShardingStrategy(Protocol):
         """The modules `engine.compile()` compiles in place, each with its hooks outside its graph."""
         ...
 
+    def after_compile(self, regions: list[torch.nn.Module]) -> None:
+        """Called by `engine.compile()` once `regions` (from `compile_regions`) are compiled."""
+        ...
+
     def needs_eager_forward(self) -> bool:
         """True when the next forward must run its compiled regions eagerly (the strategy watches it)."""
         ...

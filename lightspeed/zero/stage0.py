@@ -312,6 +312,9 @@ class Stage0Strategy(WholeParameters):
         the parameters and run from autograd, outside any compiled graph)."""
         return [self.module]
 
+    def after_compile(self, regions: list[torch.nn.Module]) -> None:
+        pass  # the whole module is one region: nothing to join
+
     def needs_eager_forward(self) -> bool:
         return False
 

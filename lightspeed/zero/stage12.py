@@ -511,6 +511,9 @@ class ShardedStrategy(WholeParameters):
         the parameters and run from autograd, outside any compiled graph)."""
         return [self.module]
 
+    def after_compile(self, regions: list[torch.nn.Module]) -> None:
+        pass  # the whole module is one region: nothing to join
+
     def needs_eager_forward(self) -> bool:
         return False
 

@@ -3,7 +3,7 @@ prefetch, meta-device construction under `Init`).
 
 Modules, in import order: `param_group` (per-parameter state, the flat sharded group), `init`
 (`Init`, the initialization rule), `units` (which module subtrees form the units of communication),
-`coordinator` (hooks, trace, prefetch, release), `gathered`
+`coordinator` (hooks, trace, prefetch, release), `opaque` (a compiled root's units as opaque ops), `gathered`
 (`GatheredParameters`, `register_external_parameter`), `strategy` (`Stage3Strategy`).
 
 How it runs: the unit of communication is a unit module's subtree, FSDP2-style (units.py's rule); a

@@ -268,10 +268,14 @@ def compile_regions(root: torch.nn.Module, unit_modules: list[torch.nn.Module]) 
     Note (compiled regions): a compiled module's own hooks run outside its graph (torch.compile skips
     `nn.Module._call_impl` and starts tracing at `forward`), but the hooks of modules called inside
     that forward are traced into it, and the coordinator's (gathers, collectives, Python state) would
-    break the graph. So no compiled region may hold a unit module below its top: each innermost unit
-    (a transformer block) is one region, and a unit that holds units (the root) keeps its own
-    forward eager while each of its parameter-holding children without units inside (embeddings,
-    final norm, head) is a region of its own. FSDP2 users compile per block for the same reason."""
+    break the graph; a break inside the root's loop over its blocks cannot be resumed, so dynamo
+    would skip the root's whole frame. So each innermost unit (a transformer block) is one region,
+    and when the root is the only unit that holds units, the root is a region too, listed first:
+    `Stage3Strategy.after_compile` makes each unit a single opaque op of the root's graph (opaque.py),
+    so embeddings, final norm, head and loss compile with the root. Otherwise (units nested below the
+    root) a unit that holds units keeps its own forward eager while each of its parameter-holding
+    children without units inside is a region of its own. FSDP2 users compile per block for the same
+    reason."""
     unit_ids = {id(m) for m in unit_modules}
     below: dict[int, bool] = {}
 
@@ -279,6 +283,10 @@ def compile_regions(root: torch.nn.Module, unit_modules: list[torch.nn.Module]) 
         if id(m) not in below:
             below[id(m)] = any(id(c) in unit_ids or holds_unit_below(c) for c in m.children())
         return below[id(m)]
+
+    others = [m for m in unit_modules if m is not root]
+    if id(root) in unit_ids and others and not any(holds_unit_below(m) for m in others):
+        return [root, *others]  # the root compiled around its units, each an opaque op of its graph
 
     out: list[torch.nn.Module] = []
     seen: set[int] = set()

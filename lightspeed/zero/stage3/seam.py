@@ -1,10 +1,11 @@
 """Stage 3's strategy methods that serve code outside the training step: unsharding the model
 (FSDP2's `unshard()` / `reshard()`, gathered.py's Note: unshard), the partition cache, the recorded
-module order (coordinator.py's Note: the trace), the external parameters of a module, and other forward
-methods of the model (coordinator.py's Note: other forward methods).
+module order (coordinator.py's Note: the trace), the external parameters of a module, other forward
+methods of the model (coordinator.py's Note: other forward methods), and what `engine.compile()`
+compiles (units.py's Note: compiled regions; opaque.py).
 
 Owns: those methods, as a mixin of `Stage3Strategy` (strategy.py), which holds `module`, `coordinator`,
-`_unsharding` and `_check_module`. Must not: hold state of its own.
+`units`, `_unsharding` and `_check_module`. Must not: hold state of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from lightspeed.zero.stage3.opaque import join
+from lightspeed.zero.stage3.units import compile_regions
 
 
 class ModelSeam:
@@ -80,3 +84,17 @@ class ModelSeam:
         """True while forwards run under the coordinator's external-use mode (the first forward and
         backward, with the default `external_detection`): compiled regions then run eagerly."""
         return self.coordinator.detects_external()
+
+    # ---------------------------------------------------------------- engine.compile()
+    def compile_regions(self) -> list[torch.nn.Module]:
+        """The modules `engine.compile()` compiles in place: no unit's hooks inside any (see units.py);
+        the whole module when no unit has hooks (one rank: the parameters never leave their shards)."""
+        if not self.coordinator.hooks_forward:
+            return [self.module]
+        return compile_regions(self.module, [u.module for u in self.units])
+
+    def after_compile(self, regions: list[torch.nn.Module]) -> None:
+        """With the root compiled around its units (units.py's Note: compiled regions), each unit a
+        traced root calls becomes one opaque op of the root's graph (opaque.py)."""
+        if len(regions) > 1 and regions[0] is self.module:
+            join(self.module, regions[1:])

@@ -60,8 +60,7 @@ from lightspeed.zero.stage3.gathered import Unsharding, take_pending_external
 from lightspeed.zero.stage3.init import (StandaloneScheduler, init_record, materialize_module, seed_from_global_rng,
                                          take_init_groups)
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
-from lightspeed.zero.stage3.opaque import join
-from lightspeed.zero.stage3.units import choose_units, compile_regions, mark_named_leaves
+from lightspeed.zero.stage3.units import choose_units, mark_named_leaves
 from lightspeed.zero.fragments import Fragment, module_shapes, fragments_state_dict, range_fragments
 from lightspeed.zero.memory import MemoryTally
 from lightspeed.ops.lowp_writer import LowpWriter
@@ -589,19 +588,6 @@ class Stage3Strategy(ModelSeam):
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
         self._masters_out()
-
-    def compile_regions(self) -> list[torch.nn.Module]:
-        """The modules `engine.compile()` compiles in place: no unit's hooks inside any (see units.py);
-        the whole module when no unit has hooks (one rank: the parameters never leave their shards)."""
-        if not self.coordinator.hooks_forward:
-            return [self.module]
-        return compile_regions(self.module, [u.module for u in self.units])
-
-    def after_compile(self, regions: list[torch.nn.Module]) -> None:
-        """With the root compiled around its units (units.py's Note: compiled regions), each unit a
-        traced root calls becomes one opaque op of the root's graph (opaque.py)."""
-        if len(regions) > 1 and regions[0] is self.module:
-            join(self.module, regions[1:])
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by device and category (gathered buffers count while they are held)."""

@@ -135,8 +135,9 @@ def build_launch_parser() -> argparse.ArgumentParser:
         help="autotuning: prune candidates predicted above this many bytes per rank (default: "
         "autotuning.memory_budget, else the accelerator's memory)")
     add("--elastic_training", action="store_true", help="elastic rendezvous: nodes may come and go")
-    add("--min_elastic_nodes", type=int, default=-1, help="elastic: fewest nodes to run on (default 1)")
-    add("--max_elastic_nodes", type=int, default=-1, help="elastic: most nodes (default: the hosts given)")
+    add("--min_elastic_nodes", "--min_nodes", type=int, default=-1, help="elastic: fewest nodes to run on (default 1)")
+    add("--max_elastic_nodes", "--max_nodes", type=int, default=-1,
+        help="elastic: most nodes (default: the hosts given)")
     add("--comment", default="", help="slurm: srun --comment")
     add("--account", default="", help="slurm: srun --account")
     add("--dry_run", action="store_true", help="print the command(s) that would run, and run nothing")

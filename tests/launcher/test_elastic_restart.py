@@ -74,3 +74,10 @@ def test_elastic_jobs_restart_up_to_100_times_unless_told(cli, extra, restarts):
     code, out, err = cli("--num_procs", "1", "--elastic_training", *extra, "--dry_run", SCRIPTS / "elastic_job.py")
     assert code == 0, err
     assert restarts in out
+
+
+def test_min_and_max_nodes_are_torchruns_names_for_the_elastic_range():
+    from lightspeed.launcher.cli import build_launch_parser
+
+    args = build_launch_parser().parse_args(["--elastic_training", "--min_nodes", "1", "--max_nodes", "3", "train.py"])
+    assert (args.min_elastic_nodes, args.max_elastic_nodes) == (1, 3)

@@ -24,3 +24,9 @@ class ConfigAssertionError(ConfigError, AssertionError):
     """A `ConfigError` for a problem DeepSpeed reports with a failed `assert` (e.g. an untested optimizer
     under ZeRO without `zero_allow_untested_optimizer`): code written against DeepSpeed that catches
     AssertionError catches it too, and the message stays lightspeed's."""
+
+
+class ConfigNotImplementedError(ConfigError, NotImplementedError):
+    """A `ConfigError` for a combination DeepSpeed refuses with NotImplementedError (e.g. a gradient
+    accumulation dtype other than the model's without ZeRO: its "unsupported mix"): code written against
+    DeepSpeed that catches NotImplementedError catches it too."""

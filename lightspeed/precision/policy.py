@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from lightspeed.config.errors import ConfigError
+from lightspeed.config.errors import ConfigError, ConfigNotImplementedError
 
 __all__ = ["PrecisionPolicy", "check_master_placement", "policy_from_config", "parse_dtype"]
 
@@ -125,9 +125,9 @@ def policy_from_config(cfg: Any) -> PrecisionPolicy:
 
     accum = parse_dtype(_field(cfg, "data_types.grad_accum_dtype"), "data_types.grad_accum_dtype") or param
     if accum != param and not int(_field(cfg, "zero_optimization.stage", 0) or 0):  # see the Note
-        raise ConfigError(f"data_types.grad_accum_dtype: without ZeRO (zero_optimization.stage 0) gradients "
-                          f"accumulate in the model's dtype, {_short(param)}; other dtypes need stage 1, 2 or 3 "
-                          f"(got {_short(accum)})")
+        raise ConfigNotImplementedError(  # DeepSpeed: NotImplementedError, "unsupported mix"
+            f"data_types.grad_accum_dtype: without ZeRO (zero_optimization.stage 0) gradients accumulate in the "
+            f"model's dtype, {_short(param)}; other dtypes need stage 1, 2 or 3 (got {_short(accum)})")
     reduce = parse_dtype(_field(cfg, "communication_data_type"), "communication_data_type") or param
     if (_field(cfg, "sequence_parallel_size") or 1) > 1:
         # DeepSpeed's rule: with sequence parallelism the gradients are reduced in this dtype (fp32 by default)

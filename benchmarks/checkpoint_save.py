@@ -11,9 +11,10 @@ Claims:
   2. A background save holds training only while it queues the host snapshot's copies: its stall
      is at most 0.10x a synchronous save's (and DeepSpeed's, with `--deepspeed`), first save
      included when the snapshot pool is allocated at start-up (`checkpoint.writer.snapshot_pool:
-     startup`). The stall of a save is the time from the save_checkpoint call to its return, plus
-     what the next step waited for the snapshot's copies (CUDA: they run on a side stream), plus
-     whatever the training steps after it did not hide of the write (a final wait_checkpoint). The
+     startup`). The stall of a save is the time from the save_checkpoint call until it has returned
+     and the device has finished what it queued (CUDA: the snapshot's copies, on a side stream; an
+     upper bound, as training could overlap them), plus what the next step waited for those copies,
+     plus whatever the training steps after it did not hide of the write (a final wait_checkpoint). The
      first save and the median of the later ones are reported apart, with the pool allocations
      each did and the median step time while the writer works, against steps with no save.
   Also: the verified load (every record's CRC-32 recomputed) against an unverified torch.load.
@@ -196,6 +197,9 @@ def measure_stall(args, root: str, decoupled: bool, pool: str = "first_save") ->
         sync()
         t0 = time.perf_counter()
         engine.save_checkpoint(out_dir, tag=f"s{i}")
+        # what the save queued on the device (a background save's snapshot copies) drains here: the timed
+        # steps below synchronize the device before their clock starts, so it would show in no step
+        sync()
         returned = time.perf_counter() - t0
         allocations.append(writer._pool.num_allocations - before)
         # a background writer works during these: train on until it is done (at most --max-steps)

@@ -11,7 +11,9 @@ before the models see the dict. Mirrors DeepSpeed's mappings:
 - ``zero_optimization.stage3_gather_fp16_weights_on_model_save`` ->
   ``stage3_gather_16bit_weights_on_model_save``;
 - DeepSpeed's unprefixed field names of the stage-3 knobs (``prefetch_bucket_size``, ...) -> their
-  ``stage3_`` JSON names (accepted silently, as DeepSpeed does: they are aliases, not deprecations).
+  ``stage3_`` JSON names (accepted silently, as DeepSpeed does: they are aliases, not deprecations);
+- ``optimizer.torch_adam`` (beside ``type``, not in ``params``), which DeepSpeed ignores, is dropped with a
+  warning naming ``optimizer.params.torch_adam``.
 
 An old and a new name given together with different values is a problem; with equal values the old
 one is dropped with the warning. Must not validate anything else.
@@ -129,4 +131,11 @@ def map_legacy(config: dict) -> tuple[dict, list[str]]:
         _offload_flag(zero, "cpu_offload", "offload_optimizer", problems)
         _offload_flag(zero, "cpu_offload_param", "offload_param", problems)
         _pin_memory(zero, problems)
+    optimizer = out.get("optimizer")
+    if isinstance(optimizer, dict) and "torch_adam" in optimizer:
+        # DeepSpeed reads torch_adam from optimizer.params only and ignores it here (its own tests set it
+        # here): dropped, with the warning, so the run is DeepSpeed's
+        value = optimizer.pop("torch_adam")
+        logger.warning(f"config: optimizer.torch_adam ({show(value)}) has no effect there and is ignored, as in "
+                       "DeepSpeed; write optimizer.params.torch_adam to choose torch's Adam")
     return out, problems

@@ -143,8 +143,11 @@ class OffloadPolicy:
         if opt_device != "none" and z.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer: needs ZeRO stage 1, 2 or 3 (got stage 0)")
         if par_device != "none" and z.stage != 3:
-            raise ConfigError(f"zero_optimization.offload_param: parameter offload needs ZeRO stage 3 "
-                              f"(got stage {z.stage}); use offload_optimizer for stages 1 and 2")
+            # DeepSpeed reads the block at stage 3 only; below it the parameters stay whole on the device
+            logger.warning(f"zero_optimization.offload_param has no effect at ZeRO stage {z.stage} (parameter "
+                           "offload needs stage 3): the parameters stay on the device; use offload_optimizer "
+                           "for stages 1 and 2")
+            par, par_device = None, "none"
         if opt is not None and opt.ratio < 1.0 and z.stage != 3:
             raise ConfigError("zero_optimization.offload_optimizer.ratio: partial offload (ratio < 1) needs ZeRO "
                               "stage 3")

@@ -16,7 +16,7 @@ Note: [DeepSpeed's update rule, kept exactly]
     cut while already at ``min_scale`` raises when ``raise_error_at_min_scale`` (DeepSpeed's default
     for the class and hence for ZeRO, whose fp16 config never passes the flag); otherwise the scale
     stays at the floor and steps keep being skipped. (DeepSpeed's stage-0 FP16_Optimizer carries its
-    own copy of this rule that never raises; we use the one rule for every stage.)
+    own copy of this rule without hysteresis that never raises; `build_loss_scaler(stage0=True)` is it.)
 """
 
 from __future__ import annotations
@@ -215,13 +215,16 @@ def _field(cfg: Any, name: str, default: Any) -> Any:
     return getattr(cfg, name, default)
 
 
-def build_loss_scaler(fp16_config: Any, *, raise_error_at_min_scale: bool | None = None
+def build_loss_scaler(fp16_config: Any, *, raise_error_at_min_scale: bool | None = None, stage0: bool = False
                       ) -> StaticLossScaler | DynamicLossScaler:
     """The scaler a ds_config ``fp16`` section asks for (an object with the fields as attributes, a
     dict, or None). Disabled fp16 -> ``StaticLossScaler(1.0)``; ``loss_scale > 0`` -> static;
     ``loss_scale == 0`` -> dynamic from ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
     ``consecutive_hysteresis``, ``min_loss_scale``. ``raise_error_at_min_scale``: None reads the
-    section's field of that name if it has one, else True (DeepSpeed's ZeRO behaviour).
+    section's field of that name if it has one, else True (DeepSpeed's ZeRO behaviour). ``stage0``: the
+    rule of DeepSpeed's stage-0 fp16 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer), which keep
+    their own copy of it without hysteresis and never raise at the floor: every overflow halves the
+    scale (``hysteresis`` and ``raise_error_at_min_scale`` are not read).
     """
     if not _field(fp16_config, "enabled", False):
         return StaticLossScaler(1.0)
@@ -246,6 +249,8 @@ def build_loss_scaler(fp16_config: Any, *, raise_error_at_min_scale: bool | None
         problems.append(f"fp16.min_loss_scale: must be a finite number > 0 (got {min_scale!r})")
     if problems:
         raise ConfigError(problems)
+    if stage0:
+        hysteresis, raise_error_at_min_scale = 1, False
     if raise_error_at_min_scale is None:
         raise_error_at_min_scale = bool(_field(fp16_config, "raise_error_at_min_scale", True))
     return DynamicLossScaler(init_scale=2.0**power, scale_factor=2.0, scale_window=window, min_scale=min_scale,

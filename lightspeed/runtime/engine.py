@@ -225,11 +225,11 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         As DeepSpeed: refused when gradients are partitioned (ZeRO stages 2 and 3, which reduce every
         micro-step) and not re-entrant; `step()` at a boundary inside raises (gradients unreduced)."""
         if self.zero_optimization_partition_gradients():
-            raise UsageAssertionError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
-                                      f"{self.zero_optimization_stage()} (gradients are reduce-scattered every "
-                                      "micro-step)")
+            raise UsageAssertionError(f"no_sync context manager is incompatible with gradient partitioning logic of "
+                                      f"ZeRO stage {self.zero_optimization_stage()} (gradients are reduce-scattered "
+                                      "every micro-step)")
         if self._inside_no_sync:
-            raise UsageAssertionError("no_sync() is not re-entrant")
+            raise UsageAssertionError("no_sync context manager reentry is unsupported (no_sync() is not re-entrant)")
         self._inside_no_sync = True
         try:
             yield
@@ -295,7 +295,8 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         engine.step), every backward accumulates locally and step() is the boundary: stages 0 and 1
         reduce the accumulated gradients here, stages 2 and 3 reduced each backward's already."""
         if self._inside_no_sync:
-            raise UsageAssertionError("engine.step() inside no_sync(): the gradients were not reduced")
+            raise UsageAssertionError("It is illegal to call Engine.step() inside no_sync context manager: the "
+                                      "gradients were not reduced")
         if not strategy_partitions_gradients(self.config):
             self.strategy.backward_start(True)  # a boundary backward that reaches no parameter:
             self.strategy.backward_end()  # every bucket of accumulated gradients is reduced
@@ -305,8 +306,9 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         if boundary:
             self._checkpoint_writer.wait_snapshot()  # a background save's copies may still read the state
             if self._inside_no_sync:
-                raise UsageAssertionError("engine.step() at an accumulation boundary inside no_sync(): the gradients "
-                                          "were not reduced; leave no_sync() for the boundary micro-step's backward")
+                raise UsageAssertionError("It is illegal to call Engine.step() inside no_sync context manager at an "
+                                          "accumulation boundary: the gradients were not reduced; leave no_sync() "
+                                          "for the boundary micro-step's backward")
             self.timers.start("comm")
             self.strategy.wait_gradients()
             self.timers.stop("comm")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from lightspeed.precision.loss_scaler import DynamicLossScaler
+
 
 _VIEW_CLASSES: dict[type, type] = {}
 
@@ -48,6 +50,38 @@ class EngineOptimizer(torch.optim.Optimizer):
         """True when the engine's last optimizer step was skipped (fp16 overflow, or a bf16 inf/nan
         with bf16.check_grad_overflow); False before the first step."""
         return self._engine.global_steps > 0 and not self._engine.was_step_applied()
+
+    # DeepSpeed's fp16 optimizers' loss-scale attributes, read from the engine's loss scaler (fp16 only:
+    # without one they do not exist, as on DeepSpeed's unwrapped optimizer)
+    @property
+    def loss_scaler(self):
+        scaler = self._engine.loss_scaler
+        if scaler is None:
+            raise AttributeError("loss_scaler: the engine scales no loss (fp16 is not enabled)")
+        return scaler
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return isinstance(self.loss_scaler, DynamicLossScaler)
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def cur_iter(self) -> int:
+        return self.loss_scaler.cur_iter
+
+    @property
+    def scale_window(self) -> int:
+        scaler = self.loss_scaler
+        if not isinstance(scaler, DynamicLossScaler):
+            raise AttributeError("scale_window: the loss scale is static")
+        return scaler.scale_window
 
     @property
     def param_groups(self):

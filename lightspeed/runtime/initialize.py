@@ -266,7 +266,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if places_params:
         _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
     strategy.broadcast_from_rank0(model)
-    loss_scaler = build_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
+    loss_scaler = build_loss_scaler(cfg.fp16, stage0=cfg.zero_optimization.stage == 0) if cfg.fp16.enabled else None
     lr_scheduler = _build_scheduler(lr_scheduler, cfg, optimizer)
     monitor = MonitorMaster(cfg, rank=groups.world_rank)
     step_profiler = StepProfiler(cfg.flops_profiler, model, rank=groups.world_rank, run={

@@ -63,6 +63,12 @@ class ShardingStrategy(Protocol):
         """Wait for every reduction in flight: the gradients this rank holds are final."""
         ...
 
+    def gradients_unreduced(self) -> bool:
+        """True after a backward that was not an accumulation boundary where the reduced gradients are not
+        current and each parameter's `.grad` holds this rank's accumulated gradient (stage 1 between
+        micro-steps and inside `no_sync()`); False where what `fragment(p).grad` holds is current."""
+        ...
+
     def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
         """Unscale by `loss_scale`, clip to `max_norm` (0: no clipping), step the optimizer and write the
         parameters, unless some rank's gradients hold inf/nan (`StepResult.applied` False)."""

@@ -62,8 +62,10 @@ class GradBuckets:
                 self.buckets.append(bucket)
                 for i in range(plan.first, plan.last):
                     self.where[id(flat.params[i])] = (bucket, i)
-        self._next = 0
         self.reset()
+        # nothing is pending before the first boundary backward's `reset()`: a `flush()` / `wait()` before
+        # it (a gradient read inside `no_sync()`, a step without a backward) launches no reduction
+        self._next = len(self.buckets)
 
     def reset(self) -> None:
         for b in self.buckets:

@@ -12,8 +12,10 @@ tensors of the parameter's shape on its device, or None for a parameter no strat
 fp32 value is the master copy (the parameter itself when training in fp32 without one); a write goes
 to the master and to the low-precision parameter. `safe_get_full_grad` assembles the reduced gradient
 from the shards at stages 1-3 (stage 1's `param.grad` holds this rank's gradient before the
-reduce-scatter, so unlike DeepSpeed it is not returned first) and returns `param.grad` at stage 0
-(all-reduced in place there); like DeepSpeed's it is meaningful between the backward of an accumulation boundary
+reduce-scatter, so unlike DeepSpeed it is not returned first, except after a backward that was not an
+accumulation boundary, inside `no_sync()` or between micro-steps, where the shards are not current and
+this rank's accumulated `param.grad` is returned as DeepSpeed does) and returns `param.grad` at stage 0
+(all-reduced in place there at a boundary); like DeepSpeed's it is meaningful between the backward of an accumulation boundary
 and `engine.step()`, after which stages 1-3 hold no gradient memory until the next backward (the
 gradient functions raise ValueError there, as DeepSpeed's at stages 1-2; zero/grad_buffers.py) and
 stage 0 zeroes its gradients; it holds what the strategy holds: averaged over
@@ -159,7 +161,8 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     _require_grads(frag, "safe_get_full_grad")
     if strategy is not None:
         strategy.wait_gradients()  # a reduction of the boundary may still be in flight
-    if frag is not None and frag.comm is not None and frag.grad is not None:
+    if frag is not None and frag.comm is not None and frag.grad is not None and \
+            not strategy.gradients_unreduced():
         return _assemble(frag, frag.grad, _device(frag))  # partitioned: `.grad` (stage 1) is not reduced yet
     if param.grad is not None:
         return param.grad

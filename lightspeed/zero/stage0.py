@@ -248,6 +248,7 @@ class Stage0Strategy(WholeParameters):
         `loss_scale` None means no loss scaling (fp32 / bf16). `check_overflow` (default: when there is
         a loss scale) skips the step on inf/nan gradients, as fp16 and bf16.check_grad_overflow do."""
         self.buckets.wait()
+        self._adopt_assigned_grads()
         check = check_overflow if check_overflow is not None else loss_scale is not None
         # reduced gradients are identical on every rank, so every rank reaches the same decision alone;
         # local ones (the optimizer reduces) need the inf/nan decision agreed, and each rank clips by its
@@ -259,6 +260,23 @@ class Stage0Strategy(WholeParameters):
             for flat in self.flats:
                 flat.copy_master_to_params()
         return result
+
+    def gradients_unreduced(self) -> bool:
+        """False: every rank holds whole gradients (`param.grad`, reduced in place at a boundary)."""
+        return False
+
+    def _adopt_assigned_grads(self) -> None:
+        """A `.grad` the user assigned after backward (a new tensor, not the buffer's view) is the gradient
+        the step reads, as in DeepSpeed's stage 0, which steps `p.grad`: copied into the buffer (as it is:
+        not reduced, already scaled like the loss) and the parameter pointed back at the buffer."""
+        for flat in self.flats:
+            if not flat.grads_alias_autograd:
+                continue
+            for p, view in zip(flat.params, flat.grad_views):
+                grad = p.grad
+                if grad is not None and not grad.is_sparse and grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    p.grad = view
 
     def zero_grad(self) -> None:
         for flat in self.flats:

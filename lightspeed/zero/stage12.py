@@ -422,6 +422,12 @@ class ShardedStrategy(WholeParameters):
     def wait_gradients(self) -> None:
         self.buckets.wait()
 
+    def gradients_unreduced(self) -> bool:
+        """Stage 1 after a backward that was not an accumulation boundary (gradient accumulation, or
+        inside `no_sync()`): the parameters' `.grad` hold this rank's accumulated gradients, which the
+        shards do not have yet (stage 2 reduces every micro-step)."""
+        return self._in_flat and not self._boundary
+
     # ---------------------------------------------------------------- step
     def step(self, loss_scale: float | None, max_norm: float, check_overflow: bool | None = None) -> StepResult:
         self.buckets.wait()

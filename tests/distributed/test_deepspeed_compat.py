@@ -5,6 +5,7 @@ ranks runs every scenario and returns plain data; the tests assert on it."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -93,14 +94,20 @@ def _batches():
 
 def _no_sync(stage: int) -> dict:
     """Micro-batch A under no_sync at a boundary (GAS 1: every micro-step is one), then B outside."""
+    from lightspeed.utils import safe_get_full_grad
+
     model = TinyMLP()
+    plain = copy.deepcopy(model)
     engine, *_ = lightspeed.initialize(model=model, config=_config(stage),
                                        optimizer=lambda ps: torch.optim.SGD([p for p in ps if p.requires_grad], lr=LR))
     (xa, ya), (xb, yb) = _batches()
-    out = {}
+    plain(xa, ya).backward()  # this rank's own gradient of A: what the gradient reads inside no_sync give
+    out = {"local_grads": {n: p.grad.clone() for n, p in plain.named_parameters() if p.grad is not None}}
     with engine.no_sync():
         before = engine.comm.stats.total_bytes()
         engine.backward(engine(xa, ya))
+        params = dict(engine.module.named_parameters())
+        out["grads_inside"] = {n: safe_get_full_grad(params[n]).clone() for n in out["local_grads"]}
         out["bytes_inside"] = engine.comm.stats.total_bytes() - before
         try:
             engine.step()
@@ -211,14 +218,17 @@ def test_no_sync_accumulates_without_reducing(world, stage):
     for out in world:
         run = out["engine"]["no_sync"][stage]
         assert run["bytes_inside"] == 0 and run["bytes_outside"] > 0
-        assert "inside no_sync()" in run["step_inside"] and "not re-entrant" in run["reentry"]
+        assert "inside no_sync context manager" in run["step_inside"] and "not re-entrant" in run["reentry"]
+        assert run["grads_inside"].keys() == run["local_grads"].keys() and run["local_grads"]
+        for name, local in run["local_grads"].items():  # unreduced, also read through safe_*
+            torch.testing.assert_close(run["grads_inside"][name], local, rtol=1e-5, atol=1e-6)
         for k, v in expected.items():
             torch.testing.assert_close(run["params"][k], v, rtol=1e-5, atol=1e-6)
 
 
 def test_no_sync_is_refused_with_partitioned_gradients(world):
     for out in world:
-        assert "incompatible with the gradient partitioning of ZeRO stage 2" in out["engine"]["no_sync_stage2"]
+        assert "incompatible with gradient partitioning logic of ZeRO stage 2" in out["engine"]["no_sync_stage2"]
 
 
 def test_overflow_of_the_optimizer_deepspeed_initialize_returns(world):

@@ -61,6 +61,7 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import detect_launch_env, init_distributed
 from lightspeed.config.parse import read_source
+from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.zero_param import ZeroParameter
 
@@ -138,9 +139,9 @@ class Init(ParameterRegistrationContext):
     the world (torch.distributed is started from the launcher's environment when it is not yet).
     `dtype`, else the config's fp16/bf16 (`config_dict_or_path`, or its older name `config`), else
     the constructed dtype, is the dtype the shards are stored in. `module`, an already built model,
-    is partitioned at once. Parameter offload (`remote_device` "cpu"/"nvme", or the config's
-    `zero_optimization.offload_param`), hpZ (`zero_param_parallel_group`), quantized weights and
-    `param_swapper` are not implemented and raise. `mem_efficient_linear` and `pin_memory` are
+    is partitioned at once. `remote_device` "cpu" (or the config's `zero_optimization.offload_param`
+    device "cpu") keeps the shards in host memory; "nvme" (NVMe at construction), hpZ
+    (`zero_param_parallel_group`), quantized weights and `param_swapper` are not implemented and raise. `mem_efficient_linear` and `pin_memory` are
     accepted: the first replaces F.linear in DeepSpeed to free gathered weights early, which the
     release of each group's storage already does here; the second matters only with offload.
     `seed` (lightspeed's addition) fixes the initialization seed. Nested blocks partition once, at
@@ -158,9 +159,18 @@ class Init(ParameterRegistrationContext):
         offload = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
         if remote_device is None and isinstance(offload, dict) and str(offload.get("device", "none")) != "none":
             remote_device = offload.get("device")
-        if remote_device is not None and str(remote_device).lower() in ("cpu", "nvme"):
+        remote = str(getattr(remote_device, "value", remote_device)).lower() if remote_device is not None and enabled \
+            else "none"
+        if remote == "nvme":
             raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}) / zero_optimization.offload_param: "
-                                      "parameter offload is not implemented yet")
+                                      "partitioning onto NVMe at construction is not implemented yet (the engine's "
+                                      "offload_param device \"nvme\" is: build the model with remote_device \"cpu\")")
+        if remote not in ("none", "cpu", "cuda", str(default_device().type)):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected \"cpu\", \"nvme\" or None")
+        # remote_device "cpu": each rank's shards are kept in host memory (pinned with pin_memory) until the
+        # engine takes them over with its own offload_param placement
+        self._offload = OffloadPolicy(param="cpu", param_pin_memory=bool(pin_memory or (
+            isinstance(offload, dict) and offload.get("pin_memory", False)))) if remote == "cpu" else OffloadPolicy()
         if zero_param_parallel_group is not None:
             raise NotImplementedError("zero.Init(zero_param_parallel_group=...): hpZ (zero_hpz_partition_size) "
                                       "is not implemented yet")
@@ -279,7 +289,7 @@ class Init(ParameterRegistrationContext):
         for (_, dtype), items in kinds.items():
             g = ParamGroup(f"init:{type(module).__name__}", [p for _, p in items], [n for n, _ in items],
                            [p.detach() for _, p in items], comm, dtype=dtype, device=device, grad_dtype=dtype,
-                           keep_master=False, with_grads=False)
+                           keep_master=False, with_grads=False, offload=self._offload)
             g.coordinator = _STANDALONE
             _INIT_GROUPS.setdefault(module, []).append(g)
 

@@ -200,7 +200,7 @@ class ParamGroup:
         if host_master:
             pin = offload.optimizer_pin_memory and offload.optimizer != "nvme"
             self.master_shard = offload.host_copy(self.lp_shard, master_dtype, device, pin=pin)
-        elif self.trainable and ((keep_master and dtype != torch.float32) or offload.offloads_params):
+        elif self.trainable and ((keep_master and dtype != torch.float32) or (offload.offloads_params and with_grads)):
             self.master_shard = self.lp_shard.to(device=device, dtype=torch.float32, copy=True)
         else:
             self.master_shard = None

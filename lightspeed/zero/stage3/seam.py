@@ -80,6 +80,10 @@ class ModelSeam:
 
         return as_forward
 
+    def gradients_unreduced(self) -> bool:
+        """False: stage 3 reduce-scatters every micro-step's gradients."""
+        return False
+
     def needs_eager_forward(self) -> bool:
         """True while forwards run under the coordinator's external-use mode (the first forward and
         backward, with the default `external_detection`): compiled regions then run eagerly."""

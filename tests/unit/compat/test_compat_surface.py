@@ -316,3 +316,32 @@ def test_initialize_returns_a_view_equal_to_and_an_instance_of_the_optimizer(cli
         assert opt == given
     with pytest.raises(RuntimeError, match="stepped by engine.step"):
         opt.step()
+
+
+def test_stage0_fp16_optimizer_view_reads_deepspeeds_loss_scale_and_steps_an_assigned_grad():
+    """DeepSpeed's stage-0 fp16 optimizers: every overflow halves the scale (no hysteresis), the returned
+    optimizer carries `cur_scale` / `cur_iter` / `scale_window` / `dynamic_loss_scale`, and `step()` reads a
+    `.grad` the user assigned (an inf there is an overflow)."""
+    from lightspeed.compat.deepspeed import initialize
+
+    model = torch.nn.Linear(3, 1)
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2}}  # hysteresis 2 by default
+    engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                   dist_init_required=False)
+    assert opt.dynamic_loss_scale is True and (opt.cur_scale, opt.scale_window, opt.cur_iter) == (16, 2, 0)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    for value, scale in ((float("inf"), 8), (float("nan"), 4)):
+        for p in engine.module.parameters():
+            p.grad = torch.full_like(p, value)
+        engine.step()
+        assert opt.overflow and opt.cur_scale == scale
+    assert opt.cur_iter == 2 and all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    for p in engine.module.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    engine.step()
+    assert not opt.overflow and not torch.equal(before[0], engine.module.weight)
+    plain, plain_opt, _, _ = initialize(model=torch.nn.Linear(3, 1), config={"train_batch_size": 1},
+                                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), dist_init_required=False)
+    with pytest.raises(AttributeError, match="fp16 is not enabled"):
+        plain_opt.cur_scale

@@ -87,3 +87,9 @@ def test_boolean_zero_optimization(ls_caplog):
     assert cfg.zero_optimization.stage == 1 and cfg.zero_optimization.allgather_bucket_size == 100_000_000
     assert "deprecated format" in ls_caplog.text
     assert loaded({"zero_optimization": False}).zero_optimization.stage == 0
+
+
+def test_optimizer_torch_adam_beside_type_is_ignored_as_deepspeed_does(ls_caplog):
+    cfg = loaded({"optimizer": {"type": "Adam", "torch_adam": True, "params": {"lr": 0.1}}})
+    assert cfg.optimizer.params == {"lr": 0.1} and "torch_adam" not in cfg.raw["optimizer"]
+    assert "optimizer.torch_adam (true) has no effect there" in ls_caplog.text

@@ -49,6 +49,9 @@ def test_buckets_launch_in_index_order_only():
     flat = FlatParams(params, torch.float32, keep_master=False, bucket_numel=5)
     launched = []
     buckets = GradBuckets([flat], lambda b: launched.append(b.index))
+    buckets.flush()  # before a boundary backward's reset nothing is pending (a gradient read in no_sync)
+    assert launched == []
+    buckets.reset()
     # buffer order is reversed: [p3 (19), p2 (1), p1 (6), p0 (4)] -> buckets [p3], [p2, p1], [p0]
     assert [(b.first, b.last) for b in buckets.buckets] == [(0, 1), (1, 3), (3, 4)]
     buckets.mark_ready(params[0])  # last bucket ready first: must wait for the others
@@ -103,6 +106,7 @@ def test_max_inflight_finishes_the_oldest_reduction():
     flat = FlatParams(params, torch.float32, keep_master=False, bucket_numel=5)
     finished = []
     buckets = GradBuckets([flat], lambda b: Pending(b.index), max_inflight=2)
+    buckets.reset()
     assert len(buckets.buckets) == 4
     for p in reversed(params):  # backward order: bucket 0 holds the last parameter
         buckets.mark_ready(p)

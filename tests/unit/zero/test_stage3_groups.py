@@ -130,8 +130,16 @@ def test_init_partitions_parameters_and_keeps_buffers():
     assert w.numel() == 0
     assert not hasattr(torch.nn.Parameter(torch.ones(1)), "ds_numel")
     assert not model[1].running_var.is_meta and torch.equal(model[1].running_var, torch.ones(8))
-    with pytest.raises(NotImplementedError, match="offload"):
-        Init(remote_device="cpu")
+    with pytest.raises(NotImplementedError, match="NVMe at construction"):
+        Init(remote_device="nvme")
+    with Init(remote_device="cpu", seed=3):  # shards in host memory (here the device is the host too)
+        offloaded = torch.nn.Linear(4, 8)
+    st = param_state(offloaded.weight)
+    assert st.group.offload.offloads_params and st.group.master_shard is None
+    with GatheredParameters(offloaded.weight):
+        assert torch.equal(offloaded.weight, initialize_module_weights(torch.nn.Linear(4, 8), 3).weight)
+    with Init(enabled=False, remote_device="cpu"):  # not partitioning: nothing to place
+        assert not torch.nn.Linear(2, 2).weight.is_meta
     with Init(enabled=False):
         assert not torch.nn.Linear(2, 2).weight.is_meta
 
@@ -221,8 +229,11 @@ def test_init_signature_dtype_config_module_and_nesting():
         b = torch.nn.Linear(4, 4)
     for layer in (a, b):
         assert param_state(layer.weight).group.lp_shard.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
-    with pytest.raises(NotImplementedError, match="offload"):
-        Init(config_dict_or_path={"zero_optimization": {"offload_param": {"device": "cpu"}}})
+    with Init(config_dict_or_path={"zero_optimization": {"offload_param": {"device": "cpu"}}}):
+        placed = torch.nn.Linear(4, 4)
+    assert param_state(placed.weight).group.offload.param == "cpu"
+    with pytest.raises(NotImplementedError, match="NVMe"):
+        Init(config_dict_or_path={"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}})
     with pytest.raises(NotImplementedError, match="hpZ"):
         Init(zero_param_parallel_group=object())
     built = torch.nn.Linear(3, 2)

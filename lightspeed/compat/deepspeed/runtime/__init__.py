@@ -3,7 +3,7 @@ DeepSpeed's module paths. Submodules load on first use."""
 
 import importlib
 
-_SUBMODULES = ("activation_checkpointing", "config", "dataloader", "engine", "hybrid_engine", "lr_schedules", "pipe",
+_SUBMODULES = ("activation_checkpointing", "config", "config_utils", "dataloader", "engine", "hybrid_engine", "lr_schedules", "pipe",
                "precision_config", "sequence_parallel", "utils", "zero")
 
 

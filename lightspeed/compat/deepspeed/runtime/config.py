@@ -6,6 +6,7 @@ DeepSpeed's runtime/config.py (release 0.18.2's set)."""
 from __future__ import annotations
 
 from lightspeed import config as _config
+from lightspeed.config import batch as _batch
 from lightspeed.compat.deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from lightspeed.compat.deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from lightspeed.config.efficiency import SparseAttentionConfig as _SparseAttentionConfig
@@ -118,6 +119,17 @@ class DeepSpeedConfig:
         self.dataloader_drop_last = cfg.dataloader_drop_last
         # DeepSpeed's per-mode dict of the section (None when absent); models build their layout from it
         self.sparse_attention = cfg.sparse_attention.deepspeed_dict() if cfg.sparse_attention is not None else None
+
+    def _configure_train_batch_size(self) -> None:
+        """DeepSpeed's re-derivation of the batch triad from the three attributes as they are now (None:
+        not given), with lightspeed's rules; an inconsistent or underdetermined triad is an
+        AssertionError (DeepSpeed asserts), leaving the attributes as they were."""
+        train, micro, gas, problems = _batch.resolve_batch(
+            self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
+            self.world_size, "DeepSpeedConfig")
+        if problems:
+            raise AssertionError("; ".join(problems))
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = train, micro, gas
 
     @property
     def gradient_allreduce_op(self) -> str:

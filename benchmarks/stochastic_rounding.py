@@ -157,9 +157,9 @@ def time_kernel(n: int, device: str, repeats: int) -> dict:
 
     out = {}
     for rounding in (False, True):
-        gen = torch.Generator().manual_seed(0)
-        p = torch.randn(n, generator=gen).to(device, torch.bfloat16)
-        g = torch.randn(n, generator=gen).to(device, torch.bfloat16)
+        gen = torch.Generator(device=device).manual_seed(0)
+        p = torch.randn(n, generator=gen, device=device, dtype=torch.bfloat16)
+        g = torch.randn(n, generator=gen, device=device, dtype=torch.bfloat16)
         opt = FusedAdam([p], lr=1e-4)
         opt.state_dtype = torch.bfloat16
         opt.stochastic_rounding, opt.rounding_seed = rounding, 1
@@ -220,8 +220,8 @@ def main(argv=None) -> None:
         ms = time_kernel(args.kernel, args.device, 3 if args.smoke else 20)
         moved = args.kernel * 14  # bytes: read p, g, m, v; write p, m, v (bf16)
         print(f"\nFusedAdam step, {args.kernel:,} bf16 elements with bf16 state on {args.device}: round-to-nearest "
-              f"{ms[False]:.3f} ms ({moved / ms[False] / 1e6:.0f} GB/s), stochastic rounding {ms[True]:.3f} ms "
-              f"({moved / ms[True] / 1e6:.0f} GB/s), x{ms[True] / ms[False]:.2f}")
+              f"{ms[False]:.3f} ms ({moved / ms[False] / 1e6:.1f} GB/s), stochastic rounding {ms[True]:.3f} ms "
+              f"({moved / ms[True] / 1e6:.1f} GB/s), x{ms[True] / ms[False]:.2f}")
     if args.smoke:
         assert all(r["final"] == r["final"] for r in rows.values()), "a run's loss is nan"
         print("smoke: ok")

@@ -88,3 +88,14 @@ def test_stochastic_rounding_refused_where_it_means_nothing():
         _engine(_config(True, masters=False))
     with pytest.raises(ConfigError, match=r"bf16\.stochastic_rounding: .*AdamW"):
         _engine(_config(True, torch_adam=True))
+
+
+def test_policy_reads_the_key():
+    from lightspeed.precision.policy import policy_from_config
+
+    on = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True,
+          "stochastic_rounding": True}
+    assert policy_from_config({"bf16": on, "zero_optimization": {"stage": 1}}).stochastic_rounding
+    assert not policy_from_config({"bf16": {**on, "stochastic_rounding": False}}).stochastic_rounding
+    with pytest.raises(ConfigError, match=r"^bf16\.stochastic_rounding: .*\(got false\)$"):
+        policy_from_config({"bf16": {"enabled": True, "stochastic_rounding": True}})

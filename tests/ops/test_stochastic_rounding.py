@@ -195,7 +195,8 @@ def test_cpu_adam_zero_step_rounds_stochastically(states, monkeypatch):
 
     def make(dtype, rounding):
         p = p0.clone().to(dtype)
-        opt = CPUAdam([p], lr=1e-3, weight_decay=0.1, fp32_optimizer_states=states == torch.float32 or dtype != p0.dtype)
+        fp32_states = states == torch.float32 or dtype != p0.dtype
+        opt = CPUAdam([p], lr=1e-3, weight_decay=0.1, fp32_optimizer_states=fp32_states)
         opt.stochastic_rounding, opt.rounding_seed = rounding, 99
         return p, opt
 

@@ -97,5 +97,6 @@ def launch_elementwise(kernel, arrays, plan, scale, n_arrays: int, hyper: tuple,
         *bases[:n_arrays], bases[n_arrays] if has_out else bases[0],
         plan.offsets, plan.numels, plan.block_segment, plan.block_start, plan.num_segments,
         scale if scale is not None else bases[n_arrays - 1], 0 if seed is None else seed, *hyper,
-        HAS_SCALE=scale is not None, HAS_OUT=has_out, SR=seed is not None, ALIGN=8 if plan.aligned else 1, BLOCK=plan.block,
+        HAS_SCALE=scale is not None, HAS_OUT=has_out, SR=seed is not None, ALIGN=8 if plan.aligned else 1,
+        BLOCK=plan.block,
         num_warps=num_warps, **constexprs)

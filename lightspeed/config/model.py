@@ -204,6 +204,9 @@ def cross_problems(cfg: LightspeedConfig) -> list[str]:
             out.append("bf16.bf16_optimizer_states: needs zero_optimization.stage 1, 2 or 3 (got stage 0)")
         if not bf16.bf16_master_weights_and_grads:
             out.append("bf16.bf16_optimizer_states: needs bf16.bf16_master_weights_and_grads true (got false)")
+    if bf16.stochastic_rounding and not bf16.bf16_master_weights_and_grads:
+        out.append("bf16.stochastic_rounding: rounds the bf16 master weights and optimizer states, so it needs "
+                   "bf16.bf16_master_weights_and_grads true (got false)")
     if not cfg.managed_gradient_accumulation and stage < 2 and cfg.zero_optimization.overlap_comm:  # DeepSpeed's rule
         out.append("managed_gradient_accumulation: false supports zero_optimization.overlap_comm only with ZeRO "
                    f"stage 2 or 3 (got stage {stage} with overlap_comm true)")

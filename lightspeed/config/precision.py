@@ -65,6 +65,12 @@ class BF16Config(Section):
     """Keep ZeRO master weights and gradients in bf16 (ZeRO 1-3)."""
     bf16_optimizer_states: Bool = False
     """Keep optimizer states in bf16 too; needs bf16_master_weights_and_grads."""
+    stochastic_rounding: Bool = False
+    """lightspeed's own key (off by default): write the bf16 master weights, and with
+    bf16_optimizer_states the bf16 optimizer states, with stochastic rounding instead of round-to-nearest
+    (an update below half a bf16 gap then moves the value with the matching probability instead of
+    never); needs bf16_master_weights_and_grads and an optimizer that rounds so (FusedAdam, FusedLion,
+    FusedAdagrad, the CPU Adam when offloaded). The random bits come from torch's initial seed."""
 
 
 class AMPConfig(Section):

@@ -9,7 +9,9 @@ Implemented today, hence absent: the batch triad, steps_per_print, wall_clock_br
 gradient_clipping, prescale_gradients, gradient_predivide_factor, gradient_allreduce_op, optimizer,
 scheduler, fp16 (not auto_cast), bf16, low-precision masters (fp16.fp16_master_weights_and_grads,
 bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states: ``lightspeed.precision.policy``, which
-refuses what DeepSpeed refuses; zero/optimizers.py checks the optimizer and the offload they go with),
+refuses what DeepSpeed refuses; zero/optimizers.py checks the optimizer and the offload they go with;
+bf16.stochastic_rounding, lightspeed's own key, refused by the same two without bf16 masters or an
+optimizer that rounds its bf16 writes),
 managed_gradient_accumulation (the engine's step() is the boundary), sparse_gradients (stage 0:
 ``lightspeed.zero.sparse``; refused at stages 1-3 by ``select_strategy``), torch_autocast (``lightspeed.precision.autocast``; its fp16 dtype and a PipelineModule are refused there),
 ZeRO stage 0, data_types.grad_accum_dtype,

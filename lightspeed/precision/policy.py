@@ -36,7 +36,8 @@ Note: [low-precision masters]
     needs bf16_master_weights_and_grads, and a master kept in low precision with fp32 optimizer
     state (fp16 masters, or bf16 masters without bf16_optimizer_states) needs the optimizer
     offloaded to the CPU; those are checked where the offload policy is known
-    (`check_master_placement`).
+    (`check_master_placement`). ``bf16.stochastic_rounding`` (lightspeed's own key) writes the bf16
+    master and state with stochastic rounding (``stochastic_rounding``); it needs bf16 masters.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class PrecisionPolicy:
     master_dtype: torch.dtype | None = None
     loss_scaling: bool = False
     state_dtype: torch.dtype = torch.float32  # the optimizer state (bf16 with bf16_optimizer_states)
+    stochastic_rounding: bool = False  # bf16.stochastic_rounding: bf16 masters and state rounded stochastically
 
     @property
     def mixed(self) -> bool:
@@ -143,6 +145,10 @@ def policy_from_config(cfg: Any) -> PrecisionPolicy:
                           "mutually exclusive (got both true)")
     if bf16_states and not bf16_master:
         raise ConfigError("bf16.bf16_optimizer_states: needs bf16.bf16_master_weights_and_grads true (got false)")
+    rounding = bool(_field(cfg, "bf16.stochastic_rounding", False))
+    if rounding and not bf16_master:
+        raise ConfigError("bf16.stochastic_rounding: rounds the bf16 master weights and optimizer states, so it "
+                          "needs bf16.bf16_master_weights_and_grads true (got false)")
     if fp16_master or bf16_master:
         want = torch.float16 if fp16_master else torch.bfloat16
         key = "fp16.fp16_master_weights_and_grads" if fp16_master else "bf16.bf16_master_weights_and_grads"
@@ -158,6 +164,7 @@ def policy_from_config(cfg: Any) -> PrecisionPolicy:
         master_dtype=master,
         loss_scaling=fp16,
         state_dtype=state,
+        stochastic_rounding=rounding,
     )
 
 

@@ -7,9 +7,11 @@ others unless `zero_allow_untested_optimizer` is set (DeepSpeed's rule) or they 
 the optimizer takes `step(grad_scale=..., lowp_out=...)` (lightspeed.ops' fused optimizers), so the
 strategies hand it low-precision gradients, the unscale/clip coefficient and the parameter copy to
 write, instead of spending passes on them; and `low_precision_masters`, the dtype of the master
-shards (bf16/fp16_master_weights_and_grads). With the optimizer offloaded to host memory the CPU
-optimizers take the same call (`ops/adam/cpu_adam.py`): they apply the coefficient inside their kernel
-and copy each stepped piece to the device while stepping the next.
+shards (bf16/fp16_master_weights_and_grads), which also turns on the optimizer's stochastic rounding
+of its bf16 writes (bf16.stochastic_rounding) or refuses it where the optimizer cannot. With the
+optimizer offloaded to host memory the CPU optimizers take the same call (`ops/adam/cpu_adam.py`):
+they apply the coefficient inside their kernel and copy each stepped piece to the device while
+stepping the next.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from lightspeed.ops.adam import CPUAdam, FusedAdam
 from lightspeed.ops.adam.cpu_adam import CPUOptimizerBase
 from lightspeed.ops.lion import CPULion, FusedLion
 from lightspeed.ops.multi_tensor.optimizer import FusedOptimizer
+from lightspeed.ops.rounding import mix_seed
 from lightspeed.optim.muon import Muon
 
 ELEMENTWISE_OPTIMIZERS = (
@@ -59,11 +62,12 @@ def fused_step(optimizer: torch.optim.Optimizer | None, offload: OffloadPolicy |
 
 
 def low_precision_masters(policy: PrecisionPolicy, optimizer: torch.optim.Optimizer | None,
-                          offload: OffloadPolicy | None) -> torch.dtype:
+                          offload: OffloadPolicy | None, rank: int = 0) -> torch.dtype:
     """The dtype of the master shards a sharded stage keeps, after DeepSpeed's rules for bf16/fp16
     masters (precision/policy.py's Note) are checked; makes a fused optimizer keep its state in the
     master dtype when `policy.state_dtype` says so (torch's optimizers create state like the master,
-    which is that dtype already)."""
+    which is that dtype already), and turns on its stochastic rounding with `policy.stochastic_rounding`
+    (`rank`, the data-parallel rank, is mixed into the seed: each rank's shard draws its own bits)."""
     offloaded = offload is not None and offload.offloads_optimizer
     check_master_placement(policy, offloaded)
     if not policy.low_precision_master:
@@ -87,4 +91,19 @@ def low_precision_masters(policy: PrecisionPolicy, optimizer: torch.optim.Optimi
         optimizer.state_dtype = policy.state_dtype
     elif isinstance(optimizer, CPUOptimizerBase):
         raise NotImplementedError(f"{key} with a CPU optimizer stepping device tensors is not implemented")
+    if policy.stochastic_rounding and optimizer is not None:
+        _round_stochastically(optimizer, rank)
     return policy.master_dtype
+
+
+def _round_stochastically(optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """bf16.stochastic_rounding: the optimizer rounds its bf16 writes stochastically, its draws seeded
+    from torch's initial seed (what torch.manual_seed set) and `rank`; optimizers that cannot are refused."""
+    rounds = isinstance(optimizer, CPUOptimizerBase) or (
+        isinstance(optimizer, FusedOptimizer) and optimizer.supports_stochastic_rounding)
+    if not rounds:
+        raise ConfigError("bf16.stochastic_rounding: the optimizer must write its bf16 masters and state itself "
+                          "(FusedAdam, FusedLion, FusedAdagrad, or the CPU Adam with offload_optimizer; got "
+                          f"{type(optimizer).__name__})")
+    optimizer.stochastic_rounding = True
+    optimizer.rounding_seed = mix_seed(torch.initial_seed(), rank)

@@ -129,7 +129,7 @@ class ShardedStrategy(WholeParameters):
         # itself; on the device it reads the reduced (low-precision) gradient shard (no fp32 gradient
         # copy), in host memory the host copies (zero/optimizers.py)
         self._fused = fused_step(optimizer, self.offload)
-        master_dtype = low_precision_masters(policy, optimizer, self.offload)
+        master_dtype = low_precision_masters(policy, optimizer, self.offload, comm.rank)
         self.stage, self.module, self.optimizer, self.policy, self.comm, self.reduce = (
             stage, module, optimizer, policy, comm, reduce)
         self.collectives = collectives or Collectives.default(comm)

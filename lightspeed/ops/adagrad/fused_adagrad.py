@@ -19,6 +19,7 @@ class FusedAdagrad(FusedOptimizer):
     eps=1e-10, set_grad_none=True, backend="auto"."""
 
     _state_keys = ("sum",)
+    supports_stochastic_rounding = True  # the kernel takes a rounding seed
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, set_grad_none: bool = True,
@@ -45,7 +46,7 @@ class FusedAdagrad(FusedOptimizer):
 
         arrays, plan = launch.kernel_arrays(kernels.BLOCK)
         kernels.launch(arrays, plan, scale, clr=self._clr(group, step), eps=group["eps"],
-                       weight_decay=group["weight_decay"])
+                       weight_decay=group["weight_decay"], seed=self._round_seed)
 
     def _launch_reference(self, group, step, segments, scale):
         for s in segments:

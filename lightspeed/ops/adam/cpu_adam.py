@@ -34,6 +34,14 @@ reference path in the ZeRO step, DeepSpeedCPUAdam's numbers bit for bit, run chu
 (``CHUNK_ELEMS``) so its fp32 temporaries stay cache-sized instead of several times the range.
 The state stays bf16 on the host: 2 + 2 + 2 + 2 bytes per parameter (master, gradient, moments)
 where fp32 masters and state hold 4 + 4 + 4 + 4.
+
+Note [stochastic rounding]: with `stochastic_rounding` (bf16.stochastic_rounding; zero/optimizers.py
+sets it and `rounding_seed`) the bf16 masters and state are stepped chunk by chunk on fp32 copies in
+the scratch buffers (the same fp32 values the reference computes in place) and written back through
+`ops/rounding.round_in_place`: 16 random bits per element from ``torch.randint`` with a generator
+seeded from `rounding_seed`, the step, the parameter's index in the optimizer and the chunk's first
+element, so a fixed seed repeats a run whatever ranges the ZeRO step is split into (chunks start at
+multiples of CHUNK_ELEMS from the range's start; the ZeRO-Offload ranges are the same every step).
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ import torch
 from lightspeed._utils.logging import get_logger
 
 from ..lowp_writer import PIECE_ELEMS, LowpWriter
+from ..rounding import mix_seed, round_in_place
 from .reference import adam_step
 
 logger = get_logger(__name__)
@@ -66,13 +75,18 @@ class CPUOptimizerBase(torch.optim.Optimizer):
     fuses_lowp_out = True
     #: the family's `_kernel` takes `grad_scale` (a divisor, torch's convention) itself
     _kernel_scales = False
+    #: bf16 masters and state written with stochastic rounding (Note [stochastic rounding])
+    stochastic_rounding: bool = False
+    #: the base of the per-chunk rounding seeds
+    rounding_seed: int = 0
 
     def __init__(self, params, defaults: dict, fp32_optimizer_states: bool = True):
         super().__init__(params, defaults)
         self.fp32_optimizer_states = fp32_optimizer_states
         self._scratch: list[torch.Tensor] = []
         self._writer: LowpWriter | None = None
-        self._spans: dict = {}  # the ZeRO step in progress: param -> (group, grad, step, scale, targets)
+        # the ZeRO step in progress: param -> (group, grad, step, scale, targets, index of the param)
+        self._spans: dict = {}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -143,6 +157,32 @@ class CPUOptimizerBase(torch.optim.Optimizer):
             if lowp_flat is not None:
                 lowp_flat[start:end].copy_(work[0])
 
+    def _rounds(self, p: torch.Tensor, states: Sequence[torch.Tensor]) -> bool:
+        """Whether `p`'s step goes through `_step_rounded` (stochastic rounding and a bf16 tensor to write)."""
+        return self.stochastic_rounding and any(t.dtype == torch.bfloat16 for t in (p, *states))
+
+    def _step_rounded(self, p: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tensor], step: int, group: dict,
+                      index: int, start: int, end: int, scale: torch.Tensor | None) -> None:
+        """Elements [start, end) of the flat `p` and `states` stepped by the family's reference on fp32
+        copies, chunk by chunk, and written back rounded stochastically (Note [stochastic rounding])."""
+        if not all(t.is_contiguous() for t in (p, g, *states)):
+            raise ValueError(f"{type(self).__name__}: stochastic rounding needs contiguous parameters, "
+                             "gradients and state")
+        flat = [p.view(-1), g.view(-1)] + [x.view(-1) for x in states]
+        for lo in range(start, end, CHUNK_ELEMS):
+            hi = min(end, lo + CHUNK_ELEMS)
+            pr, gr, *sr = (t[lo:hi] for t in flat)
+            if scale is not None:
+                gr = gr * scale.to(g.device)
+            targets = [pr, *sr]
+            bufs = iter(self._buffers(sum(t.dtype != torch.float32 for t in targets), hi - lo))
+            work = [t if t.dtype == torch.float32 else next(bufs)[: hi - lo].copy_(t) for t in targets]
+            self._reference(work[0], gr, work[1:], step, group, None)
+            gen = torch.Generator().manual_seed(mix_seed(self.rounding_seed, step, index, lo))
+            for dst, value in zip(targets, work):
+                if value is not dst:
+                    round_in_place(dst, value, gen)
+
     @staticmethod
     def _fast_ok(p: torch.Tensor, g: torch.Tensor, states: Sequence[torch.Tensor]) -> bool:
         ts = [p, g, *states]
@@ -170,11 +210,13 @@ class CPUOptimizerBase(torch.optim.Optimizer):
             self._zero_step(grads, grad_scale, lowp_out or {})
             return loss
         lowp_groups = self._normalize_lowp(fp16_param_groups, len(self.param_groups))
+        index = -1  # the param's index in the optimizer (a rounding seed's part)
         for group, lowp_group in zip(self.param_groups, lowp_groups):
             self._check_group(group)
             fast: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int]] = []
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []
             for i, p in enumerate(group["params"]):
+                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -189,7 +231,11 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 g = p.grad
                 if p.numel() == 0:
                     continue
-                if not self._fast_ok(p, g, states) or (lowp is not None and not lowp.is_contiguous()):
+                if self._rounds(p, states):
+                    self._step_rounded(p, g, states, step, group, index, 0, p.numel(), None)
+                    if lowp is not None:
+                        lowp.view(-1).copy_(p.view(-1))
+                elif not self._fast_ok(p, g, states) or (lowp is not None and not lowp.is_contiguous()):
                     self._reference(p, g, states, step, group, lowp)
                 elif all(t.dtype == torch.float32 for t in (p, g, *states)):
                     # one multi-tensor kernel call; a low-precision copy is written after it (measured
@@ -223,9 +269,11 @@ class CPUOptimizerBase(torch.optim.Optimizer):
         scale = None if grad_scale is None else torch.as_tensor(grad_scale, dtype=torch.float32).to("cpu").reshape(())
         lowp_out = lowp_out or {}
         self._spans = {}
+        index = -1
         for group in self.param_groups:
             self._check_group(group)
             for p in group["params"]:
+                index += 1
                 g = grads.get(p) if grads is not None else p.grad
                 if g is None or p.numel() == 0:
                     continue
@@ -233,16 +281,20 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self._init_state(p)
                 state["step"] += 1
-                self._spans[p] = (group, g, state["step"], scale, lowp_out.get(p, ()))
+                self._spans[p] = (group, g, state["step"], scale, lowp_out.get(p, ()), index)
         return list(self._spans)
 
     def zero_step_range(self, p: torch.Tensor, start: int, end: int) -> None:
         """Step elements [start, end) of `p` (flat) in the ZeRO step `begin_zero_step` started and
         copy them to their low-precision targets; each element once per step. The gradient is only
         read (see the module's Note [the gradient is read, not written])."""
-        group, g, step, scale, targets = self._spans[p]
+        group, g, step, scale, targets, index = self._spans[p]
         state = self.state[p]
         states = [state[k] for k in self._state_keys]
+        if self._rounds(p, states):
+            self._step_rounded(p, g, states, step, group, index, start, end, scale)
+            self._writer.write(p, start, end, targets)
+            return
         flat = [p.view(-1), g.view(-1)] + [x.view(-1) for x in states]
         if not (self._fast_ok(p, g, states) and all(t.dtype == torch.float32 for t in (p, g, *states))):
             # mixed precision (bf16/fp16 masters, low-precision state) or odd layouts: the plain path,

@@ -25,6 +25,7 @@ class FusedAdam(FusedOptimizer):
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
+    supports_stochastic_rounding = True  # the kernel takes a rounding seed
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
@@ -56,7 +57,7 @@ class FusedAdam(FusedOptimizer):
         beta1, beta2 = group["betas"]
         kernels.launch(arrays, plan, scale, lr=group["lr"], beta1=beta1, beta2=beta2,
                        eps=group["eps"], weight_decay=group["weight_decay"], adamw=self.adam_w_mode,
-                       step_size=group["lr"] / bc1, bc2_sqrt=math.sqrt(bc2))
+                       step_size=group["lr"] / bc1, bc2_sqrt=math.sqrt(bc2), seed=self._round_seed)
 
     def _launch_reference(self, group, step, segments, scale):
         beta1, beta2 = group["betas"]

@@ -5,6 +5,8 @@ fused Adam): g = grad*scale (+ wd*p for L2 Adam); m = b1*m + (1-b1)*g; v = b2*v 
 denom = sqrt(v)/sqrt(bc2) + eps; p = p*(1 - lr*wd) (AdamW); p = p - (lr/bc1) * (m/denom).
 sqrt and the divisions are the IEEE round-to-nearest ones (sqrt_rn, div_rn), not the fast
 approximations. Reads p, g, m, v once; writes p, m, v and (HAS_OUT) the low-precision copy once.
+With SR (bf16.stochastic_rounding) the bf16 ones among p, m, v are rounded stochastically, each with
+its own random word; the copy receives p's rounded value.
 """
 from __future__ import annotations
 
@@ -13,15 +15,16 @@ import triton.language as tl
 
 from lightspeed.ops.multi_tensor import Plan
 from lightspeed.ops.multi_tensor.triton import (block_of, launch_elementwise, load_f32, offset_of, out_and_scale,
-                                              store_as)
+                                              random_bits, round_bf16, store_as)
 
 BLOCK = 1024  # with 4 warps: 0.99 of copy bandwidth on the H200 (sweep in benchmarks/optimizers.py)
 NUM_WARPS = 4
 
 
 @triton.jit
-def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, idx, n, scale, lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
-                ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, MASKED: tl.constexpr):
+def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, idx, n, scale, seed, lr, beta1, beta2, eps, wd, step_size,
+                bc2_sqrt, ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, SR: tl.constexpr,
+                MASKED: tl.constexpr, BLOCK: tl.constexpr):
     p = load_f32(p_ptr, idx, n, MASKED)
     g = load_f32(g_ptr, idx, n, MASKED)
     m = load_f32(m_ptr, idx, n, MASKED)
@@ -36,6 +39,11 @@ def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, idx, n, scale, lr, beta1, bet
     if ADAMW:
         p = p * (1.0 - lr * wd)
     p = p - step_size * tl.div_rn(m, denom)
+    if SR:
+        r0, r1, r2, _ = random_bits(seed, BLOCK)
+        p = round_bf16(p_ptr, p, r0, SR)
+        m = round_bf16(m_ptr, m, r1, SR)
+        v = round_bf16(v_ptr, v, r2, SR)
     store_as(p_ptr, idx, p, n, MASKED)
     store_as(m_ptr, idx, m, n, MASKED)
     store_as(v_ptr, idx, v, n, MASKED)
@@ -43,11 +51,11 @@ def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, idx, n, scale, lr, beta1, bet
         store_as(o_ptr, idx, p, n, MASKED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _adam_kernel(p_base, g_base, m_base, v_base, o_base, offsets, numels, block_segment, block_start, num_segments,
-                 scale_ptr, lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
-                 ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, ALIGN: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 scale_ptr, seed, lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
+                 ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, SR: tl.constexpr,
+                 ALIGN: tl.constexpr, BLOCK: tl.constexpr):
     seg, start, n, full = block_of(block_segment, block_start, numels, BLOCK)
     p_ptr = p_base + offset_of(offsets, 0, num_segments, seg, ALIGN)
     g_ptr = g_base + offset_of(offsets, 1, num_segments, seg, ALIGN)
@@ -56,16 +64,18 @@ def _adam_kernel(p_base, g_base, m_base, v_base, o_base, offsets, numels, block_
     o_ptr, scale = out_and_scale(p_ptr, o_base, offsets, 4, num_segments, seg, scale_ptr, HAS_OUT, HAS_SCALE, ALIGN)
     idx = start + tl.arange(0, BLOCK)
     if full:
-        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, idx, n, scale, lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
-                    ADAMW, HAS_SCALE, HAS_OUT, False)
+        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, idx, n, scale, seed, lr, beta1, beta2, eps, wd, step_size,
+                    bc2_sqrt, ADAMW, HAS_SCALE, HAS_OUT, SR, False, BLOCK)
     else:
-        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, idx, n, scale, lr, beta1, beta2, eps, wd, step_size, bc2_sqrt,
-                    ADAMW, HAS_SCALE, HAS_OUT, True)
+        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, idx, n, scale, seed, lr, beta1, beta2, eps, wd, step_size,
+                    bc2_sqrt, ADAMW, HAS_SCALE, HAS_OUT, SR, True, BLOCK)
 
 
 def launch(arrays, plan: Plan, scale, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-           adamw: bool, step_size: float, bc2_sqrt: float, num_warps: int | None = None) -> None:
-    """Run the kernel over `arrays` = [params, grads, exp_avgs, exp_avg_sqs, (outs)] with `plan`."""
+           adamw: bool, step_size: float, bc2_sqrt: float, num_warps: int | None = None,
+           seed: int | None = None) -> None:
+    """Run the kernel over `arrays` = [params, grads, exp_avgs, exp_avg_sqs, (outs)] with `plan`; `seed`
+    (ops/rounding.py's mix_seed): round the bf16 arrays stochastically with it."""
     launch_elementwise(_adam_kernel, arrays, plan, scale, 4,
                        (lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt), num_warps or NUM_WARPS,
-                       ADAMW=adamw)
+                       seed=seed, ADAMW=adamw)

@@ -17,6 +17,7 @@ class FusedLion(FusedOptimizer):
     default), weight_decay=0.0 (decoupled), set_grad_none=True, backend="auto"."""
 
     _state_keys = ("exp_avg",)
+    supports_stochastic_rounding = True  # the kernel takes a rounding seed
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), weight_decay: float = 0.0,
                  set_grad_none: bool = True, backend: str = "auto"):
@@ -31,7 +32,7 @@ class FusedLion(FusedOptimizer):
         arrays, plan = launch.kernel_arrays(kernels.BLOCK)
         beta1, beta2 = group["betas"]
         kernels.launch(arrays, plan, scale, lr=group["lr"], beta1=beta1, beta2=beta2,
-                       weight_decay=group["weight_decay"])
+                       weight_decay=group["weight_decay"], seed=self._round_seed)
 
     def _launch_reference(self, group, step, segments, scale):
         beta1, beta2 = group["betas"]

@@ -13,6 +13,15 @@ one), state creation (fp32 whatever the parameter dtype, unless `state_dtype` sa
     than its parameter (the bf16 gradient shard of an fp32 master shard), which torch does not allow
     to assign to `.grad`.
 
+Note [stochastic rounding]: with `stochastic_rounding` (bf16.stochastic_rounding; zero/optimizers.py
+sets it and `rounding_seed`) every bf16 parameter and state the step writes is rounded stochastically
+(ops/rounding.py) instead of to nearest. Each launch draws from its own seed, mixed from
+`rounding_seed`, the step, the group and the launch's index, so a run with a fixed seed repeats
+itself and no two steps or launches share draws. The Triton kernels take the seed (Philox per
+element); the reference path steps fp32 copies of the segments with the family's reference and
+writes them back through `rounding.round_in_place` (torch.randint from a generator with that seed).
+The two paths draw different bits: the same distribution, not the same numbers.
+
 Backends: "triton" (the family's multi-tensor kernel; on CUDA, or on CPU under TRITON_INTERPRET=1 in
 the tests), "reference" (the family's plain-PyTorch step, one segment at a time), "auto" (triton for
 CUDA tensors, reference otherwise). The environment variable LIGHTSPEED_OPS_BACKEND replaces "auto"
@@ -26,6 +35,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from lightspeed.ops.multi_tensor import Plan, plan
+from lightspeed.ops.rounding import mix_seed, round_in_place
 
 __all__ = ["FusedOptimizer", "Launch", "Segment"]
 
@@ -113,6 +123,12 @@ class FusedOptimizer(torch.optim.Optimizer):
     #: state (bf16.bf16_optimizer_states: zero/optimizers.py sets it); the kernels compute in fp32
     #: whatever the state dtype and round the state once per step
     state_dtype: torch.dtype = torch.float32
+    #: bf16 parameters and state written with stochastic rounding (Note [stochastic rounding])
+    stochastic_rounding: bool = False
+    #: the base of the per-launch rounding seeds
+    rounding_seed: int = 0
+    #: whether the family's kernels take a rounding seed (FusedLamb's do not)
+    supports_stochastic_rounding: bool = False
 
     def __init__(self, params: Iterable, defaults: dict, *, set_grad_none: bool = True, backend: str = "auto"):
         if backend == "auto":
@@ -124,6 +140,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.backend = backend
         self._scale_cache: dict[tuple, torch.Tensor] = {}
         self._launch_cache: dict[int, tuple] = {}  # group index -> (signature, launches)
+        self._round_seed: int | None = None  # the launch in progress: its rounding seed (None: to nearest)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -131,6 +148,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("backend", "auto")
         self.__dict__.setdefault("_scale_cache", {})
         self.__dict__.setdefault("_launch_cache", {})
+        self.__dict__.setdefault("_round_seed", None)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
@@ -265,6 +283,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.stochastic_rounding and not self.supports_stochastic_rounding:
+            raise ValueError(f"{type(self).__name__} does not round stochastically (its kernels take no rounding seed)")
         for index, group in enumerate(self.param_groups):
             self._before_group(group, grads)
             live = self._live(group, grads)
@@ -280,18 +300,24 @@ class FusedOptimizer(torch.optim.Optimizer):
             for p, g in live:
                 state_of[p]["step"] += 1
                 flat_grads[id(p)] = g if g.is_contiguous() else g.contiguous()
-            for launch in launches:
+            for launch_index, launch in enumerate(launches):
                 step = self.state[launch.owner]["step"]
                 scale = self.scale_tensor(grad_scale, launch.device)
+                self._round_seed = (mix_seed(self.rounding_seed, step, index, launch_index)
+                                    if self.stochastic_rounding else None)
                 launch.bind_grads(flat_grads)
                 try:
                     if self._use_triton(launch.device):
                         self._launch_triton(group, step, launch, scale)
                     else:
                         launch.arrays()  # binds each segment's gradient view
-                        self._launch_reference(group, step, launch.segments, scale)
+                        if self._round_seed is None:
+                            self._launch_reference(group, step, launch.segments, scale)
+                        else:
+                            self._reference_rounded(group, step, launch.segments, scale)
                 finally:
                     launch.release_grads()
+                    self._round_seed = None
                 for seg in launch.segments:
                     p, work = seg.owner
                     if work is not p:
@@ -301,6 +327,26 @@ class FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         self._launch_cache.clear()
         super().load_state_dict(state_dict)
+
+    def _reference_rounded(self, group: dict, step: int, segments: list[Segment], scale) -> None:
+        """The reference step with stochastic rounding (Note [stochastic rounding]): the family's
+        reference steps fp32 copies of each segment's parameter and state (the same fp32 values it
+        computes in place), which are then written back rounded; the low-precision copy receives
+        the parameter's stored value."""
+        gen = torch.Generator(device=segments[0].param.device).manual_seed(self._round_seed)
+        proxies = []
+        for seg in segments:
+            proxy = Segment(seg.param.to(torch.float32, copy=True),
+                            [x.to(torch.float32, copy=True) for x in seg.states], None, seg.owner, seg.start, seg.end)
+            proxy.grad = seg.grad
+            proxies.append(proxy)
+        self._launch_reference(group, step, proxies, scale)
+        for seg, proxy in zip(segments, proxies):
+            round_in_place(seg.param, proxy.param, gen)
+            for dst, value in zip(seg.states, proxy.states):
+                round_in_place(dst, value, gen)
+            if seg.out is not None:
+                seg.out.copy_(seg.param.view_as(seg.out))
 
     def _before_group(self, group: dict, grads: Mapping | None) -> None:
         """Hook run once per group before its launches (FusedLamb resets its coefficients)."""

@@ -1,4 +1,10 @@
-"""Triton helpers shared by the multi-tensor optimizer kernels (see multi_tensor/__init__.py)."""
+"""Triton helpers shared by the multi-tensor optimizer kernels (see multi_tensor/__init__.py).
+
+Stochastic rounding (`bf16.stochastic_rounding`): `random_bits` draws four uint32 words per element of
+the program's block from Philox, keyed by the launch's seed and counting (lane, program), so every
+element of a launch has its own words; `round_bf16` applies ops/rounding.py's bit trick to a value
+bound for a bf16 array (others pass through) before `store_as`, whose conversion is then exact.
+"""
 from __future__ import annotations
 
 import triton
@@ -53,11 +59,36 @@ def store_as(ptr, idx, value, n, MASKED: tl.constexpr):
         tl.store(ptr + idx, value.to(ptr.dtype.element_ty))
 
 
-def launch_elementwise(kernel, arrays, plan, scale, n_arrays: int, hyper: tuple, num_warps: int, **constexprs) -> None:
+@triton.jit
+def random_bits(seed, BLOCK: tl.constexpr):
+    """Four blocks of uint32 random words for this program's block: Philox(seed; lane, program, 0, 0)."""
+    lane = tl.arange(0, BLOCK)
+    program = lane * 0 + tl.program_id(0)
+    zero = lane * 0
+    return tl.philox(seed, lane, program, zero, zero)
+
+
+@triton.jit
+def round_bf16(ptr, value, bits, SR: tl.constexpr):
+    """`value` (fp32) made a bf16 value stochastically with the random words `bits` when SR and `ptr`
+    is a bf16 array (ops/rounding.py's Note: add 16 random bits, clear the low 16; inf/nan kept);
+    otherwise `value` as it is (store_as then rounds to nearest)."""
+    if SR:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            raw = value.to(tl.uint32, bitcast=True)
+            rounded = (raw + (bits & 0xFFFF)) & 0xFFFF0000
+            finite = (raw & 0x7F800000) != 0x7F800000
+            value = tl.where(finite, rounded, raw).to(tl.float32, bitcast=True)
+    return value
+
+
+def launch_elementwise(kernel, arrays, plan, scale, n_arrays: int, hyper: tuple, num_warps: int, *,
+                       seed: int | None = None, **constexprs) -> None:
     """Launch an elementwise multi-tensor kernel (one program per block of `plan`) whose arguments are the
     bases of its `n_arrays` arrays, the output array's base (the params' when `arrays` has no output
-    array), the plan's tables, the gradient-scale pointer (any valid pointer when `scale` is None), then
-    `hyper`; HAS_SCALE, HAS_OUT, ALIGN and BLOCK are derived, other constexprs passed through."""
+    array), the plan's tables, the gradient-scale pointer (any valid pointer when `scale` is None), the
+    stochastic-rounding seed (`seed`; None: round to nearest, SR false), then `hyper`; HAS_SCALE,
+    HAS_OUT, SR, ALIGN and BLOCK are derived, other constexprs passed through."""
     if plan.num_blocks == 0:
         return
     has_out = len(arrays) == n_arrays + 1
@@ -65,6 +96,7 @@ def launch_elementwise(kernel, arrays, plan, scale, n_arrays: int, hyper: tuple,
     kernel[(plan.num_blocks,)](
         *bases[:n_arrays], bases[n_arrays] if has_out else bases[0],
         plan.offsets, plan.numels, plan.block_segment, plan.block_start, plan.num_segments,
-        scale if scale is not None else bases[n_arrays - 1], *hyper,
-        HAS_SCALE=scale is not None, HAS_OUT=has_out, ALIGN=8 if plan.aligned else 1, BLOCK=plan.block,
+        scale if scale is not None else bases[n_arrays - 1], 0 if seed is None else seed, *hyper,
+        HAS_SCALE=scale is not None, HAS_OUT=has_out, SR=seed is not None, ALIGN=8 if plan.aligned else 1,
+        BLOCK=plan.block,
         num_warps=num_warps, **constexprs)

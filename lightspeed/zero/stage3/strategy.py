@@ -100,7 +100,7 @@ class Stage3Strategy(ModelSeam):
         # bf16 masters (bf16_master_weights_and_grads): the bf16 lp shard is the master, as DeepSpeed's
         # stage 3 aliases a partition already in the master dtype; no second copy is kept (with the
         # optimizer offloaded the master is a host copy in that dtype)
-        self._lowp_master = low_precision_masters(policy, optimizer, self.offload) != torch.float32
+        self._lowp_master = low_precision_masters(policy, optimizer, self.offload, comm.rank) != torch.float32
         if self._lowp_master and self.offload.offloads_params:
             raise NotImplementedError("bf16.bf16_master_weights_and_grads at ZeRO stage 3 with "
                                       "zero_optimization.offload_param is not implemented yet")

@@ -73,6 +73,19 @@ def _comm() -> dict:
     from lightspeed.compat.deepspeed import comm as ds_comm
 
     out["ds_comm_same"] = ds_comm.all_reduce is comm.all_reduce and ds_comm.get_rank() == rank
+    # DeepSpeed's gradient helpers with an expert parameter whose gradient differs per rank
+    from lightspeed.comm.topology import record_topology
+    from lightspeed.compat.deepspeed.runtime import utils as ds_utils
+    from lightspeed.compat.deepspeed.utils import groups
+
+    groups._create_expert_and_data_parallel(2)
+    dense, expert = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    dense.grad, expert.grad, expert.allreduce = torch.tensor([3.0]), torch.tensor([rank + 1.0]), False
+    out["clip_norm"] = ds_utils.clip_grad_norm_([dense, expert], max_norm=0.1).item()
+    out["clipped"] = dense.grad.item()
+    expert.grad = torch.tensor([float("inf") if rank == 1 else 1.0])
+    out["overflow"] = ds_utils.CheckOverflow([[dense, expert]]).check()
+    record_topology(None)
     return out
 
 
@@ -196,6 +209,16 @@ def test_comm_functions_match_torch_distributed(world):
         assert c["recv"] == (42.0 if rank == 1 else None)
         assert isinstance(c["log_summary"], dict)
         assert c["ds_comm_same"]
+        # the norm averaged over the data-parallel ranks: (sqrt(9 + 1) + sqrt(9 + 4)) / 2, one coefficient
+        norm = (10 ** 0.5 + 13 ** 0.5) / 2
+        assert c["clip_norm"] == pytest.approx(norm, rel=1e-6) and c["clipped"] == pytest.approx(3 * 0.1 / (norm + 1e-6))
+        assert c["overflow"] is True  # rank 1's expert inf, agreed over the expert-parallel group
+
+
+def test_call_to_str():
+    from lightspeed.compat.deepspeed.runtime.utils import call_to_str
+
+    assert call_to_str("int") == "int()" and call_to_str("hello", 1138, val=3) == "hello(1138, val=3)"
 
 
 def _reference_no_sync_params() -> dict:

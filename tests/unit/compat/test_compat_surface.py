@@ -160,7 +160,9 @@ MODULES = ["", ".comm", ".zero", ".accelerator", ".runtime", ".runtime.engine", 
            ".comm.comm", ".runtime.activation_checkpointing.checkpointing", ".git_version_info",
            ".utils.torch", ".ops.op_builder",
            ".runtime.sequence_parallel.parallel_state_sp", ".sequence", ".sequence.layer", ".moe", ".moe.layer",
-           ".moe.utils", ".moe.sharded_moe", ".moe.experts", ".compression", ".compression.compress", ".compression.helper", ".compression.scheduler"]
+           ".moe.utils", ".moe.sharded_moe", ".moe.experts", ".compression", ".compression.compress", ".compression.helper", ".compression.scheduler",
+           ".runtime.config_utils", ".runtime.zero.stage_1_and_2", ".runtime.fp16.fused_optimizer",
+           ".runtime.fp16.unfused_optimizer", ".runtime.fp16.loss_scaler", ".runtime.swap_tensor", ".ops.aio"]
 
 
 @pytest.mark.parametrize("suffix", MODULES)

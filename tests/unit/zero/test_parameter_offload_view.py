@@ -110,3 +110,17 @@ def test_only_stage3_engines_get_a_parameter_offload():
     engine = _engine(stage=2)
     assert not hasattr(engine.optimizer, "parameter_offload")
     assert engine.strategy.trace_complete() is False and engine.strategy.external_parameters(engine.module) == []
+
+
+def test_deepspeed_unwrap_model_for_generation_takes_the_hooks_out_for_the_block():
+    from lightspeed.compat.deepspeed.runtime.zero import unwrap_model_for_generation
+
+    engine = _engine()
+    offload = engine.optimizer.parameter_offload
+    x = torch.randint(0, 256, (2, 8))
+    _train_step(engine, x)
+    with unwrap_model_for_generation(engine) as unwrapped:
+        assert unwrapped is engine and offload.forward_hooks == [] and offload.backward_hooks == []
+        assert _gathered(engine) != [] and all(p.numel() > 0 for p in engine.module.parameters())
+    assert len(offload.forward_hooks) == len(offload.backward_hooks) == 1 and _gathered(engine) == []
+    _train_step(engine, x)  # training goes on with the hooks back

@@ -10,7 +10,7 @@ import re
 
 from lightspeed.comm import api
 from lightspeed.comm.sequence_groups import as_group, current_sequence_groups
-from lightspeed.comm.topology import current_topology
+from lightspeed.comm.topology import Topology, current_topology, record_topology
 
 
 def _get_sequence_parallel_group():
@@ -156,3 +156,33 @@ def _get_expert_parallel_group_dict() -> dict:
 
 def _get_expert_data_parallel_group_dict() -> dict:
     return _expert_group_dict(_get_expert_data_parallel_group)
+
+
+def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False) -> None:
+    """DeepSpeed's set-up of the expert-parallel and expert-data-parallel groups of size
+    `expert_parallel_size_`, before `initialize()` (which builds them itself from the model's MoE layers):
+    records a topology with that expert-parallel size over the world. Nothing to do when the recorded
+    topology already has it; a recorded one with another size is a ValueError."""
+    if use_data_before_expert_parallel_:
+        raise NotImplementedError("use_data_before_expert_parallel_: expert groups laid out data-parallel first are "
+                                  "not implemented in lightspeed")
+    topology = current_topology()
+    if topology is not None:
+        if topology.size("ep") != int(expert_parallel_size_):
+            raise ValueError(f"deepspeed.utils.groups: the run's expert-parallel size is {topology.size('ep')}, "
+                             f"not {expert_parallel_size_}")
+        return
+    record_topology(Topology.build(ep=int(expert_parallel_size_)))
+
+
+def _get_max_expert_size() -> int:
+    topology = current_topology()
+    return 1 if topology is None else topology.size("ep")
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
+
+
+def _get_max_expert_parallel_group():
+    return _get_expert_parallel_group(_get_max_expert_size_name())

@@ -18,6 +18,9 @@ from lightspeed.zero.stage3.zero_param import ZeroParameter, ZeroParamStatus
 
 _orig_torch_arange = torch.arange
 
+# the shape of a partitioned parameter's `.data` between gathers (lightspeed's empty placeholder too)
+partitioned_param_data_shape = [0]
+
 
 def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, target_device=None):
     """`fn` (a tensor constructor) wrapped so that tensors it makes land on `target_device` when no
@@ -32,5 +35,5 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, tar
     return wrapped_fn
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParameter", "register_external_parameter",
-           "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParameter", "partitioned_param_data_shape",
+           "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]

@@ -134,32 +134,39 @@ def _by_rank(values: list[str]) -> str:
     return "; ".join(parts)
 
 
-def check_save_agreement(save_dir, tag: str, comm: Communicator, tag_validation: str = "WARN") -> None:
-    """Every rank of `comm` (the world) must save the same tag into the same directory: one small
-    object all-gather, then a `CheckpointError` on every rank naming which ranks had which. Without
-    it rank 0 would wait for the other ranks' parts in its own directory until
-    `checkpoint.writer.commit_timeout_s`, as it publishes a tag only once every rank wrote its part
-    there; so a tag mismatch fails whatever DeepSpeed's `checkpoint.tag_validation` says (Warn and
-    Ignore would have each rank write its own, incomplete, tag). An empty or missing `save_dir` is
-    refused first (a ValueError, as DeepSpeed's)."""
+def check_save_agreement(save_dir, tag: str, comm: Communicator, tag_validation: str = "WARN") -> str:
+    """Every rank of `comm` (the world) must save into the same directory under one tag: one small
+    object all-gather; returns the tag every rank saves under. Ranks passing different tags: with
+    DeepSpeed's `checkpoint.tag_validation` "Fail" a `CheckpointAssertionError` on every rank naming
+    which ranks had which (DeepSpeed asserts); with "Warn" (a warning) or "Ignore" every rank saves under
+    rank 0's tag. DeepSpeed lets each rank write its part under its own tag there, which leaves every
+    one of those tags incomplete; here rank 0 publishes a tag only once every rank wrote its part in
+    it, so the parts go to one tag. Different directories are a `CheckpointError` (rank 0 would wait for
+    parts that never come). An empty or missing `save_dir` is refused first (a ValueError, as DeepSpeed's)."""
     if save_dir is None or not os.fspath(save_dir):
         raise CheckpointError(f"save_checkpoint: save_dir must be a non-empty path (got {save_dir!r})")
     if comm.world_size == 1:
-        return
+        return tag
     gathered = comm.all_gather_object((str(tag), os.path.abspath(os.fspath(save_dir))))
     tags, dirs = [t for t, _ in gathered], [d for _, d in gathered]
+    tags_differ, fail = len(set(tags)) > 1, tag_validation.upper() == "FAIL"
     problems = []
     if len(set(dirs)) > 1:
         problems.append(f"save_dir differs between ranks: {_by_rank(dirs)}")
-    if len(set(tags)) > 1:
-        mode = "(checkpoint.tag_validation is Fail)" if tag_validation.upper() == "FAIL" else \
-            f"(checked whatever checkpoint.tag_validation says, {tag_validation.capitalize()} here)"
-        problems.append(f"the checkpoint tag is not the same on every rank: {_by_rank(tags)} {mode}")
+    if tags_differ and fail:
+        problems.append(f"the checkpoint tag is not the same on every rank: {_by_rank(tags)} "
+                        "(checkpoint.tag_validation is Fail)")
     if problems:
         # DeepSpeed asserts that the tags agree: an AssertionError too when they do not
-        error = CheckpointAssertionError if len(set(tags)) > 1 else CheckpointError
+        error = CheckpointAssertionError if tags_differ and fail else CheckpointError
         raise error("save_checkpoint: " + "; and ".join(problems) + "; pass the same save_dir and tag "
                     "(e.g. from the step count) on every rank")
+    if tags_differ:
+        log = logger.warning if tag_validation.upper() == "WARN" else logger.info
+        log(f"save_checkpoint: the checkpoint tag is not the same on every rank ({_by_rank(tags)}); every rank "
+            f"saves its part under rank 0's tag {tags[0]!r} (checkpoint.tag_validation is "
+            f"{tag_validation.capitalize()})")
+    return tags[0]
 
 
 def save(save_dir, tag: str, *, shared: dict[str, Any], strategy_state: dict[str, Any], strategy_replicated: bool,

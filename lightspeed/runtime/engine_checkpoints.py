@@ -53,8 +53,8 @@ class EngineCheckpoints:
             raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts: DeepSpeed's expert checkpoint "
                                       "files are not written by lightspeed; save in lightspeed's format "
                                       "(`lightspeed convert to-fp32` consolidates it)")
-        engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
-                                               self.config.checkpoint.tag_validation)
+        tag = engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
+                                                     self.config.checkpoint.tag_validation)
         module_state = self.strategy.module_state_dict()
         frozen: set[str] = set()
         if exclude_frozen_parameters:

@@ -108,5 +108,8 @@ def test_different_tags_are_an_assertion_error(tmp_path):
     assert isinstance(info.value, CheckpointError)
     with pytest.raises(CheckpointError, match="save_dir differs between ranks") as info:
         check_save_agreement(tmp_path, "a", TwoRanks(("a", str(tmp_path / "other"))))
+    # Warn and Ignore: every rank's part goes under rank 0's tag (DeepSpeed's ranks would each write their own)
+    for mode in ("WARN", "IGNORE"):
+        assert check_save_agreement(tmp_path, "a", TwoRanks(("b", str(tmp_path))), mode) == "a"
     assert not isinstance(info.value, AssertionError)  # DeepSpeed does not check directories
     check_save_agreement(tmp_path, "a", TwoRanks(("a", str(tmp_path))))  # agreement: nothing raised

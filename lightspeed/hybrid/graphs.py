@@ -5,6 +5,7 @@ enable_cuda_graph uses) kept by the engine, put in place of the model's forward 
 generate call and taken off after (also when the call raises), the static KV cache kept between calls,
 the decision whether graphs captured in an earlier call may replay in this one (`module_state`, `stale`),
 and what `release_inference_cache` frees (`release`).
+The runner goes on the module whose forward `generate` calls (a PEFT model's base model: `generating_model`).
 Must not: gather, fuse, split or shard anything (engine.py has the weights whole, LoRA fused and the
 layers split before it calls in), or touch the model outside a generate call: training runs the model's
 own forward.
@@ -120,6 +121,14 @@ def stale(captured: dict | None, now: dict) -> str | None:
     return None
 
 
+def generating_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward `model.generate` calls: a PEFT model's base model (its `generate` hands the
+    call to the transformers model inside), else `model` itself."""
+    base = getattr(model, "get_base_model", None)
+    inner = base() if callable(base) else model
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 def _paused(runner: cuda_graph.GraphedForward, method):
     """`method` with the runner's calls run eagerly for its length."""
     def call(*args, **kwargs):
@@ -136,6 +145,7 @@ class DecodeGraphs:
     generate call; `release()` frees the graphs and the kept cache; `runner` counts captures and replays."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
+        model = generating_model(model)
         self.runner = cuda_graph.runner_for(model, device)
         self.caches = cuda_graph.kept_static_caches(model)  # Note: [static decode]
         self.captured_state: dict | None = None
@@ -147,6 +157,7 @@ class DecodeGraphs:
         generation config asks for a static cache; yields `generate` wrapped to keep that cache. On exit the
         model's own forward, cache preparation and generation config are back, also after an exception."""
         why = stale(self.captured_state, module_state(model))
+        root, model = model, generating_model(model)
         runner = self.runner
         if why is not None and (runner.graphs or runner.seen or runner.eager):
             logger.info("hybrid_engine.enable_cuda_graph: %s since the last generate call; its graphs are dropped "
@@ -163,13 +174,17 @@ class DecodeGraphs:
                 yield self.caches.generate(generate)
             else:
                 yield generate
+        except cuda_graph.CaptureError as err:
+            raise cuda_graph.CaptureError(f"hybrid_engine.enable_cuda_graph: {type(model).__name__}'s decode step "
+                                          f"could not be captured in a CUDA graph ({err.__cause__}); set "
+                                          f"hybrid_engine.enable_cuda_graph false") from err
         finally:
             model.__dict__.pop("_prepare_static_cache", None)
             model.__dict__.pop("_prefill", None)
             cuda_graph.detach(model)
             # graphs over any other cache (a caller's own, one returned with the output) serve no later call
             runner.retain([cache for _length, cache in self.caches.kept.values()] if self.caches is not None else [])
-            self.captured_state = module_state(model)  # what this call's graphs read
+            self.captured_state = module_state(root)  # what this call's graphs read
 
     def release(self) -> None:
         """Drop every graph and the kept static cache (Note: [memory])."""
@@ -178,4 +193,4 @@ class DecodeGraphs:
             self.caches.kept = {}
 
 
-__all__ = ["DecodeGraphs", "module_state", "stale"]
+__all__ = ["DecodeGraphs", "generating_model", "module_state", "stale"]

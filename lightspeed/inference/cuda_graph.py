@@ -192,6 +192,10 @@ def _argument_name(path) -> str:
     return name + pytree.keystr(tuple(rest))
 
 
+class CaptureError(RuntimeError):
+    """A forward that could not be captured in a CUDA graph (what failed is its cause)."""
+
+
 class _Graph:
     __slots__ = ("graph", "inputs", "out_spec", "out_leaves", "state", "steps")
 
@@ -315,7 +319,7 @@ class GraphedForward:
             with torch.cuda.device(self.device), _no_gc(), capture, _watch_counts(windows, reads):
                 out = self.forward(*args, **kwargs)
         except Exception as err:
-            raise RuntimeError(f"enable_cuda_graph: the forward could not be captured in a CUDA graph ({err}); "
+            raise CaptureError(f"enable_cuda_graph: the forward could not be captured in a CUDA graph ({err}); "
                                f"pass enable_cuda_graph=False") from err
         self.captures += 1
         out_leaves, out_spec = pytree.tree_flatten(out)

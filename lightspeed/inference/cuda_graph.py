@@ -31,7 +31,8 @@ Only CUDA devices capture (`GRAPH_DEVICE_TYPES`): a runner made for another devi
 
 The runner may be put on a model and taken off again (`attach` / `detach`), keeping its graphs meanwhile:
 the hybrid engine graphs only its `generate` calls (lightspeed/hybrid/graphs.py), so training runs the
-model's own forward.
+model's own forward; it also pauses the runner for the prefill (`paused`: calls run eagerly, unrecorded)
+and keeps only its kept cache's graphs between calls (`retain`). `captures` / `replays` count.
 
 Graphs share one memory pool per device, with every other runner's (`_pool`): they never run at the same
 time, and outputs are copied out at once.

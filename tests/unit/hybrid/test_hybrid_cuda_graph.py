@@ -156,6 +156,29 @@ def test_release_inference_cache_drops_graphs_and_cache_after_every_call(monkeyp
     engine.destroy()
 
 
+def test_a_peft_model_and_a_callers_own_cache(monkeypatch, ls_caplog):
+    """A PEFT model's generate runs its base model's: the runner goes there. A caller's own cache choice
+    wins: a dynamic cache runs eagerly, said once."""
+    pytest.importorskip("peft")
+    from tests.distributed.test_hybrid_engine import peft_lora
+
+    use_fake_graphs(monkeypatch)
+    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    off = _init(peft_lora(tiny_opt()), config(1, 0))
+    engine = _init(peft_lora(tiny_opt()), config(1, 0, enable_cuda_graph=True))
+    for e in (off, engine):
+        e.eval()
+    want = off.generate(prompt, **GEN)
+    for _ in range(2):
+        assert torch.equal(engine.generate(prompt, **GEN), want)
+    runner = engine._decode_graphs.runner
+    assert runner.captures == 1 and runner.replays == 3 + 5
+    assert "forward" not in vars(engine.module.get_base_model())
+    assert torch.equal(engine.generate(prompt, cache_implementation="dynamic", **GEN), want)
+    assert runner.captures == 2 and runner.replays == 3 + 5  # captured once, found not replayable: eager
+    assert "generate with a static cache" in ls_caplog.text
+
+
 # ------------------------------------------------------------------ when graphs are dropped
 def test_stale_names_what_a_graph_cannot_replay_over():
     model = dschat_lora(tiny_opt()).eval()

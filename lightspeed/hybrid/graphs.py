@@ -5,7 +5,8 @@ enable_cuda_graph uses) kept by the engine, put in place of the model's forward 
 generate call and taken off after (also when the call raises), the static KV cache kept between calls,
 the decision whether graphs captured in an earlier call may replay in this one (`module_state`, `stale`),
 and what `release_inference_cache` frees (`release`).
-The runner goes on the module whose forward `generate` calls (a PEFT model's base model: `generating_model`).
+The runner goes on the module whose forward `generate` calls (a PEFT model's base model:
+`generating_model`).
 Must not: gather, fuse, split or shard anything (engine.py has the weights whole, LoRA fused and the
 layers split before it calls in), or touch the model outside a generate call: training runs the model's
 own forward.
@@ -18,11 +19,12 @@ own, and to no auto-compile; a caller's own cache, `cache_implementation` or `ge
 StaticCache is kept from one call to the next and handed back reset when the next call fits in it
 (same batch, no longer), so the decode steps of later calls replay the graphs of the first: one
 capture per (batch, length), not per call. A call that passes its own cache, or returns its cache
-(`return_dict_in_generate`), gets a new cache and captures its decode step anew; its graphs are dropped at
-the end of the call, when only the kept cache's are retained (`GraphedForward.retain`). The prefill runs eagerly, always (transformers' `_prefill`
-pauses the runner): it is one forward per call, its graph would hold a whole prompt's activations, and
-models that derive positions from the cache's length on the device (OPT: `cache.get_seq_length()`, a
-tensor once the kept cache is initialized) read it back to the host there, which a capture cannot do.
+(`return_dict_in_generate`), gets a new cache and captures its decode step anew; its graphs are dropped
+at the end of the call, when only the kept cache's are retained (`GraphedForward.retain`). The prefill
+runs eagerly, always (transformers' `_prefill` pauses the runner): it is one forward per call, its graph
+would hold a whole prompt's activations, and models that derive positions from the cache's length on the
+device (OPT: `cache.get_seq_length()`, a tensor once the kept cache is initialized) read it back to the
+host there, which a capture cannot do.
 
 Note: [stale weights] A CUDA graph records device addresses, not tensors: a replay reads whatever lies at
 the addresses the capture read. Values changed in place are therefore always current (the optimizer's
@@ -40,9 +42,11 @@ means each tensor the graph reads holds the current weights, so equal state is s
 Note: [stage 3] With `pin_parameters` (its default) the stage-3 seam gathers every group once for the
 whole call, so every decode step reads the same gathered storage: capturable. Between calls the groups
 are released (`ParamGroup.release` frees the storage, `resize_(0)`) and the next gather allocates it
-again (`resize_`), at an address the caching allocator chooses: often the same block (same sizes, same
-order), not always, and a `GatheredParameters` in between hands the old storage over and gathers into a
-new one. Hence the check of Note: [stale weights] before every call rather than a rule per stage; at a
+again (`resize_`), at an address the allocator chooses (on the CPU, at a world of 2, another one every
+call; CUDA's caching allocator may hand the same block back, nothing promises it), and a
+`GatheredParameters` in between hands the old storage over and gathers into a new one. So at stage 3
+over several ranks a call may capture its decode step again (once: the call's other steps replay); hence
+the check of Note: [stale weights] before every call rather than a rule per stage; at a
 world of one the parameters view their shards (never gathered: stage 3's one-rank views) and keep their
 addresses. Unpinned stage 3 gathers and releases each layer inside every forward (collectives and
 allocations a graph cannot hold), so `enable_cuda_graph` with `pin_parameters` false at stage 3 is a

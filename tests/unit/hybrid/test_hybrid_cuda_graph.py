@@ -16,6 +16,7 @@ import torch
 import lightspeed
 from lightspeed.config import ConfigError, load
 from lightspeed.hybrid.graphs import module_state, stale
+from lightspeed.inference import cuda_graph
 from lightspeed.testing.lora import LinearLayer_LoRA
 from lightspeed.zero.stage3 import options as stage3_options
 from tests.inference.fake_cuda_graph import use_fake_graphs
@@ -77,7 +78,8 @@ def test_generate_matches_the_option_off(stage, monkeypatch):
     want = _rounds(_init(dschat_lora(tiny_opt()), config(1, stage)))
     eager = _init(dschat_lora(tiny_opt()), config(1, stage, enable_cuda_graph=True))
     eager_on = _rounds(eager)
-    assert eager._decode_graphs.runner.captures == eager._decode_graphs.runner.replays == 0
+    if eager.device.type == "cpu":  # the runner off CUDA runs every call eagerly
+        assert eager._decode_graphs.runner.captures == eager._decode_graphs.runner.replays == 0
     use_fake_graphs(monkeypatch)
     engine = _init(dschat_lora(tiny_opt()), config(1, stage, enable_cuda_graph=True))
     got = _rounds(engine)
@@ -116,7 +118,7 @@ def test_the_runner_is_on_the_model_only_inside_generate(monkeypatch):
     use_fake_graphs(monkeypatch)
     engine = _init(dschat_lora(tiny_opt()), config(1, 3, enable_cuda_graph=True))
     engine.eval()
-    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3)).to(engine.device)
     seen: list = []
     handle = _state_on_model(engine.module, seen)
     engine.generate(prompt, **GEN)
@@ -147,7 +149,7 @@ def test_release_inference_cache_drops_graphs_and_cache_after_every_call(monkeyp
     use_fake_graphs(monkeypatch)
     engine = _init(tiny_opt(), config(1, 0, enable_cuda_graph=True, release_inference_cache=True))
     engine.eval()
-    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3)).to(engine.device)
     for _ in range(2):
         engine.generate(prompt, **GEN)
         graphs = engine._decode_graphs
@@ -163,9 +165,9 @@ def test_a_peft_model_and_a_callers_own_cache(monkeypatch, ls_caplog):
     from tests.distributed.test_hybrid_engine import peft_lora
 
     use_fake_graphs(monkeypatch)
-    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3))
     off = _init(peft_lora(tiny_opt()), config(1, 0))
     engine = _init(peft_lora(tiny_opt()), config(1, 0, enable_cuda_graph=True))
+    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3)).to(engine.device)
     for e in (off, engine):
         e.eval()
     want = off.generate(prompt, **GEN)
@@ -214,7 +216,7 @@ def test_moved_weights_drop_the_graphs_at_the_next_call(monkeypatch, ls_caplog):
     use_fake_graphs(monkeypatch)
     engine = _init(tiny_opt(), config(1, 0, enable_cuda_graph=True))
     engine.eval()
-    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3)).to(engine.device)
     first = engine.generate(prompt, **GEN)
     graphs = engine._decode_graphs
     assert graphs.runner.captures == 1 and graphs.drops == 0
@@ -232,20 +234,26 @@ def test_moved_weights_drop_the_graphs_at_the_next_call(monkeypatch, ls_caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("views", [True, False], ids=["stage3", "stage3-gathered"])
 def test_cuda_stage3_replays_and_matches_eager_across_training(views, monkeypatch):
+    """Against the same engine and static cache run eagerly (the runner kept from capturing): the tokens, and
+    the scores to rounding (cuBLAS may pick other algorithms inside a capture). `stage3-gathered`: the
+    weights gathered and released around every call, maybe at other addresses (the graphs then dropped)."""
     monkeypatch.setattr(stage3_options, "ONE_RANK_VIEWS", views)
-    want = _rounds(_init(dschat_lora(tiny_opt()), config(1, 3)), rounds=4)
     engine = _init(dschat_lora(tiny_opt()), config(1, 3, enable_cuda_graph=True))
+    assert engine.device.type == "cuda", engine.device
+    with monkeypatch.context() as eager_only:
+        eager_only.setattr(cuda_graph, "GRAPH_DEVICE_TYPES", frozenset())
+        want = _rounds(_init(dschat_lora(tiny_opt()), config(1, 3, enable_cuda_graph=True)), rounds=4)
     got = _rounds(engine, rounds=4)
-    assert engine.device.type == "cuda"
     for a, b in zip(got[:-1], want[:-1]):
         assert torch.equal(a, b)
+    torch.testing.assert_close(got[-1], want[-1], rtol=0, atol=1e-4)
     runner, graphs = engine._decode_graphs.runner, engine._decode_graphs
     assert 2 <= runner.captures <= 2 + graphs.drops and not runner.eager
     assert runner.replays >= 3 * 5  # every call replays at least the 3 steps after a capture
     if views:  # the weights never move: one capture, every decode step of later calls replayed
         assert graphs.drops == 0 and runner.captures == 2 and runner.replays == 3 + 5 * 3 + 3
-    # each call captured afresh (release_inference_cache): the same tokens and scores
+    # each call captured afresh (release_inference_cache): the same tokens
     fresh = _rounds(_init(dschat_lora(tiny_opt()), config(1, 3, enable_cuda_graph=True, release_inference_cache=True)),
                     rounds=4)
-    for a, b in zip(got, fresh):
+    for a, b in zip(got[:-1], fresh[:-1]):
         assert torch.equal(a, b)

@@ -151,13 +151,7 @@ class HybridEngine(LightspeedEngine):
 
     # ------------------------------------------------------------------ generation
     def _check_max_out_tokens(self, prompt: torch.Tensor | None, kwargs: dict) -> None:
-        """Note: [cuda graphs] `hybrid_engine.enable_cuda_graph` (DeepSpeed's key; default false): for the length of
-each generate call, while the weights are whole (stages 0-2, or stage 3 pinned), the model's forward is
-lightspeed.inference's CUDA-graph runner and the decode step uses a static KV cache, so every decode step
-after the second replays one graph; graphs are kept across calls while the model's tensors stay where
-they were, and dropped when they moved (graphs.py). Off CUDA the runner runs every call eagerly (logged).
-
-Note: [max_out_tokens]"""
+        """Note: [max_out_tokens]"""
         limit = self.hybrid_config.max_out_tokens
         gen = kwargs.get("generation_config") or getattr(self.module, "generation_config", None)
         prompt_len = prompt.shape[-1] if prompt is not None and prompt.dim() > 0 else 0

@@ -494,9 +494,8 @@ def install(model: torch.nn.Module, device: torch.device) -> GraphedForward:
     if hasattr(model.forward, "graphs"):
         raise ValueError("init_inference: enable_cuda_graph: the model's forward is graphed already")
     runner = attach(model, runner_for(model, device))
-    if hasattr(model, "generate") and hasattr(model, "_prepare_static_cache") \
-            and not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        caches = _KeptStaticCaches(model)
+    caches = kept_static_caches(model) if hasattr(model, "generate") else None
+    if caches is not None:
         model.generate = caches.generate(model.generate)
         model._prepare_static_cache = caches.prepare_static_cache
     return runner

@@ -132,12 +132,23 @@ def test_the_runner_is_on_the_model_only_inside_generate(monkeypatch):
 
     calls = []
 
-    def fail_on_the_third(module, args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("inside generate")
-    handle = engine.module.model.decoder.layers[0].register_forward_pre_hook(fail_on_the_third)
-    with pytest.raises(RuntimeError, match="inside generate"):
+    def fail_on(which):
+        def hook(module, args):
+            calls.append(1)
+            if len(calls) == which:
+                raise RuntimeError("inside generate")
+        return engine.module.model.decoder.layers[0].register_forward_pre_hook(hook)
+
+    handle = fail_on(2)  # the first decode step (the warm-up: eager)
+    with pytest.raises(RuntimeError, match="^inside generate$"):
+        engine.generate(prompt, **GEN)
+    _off_the_model(engine)
+    handle.remove()
+    calls.clear()
+    handle = fail_on(3)  # inside the capture: named with the config key
+    with pytest.raises(RuntimeError, match=r"^hybrid_engine.enable_cuda_graph: OPTForCausalLM's decode step could "
+                                           r"not be captured in a CUDA graph \(inside generate\); set "
+                                           r"hybrid_engine.enable_cuda_graph false"):
         engine.generate(prompt, **GEN)
     _off_the_model(engine)
     handle.remove()

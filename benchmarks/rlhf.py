@@ -3,7 +3,7 @@ hybrid engine, and its own hybrid engine) and plain unsharded Hugging Face `gene
 
     python benchmarks/rlhf.py [--world N] [--batch 16] [--prompt-len 256] [--answer-len 256]
         [--actor opt-1.3b] [--critic opt-350m] [--dtype bf16] [--warmup 1] [--repeats 3] [--rounds 1]
-        [--systems plain lightspeed-hybrid deepspeed-zero3 deepspeed-hybrid] [--deepspeed-python PY]
+        [--systems plain lightspeed-hybrid deepspeed-zero3 deepspeed-hybrid] [--cuda-graph] [--deepspeed-python PY]
     python benchmarks/rlhf.py --tiny        # CPU smoke run: 2 layers, width 64, world 2 (gloo), seconds
 
 What one experience step is (DeepSpeed-Chat's `DeepSpeedPPOTrainer.generate_experience`): the actor's
@@ -28,6 +28,10 @@ and prefetch bucket 3e7); `--dtype` bf16 (default on GPU) or fp32 (CPU).
 Systems (rows):
 - `lightspeed-hybrid`: lightspeed, the actor with `"hybrid_engine": {"enabled": true}` (its weights
   gathered once per `generate` call, then resharded); the other three lightspeed ZeRO-3 engines.
+- `lightspeed-hybrid-graph` (added by `--cuda-graph`, or named in `--systems`): `lightspeed-hybrid` with
+  `hybrid_engine.enable_cuda_graph` true: the decode steps of `generate` replay CUDA graphs over a static KV
+  cache (lightspeed/hybrid/graphs.py; the first call captures, later calls replay while the gathered weights
+  keep their addresses). On CPU (`--tiny`) the runner runs eagerly, so the row only smoke-tests the path.
 - `deepspeed-zero3`: DeepSpeed 0.19.8 ZeRO-3 without the hybrid engine: the model's HF `generate`, with
   ZeRO-3's hooks gathering every layer at every decode step.
 - `deepspeed-hybrid`: DeepSpeed 0.19.8 with `hybrid_engine.enabled` (DeepSpeedHybridEngine, its inference
@@ -72,7 +76,8 @@ REPO = Path(__file__).resolve().parents[1]
 MARK = "@@RLHF@@"
 PAD, BOS, EOS = 1, 2, 2
 SYSTEMS = ("plain", "lightspeed-hybrid", "deepspeed-zero3", "deepspeed-hybrid")
-LIGHTSPEED_SYSTEMS = ("plain", "lightspeed-hybrid")
+GRAPH_SYSTEM = "lightspeed-hybrid-graph"  # lightspeed-hybrid with hybrid_engine.enable_cuda_graph (--cuda-graph)
+LIGHTSPEED_SYSTEMS = ("plain", "lightspeed-hybrid", GRAPH_SYSTEM)
 SHAPES = {  # layers, width, ffn, heads, word_embed_proj_dim (OPT's configs)
     "opt-125m": (12, 768, 3072, 12, 768),
     "opt-350m": (24, 1024, 4096, 16, 512),
@@ -139,7 +144,7 @@ def make_adam(params):
     return torch.optim.AdamW(params, lr=1e-5)
 
 
-def ds_config(args, world: int, train: bool, hybrid: bool) -> dict:
+def ds_config(args, world: int, train: bool, hybrid: bool, cuda_graph: bool = False) -> dict:
     """DeepSpeed-Chat's training (actor, critic) and evaluation (reference, reward) configs at ZeRO-3."""
     zero = {"stage": 3, "stage3_param_persistence_threshold": 10000}
     if train:
@@ -151,7 +156,7 @@ def ds_config(args, world: int, train: bool, hybrid: bool) -> dict:
     if hybrid:
         cfg["hybrid_engine"] = {"enabled": True, "max_out_tokens": args.prompt_len + args.answer_len,
                                 "inference_tp_size": 1, "release_inference_cache": False, "pin_parameters": True,
-                                "tp_gather_partition_size": 8}
+                                "tp_gather_partition_size": 8, "enable_cuda_graph": cuda_graph}
     return cfg
 
 
@@ -228,14 +233,15 @@ def build_system(system: str, initialize, args, world: int, device) -> dict:
         return {name: _Plain(build(args)).to(device=device, dtype=dtype)
                 for name, build in (("actor", build_actor), ("ref", build_actor), ("critic", build_critic),
                                     ("reward", build_critic))}
-    hybrid = system.endswith("hybrid")
+    hybrid = system.endswith("hybrid") or system == GRAPH_SYSTEM
     out = {}
     for name, build, train in (("actor", build_actor, True), ("ref", build_actor, False),
                                ("critic", build_critic, True), ("reward", build_critic, False)):
         model = build(args)
         params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = initialize(model=model, optimizer=make_adam if train else None, model_parameters=params,
-                                config=ds_config(args, world, train, hybrid and name == "actor"))
+                                config=ds_config(args, world, train, hybrid and name == "actor",
+                                                 cuda_graph=system == GRAPH_SYSTEM))
         out[name] = engine
     return out
 
@@ -258,13 +264,16 @@ def measure(system: str, initialize, args, device) -> dict:
             gens.append(gen)
             steps.append(step)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    graphs = getattr(models["actor"], "_decode_graphs", None)
+    graph_counts = None if graphs is None else {"captures": graphs.runner.captures, "replays": graphs.runner.replays,
+                                                "drops": graphs.drops}
     for m in models.values():
         if hasattr(m, "destroy"):
             m.destroy()
     del models
     dist.barrier()
     return {"system": system, "gen_s": sorted(gens)[len(gens) // 2], "step_s": sorted(steps)[len(steps) // 2],
-            "gens": gens, "steps": steps, "peak_gib": peak, "seq": seq.cpu().tolist()}
+            "gens": gens, "steps": steps, "peak_gib": peak, "seq": seq.cpu().tolist(), "graphs": graph_counts}
 
 
 # ---------------------------------------------------------------- lightspeed (run_world children)
@@ -394,7 +403,9 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="timed experience steps (the median is reported)")
     ap.add_argument("--rounds", type=int, default=1, help="alternating lightspeed / DeepSpeed rounds")
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS + (GRAPH_SYSTEM,))
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help=f"add the {GRAPH_SYSTEM} row (hybrid_engine.enable_cuda_graph true)")
     ap.add_argument("--deepspeed-python", default=None, help="an interpreter that imports deepspeed")
     ap.add_argument("--gpu", action="store_true", help=argparse.SUPPRESS)  # set from the machine, for children
     ap.add_argument("--timeout", type=float, default=3000)
@@ -403,6 +414,9 @@ def main(argv=None) -> None:
     if args.ds_child:
         _ds_child(args)
         return
+    if args.cuda_graph and GRAPH_SYSTEM not in args.systems:
+        args.systems.insert(args.systems.index("lightspeed-hybrid") + 1 if "lightspeed-hybrid" in args.systems
+                            else len(args.systems), GRAPH_SYSTEM)
     tiny = args.tiny
     args.gpu = torch.cuda.is_available() and not tiny
     defaults = {"world": 2 if tiny else max(torch.cuda.device_count(), 1), "batch": 2 if tiny else 16,
@@ -429,6 +443,7 @@ def main(argv=None) -> None:
     tokens = args.world * args.batch * args.answer_len
     plain_seq = next((r["plain"]["seq"] for r in rounds if "seq" in r.get("plain", {})), None)
     names = {"plain": "plain HF generate (unsharded)", "lightspeed-hybrid": "lightspeed hybrid engine",
+             GRAPH_SYSTEM: "lightspeed hybrid, enable_cuda_graph",
              "deepspeed-zero3": "DeepSpeed {v} ZeRO-3 HF generate", "deepspeed-hybrid": "DeepSpeed {v} hybrid engine"}
     print(f"\n== experience step (median over {args.repeats} steps after {args.warmup} warm-up; median over "
           f"{args.rounds} round(s)); vs lightspeed = the row's time / lightspeed-hybrid's")
@@ -457,6 +472,11 @@ def main(argv=None) -> None:
         print(f"{name:<38}{gen:>9.3f}{tokens / gen:>11.1f}{vs_gen:>8}{step:>9.3f}{vs_step:>8}{peak:>10}  {same}")
     if spread:
         print("ratios over the rounds: " + "; ".join(spread))
+    for r in rounds:
+        if r.get(GRAPH_SYSTEM, {}).get("graphs") is not None:
+            c = r[GRAPH_SYSTEM]["graphs"]
+            print(f"{GRAPH_SYSTEM} (rank 0, all {args.warmup + args.repeats} steps): {c['captures']} capture(s), "
+                  f"{c['replays']} replayed decode steps, graphs dropped {c['drops']} time(s) for moved weights")
     print(f"load average at end: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
 
 

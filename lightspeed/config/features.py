@@ -209,6 +209,10 @@ def feature_problems(cfg) -> list[str]:
             f"autotuning.end_profile_step: must be >= autotuning.start_profile_step "
             f"({at.start_profile_step}) (got {at.end_profile_step})"
         )
+    he = cfg.hybrid_engine
+    if he.enabled and he.enable_cuda_graph and not he.pin_parameters and cfg.zero_optimization.stage == 3:
+        out.append("hybrid_engine.enable_cuda_graph: needs hybrid_engine.pin_parameters true at zero_optimization."
+                   "stage 3 (layer-by-layer gathers inside each decode step cannot be captured in a CUDA graph)")
     el = cfg.elasticity
     if el.max_gpus < el.min_gpus:
         out.append(f"elasticity.max_gpus: must be >= elasticity.min_gpus ({el.min_gpus}) (got {el.max_gpus})")

@@ -26,8 +26,8 @@ ZeRO++ at stage 3 (zero_quantized_weights, zero_quantized_nontrainable_weights, 
 zero_hpz_partition_size; ``lightspeed.comm.zeropp``; its LoCo error feedback, zeropp_loco_param, stays below);
 compile (enabled, backend, kwargs) and float8 (``config/compiler.py``), less DeepCompile's keys, which are
 refused below; expert_parallel (AutoEP, ``lightspeed.parallel.experts.autoep``, which refuses its own
-unbuilt keys); the hybrid engine (``hybrid_engine``, ``lightspeed.hybrid``, inference_tp_size included) less
-enable_cuda_graph and a tp_gather_partition_size other than the default.
+unbuilt keys); the hybrid engine (``hybrid_engine``, ``lightspeed.hybrid``, inference_tp_size and
+enable_cuda_graph included) less a tp_gather_partition_size other than the default.
 ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``, ``offload_param``, ``aio``) is implemented
 (`lightspeed.offload`); its keys that are not are refused by `OffloadPolicy.from_config`.
 """
@@ -128,16 +128,14 @@ UNIMPLEMENTED: list[Unimplemented] = [
         (cfg.autotuning.model_info or {}).get("profile")),
         lambda cfg: "autotuning.model_info.profile=true (DeepSpeed's model-info profile run, which writes "
         "autotuning.model_info_path; lightspeed's autotuner calibrates from a profiled step instead)"),
-    # the hybrid engine (lightspeed.hybrid) is built; its decode graphs, and gathering in chunks of layers for
-    # generation split over tensor-parallel ranks (the whole model is gathered first), are not
+    # the hybrid engine (lightspeed.hybrid) is built, its decode graphs included; gathering in chunks of layers
+    # for generation split over tensor-parallel ranks (the whole model is gathered first) is not
     Unimplemented("hybrid_engine.tp_gather_partition_size",
                   lambda cfg: cfg.hybrid_engine.enabled and cfg.hybrid_engine.inference_tp_size > 1
                   and cfg.hybrid_engine.tp_gather_partition_size != 8,
                   lambda cfg: f"hybrid_engine.tp_gather_partition_size={cfg.hybrid_engine.tp_gather_partition_size} "
                   "(the layers gathered in chunks for inference_tp_size > 1; the whole model is gathered before it "
                   "is split, which the default 8 stands for)"),
-    Unimplemented("hybrid_engine.enable_cuda_graph",
-                  lambda cfg: cfg.hybrid_engine.enabled and cfg.hybrid_engine.enable_cuda_graph is True),
     _flag("graph_harvesting"),
     _flag("use_data_before_expert_parallelism"),
     _flag("disable_python_gc"),

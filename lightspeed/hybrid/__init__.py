@@ -2,9 +2,9 @@
 
 Owns `HybridEngine` (engine.py: `generate`, `eval()` / `train()`, the timing line), LoRA fused for
 generation and restored exactly (lora.py), generation split over inference groups (tensor_parallel.py:
-`inference_tp_size`), and `initialize`, which is `lightspeed.runtime`'s
-`initialize` building a `HybridEngine` when the config enables the hybrid engine
-(`lightspeed.initialize` and `deepspeed.initialize` are this one).
+`inference_tp_size`), generate's decode steps replayed from CUDA graphs (graphs.py: `enable_cuda_graph`),
+and `initialize`, which is `lightspeed.runtime`'s `initialize` building a `HybridEngine` when the config
+enables the hybrid engine (`lightspeed.initialize` and `deepspeed.initialize` are this one).
 Must not: be imported by the training packages (it sits above runtime/, and is the one training-side
 package that may import `lightspeed.inference`), or gather parameters except through the stage-3 seam.
 """

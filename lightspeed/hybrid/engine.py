@@ -24,6 +24,12 @@ training (less memory, a gather and release per layer per decode step); LoRA the
 adapter's own forward computes it; DeepSpeed fuses layer by layer there). At stages 0-2 the parameters
 are whole: no gather either way, and LoRA is always fused.
 
+Note: [cuda graphs] `hybrid_engine.enable_cuda_graph` (DeepSpeed's key; default false): for the length of
+each generate call, while the weights are whole (stages 0-2, or stage 3 pinned), the model's forward is
+lightspeed.inference's CUDA-graph runner and the decode step uses a static KV cache, so every decode step
+after the second replays one graph; graphs are kept across calls while the model's tensors stay where
+they were, and dropped when they moved (graphs.py). Off CUDA the runner runs every call eagerly (logged).
+
 Note: [max_out_tokens] DeepSpeed sizes its inference kernels' workspace (KV cache) by
 `hybrid_engine.max_out_tokens`, the longest sequence (prompt and generated tokens) a generate call may
 reach. The model's own KV cache grows as needed, but the bound is DeepSpeed's contract, so a call whose
@@ -45,6 +51,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.config.errors import ConfigError
 from lightspeed.hybrid import tensor_parallel
+from lightspeed.hybrid.graphs import DecodeGraphs
 from lightspeed.hybrid.lora import fused_lora, is_dschat_lora, lora_modules
 from lightspeed.runtime.engine import LightspeedEngine
 from lightspeed.runtime.strategy import strategy_places_params
@@ -110,6 +117,10 @@ class HybridEngine(LightspeedEngine):
             except ValueError as error:
                 raise ConfigError(str(error)) from None
         self.mp_group = None if self._inference_comm is None else self._inference_comm.group  # DeepSpeed's name
+        # Note: [cuda graphs]; unpinned stage 3 is refused by the config (config/features.py)
+        self._decode_graphs = None
+        if self.hybrid_config.enable_cuda_graph and callable(getattr(self.module, "generate", None)):
+            self._decode_graphs = DecodeGraphs(self.module, self.device)
         # Note: [generate is the model's]
         self._module_generate = getattr(self.module, "generate", None)
         if callable(self._module_generate):
@@ -158,7 +169,8 @@ class HybridEngine(LightspeedEngine):
         into its base weight; afterwards LoRA is taken out exactly and the weights go back to their
         shards (also on an exception). With `inference_tp_size` > 1 the ranks of an inference group
         generate together over their joined prompts, each on its slices of the layers, and each gets its
-        own rows (tensor_parallel.py). A collective at stage 3 or with inference_tp_size > 1: every rank
+        own rows (tensor_parallel.py). With `enable_cuda_graph` the decode steps replay CUDA graphs
+        (Note: [cuda graphs]). A collective at stage 3 or with inference_tp_size > 1: every rank
         calls it. Returns what the model's `generate` returns."""
         if not callable(self._module_generate):
             raise TypeError(f"engine.generate: the model ({type(self.module).__name__}) has no generate method")
@@ -176,10 +188,15 @@ class HybridEngine(LightspeedEngine):
             with fused_lora(self.module, enabled=gather or not self.Z3_enabled):
                 with tensor_parallel.split_for_generation(self.module, comm) if comm is not None \
                         else contextlib.nullcontext():
-                    output = self._module_generate(*inputs, **kwargs)
+                    with self._decode_graphs.generating(self.module, self._module_generate) \
+                            if self._decode_graphs is not None else contextlib.nullcontext(self._module_generate) \
+                            as generate:
+                        output = generate(*inputs, **kwargs)
         if comm is not None:
             output = tensor_parallel.own_rows(output, comm, batch)
         if self.hybrid_config.release_inference_cache:
+            if self._decode_graphs is not None:
+                self._decode_graphs.release()
             gc.collect()
             get_accelerator().empty_cache()
         done = time.perf_counter()
@@ -249,6 +266,9 @@ class HybridEngine(LightspeedEngine):
         """`LightspeedEngine.destroy`, and the model's `generate` given back (Note: [generate is the model's])."""
         if isinstance(self.module.__dict__.get("generate"), _EngineGenerate):
             del self.module.__dict__["generate"]
+        if self._decode_graphs is not None:
+            self._decode_graphs.release()
+            self._decode_graphs = None
         super().destroy()
 
 

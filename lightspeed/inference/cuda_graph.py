@@ -26,6 +26,14 @@ Phi-3...) count their tokens in a Python int that leaves the GPU work unchanged 
 window is full runs eagerly, and the next generate call (the kept cache, reset) replays again. A forward
 that reads the count otherwise (a prompt's attention mask made inside the forward) runs eagerly.
 
+Only CUDA devices capture (`GRAPH_DEVICE_TYPES`): a runner made for another device runs every call eagerly
+(logged once); the hybrid engine installs one on any device, and CPU tests add their stand-in's.
+
+The runner may be put on a model and taken off again (`attach` / `detach`), keeping its graphs meanwhile:
+the hybrid engine graphs only its `generate` calls (lightspeed/hybrid/graphs.py), so training runs the
+model's own forward; it also pauses the runner for the prefill (`paused`: calls run eagerly, unrecorded)
+and keeps only its kept cache's graphs between calls (`retain`). `captures` / `replays` count.
+
 Graphs share one memory pool per device, with every other runner's (`_pool`): they never run at the same
 time, and outputs are copied out at once.
 Argument objects are held by weak reference, so a graph never keeps a dead KV cache alive.
@@ -61,6 +69,7 @@ _WINDOW_COUNT = "cumulative_length_int"  # a sliding-window cache layer's Python
 _WINDOW_SAFE = frozenset({"update", "get_mask_sizes", "lazy_initialization", "get_max_length"})
 _window_types: dict = {}
 _POOLS: dict = {}  # device -> the graphs' MemPool (`_pool`)
+GRAPH_DEVICE_TYPES = frozenset({"cuda"})  # where calls are captured; a runner elsewhere runs them eagerly
 
 
 class _Ref:
@@ -184,6 +193,10 @@ def _argument_name(path) -> str:
     return name + pytree.keystr(tuple(rest))
 
 
+class CaptureError(RuntimeError):
+    """A forward that could not be captured in a CUDA graph (what failed is its cause)."""
+
+
 class _Graph:
     __slots__ = ("graph", "inputs", "out_spec", "out_leaves", "state", "steps")
 
@@ -201,6 +214,8 @@ class GraphedForward:
         self.full: dict = {}  # those of them captured with a full sliding window -> the tokens the call added
         self.pool = None
         self.captures = 0
+        self.replays = 0
+        self.paused = False  # set: calls run eagerly, unrecorded (the hybrid engine's prefill)
         self.restore: dict = {}  # generation-config values install changed
         self._warned: set = set()
 
@@ -214,12 +229,25 @@ class GraphedForward:
         self.eager.clear()
         self.full.clear()
 
+    def retain(self, objects) -> None:
+        """Forget every signature (its graph too) that holds an argument object other than `objects`: the
+        hybrid engine keeps, from one generate call to the next, only the graphs of the cache it keeps."""
+        keep = {id(obj) for obj in objects}
+        for table in (self.graphs, self.seen, self.eager, self.full):
+            for sig in [s for s in table if any(isinstance(k, _Ref) and k._id not in keep for k in s[1])]:
+                del table[sig]
+
     def _warn_once(self, reason: str) -> None:
         if reason not in self._warned:
             self._warned.add(reason)
             logger.warning("enable_cuda_graph: %s", reason)
 
     def __call__(self, *args, **kwargs):
+        if self.paused:
+            return self.forward(*args, **kwargs)
+        if self.device.type not in GRAPH_DEVICE_TYPES:
+            self._warn_once(f"{self.device} is not a CUDA device; calls run without a graph")
+            return self.forward(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if any(t.device != self.device for t in tensors):
@@ -292,7 +320,7 @@ class GraphedForward:
             with torch.cuda.device(self.device), _no_gc(), capture, _watch_counts(windows, reads):
                 out = self.forward(*args, **kwargs)
         except Exception as err:
-            raise RuntimeError(f"enable_cuda_graph: the forward could not be captured in a CUDA graph ({err}); "
+            raise CaptureError(f"enable_cuda_graph: the forward could not be captured in a CUDA graph ({err}); "
                                f"pass enable_cuda_graph=False") from err
         self.captures += 1
         out_leaves, out_spec = pytree.tree_flatten(out)
@@ -331,10 +359,10 @@ class GraphedForward:
                     ", ".join(str(tuple(x.shape)) for x in leaves if isinstance(x, torch.Tensor)))
         return self._outputs(entry, leaves)
 
-    @staticmethod
-    def _replay(entry: _Graph, leaves):
+    def _replay(self, entry: _Graph, leaves):
         for i, buffer in entry.inputs:
             buffer.copy_(leaves[i])
+        self.replays += 1
         return GraphedForward._outputs(entry, leaves)
 
     @staticmethod
@@ -465,10 +493,29 @@ def install(model: torch.nn.Module, device: torch.device) -> GraphedForward:
     one `generate` call to the next (`_KeptStaticCaches`)."""
     if hasattr(model.forward, "graphs"):
         raise ValueError("init_inference: enable_cuda_graph: the model's forward is graphed already")
+    runner = attach(model, runner_for(model, device))
+    caches = kept_static_caches(model) if hasattr(model, "generate") else None
+    if caches is not None:
+        model.generate = caches.generate(model.generate)
+        model._prepare_static_cache = caches.prepare_static_cache
+    return runner
+
+
+def runner_for(model: torch.nn.Module, device: torch.device) -> GraphedForward:
+    """A GraphedForward for `model` on `device` (not put on the model: `attach`)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device(device.type, torch.cuda.current_device())
     needs_grad = any(p.requires_grad for p in model.parameters())
-    runner = GraphedForward(model.forward, device, needs_grad)
+    return GraphedForward(model.forward, device, needs_grad)
+
+
+def attach(model: torch.nn.Module, runner: GraphedForward) -> GraphedForward:
+    """Put `runner` (with its graphs) in place of the model's own forward, which it calls from then on, and
+    set a Hugging Face generation config to a static KV cache (when it names none; its `_prepare_static_cache`
+    is the model's own) and to no auto-compile. `detach` undoes it."""
+    if hasattr(model.forward, "graphs"):
+        raise ValueError("enable_cuda_graph: the model's forward is graphed already")
+    runner._forward = _weak(model.forward)
 
     @torch.compiler.disable
     def forward(*args, **kwargs):
@@ -489,22 +536,34 @@ def install(model: torch.nn.Module, device: torch.device) -> GraphedForward:
             config.cache_implementation = "static"
             logger.info("enable_cuda_graph: generation_config.cache_implementation = 'static'")
         elif not static:
-            logger.warning("enable_cuda_graph: %s does not support a static KV cache; generate's decode steps "
-                           "will run without graphs", type(model).__name__)
+            runner._warn_once(f"{type(model).__name__} does not support a static KV cache; generate's decode "
+                              f"steps will run without graphs")
         if hasattr(config, "disable_compile"):
             config.disable_compile = True  # transformers would otherwise torch.compile the graphed forward
-    if hasattr(model, "generate") and hasattr(model, "_prepare_static_cache") \
-            and not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        caches = _KeptStaticCaches(model)
-        model.generate = caches.generate(model.generate)
-        model._prepare_static_cache = caches.prepare_static_cache
     return runner
+
+
+def detach(model: torch.nn.Module) -> GraphedForward:
+    """Undo `attach`: the class's forward back, the generation config as it was. Returns the runner."""
+    runner = model.forward.graphs
+    model.__dict__.pop("forward", None)
+    for key, value in runner.restore.items():
+        setattr(model.generation_config, key, value)
+    runner.restore = {}
+    return runner
+
+
+def kept_static_caches(model: torch.nn.Module) -> _KeptStaticCaches | None:
+    """The static-cache keeper for `model`'s `generate` calls (`_KeptStaticCaches`), or None where it does
+    not apply (no static cache preparation, an encoder-decoder)."""
+    if hasattr(model, "_prepare_static_cache") \
+            and not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return _KeptStaticCaches(model)
+    return None
 
 
 def uninstall(model: torch.nn.Module) -> None:
     """Undo `install`: the class's forward, generate and cache preparation, the generation config as it was."""
-    runner = model.forward.graphs
-    for name in ("forward", "generate", "_prepare_static_cache"):
+    detach(model)
+    for name in ("generate", "_prepare_static_cache"):
         model.__dict__.pop(name, None)
-    for key, value in runner.restore.items():
-        setattr(model.generation_config, key, value)

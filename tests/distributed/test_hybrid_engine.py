@@ -4,8 +4,9 @@ generates token for token what the whole model generates, the parameters go back
 training after a generation has the losses of training without one; DeepSpeed-Chat's LoRA layers (ZeRO-3
 and ZeRO-2) and PEFT's are fused for generation (the merged model's scores, bit for bit) and the weights
 are bit-identical afterwards; with inference_tp_size 2 the two ranks generate together over their joined
-prompts, each getting its own rows, as the whole model generates them. One world runs every scenario (few
-process start-ups)."""
+prompts, each getting its own rows, as the whole model generates them; with enable_cuda_graph (stand-in
+graphs; also split with inference_tp_size 2) ZeRO-3's generate gives the tokens it gives without. One
+world runs every scenario (few process start-ups)."""
 
 from __future__ import annotations
 
@@ -203,11 +204,47 @@ def _tensor_parallel(world: int, rank: int, lora: bool) -> dict:
             "released_after": _released(engine), "losses": losses, "ref_losses": ref_losses}
 
 
+def _cuda_graph(world: int, rank: int) -> dict:
+    """hybrid_engine.enable_cuda_graph at ZeRO-3 with DeepSpeed-Chat's LoRA and its generate call
+    (synced_gpus), the graphs tests/inference/fake_cuda_graph.py's stand-ins: training between the calls,
+    the tokens of the option off; and with inference_tp_size 2 (on the CPU the runner runs eagerly: the
+    static cache over the split layers)."""
+    import lightspeed
+    from tests.inference.fake_cuda_graph import use_fake_graphs
+
+    data, prompt = _batches(rank), _prompt(rank)
+
+    def rounds(engine) -> list:
+        seqs = []
+        for x in data:
+            _train(engine, x)
+            engine.eval()
+            with torch.no_grad():
+                seqs.append(engine.module.generate(prompt, attention_mask=torch.ones_like(prompt), max_length=5 + 6,
+                                                   pad_token_id=PAD, synced_gpus=True))
+        return seqs
+
+    want = rounds(lightspeed.initialize(model=dschat_lora(tiny_opt()), config=config(world, 3))[0])
+    split = rounds(lightspeed.initialize(model=dschat_lora(tiny_opt()),
+                                         config=config(world, 3, inference_tp_size=2, enable_cuda_graph=True))[0])
+    with pytest.MonkeyPatch.context() as patch:
+        use_fake_graphs(patch)
+        engine, *_ = lightspeed.initialize(model=dschat_lora(tiny_opt()),
+                                           config=config(world, 3, enable_cuda_graph=True))
+        got = rounds(engine)
+    graphs = engine._decode_graphs
+    return {"same": all(torch.equal(a, b) for a, b in zip(got, want)),
+            "same_split": all(torch.equal(a, b) for a, b in zip(split, want)),
+            "captures": graphs.runner.captures, "replays": graphs.runner.replays, "drops": graphs.drops,
+            "released_after": _released(engine), "forward_back": "forward" not in vars(engine.module)}
+
+
 def _worker():
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    return {"plain": _plain_zero3(world, rank), "dschat-z3": _lora(world, rank, 3, "dschat"),
+    return {"plain": _plain_zero3(world, rank), "graphs": _cuda_graph(world, rank),
+            "dschat-z3": _lora(world, rank, 3, "dschat"),
             "dschat-z2": _lora(world, rank, 2, "dschat"), "peft-z3": _lora(world, rank, 3, "peft"),
             "tp": _tensor_parallel(world, rank, False), "tp-lora": _tensor_parallel(world, rank, True)}
 
@@ -229,6 +266,14 @@ def test_zero3_generate_matches_the_whole_model_and_gathers_once(results):
         assert r["released_before"] == r["num_groups"] > 1
         assert r["all_gathers"] == r["num_groups"], r["all_gathers"]
         assert r["released_after"]
+
+
+def test_cuda_graph_generate_matches_the_option_off(results):
+    for r in (rank["graphs"] for rank in results):
+        assert r["same"] and r["same_split"] and r["released_after"] and r["forward_back"]
+        # 3 calls of 5 decode steps: the first call's first step warms up, its second captures; weights regathered
+        # at another address drop the graphs, and that call captures again
+        assert 1 <= r["captures"] <= 1 + r["drops"] and r["replays"] >= 3 * 3, r
 
 
 def test_rng_synchronized_from_rank_0(results):

@@ -93,7 +93,10 @@ def fake_graph(graph: FakeGraph, pool=None, stream=None, capture_error_mode="glo
 
 
 def use_fake_graphs(monkeypatch) -> None:
-    """Route torch.cuda's graph API to the fakes for the test."""
+    """Route torch.cuda's graph API to the fakes for the test, and let runners on the CPU capture."""
+    from lightspeed.inference import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "GRAPH_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "MemPool", lambda: types.SimpleNamespace(id=(0, 1)))

@@ -359,10 +359,15 @@ def test_autograd_or_other_devices_run_eagerly(fake, ls_caplog):
         model(x)
         model(x)
     assert runner.captures == 1
-    runner.device = torch.device("meta")
+    runner.device = torch.device("cuda", 0)
     with torch.no_grad():
         model(x)
-    assert "not on meta" in ls_caplog.text
+    assert "not on cuda:0" in ls_caplog.text
+    runner.device = torch.device("meta")  # a runner off CUDA captures nothing
+    with torch.no_grad():
+        model(x)
+        model(x)
+    assert runner.captures == 1 and "meta is not a CUDA device" in ls_caplog.text
 
 
 # --- real graphs ---

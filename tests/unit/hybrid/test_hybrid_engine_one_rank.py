@@ -1,6 +1,6 @@
 """The hybrid engine in one process (a world of one): the `hybrid_engine` section (DeepSpeed's keys and
-defaults, the refused settings, inference_tp_size's checks), which initialize() builds it, generate at
-stage 0 and at stage 3 with the gather machinery on (pinned and layer by layer), LoRA fused and restored
+defaults, the refused settings, inference_tp_size's checks; enable_cuda_graph's are in
+test_hybrid_cuda_graph.py), which initialize() builds it, generate at stage 0 and at stage 3 with the gather machinery on (pinned and layer by layer), LoRA fused and restored
 exactly, max_out_tokens, the timing line, destroy, and the DeepSpeed names. World size 2 runs in
 tests/distributed/test_hybrid_engine.py."""
 
@@ -56,8 +56,6 @@ def test_enabled_loads_and_unbuilt_settings_are_refused_by_name():
     with pytest.raises(NotImplementedError, match=r"^hybrid_engine.tp_gather_partition_size=4 .*not implemented"):
         load({**BASE, "hybrid_engine": {"enabled": True, "inference_tp_size": 2, "tp_gather_partition_size": 4}},
              world_size=1)
-    with pytest.raises(NotImplementedError, match=r"^hybrid_engine.enable_cuda_graph=true is not implemented"):
-        load({**BASE, "hybrid_engine": {"enabled": True, "enable_cuda_graph": True}}, world_size=1)
     # DeepSpeed reads the section only when the engine is enabled
     load({**BASE, "hybrid_engine": {"inference_tp_size": 2, "enable_cuda_graph": True, "tp_gather_partition_size": 4}},
          world_size=1)

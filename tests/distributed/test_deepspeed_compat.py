@@ -166,8 +166,9 @@ def _engine_calls() -> dict:
     engine.backward(engine(xa.half(), ya))
     engine.step()
     out["overflow_after_finite"] = optimizer.overflow
-    out["optimizer_view"] = (isinstance(optimizer, torch.optim.Optimizer), optimizer.optimizer is engine.optimizer,
-                             optimizer.param_groups is engine.optimizer.param_groups)
+    # fp16: DeepSpeed's engine.optimizer is its wrapper, what initialize returned, whose .optimizer is the base
+    out["optimizer_view"] = (isinstance(optimizer, torch.optim.Optimizer), optimizer is engine.optimizer,
+                             optimizer.param_groups is engine.optimizer.optimizer.param_groups)
 
     # ZeRO-3: the consolidated 16-bit state dict on rank 0 only, equal to the module's full state
     model = TinyMLP()

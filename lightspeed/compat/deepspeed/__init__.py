@@ -42,7 +42,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                collate_fn=None, config=None, mesh_param=None, config_params=None):
     """`deepspeed.initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`;
     see `lightspeed.initialize` (the same call, in DeepSpeed's argument order). The optimizer is an
-    `EngineOptimizer` view of `engine.optimizer` with DeepSpeed's `overflow` flag. At ZeRO stage 3,
+    `EngineOptimizer` view of `engine.optimizer` with DeepSpeed's `overflow` flag; with ZeRO, fp16 or bf16
+    (where DeepSpeed's `engine.optimizer` is its wrapper) `engine.optimizer` becomes that view too, its
+    `.optimizer` the base optimizer. At ZeRO stage 3,
     `engine.optimizer.parameter_offload` is DeepSpeed's owner of the module hooks, as a view over the
     engine (runtime/zero/parameter_offload.py)."""
     from lightspeed.hybrid import initialize as _initialize
@@ -54,9 +56,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         collate_fn=collate_fn, config=config, config_params=config_params, mesh_param=mesh_param)
     from lightspeed.compat.deepspeed.runtime.zero.parameter_offload import attach
 
-    attach(engine)  # stage 3: engine.optimizer.parameter_offload, as DeepSpeed's stage-3 optimizer has
     # DeepSpeed returns its wrapped optimizer, whose `overflow` says whether the last step was skipped
-    return engine, (EngineOptimizer.of(engine) if optimizer is not None else None), loader, scheduler
+    view = EngineOptimizer.of(engine) if optimizer is not None else None
+    if view is not None and (engine.zero_optimization_stage() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled()):
+        # where DeepSpeed wraps the optimizer (ZeRO, fp16, bf16), its `engine.optimizer` is that wrapper, whose
+        # `.optimizer` is the base optimizer: the view is both (it steps nothing itself)
+        engine.optimizer = view
+    attach(engine)  # stage 3: engine.optimizer.parameter_offload, as DeepSpeed's stage-3 optimizer has
+    return engine, view, loader, scheduler
 
 
 def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,

@@ -194,14 +194,22 @@ class Init(ParameterRegistrationContext):
         self._children: set[int] = set()  # ids of modules registered as a child of another
         self._module_hook = None
         self._outermost = False
+        if enabled and data_parallel_group is None and sequence_data_parallel_group is None:
+            self._start_distributed()  # at construction, as DeepSpeed's
         if module is not None and enabled:
             self._partition_built(module)
 
     # ---------------------------------------------------------------- where and how
+    @staticmethod
+    def _start_distributed() -> None:
+        """DeepSpeed's Init starts torch.distributed when a launcher's environment is there (also a
+        one-process one: RANK / WORLD_SIZE set); a no-op once it is started, or without one."""
+        if detect_launch_env().source != "single-process":
+            init_distributed()
+
     def _comm(self) -> Communicator:
         group, mpu = self._group_source
-        if detect_launch_env().world_size > 1:
-            init_distributed()  # DeepSpeed's Init starts torch.distributed too; a no-op once it is
+        self._start_distributed()
         if group is not None:
             return Communicator(group)
         groups = ParallelGroups.build(mpu)

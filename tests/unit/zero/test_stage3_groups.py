@@ -262,3 +262,17 @@ def test_init_model_is_taken_over_by_the_strategy_with_pending_external_paramete
     st = param_state(model.wte.weight)
     assert st.group in s.groups and model.wte.weight.ds_id == ds_id  # same id after the take-over
     assert st.group in s.coordinator.uses[id(model.blocks[0])]
+
+
+def test_init_starts_torch_distributed_under_a_launchers_environment():
+    """As DeepSpeed's: a one-process launcher environment (RANK / WORLD_SIZE set) is enough."""
+    import os
+    import subprocess
+
+    from lightspeed.comm.init import free_port
+
+    code = ("import torch.distributed as d\nfrom lightspeed.zero import Init\nassert not d.is_initialized()\n"
+            "Init()\nassert d.is_initialized() and d.get_world_size() == 1\n")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)

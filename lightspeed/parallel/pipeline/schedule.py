@@ -166,7 +166,7 @@ class PipelineDriver:
         if key not in self._schedules:
             stages = [BracketedStage(chunk, chunk.stage, self.num_stages, self.device, self.group, self,
                                      *self._examples[chunk.stage]) for chunk in self.module.chunks]
-            cls = schedule_class(self.kind.torch_class)
+            cls = schedule_class(self.kind.torch_class, self.group)
             target = stages if self.kind.multi else stages[0]
             self._schedules[key] = cls(target, n, loss_fn=self._loss_of, scale_grads=False)
             self._stages[key] = stages

@@ -32,8 +32,8 @@ class PostedRecv1F1B(torch_schedules.Schedule1F1B):
     each wait spans the peer's post, and on a loaded CPU every such hand-off costs a scheduler wake-up
     (up to a tick) on the critical path. Here every receive of the batch is posted at its start (each
     micro-batch has its own receive buffers), each send is posted as soon as its tensor exists, and
-    sends are waited for only at the end: a rank waits only for data not yet produced. On a 2-core CPU
-    this took the tiny-model benchmark's step from 88-96 to 52-58 ms at m = 16. NCCL runs a pair's
+    sends are waited for only at the end: a rank waits only for data not yet produced (on a shared
+    2-core CPU, 5-20% off benchmarks/pipeline.py's tiny-model step at pp=2). NCCL runs a pair's
     operations in order on one stream, where a receive posted early would hold up the sends behind
     it: there torch's own order stays."""
 

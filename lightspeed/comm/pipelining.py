@@ -31,9 +31,10 @@ class PostedRecv1F1B(torch_schedules.Schedule1F1B):
     is a rendezvous: the payload moves (in gloo's own threads) only once both sides have posted, so
     each wait spans the peer's post, and on a loaded CPU every such hand-off costs a scheduler wake-up
     (up to a tick) on the critical path. Here every receive of the batch is posted at its start (each
-    micro-batch has its own receive buffers), each send is posted as soon as its tensor exists, and
-    sends are waited for only at the end: a rank waits only for data not yet produced (on a shared
-    2-core CPU, 5-20% off benchmarks/pipeline.py's tiny-model step at pp=2). NCCL runs a pair's
+    micro-batch has its own receive buffers), each send is posted as soon as its tensor exists and
+    waited for two sends later (by then received: this only bounds the tensors kept alive for gloo),
+    so a rank waits only for data not yet produced (on a shared 2-core CPU, 5-20% off
+    benchmarks/pipeline.py's tiny-model step at pp=2). NCCL runs a pair's
     operations in order on one stream, where a receive posted early would hold up the sends behind
     it: there torch's own order stays."""
 
@@ -46,18 +47,24 @@ class PostedRecv1F1B(torch_schedules.Schedule1F1B):
         # every receive of the batch, in micro-batch order (the peer sends in that order)
         fwd_recvs = [torch_schedules._batch_p2p(stage.get_fwd_recv_ops(k)) for k in range(n)]
         bwd_recvs = [torch_schedules._batch_p2p(stage.get_bwd_recv_ops(k)) for k in range(n)]
-        sends = []
+        sends: list[list] = []  # the works of the sends in flight, oldest first
+
+        def send(ops: list) -> None:
+            if ops:
+                sends.append(torch_schedules._batch_p2p(ops))
+            if len(sends) > 2:  # long since received (the peer posted its receives): bounds what stays alive
+                torch_schedules._wait_batch_p2p(sends.pop(0))
 
         def forward(k: int) -> None:
             torch_schedules._wait_batch_p2p(fwd_recvs[k])
             out = stage.forward_one_chunk(k, arg_mbs[k], kwarg_mbs[k], save_forward_output=return_outputs)
-            sends.extend(torch_schedules._batch_p2p(stage.get_fwd_send_ops(k)))
+            send(stage.get_fwd_send_ops(k))
             self._maybe_compute_loss(stage, out, target_mbs, k, loss_kwargs)
 
         def backward(k: int) -> None:
             torch_schedules._wait_batch_p2p(bwd_recvs[k])
             stage.backward_one_chunk(k, loss=self._maybe_get_loss(stage, k), last_backward=k == n - 1)
-            sends.extend(torch_schedules._batch_p2p(stage.get_bwd_send_ops(k)))
+            send(stage.get_bwd_send_ops(k))
 
         # torch's 1F1B order: as many forwards as stages from here to the last, then one backward and
         # one forward in turn, then the remaining backwards
@@ -68,7 +75,8 @@ class PostedRecv1F1B(torch_schedules.Schedule1F1B):
             backward(k)
             if warmup + k < n:
                 forward(warmup + k)
-        torch_schedules._wait_batch_p2p(sends)
+        for works in sends:
+            torch_schedules._wait_batch_p2p(works)
         self._update_losses(stage, losses)
         stage.perform_reduce_grad(n if self.scale_grads else 1)
 

@@ -1,6 +1,7 @@
 """The torch.distributed.pipelining pieces the pipeline schedule driver (parallel/pipeline/schedule.py)
 stands on: a `PipelineStage` whose gradient-writing backwards are bracketed for the ZeRO strategy,
-torch's schedule classes by name, and the point-to-point sends of the driver's shape probe.
+torch's schedule classes by name (1F1B over gloo with its receives posted ahead), and the
+point-to-point sends of the driver's shape probe.
 
 Owns: those, and nothing of the schedule's policy. Must not: know ZeRO or the pipeline module.
 """
@@ -13,9 +14,71 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 
-def schedule_class(name: str):
-    """torch.distributed.pipelining's schedule class `name` (e.g. "Schedule1F1B")."""
+def schedule_class(name: str, group=None):
+    """torch.distributed.pipelining's schedule class `name` (e.g. "Schedule1F1B"); for 1F1B when
+    `group` (the pipeline's process group) runs on gloo, `PostedRecv1F1B` (its Note)."""
+    if name == "Schedule1F1B" and dist.get_backend(group) == "gloo":
+        return PostedRecv1F1B
     return getattr(torch_schedules, name)
+
+
+class PostedRecv1F1B(torch_schedules.Schedule1F1B):
+    """torch's 1F1B (one stage per rank, the same actions in the same order) with its point-to-point
+    messages issued for gloo.
+
+    Note: [receives posted ahead] torch's 1F1B posts each receive just before it needs the data,
+    batched with the send it just produced, and waits for both. Over gloo a point-to-point message
+    is a rendezvous: the payload moves (in gloo's own threads) only once both sides have posted, so
+    each wait spans the peer's post, and on a loaded CPU every such hand-off costs a scheduler wake-up
+    (up to a tick) on the critical path. Here every receive of the batch is posted at its start (each
+    micro-batch has its own receive buffers), each send is posted as soon as its tensor exists and
+    waited for two sends later (by then received: this only bounds the tensors kept alive for gloo),
+    so a rank waits only for data not yet produced (on a shared 2-core CPU, 5-20% off
+    benchmarks/pipeline.py's tiny-model step at pp=2). NCCL runs a pair's
+    operations in order on one stream, where a receive posted early would hold up the sends behind
+    it: there torch's own order stays."""
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+                           loss_kwargs=None):
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
+                               loss_kwargs)
+        stage, n = self._stage, self._n_microbatches
+        # every receive of the batch, in micro-batch order (the peer sends in that order)
+        fwd_recvs = [torch_schedules._batch_p2p(stage.get_fwd_recv_ops(k)) for k in range(n)]
+        bwd_recvs = [torch_schedules._batch_p2p(stage.get_bwd_recv_ops(k)) for k in range(n)]
+        sends: list[list] = []  # the works of the sends in flight, oldest first
+
+        def send(ops: list) -> None:
+            if ops:
+                sends.append(torch_schedules._batch_p2p(ops))
+            if len(sends) > 2:  # long since received (the peer posted its receives): bounds what stays alive
+                torch_schedules._wait_batch_p2p(sends.pop(0))
+
+        def forward(k: int) -> None:
+            torch_schedules._wait_batch_p2p(fwd_recvs[k])
+            out = stage.forward_one_chunk(k, arg_mbs[k], kwarg_mbs[k], save_forward_output=return_outputs)
+            send(stage.get_fwd_send_ops(k))
+            self._maybe_compute_loss(stage, out, target_mbs, k, loss_kwargs)
+
+        def backward(k: int) -> None:
+            torch_schedules._wait_batch_p2p(bwd_recvs[k])
+            stage.backward_one_chunk(k, loss=self._maybe_get_loss(stage, k), last_backward=k == n - 1)
+            send(stage.get_bwd_send_ops(k))
+
+        # torch's 1F1B order: as many forwards as stages from here to the last, then one backward and
+        # one forward in turn, then the remaining backwards
+        warmup = min(n, self._num_stages - stage.stage_index)
+        for k in range(warmup):
+            forward(k)
+        for k in range(n):
+            backward(k)
+            if warmup + k < n:
+                forward(warmup + k)
+        for works in sends:
+            torch_schedules._wait_batch_p2p(works)
+        self._update_losses(stage, losses)
+        stage.perform_reduce_grad(n if self.scale_grads else 1)
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,

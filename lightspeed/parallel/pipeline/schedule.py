@@ -166,7 +166,7 @@ class PipelineDriver:
         if key not in self._schedules:
             stages = [BracketedStage(chunk, chunk.stage, self.num_stages, self.device, self.group, self,
                                      *self._examples[chunk.stage]) for chunk in self.module.chunks]
-            cls = schedule_class(self.kind.torch_class)
+            cls = schedule_class(self.kind.torch_class, self.group)
             target = stages if self.kind.multi else stages[0]
             self._schedules[key] = cls(target, n, loss_fn=self._loss_of, scale_grads=False)
             self._stages[key] = stages
@@ -175,8 +175,9 @@ class PipelineDriver:
     def run(self, inputs: list | None, labels: list | None, *, train: bool,
             scale_loss: Callable[[torch.Tensor], torch.Tensor] | None, n_microbatches: int):
         """One batch: `inputs` (first stage) and `labels` (last stage) are the micro-batches, None where
-        this rank holds neither stage. Returns the last stage's merged outputs (None elsewhere); the
-        micro-batch losses are in `losses` on the rank holding the last stage."""
+        this rank holds neither stage. Returns the last stage's merged outputs when not `train` (None
+        elsewhere and in training); the micro-batch losses are in `losses` on the rank holding the last
+        stage."""
         self._losses = {}
         if self._examples is None:
             self._examples = self._probe(inputs[0] if inputs else None)
@@ -191,8 +192,8 @@ class PipelineDriver:
         kwargs = {"target": index} if self.holds_last else {}
         self._grad_calls, self._grad_total = 0, n_microbatches * len(self.module.chunks)
         try:
-            if train:
-                out = schedule.step(*args, **kwargs)
+            if train:  # no outputs kept: the schedule would hold every micro-batch's and concatenate them
+                out = schedule.step(*args, return_outputs=False, **kwargs)
             else:
                 out = schedule.eval(*args, **kwargs)
         finally:

@@ -13,12 +13,40 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from lightspeed._utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def _posted_recv_supported() -> bool:
+    """Whether this torch's private schedule helpers have the signatures `PostedRecv1F1B` calls (they are
+    torch 2.13's; another release keeps torch's own 1F1B, with the same numerics)."""
+    import inspect
+
+    try:
+        base = torch_schedules.Schedule1F1B
+        step = inspect.signature(base._step_microbatches).parameters
+        loss = inspect.signature(base._maybe_compute_loss).parameters
+        init = inspect.signature(base._initialize_stage).parameters
+        helpers = all(hasattr(torch_schedules, n) for n in ("_batch_p2p", "_wait_batch_p2p"))
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return helpers and "return_outputs" in step and "loss_kwargs" in step and len(loss) == 6 and len(init) == 5
+
+
+_POSTED_RECV = _posted_recv_supported()
+
 
 def schedule_class(name: str, group=None):
     """torch.distributed.pipelining's schedule class `name` (e.g. "Schedule1F1B"); for 1F1B when
-    `group` (the pipeline's process group) runs on gloo, `PostedRecv1F1B` (its Note)."""
+    `group` (the pipeline's process group) runs on gloo, `PostedRecv1F1B` (its Note) where this torch's
+    private helpers are the ones it was written against."""
     if name == "Schedule1F1B" and dist.get_backend(group) == "gloo":
-        return PostedRecv1F1B
+        if _POSTED_RECV:
+            return PostedRecv1F1B
+        logger.info("pipeline: torch %s's private schedule helpers differ from those PostedRecv1F1B calls; "
+                    "1F1B over gloo runs torch's Schedule1F1B (the same numerics, receives posted late)",
+                    torch.__version__)
     return getattr(torch_schedules, name)
 
 

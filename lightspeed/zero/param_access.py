@@ -93,6 +93,12 @@ def _locate(param: torch.Tensor):
     return (strategy, frag) if frag is not None else (None, None)
 
 
+def _locate_trainable(param: torch.Tensor):
+    """`_locate`, with a frozen parameter (stage 3 keeps frozen groups; stages 0-2 manage none) answered as
+    unmanaged: DeepSpeed's getters return None for it."""
+    return _locate(param) if param.requires_grad else (None, None)
+
+
 def _assemble(frag: ParamFragment, piece: torch.Tensor, device) -> torch.Tensor:
     if frag.comm is None:
         return piece.detach().to(torch.float32, copy=True).view(frag.shape)
@@ -107,8 +113,9 @@ def _device(frag: ParamFragment) -> torch.device:
 
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """The parameter's full fp32 value (a collective), or None when no strategy manages it."""
-    _, frag = _locate(param)
+    """The parameter's full fp32 value (a collective), or None when no strategy trains it (unmanaged or
+    frozen, as DeepSpeed's)."""
+    _, frag = _locate_trainable(param)
     return None if frag is None else _assemble(frag, frag.master, _device(frag))
 
 
@@ -132,8 +139,9 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
-    """The full fp32 optimizer state `optim_state_key` (e.g. "exp_avg") of the parameter (a collective)."""
-    strategy, frag = _locate(param)
+    """The full fp32 optimizer state `optim_state_key` (e.g. "exp_avg") of the parameter (a collective);
+    None for a parameter no strategy trains."""
+    strategy, frag = _locate_trainable(param)
     if frag is None:
         return None
     return _assemble(frag, frag.optimizer_state(strategy.optimizer, optim_state_key), _device(frag))
@@ -211,9 +219,10 @@ def _local(param, name: str) -> tuple[Any, ParamFragment]:
     return strategy, frag
 
 
-def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
-    """This rank's elements of a ZeRO-3 parameter's fp32 value (1-D view; may be empty)."""
-    return _local(param, "safe_get_local_fp32_param")[1].master
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """This rank's elements of a ZeRO-3 parameter's fp32 value (1-D view; may be empty); None when frozen."""
+    frag = _local(param, "safe_get_local_fp32_param")[1]
+    return frag.master if param.requires_grad else None
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -225,9 +234,10 @@ def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
-    """This rank's elements of a ZeRO-3 parameter's optimizer state `optim_state_key` (1-D view)."""
+    """This rank's elements of a ZeRO-3 parameter's optimizer state `optim_state_key` (1-D view); None when
+    frozen."""
     strategy, frag = _local(param, "safe_get_local_optimizer_state")
-    return frag.optimizer_state(strategy.optimizer, optim_state_key)
+    return frag.optimizer_state(strategy.optimizer, optim_state_key) if param.requires_grad else None
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:

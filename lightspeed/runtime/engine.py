@@ -152,6 +152,18 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
     def zero_optimization_partition_weights(self) -> bool:
         return strategy_places_params(self.config)
 
+    def sparse_gradients_enabled(self) -> bool:
+        return bool(self.config.sparse_gradients)
+
+    @property
+    def sparse_tensor_module_names(self) -> set[str]:
+        """DeepSpeed's set of the weights whose gradients are exchanged sparse: each Embedding's and
+        EmbeddingBag's `<module>.weight` when `sparse_gradients` is on, else empty."""
+        if not self.sparse_gradients_enabled():
+            return set()
+        return {f"{name}.weight" for name, m in self.module.named_modules()
+                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """`zero_optimization.stage3_gather_16bit_weights_on_model_save`: whether a whole 16-bit model may
         be gathered to save it (read by accelerate and the HF Trainer before `save_16bit_model`)."""

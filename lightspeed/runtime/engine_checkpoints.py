@@ -43,6 +43,13 @@ logger = get_logger(__name__)
 class EngineCheckpoints:
     """Mixin of `LightspeedEngine`: its checkpoint methods (see the module docstring)."""
 
+    def _get_optimizer_ckpt_name(self, checkpoints_path, tag, expp_rank: int) -> str:
+        """Where DeepSpeed's layout keeps this model-parallel rank's optimizer states of expert-parallel rank
+        `expp_rank` (`expp_rank_<E>_mp_rank_<MM>_optim_states.pt`; DeepSpeed's name, for code that
+        locates those files; lightspeed's own layout is checkpoint/layout.py's)."""
+        mp_rank = self._tp_comm.rank if self._tp_comm is not None else 0
+        return os.path.join(checkpoints_path, str(tag), f"expp_rank_{expp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+
     @heartbeat.paused()  # file I/O: the stall clock waits (comm/heartbeat.py)
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:

@@ -124,3 +124,17 @@ def test_deepspeed_unwrap_model_for_generation_takes_the_hooks_out_for_the_block
         assert _gathered(engine) != [] and all(p.numel() > 0 for p in engine.module.parameters())
     assert len(offload.forward_hooks) == len(offload.backward_hooks) == 1 and _gathered(engine) == []
     _train_step(engine, x)  # training goes on with the hooks back
+
+
+def test_persistent_parameters_are_whole_after_a_step_and_a_load(tmp_path):
+    """DeepSpeed gathers its persistent parameters after each step and each checkpoint load."""
+    engine, *_ = ds.initialize(model=build_model("gpt"), config=config(1, 3, zero={
+        **RELEASE_ALL, "stage3_param_persistence_threshold": 10000}), dist_init_required=False)
+    persistent = [p for p in engine.module.parameters() if p.ds_persist]
+    assert persistent and len(persistent) < len(list(engine.module.parameters()))
+    _train_step(engine, torch.randint(0, 256, (2, 8)))
+    assert all(p.numel() == p.ds_numel for p in persistent)
+    assert _gathered(engine) == [g.name for g in engine.strategy.groups if g.persistent]
+    engine.save_checkpoint(tmp_path, tag="t")
+    engine.load_checkpoint(tmp_path, tag="t")
+    assert all(p.numel() == p.ds_numel for p in persistent)

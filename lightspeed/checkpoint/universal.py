@@ -29,8 +29,9 @@ over edp x sp and sharded over ep: its pieces are disjoint over edp x sp x ep). 
 records its ep and data-parallel coordinates too (engine_checkpoint.py's Note on experts).
 
 Note (optimizer state): elementwise state (a tensor with one value per element, e.g. exp_avg) is
-re-sliced like the masters; scalar state (e.g. "step") is per optimizer param group, taken from the
-first saved tensor of that group, and handed to the optimizer as a Python number, so torch's
+re-sliced like the masters; scalar state (e.g. "step", or a small tensor of another size) is per optimizer
+param group, taken from the first saved tensor of that group, and handed to the optimizer as a Python
+number (a tensor with dimensions stays a tensor), so torch's
 optimizers (which keep "step" as a tensor) and lightspeed's (an int) each convert it their way in
 `load_state_dict`. Optimizer param groups are matched by index; their hyperparameters come from the
 checkpoint, as in torch's `Optimizer.load_state_dict`.
@@ -96,7 +97,17 @@ class OneTensorCache:
         return self._value[start:end].clone()
 
 
+def _elementwise(value: Any, owner: torch.Tensor) -> bool:
+    """Whether an optimizer state value holds one value per element of its owner tensor (re-sliced on
+    load); anything else (a number, a 0-dim "step", a small tensor of the optimizer's own) is per group."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == owner.numel()
+
+
 def _scalar(value: Any) -> Any:
+    """A per-group state value as it is handed back: a number for a number or 0-dim tensor (Note:
+    optimizer state), a copy of a tensor with dimensions (an optimizer's own small state)."""
+    if torch.is_tensor(value) and value.dim() > 0:
+        return value.detach().to("cpu", copy=True)
     if torch.is_tensor(value):
         value = value.item()
     if isinstance(value, float) and value.is_integer():
@@ -248,11 +259,12 @@ class LightspeedSource:
         return torch.Size(first.placement.global_shape if first.placement is not None else first.shape)
 
     def state_keys(self) -> list[str]:
+        """The elementwise state keys (Note: optimizer state): tensors of one value per element of their owner."""
         keys: list[str] = []
         for state in self.states:
-            for owner_state in state["state"]:
+            for owner, owner_state in zip(state["owners"], state["state"]):
                 for k, v in owner_state.items():
-                    if torch.is_tensor(v) and v.dim() > 0 and k not in keys:
+                    if _elementwise(v, owner) and k not in keys:
                         keys.append(k)
         return keys
 
@@ -274,10 +286,10 @@ class LightspeedSource:
             if 0 <= gi < len(groups):
                 groups[gi]["names"].append(name)
         for state in self.states:
-            for gi, owner_state in zip(state["owner_groups"], state["state"]):
+            for gi, owner, owner_state in zip(state["owner_groups"], state["owners"], state["state"]):
                 if 0 <= gi < len(groups) and groups[gi]["scalars"] is None and owner_state:
                     groups[gi]["scalars"] = {k: _scalar(v) for k, v in owner_state.items()
-                                             if not torch.is_tensor(v) or v.dim() == 0}
+                                             if not _elementwise(v, owner)}
         for g in groups:
             g["scalars"] = g["scalars"] or {}
         return groups

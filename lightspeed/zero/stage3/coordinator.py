@@ -189,6 +189,12 @@ class Coordinator:
         for g in groups:
             g.wait()
 
+    def gather_persistent(self) -> None:
+        """DeepSpeed's persistent parameters (`stage3_param_persistence_threshold`) are whole again after a
+        step or a load, as after its `_post_step` / `checkpoint_event_epilogue`: their groups are gathered
+        (every rank in the same order) and stay so until the next forced release."""
+        self.fetch_now([g for g in self.groups if g.persistent and g.state == RELEASED])
+
     def release(self, g: ParamGroup, force: bool = False, hand_over: bool = False) -> None:
         if g.state == RELEASED or g.always_gathered or (not force and (g.pins > 0 or g.persistent)):
             return

@@ -454,17 +454,7 @@ class Stage3Strategy(ModelSeam):
             else:
                 g.copy_master_to_lp(self._lowp_writer)
         self.coordinator.release_all(force=True)
-        self._gather_persistent()
-
-    def _gather_persistent(self) -> None:
-        """DeepSpeed's persistent parameters (`stage3_param_persistence_threshold`) are whole again after a
-        step or a load, as after its `_post_step` / `checkpoint_event_epilogue`: their groups are gathered
-        (one collective each, every rank in the same order) and stay so until the next release."""
-        persistent = [g for g in self.groups if g.persistent and g.state == RELEASED]
-        for g in persistent:
-            g.gather()
-        for g in persistent:
-            g.wait()
+        self.coordinator.gather_persistent()
 
     def note_loss_scale(self, loss_scale: float | None) -> None:
         """The loss scale of the coming backward (the speculative offloaded step unscales with it)."""
@@ -533,7 +523,7 @@ class Stage3Strategy(ModelSeam):
         for g in self.groups:
             g.copy_master_to_lp(self._lowp_writer)
         self.coordinator.release_all(force=True)
-        self._gather_persistent()
+        self.coordinator.gather_persistent()
         self._masters_out()
 
     def masters_from_params(self) -> None:
@@ -542,7 +532,7 @@ class Stage3Strategy(ModelSeam):
         for g in self.groups:
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
-        self._gather_persistent()
+        self.coordinator.gather_persistent()
         self._masters_out()
 
     def _gathered_values(self) -> dict[int, torch.Tensor]:
@@ -600,7 +590,7 @@ class Stage3Strategy(ModelSeam):
                 g.load_param(st.index, value)
             g.copy_lp_to_master()
         self.coordinator.release_all(force=True)
-        self._gather_persistent()
+        self.coordinator.gather_persistent()
         self._masters_out()
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:

@@ -138,3 +138,7 @@ def test_persistent_parameters_are_whole_after_a_step_and_a_load(tmp_path):
     engine.save_checkpoint(tmp_path, tag="t")
     engine.load_checkpoint(tmp_path, tag="t")
     assert all(p.numel() == p.ds_numel for p in persistent)
+    _train_step(engine, torch.randint(0, 256, (2, 8)))
+    # the coordinator's count of gathered elements follows (the prefetch budget reads it)
+    gathered = sum(g.numel for g in engine.strategy.groups if g.state != "released")
+    assert engine.strategy.coordinator.live_numel == gathered

@@ -26,3 +26,11 @@ def missing_class(qualname: str, feature: str) -> type:
     return type(name, (), {"__init__": __init__, "__qualname__": name,
                            "__doc__": f"DeepSpeed's `{qualname}`: constructing it raises NotImplementedError "
                                       f"({feature} is not built yet)."})
+
+
+def optimizer_wrapper_class(qualname: str, when: str) -> type:
+    """DeepSpeed's optimizer wrapper class `qualname` (the one it builds for `when`): lightspeed's engine
+    steps the client's optimizer through its ZeRO strategy, so the class exists for imports and
+    `isinstance(engine.optimizer, ...)` tests (False) and constructing it raises NotImplementedError."""
+    return missing_class(qualname, f"constructing DeepSpeed's optimizer wrapper for {when} directly "
+                                   "(deepspeed.initialize builds the engine, whose strategy steps the optimizer)")

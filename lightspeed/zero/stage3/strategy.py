@@ -5,8 +5,7 @@ the optimizer at flat fp32 shards, the step (overflow check agreed across ranks,
 optimizer, lp write-back), checkpoint state, the gathered module state_dict and which groups
 `unshard()` covers (`gathered.Unsharding` holds them; the methods that serve code outside the step,
 unshard and the trace among them, are seam.py's mixin). Gathering, releasing and gradient reduction
-are scheduled by `coordinator.Coordinator`. Must not: touch the loss scaler or the LR schedule (the engine
-does).
+are scheduled by `coordinator.Coordinator`. Must not: touch the loss scaler or LR schedule (the engine does).
 
 Note (granularity): the unit of communication is a *unit* (rule in `units.py`: the root, each
 child of a ModuleList/Sequential/ModuleDict holding parameters, DeepSpeed's leaf modules): a
@@ -18,14 +17,13 @@ parameters gathered at once (plus prefetch); frozen parameters form their own gr
 optimizer never sees them. Within a group, parameters are laid out by optimizer param group
 (stable), so that each (optimizer param group x ParamGroup) is one contiguous range of the shard and
 the optimizer gets one flat tensor for it: elementwise optimizers (Adam, AdamW, SGD, Adagrad, Lion,
-...) then compute exactly what they compute on whole parameters. `sub_group_size` is accepted and
-has no effect: these pieces already are the optimizer's sub-groups.
+...) then compute exactly what they compute on whole parameters. `sub_group_size` has no effect: these
+pieces already are the optimizer's sub-groups.
 
-Note (initial values): without Init, every rank's constructed model is flattened one group at a time,
-rank 0's values are broadcast, and each rank keeps its slice; then `param.data` becomes an empty
-placeholder. With Init, see `init.py`: the modules of a unit are materialized one at a time (each
-by its own seed), then the unit's groups are built, so at most one unit's parameters (and their flat
-buffer) are whole at once.
+Note (initial values): without Init, each group of every rank's model is flattened in turn, rank 0's
+values broadcast, each rank keeps its slice and `param.data` becomes an empty placeholder. With Init
+(`init.py`) a unit's modules are materialized one at a time (each by its own seed), then its groups
+built: at most one unit's parameters (and their flat buffer) are whole at once.
 """
 
 from __future__ import annotations

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import contextlib
 
-from lightspeed.compat.deepspeed._missing import missing_class
+from lightspeed.compat.deepspeed._missing import optimizer_wrapper_class
 
-# DeepSpeed's stage-3 optimizer wrapper: lightspeed's stage-3 strategy steps the client's optimizer, so
-# `isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)` is False and constructing it raises
-DeepSpeedZeroOptimizer_Stage3 = missing_class(
-    "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
-    "constructing DeepSpeed's optimizer wrapper directly (deepspeed.initialize builds the engine, whose strategy "
-    "steps the optimizer)")
+DeepSpeedZeroOptimizer_Stage3 = optimizer_wrapper_class("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
+                                                        "ZeRO stage 3")
 
 
 @contextlib.contextmanager

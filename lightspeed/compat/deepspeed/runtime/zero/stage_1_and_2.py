@@ -1,16 +1,7 @@
-"""`deepspeed.runtime.zero.stage_1_and_2`: `DeepSpeedZeroOptimizer`.
+"""`deepspeed.runtime.zero.stage_1_and_2`: `DeepSpeedZeroOptimizer`, DeepSpeed's optimizer wrapper for ZeRO stages 1 and 2 (`_missing.optimizer_wrapper_class`)."""
 
-DeepSpeed wraps the client's optimizer in this class for ZeRO stages 1 and 2; lightspeed's engine
-steps the optimizer itself (its ZeRO strategies own what the wrapper holds), so the class exists for
-code that imports it or tests `isinstance(engine.optimizer, ...)` (False: `engine.optimizer` is the
-client's optimizer, also under ZeRO), and constructing it directly raises NotImplementedError.
-"""
+from lightspeed.compat.deepspeed._missing import optimizer_wrapper_class
 
-from lightspeed.compat.deepspeed._missing import missing_class
-
-DeepSpeedZeroOptimizer = missing_class(
-    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
-    "constructing DeepSpeed's optimizer wrapper directly (deepspeed.initialize builds the engine, whose strategy "
-    "steps the optimizer)")
+DeepSpeedZeroOptimizer = optimizer_wrapper_class("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "ZeRO stages 1 and 2")
 
 __all__ = ["DeepSpeedZeroOptimizer"]

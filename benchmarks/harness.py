@@ -6,6 +6,9 @@ Benchmarks are scripts, never tests; each prints its baseline measured in the sa
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -66,3 +69,36 @@ def print_table(results: list[Result], baseline: str) -> None:
         ratio = r.ms_per_step / base.ms_per_step if base and base.ms_per_step == base.ms_per_step else float("nan")
         print(f"{r.name:<28}{r.ms_per_step:>10.1f}{ratio:>9.2f}{r.tokens_per_s:>12.0f}{r.mfu:>7.3f}"
               f"{r.peak_gib:>10.2f}  {r.note}")
+
+
+# ---------------------------------------------------------------- DeepSpeed in a child interpreter
+RESULT_MARK = "@@RESULT@@ "  # a child's result line: the mark, then one JSON object
+
+
+def emit_result(obj: dict) -> None:
+    """In a child: print one result for `run_deepspeed_child` to collect."""
+    print(RESULT_MARK + json.dumps(obj), flush=True)
+
+
+def run_deepspeed_child(argv: list[str], python: str, site_dir: str | None = None, cpu: bool = False,
+                        timeout: float = 3000.0) -> tuple[list[dict], str]:
+    """Run `python *argv` as DeepSpeed's process (DeepSpeed is never imported in lightspeed's own):
+    `site_dir`, where DeepSpeed is installed, goes first on its PYTHONPATH; on the CPU it gets
+    DeepSpeed's CPU accelerator and one thread. Returns the objects it emitted (`emit_result`) and ''
+    when it exited 0, else a one-line summary of its failure (exit status and the last lines)."""
+    env = dict(os.environ)
+    if site_dir:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH", "")) if p)
+    if cpu:
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run([python, *argv], env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as err:
+        stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        stderr, rc = f"timed out after {timeout:.0f} s", "timeout"
+    results = [json.loads(line[len(RESULT_MARK):]) for line in stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if rc == 0:
+        return results, ""
+    tail = " | ".join((stderr or stdout).strip().splitlines()[-3:])
+    return results, f"DeepSpeed child failed (exit {rc}): {tail}"[:400]

@@ -19,8 +19,32 @@ ms is the median over `--repeats` windows of `--steps` steps (after `--warmup`);
 "of dense" the row's TFLOP/s over dense's. `--check` adds each row's largest relative error (output and
 gradients, against the loop's, in fp32 norms).
 
+Note: [--deepspeed] adds a table per shape of the whole layer, forward + backward (gate, dispatch,
+experts, combine, and the gate's l_aux in the backward), each system's
+`MoE(hidden, expert=GatedMLP(hidden, inter), num_experts, ep_size=1, k, capacity_factor,
+eval_capacity_factor=capacity_factor, min_capacity, drop_tokens)` from the same seed, in `--dtype`:
+- `DeepSpeed 0.19.8 deepspeed.moe.layer.MoE`: real DeepSpeed, in a child process (`--deepspeed-python`,
+  default this interpreter, with `--deepspeed-path` first on its PYTHONPATH, default
+  $LIGHTSPEED_DS_SITE), one rank (`deepspeed.init_distributed`, then `set_deepspeed_parallelism()` for
+  the ep_size 1 groups); DeepSpeed is never imported in this process. Its gate takes any k (top-1,
+  top-2, and `topkgating` above 2), so both shapes run on both systems;
+- `lightspeed deepspeed.moe.layer.MoE`: what a DeepSpeed user gets after
+  `lightspeed.register_as_deepspeed()`, i.e. lightspeed.parallel.experts.MoE (DeepSpeed's design: the
+  expert module deep-copied per expert and run in a loop over [experts, capacity, hidden] buffers);
+- `lightspeed grouped-GEMM experts, same gate`: that layer's gate and routes, the experts' weights
+  stacked and run through ops.grouped_gemm (`permute` -> `grouped_mlp` -> `unpermute`; no capacity
+  padding). Not DeepSpeed's API: what the layer would give on the grouped kernels.
+The default `drop_tokens=False` computes every route on both systems (the capacity is the largest
+expert's load, so no token is dropped and the work is the same); `--drop-tokens` with
+`--capacity-factor` applies DeepSpeed's capacity rule on both. TFLOP/s counts the experts' useful
+18 R H I only; "x DS" is DeepSpeed's time over the row's; |out| and l_aux are the first step's (the
+same routes give the same values on every row).
+
     python benchmarks/moe_train.py                    # one GPU: both shapes
     python benchmarks/moe_train.py --tiny --check     # small shapes, on the CPU (a functional check)
+    python benchmarks/moe_train.py --deepspeed --deepspeed-path /path/to/site-packages-with-deepspeed
+    python benchmarks/moe_train.py --tiny --deepspeed \\
+        --deepspeed-python ~/.cache/lightspeed/deepspeed-0.19.8-venv/bin/python   # CPU (DS_ACCELERATOR=cpu)
 """
 
 from __future__ import annotations
@@ -33,9 +57,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.harness import sync  # noqa: E402
+from benchmarks.harness import emit_result, run_deepspeed_child, sync  # noqa: E402
 from lightspeed.ops.grouped_gemm import grouped_mlp, offsets_from_counts, permute, unpermute  # noqa: E402
 
 SHAPES = {  # name: (experts, hidden, intermediate, top-k)
@@ -179,6 +204,147 @@ def run_shape(name, shape, args, device, dtype):
     return results
 
 
+# ---------------------------------------------------------------- the whole layer, against DeepSpeed's
+class GatedMLP(nn.Module):
+    """The expert handed to `MoE(expert=...)`: x -> down(silu(gate(x)) * up(x)), no biases (Mixtral's)."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def _build_layer(moe_cls, shape, args, device, dtype):
+    """`moe_cls(...)` with this run's settings, seeded so both systems start from the same weights, its
+    expert-parallel group (size 1) set as `deepspeed.initialize` would; and the input tokens."""
+    experts, hidden, inter, top_k = shape
+    torch.manual_seed(0)
+    layer = moe_cls(hidden_size=hidden, expert=GatedMLP(hidden, inter), num_experts=experts, ep_size=1, k=top_k,
+                    capacity_factor=args.capacity_factor, eval_capacity_factor=args.capacity_factor,
+                    min_capacity=args.min_capacity, drop_tokens=args.drop_tokens).to(device, dtype)
+    layer.set_deepspeed_parallelism()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.tokens, hidden, generator=gen).to(device, dtype)
+    return layer, x
+
+
+def _layer_step(forward, params, x, grad_out):
+    """One forward + backward of a layer `forward(x) -> (out, l_aux, exp_counts)`; returns the first two."""
+    def step():
+        for p in params:
+            p.grad = None
+        xi = x.detach().requires_grad_()
+        out, l_aux, _ = forward(xi)
+        torch.autograd.backward([out, l_aux], [grad_out, torch.ones_like(l_aux)])
+        return out, l_aux
+    return step
+
+
+def _time_layer(name, forward, params, x, args):
+    grad_out = torch.full_like(x, 0.01)
+    step = _layer_step(forward, params, x, grad_out)
+    torch.manual_seed(2)  # the gate's random draws (top-2's second-expert sampling) the same on both sides
+    out, l_aux = step()
+    check = {"out_norm": out.float().norm().item(), "l_aux": l_aux.float().item()}
+    ms = _time(step, args.warmup, args.steps, args.repeats)
+    return {"system": name, "ms": ms, **check}
+
+
+def _grouped_forward(layer):
+    """lightspeed's grouped-GEMM path under the same gate: the compat layer's own gate and routes (its
+    capacity drops included: a dropped route's index is -1, which `permute` drops), the experts' weights
+    stacked into [E, 2I, H] / [E, H, I], `permute` -> `grouped_mlp` -> `unpermute`."""
+    moe = layer.deepspeed_moe
+    mods = moe.experts.deepspeed_experts
+    w_gu = nn.Parameter(torch.stack([m.gate_up.weight.detach() for m in mods]))
+    w_dn = nn.Parameter(torch.stack([m.down.weight.detach() for m in mods]))
+    experts = len(mods)
+
+    def forward(x):
+        routes = moe.gate.routes(x)
+        rows, row_map, counts = permute(x, routes.indices.t().contiguous(), experts)
+        y = grouped_mlp(rows, offsets_from_counts(counts), w_gu.transpose(1, 2), w_dn.transpose(1, 2))
+        return unpermute(y, row_map, routes.gates.t()), routes.l_aux, routes.exp_counts
+    return forward, [w_gu, w_dn, *moe.gate.parameters()]
+
+
+def time_layers(moe_cls, system, shapes, args, device, dtype, grouped=False):
+    """{shape: [row, ...]}: `moe_cls`'s layer, forward + backward, on each shape (and, with `grouped`,
+    lightspeed's grouped-GEMM experts under the same gate). A row that cannot run holds its reason."""
+    out = {}
+    for name, shape in shapes.items():
+        rows = []
+        try:
+            layer, x = _build_layer(moe_cls, shape, args, device, dtype)
+            rows.append(_time_layer(system, layer, list(layer.parameters()), x, args))
+            if grouped:
+                fwd, params = _grouped_forward(layer)
+                rows.append(_time_layer("lightspeed grouped-GEMM experts, same gate", fwd, params, x, args))
+            del layer, x
+        except (RuntimeError, ValueError, AssertionError, NotImplementedError) as exc:
+            rows.append({"system": system, "error": " ".join(f"{type(exc).__name__}: {exc}".split())[:200]})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        out[name] = rows
+    return out
+
+
+def _ds_child(args, shapes, device, dtype):
+    """In DeepSpeed's interpreter: one rank, DeepSpeed's groups, its MoE layer timed on every shape."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                      LOCAL_WORLD_SIZE="1")
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    name = f"DeepSpeed {deepspeed.__version__} deepspeed.moe.layer.MoE"
+    emit_result({"version": deepspeed.__version__, "where": os.path.dirname(deepspeed.__file__),
+                 "rows": time_layers(MoE, name, shapes, args, device, dtype)})
+
+
+def deepspeed_rows(args, shapes):
+    """DeepSpeed's rows, from its own interpreter (`--deepspeed-python`, `--deepspeed-path`)."""
+    argv = [os.path.abspath(__file__), "--ds-child", "--shapes", ",".join(shapes), "--tokens", str(args.tokens),
+            "--dtype", args.dtype, "--steps", str(args.steps), "--repeats", str(args.repeats), "--warmup",
+            str(args.warmup), "--capacity-factor", str(args.capacity_factor), "--min-capacity",
+            str(args.min_capacity)] + (["--drop-tokens"] if args.drop_tokens else []) \
+        + (["--tiny"] if args.tiny else []) + (["--cpu"] if args.cpu else [])
+    results, err = run_deepspeed_child(argv, args.deepspeed_python, args.deepspeed_path,
+                                       cpu=args.cpu or not torch.cuda.is_available(), timeout=args.timeout)
+    if not results:
+        return {name: [{"system": "DeepSpeed deepspeed.moe.layer.MoE", "error": err or "no result"}]
+                for name in shapes}, ""
+    return results[0]["rows"], f"DeepSpeed {results[0]['version']} from {results[0]['where']}"
+
+
+def print_layer_table(name, shape, rows, args):
+    experts, hidden, inter, top_k = shape
+    flops = 18 * args.tokens * top_k * hidden * inter
+    print(f"\n{name}, the whole MoE layer (gate + dispatch + experts + combine), forward + backward: {experts} "
+          f"experts of {hidden} -> {inter} -> {hidden}, top {top_k}, {args.tokens} tokens; drop_tokens="
+          f"{args.drop_tokens}, capacity_factor={args.capacity_factor}, min_capacity={args.min_capacity}")
+    ds = next((r for r in rows if r["system"].startswith("DeepSpeed") and "ms" in r), None)
+    print(f"{'system':<46}{'ms':>10}{'TFLOP/s':>9}{'x DS':>7}{'|out|':>12}{'l_aux':>10}  note")
+    for r in rows:
+        if "ms" not in r:
+            print(f"{r['system']:<46}{'':>10}{'':>9}{'':>7}{'':>12}{'':>10}  {r['error']}")
+            continue
+        speedup = f"{ds['ms'] / r['ms']:>7.2f}" if ds else f"{'':>7}"
+        print(f"{r['system']:<46}{r['ms']:>10.3f}{flops / r['ms'] / 1e9:>9.1f}{speedup}{r['out_norm']:>12.5g}"
+              f"{r['l_aux']:>10.5f}  {r.get('note', '')}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="mixtral,fine", help=f"comma-separated of {', '.join(SHAPES)}")
@@ -190,17 +356,50 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="small shapes (runs on the CPU)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is available")
     ap.add_argument("--check", action="store_true", help="each path's relative error against the loop")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="also time the whole MoE layer: DeepSpeed's against lightspeed's (the Note on --deepspeed)")
+    ap.add_argument("--deepspeed-python", default=sys.executable,
+                    help="the interpreter DeepSpeed's rows run in (default this one)")
+    ap.add_argument("--deepspeed-path", default=os.environ.get("LIGHTSPEED_DS_SITE"),
+                    help="a site dir holding DeepSpeed, put first on that interpreter's PYTHONPATH "
+                         "(default $LIGHTSPEED_DS_SITE)")
+    ap.add_argument("--capacity-factor", type=float, default=1.0, help="MoE(capacity_factor=...), both systems")
+    ap.add_argument("--min-capacity", type=int, default=4, help="MoE(min_capacity=...), both systems")
+    ap.add_argument("--drop-tokens", action="store_true",
+                    help="MoE(drop_tokens=True) on both systems (default False: every route is computed)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds DeepSpeed's child may run")
+    ap.add_argument("--ds-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (64 if args.tiny else 8192)
     args.steps = args.steps or (3 if args.tiny else 10)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     table = TINY if args.tiny else SHAPES
-    print(f"torch {torch.__version__}; device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
     for name in args.shapes.split(","):
         if name not in table:
             raise SystemExit(f"--shapes: unknown shape {name!r} (known: {', '.join(table)})")
-        run_shape(name, table[name], args, device, dtype)
+    shapes = {name: table[name] for name in args.shapes.split(",")}
+    if args.ds_child:
+        _ds_child(args, shapes, device, dtype)
+        return
+    ds_rows = ds_where = None
+    if args.deepspeed:  # first, while this process holds no GPU memory
+        ds_rows, ds_where = deepspeed_rows(args, shapes)
+    print(f"torch {torch.__version__}; device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    for name, shape in shapes.items():
+        run_shape(name, shape, args, device, dtype)
+    if not args.deepspeed:
+        return
+    import lightspeed
+
+    lightspeed.register_as_deepspeed()
+    from deepspeed.moe.layer import MoE  # lightspeed's, through the registration
+
+    ls_rows = time_layers(MoE, "lightspeed deepspeed.moe.layer.MoE", shapes, args, device, dtype, grouped=True)
+    print(f"\nDeepSpeed's rows: {ds_where or 'not measured'}; lightspeed's: `deepspeed.moe.layer.MoE` after "
+          f"lightspeed.register_as_deepspeed(), which is {MoE.__module__}.{MoE.__qualname__}")
+    for name, shape in shapes.items():
+        print_layer_table(name, shape, ds_rows[name] + ls_rows[name], args)
 
 
 if __name__ == "__main__":

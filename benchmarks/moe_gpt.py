@@ -57,7 +57,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightspeed  # noqa: E402
-from benchmarks.harness import H200_BF16_PEAK_FLOPS, Result, peak_gib, print_table, reset_memory, time_steps  # noqa: E402
+from benchmarks.harness import (H200_BF16_PEAK_FLOPS, Result, peak_gib, print_table, reset_memory,  # noqa: E402
+                                time_steps)
 from benchmarks.zero_step import ds_config, make_batches  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from lightspeed.ops.grouped_gemm import grouped_mlp, offsets_from_counts, permute, unpermute  # noqa: E402

@@ -37,8 +37,9 @@ eval_capacity_factor=capacity_factor, min_capacity, drop_tokens)` from the same 
 The default `drop_tokens=False` computes every route on both systems (the capacity is the largest
 expert's load, so no token is dropped and the work is the same); `--drop-tokens` with
 `--capacity-factor` applies DeepSpeed's capacity rule on both. TFLOP/s counts the experts' useful
-18 R H I only; "x DS" is DeepSpeed's time over the row's; |out| and l_aux are the first step's (the
-same routes give the same values on every row).
+18 R H I only; "x DS" is DeepSpeed's time over the row's; max load (the most routes any expert got,
+before any drop: the capacity when drop_tokens=False), |out| and l_aux are the first step's (the same
+routes give the same values on every row).
 
     python benchmarks/moe_train.py                    # one GPU: both shapes
     python benchmarks/moe_train.py --tiny --check     # small shapes, on the CPU (a functional check)
@@ -233,14 +234,14 @@ def _build_layer(moe_cls, shape, args, device, dtype):
 
 
 def _layer_step(forward, params, x, grad_out):
-    """One forward + backward of a layer `forward(x) -> (out, l_aux, exp_counts)`; returns the first two."""
+    """One forward + backward of a layer `forward(x) -> (out, l_aux, exp_counts)`; returns all three."""
     def step():
         for p in params:
             p.grad = None
         xi = x.detach().requires_grad_()
-        out, l_aux, _ = forward(xi)
+        out, l_aux, counts = forward(xi)
         torch.autograd.backward([out, l_aux], [grad_out, torch.ones_like(l_aux)])
-        return out, l_aux
+        return out, l_aux, counts
     return step
 
 
@@ -248,8 +249,8 @@ def _time_layer(name, forward, params, x, args):
     grad_out = torch.full_like(x, 0.01)
     step = _layer_step(forward, params, x, grad_out)
     torch.manual_seed(2)  # the gate's random draws (top-2's second-expert sampling) the same on both sides
-    out, l_aux = step()
-    check = {"out_norm": out.float().norm().item(), "l_aux": l_aux.float().item()}
+    out, l_aux, counts = step()
+    check = {"out_norm": out.float().norm().item(), "l_aux": l_aux.float().item(), "max_load": int(counts.max())}
     ms = _time(step, args.warmup, args.steps, args.repeats)
     return {"system": name, "ms": ms, **check}
 
@@ -335,13 +336,14 @@ def print_layer_table(name, shape, rows, args):
           f"experts of {hidden} -> {inter} -> {hidden}, top {top_k}, {args.tokens} tokens; drop_tokens="
           f"{args.drop_tokens}, capacity_factor={args.capacity_factor}, min_capacity={args.min_capacity}")
     ds = next((r for r in rows if r["system"].startswith("DeepSpeed") and "ms" in r), None)
-    print(f"{'system':<46}{'ms':>10}{'TFLOP/s':>9}{'x DS':>7}{'|out|':>12}{'l_aux':>10}  note")
+    print(f"{'system':<46}{'ms':>10}{'TFLOP/s':>9}{'x DS':>7}{'max load':>9}{'|out|':>12}{'l_aux':>10}  note")
     for r in rows:
         if "ms" not in r:
-            print(f"{r['system']:<46}{'':>10}{'':>9}{'':>7}{'':>12}{'':>10}  {r['error']}")
+            print(f"{r['system']:<46}{'':>47}  {r['error']}")
             continue
         speedup = f"{ds['ms'] / r['ms']:>7.2f}" if ds else f"{'':>7}"
-        print(f"{r['system']:<46}{r['ms']:>10.3f}{flops / r['ms'] / 1e9:>9.1f}{speedup}{r['out_norm']:>12.5g}"
+        print(f"{r['system']:<46}{r['ms']:>10.3f}{flops / r['ms'] / 1e9:>9.1f}{speedup}{r['max_load']:>9}"
+              f"{r['out_norm']:>12.5g}"
               f"{r['l_aux']:>10.5f}  {r.get('note', '')}", flush=True)
 
 

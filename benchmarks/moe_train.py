@@ -228,6 +228,12 @@ def _build_layer(moe_cls, shape, args, device, dtype):
                     capacity_factor=args.capacity_factor, eval_capacity_factor=args.capacity_factor,
                     min_capacity=args.min_capacity, drop_tokens=args.drop_tokens).to(device, dtype)
     layer.set_deepspeed_parallelism()
+    # the layer deep-copies one expert (identical experts); distinct ones make |out| depend on the routes
+    gen = torch.Generator(device=device).manual_seed(3)
+    with torch.no_grad():
+        for module in layer.deepspeed_moe.experts.deepspeed_experts:
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * p.shape[-1] ** -0.5)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.tokens, hidden, generator=gen).to(device, dtype)
     return layer, x

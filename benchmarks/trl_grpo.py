@@ -1,8 +1,9 @@
 """TRL's `GRPOTrainer`: one training step on lightspeed (registered as `deepspeed`) against the same
 unchanged TRL script on real DeepSpeed 0.19.8, in the same invocation.
 
-    # GPU (one H100/H200, no network; about 3.5 minutes with the defaults: Qwen2-0.5B's shapes, bf16,
-    # 16 completions of 96 tokens per step, 2 warm-up + 3 timed steps, six rows each in its own process)
+    # GPU (one H100/H200, no network; estimated 3 to 4 minutes with the defaults, not yet run on a GPU:
+    # Qwen2-0.5B's shapes, bf16, 16 completions of 96 tokens per step, 2 warm-up + 3 timed steps, six
+    # rows each in its own process)
     python benchmarks/trl_grpo.py --device cuda --deepspeed-path "$LIGHTSPEED_DS_SITE"
     #   DeepSpeed 0.19.8 importable from that directory (--deepspeed-path, default $LIGHTSPEED_DS_SITE),
     #   or from another interpreter: --deepspeed-python /path/to/venv/bin/python
@@ -72,7 +73,7 @@ DEFAULT_SYSTEMS = ("lightspeed-zero3", "deepspeed-zero3", "lightspeed-zero2", "d
                    "lightspeed-zero3-hybrid", "lightspeed-zero2-graph")
 EXTRA_SYSTEMS = ("lightspeed-zero3-graph", "lightspeed-zero2-hybrid", "deepspeed-zero3-hybrid",
                  "deepspeed-zero2-hybrid")
-MODELS = {  # layers, hidden, intermediate, heads, kv heads, vocab
+MODELS = {  # architecture, layers, hidden, intermediate, heads, kv heads, vocab
     "qwen2-0.5b": ("qwen2", 24, 896, 4864, 14, 2, 151936),
     "opt-350m": ("opt", 24, 1024, 4096, 16, 16, 50272),
     "tiny": ("qwen2", 2, 64, 128, 4, 2, 128),
@@ -218,7 +219,8 @@ def run_row(args) -> dict:
     return {"system": args.worker, "version": deepspeed.__version__, "engine": type(engine).__name__,
             "ref_engine": type(getattr(trainer, "ref_model", None)).__name__, "steps": steps, "gen_s": gen_s,
             "gen_tokens": gen_tokens, "peak_gib": max(peaks) / 2**30 if peaks else None,
-            "loss": [h["loss"] for h in logs], "grad_norm": [h.get("grad_norm") for h in logs], "reward": [h.get("reward") for h in logs], "graphs": counts}
+            "loss": [h["loss"] for h in logs], "grad_norm": [h.get("grad_norm") for h in logs],
+            "reward": [h.get("reward") for h in logs], "graphs": counts}
 
 
 def child_main(args) -> None:

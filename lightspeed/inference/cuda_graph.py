@@ -217,6 +217,7 @@ class GraphedForward:
         self.replays = 0
         self.paused = False  # set: calls run eagerly, unrecorded (the hybrid engine's prefill)
         self.restore: dict = {}  # generation-config values install changed
+        self.own_forward = None  # (bound to the model?, function): a forward set on the instance, put back by detach
         self._warned: set = set()
 
     def forward(self, *args, **kwargs):
@@ -402,8 +403,18 @@ def _weak(method):
     """A callable returning `method`; for a bound method, without holding its object: the runner and the
     wrappers install puts on the model add no reference cycle, so a dropped model that has none of its own
     is freed at once by reference counting, not later by the garbage collector, which may run during a
-    capture (`_no_gc`; `init_inference`'s model has one: its `.module` is itself)."""
-    return weakref.WeakMethod(method) if inspect.ismethod(method) else (lambda: method)
+    capture (`_no_gc`; `init_inference`'s model has one: its `.module` is itself). The method's function
+    is held: a forward set on the instance (a MethodType over a closure, as TRL's GRPO puts on its policy)
+    is referenced by nothing else once install replaces it (a `WeakMethod` would then return None)."""
+    if not inspect.ismethod(method):
+        return lambda: method
+    func, owner = method.__func__, weakref.ref(method.__self__)
+
+    def bound():
+        obj = owner()
+        return None if obj is None else types.MethodType(func, obj)
+
+    return bound
 
 
 @contextlib.contextmanager
@@ -516,6 +527,9 @@ def attach(model: torch.nn.Module, runner: GraphedForward) -> GraphedForward:
     if hasattr(model.forward, "graphs"):
         raise ValueError("enable_cuda_graph: the model's forward is graphed already")
     runner._forward = _weak(model.forward)
+    own = model.__dict__.get("forward")  # a forward set on the instance (TRL's GRPO sets one): detach puts it back
+    bound = inspect.ismethod(own) and own.__self__ is model
+    runner.own_forward = None if own is None else (bound, own.__func__ if bound else own)  # no cycle if bound
 
     @torch.compiler.disable
     def forward(*args, **kwargs):
@@ -544,9 +558,14 @@ def attach(model: torch.nn.Module, runner: GraphedForward) -> GraphedForward:
 
 
 def detach(model: torch.nn.Module) -> GraphedForward:
-    """Undo `attach`: the class's forward back, the generation config as it was. Returns the runner."""
+    """Undo `attach`: the model's forward back (the instance's own where it had one, else the class's), the
+    generation config as it was. Returns the runner."""
     runner = model.forward.graphs
     model.__dict__.pop("forward", None)
+    if runner.own_forward is not None:
+        bound, own = runner.own_forward
+        model.forward = types.MethodType(own, model) if bound else own
+        runner.own_forward = None
     for key, value in runner.restore.items():
         setattr(model.generation_config, key, value)
     runner.restore = {}

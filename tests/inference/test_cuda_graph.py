@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
+import types
 import weakref
 
 import pytest
@@ -207,6 +208,28 @@ def test_install_keeps_the_signature_and_sets_the_generation_config():
     assert model.generation_config.disable_compile is True
     with pytest.raises(ValueError, match="graphed already"):
         cuda_graph.install(model, torch.device("cpu"))
+
+
+def test_a_forward_set_on_the_instance_keeps_running_after_install_and_comes_back(fake):
+    """TRL's GRPO sets `model.forward = MethodType(closure, model)`: once install replaces it, nothing else
+    holds that closure, and the runner (eager or capturing) must still call it; uninstall puts it back."""
+    model = _Scale()
+    original = model.forward
+
+    def patched(self, x, state=None):
+        return {k: v * 2 for k, v in original(x, state).items()}
+
+    model.forward = types.MethodType(patched, model)
+    del patched
+    runner = cuda_graph.install(model, torch.device("cpu"))
+    x = torch.randn(3, 5)
+    for _ in range(3):
+        assert torch.equal(model(x)["y"], 2 * x * model.w)
+    assert runner.captures == 1
+    runner.device = torch.device("meta")  # the eager path calls it too
+    assert torch.equal(model(x)["y"], 2 * x * model.w)
+    cuda_graph.uninstall(model)  # the instance's forward is back, not the class's
+    assert not hasattr(model.forward, "graphs") and torch.equal(model(x)["y"], 2 * x * model.w)
 
 
 def test_a_model_without_static_cache_support_keeps_its_cache(ls_caplog):

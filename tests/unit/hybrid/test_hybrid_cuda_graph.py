@@ -67,6 +67,14 @@ def test_config_accepts_whole_weights_and_refuses_unpinned_stage3():
 
 
 # ------------------------------------------------------------------ generate
+
+def _stand_in_graphs(monkeypatch):
+    """The stand-in graphs replace torch.cuda's API, which a model on the GPU needs: off CUDA only (the CUDA
+    tests below replay real graphs)."""
+    if torch.cuda.is_available():
+        pytest.skip("stand-in CUDA graphs run off CUDA; test_cuda_* replay real graphs")
+    use_fake_graphs(monkeypatch)
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_generate_matches_the_option_off(stage, monkeypatch):
     """At stage 3 with the gather and release around every generate (the one-rank views off), as at any
@@ -78,9 +86,13 @@ def test_generate_matches_the_option_off(stage, monkeypatch):
     want = _rounds(_init(dschat_lora(tiny_opt()), config(1, stage)))
     eager = _init(dschat_lora(tiny_opt()), config(1, stage, enable_cuda_graph=True))
     eager_on = _rounds(eager)
-    if eager.device.type == "cpu":  # the runner off CUDA runs every call eagerly
-        assert eager._decode_graphs.runner.captures == eager._decode_graphs.runner.replays == 0
-    use_fake_graphs(monkeypatch)
+    if eager.device.type == "cuda":  # real graphs: the option off's tokens (the stand-ins replace torch.cuda's API)
+        assert eager._decode_graphs.runner.replays > 0
+        for a, b in zip(eager_on[:-1], want[:-1]):
+            assert torch.equal(a, b)
+        return
+    assert eager._decode_graphs.runner.captures == eager._decode_graphs.runner.replays == 0  # eager off CUDA
+    _stand_in_graphs(monkeypatch)
     engine = _init(dschat_lora(tiny_opt()), config(1, stage, enable_cuda_graph=True))
     got = _rounds(engine)
     for a, b, c in zip(got[:-1], want[:-1], eager_on[:-1]):
@@ -115,7 +127,7 @@ def _off_the_model(engine):
 
 def test_the_runner_is_on_the_model_only_inside_generate(monkeypatch):
     monkeypatch.setattr(stage3_options, "ONE_RANK_VIEWS", False)
-    use_fake_graphs(monkeypatch)
+    _stand_in_graphs(monkeypatch)
     engine = _init(dschat_lora(tiny_opt()), config(1, 3, enable_cuda_graph=True))
     engine.eval()
     prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3)).to(engine.device)
@@ -157,7 +169,7 @@ def test_the_runner_is_on_the_model_only_inside_generate(monkeypatch):
 
 
 def test_release_inference_cache_drops_graphs_and_cache_after_every_call(monkeypatch):
-    use_fake_graphs(monkeypatch)
+    _stand_in_graphs(monkeypatch)
     engine = _init(tiny_opt(), config(1, 0, enable_cuda_graph=True, release_inference_cache=True))
     engine.eval()
     prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3)).to(engine.device)
@@ -175,7 +187,7 @@ def test_a_peft_model_and_a_callers_own_cache(monkeypatch, ls_caplog):
     pytest.importorskip("peft")
     from tests.distributed.test_hybrid_engine import peft_lora
 
-    use_fake_graphs(monkeypatch)
+    _stand_in_graphs(monkeypatch)
     off = _init(peft_lora(tiny_opt()), config(1, 0))
     engine = _init(peft_lora(tiny_opt()), config(1, 0, enable_cuda_graph=True))
     prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3)).to(engine.device)
@@ -224,7 +236,7 @@ def test_stale_names_what_a_graph_cannot_replay_over():
 
 def test_moved_weights_drop_the_graphs_at_the_next_call(monkeypatch, ls_caplog):
     ls_caplog.set_level(logging.INFO, logger="lightspeed")
-    use_fake_graphs(monkeypatch)
+    _stand_in_graphs(monkeypatch)
     engine = _init(tiny_opt(), config(1, 0, enable_cuda_graph=True))
     engine.eval()
     prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3)).to(engine.device)

@@ -49,6 +49,7 @@ from lightspeed.zero.partition import Range
 from lightspeed.comm.topology import dims_of
 from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.reduce_groups import ReduceGroups
+from lightspeed.zero.graphed_step import GraphedStep
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage3.coordinator import Coordinator
@@ -85,10 +86,11 @@ class Stage3Strategy(ModelSeam):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None,
                  offload: OffloadPolicy | None = None, *, collectives: Collectives | None = None,
-                 reduce_groups: ReduceGroups | None = None, comm_dtypes: dict[int, torch.dtype] | None = None):
+                 reduce_groups: ReduceGroups | None = None, comm_dtypes: dict[int, torch.dtype] | None = None,
+                 graphed_step: bool = False):
         """`comm_dtypes` (torch_autocast, precision/autocast.py): id(param) -> the dtype its gradient is
         reduced in; when given, the parameters not in it are reduced in their own dtype, and each group
-        holds parameters of one reduce dtype."""
+        holds parameters of one reduce dtype. `graphed_step`: optimizer.cuda_graph (zero/graphed_step.py)."""
         self.options = options or Stage3Options()
         self._comm_dtypes = comm_dtypes
         self.offload = offload if offload is not None else OffloadPolicy()
@@ -131,7 +133,10 @@ class Stage3Strategy(ModelSeam):
         self._views = ShardViews(optimizer, self._fused, grads=[g.grad_shard for g in trainable],
                                  master_grads=[g.master_grad_shard for g in trainable],
                                  opt_grads=dict(self._opt_params), lowp_out=self._lowp_out, device=self.device,
-                                 norm_grads=[g.grad_shard for g in trainable] if host else None)
+                                 norm_grads=[g.grad_shard for g in trainable] if host else None,
+                                 graphed=GraphedStep(optimizer) if graphed_step else None)
+        for g in trainable:
+            g.grad_buffers.kept = graphed_step  # the captured step reads fixed addresses
         # early device-to-host gradient copies (not with overlap_step: its background step still reads
         # the host gradients while the next backward runs)
         to_host = Stream(self.device) if host and not self.offload.overlap_step else None

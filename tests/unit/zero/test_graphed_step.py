@@ -1,0 +1,127 @@
+"""optimizer.cuda_graph (zero/graphed_step.py): the fused ZeRO step's launches captured once and replayed.
+
+On CPU the graph is tests/unit/zero/graph_standin.py's stand-in over the Triton kernels run by
+TRITON_INTERPRET=1: at ZeRO stages 0-3, one process, bf16 with a warm-up/decay LR schedule and active
+clipping, the option on gives the option off's parameters and losses bitwise, captures once and replays
+the rest; a checkpoint load makes the next steps capture again, still bitwise. The refusals name the key.
+On CUDA (skipped without) the real torch.cuda.CUDAGraph path against the uncaptured step.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import lightspeed
+from lightspeed.config.errors import ConfigError
+
+from tests.unit.zero.graph_standin import StandinGraph, use_standin
+
+STEPS = 5
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_kernels = pytest.mark.skipif(not INTERPRET, reason="the Triton kernels need TRITON_INTERPRET=1 on CPU")
+
+
+def _config(stage: int, graphed: bool, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.05, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": stage}, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}, "cuda_graph": graphed},
+           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 2e-2,
+                                                               "warmup_num_steps": 3, "total_num_steps": 12}}}
+    cfg.update(extra)
+    return cfg
+
+
+def _engine(cfg: dict, device: str = "cpu"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).to(device)
+    engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                       dist_init_required=False)
+    return engine
+
+
+def _train(engine, steps: range, device: str = "cpu") -> list[float]:
+    losses = []
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 2, generator=gen)
+        loss = torch.nn.functional.mse_loss(engine(x.to(device, torch.bfloat16)).float(), y.to(device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _params(engine) -> list[torch.Tensor]:
+    return [p.detach().float().cpu().clone() for p in engine.module.parameters()]
+
+
+@needs_kernels
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_captured_step_is_the_uncaptured_step_bitwise(stage, monkeypatch, tmp_path):
+    use_standin(monkeypatch)
+    runs = {}
+    for graphed in (False, True):
+        engine = _engine(_config(stage, graphed))
+        lrs = []
+        for step in range(STEPS):
+            lrs.append(engine.optimizer.param_groups[0]["lr"])
+            runs.setdefault(graphed, []).extend(_train(engine, range(step, step + 1)))
+        runs[graphed] = (runs[graphed], lrs, _params(engine))
+        if graphed:
+            # a layout's first step runs eagerly, its second captures; every step after replays
+            assert len(StandinGraph.made) == 1 and StandinGraph.made[0].replays == STEPS - 1
+    (losses, lrs, params), (ref_losses, ref_lrs, ref_params) = runs[True], runs[False]
+    assert losses == ref_losses and lrs == ref_lrs and len(set(lrs)) >= 3  # the schedule moved
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+@needs_kernels
+def test_a_checkpoint_load_captures_again(monkeypatch, tmp_path):
+    use_standin(monkeypatch)
+    runs = {}
+    for graphed in (False, True):
+        engine = _engine(_config(2, graphed))
+        _train(engine, range(3))
+        engine.save_checkpoint(tmp_path / str(graphed), tag="t")
+        first = _train(engine, range(3, STEPS))
+        engine.load_checkpoint(tmp_path / str(graphed), tag="t")
+        runs[graphed] = (first + _train(engine, range(3, STEPS)), _params(engine))
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+    # captured at step 2; the load rebuilt the optimizer's launches and state: warm-up, then a new capture
+    assert len(StandinGraph.made) == 2
+    assert StandinGraph.made[0].replays == STEPS - 1 and StandinGraph.made[1].replays == STEPS - 3 - 1
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}, "cuda_graph": True}}, "FusedLamb"),
+    ({"bf16": {"enabled": True, "stochastic_rounding": True, "bf16_master_weights_and_grads": True,
+               "bf16_optimizer_states": True}},
+     "stochastic_rounding"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}, "cuda_graph": True}}, "fused"),
+])
+def test_refusals_name_the_key(extra, words, monkeypatch):
+    use_standin(monkeypatch)
+    with pytest.raises(ConfigError, match=rf"optimizer\.cuda_graph.*{words}"):
+        _engine(_config(2, True, **extra))
+
+
+def test_refused_off_cuda():
+    with pytest.raises(ConfigError, match=r"optimizer\.cuda_graph: needs a CUDA device"):
+        _engine(_config(1, True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the real CUDA graph needs CUDA")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cuda_graph_matches_the_uncaptured_step(stage):
+    """On a GPU: torch.cuda.CUDAGraph capture and replay, bitwise the uncaptured fused step over STEPS
+    steps with a changing learning rate and clipping."""
+    runs = {}
+    for graphed in (False, True):
+        engine = _engine(_config(stage, graphed), device="cuda")
+        runs[graphed] = (_train(engine, range(STEPS), "cuda"), _params(engine))
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))

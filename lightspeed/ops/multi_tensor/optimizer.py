@@ -378,7 +378,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             cached = self._launch_cache.get(index)
             if sig is None or cached is None or cached[0] != sig:
                 if any(not p.is_contiguous() or not g.is_contiguous() for p, g in live):
-                    raise ValueError(f"{type(self).__name__}: a captured step needs contiguous parameters and gradients")
+                    raise ValueError(f"{type(self).__name__}: a captured step needs contiguous parameters and "
+                                     "gradients")
                 launches = self._build_launches(live, lowp_out)
                 sig = self._signature(live, lowp_out)
                 self._launch_cache[index] = (sig, launches)

@@ -43,10 +43,11 @@ def _engine(cfg: dict, device: str = "cpu"):
 
 def _train(engine, steps: range, device: str = "cpu") -> list[float]:
     losses = []
+    dtype = next(engine.module.parameters()).dtype
     for step in steps:
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 2, generator=gen)
-        loss = torch.nn.functional.mse_loss(engine(x.to(device, torch.bfloat16)).float(), y.to(device))
+        loss = torch.nn.functional.mse_loss(engine(x.to(device, dtype)).float(), y.to(device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -78,6 +79,22 @@ def test_captured_step_is_the_uncaptured_step_bitwise(stage, monkeypatch, tmp_pa
 
 
 @needs_kernels
+def test_fp16_overflow_skips_before_the_replay(monkeypatch):
+    """fp16 with a loss scale that overflows at first: the skipped steps are decided on the host before
+    anything is replayed, and the run is the uncaptured one bitwise."""
+    use_standin(monkeypatch)
+    runs = {}
+    for graphed in (False, True):
+        engine = _engine(_config(2, graphed, bf16={"enabled": False},
+                                 fp16={"enabled": True, "initial_scale_power": 19, "hysteresis": 1}))
+        losses = _train(engine, range(STEPS + 3))
+        runs[graphed] = (losses, engine.skipped_steps, _params(engine))
+    assert 0 < runs[False][1] < STEPS and runs[True][:2] == runs[False][:2]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
+    assert StandinGraph.made[0].replays == STEPS + 3 - runs[True][1] - 1
+
+
+@needs_kernels
 def test_a_checkpoint_load_captures_again(monkeypatch, tmp_path):
     use_standin(monkeypatch)
     runs = {}
@@ -93,6 +110,37 @@ def test_a_checkpoint_load_captures_again(monkeypatch, tmp_path):
     # captured at step 2; the load rebuilt the optimizer's launches and state: warm-up, then a new capture
     assert len(StandinGraph.made) == 2
     assert StandinGraph.made[0].replays == STEPS - 1 and StandinGraph.made[1].replays == STEPS - 3 - 1
+
+
+def _world_two() -> dict:
+    """One rank of a world of two (run_world): stages 2 and 3, the option off and on, each rank its own data."""
+    import torch.distributed as dist
+
+    from lightspeed.zero import graphed_step
+    from tests.unit.zero.graph_standin import StandinGraph
+
+    os.environ["LIGHTSPEED_OPS_BACKEND"] = "triton"
+    graphed_step.GRAPH, graphed_step.GRAPH_DEVICE_TYPES = StandinGraph, frozenset({"cpu"})
+    rank, out = dist.get_rank(), {}
+    for stage in (2, 3):
+        for graphed in (False, True):
+            engine = _engine(_config(stage, graphed))
+            assert engine.dp_world_size == 2
+            out[stage, graphed] = (_train(engine, range(rank * 10, rank * 10 + STEPS)), _params(engine))
+    out["replays"] = [g.replays for g in StandinGraph.made]
+    return out
+
+
+@needs_kernels
+@pytest.mark.dist
+def test_world_of_two_matches_bitwise():
+    from lightspeed.testing.run_world import run_world
+
+    for out in run_world(_world_two, 2):
+        assert out["replays"] == [STEPS - 1, STEPS - 1]
+        for stage in (2, 3):
+            (losses, params), (ref_losses, ref_params) = out[stage, True], out[stage, False]
+            assert losses == ref_losses and all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
 @pytest.mark.parametrize("extra, words", [

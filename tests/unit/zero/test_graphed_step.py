@@ -157,6 +157,7 @@ def test_refusals_name_the_key(extra, words, monkeypatch):
         _engine(_config(2, True, **extra))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine takes the GPU")
 def test_refused_off_cuda():
     with pytest.raises(ConfigError, match=r"optimizer\.cuda_graph: needs a CUDA device"):
         _engine(_config(1, True))
@@ -164,12 +165,28 @@ def test_refused_off_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the real CUDA graph needs CUDA")
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_cuda_graph_matches_the_uncaptured_step(stage):
+def test_cuda_graph_matches_the_uncaptured_step(stage, monkeypatch):
     """On a GPU: torch.cuda.CUDAGraph capture and replay, bitwise the uncaptured fused step over STEPS
     steps with a changing learning rate and clipping."""
+    from lightspeed.zero import graphed_step
+
+    replays = []
+
+    class Counted(graphed_step.CudaGraph):
+        def replay(self):
+            replays.append(self)
+            super().replay()
+
+    monkeypatch.setattr(graphed_step, "GRAPH", Counted)
     runs = {}
     for graphed in (False, True):
         engine = _engine(_config(stage, graphed), device="cuda")
-        runs[graphed] = (_train(engine, range(STEPS), "cuda"), _params(engine))
-    assert runs[True][0] == runs[False][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+        lrs = []
+        for step in range(STEPS):
+            lrs.append(engine.optimizer.param_groups[0]["lr"])
+            runs.setdefault(graphed, []).extend(_train(engine, range(step, step + 1), "cuda"))
+        runs[graphed] = (runs[graphed], lrs, _params(engine))
+    assert len(replays) == STEPS - 1 and len(set(map(id, replays))) == 1  # one capture, replayed
+    (losses, lrs, params), (ref_losses, ref_lrs, ref_params) = runs[True], runs[False]
+    assert losses == ref_losses and lrs == ref_lrs and len(set(lrs)) >= 3
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))

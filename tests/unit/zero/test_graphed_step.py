@@ -79,6 +79,38 @@ def test_captured_step_is_the_uncaptured_step_bitwise(stage, monkeypatch, tmp_pa
 
 
 @needs_kernels
+@pytest.mark.parametrize("family", ["adam", "adamw", "lion", "adagrad"])
+def test_each_family_replayed_is_its_step(family, monkeypatch):
+    """GraphedStep straight on a fused optimizer (two parameters, one with a bf16 copy to write): with the
+    lr, the coefficient and the step count changing, the replays give `step()`'s bits."""
+    from lightspeed.ops.adagrad import FusedAdagrad
+    from lightspeed.ops.adam import FusedAdam
+    from lightspeed.ops.lion import FusedLion
+    from lightspeed.zero.graphed_step import GraphedStep
+
+    use_standin(monkeypatch)
+    make = {"adam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
+            "adamw": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1), "lion": lambda p: FusedLion(p, lr=1e-2),
+            "adagrad": lambda p: FusedAdagrad(p, lr=1e-2, lr_decay=0.1, weight_decay=0.1)}[family]
+    torch.manual_seed(0)
+    params = [[torch.randn(37), torch.randn(300)] for _ in range(2)]
+    params[1] = [p.clone() for p in params[0]]
+    outs = [{ps[1]: [(0, torch.zeros(300, dtype=torch.bfloat16))]} for ps in params]
+    grads = [torch.randn(37).bfloat16(), torch.randn(300).bfloat16()]
+    eager, captured = make(params[0]), make(params[1])
+    graphed = GraphedStep(captured)
+    for step in range(STEPS):
+        for opt in (eager, captured):
+            opt.param_groups[0]["lr"] = 1e-2 / (step + 1)
+        coef = torch.tensor(0.5 + step)
+        eager.step(grads=dict(zip(params[0], grads)), grad_scale=coef, lowp_out=outs[0])
+        graphed.step(dict(zip(params[1], grads)), outs[1], coef, torch.device("cpu"))
+        assert all(torch.equal(a, b) for a, b in zip(params[0], params[1]))
+        assert torch.equal(outs[0][params[0][1]][0][1], outs[1][params[1][1]][0][1])
+    assert StandinGraph.made[0].replays == STEPS - 1
+
+
+@needs_kernels
 def test_fp16_overflow_skips_before_the_replay(monkeypatch):
     """fp16 with a loss scale that overflows at first: the skipped steps are decided on the host before
     anything is replayed, and the run is the uncaptured one bitwise."""
@@ -150,6 +182,9 @@ def test_world_of_two_matches_bitwise():
                "bf16_optimizer_states": True}},
      "stochastic_rounding"),
     ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}, "cuda_graph": True}}, "fused"),
+    ({"optimizer": {"type": "Muon", "params": {"lr": 1e-3}, "cuda_graph": True}}, "Muon"),
+    ({"zero_optimization": {"stage": 0}, "bf16": {"enabled": False},
+      "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}, "cuda_graph": True}}, "OneBitAdam"),
 ])
 def test_refusals_name_the_key(extra, words, monkeypatch):
     use_standin(monkeypatch)

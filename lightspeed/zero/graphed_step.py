@@ -100,14 +100,10 @@ class GraphedStep:
         self._slots: list[dict[str, torch.Tensor]] = []  # per launch: name -> its fp32 device scalar
         self._table: torch.Tensor | None = None  # the scalars' storage, [launches * names * _PAD]
         self._staging: torch.Tensor | None = None  # page-locked host copy of the table (CUDA)
-        self._copied: torch.cuda.Event | None = None  # the last staging -> table copy
+        self._copied: torch.cuda.Event | None = None  # recorded after each staging -> table copy (CUDA)
         self._scale: torch.Tensor | None = None  # the coefficient the graph reads
         self.captures = 0
         self.replays = 0
-
-    def invalidate(self) -> None:
-        """Drop the graph; the next step warms up again and the one after captures."""
-        self._layout, self._graph = None, None
 
     def step(self, opt_grads: dict, lowp_out: dict, coef: torch.Tensor | None, device: torch.device) -> None:
         """One fused optimizer step: the host half, this step's values written, then the launches
@@ -142,24 +138,24 @@ class GraphedStep:
         return lambda: self.optimizer.graph_launches(opt_grads, scale, self._slots)
 
     def _allocate(self, names: tuple, device: torch.device) -> None:
-        """Scalars for launches of these argument names (the old ones stay alive with nothing reading them)."""
+        """Scalars for launches taking these argument names (a new layout: the old graph is dropped)."""
         width = sum(len(n) for n in names)
         self._table = torch.zeros(width * _PAD, dtype=torch.float32, device=device)
         self._staging = torch.zeros(width * _PAD, dtype=torch.float32, pin_memory=device.type == "cuda")
-        self._copied = None
+        self._copied = torch.cuda.Event() if self._staging.is_pinned() else None
         cells = iter(self._table.view(width, _PAD)[:, 0])
         self._slots = [{name: next(cells) for name in launch} for launch in names]
         self._scale = torch.zeros((), dtype=torch.float32, device=device)
 
     def _write(self, values: list[dict[str, float]], coef: torch.Tensor | None) -> None:
         """This step's values into the scalars, in stream order before the launches that read them."""
-        if self._copied is not None:
+        pinned = self._copied is not None
+        if pinned:
             self._copied.synchronize()  # the last step's copy has left the staging buffer
         flat = [float(x) for launch in values for x in launch.values()]
         self._staging.view(-1, _PAD)[:, 0].copy_(torch.tensor(flat, dtype=torch.float32))
-        self._table.copy_(self._staging, non_blocking=self._staging.is_pinned())
-        if self._staging.is_pinned():
-            self._copied = torch.cuda.Event()
+        self._table.copy_(self._staging, non_blocking=pinned)
+        if pinned:
             self._copied.record()
         if coef is not None:
             self._scale.copy_(coef.reshape(()))

@@ -4,6 +4,10 @@ Stochastic rounding (`bf16.stochastic_rounding`): `random_bits` draws four uint3
 the program's block from Philox, keyed by the launch's seed and counting (lane, program), so every
 element of a launch has its own words; `round_bf16` applies ops/rounding.py's bit trick to a value
 bound for a bf16 array (others pass through) before `store_as`, whose conversion is then exact.
+
+A captured step (zero/graphed_step.py) passes a kernel's float hyperparameters as fp32 device scalars
+instead of values: `launch_elementwise` sets HYPER_IN_MEMORY and each kernel reads them through
+`hyper_value` (one load each), the same fp32 numbers the by-value launch receives.
 """
 from __future__ import annotations
 

@@ -2,7 +2,13 @@
 (bf16 autocast + torch.optim.AdamW(fused=True)) and DeepSpeed's engine, same model, batch and precision.
 
     python benchmarks/zero_step.py [--sizes gpt2-medium 1.3b] [--stages 0 1 2 3]
-        [--micro 8] [--seq 1024] [--steps 20] [--deepspeed] [--compile] [--smoke]
+        [--micro 8] [--seq 1024] [--steps 20] [--deepspeed] [--compile] [--cuda-graph] [--smoke]
+
+--cuda-graph also runs each lightspeed stage with `optimizer.cuda_graph` (the fused step's launches
+captured once and replayed, zero/graphed_step.py), times the optimizer step alone (`engine.step()`
+between synchronizations, after a timed forward/backward) for both, and prints a second table: step
+and optimizer-step times without and with the captured step, and their ratios. On CPU (--smoke) the
+captured runs are refused (CUDA only) and show n/a.
 
 Each configuration runs in a fresh process (world size 1, NCCL on GPU), so no run inherits memory
 or state from another; the parent prints one table per model size.
@@ -21,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,7 +36,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightspeed  # noqa: E402
-from benchmarks.harness import H200_BF16_PEAK_FLOPS, Result, peak_gib, print_table, reset_memory, time_steps  # noqa: E402
+from benchmarks.harness import (H200_BF16_PEAK_FLOPS, Result, peak_gib, print_table, reset_memory, sync,  # noqa: E402
+                                time_steps)
+from lightspeed.config.errors import ConfigError  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 LR = 1e-4
@@ -40,10 +49,12 @@ def make_batches(vocab: int, micro: int, seq: int, device, n: int = 4):
     return [torch.randint(0, vocab, (micro, seq + 1), generator=g).to(device) for _ in range(n)]
 
 
-def ds_config(stage: int, micro: int, bf16: bool, torch_adam: bool) -> dict:
+def ds_config(stage: int, micro: int, bf16: bool, torch_adam: bool, cuda_graph: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "torch_adam": torch_adam}}}
+    if cuda_graph:  # lightspeed's own key (DeepSpeed runs never set it)
+        cfg["optimizer"]["cuda_graph"] = True
     if bf16:
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -71,13 +82,14 @@ def bench_plain(base: GPT, batches, args, device) -> Result:
     return finish(Result("plain PyTorch (autocast)"), ms, losses, base, args)
 
 
-def bench_engine(initialize, name: str, base: GPT, batches, args, device, stage: int, torch_adam: bool) -> Result:
+def bench_engine(initialize, name: str, base: GPT, batches, args, device, stage: int, torch_adam: bool,
+                 cuda_graph: bool = False) -> Result:
     reset_memory()
     model = copy.deepcopy(base)
     try:
         engine, *_ = initialize(model=model, model_parameters=model.parameters(),
-                                config=ds_config(stage, args.micro, device.type == "cuda", torch_adam))
-    except NotImplementedError as err:
+                                config=ds_config(stage, args.micro, device.type == "cuda", torch_adam, cuda_graph))
+    except (NotImplementedError, ConfigError) as err:
         return Result(name, note=f"n/a: {err}")
     fwd = torch.compile(engine.module) if args.compile else engine
     it = iter(range(10**9))
@@ -91,8 +103,44 @@ def bench_engine(initialize, name: str, base: GPT, batches, args, device, stage:
 
     ms, losses = time_steps(step, args.steps, args.warmup)
     result = finish(Result(name), ms, losses, base, args)
+    if args.cuda_graph:
+        result.note += f"; optimizer step {optimizer_step_ms(engine, fwd, batches, args.steps):.2f} ms"
     del engine, model
     return result
+
+
+def optimizer_step_ms(engine, fwd, batches, steps: int) -> float:
+    """Mean time of `engine.step()` alone: each after a forward/backward, between synchronizations."""
+    total = 0.0
+    for i in range(steps):
+        b = batches[i % len(batches)]
+        engine.backward(fwd(b[:, :-1].to(engine.device), b[:, 1:].to(engine.device)))
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        total += time.perf_counter() - t0
+    return total * 1e3 / max(steps, 1)
+
+
+def print_graph_table(results: list[Result], stages: list[int]) -> None:
+    """Per stage: the step and the optimizer step without / with optimizer.cuda_graph, and with / without."""
+    by_name = {r.name: r for r in results}
+    print(f"\n{'optimizer.cuda_graph':<22}{'step ms':>9}{'graphed':>9}{'ratio':>7}{'opt ms':>9}{'graphed':>9}{'ratio':>7}")
+    for stage in stages:
+        off, on = by_name.get(f"lightspeed ZeRO-{stage}"), by_name.get(f"lightspeed ZeRO-{stage} graphed")
+        if off is None or on is None:
+            continue
+        opt_off, opt_on = _opt_ms(off), _opt_ms(on)
+        print(f"{'ZeRO-' + str(stage):<22}{off.ms_per_step:>9.2f}{on.ms_per_step:>9.2f}"
+              f"{on.ms_per_step / off.ms_per_step:>7.3f}{opt_off:>9.2f}{opt_on:>9.2f}{opt_on / opt_off:>7.3f}")
+
+
+def _opt_ms(r: Result) -> float:
+    marker = "optimizer step "
+    if marker not in r.note:
+        return float("nan")
+    return float(r.note.split(marker)[1].split(" ms")[0])
 
 
 def finish(r: Result, ms: float, losses, base: GPT, args) -> Result:
@@ -116,9 +164,10 @@ def run_one(args, size: str, system: str, stage: int) -> Result:
     batches = make_batches(cfg.vocab_size, args.micro, args.seq, device)
     if system == "plain":
         result = bench_plain(base, batches, args, device)
-    elif system == "lightspeed":
-        result = bench_engine(lightspeed.initialize, f"lightspeed ZeRO-{stage}", base, batches, args, device,
-                              stage, torch_adam=False)
+    elif system in ("lightspeed", "graphed"):
+        graphed = system == "graphed"
+        result = bench_engine(lightspeed.initialize, f"lightspeed ZeRO-{stage}" + (" graphed" if graphed else ""),
+                              base, batches, args, device, stage, torch_adam=False, cuda_graph=graphed)
     else:
         import deepspeed
 
@@ -138,6 +187,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's engine (must be importable)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also each lightspeed stage with optimizer.cuda_graph, and the optimizer step alone")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (keeps the script alive in CI)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # size:system:stage, run in a child
     args = ap.parse_args()
@@ -160,6 +211,7 @@ def main():
               f"torch {torch.__version__}, world size 1, each run in a fresh process"
               f"{', compiled' if args.compile else ''}", flush=True)
         runs = [("plain", 0)] + [("lightspeed", s) for s in args.stages]
+        runs += [("graphed", s) for s in args.stages] if args.cuda_graph else []
         runs += [("deepspeed", s) for s in args.stages] if args.deepspeed else []
         results = []
         for system, stage in runs:
@@ -170,11 +222,14 @@ def main():
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                name = {"plain": "plain PyTorch (autocast)"}.get(system, f"{system} ZeRO-{stage}")
+                name = {"plain": "plain PyTorch (autocast)", "graphed": f"lightspeed ZeRO-{stage} graphed"}.get(
+                    system, f"{system} ZeRO-{stage}")
                 results.append(Result(name, note=f"failed: {tail[:120]}"))
             else:
                 results.append(Result(**json.loads(line[len("RESULT "):])))
         print_table(results, "plain PyTorch (autocast)")
+        if args.cuda_graph:
+            print_graph_table(results, args.stages)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ class OptimizerConfig(Section):
     type: Str
     params: FreeDict = {}
     legacy_fusion: Bool = False
+    # lightspeed's own: the fused ZeRO step's launches captured once in a CUDA graph (zero/graphed_step.py)
+    cuda_graph: Bool = False
 
     @property
     def name(self) -> str:

@@ -11,7 +11,8 @@ scheduler, fp16 (not auto_cast), bf16, low-precision masters (fp16.fp16_master_w
 bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states: ``lightspeed.precision.policy``, which
 refuses what DeepSpeed refuses; zero/optimizers.py checks the optimizer and the offload they go with;
 bf16.stochastic_rounding, lightspeed's own key, refused by the same two without bf16 masters or an
-optimizer that rounds its bf16 writes),
+optimizer that rounds its bf16 writes), optimizer.cuda_graph (lightspeed's own key: ``zero/graphed_step.py``,
+which refuses it where the step cannot be captured),
 managed_gradient_accumulation (the engine's step() is the boundary), sparse_gradients (stage 0:
 ``lightspeed.zero.sparse``; refused at stages 1-3 by ``select_strategy``), torch_autocast (``lightspeed.precision.autocast``; its fp16 dtype and a PipelineModule are refused there),
 ZeRO stage 0, data_types.grad_accum_dtype,

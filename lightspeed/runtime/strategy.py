@@ -26,6 +26,8 @@ from lightspeed.zero.sparse import sparse_parameters
 from lightspeed.zero.reduce import ReduceOptions
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.fragments import Fragment
+from lightspeed.zero.graphed_step import check_graphed_step
+from lightspeed.zero.optimizers import fused_step
 from lightspeed.zero.param_access import ParamFragment
 from lightspeed.zero.sharded_step import StepResult
 from lightspeed.zero.stage0 import Stage0Strategy
@@ -263,6 +265,11 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
     if isinstance(optimizer, ReducesOwnGradients) and stage != 0:
         raise ConfigError(f"zero_optimization.stage: {type(optimizer).__name__} communicates compressed momentum "
                           f"instead of gradients and runs at ZeRO stage 0 only (got stage {stage})")
+    graphed = cfg.optimizer is not None and cfg.optimizer.cuda_graph
+    if graphed:  # optimizer.cuda_graph: refused where the step cannot be captured (zero/graphed_step.py)
+        check_graphed_step(optimizer, fused_step(optimizer, offload if stage else None),
+                           offload.enabled or offload.zenflow is not None or offload.super_offload,
+                           device if device is not None else _first_param_device(module), policy.stochastic_rounding)
     collectives = Collectives.default(comm)
     autocast = AutocastSettings.from_config(cfg, device.type if device is not None else "cpu")
     # torch_autocast: ZeRO 1-3 reduce each gradient in its parameter's communication dtype (stage 0 does not)
@@ -277,7 +284,8 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
                                   "(expert parameters) is not implemented")
     if stage == 0:
         strategy = Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy), collectives=collectives,
-                                  reduce_groups=groups, sparse_params=sparse_parameters(module, cfg.sparse_gradients))
+                                  reduce_groups=groups, sparse_params=sparse_parameters(module, cfg.sparse_gradients),
+                                  graphed_step=graphed)
     elif cfg.sparse_gradients:
         raise NotImplementedError(f"sparse_gradients at zero_optimization.stage {stage} is not implemented: ZeRO "
                                   "reduce-scatters dense gradients (the sparse row all-gather is stage 0's, as "
@@ -285,16 +293,21 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
     elif stage in (1, 2):
         strategy = ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
                                    allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload,
-                                   collectives=collectives, reduce_groups=groups, comm_dtypes=comm_dtypes)
+                                   collectives=collectives, reduce_groups=groups, comm_dtypes=comm_dtypes,
+                                   graphed_step=graphed)
     elif stage == 3:
         from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy
 
         strategy = Stage3Strategy(module, optimizer, policy, comm, Stage3Options.from_config(cfg, policy),
                                   device=device, offload=offload, collectives=collectives, reduce_groups=groups,
-                                  comm_dtypes=comm_dtypes)
+                                  comm_dtypes=comm_dtypes, graphed_step=graphed)
     else:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet")
     return check_strategy(strategy)
+
+
+def _first_param_device(module: torch.nn.Module) -> torch.device | None:
+    return next((p.device for p in module.parameters()), None)
 
 
 def _zeropp(cfg, comm: Communicator, offload: OffloadPolicy) -> Collectives:

@@ -6,6 +6,7 @@
 
 Modules: `partition.py` (pure shard arithmetic), `flat_params.py`, `buckets.py`, `reduce.py`,
 `grad_buffers.py`, `memory.py`, `sharded_step.py` and `step_runner.py` (the step, written once),
+`graphed_step.py` (the fused step's launches captured in a CUDA graph: `optimizer.cuda_graph`),
 `grad_clip.py` and `norm.py` (the norm), `optimizers.py`, `fragments.py` (the saved layout),
 `param_access.py`, and the strategies `stage0.py`, `stage12.py`, `stage3/`. Every strategy implements
 runtime/strategy.py's `ShardingStrategy`, including `compile_regions()` (for `engine.compile()`),

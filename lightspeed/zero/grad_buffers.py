@@ -13,7 +13,8 @@ it back zero-filled. The tensor objects stay, so every view made of them (`param
 bucket and shard slices, the step's views, `param_access` fragments) sees the new memory: only a view
 read while released fails, which is why every reader goes through `ensure()` first.
 `memory_breakdown()` keeps counting the buffers under "grads": it is what a backward allocates.
-Host buffers (an offloaded optimizer's fp32 gradients, read by CPU threads) are never released.
+Host buffers (an offloaded optimizer's fp32 gradients, read by CPU threads) are never released, nor
+are buffers `kept` (optimizer.cuda_graph: the captured step reads fixed addresses, zero/graphed_step.py).
 """
 
 from __future__ import annotations
@@ -40,15 +41,18 @@ class GradBuffers:
         self._nbytes = [t.untyped_storage().nbytes() for t in self._tensors]
         self._on_release = on_release
         self.released = False
+        self.kept = False  # storage never freed (optimizer.cuda_graph: a captured step reads fixed addresses)
 
     def release(self) -> None:
-        """Free the storage (views stay; reading one before `ensure()` raises)."""
+        """Free the storage (views stay; reading one before `ensure()` raises); while `kept`, the
+        storage stays where it is and only the state changes (`ensure()` zeroes it)."""
         if self.released:
             return
         if self._on_release is not None:
             self._on_release()
         for t in self._tensors:
-            t.untyped_storage().resize_(0)
+            if not self.kept:
+                t.untyped_storage().resize_(0)
         self.released = True
 
     def ensure(self) -> None:
@@ -56,7 +60,8 @@ class GradBuffers:
         if not self.released:
             return
         for t, nbytes in zip(self._tensors, self._nbytes):
-            t.untyped_storage().resize_(nbytes)
+            if t.untyped_storage().nbytes() != nbytes:
+                t.untyped_storage().resize_(nbytes)
             t.zero_()
         self.released = False
 

@@ -34,6 +34,7 @@ from lightspeed._utils.device import synchronize
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.precision.overflow import flat_has_inf_or_nan
 from lightspeed.zero.grad_clip import grad_coefficient, squared_norm
+from lightspeed.zero.graphed_step import GraphedStep
 from lightspeed.zero.norm import NormPlan
 
 
@@ -70,6 +71,8 @@ class ShardViews:
     # for one step) says the copies of this step were made, so the step does not copy them again
     early_filled: frozenset = frozenset()
     master_grads_filled: bool = False
+    # optimizer.cuda_graph: the fused step's launches captured once and replayed (zero/graphed_step.py)
+    graphed: GraphedStep | None = None
 
     @property
     def optimizer_writes_lowp(self) -> bool:
@@ -129,7 +132,9 @@ def apply_step(views: ShardViews, coef: torch.Tensor | None, optimizer: torch.op
     """The optimizer step of a prepared step. `optimizer` replaces `views.optimizer` (the overlapped
     offload step hands a snapshot of its hyperparameters)."""
     optimizer = optimizer if optimizer is not None else views.optimizer
-    if optimizer is not None and views.fused:
+    if optimizer is not None and views.fused and views.graphed is not None:
+        views.graphed.step(views.opt_grads, views.lowp_out, coef, views.device)
+    elif optimizer is not None and views.fused:
         optimizer.step(grads=views.opt_grads, grad_scale=coef, lowp_out=views.lowp_out)
     elif optimizer is not None:
         for tensor, grad in views.opt_grads.items():

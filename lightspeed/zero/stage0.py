@@ -36,6 +36,7 @@ from lightspeed.zero.partition import Range
 from lightspeed.zero.reduce import PendingReduce, ReduceOptions
 from lightspeed.zero.norm import NormPlan
 from lightspeed.zero.reduce_groups import ReduceGroups
+from lightspeed.zero.graphed_step import GraphedStep
 from lightspeed.zero.sharded_step import ShardViews, StepResult, sharded_step
 from lightspeed.zero.sparse import all_gather_rows
 
@@ -109,9 +110,11 @@ class Stage0Strategy(WholeParameters):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, reduce: ReduceOptions, *, collectives: Collectives | None = None,
-                 reduce_groups: ReduceGroups | None = None, sparse_params: set[int] = frozenset()):
+                 reduce_groups: ReduceGroups | None = None, sparse_params: set[int] = frozenset(),
+                 graphed_step: bool = False):
         """`sparse_params`: ids of the embedding weights whose gradients are reduced by all-gathering the
-        rows each rank touched (zero/sparse.py), each in a flat buffer of its own."""
+        rows each rank touched (zero/sparse.py), each in a flat buffer of its own. `graphed_step`:
+        optimizer.cuda_graph (zero/graphed_step.py)."""
         self.module, self.optimizer, self.policy, self.comm, self.reduce = module, optimizer, policy, comm, reduce
         self.collectives = collectives or Collectives.default(comm)
         # each flat buffer holds parameters of one reduce group (zero/reduce_groups.py)
@@ -149,7 +152,8 @@ class Stage0Strategy(WholeParameters):
         self._views = ShardViews(optimizer, self._fused, grads=[f.grad_flat for f in self.flats],
                                  master_grads=self._master_grad_flats, opt_grads=dict(self._opt_params),
                                  lowp_out=self._lowp_out,
-                                 device=self.flats[0].device if self.flats else torch.device("cpu"))
+                                 device=self.flats[0].device if self.flats else torch.device("cpu"),
+                                 graphed=GraphedStep(optimizer) if graphed_step else None)
         param_access.register(self, self._flat_of_params())
 
     def _flat_of_params(self):

@@ -74,6 +74,7 @@ from lightspeed.zero.optimizers import check_optimizer, fused_step, low_precisio
 from lightspeed.comm.topology import dims_of
 from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.reduce_groups import ReduceGroups
+from lightspeed.zero.graphed_step import GraphedStep
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.zenflow import ZenFlowShard, ZenFlowStep
@@ -116,9 +117,11 @@ class ShardedStrategy(WholeParameters):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, reduce: ReduceOptions, *, stage: int, allow_untested_optimizer: bool = False,
                  offload: OffloadPolicy | None = None, collectives: Collectives | None = None,
-                 reduce_groups: ReduceGroups | None = None, comm_dtypes: dict[int, torch.dtype] | None = None):
+                 reduce_groups: ReduceGroups | None = None, comm_dtypes: dict[int, torch.dtype] | None = None,
+                 graphed_step: bool = False):
         """`comm_dtypes` (torch_autocast, precision/autocast.py): id(param) -> the dtype its gradient is
-        reduced in; when given, every parameter not in it is reduced in its own dtype."""
+        reduced in; when given, every parameter not in it is reduced in its own dtype. `graphed_step`:
+        optimizer.cuda_graph (zero/graphed_step.py)."""
         assert stage in (1, 2)
         check_optimizer(optimizer, allow_untested_optimizer, stage)
         self.offload = offload if offload is not None else OffloadPolicy()
@@ -202,7 +205,8 @@ class ShardedStrategy(WholeParameters):
             opt_grads={s.master: s.master_grad for s in stepped},
             lowp_out={s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped},
             device=self.shards[0].grad.device if self.shards else torch.device("cpu"),
-            norm_grads=[s.grad for s in self.shards] if host else None)
+            norm_grads=[s.grad for s in self.shards] if host else None,
+            graphed=GraphedStep(optimizer) if graphed_step else None)
         swap: SwappedOptimizerState | None = None
         if self.offload.optimizer == "nvme":
             swapper = NvmeSwapper(self.offload.optimizer_nvme_path, self.offload.aio,
@@ -227,6 +231,7 @@ class ShardedStrategy(WholeParameters):
         # device gradient buffers hold memory from a backward's first gradient to the step (zero/grad_buffers.py)
         self._grads = GradBuffers([t for s in self.shards for t in (s.flat.grad_flat, s.grad)
                                    + (() if host else (s.master_grad,))], on_release=self._unset_param_grads)
+        self._grads.kept = graphed_step  # the captured step reads fixed addresses
         self._grads.release()
 
     def _zenflow(self, stepped: list[Shard]) -> ZenFlowStep:

@@ -41,12 +41,14 @@ class FusedAdagrad(FusedOptimizer):
     def _clr(group: dict, step: int) -> float:
         return group["lr"] / (1 + (step - 1) * group["lr_decay"])
 
-    def _launch_triton(self, group, step, launch, scale):
+    def _kernel_hyper(self, group, step):
+        return dict(clr=self._clr(group, step), eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def _launch_kernel(self, launch, scale, hyper):
         from . import triton as kernels
 
         arrays, plan = launch.kernel_arrays(kernels.BLOCK)
-        kernels.launch(arrays, plan, scale, clr=self._clr(group, step), eps=group["eps"],
-                       weight_decay=group["weight_decay"], seed=self._round_seed)
+        kernels.launch(arrays, plan, scale, **hyper, seed=self._round_seed)
 
     def _launch_reference(self, group, step, segments, scale):
         for s in segments:

@@ -49,15 +49,17 @@ class FusedAdam(FusedOptimizer):
             return 1.0, 1.0
         return 1 - beta1 ** step, 1 - beta2 ** step
 
-    def _launch_triton(self, group, step, launch, scale):
+    def _kernel_hyper(self, group, step):
+        bc1, bc2 = self._corrections(group, step)
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                    step_size=group["lr"] / bc1, bc2_sqrt=math.sqrt(bc2))
+
+    def _launch_kernel(self, launch, scale, hyper):
         from . import triton as kernels
 
-        bc1, bc2 = self._corrections(group, step)
         arrays, plan = launch.kernel_arrays(kernels.BLOCK)
-        beta1, beta2 = group["betas"]
-        kernels.launch(arrays, plan, scale, lr=group["lr"], beta1=beta1, beta2=beta2,
-                       eps=group["eps"], weight_decay=group["weight_decay"], adamw=self.adam_w_mode,
-                       step_size=group["lr"] / bc1, bc2_sqrt=math.sqrt(bc2), seed=self._round_seed)
+        kernels.launch(arrays, plan, scale, **hyper, adamw=self.adam_w_mode, seed=self._round_seed)
 
     def _launch_reference(self, group, step, segments, scale):
         beta1, beta2 = group["betas"]

@@ -26,13 +26,15 @@ class FusedLion(FusedOptimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay),
                          set_grad_none=set_grad_none, backend=backend)
 
-    def _launch_triton(self, group, step, launch, scale):
+    def _kernel_hyper(self, group, step):
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
+
+    def _launch_kernel(self, launch, scale, hyper):
         from . import triton as kernels
 
         arrays, plan = launch.kernel_arrays(kernels.BLOCK)
-        beta1, beta2 = group["betas"]
-        kernels.launch(arrays, plan, scale, lr=group["lr"], beta1=beta1, beta2=beta2,
-                       weight_decay=group["weight_decay"], seed=self._round_seed)
+        kernels.launch(arrays, plan, scale, **hyper, seed=self._round_seed)
 
     def _launch_reference(self, group, step, segments, scale):
         beta1, beta2 = group["betas"]

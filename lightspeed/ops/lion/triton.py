@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 
 from lightspeed.ops.multi_tensor import Plan
-from lightspeed.ops.multi_tensor.triton import (block_of, launch_elementwise, load_f32, offset_of, out_and_scale,
-                                              random_bits, round_bf16, store_as)
+from lightspeed.ops.multi_tensor.triton import (block_of, hyper_value, launch_elementwise, load_f32, offset_of,
+                                              out_and_scale, random_bits, round_bf16, store_as)
 
 BLOCK = 1024  # with 4 warps: 0.99 of copy bandwidth on the H200 (sweep in benchmarks/optimizers.py)
 NUM_WARPS = 4
@@ -41,7 +41,11 @@ def _lion_block(p_ptr, g_ptr, m_ptr, o_ptr, idx, n, scale, seed, lr, beta1, beta
 @triton.jit(do_not_specialize=["seed"])
 def _lion_kernel(p_base, g_base, m_base, o_base, offsets, numels, block_segment, block_start, num_segments,
                  scale_ptr, seed, lr, beta1, beta2, wd, HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr,
-                 SR: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+                 SR: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr, HYPER_IN_MEMORY: tl.constexpr):
+    lr = hyper_value(lr, HYPER_IN_MEMORY)
+    beta1 = hyper_value(beta1, HYPER_IN_MEMORY)
+    beta2 = hyper_value(beta2, HYPER_IN_MEMORY)
+    wd = hyper_value(wd, HYPER_IN_MEMORY)
     seg, start, n, full = block_of(block_segment, block_start, numels, BLOCK)
     p_ptr = p_base + offset_of(offsets, 0, num_segments, seg, ALIGN)
     g_ptr = g_base + offset_of(offsets, 1, num_segments, seg, ALIGN)

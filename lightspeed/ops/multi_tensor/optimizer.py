@@ -22,6 +22,15 @@ element); the reference path steps fp32 copies of the segments with the family's
 writes them back through `rounding.round_in_place` (torch.randint from a generator with that seed).
 The two paths draw different bits: the same distribution, not the same numbers.
 
+Note [captured step]: a step splits into its host half (`graph_advance`: the launch cache checked or
+rebuilt, the step counts, each launch's float arguments from `_kernel_hyper`) and its device half
+(`graph_launches`: the cached launches, each reading its arguments from fp32 device scalars, the
+kernels' HYPER_IN_MEMORY variant). zero/graphed_step.py captures the device half once in a CUDA graph
+and, every step, runs the host half, writes its values into the scalars the graph reads, and replays.
+`step` launches the same kernels in the same order with the same fp32 values passed by value, so the
+two give the same bits. Families with `_kernel_hyper` and no stochastic rounding (its seed changes
+every step) are `graph_capturable`.
+
 Backends: "triton" (the family's multi-tensor kernel; on CUDA, or on CPU under TRITON_INTERPRET=1 in
 the tests), "reference" (the family's plain-PyTorch step, one segment at a time), "auto" (triton for
 CUDA tensors, reference otherwise). The environment variable LIGHTSPEED_OPS_BACKEND replaces "auto"
@@ -351,8 +360,67 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _before_group(self, group: dict, grads: Mapping | None) -> None:
         """Hook run once per group before its launches (FusedLamb resets its coefficients)."""
 
+    # the captured step (zero/graphed_step.py) ------------------------------------------------------
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether the step's launches can be captured once and replayed (Note [captured step])."""
+        return type(self)._kernel_hyper is not FusedOptimizer._kernel_hyper and not self.stochastic_rounding
+
+    def graph_advance(self, grads: Mapping[torch.Tensor, torch.Tensor],
+                      lowp_out: Mapping | None) -> tuple[tuple, list[dict[str, float]]]:
+        """The host half of one step (Note [captured step]): counts the step of every parameter with a
+        gradient, as `step` does, and returns (the layout the launches depend on: addresses, dtypes,
+        launch order; each launch's kernel hyperparameters of this step, in launch order)."""
+        layout, values = [], []
+        for index, group in enumerate(self.param_groups):
+            live = self._live(group, grads)
+            sig = self._signature(live, lowp_out)
+            cached = self._launch_cache.get(index)
+            if sig is None or cached is None or cached[0] != sig:
+                if any(not p.is_contiguous() or not g.is_contiguous() for p, g in live):
+                    raise ValueError(f"{type(self).__name__}: a captured step needs contiguous parameters and "
+                                     "gradients")
+                launches = self._build_launches(live, lowp_out)
+                sig = self._signature(live, lowp_out)
+                self._launch_cache[index] = (sig, launches)
+            launches = self._launch_cache[index][1]
+            layout.append((sig, tuple((g.data_ptr(), g.dtype) for _, g in live), tuple(map(id, launches))))
+            for p, _ in live:
+                self.state[p]["step"] += 1
+            values.extend(self._kernel_hyper(group, self.state[launch.owner]["step"]) for launch in launches)
+        return tuple(layout), values
+
+    def graph_launches(self, grads: Mapping[torch.Tensor, torch.Tensor], grad_scale: torch.Tensor | None,
+                       hyper: Sequence[dict[str, torch.Tensor]]) -> None:
+        """The device half of one step (Note [captured step]): every cached launch, in `step`'s order,
+        reading its hyperparameters from `hyper`'s tensors and the scale from `grad_scale`; no host
+        state is read or changed. `graph_advance` built the launches."""
+        slots = iter(hyper)
+        for index, group in enumerate(self.param_groups):
+            launches = self._launch_cache[index][1]
+            flat_grads = {id(p): g for p, g in self._live(group, grads)}
+            for launch in launches:
+                if not self._use_triton(launch.device):
+                    raise RuntimeError(f"{type(self).__name__}: a captured step runs the Triton kernels "
+                                       f"(backend {self.backend!r} on {launch.device})")
+                launch.bind_grads(flat_grads)
+                try:
+                    self._launch_kernel(launch, self.scale_tensor(grad_scale, launch.device), next(slots))
+                finally:
+                    launch.release_grads()
+
     # families implement these --------------------------------------------------------------------
     def _launch_triton(self, group: dict, step: int, launch: "Launch", scale: torch.Tensor | None) -> None:
+        """One launch of the family's kernel with this step's hyperparameters (families with
+        `_kernel_hyper` need not override it)."""
+        self._launch_kernel(launch, scale, self._kernel_hyper(group, step))
+
+    def _kernel_hyper(self, group: dict, step: int) -> dict[str, float]:
+        """The kernel's float arguments for `group` at `step` (Note [captured step])."""
+        raise NotImplementedError
+
+    def _launch_kernel(self, launch: "Launch", scale: torch.Tensor | None, hyper: dict) -> None:
+        """Launch the kernel over `launch` with `hyper` (floats, or fp32 device scalars it reads)."""
         raise NotImplementedError
 
     def _launch_reference(self, group: dict, step: int, segments: list[Segment], scale: torch.Tensor | None) -> None:

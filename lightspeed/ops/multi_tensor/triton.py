@@ -4,9 +4,14 @@ Stochastic rounding (`bf16.stochastic_rounding`): `random_bits` draws four uint3
 the program's block from Philox, keyed by the launch's seed and counting (lane, program), so every
 element of a launch has its own words; `round_bf16` applies ops/rounding.py's bit trick to a value
 bound for a bf16 array (others pass through) before `store_as`, whose conversion is then exact.
+
+A captured step (zero/graphed_step.py) passes a kernel's float hyperparameters as fp32 device scalars
+instead of values: `launch_elementwise` sets HYPER_IN_MEMORY and each kernel reads them through
+`hyper_value` (one load each), the same fp32 numbers the by-value launch receives.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -60,6 +65,16 @@ def store_as(ptr, idx, value, n, MASKED: tl.constexpr):
 
 
 @triton.jit
+def hyper_value(x, IN_MEMORY: tl.constexpr):
+    """A float hyperparameter of the launch: passed by value, or (IN_MEMORY: a captured step, whose
+    values change between replays) the fp32 at pointer `x`, written before each replay."""
+    value = x
+    if IN_MEMORY:
+        value = tl.load(x)
+    return value
+
+
+@triton.jit
 def random_bits(seed, BLOCK: tl.constexpr):
     """Four blocks of uint32 random words for this program's block: Philox(seed; lane, program, 0, 0)."""
     lane = tl.arange(0, BLOCK)
@@ -87,10 +102,14 @@ def launch_elementwise(kernel, arrays, plan, scale, n_arrays: int, hyper: tuple,
     """Launch an elementwise multi-tensor kernel (one program per block of `plan`) whose arguments are the
     bases of its `n_arrays` arrays, the output array's base (the params' when `arrays` has no output
     array), the plan's tables, the gradient-scale pointer (any valid pointer when `scale` is None), the
-    stochastic-rounding seed (`seed`; None: round to nearest, SR false), then `hyper`; HAS_SCALE,
-    HAS_OUT, SR, ALIGN and BLOCK are derived, other constexprs passed through."""
+    stochastic-rounding seed (`seed`; None: round to nearest, SR false), then `hyper`: floats, or all
+    0-dim fp32 device tensors the kernel reads (HYPER_IN_MEMORY: a captured step, `hyper_value`);
+    HAS_SCALE, HAS_OUT, SR, ALIGN, BLOCK and HYPER_IN_MEMORY are derived, other constexprs passed through."""
     if plan.num_blocks == 0:
         return
+    in_memory = any(isinstance(h, torch.Tensor) for h in hyper)
+    if in_memory and not all(isinstance(h, torch.Tensor) and h.dtype == torch.float32 for h in hyper):
+        raise TypeError("launch_elementwise: hyperparameters are all floats or all fp32 tensors")
     has_out = len(arrays) == n_arrays + 1
     bases = plan.bases(arrays)
     kernel[(plan.num_blocks,)](
@@ -98,5 +117,5 @@ def launch_elementwise(kernel, arrays, plan, scale, n_arrays: int, hyper: tuple,
         plan.offsets, plan.numels, plan.block_segment, plan.block_start, plan.num_segments,
         scale if scale is not None else bases[n_arrays - 1], 0 if seed is None else seed, *hyper,
         HAS_SCALE=scale is not None, HAS_OUT=has_out, SR=seed is not None, ALIGN=8 if plan.aligned else 1,
-        BLOCK=plan.block,
+        BLOCK=plan.block, HYPER_IN_MEMORY=in_memory,
         num_warps=num_warps, **constexprs)

@@ -49,6 +49,7 @@ from lightspeed.zero.partition import Range
 from lightspeed.comm.topology import dims_of
 from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.reduce_groups import ReduceGroups
+from lightspeed.zero.graphed_step import GraphedStep
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.stage3.coordinator import Coordinator
@@ -85,19 +86,18 @@ class Stage3Strategy(ModelSeam):
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, policy: PrecisionPolicy,
                  comm: Communicator, options: Stage3Options | None = None, device: torch.device | None = None,
                  offload: OffloadPolicy | None = None, *, collectives: Collectives | None = None,
-                 reduce_groups: ReduceGroups | None = None, comm_dtypes: dict[int, torch.dtype] | None = None):
-        """`comm_dtypes` (torch_autocast, precision/autocast.py): id(param) -> the dtype its gradient is
-        reduced in; when given, the parameters not in it are reduced in their own dtype, and each group
-        holds parameters of one reduce dtype."""
+                 reduce_groups: ReduceGroups | None = None, comm_dtypes: dict[int, torch.dtype] | None = None,
+                 graphed_step: bool = False):
+        """`comm_dtypes` (torch_autocast): id(param) -> the dtype its gradient is reduced in (the others:
+        their own; each group one reduce dtype). `graphed_step`: optimizer.cuda_graph (zero/graphed_step.py)."""
         self.options = options or Stage3Options()
         self._comm_dtypes = comm_dtypes
         self.offload = offload if offload is not None else OffloadPolicy()
         check_optimizer(optimizer, self.options.allow_untested_optimizer, stage=3)
         # the optimizer unscales, clips and writes the lp shards (zero/optimizers.py says when)
         self._fused = fused_step(optimizer, self.offload)
-        # bf16 masters (bf16_master_weights_and_grads): the bf16 lp shard is the master, as DeepSpeed's
-        # stage 3 aliases a partition already in the master dtype; no second copy is kept (with the
-        # optimizer offloaded the master is a host copy in that dtype)
+        # bf16 masters (bf16_master_weights_and_grads): the bf16 lp shard is the master (DeepSpeed's stage 3
+        # aliases a partition in the master dtype); with the optimizer offloaded, a host copy in that dtype
         self._lowp_master = low_precision_masters(policy, optimizer, self.offload, comm.rank) != torch.float32
         if self._lowp_master and self.offload.offloads_params:
             raise NotImplementedError("bf16.bf16_master_weights_and_grads at ZeRO stage 3 with "
@@ -131,9 +131,11 @@ class Stage3Strategy(ModelSeam):
         self._views = ShardViews(optimizer, self._fused, grads=[g.grad_shard for g in trainable],
                                  master_grads=[g.master_grad_shard for g in trainable],
                                  opt_grads=dict(self._opt_params), lowp_out=self._lowp_out, device=self.device,
-                                 norm_grads=[g.grad_shard for g in trainable] if host else None)
-        # early device-to-host gradient copies (not with overlap_step: its background step still reads
-        # the host gradients while the next backward runs)
+                                 norm_grads=[g.grad_shard for g in trainable] if host else None,
+                                 graphed=GraphedStep(optimizer) if graphed_step else None)
+        for g in trainable:
+            g.grad_buffers.kept = graphed_step  # the captured step reads fixed addresses
+        # early device-to-host gradient copies (not with overlap_step: its background step reads them later)
         to_host = Stream(self.device) if host and not self.offload.overlap_step else None
         swap = self._optimizer_swap() if self.offload.optimizer == "nvme" else None
         swapped = [g for g in trainable if g.offload.offloads_optimizer]
@@ -227,8 +229,7 @@ class Stage3Strategy(ModelSeam):
             st = param_state(p)
             return st.shape if st is not None else p.shape
 
-        # Offload++ (`offload_optimizer.ratio` < 1): the groups past that fraction of the trainable
-        # elements keep their master and optimizer state on the device
+        # Offload++ (`offload_optimizer.ratio` < 1): groups past that fraction of the elements stay on the device
         total = sum(torch.Size(shape_of(p)).numel() for u in self.units for _, p in u.owned() if p.requires_grad)
         offloaded_numel = 0
         device_kept = dataclasses.replace(self.offload, optimizer="none", overlap_step=False, super_offload=False)

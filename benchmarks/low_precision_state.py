@@ -145,6 +145,8 @@ def main():
                                   note=f"failed: {tail[:120]}"))
         else:
             results.append(Result(**json.loads(line[len("RESULT "):])))
+        r = results[-1]  # as each run lands, so a run cut short still reports the finished ones
+        print(f"  {r.name}: {r.ms_per_step:.1f} ms/step, peak {r.peak_gib:.2f} GiB  {r.note}", flush=True)
     print_table(results, f"lightspeed ZeRO-{args.stages[0]} fp32 state")
 
 

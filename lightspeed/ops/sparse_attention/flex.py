@@ -18,6 +18,13 @@ score_mod then adds rpe[b, h, q, kv], the key-padding mask (b, kv) and the atten
 ("add"), or sends the score to -inf where a "mul" mask is 0: reference.py's Note: [semantics]. The
 masks and rpe are read without gradient, as DeepSpeed's kernel gives none for them.
 
+Note: [backward tiles with a score_mod] With rpe or masks (a score_mod reading captured tensors) on
+CUDA, the backward's tiles are set to 64 x 64 in both of its loops and the pipeline to 2 stages
+(`_SCORE_MOD_TILES`, passed as flex_attention's kernel_options). Torch's default backward configuration
+for bf16, head_dim 64 on sm90 (64 x 128 / 128 x 64 tiles, 3 stages) failed to compile on an H200 for
+lack of shared memory (311,296 > 232,448 bytes) with DeepSpeed's rpe and masks; 64 x 64 tiles in 2
+stages is what torch picks for the same head size on sm8x. Without a score_mod torch's defaults stand.
+
 Note: [compiled once per shape] On CUDA one `torch.compile(flex_attention, dynamic=False)` serves every
 module; each new sequence length (or set of masks given) is a recompile, and past dynamo's recompile
 limit (`torch._dynamo.config.recompile_limit`, 8 by default) torch runs flex_attention unfused, which
@@ -36,6 +43,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 __all__ = ["layout_block_mask", "sparse_attention", "tile_size"]
 
 _FLEX_TILE = 128
+_SCORE_MOD_TILES = {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64, "num_stages": 2}
 _compiled = None
 
 
@@ -125,4 +133,6 @@ def sparse_attention(query, key, value, block_mask: BlockMask, scale: float, rpe
     with warnings.catch_warnings():
         # off CUDA the unfused (eager) flex_attention is the chosen path, not an accident to warn about
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return _flex(query)(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale)
+        options = _SCORE_MOD_TILES if score_mod is not None and query.is_cuda else None
+        return _flex(query)(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                            kernel_options=options)

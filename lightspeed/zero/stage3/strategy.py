@@ -391,8 +391,7 @@ class Stage3Strategy(ModelSeam):
 
     # ---------------------------------------------------------------- backward
     def backward_start(self, is_boundary: bool) -> None:
-        # DeepSpeed's stage 3 reduce-scatters at every micro-step; with the optimizer offloaded, the
-        # boundary's reductions are also copied to the host as each completes
+        # reduce-scatter at every micro-step (DeepSpeed's stage 3); offloaded: each boundary reduction to the host
         to_host = self._runner.to_host
         if to_host is not None:
             for g in self._trainable():

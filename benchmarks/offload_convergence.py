@@ -1,14 +1,18 @@
-"""The one-step-delayed offloaded update (`offload_optimizer.overlap_step`): its effect on convergence.
+"""The offloaded updates that are not the synchronous step: their effect on convergence.
 
-    python benchmarks/offload_convergence.py [--world 2] [--steps 300] [--preset small]
+    python benchmarks/offload_convergence.py [--world 2] [--steps 300] [--preset small] [--zenflow]
+        [--speculative] [--warmups 30 100]
 
 Trains the demo task (benchmarks/onebit.py's harness: examples/train_gpt.py's byte-level GPT on its
 Shakespeare text, AdamW, warm-up + cosine schedule, clipping 1.0) at ZeRO-2 with the optimizer
 offloaded to the CPU, once with the usual step and once with `overlap_step` (the CPU step of step t
 runs during the forward and backward of step t+1, so each update is one step late), and with
 `overlap_step_warmup` (the first steps synchronous), on gloo processes, same data, schedule and seed;
-and the same run without offload. Reported: the final validation loss of each and its gap to the
-usual offloaded run.
+and the same run without offload. `--zenflow` adds ZenFlow (`zero_optimization.zenflow`: topk 0.05,
+update_interval 4, as benchmarks/offload.py runs it; sequential and with `overlap_step`), and
+`--speculative` the speculative CPU step (`offload_optimizer.super_offload`: each bucket stepped during
+backward, rolled back when the clip or an overflow says so). Reported: the final validation loss of
+each and its gap to the usual offloaded run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ VARIANTS = {
     "ZeRO-2 offload, overlap_step": {"stage": 2, "offload_optimizer": {"device": "cpu", "overlap_step": True}},
 }
 WARMUP_NAME = "ZeRO-2 offload, overlap_step, {} synchronous steps first"
+_ZENFLOW = {"topk_ratio": 0.05, "update_interval": 4, "full_warm_up_rounds": 0}
+ZENFLOW = {
+    "ZeRO-2 offload, ZenFlow": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": dict(_ZENFLOW)},
+    "ZeRO-2 offload, ZenFlow, overlap_step": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                              "zenflow": {**_ZENFLOW, "overlap_step": True}},
+}
+SPECULATIVE = {"ZeRO-2 offload, speculative (super_offload)": {
+    "stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}}}
 
 
 def main(argv=None) -> None:
@@ -42,6 +54,8 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--warmups", type=int, nargs="*", default=[30],
                    help="also overlap_step after this many synchronous steps (overlap_step_warmup)")
+    p.add_argument("--zenflow", action="store_true", help="also ZenFlow, sequential and overlapped")
+    p.add_argument("--speculative", action="store_true", help="also the speculative CPU step (super_offload)")
     args = p.parse_args(argv)
     adamw = optimizers(args.steps, args.lr, args.lr, 1, 1, args.weight_decay)["AdamW"]
     rows = {}
@@ -49,6 +63,8 @@ def main(argv=None) -> None:
     for w in args.warmups:
         variants[WARMUP_NAME.format(w)] = {"stage": 2, "offload_optimizer": {
             "device": "cpu", "overlap_step": True, "overlap_step_warmup": w}}
+    variants.update(ZENFLOW if args.zenflow else {})
+    variants.update(SPECULATIVE if args.speculative else {})
     for name, zero in variants.items():
         rows[name] = run_world(_train_one, args.world, name, adamw, vars(args), zero, timeout=args.timeout)[0]
         print(f"  {name}: val loss {rows[name]['val_loss']:.4f}, train loss (last 20) "

@@ -11,14 +11,18 @@ runs during the forward and backward of step t+1, so each update is one step lat
 and the same run without offload. `--zenflow` adds ZenFlow (`zero_optimization.zenflow`: topk 0.05,
 update_interval 4, as benchmarks/offload.py runs it; sequential and with `overlap_step`), and
 `--speculative` the speculative CPU step (`offload_optimizer.super_offload`: each bucket stepped during
-backward, rolled back when the clip or an overflow says so). Reported: the final validation loss of
+backward, rolled back when the clip or an overflow says so). `--finetune N` makes it a fine-tuning
+task: N steps of plain ZeRO-2 on the first half of the text, then every run from those weights on the
+second half. Reported: the final validation loss of
 each and its gap to the usual offloaded run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,6 +60,9 @@ def main(argv=None) -> None:
                    help="also overlap_step after this many synchronous steps (overlap_step_warmup)")
     p.add_argument("--zenflow", action="store_true", help="also ZenFlow, sequential and overlapped")
     p.add_argument("--speculative", action="store_true", help="also the speculative CPU step (super_offload)")
+    p.add_argument("--finetune", type=int, default=0, metavar="N",
+                   help="fine-tuning: first train N steps (ZeRO-2, lr 3e-3) on the first half of the text, then "
+                        "run every variant from those weights on the second half")
     args = p.parse_args(argv)
     adamw = optimizers(args.steps, args.lr, args.lr, 1, 1, args.weight_decay)["AdamW"]
     rows = {}
@@ -65,8 +72,16 @@ def main(argv=None) -> None:
             "device": "cpu", "overlap_step": True, "overlap_step_warmup": w}}
     variants.update(ZENFLOW if args.zenflow else {})
     variants.update(SPECULATIVE if args.speculative else {})
+    run_args = dict(vars(args))
+    if args.finetune:
+        pre = dict(vars(args), steps=args.finetune, lr=3e-3, data_part="first",
+                   save_to=os.path.join(tempfile.mkdtemp(), "pretrained.pt"))
+        pre_opt = optimizers(args.finetune, 3e-3, 3e-3, 1, 1, args.weight_decay)["AdamW"]
+        r = run_world(_train_one, args.world, "pretraining", pre_opt, pre, {"stage": 2}, timeout=args.timeout)[0]
+        print(f"  pretraining, {args.finetune} steps on the first half: val loss {r['val_loss']:.4f}", flush=True)
+        run_args.update(init_from=pre["save_to"], data_part="second")
     for name, zero in variants.items():
-        rows[name] = run_world(_train_one, args.world, name, adamw, vars(args), zero, timeout=args.timeout)[0]
+        rows[name] = run_world(_train_one, args.world, name, adamw, run_args, zero, timeout=args.timeout)[0]
         print(f"  {name}: val loss {rows[name]['val_loss']:.4f}, train loss (last 20) "
               f"{rows[name]['train_loss_last']:.4f}", flush=True)
     base = rows["ZeRO-2 offload"]["val_loss"]

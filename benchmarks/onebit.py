@@ -65,6 +65,8 @@ def _train_one(name: str, optimizer: dict, args_dict: dict, zero: dict | None = 
     torch.manual_seed(args.seed)
     cfg = GPTConfig.preset("demo", **PRESETS[args.preset])
     model = GPT(cfg)
+    if getattr(args, "init_from", None):  # a fine-tuning run starts from a trained model's weights
+        model.load_state_dict(torch.load(args.init_from, weights_only=True))
     config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
               "steps_per_print": 10**9, "gradient_clipping": 1.0, "optimizer": optimizer,
               "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": args.steps,
@@ -75,6 +77,10 @@ def _train_one(name: str, optimizer: dict, args_dict: dict, zero: dict | None = 
     train, val = train_val_datasets(cfg.block_size)
     g = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(train), generator=g)
+    part = getattr(args, "data_part", None)  # "first" / "second": only that half of the training text
+    if part is not None:
+        half = len(train) // 2
+        order = order[order < half] if part == "first" else order[order >= half]
     warm = max(args.steps // 5, 1)
     wire, losses = [], []
     for step in range(args.steps):
@@ -87,6 +93,8 @@ def _train_one(name: str, optimizer: dict, args_dict: dict, zero: dict | None = 
         losses.append(loss.item())
         wire.append(engine.comm.stats.total_bytes())
     engine.eval()
+    if getattr(args, "save_to", None) and rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in engine.module.state_dict().items()}, args.save_to)
     total, count = 0.0, 0
     with torch.no_grad():
         for b in range(args.eval_batches):

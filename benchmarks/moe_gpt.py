@@ -52,29 +52,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightspeed  # noqa: E402
 from benchmarks.harness import (H200_BF16_PEAK_FLOPS, Result, peak_gib, print_table, reset_memory,  # noqa: E402
                                 time_steps)
+from benchmarks.moe_train import GatedMLP as SwiGLU  # noqa: E402  (the dense MLP and the experts')
 from benchmarks.zero_step import ds_config, make_batches  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from lightspeed.ops.grouped_gemm import grouped_mlp, offsets_from_counts, permute, unpermute  # noqa: E402
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases: the dense baseline's MLP, and the DeepSpeed-API layer's expert."""
-
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
 
 
 class GroupedMoE(nn.Module):

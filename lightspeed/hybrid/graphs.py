@@ -34,10 +34,20 @@ values). What a graph cannot survive is a tensor that moved (another storage), a
 module's Python state changed (which branch its forward takes: DeepSpeed-Chat's `fuse_lora` flag, PEFT's
 `merged`, `training`, a hook added). So at the end of each call `module_state` records, for every
 module, its identity and mode, each parameter's, buffer's and tensor attribute's address, shape, strides
-and dtype, its plain attributes and its forward hooks; at the start of the next call (weights gathered,
-LoRA fused, layers split: as the forward will read them) the state is taken again and `stale` compares:
-any difference drops every graph (`GraphedForward.clear`), and the call captures afresh. Addresses equal
-means each tensor the graph reads holds the current weights, so equal state is sufficient, not a guess.
+and dtype, its plain attributes and its forward hooks (but those of Note: [gradient-checkpointing hooks]);
+at the start of the next call (weights gathered, LoRA fused, layers split: as the forward will read them)
+the state is taken again and `stale` compares: any difference drops every graph (`GraphedForward.clear`),
+and the call captures afresh. Addresses equal means each tensor the graph reads holds the current weights,
+so equal state is sufficient, not a guess.
+
+Note: [gradient-checkpointing hooks] transformers' `gradient_checkpointing_enable` (TRL turns checkpointing off
+around generation and on again after, twice a GRPO step) registers a forward hook on the input embeddings,
+`make_inputs_require_grads`, and without PEFT its `gradient_checkpointing_disable` leaves it there: each
+step adds two more (PEFT's `make_inputs_require_grad` is the same function). Such a hook only sets its
+output's requires_grad flag: no device work, so the captured kernels are the same with any number of
+them, and a replay (autograd not recording: the runner runs recording calls eagerly) reads no flag.
+`module_state` leaves exactly these hooks out (`_FLAG_HOOKS`, by defining module and name); any other
+hook added or removed still drops the graphs.
 
 Note: [stage 3] With `pin_parameters` (its default) the stage-3 seam gathers every group once for the
 whole call, so every decode step reads the same gathered storage: capturable. Between calls the groups
@@ -76,6 +86,12 @@ _PLAIN = (bool, int, float, str, type(None))
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks")
 _SKIP = frozenset({"_parameters", "_buffers", "_modules", "training", "_previous_max_cache_length"})
 _ABSENT = object()
+# forward hooks that only set their output's requires_grad flag (Note: [gradient-checkpointing hooks]):
+# (module, function name), the function defined inside the method that registers it
+_FLAG_HOOKS = frozenset({("transformers.modeling_utils", "make_inputs_require_grads"),
+                         ("peft.peft_model", "make_inputs_require_grad"),
+                         ("peft.utils.other", "make_inputs_require_grad"),
+                         ("peft.mixed_model", "make_inputs_require_grad")})
 
 
 def _tensor(t: torch.Tensor) -> tuple:
@@ -100,9 +116,17 @@ def module_state(model: torch.nn.Module) -> dict:
                 state[(name, key)] = value
             elif isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
                 state[(name, key)] = tuple(value)
-            elif key in _HOOKS:
-                state[(name, key)] = tuple(value)  # the hooks' handle ids
+            elif key in _HOOKS:  # the hooks' handle ids
+                state[(name, key)] = tuple(i for i, hook in value.items() if not _flag_hook(hook))
     return state
+
+
+def _flag_hook(hook) -> bool:
+    """Whether `hook` is one of `_FLAG_HOOKS`: transformers' or PEFT's `make_inputs_require_grad(s)`, defined
+    inside the method that registers it (Note: [gradient-checkpointing hooks])."""
+    qualname = getattr(hook, "__qualname__", "")
+    outer, _, own = qualname.rpartition(".<locals>.")
+    return bool(outer) and (getattr(hook, "__module__", None), own) in _FLAG_HOOKS
 
 
 def stale(captured: dict | None, now: dict) -> str | None:

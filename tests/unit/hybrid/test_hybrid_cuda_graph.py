@@ -253,6 +253,57 @@ def test_moved_weights_drop_the_graphs_at_the_next_call(monkeypatch, ls_caplog):
     assert graphs.drops == 1 and graphs.runner.captures == 2
 
 
+def make_inputs_require_grads(module, args, output):
+    """A hook of this test's own under transformers' hook's name: it does not pass for it."""
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_(enable|disable)` is deprecated:FutureWarning")
+@pytest.mark.parametrize("stage", [0, 2])
+def test_trl_gradient_checkpointing_toggles_keep_the_graphs(stage, monkeypatch, ls_caplog):
+    """TRL's GRPO step: checkpointing off around generate, on after, off and on again around the log-prob
+    pass, then the training step. Each `gradient_checkpointing_enable` adds a `make_inputs_require_grads`
+    hook to the embeddings (none removed): the graphs survive (Note: [gradient-checkpointing hooks]), the
+    tokens are the option off's; another hook, even one of that name from elsewhere, drops them."""
+    ls_caplog.set_level(logging.INFO, logger="lightspeed")
+    _stand_in_graphs(monkeypatch)
+    prompt = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    tokens, engines = [], []
+    for on in (False, True):
+        engine = _init(tiny_opt(), config(1, stage, enable_cuda_graph=on))
+        model = engine.module
+        model.gradient_checkpointing_enable()  # Trainer's, before the first step
+        out = []
+        for i in range(3):
+            model.gradient_checkpointing_disable()
+            engine.eval()
+            out.append(engine.generate(prompt.to(engine.device), **GEN))
+            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_disable()  # the log-prob pass
+            model.gradient_checkpointing_enable()
+            engine.train()
+            x = torch.randint(4, 96, (2, 8), generator=torch.Generator().manual_seed(i)).to(engine.device)
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        tokens.append(out)
+        engines.append(engine)
+    for a, b in zip(*tokens):
+        assert torch.equal(a, b)
+    model, graphs = engines[1].module, engines[1]._decode_graphs
+    embed = model.get_input_embeddings()
+    assert len(embed._forward_hooks) == 1 + 2 * 3  # transformers' hooks piled up, none removed
+    # one capture (the first call's second decode step), every later decode step replayed
+    assert graphs.drops == 0 and graphs.runner.captures == 1 and graphs.runner.replays == 3 + 5 + 5
+    for hook, drops in ((lambda module, args, output: None, 1), (make_inputs_require_grads, 2)):
+        handle = embed.register_forward_hook(hook)
+        engines[1].eval()
+        assert torch.equal(engines[1].generate(prompt, **GEN), engines[0].generate(prompt, **GEN))
+        assert graphs.drops == drops
+        handle.remove()
+    assert "model.decoder.embed_tokens._forward_hooks (changed) since the last generate call" in ls_caplog.text
+    for engine in engines:
+        engine.destroy()
+
+
 # ------------------------------------------------------------------ real graphs
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("views", [True, False], ids=["stage3", "stage3-gathered"])

@@ -272,7 +272,13 @@ def measure(system: str, initialize, args, device) -> dict:
             m.destroy()
     del models
     dist.barrier()
-    return {"system": system, "gen_s": sorted(gens)[len(gens) // 2], "step_s": sorted(steps)[len(steps) // 2],
+    gen_s, step_s = sorted(gens)[len(gens) // 2], sorted(steps)[len(steps) // 2]
+    if rank == 0:  # as each system finishes, so a run cut short still reports the finished ones
+        tokens = world * args.batch * args.answer_len
+        print(f"  {system}: generate {gen_s:.3f} s ({tokens / gen_s:.1f} tokens/s), step {step_s:.3f} s"
+              + (f", peak {peak:.2f} GiB" if peak is not None else "")
+              + (f", graphs {graph_counts}" if graph_counts else ""), flush=True)
+    return {"system": system, "gen_s": gen_s, "step_s": step_s,
             "gens": gens, "steps": steps, "peak_gib": peak, "seq": seq.cpu().tolist(), "graphs": graph_counts}
 
 

@@ -12,8 +12,12 @@ becomes CPUAdam in both engines. `--overlap-step` adds lightspeed's one-step-del
 `--param` adds ZeRO-3 with the parameters offloaded too.
 `--zenflow` adds ZenFlow (topk 0.05, update_interval 4, sequential and overlapped; stage 2), and
 `--speculative` the speculative CPU step (`super_offload`; its rows say how many steps rolled back). `--variants` runs exactly the variants named,
-for both systems; the size sweep of the largest GPT that trains with optimizer and parameters on the
-CPU (a run that does not fit reports "out of memory" or its error):
+for both systems; `cpu-bf16` is the optimizer on the CPU with bf16 masters and bf16 Adam state there
+(`bf16.bf16_master_weights_and_grads` and `bf16_optimizer_states`: 8 host bytes a parameter, not 16);
+`--meta` builds lightspeed's ZeRO-3 model on the meta device, for models whose fp32 copy does not fit
+the GPU (the 13B-shaped run: `--sizes 5120x40 --stages 3 --variants cpu-bf16 --meta --micro 1`). The
+size sweep of the largest GPT that trains with optimizer and parameters on the CPU (a run that does
+not fit reports "out of memory" or its error):
 
     python benchmarks/offload.py --sizes 2.7b 4096x24 6.7b --stages 3 --variants cpu-param --deepspeed
         --micro 4 --steps 2 --warmup 1 --run-timeout 280
@@ -69,7 +73,10 @@ VARIANTS = {  # name -> the zero_optimization keys added to {"stage": s}
                                         "overlap_step": True}},
     # the speculative CPU step during backward, rolled back when the clip (1.0) acts
     "cpu-super": {"offload_optimizer": {"device": "cpu", "pin_memory": True, "super_offload": True}},
+    # optimizer on the CPU with bf16 masters and bf16 Adam state there (BF16_STATE: 8 host bytes a parameter)
+    "cpu-bf16": {"offload_optimizer": {"device": "cpu", "pin_memory": True}},
 }
+BF16_STATE = {"cpu-bf16"}  # variants that also set bf16.bf16_master_weights_and_grads and bf16_optimizer_states
 ZENFLOW = ("cpu-zenflow", "cpu-zenflow-overlap")
 
 
@@ -79,6 +86,8 @@ def config(stage: int, variant: str, micro: int, bf16: bool) -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}}}
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if variant in BF16_STATE:
+        cfg["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     return cfg
 
 
@@ -92,7 +101,8 @@ def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
     cfg = GPTConfig.preset(size, block_size=args.seq)
-    with device:
+    meta = args.meta and system == "lightspeed" and stage == 3
+    with torch.device("meta") if meta else device:  # --meta: ZeRO-3 materializes it one unit at a time
         base = GPT(cfg)
     batches = make_batches(cfg.vocab_size, args.micro, args.seq, device)
     if system == "deepspeed":
@@ -103,7 +113,7 @@ def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
         initialize = lightspeed.initialize
     name = f"{system} ZeRO-{stage} {variant}"
     reset_memory()
-    model = copy.deepcopy(base)
+    model = base if meta else copy.deepcopy(base)  # (the copy: the same as DeepSpeed's runs)
     del base
     try:
         engine, *_ = initialize(model=model, model_parameters=model.parameters(),
@@ -267,6 +277,9 @@ def main():
     ap.add_argument("--phases", action="store_true", help="also time forward+backward and the step apart")
     ap.add_argument("--run-timeout", type=float, default=None,
                     help="seconds one configuration may take (the sweep: a run past it is reported and killed)")
+    ap.add_argument("--meta", action="store_true",
+                    help="lightspeed at ZeRO-3: build the model on the meta device (the strategy materializes it "
+                         "unit by unit, never whole): for models whose fp32 copy does not fit the GPU")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, in seconds")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # size:system:stage:variant, in a child
     args = ap.parse_args()

@@ -116,23 +116,31 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one Parameter, registered under both names
+        for name, module in self.named_modules():
+            if name.endswith("c_proj"):
+                module.residual_proj = True  # writes into the residual stream (_init_weights scales it)
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2 init: N(0, 0.02) weights, zero biases, and the projections that write into the
         residual stream scaled by 1/sqrt(2 * n_layer) so its variance does not grow with depth."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith("c_proj") else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
+        for module in self.modules():
+            self._init_weights(module)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """`init_weights`' rule for one module (the per-module hook that ZeRO-3's materialization of a
+        meta-built model, and `zero.Init`, apply as Hugging Face models' is)."""
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if getattr(module, "residual_proj", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) int64 token ids with T <= block_size; targets: (B, T) int64 or None.

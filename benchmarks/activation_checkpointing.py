@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightspeed  # noqa: E402
-from benchmarks.harness import Result, peak_gib, reset_memory, time_steps  # noqa: E402
+from benchmarks.harness import Result, engine_step, peak_gib, reset_memory, time_steps  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from lightspeed import checkpointing  # noqa: E402
 
@@ -93,14 +93,7 @@ def run_one(args, mode: str, micro: int, seq: int) -> Result:
     engine, *_ = lightspeed.initialize(model=model, config=config(args, cpu, micro))
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (micro, seq + 1), generator=g).to(engine.device) for _ in range(2)]
-    it = iter(range(10**9))
-
-    def step():
-        b = batches[next(it) % len(batches)]
-        loss = engine(b[:, :-1], b[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
+    step = engine_step(engine, batches)
 
     probe = args.probe
     ms, losses = time_steps(step, 1 if probe else args.steps, 0 if probe else args.warmup)

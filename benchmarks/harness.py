@@ -44,6 +44,21 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
+def engine_step(engine, batches: list):
+    """A training step over `batches` in turn ([micro, seq + 1] token ids: inputs and shifted targets on
+    the engine's device): forward, `engine.backward`, `engine.step`; returns the loss, detached."""
+    count = iter(range(10**9))
+
+    def step():
+        b = batches[next(count) % len(batches)].to(engine.device)
+        out = engine(b[:, :-1], b[:, 1:])
+        loss = out if torch.is_tensor(out) else out[0]
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+    return step
+
+
 def time_steps(step, num_steps: int, warmup: int, repeats: int = 1) -> tuple[float, list[float]]:
     """Run `step() -> loss tensor` warmup + repeats x num_steps times; returns (ms per step of the timed
     window, its median over `repeats` windows, and every loss). One window is timed as a whole (no

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightspeed  # noqa: E402
-from benchmarks.harness import Result, peak_gib, print_table, reset_memory, time_steps  # noqa: E402
+from benchmarks.harness import Result, engine_step, peak_gib, print_table, reset_memory, time_steps  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 LR = 1e-4
@@ -83,15 +83,7 @@ def run_one(args, system: str, stage: int, lowp: bool) -> Result:
     except (NotImplementedError, AssertionError, ValueError) as err:
         dist.destroy_process_group()
         return Result(name, note=f"n/a: {str(err)[:100]}")
-    it = iter(range(10**9))
-
-    def step():
-        b = batches[next(it) % len(batches)]
-        out = engine(b[:, :-1], b[:, 1:])
-        loss = out if torch.is_tensor(out) else out[0]
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
+    step = engine_step(engine, batches)
 
     ms, losses = time_steps(step, args.steps, args.warmup)
     r = Result(name, ms_per_step=ms, losses=losses)

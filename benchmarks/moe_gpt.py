@@ -56,8 +56,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightspeed  # noqa: E402
-from benchmarks.harness import (H200_BF16_PEAK_FLOPS, Result, peak_gib, print_table, reset_memory,  # noqa: E402
-                                time_steps)
+from benchmarks.harness import (H200_BF16_PEAK_FLOPS, Result, engine_step, peak_gib, print_table,  # noqa: E402
+                                reset_memory, time_steps)
 from benchmarks.moe_train import GatedMLP as SwiGLU  # noqa: E402  (the dense MLP and the experts')
 from benchmarks.zero_step import ds_config, make_batches  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
@@ -175,14 +175,7 @@ def run_one(args, kind: str, stage: int) -> Result:
     engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(),
                                        config=ds_config(stage, args.micro, device.type == "cuda", torch_adam=False))
     batches = make_batches(args.vocab, args.micro, args.seq, device)
-    it = iter(range(10**9))
-
-    def step():
-        b = batches[next(it) % len(batches)]
-        loss = engine(b[:, :-1], b[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
+    step = engine_step(engine, batches)
 
     ms, losses = time_steps(step, args.steps, args.warmup, args.repeats)
     r = Result(name, ms_per_step=ms, losses=losses)

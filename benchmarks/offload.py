@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightspeed  # noqa: E402
-from benchmarks.harness import Result, print_table, reset_memory, time_steps  # noqa: E402
+from benchmarks.harness import Result, engine_step, print_table, reset_memory, time_steps  # noqa: E402
 from benchmarks.zero_step import LR, finish, make_batches  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -120,14 +120,7 @@ def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
                                 config=config(stage, variant, args.micro, device.type == "cuda"))
     except NotImplementedError as err:
         return Result(name, note=f"n/a: {err}")
-    it = iter(range(10**9))
-
-    def step():
-        b = batches[next(it) % len(batches)]
-        loss = engine(b[:, :-1].to(engine.device), b[:, 1:].to(engine.device))
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
+    step = engine_step(engine, batches)
 
     ms, losses = time_steps(step, args.steps, args.warmup)
     with torch.device("meta"):

@@ -40,6 +40,9 @@ ZENFLOW = {
     "ZeRO-2 offload, ZenFlow": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": dict(_ZENFLOW)},
     "ZeRO-2 offload, ZenFlow, overlap_step": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                               "zenflow": {**_ZENFLOW, "overlap_step": True}},
+    # DeepSpeed's tutorial recommends the adaptive update interval
+    "ZeRO-2 offload, ZenFlow, update_interval auto": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                                      "zenflow": {**_ZENFLOW, "update_interval": "auto"}},
 }
 SPECULATIVE = {"ZeRO-2 offload, speculative (super_offload)": {
     "stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}}}

@@ -230,14 +230,16 @@ def build_system(system: str, initialize, args, world: int, device) -> dict:
     """The four models of `system`: engines from `initialize` (lightspeed's or DeepSpeed's), or whole."""
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if system == "plain":
-        return {name: _Plain(build(args)).to(device=device, dtype=dtype)
-                for name, build in (("actor", build_actor), ("ref", build_actor), ("critic", build_critic),
-                                    ("reward", build_critic))}
+        with device:  # built where they run (a 1.3B model's random init on the host alone takes seconds)
+            return {name: _Plain(build(args)).to(device=device, dtype=dtype)
+                    for name, build in (("actor", build_actor), ("ref", build_actor), ("critic", build_critic),
+                                        ("reward", build_critic))}
     hybrid = system.endswith("hybrid") or system == GRAPH_SYSTEM
     out = {}
     for name, build, train in (("actor", build_actor, True), ("ref", build_actor, False),
                                ("critic", build_critic, True), ("reward", build_critic, False)):
-        model = build(args)
+        with device:
+            model = build(args)
         params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = initialize(model=model, optimizer=make_adam if train else None, model_parameters=params,
                                 config=ds_config(args, world, train, hybrid and name == "actor",

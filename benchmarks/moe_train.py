@@ -44,6 +44,7 @@ routes give the same values on every row).
     python benchmarks/moe_train.py                    # one GPU: both shapes
     python benchmarks/moe_train.py --tiny --check     # small shapes, on the CPU (a functional check)
     python benchmarks/moe_train.py --deepspeed --deepspeed-path /path/to/site-packages-with-deepspeed
+        [--profile]   # and each whole-layer row's most expensive operators (torch.profiler)
     python benchmarks/moe_train.py --tiny --deepspeed \\
         --deepspeed-python ~/.cache/lightspeed/deepspeed-0.19.8-venv/bin/python   # CPU (DS_ACCELERATOR=cpu)
 """
@@ -258,7 +259,26 @@ def _time_layer(name, forward, params, x, args):
     out, l_aux, counts = step()
     check = {"out_norm": out.float().norm().item(), "l_aux": l_aux.float().item(), "max_load": int(counts.max())}
     ms = _time(step, args.warmup, args.steps, args.repeats)
-    return {"system": name, "ms": ms, **check}
+    row = {"system": name, "ms": ms, **check}
+    if getattr(args, "profile", False):
+        row["profile"] = _profile(step)
+    return row
+
+
+def _profile(step, steps: int = 3, rows: int = 12) -> str:
+    """Where a layer row's time goes (`--profile`): a table of its `rows` most expensive operators over
+    `steps` steps by torch.profiler, device time where there is a device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return (f"top operators over {steps} steps, by {key}\n"
+            + prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
 def _grouped_forward(layer):
@@ -326,7 +346,8 @@ def deepspeed_rows(args, shapes):
             "--dtype", args.dtype, "--steps", str(args.steps), "--repeats", str(args.repeats), "--warmup",
             str(args.warmup), "--capacity-factor", str(args.capacity_factor), "--min-capacity",
             str(args.min_capacity)] + (["--drop-tokens"] if args.drop_tokens else []) \
-        + (["--tiny"] if args.tiny else []) + (["--cpu"] if args.cpu else [])
+        + (["--tiny"] if args.tiny else []) + (["--cpu"] if args.cpu else []) \
+        + (["--profile"] if args.profile else [])
     results, err = run_deepspeed_child(argv, args.deepspeed_python, args.deepspeed_path,
                                        cpu=args.cpu or not torch.cuda.is_available(), timeout=args.timeout)
     if not results:
@@ -351,6 +372,9 @@ def print_layer_table(name, shape, rows, args):
         print(f"{r['system']:<46}{r['ms']:>10.3f}{flops / r['ms'] / 1e9:>9.1f}{speedup}{r['max_load']:>9}"
               f"{r['out_norm']:>12.5g}"
               f"{r['l_aux']:>10.5f}  {r.get('note', '')}", flush=True)
+    for r in rows:
+        if r.get("profile"):
+            print(f"\n-- {r['system']}: {r['profile']}", flush=True)
 
 
 def main(argv=None):
@@ -376,6 +400,8 @@ def main(argv=None):
     ap.add_argument("--drop-tokens", action="store_true",
                     help="MoE(drop_tokens=True) on both systems (default False: every route is computed)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds DeepSpeed's child may run")
+    ap.add_argument("--profile", action="store_true",
+                    help="the whole-layer rows: also each row's most expensive operators (torch.profiler)")
     ap.add_argument("--ds-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (64 if args.tiny else 8192)

@@ -267,7 +267,7 @@ def _time_layer(name, forward, params, x, args):
 
 def _profile(step, steps: int = 3, rows: int = 12) -> str:
     """Where a layer row's time goes (`--profile`): a table of its `rows` most expensive operators over
-    `steps` steps by torch.profiler, device time where there is a device."""
+    `steps` steps by torch.profiler, sorted by GPU kernel time on CUDA (else by CPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()

@@ -2,7 +2,8 @@
 Hugging Face transformers 5 model and split their experts over the run's "ep" group.
 
 Owns: the presets (DeepSpeed's names: mixtral, qwen3_moe (also Qwen2-MoE), qwen3_5_moe, deepseek_v2,
-deepseek_v3), the detection (`detect_moe_blocks`), the ep size the section asks for
+deepseek_v3; and gpt_oss, which DeepSpeed 0.19 lacks, named by its Hugging Face model_type), the
+experts' gated activations a preset can name (`EXPERT_ACTIVATIONS`), the detection (`detect_moe_blocks`), the ep size the section asks for
 (`autoep_mesh_size`, read before the topology exists), the refusal of the section's keys that are
 not built (`check_autoep_config`), and the model transform (`autoep_transform`: swap each block's
 fused experts module for an `EPExperts`, place its weights). Must not: route tokens (the model's
@@ -11,20 +12,23 @@ router runs unchanged), build groups, or touch ZeRO.
 Note: [detection] A preset names the block (a regular expression matched against the whole module
 name: DeepSpeed's `model\\.layers\\.\\d+\\.mlp`, relaxed here to any prefix so a bare base model
 matches too), its router child, its experts child and the experts' fused weights (`gate_up_proj`
-[E, 2I, H], `down_proj` [E, H, I]), the model config's expert-count attribute, and, for models with
-one, the shared expert's children. The preset is `preset_model` when given, else the one whose
+[E, 2I, H], `down_proj` [E, H, I], or `transposed` [E, H, 2I] / [E, I, H]) with their biases when the
+model has them ([E, 2I], [E, H]), the experts' gated activation (`activation`, a key of
+`EXPERT_ACTIVATIONS`), the model config's expert-count attribute, and, for models with one, the shared
+expert's children. The preset is `preset_model` when given, else the one whose
 Hugging Face `model_type`s include the model's, else every preset is tried (the first that finds
 blocks wins). The section's pattern and name keys override the preset's. A block is a module matching
-the pattern whose experts child holds the two weights as 3-D parameters and nothing else, and whose
-router child has a [E, H] `weight`. Enabled AutoEP that finds no block is an error naming
+the pattern whose experts child holds the two weights as 3-D parameters, and whose router child has
+an [E, H] `weight`; experts holding parameters the preset does not name (a bias of a preset without
+biases) are refused, naming them. Enabled AutoEP that finds no block is an error naming
 `expert_parallel.enabled`.
 
 Note: [what is swapped] Only the experts child: the block's own forward still runs the router (with
 its dtype, softmax or sigmoid, top-k, group limit, normalisation and scaling), the shared expert and
 its gate, so the routes and everything but the experts' arithmetic are the model's own code. The
 experts child becomes an `EPExperts` (autoep_layer.py) holding global experts [r x E/ep, (r+1) x E/ep)
-of ep rank r, under the same parameter names; the placements give each weight its global [E, ...]
-shape, this rank's rows along dim 0, `sharded_over=("ep",)` and `reduced_over` the expert-data-parallel
+of ep rank r, under the same parameter names; the placements give each weight (and bias) its global
+[E, ...] shape, this rank's rows along dim 0, `sharded_over=("ep",)` and `reduced_over` the expert-data-parallel
 dims (transform.py's `EXPERT_DATA_PARALLEL`). The supported path to load a Hugging Face checkpoint is to
 build the model whole (from_pretrained), then `initialize()`, which slices it.
 """
@@ -32,6 +36,7 @@ build the model whole (from_pretrained), then `initialize()`, which slices it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -42,6 +47,7 @@ from lightspeed.comm.topology import Topology
 from lightspeed.config.errors import ConfigError
 from lightspeed.config.expert_parallel import ExpertParallelConfig
 from lightspeed.parallel.experts.autoep_layer import EPExperts
+from lightspeed.parallel.experts.grouped_mlp import ClampedSwiGLU, GatedActivation, HalvesGLU
 from lightspeed.parallel.experts.transform import EXPERT_DATA_PARALLEL, moe_layers
 from lightspeed.parallel.placement import Placement, PlacementTable
 
@@ -63,6 +69,34 @@ class Preset:
     model_types: tuple[str, ...]
     shared_experts: str = ""
     shared_experts_gate: str = ""
+    b1: str = ""  # the gate|up bias [E, 2I] ("": none)
+    b2: str = ""  # the down bias [E, H]
+    transposed: bool = False  # weights stored [E, H, 2I] / [E, I, H] (x @ W)
+    activation: str = "act_fn"  # a key of EXPERT_ACTIVATIONS
+
+
+def _act_fn(name: str, experts: nn.Module) -> GatedActivation:
+    act = getattr(experts, "act_fn", None)
+    if not callable(act):
+        raise NotImplementedError(f"AutoEP: the experts module of {name} has no `act_fn`; the preset's activation "
+                                  "'act_fn' needs transformers' fused gated experts (gate_up_proj / down_proj / act_fn)")
+    return HalvesGLU(act)
+
+
+def _gpt_oss_swiglu(name: str, experts: nn.Module) -> GatedActivation:
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)):
+        raise NotImplementedError(f"AutoEP: the experts module of {name} has no numeric `alpha` and `limit`; the "
+                                  "preset's activation 'gpt_oss_swiglu' reads them (GptOssExperts)")
+    return ClampedSwiGLU(float(alpha), float(limit))
+
+
+# a preset's `activation` -> the experts' gated activation, built from the model's experts module (its
+# block's name for errors): the model's own function, reproduced exactly (grouped_mlp.py's Note)
+EXPERT_ACTIVATIONS: dict[str, Callable[[str, nn.Module], GatedActivation]] = {
+    "act_fn": _act_fn,  # act_fn(gate half) * up half: Mixtral, Qwen, DeepSeek
+    "gpt_oss_swiglu": _gpt_oss_swiglu,  # interleaved gate/up, clamped, (up + 1) * gate * sigmoid(alpha gate)
+}
 
 
 PRESETS = {
@@ -75,6 +109,8 @@ PRESETS = {
                           ("deepseek_v2",), "shared_experts"),
     "deepseek_v3": Preset(_LAYERS, "gate", "experts", "gate_up_proj", "down_proj", "n_routed_experts",
                           ("deepseek_v3",), "shared_experts"),
+    "gpt_oss": Preset(_LAYERS, "router", "experts", "gate_up_proj", "down_proj", "num_local_experts", ("gpt_oss",),
+                      b1="gate_up_proj_bias", b2="down_proj_bias", transposed=True, activation="gpt_oss_swiglu"),
 }
 
 # keys whose non-default value would change the routing: the model's own router decides it here
@@ -113,8 +149,8 @@ def check_autoep_config(section: ExpertParallelConfig) -> None:
     for key, active in refused.items():
         if active:
             raise NotImplementedError(f"{prefix}{key}={getattr(section, key)!r} is not implemented in lightspeed's "
-                                      "AutoEP (fused gate|up experts, no expert tensor parallelism, no expert bias, "
-                                      "a weighted-sum combine)")
+                                      "AutoEP (fused gate|up experts, no expert tensor parallelism, no load-balancing "
+                                      "router bias, a weighted-sum combine)")
     if section.preset_model is not None and section.preset_model not in PRESETS:
         raise ConfigError(f"expert_parallel.preset_model={section.preset_model!r}: unknown preset (available: "
                           f"{', '.join(PRESETS)})")
@@ -157,16 +193,19 @@ def _block(name: str, module: nn.Module, preset: Preset) -> int | None:
     w1, w2 = params.get(preset.w1), params.get(preset.w2)
     if w1 is None or w2 is None or w1.dim() != 3 or w2.dim() != 3:
         return None
-    if set(params) != {preset.w1, preset.w2}:
-        raise NotImplementedError(f"AutoEP: the experts of {name} hold parameters other than {preset.w1} and "
-                                  f"{preset.w2} ({', '.join(sorted(set(params) - {preset.w1, preset.w2}))}); "
-                                  "experts with biases or other weights are not supported")
     weight = getattr(router, "weight", None)
     if weight is None or weight.dim() != 2 or weight.shape[0] != w1.shape[0]:
         return None
-    if not callable(getattr(experts, "act_fn", None)):
-        raise NotImplementedError(f"AutoEP: the experts module of {name} has no `act_fn`; only transformers' "
-                                  "fused gated experts (gate_up_proj / down_proj / act_fn) are supported")
+    named = {preset.w1, preset.w2} | {b for b in (preset.b1, preset.b2) if b}
+    if set(params) - named:
+        raise NotImplementedError(f"AutoEP: the experts of {name} hold parameters the preset does not name "
+                                  f"({', '.join(sorted(set(params) - named))}; it names {', '.join(sorted(named))}): "
+                                  "set expert_parallel.preset_model to the model's preset; other experts' "
+                                  "parameters are not supported")
+    missing = named - set(params)
+    if missing:
+        raise NotImplementedError(f"AutoEP: the experts of {name} lack the preset's {', '.join(sorted(missing))}")
+    EXPERT_ACTIVATIONS[preset.activation](name, experts)  # refuses experts without the activation's attributes
     return int(w1.shape[0])
 
 
@@ -198,7 +237,7 @@ def detect_moe_blocks(model: nn.Module, section: ExpertParallelConfig) -> list[M
     raise ConfigError(f"expert_parallel.enabled: no MoE block found in {type(model).__name__} "
                       f"(model_type={model_type!r}, presets tried: "
                       f"{', '.join(n for n, _ in _candidates(section, model))}); AutoEP supports transformers 5 "
-                      "models with fused experts (gate_up_proj / down_proj) beside a router `gate`: set "
+                      "models with fused experts (gate_up_proj / down_proj) beside a router (`gate`; gpt_oss: `router`): set "
                       "expert_parallel.preset_model or the pattern keys (moe_layer_pattern, router_pattern, "
                       "expert_pattern, expert_w1, expert_w2), or turn AutoEP off")
 
@@ -230,26 +269,29 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
         if block.num_experts % ep:
             raise ConfigError(f"expert_parallel.autoep_size={ep} does not divide the {block.num_experts} experts of "
                               f"{block.name}")
-        source = getattr(block.module, block.preset.experts)
+        preset = block.preset
+        source = getattr(block.module, preset.experts)
         if any(p.is_meta for p in source.parameters()):
             raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are on the meta device "
                                       "(zero.Init); build the model whole, AutoEP slices it in initialize()")
-        experts = EPExperts(source, (block.preset.w1, block.preset.w2), block.num_experts, ep_rank, ep,
-                            source.act_fn, use_grouped_mm=section.use_grouped_mm)
+        activation = EXPERT_ACTIVATIONS[preset.activation](block.name, source)
+        experts = EPExperts(source, (preset.w1, preset.w2), block.num_experts, ep_rank, ep, activation,
+                            use_grouped_mm=section.use_grouped_mm, bias_names=(preset.b1, preset.b2),
+                            transposed=preset.transposed)
         if ep > 1:
             experts.bind(group)
-        setattr(block.module, block.preset.experts, experts)
+        setattr(block.module, preset.experts, experts)
         local = block.num_experts // ep
-        for w in (block.preset.w1, block.preset.w2):
+        for w in experts.param_names:
             p = getattr(experts, w)
             shape = (block.num_experts,) + tuple(p.shape[1:])
             box = ((ep_rank * local, (ep_rank + 1) * local),) + tuple((0, n) for n in p.shape[1:])
-            placed.append(Placement(f"{block.name}.{block.preset.experts}.{w}", shape, (box,), ("ep",),
+            placed.append(Placement(f"{block.name}.{preset.experts}.{w}", shape, (box,), ("ep",),
                                     EXPERT_DATA_PARALLEL))
     logger.info("AutoEP: %d MoE blocks (preset %s), %d experts each, %d per rank over ep %d", len(blocks),
                 blocks[0].preset_name, blocks[0].num_experts, blocks[0].num_experts // ep, ep)
     return model, placements.placed(placed)
 
 
-__all__ = ["MoEBlock", "PRESETS", "Preset", "autoep_mesh_size", "autoep_transform", "check_autoep_config",
+__all__ = ["EXPERT_ACTIVATIONS", "MoEBlock", "PRESETS", "Preset", "autoep_mesh_size", "autoep_transform", "check_autoep_config",
            "detect_moe_blocks"]

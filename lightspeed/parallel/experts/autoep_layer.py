@@ -1,5 +1,6 @@
 """The expert-parallel replacement of a Hugging Face transformers 5 fused experts module
-(`MixtralExperts`, `Qwen2MoeExperts`, `Qwen3MoeExperts`, `DeepseekV3Experts`, ...): `EPExperts` holds
+(`MixtralExperts`, `Qwen2MoeExperts`, `Qwen3MoeExperts`, `DeepseekV3Experts`, `GptOssExperts`, ...):
+`EPExperts` holds
 this ep rank's `num_experts / ep` experts, sliced from the fused [E, ...] weights, and computes
 `forward(hidden_states, top_k_index, top_k_weights)` exactly as the module it replaces, with the
 tokens of the other ranks' experts sent there and back.
@@ -11,10 +12,16 @@ model's own router module still runs, so routing is the model's to the bit), bui
 parameters (autoep.py does).
 
 Note: [what is exact] The replaced module computes, for each token t and each of its k routes (e, w):
-`act(x W_gu[e]^T)[:I] * (x W_gu[e]^T)[I:]` through `W_down[e]`, times w (in the promoted dtype of the
-expert output and the router weight), cast to the hidden dtype, summed over the routes into zeros.
-So does `EPExperts`: every route is computed (no capacity, nothing dropped), in the same dtypes; only
-the order in which a token's k results are summed may differ (k <= a few terms).
+`glu(x W_gu[e]^T + b_gu[e]) W_down[e]^T + b_down[e]` (grouped_mlp.py's Notes: the biases where the
+model has them, `glu` the model's gated activation), times w (in the promoted dtype of the expert
+output and the router weight), cast to the hidden dtype, summed over the routes into zeros. So does
+`EPExperts`: every route is computed (no capacity, nothing dropped), in the same dtypes; only the order
+in which a token's k results are summed may differ (k <= a few terms).
+
+Note: [layouts] Weights are kept as the model stores them, under its names: nn.Linear's [E, 2I, H] /
+[E, H, I] (Mixtral, Qwen, DeepSeek), or `transposed` [E, H, 2I] / [E, I, H] (GPT-OSS, `x @ W`), which
+the MLP reads through `.transpose(1, 2)` views. Biases are [E, 2I] and [E, H]. Every parameter is
+sliced along dim 0, the expert.
 
 Note: [state dicts] `state_dict()` holds this rank's rows under the replaced module's names (the
 placements say where they sit in the whole [E, ...] tensor). `load_state_dict` takes either this
@@ -36,36 +43,58 @@ from torch import nn
 
 from lightspeed.comm import api as comm_api
 from lightspeed.comm.differentiable import ragged_all_to_all
-from lightspeed.parallel.experts.grouped_mlp import grouped_mlp, grouped_mlp_reference
+from lightspeed.parallel.experts.grouped_mlp import GatedActivation, as_gated, grouped_mlp, grouped_mlp_reference
 
 
 class EPExperts(nn.Module):
     """This ep rank's share of a fused experts module. `weight_names` (w1, w2) are the fused gate|up
-    and down parameters' names (kept, so the state dict keeps the model's names, holding this rank's
-    rows); `ep_group` is bound by `bind` before the first forward when `ep_size` > 1."""
+    and down parameters' names, `bias_names` (b1, b2) their biases' ("" for none; kept, so the state
+    dict keeps the model's names, holding this rank's rows); `activation` the experts' gated
+    activation (grouped_mlp.py: a `GatedActivation`, or an elementwise `act_fn` of the gate half);
+    `transposed` the Note on layouts; `ep_group` is bound by `bind` before the first forward when
+    `ep_size` > 1."""
 
     def __init__(self, source: nn.Module, weight_names: tuple[str, str], num_experts: int, ep_rank: int,
-                 ep_size: int, act_fn: Callable[[torch.Tensor], torch.Tensor], use_grouped_mm: bool = True) -> None:
+                 ep_size: int, activation: GatedActivation | Callable[[torch.Tensor], torch.Tensor],
+                 use_grouped_mm: bool = True, bias_names: tuple[str, str] = ("", ""), transposed: bool = False
+                 ) -> None:
         super().__init__()
         w1, w2 = weight_names
-        self.weight_names = weight_names
+        self.weight_names, self.bias_names, self.transposed = weight_names, bias_names, transposed
+        self.param_names = tuple(weight_names) + tuple(b for b in bias_names if b)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.ep_rank, self.ep_size = ep_rank, ep_size
-        self.act_fn = act_fn
+        self.activation = as_gated(activation)
         self.mlp = grouped_mlp if use_grouped_mm else grouped_mlp_reference
         self.ep_group = None
         self._bound = ep_size == 1
         first = ep_rank * self.num_local_experts
-        for name in weight_names:
+        for name in self.param_names:
             full = getattr(source, name)
             local = full.detach()[first:first + self.num_local_experts].clone()
             self.register_parameter(name, nn.Parameter(local, requires_grad=full.requires_grad))
-        gate_up, down = getattr(self, w1), getattr(self, w2)
+        gate_up, down = self._weights()
         self.hidden_dim, self.intermediate_dim = down.shape[1], down.shape[2]
         if gate_up.shape[1:] != (2 * self.intermediate_dim, self.hidden_dim):
-            raise ValueError(f"AutoEP: {w1} {tuple(gate_up.shape)} and {w2} {tuple(down.shape)} are not a fused "
-                             "gate|up [E, 2I, H] and down [E, H, I] pair")
+            stored = "[E, H, 2I] and [E, I, H]" if transposed else "[E, 2I, H] and [E, H, I]"
+            raise ValueError(f"AutoEP: {w1} {tuple(getattr(self, w1).shape)} and {w2} {tuple(getattr(self, w2).shape)} "
+                             f"are not a fused gate|up and down pair ({stored})")
+        for name, width in zip(bias_names, (2 * self.intermediate_dim, self.hidden_dim)):
+            if name and tuple(getattr(self, name).shape) != (self.num_local_experts, width):
+                raise ValueError(f"AutoEP: {name} {tuple(getattr(self, name).shape)} is not a per-expert bias "
+                                 f"[E, {width}]")
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_gate_up [E, 2I, H], w_down [E, H, I]) as the MLP reads them (views when transposed)."""
+        gate_up, down = (getattr(self, name) for name in self.weight_names)
+        if self.transposed:
+            return gate_up.transpose(1, 2), down.transpose(1, 2)
+        return gate_up, down
+
+    def _biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        b1, b2 = self.bias_names
+        return (getattr(self, b1) if b1 else None), (getattr(self, b2) if b2 else None)
 
     def bind(self, ep_group) -> None:
         """Give the module its expert-parallel process group."""
@@ -77,9 +106,9 @@ class EPExperts(nn.Module):
         # a whole model's state dict (every expert's rows) loads too: this rank takes its rows (the Note on
         # state dicts)
         first, local = self.ep_rank * self.num_local_experts, self.num_local_experts
-        for name in self.weight_names:
+        for name in self.param_names:
             value = state_dict.get(prefix + name)
-            if value is not None and local != self.num_experts and value.dim() == 3 \
+            if value is not None and local != self.num_experts and value.dim() == getattr(self, name).dim() \
                     and value.shape[0] == self.num_experts:
                 state_dict[prefix + name] = value[first:first + local]
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -87,14 +116,14 @@ class EPExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts {self.ep_rank * self.num_local_experts}..{(self.ep_rank + 1) * self.num_local_experts - 1} "
-                f"of {self.num_experts}, ep {self.ep_rank}/{self.ep_size}")
+                f"of {self.num_experts}, ep {self.ep_rank}/{self.ep_size}, {self.activation!r}"
+                f"{', biases' if any(self.bias_names) else ''}")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
         if not self._bound:
             raise RuntimeError("AutoEP experts: no expert-parallel group is bound; the model must pass through "
                                "lightspeed.initialize() with expert_parallel.enabled")
-        w_gate_up, w_down = (getattr(self, name) for name in self.weight_names)
         k = top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # routes sorted by global expert (so by ep rank)
@@ -102,15 +131,14 @@ class EPExperts(nn.Module):
         x_send = hidden_states.index_select(0, token_of_route)
         counts = torch.bincount(experts, minlength=self.num_experts)
         if self.ep_size == 1:
-            out_sorted = self.mlp(x_send, counts, w_gate_up, w_down, self.act_fn)
+            out_sorted = self.mlp(x_send, counts, *self._weights(), self.activation, *self._biases())
         else:
-            out_sorted = self._exchange(x_send, counts, w_gate_up, w_down)
+            out_sorted = self._exchange(x_send, counts)
         weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         routed = (out_sorted * weights).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add(0, token_of_route, routed)
 
-    def _exchange(self, x_send: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
-                  ) -> torch.Tensor:
+    def _exchange(self, x_send: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep_size, self.num_local_experts
         recv_counts = torch.empty_like(counts)
         comm_api.all_to_all_single(recv_counts, counts.contiguous(), group=self.ep_group)  # [source rank, local expert]
@@ -122,7 +150,8 @@ class EPExperts(nn.Module):
         label = torch.arange(local, device=counts.device).repeat(ep)
         expert_of_row = torch.repeat_interleave(label, by_source.reshape(-1), output_size=x_recv.shape[0])
         perm = torch.argsort(expert_of_row, stable=True).to(x_recv.device)
-        y = self.mlp(x_recv.index_select(0, perm), by_source.sum(0), w_gate_up, w_down, self.act_fn)
+        y = self.mlp(x_recv.index_select(0, perm), by_source.sum(0), *self._weights(), self.activation,
+                     *self._biases())
         y = y.index_select(0, torch.argsort(perm))  # back to the received order
         return ragged_all_to_all(y, self.ep_group, recv_sizes, send_sizes, grad_scale=1.0 / ep)
 

@@ -1,12 +1,17 @@
 """AutoEP in one process: `grouped_mlp` against its loop definition (values and gradients, experts
-with no rows, no rows at all), the `expert_parallel` section's keys and defaults (DeepSpeed's
+with no rows, no rows at all; with per-expert biases and GPT-OSS's clamped interleaved SwiGLU on
+uneven loads, through the CPU path, ops/grouped_gemm's reference and Triton (interpreted) paths,
+against a per-expert loop written out here), `ClampedSwiGLU` bit-equal to GPT-OSS's own, the `expert_parallel` section's keys and defaults (DeepSpeed's
 `parse_autoep_config`), detection (by model_type, by preset_model, the pattern overrides, nothing
-found), the refused keys, and `initialize()` at autoep_size 1 (every expert local, logits equal to the
-unwrapped model's, one training step's loss and gradients as the unwrapped model's)."""
+found; GPT-OSS by its model_type, experts whose biases the preset does not name refused), the
+refused keys, and `initialize()` at autoep_size 1 (every expert local, logits equal to the unwrapped
+model's, one training step's loss and gradients as the unwrapped model's: Qwen2-MoE, and GPT-OSS with
+random expert biases and a clamp that bites, grouped and looped)."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -18,7 +23,9 @@ from lightspeed.config.errors import ConfigError
 from lightspeed.config.expert_parallel import ExpertParallelConfig
 from lightspeed.parallel.experts.autoep import detect_moe_blocks
 from lightspeed.parallel.experts.autoep_layer import EPExperts
-from lightspeed.parallel.experts.grouped_mlp import grouped_kernel, grouped_mlp, grouped_mlp_reference
+from lightspeed.parallel.experts.grouped_mlp import ClampedSwiGLU, grouped_kernel, grouped_mlp, grouped_mlp_reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # tests/conftest.py sets it without CUDA
 
 
 def _weights(experts=3, hidden=5, inter=4):
@@ -57,6 +64,62 @@ def test_grouped_mlp_refuses_mismatched_shapes():
     w1, w2 = _weights()
     with pytest.raises(ValueError, match="number of experts"):
         grouped_mlp(torch.zeros(2, 5), torch.tensor([1, 1]), w1, w2, F.silu)
+    with pytest.raises(ValueError, match=r"b_down must be \[E, out\]"):
+        grouped_mlp(torch.zeros(2, 5), torch.tensor([1, 1, 0]), w1, w2, F.silu, None, torch.zeros(3, 4))
+
+
+def _biased_loop(x, counts, w1t, b1, w2t, b2, glu):
+    """GPT-OSS's layout written out: expert e's rows times w1t[e] [H, 2I] plus b1[e], gated, times w2t[e]."""
+    out, start = torch.zeros(x.shape[0], w2t.shape[-1]), 0
+    for e, n in enumerate(counts.tolist()):
+        rows = slice(start, start + n)
+        out[rows] = glu(x[rows] @ w1t[e] + b1[e]) @ w2t[e] + b2[e]
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("counts", [[4, 0, 1, 6, 2], [0, 0, 0, 7, 0], [0, 0, 0, 0, 0]])
+def test_biased_grouped_mlp_matches_a_per_expert_loop(counts):
+    counts, hidden, inter = torch.tensor(counts), 6, 5
+    glu = ClampedSwiGLU(1.702, 0.5)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(int(counts.sum()), hidden, generator=gen, requires_grad=True)
+    params = [torch.randn(5, hidden, 2 * inter, generator=gen), torch.randn(5, 2 * inter, generator=gen),
+              torch.randn(5, inter, hidden, generator=gen), torch.randn(5, hidden, generator=gen)]
+    dout = torch.randn(x.shape[0], hidden, generator=gen)
+    paths = {"loop": lambda *a: _biased_loop(*a, glu),
+             "cpu": lambda x, c, w1, b1, w2, b2: grouped_mlp(x, c, w1.transpose(1, 2), w2.transpose(1, 2), glu, b1, b2),
+             "reference": lambda x, c, w1, b1, w2, b2: grouped_mlp_reference(x, c, w1.transpose(1, 2),
+                                                                              w2.transpose(1, 2), glu, b1, b2),
+             "ops_reference": lambda x, c, w1, b1, w2, b2: grouped_kernel(x, c, w1.transpose(1, 2), w2.transpose(1, 2),
+                                                                          glu, "reference", b1, b2)}
+    if INTERPRET:
+        paths["triton"] = lambda x, c, w1, b1, w2, b2: grouped_kernel(x, c, w1.transpose(1, 2), w2.transpose(1, 2),
+                                                                      glu, "triton", b1, b2)
+    results = {}
+    for name, fn in paths.items():
+        leaves = [p.clone().requires_grad_() for p in params]
+        out = fn(x, counts, leaves[0], leaves[1], leaves[2], leaves[3])
+        (out * dout).sum().backward()
+        results[name] = [out.detach(), x.grad.clone()] + [p.grad for p in leaves]
+        x.grad = None
+    want = results.pop("loop")
+    if counts.sum():
+        assert (x @ params[0][3] + params[1][3]).abs().max() > 0.5  # the clamp bites
+        assert want[3][1].abs().sum() == 0 and want[3][3].abs().sum() > 0  # expert 1 has no rows, 3 has
+    for name, got in results.items():
+        for what, g, w in zip(("out", "dx", "dw1", "db1", "dw2", "db2"), got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {what}: {m}")
+
+
+def test_clamped_swiglu_is_gpt_oss_own():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    h = 3 * torch.randn(7, 10, generator=torch.Generator().manual_seed(5))
+    model = GptOssExperts.__new__(GptOssExperts)  # _apply_gate reads only alpha and limit
+    model.alpha, model.limit = 1.702, 1.5
+    assert (h.abs() > 1.5).any()
+    assert torch.equal(ClampedSwiGLU(1.702, 1.5)(h), GptOssExperts._apply_gate(model, h))
 
 
 def test_section_defaults_are_deepspeeds():
@@ -77,6 +140,17 @@ def _tiny(kind="mixtral"):
     torch.manual_seed(0)
     common = dict(vocab_size=32, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   max_position_embeddings=16, initializer_range=0.2)
+    if kind == "gpt_oss":  # random expert biases (the model initialises them to zero), a clamp that bites; the
+        # model's experts run its eager per-expert loop (its grouped_mm one needs 16-byte strides on the CPU)
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(intermediate_size=6, num_local_experts=4, num_experts_per_tok=2,
+                                                     head_dim=4, sliding_window=4, swiglu_limit=0.4,
+                                                     experts_implementation="eager",
+                                                     **{**common, "num_attention_heads": 4, "num_key_value_heads": 2}))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_bias"):
+                    p.normal_(0.0, 0.3)
+        return model
     if kind == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=8, num_local_experts=4, num_experts_per_tok=2,
                                                       **common))
@@ -99,6 +173,12 @@ def test_detection():
     with pytest.raises(ConfigError, match="expert_parallel.has_shared_experts"):
         detect_moe_blocks(_tiny(), ExpertParallelConfig(enabled=True, has_shared_experts=True,
                                                         shared_experts_pattern="shared_expert"))
+    gpt_oss = _tiny("gpt_oss")
+    assert [(b.name, b.preset_name, b.num_experts) for b in detect_moe_blocks(gpt_oss, section)] == \
+        [("model.layers.0.mlp", "gpt_oss", 4), ("model.layers.1.mlp", "gpt_oss", 4)]
+    # a preset without biases, pointed at GPT-OSS's block: its biases are named in the refusal
+    with pytest.raises(NotImplementedError, match="down_proj_bias, gate_up_proj_bias; it names down_proj, "):
+        detect_moe_blocks(gpt_oss, ExpertParallelConfig(enabled=True, preset_model="mixtral", router_pattern="router"))
 
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
@@ -124,10 +204,11 @@ def test_unknown_model_names_enabled():
                               dist_init_required=False)
 
 
-def test_autoep_size_one_is_the_unwrapped_model():
-    ref = _tiny("qwen2")
-    engine, *_ = lightspeed.initialize(model=_tiny("qwen2"), dist_init_required=False,
-                                       config={**CFG, "expert_parallel": {"enabled": True, "autoep_size": 1}})
+@pytest.mark.parametrize("kind,grouped", [("qwen2", True), ("gpt_oss", True), ("gpt_oss", False)])
+def test_autoep_size_one_is_the_unwrapped_model(kind, grouped):
+    ref = _tiny(kind)
+    engine, *_ = lightspeed.initialize(model=_tiny(kind), dist_init_required=False, config={
+        **CFG, "expert_parallel": {"enabled": True, "autoep_size": 1, "use_grouped_mm": grouped}})
     swapped = [n for n, m in engine.module.named_modules() if isinstance(m, EPExperts)]
     assert swapped == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert set(engine.module.state_dict()) == set(ref.state_dict())

@@ -4,7 +4,8 @@
 that binds that group and places the expert parameters (`transform.py`); and AutoEP, DeepSpeed's
 `expert_parallel` section (`autoep.py`: detect a Hugging Face model's MoE blocks and split their fused
 experts over "ep"; `autoep_layer.py`: the split experts with a ragged all-to-all dispatch;
-`grouped_mlp.py`: the experts' MLP over tokens sorted by expert). Tested against DeepSpeed's
+`grouped_mlp.py`: the experts' MLP over tokens sorted by expert, with per-expert biases and the
+preset's gated activation). Tested against DeepSpeed's
 own gates in tests/unit/parallel/test_moe_gating.py and against one process holding every expert in
 tests/distributed/test_moe_training.py."""
 

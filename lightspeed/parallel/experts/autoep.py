@@ -3,11 +3,12 @@ Hugging Face transformers 5 model and split their experts over the run's "ep" gr
 
 Owns: the presets (DeepSpeed's names: mixtral, qwen3_moe (also Qwen2-MoE), qwen3_5_moe, deepseek_v2,
 deepseek_v3; and gpt_oss, which DeepSpeed 0.19 lacks, named by its Hugging Face model_type), the
-experts' gated activations a preset can name (`EXPERT_ACTIVATIONS`), the detection (`detect_moe_blocks`), the ep size the section asks for
-(`autoep_mesh_size`, read before the topology exists), the refusal of the section's keys that are
-not built (`check_autoep_config`), and the model transform (`autoep_transform`: swap each block's
-fused experts module for an `EPExperts`, place its weights). Must not: route tokens (the model's
-router runs unchanged), build groups, or touch ZeRO.
+experts' gated activations a preset can name (`EXPERT_ACTIVATIONS`), the detection
+(`detect_moe_blocks`), the ep size the section asks for (`autoep_mesh_size`, read before the topology
+exists), the refusal of the section's keys that are not built (`check_autoep_config`), and the model
+transform (`autoep_transform`: swap each block's fused experts module for an `EPExperts`, place its
+weights and biases). Must not: route tokens (the model's router runs unchanged), build groups, or touch
+ZeRO.
 
 Note: [detection] A preset names the block (a regular expression matched against the whole module
 name: DeepSpeed's `model\\.layers\\.\\d+\\.mlp`, relaxed here to any prefix so a bare base model
@@ -78,8 +79,9 @@ class Preset:
 def _act_fn(name: str, experts: nn.Module) -> GatedActivation:
     act = getattr(experts, "act_fn", None)
     if not callable(act):
-        raise NotImplementedError(f"AutoEP: the experts module of {name} has no `act_fn`; the preset's activation "
-                                  "'act_fn' needs transformers' fused gated experts (gate_up_proj / down_proj / act_fn)")
+        raise NotImplementedError(f"AutoEP: the experts module of {name} has no `act_fn`; the preset's "
+                                  "activation 'act_fn' needs transformers' fused gated experts (gate_up_proj / "
+                                  "down_proj / act_fn)")
     return HalvesGLU(act)
 
 
@@ -237,7 +239,8 @@ def detect_moe_blocks(model: nn.Module, section: ExpertParallelConfig) -> list[M
     raise ConfigError(f"expert_parallel.enabled: no MoE block found in {type(model).__name__} "
                       f"(model_type={model_type!r}, presets tried: "
                       f"{', '.join(n for n, _ in _candidates(section, model))}); AutoEP supports transformers 5 "
-                      "models with fused experts (gate_up_proj / down_proj) beside a router (`gate`; gpt_oss: `router`): set "
+                      "models with fused experts (gate_up_proj / down_proj) beside a router (`gate`; gpt_oss: "
+                      "`router`): set "
                       "expert_parallel.preset_model or the pattern keys (moe_layer_pattern, router_pattern, "
                       "expert_pattern, expert_w1, expert_w2), or turn AutoEP off")
 
@@ -293,5 +296,5 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
     return model, placements.placed(placed)
 
 
-__all__ = ["EXPERT_ACTIVATIONS", "MoEBlock", "PRESETS", "Preset", "autoep_mesh_size", "autoep_transform", "check_autoep_config",
-           "detect_moe_blocks"]
+__all__ = ["EXPERT_ACTIVATIONS", "MoEBlock", "PRESETS", "Preset", "autoep_mesh_size", "autoep_transform",
+           "check_autoep_config", "detect_moe_blocks"]

@@ -35,8 +35,10 @@ instead of N: fine for the balanced loads of training, wasteful for a very skewe
 Note: [on the GPU] CUDA tensors go to ops/grouped_gemm (its Triton kernels, or `torch._grouped_mm` for
 bf16 on Hopper: no padding, no per-expert loop), handed this layout's weights as transposed views:
 without biases and with `HalvesGLU`, its `grouped_mlp` whole; otherwise its `grouped_mm` for each
-projection, each row's expert bias gathered by `repeat_interleave` (sized by N, no host sync) and
-added, the gated activation by torch between the two.
+projection, each row's expert bias gathered by its expert (`repeat_interleave` sized by N, no host
+sync) and added, the gated activation by torch between the two. The bias gradient is summed per
+expert in fp32 (as the model's broadcast add reduces), by `index_add_`: on CUDA in an unspecified
+order unless `torch.use_deterministic_algorithms` is on.
 """
 
 from __future__ import annotations
@@ -154,11 +156,28 @@ def grouped_kernel(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torc
                                             output_size=rows)
     h = grouped_gemm.grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offsets, backend=backend)
     if b_gate_up is not None:
-        h = h + b_gate_up.index_select(0, expert_of_row)
+        h = h + _ExpertBias.apply(b_gate_up, expert_of_row)
     out = grouped_gemm.grouped_mm(glu(h), w_down.transpose(1, 2), offsets, backend=backend)
     if b_down is not None:
-        out = out + b_down.index_select(0, expert_of_row)
+        out = out + _ExpertBias.apply(b_down, expert_of_row)
     return out
+
+
+class _ExpertBias(torch.autograd.Function):
+    """Each row's expert bias, `bias[expert_of_row]`; the bias gradient summed per expert in fp32 (the
+    Note on the GPU), not in the bias dtype as `index_select`'s own backward would."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(expert_of_row)
+        ctx.experts, ctx.dtype = bias.shape[0], bias.dtype
+        return bias.index_select(0, expert_of_row)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (expert_of_row,) = ctx.saved_tensors
+        total = grad.new_zeros(ctx.experts, grad.shape[1], dtype=torch.float32)
+        return total.index_add_(0, expert_of_row, grad.float()).to(ctx.dtype), None
 
 
 def grouped_mlp_reference(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,

@@ -1,12 +1,12 @@
-"""AutoEP in one process: `grouped_mlp` against its loop definition (values and gradients, experts
-with no rows, no rows at all; with per-expert biases and GPT-OSS's clamped interleaved SwiGLU on
-uneven loads, through the CPU path, ops/grouped_gemm's reference and Triton (interpreted) paths,
-against a per-expert loop written out here), `ClampedSwiGLU` bit-equal to GPT-OSS's own, the `expert_parallel` section's keys and defaults (DeepSpeed's
-`parse_autoep_config`), detection (by model_type, by preset_model, the pattern overrides, nothing
-found; GPT-OSS by its model_type, experts whose biases the preset does not name refused), the
-refused keys, and `initialize()` at autoep_size 1 (every expert local, logits equal to the unwrapped
-model's, one training step's loss and gradients as the unwrapped model's: Qwen2-MoE, and GPT-OSS with
-random expert biases and a clamp that bites, grouped and looped)."""
+"""AutoEP in one process: `grouped_mlp` against its loop definition (values and gradients, experts with no
+rows, no rows at all; with per-expert biases and GPT-OSS's clamped interleaved SwiGLU on uneven loads,
+through the CPU path, ops/grouped_gemm's reference and Triton (interpreted) paths, against a per-expert
+loop written out here), `ClampedSwiGLU` bit-equal to GPT-OSS's own, the `expert_parallel` section's keys
+and defaults (DeepSpeed's `parse_autoep_config`), detection (by model_type, by preset_model, the pattern
+overrides, nothing found; GPT-OSS by its model_type, experts whose biases the preset does not name
+refused), the refused keys, and `initialize()` at autoep_size 1 (every expert local, logits equal to the
+unwrapped model's, one training step's loss and gradients as the unwrapped model's: Qwen2-MoE, and
+GPT-OSS with random expert biases and a clamp that bites, grouped and looped)."""
 
 from __future__ import annotations
 

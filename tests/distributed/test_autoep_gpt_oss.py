@@ -5,10 +5,11 @@ random, since the model initialises them to zero, and a SwiGLU limit low enough 
 
 - logits at autoep_size 2, grouped MLP and DeepSpeed's `use_grouped_mm: false` loop: each rank's
   logits for its own tokens equal the unwrapped model's within 1e-5; each rank holds its half of every
-  expert weight and bias, placed as global [E, ...] rows over "ep".
+  expert weight and bias, placed as global [E, ...] rows over "ep"; a whole-model (every expert) state
+  dict loads into the split model (each rank keeps its rows of the weights and biases).
 - training: 3 AdamW steps at autoep_size 2 (ZeRO 1) match one process training the unwrapped model on
   the same global batch (the mean of the two ranks' shard losses): losses within 1e-5, final weights
-  and biases (each rank's rows) within 1e-5.
+  and biases (each rank's rows) within 1e-5; at ZeRO 3 the losses.
 - checkpoint: the ep2 run saves after 2 steps; an autoep_size 1 engine (ep1 x dp2) loads the tag (the
   expert weights and biases assembled whole from the ranks' rows, with their optimizer state) and goes
   on for 2 steps with the reference's losses (1e-5) and final state.
@@ -51,10 +52,10 @@ def data(step: int):
     return torch.randint(0, VOCAB, (2 * MICRO, SEQ), generator=gen)
 
 
-def config(autoep_size: int = 2, **autoep) -> dict:
+def config(autoep_size: int = 2, stage: int = 1, **autoep) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": 1},
+            "zero_optimization": {"stage": stage},
             "expert_parallel": {"enabled": True, "autoep_size": autoep_size, **autoep}}
 
 
@@ -78,12 +79,20 @@ def _logits(rank: int, **autoep):
 
     engine, *_ = lightspeed.initialize(model=build(), config=config(**autoep))
     engine.eval()
+    ids = data(0)[rank * MICRO:(rank + 1) * MICRO]
     with torch.no_grad():
-        logits = engine(input_ids=data(0)[rank * MICRO:(rank + 1) * MICRO]).logits
+        logits = engine(input_ids=ids).logits
+    other = build()  # every expert's weights and biases moved: the split model takes its rows
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.module.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        reloaded = (engine(input_ids=ids).logits, other(input_ids=ids).logits)
     placements = {k: (p.global_shape, p.boxes, p.sharded_over) for k, p in engine.placements.items()
                   if k.startswith("model.layers.1.mlp.experts.")}
     shapes = {k: tuple(v.shape) for k, v in engine.module.state_dict().items() if k.startswith("model.layers.1.mlp.")}
-    return {"logits": logits, "placements": placements, "shapes": shapes}
+    return {"logits": logits, "reloaded": reloaded, "placements": placements, "shapes": shapes}
 
 
 def _steps(engine, rank: int, steps) -> list[float]:
@@ -113,6 +122,8 @@ def _world(tmp: str):
     engine.save_checkpoint(tmp, tag="ep2")
     losses += _steps(engine, rank, range(SAVED_AFTER, STEPS))
     out["train"] = {"losses": losses, "state": _state(engine)}
+    stage3, *_ = lightspeed.initialize(model=build(), config=config(stage=3))
+    out["train_stage3"] = _steps(stage3, rank, range(STEPS))
     resumed, *_ = lightspeed.initialize(model=build(), config=config(autoep_size=1))
     resumed.load_checkpoint(tmp, tag="ep2")
     out["resumed"] = {"losses": _steps(resumed, rank, range(SAVED_AFTER, SAVED_AFTER + RESUMED)),
@@ -135,6 +146,8 @@ def test_logits_match_the_unwrapped_model(which, runs):
     for rank, result in enumerate(runs):
         got = result[which]
         torch.testing.assert_close(got["logits"], ref[rank * MICRO:(rank + 1) * MICRO], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(*got["reloaded"], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got["reloaded"][0], got["logits"])
         assert sorted(got["placements"]) == sorted(f"model.layers.1.mlp.{k}" for k in EXPERT_KEYS)
         for key, (shape, boxes, sharded) in got["placements"].items():
             local = EXPERTS // 2
@@ -157,6 +170,7 @@ def test_training_matches_one_process(runs):
     for rank, result in enumerate(runs):
         got = result["train"]
         assert got["losses"] == pytest.approx([step[rank] for step in ref_losses], rel=1e-5, abs=1e-6)
+        assert result["train_stage3"] == pytest.approx([step[rank] for step in ref_losses], rel=1e-5, abs=1e-6)
         assert set(got["state"]) == set(ref_state)
         for key, value in got["state"].items():
             torch.testing.assert_close(value, _rows(key, ref_state[key], rank, 2), rtol=1e-5, atol=1e-5,

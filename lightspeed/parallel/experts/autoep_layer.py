@@ -1,9 +1,8 @@
 """The expert-parallel replacement of a Hugging Face transformers 5 fused experts module
 (`MixtralExperts`, `Qwen2MoeExperts`, `Qwen3MoeExperts`, `DeepseekV3Experts`, `GptOssExperts`, ...):
-`EPExperts` holds
-this ep rank's `num_experts / ep` experts, sliced from the fused [E, ...] weights, and computes
-`forward(hidden_states, top_k_index, top_k_weights)` exactly as the module it replaces, with the
-tokens of the other ranks' experts sent there and back.
+`EPExperts` holds this ep rank's `num_experts / ep` experts, sliced from the fused [E, ...] weights
+(and biases), and computes `forward(hidden_states, top_k_index, top_k_weights)` exactly as the module
+it replaces, with the tokens of the other ranks' experts sent there and back.
 
 Owns: the dispatch (sort routes by expert, an all-to-all with per-rank sizes over the "ep" group,
 regroup by local expert), the experts' MLP (grouped_mlp.py) and the combine (the results come home

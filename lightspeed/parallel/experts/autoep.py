@@ -25,8 +25,15 @@ its gate, so the routes and everything but the experts' arithmetic are the model
 experts child becomes an `EPExperts` (autoep_layer.py) holding global experts [r x E/ep, (r+1) x E/ep)
 of ep rank r, under the same parameter names; the placements give each weight its global [E, ...]
 shape, this rank's rows along dim 0, `sharded_over=("ep",)` and `reduced_over` the expert-data-parallel
-dims (transform.py's `EXPERT_DATA_PARALLEL`). The supported path to load a Hugging Face checkpoint is to
-build the model whole (from_pretrained), then `initialize()`, which slices it.
+dims, and tp when the dense layers are tensor-parallel (transform.py's `expert_reduced_over`). The
+supported path to load a Hugging Face checkpoint is to build the model whole (from_pretrained), then
+`initialize()`, which slices it.
+
+Note: [beside tensor parallelism] With `tensor_parallel.autotp_size` > 1, AutoTP splits the dense layers
+(attention, a shared expert) and leaves each block's experts and router whole (autotp.py's Note on
+mixture-of-experts layers); the experts' tp ranks each compute 1/tp of the tokens (autoep_layer.py's
+Note on tensor parallelism). `expert_parallel.expert_tensor_parallel_size` > 1 (experts sliced over
+tp) stays refused.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from lightspeed.comm.topology import Topology
 from lightspeed.config.errors import ConfigError
 from lightspeed.config.expert_parallel import ExpertParallelConfig
 from lightspeed.parallel.experts.autoep_layer import EPExperts
-from lightspeed.parallel.experts.transform import EXPERT_DATA_PARALLEL, moe_layers
+from lightspeed.parallel.experts.transform import expert_reduced_over, moe_layers
 from lightspeed.parallel.placement import Placement, PlacementTable
 
 logger = get_logger(__name__)
@@ -214,9 +221,6 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
     if moe_layers(model):
         raise ConfigError("expert_parallel.enabled: the model already holds DeepSpeed MoE layers "
                           "(lightspeed.parallel.experts.MoE); AutoEP is for Hugging Face MoE models, turn one off")
-    if topology.size("tp") > 1:
-        raise NotImplementedError("expert_parallel.enabled with tensor_parallel.autotp_size > 1: AutoEP beside "
-                                  "tensor parallelism is not implemented (nor in DeepSpeed)")
     if topology.size("pp") > 1:
         raise NotImplementedError("expert_parallel.enabled in a pipeline-parallel model is not implemented")
     ep, ep_rank = topology.size("ep"), topology.rank("ep")
@@ -225,6 +229,9 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
                           f"{ep}")
     blocks = detect_moe_blocks(model, section)
     group = as_group(topology.group("ep")) if ep > 1 else None
+    tp = topology.size("tp")
+    tp_group = as_group(topology.group("tp")) if tp > 1 else None
+    reduced_over = expert_reduced_over(topology)
     placed = []
     for block in blocks:
         if block.num_experts % ep:
@@ -238,6 +245,8 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
                             source.act_fn, use_grouped_mm=section.use_grouped_mm)
         if ep > 1:
             experts.bind(group)
+        if tp > 1:
+            experts.bind_tp(tp_group, tp)
         setattr(block.module, block.preset.experts, experts)
         local = block.num_experts // ep
         for w in (block.preset.w1, block.preset.w2):
@@ -245,7 +254,7 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
             shape = (block.num_experts,) + tuple(p.shape[1:])
             box = ((ep_rank * local, (ep_rank + 1) * local),) + tuple((0, n) for n in p.shape[1:])
             placed.append(Placement(f"{block.name}.{block.preset.experts}.{w}", shape, (box,), ("ep",),
-                                    EXPERT_DATA_PARALLEL))
+                                    reduced_over))
     logger.info("AutoEP: %d MoE blocks (preset %s), %d experts each, %d per rank over ep %d", len(blocks),
                 blocks[0].preset_name, blocks[0].num_experts, blocks[0].num_experts // ep, ep)
     return model, placements.placed(placed)

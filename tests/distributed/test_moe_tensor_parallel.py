@@ -15,6 +15,7 @@ layer's tp placement, and the error for a capacity that does not divide by tp.""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ CASES = {
     "mixtral_autoep_stage2": ("mixtral", 2, 0.5, "SGD"),
 }
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
+SAVED = ("top1_drop_stage1", "mixtral_autoep_stage2")
 
 
 class TPMoENet(nn.Module):
@@ -110,9 +112,11 @@ def _optimizer_config(name: str) -> dict:
     return {"type": name, "params": {"lr": LR} if name == "SGD" else {"lr": LR, "weight_decay": 0.0}}
 
 
-def reference(moe, clip: float, optimizer: str):
+@functools.lru_cache(maxsize=None)
+def reference(name: str):
     """One process, every expert, nothing split: per step the mean of the dp ranks' shard losses (each
     shard gated alone, as each rank gates its own tokens), clipped AdamW."""
+    moe, _stage, clip, optimizer = CASES[name]
     model = _mixtral() if moe == "mixtral" else TPMoENet(1, 0, **moe)
     opt = _optimizer(model.parameters(), optimizer)
     losses, norms = [], []
@@ -127,16 +131,12 @@ def reference(moe, clip: float, optimizer: str):
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}, drops
 
 
-def _run(moe, stage: int, clip: float, optimizer: str):
+def _engine(moe, stage: int, clip: float, optimizer: str):
     import torch.distributed as dist
 
     import lightspeed
-    from lightspeed.comm.collectives import Communicator
-    from lightspeed.parallel.experts import MoEArgumentError
-    from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
 
-    rank = dist.get_rank()
-    dp_rank = rank // 2  # tp innermost: ranks 0,1 | 2,3 are the tp groups; ep = the dp coordinate here
+    dp_rank = dist.get_rank() // 2  # tp innermost: ranks 0,1 | 2,3 are the tp groups; ep = the dp coordinate
     config = {"train_micro_batch_size_per_gpu": 1 if moe == "mixtral" else MICRO, "steps_per_print": 1000,
               "optimizer": _optimizer_config(optimizer), "zero_optimization": {"stage": stage}, "gradient_clipping": clip,
               "tensor_parallel": {"autotp_size": 2}}
@@ -147,15 +147,30 @@ def _run(moe, stage: int, clip: float, optimizer: str):
         model = TPMoENet(2, dp_rank, **moe)
         config["tensor_parallel"]["partition_config"] = copy.deepcopy(SPECS)
     engine, *_ = lightspeed.initialize(model=model, config=config)
+    return engine
+
+
+def _step(engine, moe, s: int) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    loss = _shard(moe, s, dist.get_rank() // 2, engine)
+    engine.backward(loss)
+    engine.step()
+    return float(loss), float(engine.get_global_grad_norm())
+
+
+def _run(moe, stage: int, clip: float, optimizer: str, save_dir: str | None, name: str):
+    import torch.distributed as dist
+
+    from lightspeed.comm.collectives import Communicator
+    from lightspeed.parallel.experts import MoEArgumentError
+    from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
+
+    dp_rank = dist.get_rank() // 2
+    engine = _engine(moe, stage, clip, optimizer)
     topology = engine.groups.topology
     assert (topology.size("tp"), topology.size("ep"), topology.rank("ep")) == (2, 2, dp_rank)
-    losses, norms = [], []
-    for s in range(STEPS):
-        loss = _shard(moe, s, dp_rank, engine)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
-        norms.append(float(engine.get_global_grad_norm()))
+    losses, norms = map(list, zip(*[_step(engine, moe, s) for s in range(STEPS)]))
     expert = "model.layers.0.mlp.experts.gate_up_proj" if moe == "mixtral" else EXPERT_PREFIX + "1.0.weight"
     dense = "model.layers.0.self_attn.q_proj.weight" if moe == "mixtral" else "mlp.0.weight"
     out = {"losses": losses, "norms": norms,
@@ -167,23 +182,30 @@ def _run(moe, stage: int, clip: float, optimizer: str):
     if moe != "mixtral" and stage == 1:  # 10 tokens, 4 experts: capacity 3, which two tp ranks cannot halve
         with pytest.raises(MoEArgumentError, match="capacity 3 does not divide by the tensor-parallel size 2"):
             engine.module.moe(torch.randn(10, D))
+    if save_dir is not None:  # a tp2 x ep2 tag: a fresh engine (another ZeRO stage) resumes it exactly
+        engine.save_checkpoint(save_dir, tag=name)
+        resumed = _engine(moe, 1 if stage == 2 else 2, clip, optimizer)
+        resumed.load_checkpoint(save_dir, tag=name)
+        out["resumed"] = (_step(engine, moe, 0), _step(resumed, moe, 0))
     return out
 
 
-def _world():
-    return {name: _run(*CASES[name]) for name in CASES}
+def _world(save_dir: str):
+    return {name: _run(*CASES[name], save_dir if name in SAVED else None, name) for name in CASES}
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     pytest.importorskip("transformers")
-    return run_world(_world, 4)
+    save_dir = str(tmp_path_factory.mktemp("moe_tp"))
+    return run_world(_world, 4, save_dir), save_dir
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp_ep_training_matches_one_process(name, runs):
+    runs, save_dir = runs
     moe, stage, clip, optimizer = CASES[name]
-    ref_losses, ref_norms, ref_state, (dropped, loads) = reference(moe, clip, optimizer)
+    ref_losses, ref_norms, ref_state, (dropped, loads) = reference(name)
     if moe != "mixtral" and moe.get("drop_tokens", True):
         assert dropped > 0, "the case must drop tokens"
     elif moe != "mixtral":  # the capacity (the largest load over the ep group) is odd in some step: padded to 2
@@ -219,3 +241,21 @@ def test_tp_ep_training_matches_one_process(name, runs):
             # catches a wrong gradient, while a gradient of rounding noise may move a weight 1e-5 apart
             atol = 1e-4 if optimizer == "AdamW" else 1e-6
             torch.testing.assert_close(value, want, rtol=1e-5, atol=atol, msg=lambda m: f"{name} rank {rank} {key}: {m}")
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_tp_ep_checkpoint_resumes_and_consolidates(name, runs):
+    from lightspeed.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    runs, save_dir = runs
+    for rank, result in enumerate(runs):
+        kept, resumed = result[name]["resumed"]
+        assert resumed == pytest.approx(kept, rel=1e-6), rank
+    # the tag holds the unsplit model: every expert under its global index, the tp slices joined
+    optimizer = CASES[name][3]
+    ref_state = reference(name)[2]
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=name)
+    assert set(fp32) == set(ref_state)
+    for key, value in fp32.items():
+        torch.testing.assert_close(value, ref_state[key], rtol=1e-5, atol=1e-4 if optimizer == "AdamW" else 1e-6,
+                                   msg=lambda m: f"{name} {key}: {m}")

@@ -112,16 +112,19 @@ def check_autoep_config(section: ExpertParallelConfig) -> None:
             raise NotImplementedError(f"{prefix}{key}={value!r}: AutoEP in lightspeed keeps the model's own router "
                                       "(its score function, top-k, groups, normalisation and scaling come from the "
                                       f"model's config); remove the key or leave it at {default!r}")
-    refused = {"expert_tensor_parallel_size": section.expert_tensor_parallel_size != 1,
-               "validate_folding_routing": section.validate_folding_routing,
+    refused = {"validate_folding_routing": section.validate_folding_routing,
                "load_balance_coeff": section.load_balance_coeff is not None,
                "combine_impl": section.combine_impl == "legacy_bmm",
                "expert_w3": section.expert_w3_given and section.expert_w3 is not None}
+    if section.expert_tensor_parallel_size != 1:
+        raise NotImplementedError(f"{prefix}expert_tensor_parallel_size={section.expert_tensor_parallel_size}: experts "
+                                  "sliced over tensor parallelism are not implemented in lightspeed's AutoEP; leave it "
+                                  "at 1 (with tensor_parallel.autotp_size > 1 the experts stay whole and the tp ranks "
+                                  "split their tokens)")
     for key, active in refused.items():
         if active:
             raise NotImplementedError(f"{prefix}{key}={getattr(section, key)!r} is not implemented in lightspeed's "
-                                      "AutoEP (fused gate|up experts, no expert tensor parallelism, no expert bias, "
-                                      "a weighted-sum combine)")
+                                      "AutoEP (fused gate|up experts, no expert bias, a weighted-sum combine)")
     if section.preset_model is not None and section.preset_model not in PRESETS:
         raise ConfigError(f"expert_parallel.preset_model={section.preset_model!r}: unknown preset (available: "
                           f"{', '.join(PRESETS)})")

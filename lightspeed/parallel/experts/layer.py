@@ -179,8 +179,9 @@ class MoE(nn.Module):
     exp_counts). `num_experts` experts, `num_experts // ep_size` of them (deep copies of `expert`) on each
     rank of an expert-parallel group of `ep_size` ranks; top-`k` gating (gating.py). With `use_residual`
     (Residual MoE), `expert` itself is a dense MLP beside the experts and a linear `coefficient` layer
-    mixes the two outputs by a softmax per token. `use_tutel=True` and
-    `enable_expert_tensor_parallelism=True` are refused (not built)."""
+    mixes the two outputs by a softmax per token. Beside tensor-parallel dense layers the experts stay
+    whole (the Note on tensor parallelism); `use_tutel=True` and `enable_expert_tensor_parallelism=True`
+    are refused (not built)."""
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
@@ -200,7 +201,8 @@ class MoE(nn.Module):
                                    "'RSample')")
         if enable_expert_tensor_parallelism:
             raise NotImplementedError("MoE(enable_expert_tensor_parallelism=True): experts split by tensor "
-                                      "parallelism are not implemented in lightspeed")
+                                      "parallelism are not implemented in lightspeed (with the default False the "
+                                      "experts stay whole beside tensor-parallel dense layers)")
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size

@@ -9,7 +9,9 @@ experts' layers, which must stay whole; a DeepSpeed `MoE` layer of 4 experts; a 
 with tokens dropped by the capacity), 2 (top-1 without drops: an odd capacity padded to a multiple of
 tp; the norm clips) and 3 (top-2, dropped tokens), and a tiny Hugging Face Mixtral through AutoEP with
 autotp_size 2 (its attention split, its experts and router whole; 7 tokens per rank, so the tp ranks
-take 4 and 3) at ZeRO 2. Also: the expert placements (sharded over ep, reduced over tp), a dense
+take 4 and 3) at ZeRO 2 and 3. The ZeRO-1 run and the ZeRO-2 Mixtral save a tag, which a fresh engine at
+another stage resumes (its next step's loss and norm equal the saving engine's) and which consolidates
+(`zero_to_fp32`) to the one-process model's names and tensors. Also: the expert placements (sharded over ep, reduced over tp), a dense
 layer's tp placement, and the error for a capacity that does not divide by tp."""
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ CASES = {
     # SGD: AdamW would move the parameters whose gradients are rounding noise by about lr (the router's
     # rows of experts no token reached), which changes later steps' norms at 2e-5
     "mixtral_autoep_stage2": ("mixtral", 2, 0.5, "SGD"),
+    "mixtral_autoep_stage3": ("mixtral", 3, 0.5, "SGD"),
 }
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 SAVED = ("top1_drop_stage1", "mixtral_autoep_stage2")
@@ -156,7 +159,7 @@ def _step(engine, moe, s: int) -> tuple[float, float]:
     loss = _shard(moe, s, dist.get_rank() // 2, engine)
     engine.backward(loss)
     engine.step()
-    return float(loss), float(engine.get_global_grad_norm())
+    return float(loss.detach()), float(engine.get_global_grad_norm())
 
 
 def _run(moe, stage: int, clip: float, optimizer: str, save_dir: str | None, name: str):

@@ -94,12 +94,12 @@ def expert_parallel_transform(model: nn.Module, placements: PlacementTable, cfg,
     if topology.size("pp") > 1:
         raise NotImplementedError("MoE layers in a pipeline-parallel model are not implemented in lightspeed")
     for name, layer in layers:
-        split = [n for n, _ in layer.named_parameters() if placements.get(f"{name}.{n}" if name else n) is not None
-                 and "tp" in placements[f"{name}.{n}" if name else n].sharded_over]
-        if split:
-            raise NotImplementedError(f"MoE layer {name or '<model>'}: its parameter {split[0]} is split over the "
-                                      "tensor-parallel group; experts and gates sliced by tensor parallelism "
-                                      "(DeepSpeed's enable_expert_tensor_parallelism=True) are not implemented")
+        for pname, _ in layer.named_parameters():
+            placement = placements.get(f"{name}.{pname}" if name else pname)
+            if placement is not None and "tp" in placement.sharded_over:  # a Megatron model's own split
+                raise NotImplementedError(f"MoE layer {name or '<model>'}: its parameter {pname} is split over the "
+                                          "tensor-parallel group; experts and gates sliced by tensor parallelism "
+                                          "(DeepSpeed's enable_expert_tensor_parallelism=True) are not implemented")
         bind_expert_group(layer, topology)
     placed = expert_placements(model, topology)
     tied = [p.name for p in placed if p.name not in placements]  # placements name a tied parameter once

@@ -9,10 +9,11 @@ experts' layers, which must stay whole; a DeepSpeed `MoE` layer of 4 experts; a 
 with tokens dropped by the capacity), 2 (top-1 without drops: an odd capacity padded to a multiple of
 tp; the norm clips) and 3 (top-2, dropped tokens), and a tiny Hugging Face Mixtral through AutoEP with
 autotp_size 2 (its attention split, its experts and router whole; 7 tokens per rank, so the tp ranks
-take 4 and 3) at ZeRO 2 and 3. The ZeRO-1 run and the ZeRO-2 Mixtral save a tag, which a fresh engine at
-another stage resumes (its next step's loss and norm equal the saving engine's) and which consolidates
-(`zero_to_fp32`) to the one-process model's names and tensors. Also: the expert placements (sharded over ep, reduced over tp), a dense
-layer's tp placement, and the error for a capacity that does not divide by tp."""
+take 4 and 3) at ZeRO 2 and 3. The ZeRO-1 run and the ZeRO-2 Mixtral save a tag, which a fresh engine
+at another stage resumes (its next step's loss and norm equal the saving engine's) and which
+consolidates (`zero_to_fp32`) to the one-process model's names and tensors. Also: the expert placements
+(sharded over ep, reduced over tp), a dense layer's tp placement, and the error for a capacity that
+does not divide by tp."""
 
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ def _engine(moe, stage: int, clip: float, optimizer: str):
 
     dp_rank = dist.get_rank() // 2  # tp innermost: ranks 0,1 | 2,3 are the tp groups; ep = the dp coordinate
     config = {"train_micro_batch_size_per_gpu": 1 if moe == "mixtral" else MICRO, "steps_per_print": 1000,
-              "optimizer": _optimizer_config(optimizer), "zero_optimization": {"stage": stage}, "gradient_clipping": clip,
+              "optimizer": _optimizer_config(optimizer), "zero_optimization": {"stage": stage},
+              "gradient_clipping": clip,
               "tensor_parallel": {"autotp_size": 2}}
     if moe == "mixtral":
         model = _mixtral()
@@ -229,7 +231,8 @@ def test_tp_ep_training_matches_one_process(name, runs):
         else:
             g = 2 * dp_rank + 1  # local expert 1's global index
             assert got["placements"][EXPERT_PREFIX + "1.0.weight"] == (
-                (EXPERTS * 16, D), (((16 * g, 16 * g + 16), (0, D)),), ("ep",), ("dp_replicate", "edp_shard", "sp", "tp"))
+                (EXPERTS * 16, D), (((16 * g, 16 * g + 16), (0, D)),), ("ep",),
+                ("dp_replicate", "edp_shard", "sp", "tp"))
             assert got["placements"]["mlp.0.weight"] == ((2 * D, D), (((D * tp_rank, D * tp_rank + D), (0, D)),),
                                                          ("tp",), ("dp_replicate", "edp_shard", "ep", "sp"))
         for key, value in got["state"].items():
@@ -243,7 +246,8 @@ def test_tp_ep_training_matches_one_process(name, runs):
             # AdamW moves a parameter by about lr (2e-2) whatever its gradient's size: 1e-4 absolute still
             # catches a wrong gradient, while a gradient of rounding noise may move a weight 1e-5 apart
             atol = 1e-4 if optimizer == "AdamW" else 1e-6
-            torch.testing.assert_close(value, want, rtol=1e-5, atol=atol, msg=lambda m: f"{name} rank {rank} {key}: {m}")
+            torch.testing.assert_close(value, want, rtol=1e-5, atol=atol,
+                                       msg=lambda m: f"{name} rank {rank} {key}: {m}")
 
 
 @pytest.mark.parametrize("name", SAVED)

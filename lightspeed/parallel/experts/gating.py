@@ -131,7 +131,8 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
         mask = torch.einsum("s,se->se", used_token, mask)
     exp_counts = torch.sum(mask, dim=0).detach().to(logits.device)
     if not drop_tokens:
-        capacity = torch.minimum(_agreed_capacity(exp_counts, ep_group, tp_size), torch.tensor(num_tokens).to(logits.device))
+        capacity = torch.minimum(_agreed_capacity(exp_counts, ep_group, tp_size),
+                                 torch.tensor(num_tokens).to(logits.device))
     l_aux = torch.sum(torch.mean(gates, dim=0) * torch.mean(mask.float(), dim=0)) * num_experts
     ranked = mask * _uniform(mask.shape, logits.device) if use_rts else mask
     if num_tokens < min_capacity:

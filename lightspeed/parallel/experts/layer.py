@@ -158,8 +158,8 @@ class MOELayer(nn.Module):
         tp = self.tp_size
         if tp > 1:  # the Note on tensor parallelism
             if capacity % tp:
-                raise MoEArgumentError(f"MoE with tensor parallelism: the expert capacity {capacity} does not divide by "
-                                       f"the tensor-parallel size {tp} (each tp rank takes capacity / tp slots); "
+                raise MoEArgumentError(f"MoE with tensor parallelism: the expert capacity {capacity} does not divide "
+                                       f"by the tensor-parallel size {tp} (each tp rank takes capacity / tp slots); "
                                        "choose capacity_factor and min_capacity (or the batch) so that it does")
             dispatched = drop_tokens(dispatched, self.tp_group, 1, grad_scale=1.0 / tp)
         if self.ep_size > 1:  # the Note on the expert gradient's average

@@ -11,7 +11,8 @@ tp; the norm clips) and 3 (top-2, dropped tokens), and a tiny Hugging Face Mixtr
 autotp_size 2 (its attention split, its experts and router whole; 7 tokens per rank, so the tp ranks
 take 4 and 3) at ZeRO 2 and 3. The ZeRO-1 run and the ZeRO-2 Mixtral save a tag, which a fresh engine
 at another stage resumes (its next step's loss and norm equal the saving engine's) and which
-consolidates (`zero_to_fp32`) to the one-process model's names and tensors. Also: the expert placements
+consolidates (`zero_to_fp32`, and `save_16bit_model`'s file) to the one-process model's names and
+tensors. Also: the expert placements
 (sharded over ep, reduced over tp), a dense layer's tp placement, and the error for a capacity that
 does not divide by tp."""
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -189,6 +191,7 @@ def _run(moe, stage: int, clip: float, optimizer: str, save_dir: str | None, nam
             engine.module.moe(torch.randn(10, D))
     if save_dir is not None:  # a tp2 x ep2 tag: a fresh engine (another ZeRO stage) resumes it exactly
         engine.save_checkpoint(save_dir, tag=name)
+        engine.save_16bit_model(os.path.join(save_dir, f"{name}_16bit"))
         resumed = _engine(moe, 1 if stage == 2 else 2, clip, optimizer)
         resumed.load_checkpoint(save_dir, tag=name)
         out["resumed"] = (_step(engine, moe, 0), _step(resumed, moe, 0))
@@ -262,7 +265,9 @@ def test_tp_ep_checkpoint_resumes_and_consolidates(name, runs):
     optimizer = CASES[name][3]
     ref_state = reference(name)[2]
     fp32 = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag=name)
-    assert set(fp32) == set(ref_state)
+    weights = torch.load(os.path.join(save_dir, f"{name}_16bit", "pytorch_model.bin"), weights_only=True)
+    assert set(fp32) == set(ref_state) == set(weights)
     for key, value in fp32.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=lambda m: f"{name} {key}: {m}")
         torch.testing.assert_close(value, ref_state[key], rtol=1e-5, atol=1e-4 if optimizer == "AdamW" else 1e-6,
                                    msg=lambda m: f"{name} {key}: {m}")

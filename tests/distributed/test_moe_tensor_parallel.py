@@ -12,9 +12,8 @@ autotp_size 2 (its attention split, its experts and router whole; 7 tokens per r
 take 4 and 3) at ZeRO 2 and 3. The ZeRO-1 run and the ZeRO-2 Mixtral save a tag, which a fresh engine
 at another stage resumes (its next step's loss and norm equal the saving engine's) and which
 consolidates (`zero_to_fp32`, and `save_16bit_model`'s file) to the one-process model's names and
-tensors. Also: the expert placements
-(sharded over ep, reduced over tp), a dense layer's tp placement, and the error for a capacity that
-does not divide by tp."""
+tensors. Also: the expert placements (sharded over ep, reduced over tp), a dense layer's tp placement,
+and the error for a capacity that does not divide by tp."""
 
 from __future__ import annotations
 

@@ -32,8 +32,13 @@ supported path to load a Hugging Face checkpoint is to build the model whole (fr
 Note: [beside tensor parallelism] With `tensor_parallel.autotp_size` > 1, AutoTP splits the dense layers
 (attention, a shared expert) and leaves each block's experts and router whole (autotp.py's Note on
 mixture-of-experts layers); the experts' tp ranks each compute 1/tp of the tokens (autoep_layer.py's
-Note on tensor parallelism). `expert_parallel.expert_tensor_parallel_size` > 1 (experts sliced over
-tp) stays refused.
+Note on tensor parallelism). DeepSpeed 0.19.8 builds this too ("AutoEP + AutoTP folding"), with the
+same outcome per token but another layout: its ep groups are consecutive ranks across the tp lanes
+(so ep may reach tp x dp, and each expert lives once per expert-data-parallel group), its tp peers
+split the routed assignments rather than the tokens, and it refuses ep = 1, Ulysses sp and offload
+there. Here ep is carved from data parallelism (comm/topology.py), so it must divide dp, the tp peers
+hold the same experts (reduced over tp), and ep = 1, sp and offload are not refused.
+`expert_parallel.expert_tensor_parallel_size` > 1 (experts sliced over tp) stays refused, as in DeepSpeed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Collectives that autograd differentiates: the sequence <-> head all-to-all of Ulysses attention, the
-expert all-to-all of a mixture-of-experts layer, and an all-gather whose backward routes each rank's
-share of the gradient home.
+expert all-to-all of a mixture-of-experts layer, an all-gather whose backward routes each rank's
+share of the gradient home, and the split / gather of a tensor-parallel group's duplicate tokens.
 
 Owns: `seq_all_to_all` (DeepSpeed's `_SeqAllToAll`), `expert_all_to_all` (DeepSpeed's MoE `_AllToAll`,
 with a gradient scale), `ragged_all_to_all` (rows in blocks of per-rank sizes, for token dispatch
-without capacity), `all_gather_autograd`, and `all_gather_tensors` (a
+without capacity), `drop_tokens` and `gather_tokens` (DeepSpeed's MoE `_DropTokens` / `_GatherTokens`,
+with a gradient scale and optional uneven parts), `all_gather_autograd`, and `all_gather_tensors` (a
 no-grad gather of tensors whose shapes may differ by rank, for data loading). Must not: know about
 models, heads or batches beyond the dimensions it is told.
 
@@ -14,6 +15,15 @@ Note: the all-to-all and its gradient
     order. As a map from the W ranks' inputs to their outputs it is a permutation of elements, so its
     adjoint is the inverse permutation: the same all-to-all with the two dimensions swapped. That is
     the whole backward; nothing is summed.
+
+Note: [dropping and gathering tokens] `drop_tokens(x, group, dim)` keeps this rank's part of `x`
+along `dim` (part r of W: equal parts, or `sizes[r]` elements at offset sum(sizes[:r])), and
+`gather_tokens(x, group, dim)` concatenates every rank's part along `dim` in rank order. Each is the
+other's adjoint when the W ranks hold the same `x` (the tensor-parallel ranks' duplicate tokens,
+DeepSpeed's use): the gradient of a dropped part is gathered back, the gradient of a gathered tensor
+is cut to this rank's part; nothing is summed. `grad_scale` multiplies the gradient each one returns
+(the MoE layers use it so that the expert gradients between the two are W times their share: see
+parallel/experts/layer.py's Note on the expert gradient's average).
 """
 
 from __future__ import annotations
@@ -111,6 +121,84 @@ def ragged_all_to_all(x: torch.Tensor, group: Any, send_sizes: list[int], recv_s
                          f"{len(recv_sizes)} receive sizes for a group of {_world(group)} ranks and "
                          f"{x.shape[0]} rows")
     return _RaggedAllToAll.apply(x, group, [int(n) for n in send_sizes], [int(n) for n in recv_sizes], grad_scale)
+
+
+def _parts(size: int, world: int, sizes: list[int] | None, what: str) -> list[int]:
+    if sizes is None:
+        if size % world:
+            raise ValueError(f"{what}: a dimension of {size} elements does not divide into {world} equal parts (the "
+                             "tensor-parallel size)")
+        return [size // world] * world
+    if len(sizes) != world or sum(sizes) != size or min(sizes) < 0:
+        raise ValueError(f"{what}: parts {sizes} do not split a dimension of {size} elements over {world} ranks")
+    return [int(n) for n in sizes]
+
+
+def _drop(x: torch.Tensor, group: Any, dim: int, sizes: list[int] | None) -> torch.Tensor:
+    world = _world(group)
+    if world == 1:
+        return x
+    parts = _parts(x.shape[dim], world, sizes, "drop_tokens")
+    rank = dist.get_rank(group)
+    return x.narrow(dim, sum(parts[:rank]), parts[rank])
+
+
+def _gather(x: torch.Tensor, group: Any, dim: int, sizes: list[int] | None) -> torch.Tensor:
+    world = _world(group)
+    if world == 1:
+        return x
+    dim = dim % x.dim()
+    parts = [x.shape[dim]] * world if sizes is None else [int(n) for n in sizes]
+    if len(parts) != world or parts[dist.get_rank(group)] != x.shape[dim]:
+        raise ValueError(f"gather_tokens: parts {parts} over {world} ranks, this rank holds {x.shape[dim]}")
+    longest = max(parts)
+    if x.shape[dim] < longest:  # equal-sized messages: pad this rank's part to the longest
+        pad = list(x.shape)
+        pad[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    out = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return torch.cat([o.narrow(dim, 0, n) for o, n in zip(out, parts)], dim=dim)
+
+
+class _DropTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int, sizes, grad_scale: float) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.sizes, ctx.grad_scale = group, dim, sizes, grad_scale
+        return _drop(x, group, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = _gather(grad.contiguous(), ctx.group, ctx.dim, ctx.sizes)
+        return (grad if ctx.grad_scale == 1.0 else grad * ctx.grad_scale), None, None, None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int, sizes, grad_scale: float) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.sizes, ctx.grad_scale = group, dim, sizes, grad_scale
+        return _gather(x, group, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = _drop(grad, ctx.group, ctx.dim, ctx.sizes)
+        return (grad if ctx.grad_scale == 1.0 else grad * ctx.grad_scale).contiguous(), None, None, None, None
+
+
+def drop_tokens(x: torch.Tensor, group: Any, dim: int, sizes: list[int] | None = None,
+                grad_scale: float = 1.0) -> torch.Tensor:
+    """This rank's part of `x` along `dim` (the Note on dropping and gathering tokens): equal parts over
+    `group`, or `sizes[r]` elements for rank r. Differentiable: the gradient is gathered over `group`
+    (every rank's part), times `grad_scale`."""
+    return _DropTokens.apply(x, group, dim, None if sizes is None else [int(n) for n in sizes], grad_scale)
+
+
+def gather_tokens(x: torch.Tensor, group: Any, dim: int, sizes: list[int] | None = None,
+                  grad_scale: float = 1.0) -> torch.Tensor:
+    """Every rank's `x` of `group` concatenated along `dim` in rank order (rank r's part has `sizes[r]`
+    elements when given, else every part has this rank's). Differentiable: the gradient is this rank's
+    part of the incoming one, times `grad_scale`."""
+    return _GatherTokens.apply(x, group, dim, None if sizes is None else [int(n) for n in sizes], grad_scale)
 
 
 class _AllGather(torch.autograd.Function):

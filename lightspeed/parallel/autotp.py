@@ -14,6 +14,12 @@ and `gather_output` are refused, naming the key. With `use_default_specs` (DeepS
 layers no spec matches keep the preset's or the model's plan; `strict_mode` refuses a linear layer
 that no spec matches. Embeddings and the output head stay whole (see tensor_parallel.py's Note), so
 `embedding_partition_dim` and `lm_head_patterns` change nothing.
+
+Note: [mixture-of-experts layers] The experts and gates stay whole, as DeepSpeed's default
+`enable_expert_tensor_parallelism=False` keeps them: every linear layer inside a DeepSpeed-style
+MOELayer, and, with `expert_parallel.enabled` (AutoEP), inside each detected block's experts and
+router, is left out of the plan even when a spec or the model's plan names it (logged);
+parallel/experts/ runs them beside the split dense layers.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import re
 import torch
 from torch import nn
 
+from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.topology import Topology
 from lightspeed.config.errors import ConfigError
@@ -31,6 +38,8 @@ from lightspeed.parallel.module_kinds import is_conv1d, is_linear, linear_dims
 from lightspeed.parallel.tensor_parallel import apply_tensor_parallel, split_tp_size
 from lightspeed.parallel.tp_plan import BUILTIN_PLANS, COLWISE, ROWWISE, build_plan, colwise_parts, is_colwise, \
     match_patterns, part_rows
+
+logger = get_logger(__name__)
 
 _LLAMA = {"*.self_attn.q_proj": COLWISE, "*.self_attn.k_proj": COLWISE, "*.self_attn.v_proj": COLWISE,
           "*.self_attn.o_proj": ROWWISE, "*.mlp.gate_proj": COLWISE, "*.mlp.up_proj": COLWISE,
@@ -107,8 +116,32 @@ def _is_output_head(model: nn.Module, module: nn.Module) -> bool:
     return callable(get) and get() is module
 
 
-def config_plan(model: nn.Module, section: TensorParallelConfig | None) -> dict[str, str]:
-    """{module name: style} for `section` (see the Note), checked for its tp size."""
+def kept_whole(model: nn.Module, expert_parallel=None) -> list[str]:
+    """The modules whose layers AutoTP leaves whole (the Note on mixture-of-experts layers): every
+    MOELayer, and with `expert_parallel.enabled` each AutoEP block's experts and router."""
+    from lightspeed.parallel.experts.autoep import detect_moe_blocks
+    from lightspeed.parallel.experts.transform import kept_whole_under_tp
+
+    names = kept_whole_under_tp(model)
+    if expert_parallel is not None and expert_parallel.enabled:
+        for block in detect_moe_blocks(model, expert_parallel):
+            names += [f"{block.name}.{block.preset.experts}", f"{block.name}.{block.preset.router}"]
+    return names
+
+
+def _without(plan: dict[str, str], whole: list[str]) -> dict[str, str]:
+    inside = [name for name in plan if any(name == w or name.startswith(w + ".") or not w for w in whole)]
+    if inside:
+        logger.info("tensor parallel: %d layers of mixture-of-experts layers kept whole (%s)", len(inside),
+                    ", ".join(inside[:4]) + (", ..." if len(inside) > 4 else ""))
+    return {name: style for name, style in plan.items() if name not in inside}
+
+
+def config_plan(model: nn.Module, section: TensorParallelConfig | None, whole: list[str] | None = None
+                ) -> dict[str, str]:
+    """{module name: style} for `section` (see the Note), checked for its tp size; the layers inside the
+    modules `whole` names (default: `kept_whole(model)`) are left out."""
+    whole = kept_whole(model) if whole is None else whole
     tp_size = section.tp_size if section is not None else 1
     default = None
     if section is not None and section.preset_model:
@@ -123,6 +156,10 @@ def config_plan(model: nn.Module, section: TensorParallelConfig | None) -> dict[
             except NotImplementedError:  # the model has no plan of its own: the specs alone
                 default = None
         plan = _spec_plan(model, partition, default if partition.use_default_specs else None)
+    plan = _without(plan, whole)
+    if not plan:
+        raise ConfigError("tensor_parallel: the plan matches no linear layer outside the mixture-of-experts layers, "
+                          "which stay whole")
     return _checked(model, plan, tp_size)
 
 
@@ -156,7 +193,7 @@ def tensor_parallel_transform(model: nn.Module, cfg, topology: Topology) -> nn.M
         return model
     if want != tp_size:
         raise ConfigError(f"tensor_parallel.autotp_size={want}, but the tensor-parallel group has {tp_size} ranks")
-    plan = config_plan(model, cfg.tensor_parallel)
+    plan = config_plan(model, cfg.tensor_parallel, kept_whole(model, cfg.expert_parallel))
     return apply_tensor_parallel(model, Communicator(topology.group("tp"), tp_size), plan)
 
 

@@ -30,8 +30,20 @@ its gate, so the routes and everything but the experts' arithmetic are the model
 experts child becomes an `EPExperts` (autoep_layer.py) holding global experts [r x E/ep, (r+1) x E/ep)
 of ep rank r, under the same parameter names; the placements give each weight (and bias) its global
 [E, ...] shape, this rank's rows along dim 0, `sharded_over=("ep",)` and `reduced_over` the expert-data-parallel
-dims (transform.py's `EXPERT_DATA_PARALLEL`). The supported path to load a Hugging Face checkpoint is to
-build the model whole (from_pretrained), then `initialize()`, which slices it.
+dims, and tp when the dense layers are tensor-parallel (transform.py's `expert_reduced_over`). The supported
+path to load a Hugging Face checkpoint is to build the model whole (from_pretrained), then `initialize()`,
+which slices it.
+
+Note: [beside tensor parallelism] With `tensor_parallel.autotp_size` > 1, AutoTP splits the dense layers
+(attention, a shared expert) and leaves each block's experts and router whole (autotp.py's Note on
+mixture-of-experts layers); the experts' tp ranks each compute 1/tp of the tokens (autoep_layer.py's
+Note on tensor parallelism). DeepSpeed 0.19.8 builds this too ("AutoEP + AutoTP folding"), with the
+same outcome per token but another layout: its ep groups are consecutive ranks across the tp lanes
+(so ep may reach tp x dp, and each expert lives once per expert-data-parallel group), its tp peers
+split the routed assignments rather than the tokens, and it refuses ep = 1, Ulysses sp and offload
+there. Here ep is carved from data parallelism (comm/topology.py), so it must divide dp, the tp peers
+hold the same experts (reduced over tp), and ep = 1, sp and offload are not refused.
+`expert_parallel.expert_tensor_parallel_size` > 1 (experts sliced over tp) stays refused, as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -49,7 +61,7 @@ from lightspeed.config.errors import ConfigError
 from lightspeed.config.expert_parallel import ExpertParallelConfig
 from lightspeed.parallel.experts.autoep_layer import EPExperts
 from lightspeed.parallel.experts.grouped_mlp import ClampedSwiGLU, GatedActivation, HalvesGLU
-from lightspeed.parallel.experts.transform import EXPERT_DATA_PARALLEL, moe_layers
+from lightspeed.parallel.experts.transform import expert_reduced_over, moe_layers
 from lightspeed.parallel.placement import Placement, PlacementTable
 
 logger = get_logger(__name__)
@@ -143,11 +155,15 @@ def check_autoep_config(section: ExpertParallelConfig) -> None:
             raise NotImplementedError(f"{prefix}{key}={value!r}: AutoEP in lightspeed keeps the model's own router "
                                       "(its score function, top-k, groups, normalisation and scaling come from the "
                                       f"model's config); remove the key or leave it at {default!r}")
-    refused = {"expert_tensor_parallel_size": section.expert_tensor_parallel_size != 1,
-               "validate_folding_routing": section.validate_folding_routing,
+    refused = {"validate_folding_routing": section.validate_folding_routing,
                "load_balance_coeff": section.load_balance_coeff is not None,
                "combine_impl": section.combine_impl == "legacy_bmm",
                "expert_w3": section.expert_w3_given and section.expert_w3 is not None}
+    if section.expert_tensor_parallel_size != 1:
+        raise NotImplementedError(f"{prefix}expert_tensor_parallel_size={section.expert_tensor_parallel_size}: experts "
+                                  "sliced over tensor parallelism are not implemented in lightspeed's AutoEP; leave it "
+                                  "at 1 (with tensor_parallel.autotp_size > 1 the experts stay whole and the tp ranks "
+                                  "split their tokens)")
     for key, active in refused.items():
         if active:
             raise NotImplementedError(f"{prefix}{key}={getattr(section, key)!r} is not implemented in lightspeed's "
@@ -256,9 +272,6 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
     if moe_layers(model):
         raise ConfigError("expert_parallel.enabled: the model already holds DeepSpeed MoE layers "
                           "(lightspeed.parallel.experts.MoE); AutoEP is for Hugging Face MoE models, turn one off")
-    if topology.size("tp") > 1:
-        raise NotImplementedError("expert_parallel.enabled with tensor_parallel.autotp_size > 1: AutoEP beside "
-                                  "tensor parallelism is not implemented (nor in DeepSpeed)")
     if topology.size("pp") > 1:
         raise NotImplementedError("expert_parallel.enabled in a pipeline-parallel model is not implemented")
     ep, ep_rank = topology.size("ep"), topology.rank("ep")
@@ -267,6 +280,9 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
                           f"{ep}")
     blocks = detect_moe_blocks(model, section)
     group = as_group(topology.group("ep")) if ep > 1 else None
+    tp = topology.size("tp")
+    tp_group = as_group(topology.group("tp")) if tp > 1 else None
+    reduced_over = expert_reduced_over(topology)
     placed = []
     for block in blocks:
         if block.num_experts % ep:
@@ -283,6 +299,8 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
                             transposed=preset.transposed)
         if ep > 1:
             experts.bind(group)
+        if tp > 1:
+            experts.bind_tp(tp_group, tp)
         setattr(block.module, preset.experts, experts)
         local = block.num_experts // ep
         for w in experts.param_names:
@@ -290,7 +308,7 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
             shape = (block.num_experts,) + tuple(p.shape[1:])
             box = ((ep_rank * local, (ep_rank + 1) * local),) + tuple((0, n) for n in p.shape[1:])
             placed.append(Placement(f"{block.name}.{preset.experts}.{w}", shape, (box,), ("ep",),
-                                    EXPERT_DATA_PARALLEL))
+                                    reduced_over))
     logger.info("AutoEP: %d MoE blocks (preset %s), %d experts each, %d per rank over ep %d", len(blocks),
                 blocks[0].preset_name, blocks[0].num_experts, blocks[0].num_experts // ep, ep)
     return model, placements.placed(placed)

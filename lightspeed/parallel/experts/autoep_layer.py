@@ -31,6 +31,19 @@ Note: [the expert gradient's average] As layer.py's Note of that name: an expert
 rank sums the contributions of every ep rank's tokens, while the strategies average it over the
 expert-data-parallel ranks only, so the return exchange's backward divides the gradient reaching the
 experts by ep and the dispatch exchange's backward multiplies it back for the tokens.
+
+Note: [tensor parallelism] Beside tensor-parallel dense layers the experts stay whole and every tp
+rank of a group holds the same experts, tokens and routes (the router is whole; its input was summed
+over tp). Rather than compute every token tp times, each tp rank takes a contiguous 1/tp of the
+tokens (`drop_tokens` over the "tp" group: the first S mod tp ranks one token more), with their
+routes and router weights, dispatches them over its own "ep" group (the ranks of its tp coordinate),
+and the combined outputs are gathered over tp (`gather_tokens`), so every tp rank again holds all S
+tokens' outputs. This is sound because these routers decide each token alone (top-k with no
+capacity: nothing depends on which tokens share a rank), so a token's result is the same whichever
+rank computes it. Each tp rank's expert gradient then holds only its tokens' share: the placements
+reduce the experts over tp too (transform.py's `expert_reduced_over`), and as the strategies average,
+the gather's backward multiplies the gradient reaching the experts by tp and the drop's backward
+divides it back for the tokens and router weights.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ import torch
 from torch import nn
 
 from lightspeed.comm import api as comm_api
-from lightspeed.comm.differentiable import ragged_all_to_all
+from lightspeed.comm.differentiable import drop_tokens, gather_tokens, ragged_all_to_all
 from lightspeed.parallel.experts.grouped_mlp import GatedActivation, as_gated, grouped_mlp, grouped_mlp_reference
 
 
@@ -68,6 +81,7 @@ class EPExperts(nn.Module):
         self.mlp = grouped_mlp if use_grouped_mm else grouped_mlp_reference
         self.ep_group = None
         self._bound = ep_size == 1
+        self.tp_group, self.tp_size = None, 1
         first = ep_rank * self.num_local_experts
         for name in self.param_names:
             full = getattr(source, name)
@@ -100,6 +114,10 @@ class EPExperts(nn.Module):
         self.ep_group = ep_group
         self._bound = True
 
+    def bind_tp(self, tp_group, tp_size: int) -> None:
+        """Give the module the dense layers' tensor-parallel group (the Note on tensor parallelism)."""
+        self.tp_group, self.tp_size = tp_group, tp_size
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # a whole model's state dict (every expert's rows) loads too: this rank takes its rows (the Note on
@@ -123,6 +141,21 @@ class EPExperts(nn.Module):
         if not self._bound:
             raise RuntimeError("AutoEP experts: no expert-parallel group is bound; the model must pass through "
                                "lightspeed.initialize() with expert_parallel.enabled")
+        tp = self.tp_size
+        if tp == 1:
+            return self._routed(hidden_states, top_k_index, top_k_weights)
+        # the Note on tensor parallelism: this tp rank's contiguous share of the tokens
+        num_tokens = hidden_states.shape[0]
+        sizes = [num_tokens // tp + (r < num_tokens % tp) for r in range(tp)]
+        rank = torch.distributed.get_rank(self.tp_group)
+        start = sum(sizes[:rank])
+        out = self._routed(drop_tokens(hidden_states, self.tp_group, 0, sizes, grad_scale=1.0 / tp),
+                           top_k_index.narrow(0, start, sizes[rank]),
+                           drop_tokens(top_k_weights, self.tp_group, 0, sizes, grad_scale=1.0 / tp))
+        return gather_tokens(out, self.tp_group, 0, sizes, grad_scale=float(tp))
+
+    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
         k = top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # routes sorted by global expert (so by ep rank)

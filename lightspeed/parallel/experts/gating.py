@@ -96,12 +96,15 @@ def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float, m
     return torch.maximum(capacity, torch.tensor(min_capacity).to(torch.int64))
 
 
-def _agreed_capacity(exp_counts: torch.Tensor, ep_group) -> torch.Tensor:
+def _agreed_capacity(exp_counts: torch.Tensor, ep_group, tp_size: int = 1) -> torch.Tensor:
     """`drop_tokens=False`: the largest expert load, the maximum over the expert-parallel group (so the
-    all-to-all buffers agree)."""
+    all-to-all buffers agree), rounded up to a multiple of the dense layers' tensor-parallel size (each
+    tp rank takes capacity / tp slots: layer.py's Note on tensor parallelism)."""
     capacity = torch.max(exp_counts).to(exp_counts.device)
     if ep_group is not None and api.is_initialized() and api.get_world_size(ep_group) > 1:
         api.all_reduce(capacity, op=api.ReduceOp.MAX, group=ep_group)
+    if tp_size > 1:
+        capacity = torch.ceil(capacity / tp_size).mul(tp_size).to(capacity.dtype)
     return capacity
 
 
@@ -113,7 +116,7 @@ def _routes(indices, locations, gates) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor = None,
                noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group=None) -> Routes:
+               ep_group=None, *, tp_size: int = 1) -> Routes:
     """Each token to its most probable expert (with 'RSample', the argmax of the Gumbel-noised logits),
     the experts' overflow dropped: with `use_rts` a random choice of the tokens kept, else the first by
     `torch.topk` order; l_aux = E x sum_e(mean gate_e x fraction routed to e)."""
@@ -128,7 +131,8 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
         mask = torch.einsum("s,se->se", used_token, mask)
     exp_counts = torch.sum(mask, dim=0).detach().to(logits.device)
     if not drop_tokens:
-        capacity = torch.minimum(_agreed_capacity(exp_counts, ep_group), torch.tensor(num_tokens).to(logits.device))
+        capacity = torch.minimum(_agreed_capacity(exp_counts, ep_group, tp_size),
+                                 torch.tensor(num_tokens).to(logits.device))
     l_aux = torch.sum(torch.mean(gates, dim=0) * torch.mean(mask.float(), dim=0)) * num_experts
     ranked = mask * _uniform(mask.shape, logits.device) if use_rts else mask
     if num_tokens < min_capacity:
@@ -145,7 +149,7 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
 
 
 def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=None, top2_2nd_expert_sampling: bool = True) -> Routes:
+               ep_group=None, top2_2nd_expert_sampling: bool = True, *, tp_size: int = 1) -> Routes:
     """Each token to its two most probable experts (the second drawn with Gumbel noise when
     `top2_2nd_expert_sampling`), the capacity 2 x capacity_factor per expert with first choices placed
     before second ones; the two gates renormalised to sum to one; l_aux = E^2 x mean_e(mean gate_e x
@@ -167,7 +171,7 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
         mask1 = mask1 * torch.lt(locations1, capacity)
         mask2 = mask2 * torch.lt(locations2, capacity)
     else:
-        capacity = _agreed_capacity(exp_counts, ep_group)
+        capacity = _agreed_capacity(exp_counts, ep_group, tp_size)
     locations1_s = torch.sum(locations1 * mask1, dim=1)
     locations2_s = torch.sum(locations2 * mask2, dim=1)
     gates1 = torch.einsum("se,se->s", gates, mask1.float())
@@ -182,7 +186,7 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
 
 
 def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=None, drop_policy: str = "probs") -> Routes:
+               ep_group=None, drop_policy: str = "probs", *, tp_size: int = 1) -> Routes:
     """Each token to its k most probable experts, the capacity k x capacity_factor per expert; with
     `drop_policy` "probs" an expert keeps its most probable routes, with "position" its first ones; the
     kept gates renormalised to sum to one; l_aux = E^2 / k x mean_e(mean gate_e x fraction routed to e)."""
@@ -206,7 +210,7 @@ def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacit
             locations = torch.cumsum(mask, dim=0) - 1
             mask = mask * torch.lt(locations, capacity)
     else:
-        capacity = _agreed_capacity(exp_counts, ep_group)
+        capacity = _agreed_capacity(exp_counts, ep_group, tp_size)
         locations = torch.cumsum(mask, dim=0) - 1
     masked = gates * mask
     masked = masked / torch.clamp(torch.sum(masked, dim=-1, keepdim=True), min=torch.finfo(masked.dtype).eps)
@@ -242,6 +246,7 @@ class TopKGate(nn.Module):
         self.drop_tokens = drop_tokens
         self.use_rts = use_rts
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        self.tp_size = 1  # the dense layers' tensor-parallel size, bound with the layer's groups
 
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
@@ -258,8 +263,9 @@ class TopKGate(nn.Module):
         if self.k == 1:
             return top1gating(logits, factor, self.min_capacity, used_token,
                               self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts,
-                              self.ep_group)
+                              self.ep_group, tp_size=self.tp_size)
         if self.k == 2:
             return top2gating(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
-                              self.top2_2nd_expert_sampling)
-        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group)
+                              self.top2_2nd_expert_sampling, tp_size=self.tp_size)
+        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group,
+                          tp_size=self.tp_size)

@@ -23,6 +23,21 @@ the gradient reaching the experts by `ep_size` in the second all-to-all's backwa
 back in the first's, so the expert gradient is the average over all data-parallel ranks (DeepSpeed
 divides the expert-data-parallel sum by the data-parallel world size) and the gradient of the tokens
 is untouched.
+
+Note: [tensor parallelism] Beside tensor parallelism on the dense layers (DeepSpeed's default
+`enable_expert_tensor_parallelism=False`), the experts stay whole and every tp rank of a group holds
+the same ones and the same tokens (the dense layers' outputs are summed over tp before they reach the
+layer), so the gates agree and the [experts, capacity, m] buffer is the same on every tp rank. As
+DeepSpeed does, each tp rank keeps only its 1/tp of the capacity slots (`drop_tokens` along dim 1)
+before the all-to-all and the experts, and the results are gathered over the tp group along dim 1
+after the return all-to-all: no tp rank computes a slot twice. The capacity must divide by tp
+(DeepSpeed asserts it; here a `MoEArgumentError` names it); with `drop_tokens=False` the gate pads the
+agreed capacity up to a multiple of tp, as DeepSpeed's does. An expert's gradient on a tp rank then
+holds only its slots' share, so the experts are also reduced over tp (transform.py's placements put
+"tp" in `reduced_over`), and, since the strategies average, the gather's backward multiplies the
+gradient reaching the experts by tp and the drop's backward divides it back for the tokens. The
+routes must agree across the tp ranks: with `use_rts`, noisy gating or top-2 sampling, every rank of
+a tp group needs the same generator state (DeepSpeed's requirement too).
 """
 
 from __future__ import annotations
@@ -34,7 +49,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightspeed._utils.logging import get_logger
-from lightspeed.comm.differentiable import expert_all_to_all
+from lightspeed.comm.differentiable import drop_tokens, expert_all_to_all, gather_tokens
 from lightspeed.comm.sequence_groups import as_group
 from lightspeed.comm.topology import Topology
 from lightspeed.parallel.experts.errors import MoEArgumentError
@@ -105,6 +120,7 @@ class MOELayer(nn.Module):
         self.gate = gate
         self.experts = experts
         self.ep_group = None
+        self.tp_group, self.tp_size = None, 1
         self.ep_size = ep_size
         self.ep_group_name = ep_group_name
         self.num_local_experts = num_local_experts
@@ -120,6 +136,11 @@ class MOELayer(nn.Module):
         self.gate._set_ep_group(ep_group)
         self._ep_bound = True
 
+    def _set_tp_group(self, tp_group, tp_size: int) -> None:
+        """Bind the dense layers' tensor-parallel group (the Note on tensor parallelism); size 1: none."""
+        self.tp_group, self.tp_size = tp_group, tp_size
+        self.gate.tp_size = tp_size
+
     def forward(self, *input: torch.Tensor, **kwargs) -> torch.Tensor:
         hidden = input[0]
         used_token = input[1] if len(input) > 1 else None
@@ -134,12 +155,21 @@ class MOELayer(nn.Module):
         num_experts, capacity = routes.num_experts, routes.capacity
         slots = route_slots(routes)
         dispatched = dispatch(tokens, slots, num_experts, capacity)
+        tp = self.tp_size
+        if tp > 1:  # the Note on tensor parallelism
+            if capacity % tp:
+                raise MoEArgumentError(f"MoE with tensor parallelism: the expert capacity {capacity} does not divide "
+                                       f"by the tensor-parallel size {tp} (each tp rank takes capacity / tp slots); "
+                                       "choose capacity_factor and min_capacity (or the batch) so that it does")
+            dispatched = drop_tokens(dispatched, self.tp_group, 1, grad_scale=1.0 / tp)
         if self.ep_size > 1:  # the Note on the expert gradient's average
             dispatched = expert_all_to_all(dispatched, self.ep_group, grad_scale=float(self.ep_size))
         expert_output = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, -1, d_model))
         expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, d_model)
         if self.ep_size > 1:
             expert_output = expert_all_to_all(expert_output, self.ep_group, grad_scale=1.0 / self.ep_size)
+        if tp > 1:
+            expert_output = gather_tokens(expert_output, self.tp_group, 1, grad_scale=float(tp))
         out = combine(expert_output.reshape(num_experts * capacity, d_model), slots, routes.gates, tokens.shape[0])
         return out.reshape(hidden.shape)
 
@@ -149,8 +179,9 @@ class MoE(nn.Module):
     exp_counts). `num_experts` experts, `num_experts // ep_size` of them (deep copies of `expert`) on each
     rank of an expert-parallel group of `ep_size` ranks; top-`k` gating (gating.py). With `use_residual`
     (Residual MoE), `expert` itself is a dense MLP beside the experts and a linear `coefficient` layer
-    mixes the two outputs by a softmax per token. `use_tutel=True` and
-    `enable_expert_tensor_parallelism=True` are refused (not built)."""
+    mixes the two outputs by a softmax per token. Beside tensor-parallel dense layers the experts stay
+    whole (the Note on tensor parallelism); `use_tutel=True` and `enable_expert_tensor_parallelism=True`
+    are refused (not built)."""
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
@@ -170,7 +201,8 @@ class MoE(nn.Module):
                                    "'RSample')")
         if enable_expert_tensor_parallelism:
             raise NotImplementedError("MoE(enable_expert_tensor_parallelism=True): experts split by tensor "
-                                      "parallelism are not implemented in lightspeed")
+                                      "parallelism are not implemented in lightspeed (with the default False the "
+                                      "experts stay whole beside tensor-parallel dense layers)")
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size
@@ -210,7 +242,10 @@ class MoE(nn.Module):
 
 
 def bind_expert_group(layer: MOELayer, topology: Topology | None) -> None:
-    """Give `layer` the "ep" group of `topology`, whose ep size must be the layer's."""
+    """Give `layer` the "ep" group of `topology`, whose ep size must be the layer's, and its "tp" group
+    (the Note on tensor parallelism)."""
+    tp = 1 if topology is None else topology.size("tp")
+    layer._set_tp_group(as_group(topology.group("tp")) if tp > 1 else None, tp)
     size = 1 if topology is None else topology.size("ep")
     if size != layer.ep_size:
         raise MoEArgumentError(f"MoE(ep_size={layer.ep_size}): the run's expert-parallel size is {size}")

@@ -12,6 +12,15 @@ stacked along dim 0: global shape [num_experts x n0, ...] for a local [n0, ...],
 `reduced_over=("dp_replicate", "edp_shard", "sp")` (the ranks holding the same experts and seeing
 different tokens). The strategies reduce each expert gradient over that group, and the global gradient
 norm counts each ep coordinate's experts once.
+
+Note: [beside tensor parallelism] With tp > 1 (AutoTP or an mpu on the dense layers) the experts and
+the gate stay whole (AutoTP leaves every linear layer inside an MOELayer out of its plan:
+`kept_whole_under_tp`): the tp ranks of a group hold the same experts, so "tp" is not in
+`sharded_over` and the gradient norm counts one tp rank's copy. Each tp rank runs only its share of
+the capacity slots (layer.py's Note on tensor parallelism), so its expert gradient is a partial one:
+"tp" joins `reduced_over` (`expert_reduced_over`), and the strategies reduce and partition the experts
+over the tp x expert-data-parallel ranks, which makes them equal again on every tp rank.
+DeepSpeed's `enable_expert_tensor_parallelism=True` (experts sliced over tp) is refused by `MoE`.
 """
 
 from __future__ import annotations
@@ -43,9 +52,21 @@ def expert_parallel_size(model: nn.Module) -> int:
     return next(iter(sizes), 1)
 
 
+def expert_reduced_over(topology: Topology) -> tuple[str, ...]:
+    """The dims an expert's gradient is reduced over: the expert-data-parallel ones, and tp when the
+    dense layers are tensor-parallel (the Note beside tensor parallelism)."""
+    return EXPERT_DATA_PARALLEL + (("tp",) if topology.size("tp") > 1 else ())
+
+
+def kept_whole_under_tp(model: nn.Module) -> list[str]:
+    """The names of the modules AutoTP must leave whole: every MOELayer (its gate and experts)."""
+    return [name for name, _layer in moe_layers(model)]
+
+
 def expert_placements(model: nn.Module, topology: Topology) -> list[Placement]:
     """The placement of every expert parameter of `model` (the Note on expert placements)."""
     ep_rank = topology.rank("ep")
+    reduced_over = expert_reduced_over(topology)
     out = []
     for prefix, layer in moe_layers(model):
         total = layer.ep_size * layer.num_local_experts
@@ -59,7 +80,7 @@ def expert_placements(model: nn.Module, topology: Topology) -> list[Placement]:
                 n0 = p.shape[0]
                 shape = (total * n0,) + tuple(p.shape[1:])
                 box = ((g * n0, (g + 1) * n0),) + tuple((0, n) for n in p.shape[1:])
-                out.append(Placement(f"{base}.{pname}", shape, (box,), ("ep",), EXPERT_DATA_PARALLEL))
+                out.append(Placement(f"{base}.{pname}", shape, (box,), ("ep",), reduced_over))
     return out
 
 
@@ -70,12 +91,15 @@ def expert_parallel_transform(model: nn.Module, placements: PlacementTable, cfg,
     layers = moe_layers(model)
     if not layers:
         return model, placements
-    if topology.size("tp") > 1:
-        raise NotImplementedError(f"tensor_parallel.autotp_size={topology.size('tp')} with MoE layers: expert "
-                                  "parallelism beside tensor parallelism is not implemented in lightspeed")
     if topology.size("pp") > 1:
         raise NotImplementedError("MoE layers in a pipeline-parallel model are not implemented in lightspeed")
-    for _name, layer in layers:
+    for name, layer in layers:
+        for pname, _ in layer.named_parameters():
+            placement = placements.get(f"{name}.{pname}" if name else pname)
+            if placement is not None and "tp" in placement.sharded_over:  # a Megatron model's own split
+                raise NotImplementedError(f"MoE layer {name or '<model>'}: its parameter {pname} is split over the "
+                                          "tensor-parallel group; experts and gates sliced by tensor parallelism "
+                                          "(DeepSpeed's enable_expert_tensor_parallelism=True) are not implemented")
         bind_expert_group(layer, topology)
     placed = expert_placements(model, topology)
     tied = [p.name for p in placed if p.name not in placements]  # placements name a tied parameter once

@@ -114,3 +114,24 @@ def test_initialize_transform_order():
 
     assert [name for name, _ in TRANSFORMS] == ["tensor_parallel", "sequence_parallel", "autoep", "expert_parallel",
                                               "activation_checkpointing"]
+
+
+def test_moe_layers_stay_whole():
+    """Specs that also match the experts' (and could match the gate's) layers split only the dense ones:
+    experts and gates stay whole beside tensor parallelism (DeepSpeed's enable_expert_tensor_parallelism
+    False)."""
+    from lightspeed.parallel.experts import MoE
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+            expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+            self.moe = MoE(8, expert, num_experts=2)
+
+    specs = {"layer_specs": [{"patterns": [r".*\.0\.weight$", r".*\.wg\.weight$"], "partition_type": "column"},
+                             {"patterns": [r".*\.2\.weight$"], "partition_type": "row"}]}
+    assert config_plan(Net(), _section(partition_config=specs)) == {"mlp.0": COLWISE, "mlp.2": ROWWISE}
+    only_experts = {"layer_specs": [{"patterns": [r"moe\..*"], "partition_type": "column"}]}
+    with pytest.raises(ConfigError, match="outside the mixture-of-experts layers"):
+        config_plan(Net(), _section(partition_config=only_experts))

@@ -150,3 +150,22 @@ def test_one_expert_parallel_size_per_model():
     p = placements["deepspeed_moe.experts.deepspeed_experts.2.2.weight"]  # expert 2's second linear [6, 8]
     assert p.global_shape == (18, 8) and p.box == ((12, 18), (0, 8)) and p.sharded_over == ("ep",)
     assert len(placements) == 12  # 3 experts x 2 linear layers x (weight, bias)
+
+
+@pytest.mark.parametrize("kind", ["top1", "top2", "topk"])
+def test_no_drop_capacity_pads_to_a_multiple_of_tp(kind):
+    """Beside tensor-parallel dense layers (each tp rank takes capacity / tp slots) `drop_tokens=False`
+    pads the agreed capacity up to a multiple of tp, as DeepSpeed's gates do; the routes are unchanged."""
+    logits = torch.tensor([[3.0, 0, 0, 0]] * 3 + [[0, 3.0, 0, 0]] * 2 + [[0, 0, 0, 3.0]] * 2)  # loads 3, 2, 0, 2
+    kwargs = dict(capacity_factor=1.0, min_capacity=0, drop_tokens=False)
+    if kind == "top1":
+        kwargs["use_rts"] = False
+    elif kind == "top2":
+        kwargs["top2_2nd_expert_sampling"] = False
+    else:
+        kwargs["k"] = 1
+    plain = _gate(kind, logits, kwargs)
+    padded = _gate(kind, logits, {**kwargs, "tp_size": 2})
+    assert padded.capacity % 2 == 0 and padded.capacity == plain.capacity + plain.capacity % 2
+    for key in ("indices", "locations", "gates", "exp_counts"):
+        assert torch.equal(getattr(padded, key), getattr(plain, key)), key

@@ -20,6 +20,8 @@ On one H200 (each run is a fresh launch, ~20 s), within a 10-minute command:
 
 `--only tuner` / `--only grid` run one side (the grid's best is then not known / the tuner not run), to
 split a larger space over two commands; the grid's per-point lines are printed as they finish.
+`--only deepspeed --grid-best TPS` runs DeepSpeed's autotuner alone (its ratio against a grid measured
+before).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def main() -> None:
     p.add_argument("--workdir", default="autotune_bench")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--only", choices=("tuner", "grid"), default=None)
+    p.add_argument("--only", choices=("tuner", "grid", "deepspeed"), default=None)
+    p.add_argument("--grid-best", type=float, default=float("nan"),
+                   help="with --only deepspeed: the grid's best tokens/s from an earlier run, for the ratio")
     a = p.parse_args()
     if a.smoke:
         a.preset, a.seq, a.stages, a.max_micro, a.num_micro, a.device = "demo", 32, [0, 1], 8, 2, "cpu"
@@ -87,6 +91,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     code = 0
+    if a.only == "deepspeed":
+        _deepspeed(a, work, config, launcher, script_args, a.grid_best)
+        return
     if a.only != "grid":
         code = subprocess.run([sys.executable, "-m", "lightspeed.launcher", *launcher, "--autotuning", "tune", *budget,
                                str(WORKER), *script_args], env=env).returncode
@@ -146,8 +153,10 @@ def _deepspeed(a, work: Path, config: dict, launcher: list[str], script_args: li
     args[args.index("--deepspeed_config") + 1] = str(path)
     ds_launcher = ["--num_gpus", "1"] if a.device == "cuda" else ["--num_nodes", "1"]
     t0 = time.perf_counter()
+    # its scheduler launches every experiment as `deepspeed ...`: the launcher script beside that Python
+    env = {**os.environ, "PATH": f"{Path(a.deepspeed_python).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     code = subprocess.run([a.deepspeed_python, "-m", "deepspeed.launcher.runner", *ds_launcher, "--autotuning", "tune",
-                           str(WORKER), *args, "--deepspeed"], cwd=ds_dir).returncode
+                           str(WORKER), *args, "--deepspeed"], cwd=ds_dir, env=env).returncode
     wall = time.perf_counter() - t0
     best = None
     for metric_file in (ds_dir / "results").glob("*/metrics.json"):  # DeepSpeed's per-experiment result dirs

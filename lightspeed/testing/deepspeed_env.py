@@ -67,7 +67,7 @@ def ensure() -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv)], check=True)
     env = {**os.environ, "DS_BUILD_OPS": "0"}
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    f"deepspeed=={DEEPSPEED_VERSION}"], check=True, env=env)
+                    f"deepspeed=={DEEPSPEED_VERSION}", "tabulate"], check=True, env=env)  # tabulate: its autotuner's extra
     if not _works(py):
         raise RuntimeError(f"{venv}: deepspeed=={DEEPSPEED_VERSION} installed but does not import")
     return py

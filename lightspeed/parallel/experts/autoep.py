@@ -30,8 +30,17 @@ its gate, so the routes and everything but the experts' arithmetic are the model
 experts child becomes an `EPExperts` (autoep_layer.py) holding global experts [r x E/ep, (r+1) x E/ep)
 of ep rank r, under the same parameter names; the placements give each weight (and bias) its global
 [E, ...] shape, this rank's rows along dim 0, `sharded_over=("ep",)` and `reduced_over` the expert-data-parallel
-dims (transform.py's `EXPERT_DATA_PARALLEL`). The supported path to load a Hugging Face checkpoint is to
-build the model whole (from_pretrained), then `initialize()`, which slices it.
+dims (transform.py's `EXPERT_DATA_PARALLEL`). A Hugging Face checkpoint loads either whole
+(from_pretrained, then `initialize()` slices it) or under ZeRO-3 (the Note on zero.Init).
+
+Note: [zero.Init] A model built under zero.Init (from_pretrained at ZeRO-3) holds empty placeholders
+whose logical shapes are DeepSpeed's `ds_shape` (detection reads those) and whose values are spread
+over Init's ranks. Each block's experts then reach their `EPExperts` through `partitioned_rows`
+(zero/stage3/init_rows.py, given by `initialize()`): one all-to-all per block hands every rank exactly
+its ep rank's rows from the ranks holding them, so no rank holds a block's whole experts (at
+autoep_size 1 every rank's rows are all experts), and the experts' Init storage is freed. The new
+parameters are then ordinary ones: ZeRO-3 shards them over the expert-data-parallel ranks as for a
+model built whole. Meta experts with no values anywhere (`OnDevice("meta")`) are refused.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from lightspeed._utils.logging import get_logger
@@ -121,6 +131,11 @@ _ROUTING_KEYS = {"route_norm": None, "route_scale": 1.0, "score_apply": "auto", 
                  "num_limited_groups": None, "top_k_attr": None}
 
 
+# (experts module, parameter names, first row, rows) -> this rank's rows of each: reads experts partitioned
+# by zero.Init (lightspeed.zero.stage3.init_rows.take_init_rows, given by initialize()); collective
+PartitionedRows = Callable[[nn.Module, tuple[str, ...], int, int], dict[str, torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class MoEBlock:
     """One detected block: its module name, module, preset name, expert count and the preset used."""
@@ -186,6 +201,13 @@ def _override(preset: Preset, section: ExpertParallelConfig) -> Preset:
     return Preset(**{**preset.__dict__, **values}) if values else preset
 
 
+def _shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's logical shape: DeepSpeed's `ds_shape` for one partitioned by ZeRO-3 (its tensor is
+    an empty placeholder), else its own."""
+    shape = getattr(p, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape
+
+
 def _block(name: str, module: nn.Module, preset: Preset) -> int | None:
     """The block's expert count when `module` is a block of `preset` (the Note on detection), else None."""
     experts, router = getattr(module, preset.experts, None), getattr(module, preset.router, None)
@@ -193,10 +215,10 @@ def _block(name: str, module: nn.Module, preset: Preset) -> int | None:
         return None
     params = dict(experts.named_parameters())
     w1, w2 = params.get(preset.w1), params.get(preset.w2)
-    if w1 is None or w2 is None or w1.dim() != 3 or w2.dim() != 3:
+    if w1 is None or w2 is None or len(_shape(w1)) != 3 or len(_shape(w2)) != 3:
         return None
     weight = getattr(router, "weight", None)
-    if weight is None or weight.dim() != 2 or weight.shape[0] != w1.shape[0]:
+    if weight is None or len(_shape(weight)) != 2 or _shape(weight)[0] != _shape(w1)[0]:
         return None
     named = {preset.w1, preset.w2} | {b for b in (preset.b1, preset.b2) if b}
     if set(params) - named:
@@ -208,7 +230,7 @@ def _block(name: str, module: nn.Module, preset: Preset) -> int | None:
     if missing:
         raise NotImplementedError(f"AutoEP: the experts of {name} lack the preset's {', '.join(sorted(missing))}")
     EXPERT_ACTIVATIONS[preset.activation](name, experts)  # refuses experts without the activation's attributes
-    return int(w1.shape[0])
+    return int(_shape(w1)[0])
 
 
 def detect_moe_blocks(model: nn.Module, section: ExpertParallelConfig) -> list[MoEBlock]:
@@ -245,10 +267,29 @@ def detect_moe_blocks(model: nn.Module, section: ExpertParallelConfig) -> list[M
                       "expert_pattern, expert_w1, expert_w2), or turn AutoEP off")
 
 
-def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology: Topology
-                     ) -> tuple[nn.Module, PlacementTable]:
+def _partitioned_local(block: MoEBlock, source: nn.Module, ep_rank: int, ep: int,
+                       partitioned_rows: PartitionedRows | None) -> dict[str, torch.Tensor] | None:
+    """This rank's rows of experts partitioned by zero.Init (None for whole experts: EPExperts slices them)."""
+    names = tuple(n for n in (block.preset.w1, block.preset.w2, block.preset.b1, block.preset.b2) if n)
+    params = [getattr(source, n) for n in names]
+    if any(getattr(p, "ds_shape", None) is not None for p in params):
+        if partitioned_rows is None:
+            raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are partitioned by "
+                                      "zero.Init and no reader of their rows was given; go through initialize()")
+        local = block.num_experts // ep
+        return partitioned_rows(source, names, ep_rank * local, local)
+    if any(p.is_meta for p in params):
+        raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are on the meta device "
+                                  "with no values (built outside zero.Init, e.g. OnDevice('meta')); build the model "
+                                  "under zero.Init (or from_pretrained at ZeRO-3) or whole")
+    return None
+
+
+def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology: Topology, *,
+                     partitioned_rows: PartitionedRows | None = None) -> tuple[nn.Module, PlacementTable]:
     """With `expert_parallel.enabled`: swap each MoE block's experts for this ep rank's `EPExperts` and
-    place them (the Note on what is swapped); otherwise the model passes unchanged."""
+    place them (the Note on what is swapped); otherwise the model passes unchanged. `partitioned_rows`
+    reads this rank's rows of experts partitioned by zero.Init (the Note on zero.Init)."""
     section: ExpertParallelConfig = cfg.expert_parallel
     if not section.enabled:
         return model, placements
@@ -274,13 +315,11 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
                               f"{block.name}")
         preset = block.preset
         source = getattr(block.module, preset.experts)
-        if any(p.is_meta for p in source.parameters()):
-            raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are on the meta device "
-                                      "(zero.Init); build the model whole, AutoEP slices it in initialize()")
+        local = _partitioned_local(block, source, ep_rank, ep, partitioned_rows)
         activation = EXPERT_ACTIVATIONS[preset.activation](block.name, source)
         experts = EPExperts(source, (preset.w1, preset.w2), block.num_experts, ep_rank, ep, activation,
                             use_grouped_mm=section.use_grouped_mm, bias_names=(preset.b1, preset.b2),
-                            transposed=preset.transposed)
+                            transposed=preset.transposed, local=local)
         if ep > 1:
             experts.bind(group)
         setattr(block.module, preset.experts, experts)

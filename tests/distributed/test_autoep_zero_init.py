@@ -8,8 +8,8 @@ two gloo ranks (float32), against the same checkpoint loaded whole and initializ
   model's within 1e-5;
 - after initialize() each rank's expert parameters are its ep rank's rows only (`ds_shape` [E/ep, ...]),
   its ZeRO-3 shard of them holds exactly those rows' values (at ep 2 the expert-data-parallel group is
-  one rank), and the experts' zero.Init group was never gathered during initialize() (each rank received
-  its rows by an all-to-all, zero/stage3/init_rows.py).
+  one rank), and the model's experts' zero.Init groups were never gathered during initialize() (each
+  rank received its rows by an all-to-all, then partitioned them again: zero/stage3/init_rows.py).
 """
 
 from __future__ import annotations
@@ -139,7 +139,10 @@ def test_each_rank_holds_only_its_experts(name, ep, runs, checkpoints):
     state = checkpoints[name][1]
     for result in runs:
         init = result[(name, ep, True)]
-        assert not [g for g in init["gathered"] if "Experts" in g], init["gathered"]
+        # the model's experts were never gathered (each rank received its rows); the EPExperts' Init
+        # groups (over the expert-data-parallel ranks) were, as ZeRO-3 took them over
+        assert "init:EPExperts" in init["gathered"]
+        assert not [g for g in init["gathered"] if g.endswith("Experts") and g != "init:EPExperts"], init["gathered"]
         assert init["experts"] and init["experts"].keys() == result[(name, ep, False)]["experts"].keys()
     for key, full in ((k, v) for k, v in state.items() if k in runs[0][(name, ep, True)]["experts"]):
         local = full.shape[0] // ep

@@ -35,16 +35,19 @@ dims (transform.py's `EXPERT_DATA_PARALLEL`). A Hugging Face checkpoint loads ei
 
 Note: [zero.Init] A model built under zero.Init (from_pretrained at ZeRO-3) holds empty placeholders
 whose logical shapes are DeepSpeed's `ds_shape` (detection reads those) and whose values are spread
-over Init's ranks. Each block's experts then reach their `EPExperts` through `partitioned_rows`
-(zero/stage3/init_rows.py, given by `initialize()`): one all-to-all per block hands every rank exactly
-its ep rank's rows from the ranks holding them, so no rank holds a block's whole experts (at
-autoep_size 1 every rank's rows are all experts), and the experts' Init storage is freed. The new
-parameters are then ordinary ones: ZeRO-3 shards them over the expert-data-parallel ranks as for a
-model built whole. Meta experts with no values anywhere (`OnDevice("meta")`) are refused.
+over Init's ranks. Each block's experts then become their `EPExperts` through `partitioned_experts`
+(zero/stage3/init_rows.py's `replace_init_module`, given by `initialize()`): one all-to-all per block
+hands every rank exactly its ep rank's rows from the ranks holding them (no rank gathers a block's
+whole experts; at autoep_size 1 a rank's rows are all of them), the experts' Init storage is freed,
+and the `EPExperts`' parameters are partitioned by zero.Init again over the expert-data-parallel
+ranks, so only one block's rows are whole on a rank at a time; ZeRO-3 takes them over as every Init
+group, into the same groups and placements as for a model built whole. Meta experts with no values
+anywhere (`OnDevice("meta")`) are refused.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +56,7 @@ import torch
 from torch import nn
 
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.sequence_groups import as_group
 from lightspeed.comm.topology import Topology
 from lightspeed.config.errors import ConfigError
@@ -131,9 +135,11 @@ _ROUTING_KEYS = {"route_norm": None, "route_scale": 1.0, "score_apply": "auto", 
                  "num_limited_groups": None, "top_k_attr": None}
 
 
-# (experts module, parameter names, first row, rows) -> this rank's rows of each: reads experts partitioned
-# by zero.Init (lightspeed.zero.stage3.init_rows.take_init_rows, given by initialize()); collective
-PartitionedRows = Callable[[nn.Module, tuple[str, ...], int, int], dict[str, torch.Tensor]]
+# (experts module, parameter names, first row, rows, build, keep) -> build(this rank's rows of each), its
+# parameters partitioned by zero.Init again over `keep`: experts partitioned by zero.Init
+# (lightspeed.zero.stage3.init_rows.replace_init_module, given by initialize()); collective
+PartitionedExperts = Callable[[nn.Module, tuple[str, ...], int, int, Callable[[dict[str, torch.Tensor]], nn.Module],
+                               Communicator], nn.Module]
 
 
 @dataclass(frozen=True)
@@ -267,29 +273,36 @@ def detect_moe_blocks(model: nn.Module, section: ExpertParallelConfig) -> list[M
                       "expert_pattern, expert_w1, expert_w2), or turn AutoEP off")
 
 
-def _partitioned_local(block: MoEBlock, source: nn.Module, ep_rank: int, ep: int,
-                       partitioned_rows: PartitionedRows | None) -> dict[str, torch.Tensor] | None:
-    """This rank's rows of experts partitioned by zero.Init (None for whole experts: EPExperts slices them)."""
-    names = tuple(n for n in (block.preset.w1, block.preset.w2, block.preset.b1, block.preset.b2) if n)
-    params = [getattr(source, n) for n in names]
+def _partitioned(block: MoEBlock, source: nn.Module, partitioned_experts: PartitionedExperts | None) -> bool:
+    """Whether the block's experts are partitioned by zero.Init (else whole: EPExperts slices them)."""
+    params = [getattr(source, n) for n in _param_names(block.preset)]
     if any(getattr(p, "ds_shape", None) is not None for p in params):
-        if partitioned_rows is None:
+        if partitioned_experts is None:
             raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are partitioned by "
                                       "zero.Init and no reader of their rows was given; go through initialize()")
-        local = block.num_experts // ep
-        return partitioned_rows(source, names, ep_rank * local, local)
+        return True
     if any(p.is_meta for p in params):
         raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are on the meta device "
                                   "with no values (built outside zero.Init, e.g. OnDevice('meta')); build the model "
                                   "under zero.Init (or from_pretrained at ZeRO-3) or whole")
-    return None
+    return False
+
+
+def _param_names(preset: Preset) -> tuple[str, ...]:
+    return tuple(n for n in (preset.w1, preset.w2, preset.b1, preset.b2) if n)
+
+
+def _expert_data_parallel(topology: Topology) -> Communicator:
+    """The ranks holding the same experts (as the strategy's reduce group of the experts)."""
+    dims = tuple(d for d in EXPERT_DATA_PARALLEL if topology.size_over((d,)) > 1)
+    return Communicator(topology.group_over(dims), topology.size_over(dims)) if dims else Communicator(None, 1)
 
 
 def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology: Topology, *,
-                     partitioned_rows: PartitionedRows | None = None) -> tuple[nn.Module, PlacementTable]:
+                     partitioned_experts: PartitionedExperts | None = None) -> tuple[nn.Module, PlacementTable]:
     """With `expert_parallel.enabled`: swap each MoE block's experts for this ep rank's `EPExperts` and
-    place them (the Note on what is swapped); otherwise the model passes unchanged. `partitioned_rows`
-    reads this rank's rows of experts partitioned by zero.Init (the Note on zero.Init)."""
+    place them (the Note on what is swapped); otherwise the model passes unchanged.
+    `partitioned_experts` builds them from experts partitioned by zero.Init (the Note on zero.Init)."""
     section: ExpertParallelConfig = cfg.expert_parallel
     if not section.enabled:
         return model, placements
@@ -308,26 +321,32 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
                           f"{ep}")
     blocks = detect_moe_blocks(model, section)
     group = as_group(topology.group("ep")) if ep > 1 else None
-    placed = []
+    placed, keep = [], None
     for block in blocks:
         if block.num_experts % ep:
             raise ConfigError(f"expert_parallel.autoep_size={ep} does not divide the {block.num_experts} experts of "
                               f"{block.name}")
         preset = block.preset
         source = getattr(block.module, preset.experts)
-        local = _partitioned_local(block, source, ep_rank, ep, partitioned_rows)
         activation = EXPERT_ACTIVATIONS[preset.activation](block.name, source)
-        experts = EPExperts(source, (preset.w1, preset.w2), block.num_experts, ep_rank, ep, activation,
-                            use_grouped_mm=section.use_grouped_mm, bias_names=(preset.b1, preset.b2),
-                            transposed=preset.transposed, local=local)
+        build = functools.partial(EPExperts, source, (preset.w1, preset.w2), block.num_experts, ep_rank, ep,
+                                  activation, use_grouped_mm=section.use_grouped_mm,
+                                  bias_names=(preset.b1, preset.b2), transposed=preset.transposed)
+        if _partitioned(block, source, partitioned_experts):
+            keep = keep or _expert_data_parallel(topology)
+            local = block.num_experts // ep
+            experts = partitioned_experts(source, _param_names(preset), ep_rank * local, local,
+                                          lambda rows: build(local=rows), keep)
+        else:
+            experts = build()
         if ep > 1:
             experts.bind(group)
         setattr(block.module, preset.experts, experts)
         local = block.num_experts // ep
         for w in experts.param_names:
-            p = getattr(experts, w)
-            shape = (block.num_experts,) + tuple(p.shape[1:])
-            box = ((ep_rank * local, (ep_rank + 1) * local),) + tuple((0, n) for n in p.shape[1:])
+            rest = tuple(_shape(getattr(experts, w))[1:])  # partitioned by zero.Init: ds_shape
+            shape = (block.num_experts,) + rest
+            box = ((ep_rank * local, (ep_rank + 1) * local),) + tuple((0, n) for n in rest)
             placed.append(Placement(f"{block.name}.{preset.experts}.{w}", shape, (box,), ("ep",),
                                     EXPERT_DATA_PARALLEL))
     logger.info("AutoEP: %d MoE blocks (preset %s), %d experts each, %d per rank over ep %d", len(blocks),

@@ -2,10 +2,11 @@
 (parallel/experts/autoep.py) gives each ep rank its experts of a model built under `zero.Init` (a
 Hugging Face `from_pretrained` at ZeRO-3) without any rank gathering a whole experts tensor.
 
-Owns: `take_init_rows` (this rank's rows [first, first + count) along dim 0 of some parameters of a
-module, read from the module's Init groups, which are then discarded). Must not: decide which rows a
-rank keeps (the caller says), or touch a stage-3 strategy's groups (only zero.Init's, before
-`initialize()` takes them over).
+Owns: `replace_init_module`: this rank's rows [first, first + count) along dim 0 of some parameters
+of a module, read from the module's Init groups (which are then discarded), made into a new module by
+the caller, whose parameters are partitioned again. Must not: decide which rows a rank keeps (the
+caller says), or touch a stage-3 strategy's groups (only zero.Init's, before `initialize()` takes
+them over).
 
 Note: [the exchange] Under Init a module's parameters of one (requires_grad, dtype) lie end to end in
 one flat buffer padded to a multiple of the group's world W; rank r keeps elements [r S, (r+1) S).
@@ -18,21 +19,25 @@ nothing is gathered whole. Every rank of the group must call it for the same mod
 same order (each with its own rows); ranks wanting the same rows (expert-data-parallel replicas) each
 receive them.
 
-Note: [after] The rows taken, the module's Init groups are discarded (its parameters become empty
-placeholders): the caller replaces the module, and `initialize()`'s stage-3 strategy builds its own
-groups from the new module's (real) parameters as for a model built whole.
+Note: [what is kept] The rows taken, the module's Init groups are discarded (its parameters become
+empty placeholders). `replace_init_module` builds the replacement from the rows and partitions its
+parameters again as zero.Init would (Init groups in the source's dtype, device and offload), over the
+ranks that hold the same rows (AutoEP: the expert-data-parallel group), so the rows of only one module
+are whole on a rank at a time; `initialize()`'s stage-3 strategy then takes these groups over, one unit
+at a time, as every other Init group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.differentiable import ragged_all_to_all
 from lightspeed.zero.partition import Range, shard_range
-from lightspeed.zero.stage3.init import take_init_groups
+from lightspeed.zero.stage3.init import store_init_groups, take_init_groups
 from lightspeed.zero.stage3.param_group import ParamGroup, ParamState, param_state
 
 
@@ -80,10 +85,20 @@ def _exchange(g: ParamGroup, items: list[tuple[str, ParamState]], first: int, co
     return {name: out[name].view((count,) + tuple(st.shape[1:])) for name, st in items}
 
 
-def take_init_rows(module: nn.Module, names: Sequence[str], first: int, count: int) -> dict[str, torch.Tensor]:
-    """Rows [first, first + count) along dim 0 of `module`'s parameters `names` (each partitioned by
-    `zero.Init`), as new tensors on this rank; then `module`'s Init groups are discarded (the Notes).
-    Collective over each group's ranks."""
+def replace_init_module(module: nn.Module, names: Sequence[str], first: int, count: int,
+                        build: Callable[[dict[str, torch.Tensor]], nn.Module], keep: Communicator) -> nn.Module:
+    """`build(rows)` of this rank's rows [first, first + count) of `module`'s Init-partitioned `names`, with
+    the new module's parameters partitioned again by zero.Init over `keep` (the ranks that took the same
+    rows), in the source's dtype and placement (the Note on what is kept). Collective."""
+    rows, like = _take(module, names, first, count)
+    built = build(rows)
+    del rows
+    store_init_groups(built, list(built.named_parameters(recurse=False)), keep, like.device, like.dtype, like.offload)
+    return built
+
+
+def _take(module: nn.Module, names: Sequence[str], first: int, count: int
+          ) -> tuple[dict[str, torch.Tensor], ParamGroup]:
     groups = take_init_groups(module)
     by_group: dict[int, tuple[ParamGroup, list[tuple[str, ParamState]]]] = {}
     for name in names:
@@ -101,7 +116,7 @@ def take_init_rows(module: nn.Module, names: Sequence[str], first: int, count: i
         out.update(_exchange(g, items, first, count))
     for g in groups:
         g.discard()
-    return out
+    return out, groups[0]
 
 
-__all__ = ["take_init_rows"]
+__all__ = ["replace_init_module"]

@@ -89,11 +89,12 @@ def replace_init_module(module: nn.Module, names: Sequence[str], first: int, cou
                         build: Callable[[dict[str, torch.Tensor]], nn.Module], keep: Communicator) -> nn.Module:
     """`build(rows)` of this rank's rows [first, first + count) of `module`'s Init-partitioned `names`, with
     the new module's parameters partitioned again by zero.Init over `keep` (the ranks that took the same
-    rows), in the source's dtype and placement (the Note on what is kept). Collective."""
+    rows), as the source's were (the Note on what is kept). Collective."""
     rows, like = _take(module, names, first, count)
     built = build(rows)
     del rows
-    store_init_groups(built, list(built.named_parameters(recurse=False)), keep, like.device, like.dtype, like.offload)
+    # each parameter keeps its rows' dtype (its source group's), on the source's device and offload
+    store_init_groups(built, list(built.named_parameters(recurse=False)), keep, like.device, None, like.offload)
     return built
 
 

@@ -6,7 +6,8 @@ and defaults (DeepSpeed's `parse_autoep_config`), detection (by model_type, by p
 overrides, nothing found; GPT-OSS by its model_type, experts whose biases the preset does not name
 refused), the refused keys, and `initialize()` at autoep_size 1 (every expert local, logits equal to the
 unwrapped model's, one training step's loss and gradients as the unwrapped model's: Qwen2-MoE, and
-GPT-OSS with random expert biases and a clamp that bites, grouped and looped)."""
+GPT-OSS with random expert biases and a clamp that bites, grouped and looped); a GPT-OSS built under
+zero.Init through initialize() at ZeRO-3 as the whole-built one, and meta experts with no values refused."""
 
 from __future__ import annotations
 

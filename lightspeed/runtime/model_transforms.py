@@ -15,6 +15,7 @@ touch process groups other than through the `Topology` it is given.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from torch import nn
@@ -26,6 +27,7 @@ from lightspeed.parallel.experts import expert_parallel_transform
 from lightspeed.parallel.experts.autoep import autoep_transform
 from lightspeed.parallel.placement import PlacementTable, tensor_parallel_placements
 from lightspeed.sequence import apply_sequence_parallel
+from lightspeed.zero.stage3.init_rows import replace_init_module
 
 ModelTransform = Callable[[nn.Module, PlacementTable, object, Topology], tuple[nn.Module, PlacementTable]]
 
@@ -46,7 +48,8 @@ def _keeps_placements(transform):
 TRANSFORMS: tuple[tuple[str, ModelTransform], ...] = (
     ("tensor_parallel", _tensor_parallel),
     ("sequence_parallel", _keeps_placements(apply_sequence_parallel)),
-    ("autoep", autoep_transform),
+    # experts partitioned by zero.Init give each rank its rows through Init's groups (zero/stage3/init_rows.py)
+    ("autoep", functools.partial(autoep_transform, partitioned_experts=replace_init_module)),
     ("expert_parallel", expert_parallel_transform),
     # DeepSpeed wraps no module for `activation_checkpointing`: the block configures checkpoint() over
     # the model-parallel group (see lightspeed/checkpointing/settings.py)

@@ -30,9 +30,9 @@ its gate, so the routes and everything but the experts' arithmetic are the model
 experts child becomes an `EPExperts` (autoep_layer.py) holding global experts [r x E/ep, (r+1) x E/ep)
 of ep rank r, under the same parameter names; the placements give each weight (and bias) its global
 [E, ...] shape, this rank's rows along dim 0, `sharded_over=("ep",)` and `reduced_over` the expert-data-parallel
-dims, and tp when the dense layers are tensor-parallel (transform.py's `expert_reduced_over`). The supported
-path to load a Hugging Face checkpoint is to build the model whole (from_pretrained), then `initialize()`,
-which slices it.
+dims, and tp when the dense layers are tensor-parallel (transform.py's `expert_reduced_over`). A Hugging Face
+checkpoint loads either whole (from_pretrained, then `initialize()` slices it) or under ZeRO-3 (the Note
+on zero.Init).
 
 Note: [beside tensor parallelism] With `tensor_parallel.autotp_size` > 1, AutoTP splits the dense layers
 (attention, a shared expert) and leaves each block's experts and router whole (autotp.py's Note on
@@ -44,17 +44,31 @@ split the routed assignments rather than the tokens, and it refuses ep = 1, Ulys
 there. Here ep is carved from data parallelism (comm/topology.py), so it must divide dp, the tp peers
 hold the same experts (reduced over tp), and ep = 1, sp and offload are not refused.
 `expert_parallel.expert_tensor_parallel_size` > 1 (experts sliced over tp) stays refused, as in DeepSpeed.
+
+Note: [zero.Init] A model built under zero.Init (from_pretrained at ZeRO-3) holds empty placeholders
+whose logical shapes are DeepSpeed's `ds_shape` (detection reads those) and whose values are spread
+over Init's ranks. Each block's experts then become their `EPExperts` through `partitioned_experts`
+(zero/stage3/init_rows.py's `replace_init_module`, given by `initialize()`): one all-to-all per block
+hands every rank exactly its ep rank's rows from the ranks holding them (no rank gathers a block's
+whole experts; at autoep_size 1 a rank's rows are all of them), the experts' Init storage is freed,
+and the `EPExperts`' parameters are partitioned by zero.Init again over the expert-data-parallel
+ranks, so only one block's rows are whole on a rank at a time; ZeRO-3 takes them over as every Init
+group, into the same groups and placements as for a model built whole. Meta experts with no values
+anywhere (`OnDevice("meta")`) are refused.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.sequence_groups import as_group
 from lightspeed.comm.topology import Topology
 from lightspeed.config.errors import ConfigError
@@ -133,6 +147,13 @@ _ROUTING_KEYS = {"route_norm": None, "route_scale": 1.0, "score_apply": "auto", 
                  "num_limited_groups": None, "top_k_attr": None}
 
 
+# (experts module, parameter names, first row, rows, build, keep) -> build(this rank's rows of each), its
+# parameters partitioned by zero.Init again over `keep`: experts partitioned by zero.Init
+# (lightspeed.zero.stage3.init_rows.replace_init_module, given by initialize()); collective
+PartitionedExperts = Callable[[nn.Module, tuple[str, ...], int, int, Callable[[dict[str, torch.Tensor]], nn.Module],
+                               Communicator], nn.Module]
+
+
 @dataclass(frozen=True)
 class MoEBlock:
     """One detected block: its module name, module, preset name, expert count and the preset used."""
@@ -202,6 +223,13 @@ def _override(preset: Preset, section: ExpertParallelConfig) -> Preset:
     return Preset(**{**preset.__dict__, **values}) if values else preset
 
 
+def _shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's logical shape: DeepSpeed's `ds_shape` for one partitioned by ZeRO-3 (its tensor is
+    an empty placeholder), else its own."""
+    shape = getattr(p, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape
+
+
 def _block(name: str, module: nn.Module, preset: Preset) -> int | None:
     """The block's expert count when `module` is a block of `preset` (the Note on detection), else None."""
     experts, router = getattr(module, preset.experts, None), getattr(module, preset.router, None)
@@ -209,10 +237,10 @@ def _block(name: str, module: nn.Module, preset: Preset) -> int | None:
         return None
     params = dict(experts.named_parameters())
     w1, w2 = params.get(preset.w1), params.get(preset.w2)
-    if w1 is None or w2 is None or w1.dim() != 3 or w2.dim() != 3:
+    if w1 is None or w2 is None or len(_shape(w1)) != 3 or len(_shape(w2)) != 3:
         return None
     weight = getattr(router, "weight", None)
-    if weight is None or weight.dim() != 2 or weight.shape[0] != w1.shape[0]:
+    if weight is None or len(_shape(weight)) != 2 or _shape(weight)[0] != _shape(w1)[0]:
         return None
     named = {preset.w1, preset.w2} | {b for b in (preset.b1, preset.b2) if b}
     if set(params) - named:
@@ -224,7 +252,7 @@ def _block(name: str, module: nn.Module, preset: Preset) -> int | None:
     if missing:
         raise NotImplementedError(f"AutoEP: the experts of {name} lack the preset's {', '.join(sorted(missing))}")
     EXPERT_ACTIVATIONS[preset.activation](name, experts)  # refuses experts without the activation's attributes
-    return int(w1.shape[0])
+    return int(_shape(w1)[0])
 
 
 def detect_moe_blocks(model: nn.Module, section: ExpertParallelConfig) -> list[MoEBlock]:
@@ -261,10 +289,36 @@ def detect_moe_blocks(model: nn.Module, section: ExpertParallelConfig) -> list[M
                       "expert_pattern, expert_w1, expert_w2), or turn AutoEP off")
 
 
-def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology: Topology
-                     ) -> tuple[nn.Module, PlacementTable]:
+def _partitioned(block: MoEBlock, source: nn.Module, partitioned_experts: PartitionedExperts | None) -> bool:
+    """Whether the block's experts are partitioned by zero.Init (else whole: EPExperts slices them)."""
+    params = [getattr(source, n) for n in _param_names(block.preset)]
+    if any(getattr(p, "ds_shape", None) is not None for p in params):
+        if partitioned_experts is None:
+            raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are partitioned by "
+                                      "zero.Init and no reader of their rows was given; go through initialize()")
+        return True
+    if any(p.is_meta for p in params):
+        raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are on the meta device "
+                                  "with no values (built outside zero.Init, e.g. OnDevice('meta')); build the model "
+                                  "under zero.Init (or from_pretrained at ZeRO-3) or whole")
+    return False
+
+
+def _param_names(preset: Preset) -> tuple[str, ...]:
+    return tuple(n for n in (preset.w1, preset.w2, preset.b1, preset.b2) if n)
+
+
+def _expert_data_parallel(topology: Topology) -> Communicator:
+    """The ranks holding the same experts (as the strategy's reduce group of the experts)."""
+    dims = tuple(d for d in expert_reduced_over(topology) if topology.size_over((d,)) > 1)
+    return Communicator(topology.group_over(dims), topology.size_over(dims)) if dims else Communicator(None, 1)
+
+
+def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology: Topology, *,
+                     partitioned_experts: PartitionedExperts | None = None) -> tuple[nn.Module, PlacementTable]:
     """With `expert_parallel.enabled`: swap each MoE block's experts for this ep rank's `EPExperts` and
-    place them (the Note on what is swapped); otherwise the model passes unchanged."""
+    place them (the Note on what is swapped); otherwise the model passes unchanged.
+    `partitioned_experts` builds them from experts partitioned by zero.Init (the Note on zero.Init)."""
     section: ExpertParallelConfig = cfg.expert_parallel
     if not section.enabled:
         return model, placements
@@ -283,20 +337,24 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
     tp = topology.size("tp")
     tp_group = as_group(topology.group("tp")) if tp > 1 else None
     reduced_over = expert_reduced_over(topology)
-    placed = []
+    placed, keep = [], None
     for block in blocks:
         if block.num_experts % ep:
             raise ConfigError(f"expert_parallel.autoep_size={ep} does not divide the {block.num_experts} experts of "
                               f"{block.name}")
         preset = block.preset
         source = getattr(block.module, preset.experts)
-        if any(p.is_meta for p in source.parameters()):
-            raise NotImplementedError(f"expert_parallel.enabled: the experts of {block.name} are on the meta device "
-                                      "(zero.Init); build the model whole, AutoEP slices it in initialize()")
         activation = EXPERT_ACTIVATIONS[preset.activation](block.name, source)
-        experts = EPExperts(source, (preset.w1, preset.w2), block.num_experts, ep_rank, ep, activation,
-                            use_grouped_mm=section.use_grouped_mm, bias_names=(preset.b1, preset.b2),
-                            transposed=preset.transposed)
+        build = functools.partial(EPExperts, source, (preset.w1, preset.w2), block.num_experts, ep_rank, ep,
+                                  activation, use_grouped_mm=section.use_grouped_mm,
+                                  bias_names=(preset.b1, preset.b2), transposed=preset.transposed)
+        if _partitioned(block, source, partitioned_experts):
+            keep = keep or _expert_data_parallel(topology)
+            local = block.num_experts // ep
+            experts = partitioned_experts(source, _param_names(preset), ep_rank * local, local,
+                                          lambda rows: build(local=rows), keep)
+        else:
+            experts = build()
         if ep > 1:
             experts.bind(group)
         if tp > 1:
@@ -304,9 +362,9 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
         setattr(block.module, preset.experts, experts)
         local = block.num_experts // ep
         for w in experts.param_names:
-            p = getattr(experts, w)
-            shape = (block.num_experts,) + tuple(p.shape[1:])
-            box = ((ep_rank * local, (ep_rank + 1) * local),) + tuple((0, n) for n in p.shape[1:])
+            rest = tuple(_shape(getattr(experts, w))[1:])  # partitioned by zero.Init: ds_shape
+            shape = (block.num_experts,) + rest
+            box = ((ep_rank * local, (ep_rank + 1) * local),) + tuple((0, n) for n in rest)
             placed.append(Placement(f"{block.name}.{preset.experts}.{w}", shape, (box,), ("ep",),
                                     reduced_over))
     logger.info("AutoEP: %d MoE blocks (preset %s), %d experts each, %d per rank over ep %d", len(blocks),

@@ -64,12 +64,14 @@ class EPExperts(nn.Module):
     dict keeps the model's names, holding this rank's rows); `activation` the experts' gated
     activation (grouped_mlp.py: a `GatedActivation`, or an elementwise `act_fn` of the gate half);
     `transposed` the Note on layouts; `ep_group` is bound by `bind` before the first forward when
-    `ep_size` > 1."""
+    `ep_size` > 1. `local`, when given, holds this rank's rows of each parameter already (name ->
+    [E/ep, ...]: a source partitioned by zero.Init, whose own tensors are empty); else they are sliced
+    from `source`'s whole tensors."""
 
     def __init__(self, source: nn.Module, weight_names: tuple[str, str], num_experts: int, ep_rank: int,
                  ep_size: int, activation: GatedActivation | Callable[[torch.Tensor], torch.Tensor],
-                 use_grouped_mm: bool = True, bias_names: tuple[str, str] = ("", ""), transposed: bool = False
-                 ) -> None:
+                 use_grouped_mm: bool = True, bias_names: tuple[str, str] = ("", ""), transposed: bool = False,
+                 local: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         w1, w2 = weight_names
         self.weight_names, self.bias_names, self.transposed = weight_names, bias_names, transposed
@@ -85,8 +87,14 @@ class EPExperts(nn.Module):
         first = ep_rank * self.num_local_experts
         for name in self.param_names:
             full = getattr(source, name)
-            local = full.detach()[first:first + self.num_local_experts].clone()
-            self.register_parameter(name, nn.Parameter(local, requires_grad=full.requires_grad))
+            if local is None:
+                rows = full.detach()[first:first + self.num_local_experts].clone()
+            else:
+                rows = local[name]
+                if rows.shape[0] != self.num_local_experts:
+                    raise ValueError(f"AutoEP: {name}'s local rows {tuple(rows.shape)} are not this rank's "
+                                     f"{self.num_local_experts} experts")
+            self.register_parameter(name, nn.Parameter(rows, requires_grad=full.requires_grad))
         gate_up, down = self._weights()
         self.hidden_dim, self.intermediate_dim = down.shape[1], down.shape[2]
         if gate_up.shape[1:] != (2 * self.intermediate_dim, self.hidden_dim):

@@ -288,18 +288,24 @@ class Init(ParameterRegistrationContext):
                 self._store(module, plain, comm, device)
 
     def _store(self, module: torch.nn.Module, owned, comm: Communicator, device: torch.device) -> None:
-        """Keep only this rank's slice of `owned` (full values now): one group per (requires_grad, dtype)."""
-        kinds: dict[tuple[bool, torch.dtype], list] = {}
-        for n, p in owned:
-            if not p.is_floating_point():
-                raise TypeError(f"zero.Init partitions floating-point parameters only ({n} is {p.dtype})")
-            kinds.setdefault((p.requires_grad, self.dtype or p.dtype), []).append((n, p))
-        for (_, dtype), items in kinds.items():
-            g = ParamGroup(f"init:{type(module).__name__}", [p for _, p in items], [n for n, _ in items],
-                           [p.detach() for _, p in items], comm, dtype=dtype, device=device, grad_dtype=dtype,
-                           keep_master=False, with_grads=False, offload=self._offload)
-            g.coordinator = _STANDALONE
-            _INIT_GROUPS.setdefault(module, []).append(g)
+        store_init_groups(module, owned, comm, device, self.dtype, self._offload)
+
+
+def store_init_groups(module: torch.nn.Module, owned, comm: Communicator, device: torch.device,
+                      dtype: torch.dtype | None, offload: OffloadPolicy) -> None:
+    """Keep only this rank's slice of `owned` (params of `module` with full values now, the same on
+    every rank of `comm`) in Init groups, one per (requires_grad, dtype); `dtype` None keeps each one's."""
+    kinds: dict[tuple[bool, torch.dtype], list] = {}
+    for n, p in owned:
+        if not p.is_floating_point():
+            raise TypeError(f"zero.Init partitions floating-point parameters only ({n} is {p.dtype})")
+        kinds.setdefault((p.requires_grad, dtype or p.dtype), []).append((n, p))
+    for (_, kind), items in kinds.items():
+        g = ParamGroup(f"init:{type(module).__name__}", [p for _, p in items], [n for n, _ in items],
+                       [p.detach() for _, p in items], comm, dtype=kind, device=device, grad_dtype=kind,
+                       keep_master=False, with_grads=False, offload=offload)
+        g.coordinator = _STANDALONE
+        _INIT_GROUPS.setdefault(module, []).append(g)
 
 
 def _logical_shape(p: torch.nn.Parameter) -> torch.Size:

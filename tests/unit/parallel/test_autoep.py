@@ -6,7 +6,8 @@ and defaults (DeepSpeed's `parse_autoep_config`), detection (by model_type, by p
 overrides, nothing found; GPT-OSS by its model_type, experts whose biases the preset does not name
 refused), the refused keys, and `initialize()` at autoep_size 1 (every expert local, logits equal to the
 unwrapped model's, one training step's loss and gradients as the unwrapped model's: Qwen2-MoE, and
-GPT-OSS with random expert biases and a clamp that bites, grouped and looped)."""
+GPT-OSS with random expert biases and a clamp that bites, grouped and looped); a GPT-OSS built under
+zero.Init through initialize() at ZeRO-3 as the whole-built one, and meta experts with no values refused."""
 
 from __future__ import annotations
 
@@ -221,3 +222,41 @@ def test_autoep_size_one_is_the_unwrapped_model(kind, grouped):
     grads = dict(ref.named_parameters())
     for name, p in engine.module.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_zero_init_built_experts_at_autoep_size_one():
+    """GPT-OSS (transposed weights and biases: four parameters per experts group) built under zero.Init in
+    one process, its expert biases written through GatheredParameters, equals the whole-built model with
+    the same initial values through initialize() at ZeRO-3 (zero/stage3/init_rows.py at a world of one)."""
+    from lightspeed.zero.stage3 import GatheredParameters, Init, initialize_module_weights
+
+    with Init(seed=5):
+        built = _tiny("gpt_oss")  # its bias randomization ran on empty placeholders: written below
+    assert all(p.numel() == 0 for p in built.parameters())
+    ref = initialize_module_weights(_tiny("gpt_oss"), 5)
+    gen = torch.Generator().manual_seed(4)
+    for (name, p), q in zip(built.named_parameters(), ref.parameters()):
+        if name.endswith("_bias"):
+            with torch.no_grad(), GatheredParameters([p], modifier_rank=0):
+                q.copy_(torch.randn(q.shape, generator=gen) * 0.3)
+                p.copy_(q)
+    engine, *_ = lightspeed.initialize(model=built, dist_init_required=False, config={
+        **CFG, "zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True, "autoep_size": 1}})
+    experts = {n: m for n, m in engine.module.named_modules() if isinstance(m, EPExperts)}
+    assert list(experts) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    shapes = dict(ref.named_parameters())
+    for name, m in experts.items():
+        for pname, p in m.named_parameters():
+            assert p.ds_shape == shapes[f"{name}.{pname}"].shape  # autoep_size 1: every expert
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(engine(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_experts_without_values_are_refused():
+    with lightspeed.OnDevice(dtype=torch.float32, device="meta"):
+        model = _tiny()
+    with pytest.raises(NotImplementedError, match="expert_parallel.enabled: the experts of model.layers.0.mlp are "
+                                                  "on the meta device with no values"):
+        lightspeed.initialize(model=model, dist_init_required=False, config={
+            **CFG, "zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True}})

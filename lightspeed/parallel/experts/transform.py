@@ -73,8 +73,6 @@ def expert_parallel_transform(model: nn.Module, placements: PlacementTable, cfg,
     if topology.size("tp") > 1:
         raise NotImplementedError(f"tensor_parallel.autotp_size={topology.size('tp')} with MoE layers: expert "
                                   "parallelism beside tensor parallelism is not implemented in lightspeed")
-    if topology.size("pp") > 1:
-        raise NotImplementedError("MoE layers in a pipeline-parallel model are not implemented in lightspeed")
     for _name, layer in layers:
         bind_expert_group(layer, topology)
     placed = expert_placements(model, topology)

@@ -9,8 +9,9 @@ pipeline each MoE layer adds `aux_loss_coeff x l_aux` to its micro-batch's loss 
 parallel/experts/aux_loss.py (nothing sent to the last stage); the reference adds the same term to
 each micro-batch's loss by hand. Cases: pp2 x ep2 at ZeRO-1 with gradient clipping (the norm over
 both kinds of parameter and both stages), the same at coefficient 0 (its trajectory differs, and
-matches its own reference), pp2 x ep2 at ZeRO-2 with the MoE on the second stage only, and pp2 x dp2
-(ep 1) at ZeRO-1 with top-2. The ep and expert-data-parallel groups the layers bind are the stage's
+matches its own reference), pp2 x ep2 at ZeRO-2 with the MoE on the second pipeline rank only under
+the ZBV zero-bubble schedule (two stages a rank, split input and weight backward), and pp2 x dp2 (ep 1)
+at ZeRO-1 with top-2. The ep and expert-data-parallel groups the layers bind are the stage's
 own. The aux-loss function's scaling itself (loss scale, accumulation) is unit-tested in
 tests/unit/parallel/test_moe_aux_loss.py."""
 
@@ -28,13 +29,14 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 D, SEQ, MICRO, GAS, STEPS, EXPERTS, HIDDEN = 8, 4, 2, 2, 3, 4, 16
 LR = 0.02
 WORLD, PP = 4, 2
-# name: (ep size, layout, MoE arguments, aux_loss_coeff, ZeRO stage, gradient clipping)
+# name: (ep size, layout, MoE arguments, aux_loss_coeff, ZeRO stage, gradient clipping, schedule)
 CASES = {
-    "ep2_z1_clip": (2, "both", dict(k=1), 0.5, 1, 0.3),
-    "ep2_z1_clip_coeff0": (2, "both", dict(k=1), 0.0, 1, 0.3),
-    "ep2_z2_late": (2, "late", dict(k=1), 0.5, 2, 0.0),
-    "dp2_z1_top2": (1, "both", dict(k=2), 0.5, 1, 0.0),
+    "ep2_z1_clip": (2, "both", dict(k=1), 0.5, 1, 0.3, "1f1b"),
+    "ep2_z1_clip_coeff0": (2, "both", dict(k=1), 0.0, 1, 0.3, "1f1b"),
+    "ep2_z2_late_zbv": (2, "late", dict(k=1), 0.5, 2, 0.0, "zbv_zero_bubble"),
+    "dp2_z1_top2": (1, "both", dict(k=2), 0.5, 1, 0.0, "1f1b"),
 }
+PARTS = {"1f1b": [0, 2, 4], "zbv_zero_bubble": [0, 1, 2, 3, 4]}
 
 
 class Inp(nn.Module):
@@ -103,7 +105,7 @@ def _data():
 def reference(name: str):
     """One process, every layer and expert: per step the mean over all micro-batches (each gated alone)
     of MSE + coeff x the MoE layers' l_aux; returns (the MSE means, final state by global name, dropped)."""
-    _ep, layout, moe, coeff, _stage, clip = CASES[name]
+    _ep, layout, moe, coeff, _stage, clip, _schedule = CASES[name]
     layers = layer_specs(lambda cls, *a, **k: cls(*a, **k), 1, 0, layout, moe, None)
     params = [p for layer in layers for p in layer.parameters()]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
@@ -133,14 +135,15 @@ def _train(name: str):
     import lightspeed
     from lightspeed.parallel.pipeline import LayerSpec, PipelineModule
 
-    ep, layout, moe, coeff, stage, clip = CASES[name]
+    ep, layout, moe, coeff, stage, clip, schedule = CASES[name]
     rank = dist.get_rank()
     ep_rank = rank % ep  # mesh pp, dp_replicate, edp_shard, ep, sp, tp: ep the innermost of a stage's ranks
     net = PipelineModule(layer_specs(LayerSpec, ep, ep_rank, layout, moe, coeff), num_stages=PP,
                          loss_fn=lambda out, y: F.mse_loss(out, y), partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-              "zero_optimization": {"stage": stage}}
+              "zero_optimization": {"stage": stage},
+              "pipeline": {"schedule": schedule, **({"virtual_stages": 2} if schedule != "1f1b" else {})}}
     if clip:
         config["gradient_clipping"] = clip
     engine, *_ = lightspeed.initialize(model=net, config=config)
@@ -178,20 +181,21 @@ def _global_name(key: str, ep: int, ep_rank: int) -> str:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_pipeline_matches_one_process(name, runs):
-    ep, layout, _moe, coeff, _stage, _clip = CASES[name]
+    ep, layout, _moe, _coeff, _stage, _clip, schedule = CASES[name]
     ref_losses, ref_state, dropped = reference(name)
     assert dropped > 0 or CASES[name][2]["k"] == 2, "the case must drop tokens"
     held = set()
     for rank, result in enumerate(runs):
         got = result[name]
-        stage, ep_rank = rank // 2, rank % ep
-        assert got["parts"] == [0, 2, 4] and got["ep"] == ep
+        pp_rank, ep_rank = rank // 2, rank % ep
+        assert got["parts"] == PARTS[schedule] and got["ep"] == ep
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), rank
-        stage_ranks = [2 * stage, 2 * stage + 1]  # this stage's data-parallel ranks
+        stage_ranks = [2 * pp_rank, 2 * pp_rank + 1]  # the data-parallel ranks of this rank's stages
         # the groups the layers bind are the stage's own: ep (ep2) or none (ep1) and expert data parallel
-        moe_layers_here = 0 if layout == "late" and stage == 0 else 1
+        moe_layers_here = 0 if layout == "late" and pp_rank == 0 else 1  # zbv: pp rank 1 holds layers 1 and 2
         assert got["ep_groups"] == [stage_ranks if ep == 2 else [rank]] * moe_layers_here
         assert got["edp_group"] == ([rank] if ep == 2 else stage_ranks)
+        assert len(got["placements"]) == moe_layers_here
         for placed in got["placements"].values():
             assert placed == (("ep", "pp"), ("dp_replicate", "edp_shard", "sp"))
         for key, value in got["state"].items():

@@ -10,8 +10,9 @@ parallel/experts/aux_loss.py (nothing sent to the last stage); the reference add
 each micro-batch's loss by hand. Cases: pp2 x ep2 at ZeRO-1 with gradient clipping (the norm over
 both kinds of parameter and both stages), the same at coefficient 0 (its trajectory differs, and
 matches its own reference), pp2 x ep2 at ZeRO-2 with the MoE on the second pipeline rank only under
-the ZBV zero-bubble schedule (two stages a rank, split input and weight backward), and pp2 x dp2 (ep 1)
-at ZeRO-1 with top-2. The ep and expert-data-parallel groups the layers bind are the stage's
+the ZBV zero-bubble schedule (two stages a rank, split input and weight backward), pp2 x dp2 (ep 1)
+at ZeRO-1 with top-2, and pp2 x ep2 in fp16 at static loss scales 1 and 1024 (the aux loss's
+gradient scaled with the micro-batch's loss). The ep and expert-data-parallel groups the layers bind are the stage's
 own. The aux-loss function's scaling itself (loss scale, accumulation) is unit-tested in
 tests/unit/parallel/test_moe_aux_loss.py."""
 
@@ -29,13 +30,16 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 D, SEQ, MICRO, GAS, STEPS, EXPERTS, HIDDEN = 8, 4, 2, 2, 3, 4, 16
 LR = 0.02
 WORLD, PP = 4, 2
-# name: (ep size, layout, MoE arguments, aux_loss_coeff, ZeRO stage, gradient clipping, schedule)
+# name: (ep size, layout, MoE arguments, aux_loss_coeff, ZeRO stage, gradient clipping, schedule, fp16 loss scale)
 CASES = {
-    "ep2_z1_clip": (2, "both", dict(k=1), 0.5, 1, 0.3, "1f1b"),
-    "ep2_z1_clip_coeff0": (2, "both", dict(k=1), 0.0, 1, 0.3, "1f1b"),
-    "ep2_z2_late_zbv": (2, "late", dict(k=1), 0.5, 2, 0.0, "zbv_zero_bubble"),
-    "dp2_z1_top2": (1, "both", dict(k=2), 0.5, 1, 0.0, "1f1b"),
+    "ep2_z1_clip": (2, "both", dict(k=1), 0.5, 1, 0.3, "1f1b", None),
+    "ep2_z1_clip_coeff0": (2, "both", dict(k=1), 0.0, 1, 0.3, "1f1b", None),
+    "ep2_z2_late_zbv": (2, "late", dict(k=1), 0.5, 2, 0.0, "zbv_zero_bubble", None),
+    "dp2_z1_top2": (1, "both", dict(k=2), 0.5, 1, 0.0, "1f1b", None),
+    "ep2_fp16_scale1": (2, "both", dict(k=1), 0.5, 1, 0.0, "1f1b", 1),
+    "ep2_fp16_scale1024": (2, "both", dict(k=1), 0.5, 1, 0.0, "1f1b", 1024),
 }
+FP32 = [name for name, case in CASES.items() if case[7] is None]
 PARTS = {"1f1b": [0, 2, 4], "zbv_zero_bubble": [0, 1, 2, 3, 4]}
 
 
@@ -46,7 +50,7 @@ class Inp(nn.Module):
         self.fc = nn.Linear(D, D)
 
     def forward(self, x):
-        return torch.tanh(self.fc(x))
+        return torch.tanh(self.fc(x.to(self.fc.weight.dtype)))  # fp16 cases: the float inputs cast
 
 
 class Head(nn.Module):
@@ -56,7 +60,7 @@ class Head(nn.Module):
         self.fc = nn.Linear(D, 1)
 
     def forward(self, x):
-        return self.fc(x).squeeze(-1)
+        return self.fc(x).squeeze(-1).float()
 
 
 class MoEBlock(nn.Module):
@@ -105,7 +109,7 @@ def _data():
 def reference(name: str):
     """One process, every layer and expert: per step the mean over all micro-batches (each gated alone)
     of MSE + coeff x the MoE layers' l_aux; returns (the MSE means, final state by global name, dropped)."""
-    _ep, layout, moe, coeff, _stage, clip, _schedule = CASES[name]
+    _ep, layout, moe, coeff, _stage, clip, _schedule, _fp16 = CASES[name]
     layers = layer_specs(lambda cls, *a, **k: cls(*a, **k), 1, 0, layout, moe, None)
     params = [p for layer in layers for p in layer.parameters()]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
@@ -135,7 +139,7 @@ def _train(name: str):
     import lightspeed
     from lightspeed.parallel.pipeline import LayerSpec, PipelineModule
 
-    ep, layout, moe, coeff, stage, clip, schedule = CASES[name]
+    ep, layout, moe, coeff, stage, clip, schedule, fp16 = CASES[name]
     rank = dist.get_rank()
     ep_rank = rank % ep  # mesh pp, dp_replicate, edp_shard, ep, sp, tp: ep the innermost of a stage's ranks
     net = PipelineModule(layer_specs(LayerSpec, ep, ep_rank, layout, moe, coeff), num_stages=PP,
@@ -146,6 +150,8 @@ def _train(name: str):
               "pipeline": {"schedule": schedule, **({"virtual_stages": 2} if schedule != "1f1b" else {})}}
     if clip:
         config["gradient_clipping"] = clip
+    if fp16 is not None:
+        config["fp16"] = {"enabled": True, "loss_scale": fp16}
     engine, *_ = lightspeed.initialize(model=net, config=config)
     dp_rank = engine.groups.dp_rank
     losses = [float(engine.train_batch(iter(batch[dp_rank * GAS:(dp_rank + 1) * GAS]))) for batch in _data()]
@@ -161,8 +167,26 @@ def _train(name: str):
     return out
 
 
+def _mixed_ep_sizes() -> str:
+    """initialize() of a PipelineModule whose stages' MoE layers ask for different ep sizes: refused on
+    every rank (the sizes are agreed over the world before the mesh is built)."""
+    import lightspeed
+    from lightspeed.parallel.experts import MoEArgumentError
+    from lightspeed.parallel.pipeline import LayerSpec, PipelineModule
+
+    specs = [LayerSpec(Inp, 0), LayerSpec(MoEBlock, 1, 2, 0, None), LayerSpec(MoEBlock, 2, 1, 0, None),
+             LayerSpec(Head, 3)]
+    net = PipelineModule(specs, num_stages=PP, loss_fn=lambda out, y: F.mse_loss(out, y), partition_method="uniform")
+    try:
+        lightspeed.initialize(model=net, config={"train_micro_batch_size_per_gpu": MICRO,
+                                                 "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    except MoEArgumentError as err:
+        return str(err)
+    return "not refused"
+
+
 def _world():
-    return {name: _train(name) for name in CASES}
+    return {"mixed_ep": _mixed_ep_sizes(), **{name: _train(name) for name in CASES}}
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +203,9 @@ def _global_name(key: str, ep: int, ep_rank: int) -> str:
     return f"{head}{marker}{ep_rank * (EXPERTS // ep) + int(local)}.{rest}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", FP32)
 def test_moe_pipeline_matches_one_process(name, runs):
-    ep, layout, _moe, _coeff, _stage, _clip, schedule = CASES[name]
+    ep, layout, _moe, _coeff, _stage, _clip, schedule, _fp16 = CASES[name]
     ref_losses, ref_state, dropped = reference(name)
     assert dropped > 0 or CASES[name][2]["k"] == 2, "the case must drop tokens"
     held = set()
@@ -213,3 +237,20 @@ def test_aux_loss_coefficient_changes_the_trajectory(runs):
     without = runs[0]["ep2_z1_clip_coeff0"]["losses"]
     assert with_aux[0] == without[0]  # the first loss is before any step
     assert abs(with_aux[-1] - without[-1]) > 1e-4, (with_aux, without)
+
+
+def test_aux_loss_gradient_follows_the_fp16_loss_scale(runs):
+    """fp16 at a static loss scale of 1024 follows scale 1 (the aux loss's gradient is scaled, then
+    unscaled, with the micro-batch loss's); an aux term left unscaled would be 1024 times too weak
+    there. Both track the fp32 reference within fp16 rounding."""
+    unit, scaled = runs[0]["ep2_fp16_scale1"]["losses"], runs[0]["ep2_fp16_scale1024"]["losses"]
+    assert scaled == pytest.approx(unit, rel=1e-5, abs=1e-5)
+    fp32 = reference("ep2_fp16_scale1")[0]  # the same model and aux coefficient in fp32
+    assert scaled == pytest.approx(fp32, abs=2e-2) and scaled != pytest.approx(fp32, abs=1e-6)
+    for result in runs:
+        assert result["ep2_fp16_scale1024"]["losses"] == scaled
+
+
+def test_stages_asking_for_different_ep_sizes_are_refused(runs):
+    for result in runs:
+        assert result["mixed_ep"].startswith("MoE layers with different ep_size over the pipeline stages ([1, 2])")

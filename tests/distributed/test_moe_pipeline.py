@@ -12,7 +12,8 @@ both kinds of parameter and both stages), the same at coefficient 0 (its traject
 matches its own reference), pp2 x ep2 at ZeRO-2 with the MoE on the second pipeline rank only under
 the ZBV zero-bubble schedule (two stages a rank, split input and weight backward), pp2 x dp2 (ep 1)
 at ZeRO-1 with top-2, and pp2 x ep2 in fp16 at static loss scales 1 and 1024 (the aux loss's
-gradient scaled with the micro-batch's loss). The ep and expert-data-parallel groups the layers bind are the stage's
+gradient scaled with the micro-batch's loss). Also: a pp2 x ep2 ZeRO-2 checkpoint resumed at pp2 and at
+pp1 x ep2 x edp2, and stages whose MoE layers ask for different ep sizes refused. The ep and expert-data-parallel groups the layers bind are the stage's
 own. The aux-loss function's scaling itself (loss scale, accumulation) is unit-tested in
 tests/unit/parallel/test_moe_aux_loss.py."""
 
@@ -185,13 +186,50 @@ def _mixed_ep_sizes() -> str:
     return "not refused"
 
 
-def _world():
-    return {"mixed_ep": _mixed_ep_sizes(), **{name: _train(name) for name in CASES}}
+def _resume(path: str):
+    """pp2 x ep2 at ZeRO-2: train two steps, save, take the third step; then a new
+    pp2 x ep2 engine and a pp1 x ep2 x edp2 one (one stage, data parallel 4, one micro-batch a rank) load
+    the tag and take the same third step: the three losses agree (the same weights, the same global
+    micro-batches)."""
+    import torch.distributed as dist
+
+    import lightspeed
+    from lightspeed.parallel.pipeline import LayerSpec, PipelineModule
+
+    rank, data = dist.get_rank(), _data()
+
+    def engine(stages: int, gas: int):
+        net = PipelineModule(layer_specs(LayerSpec, 2, rank % 2, "both", dict(k=1), 0.5), num_stages=stages,
+                             loss_fn=lambda out, y: F.mse_loss(out, y), partition_method="uniform")
+        built, *_ = lightspeed.initialize(model=net, config={
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": 2}})
+        return built
+
+    def step(built, batch, gas):
+        dp_rank = built.groups.dp_rank
+        return float(built.train_batch(iter(batch[dp_rank * gas:(dp_rank + 1) * gas])))
+
+    first = engine(PP, GAS)
+    for batch in data[:2]:
+        step(first, batch, GAS)
+    first.save_checkpoint(path, tag="two")
+    out = [step(first, data[2], GAS)]
+    for stages, gas in ((PP, GAS), (1, 1)):  # pp1: data parallel 4, so one micro-batch a rank
+        again = engine(stages, gas)
+        again.load_checkpoint(path, tag="two")
+        out.append(step(again, data[2], gas))
+    return out
+
+
+def _world(path: str):
+    return {"mixed_ep": _mixed_ep_sizes(), "resume": _resume(path), **{name: _train(name) for name in CASES}}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_world(_world, WORLD)
+def runs(tmp_path_factory):
+    return run_world(_world, WORLD, str(tmp_path_factory.mktemp("moe_pipeline")))
 
 
 def _global_name(key: str, ep: int, ep_rank: int) -> str:
@@ -254,3 +292,10 @@ def test_aux_loss_gradient_follows_the_fp16_loss_scale(runs):
 def test_stages_asking_for_different_ep_sizes_are_refused(runs):
     for result in runs:
         assert result["mixed_ep"].startswith("MoE layers with different ep_size over the pipeline stages ([1, 2])")
+
+
+def test_checkpoint_of_experts_in_stages_resumes_at_pp2_and_pp1(runs):
+    for result in runs:
+        straight, resumed, one_stage = result["resume"]
+        assert resumed == straight
+        assert one_stage == pytest.approx(straight, rel=1e-6)

@@ -149,12 +149,12 @@ def _expert_parallel_size(source, model: torch.nn.Module) -> int:
 def _stages_agreed_ep_size(model: PipelineModule) -> int:
     """The ep size of a PipelineModule's MoE layers, agreed over the world (a collective): each rank
     built only its stage's layers, and a stage without MoE layers still needs the mesh the others do."""
-    local = expert_parallel_size(model) if moe_layers(model) else None
     if not comm_api.is_initialized() or comm_api.get_world_size() == 1:
-        return local or 1
+        return expert_parallel_size(model)
+    local = sorted({layer.ep_size for _, layer in moe_layers(model)})  # a disagreement is raised on every rank
     sizes = [None] * comm_api.get_world_size()
     comm_api.all_gather_object(sizes, local)
-    asked = sorted({size for size in sizes if size is not None})
+    asked = sorted({size for ranks in sizes for size in ranks})
     if len(asked) > 1:
         raise MoEArgumentError(f"MoE layers with different ep_size over the pipeline stages ({asked}): lightspeed "
                                "builds one expert-parallel group per run, so every MoE layer needs the same ep_size")

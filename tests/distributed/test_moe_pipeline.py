@@ -1,8 +1,8 @@
 """DeepSpeed-style `MoE` layers inside a `PipelineModule`, trained with `train_batch` on real gloo
 processes (one world of 4) against one process running every layer and every expert: the loss each
-step returns and every rank's final parameters (experts by global index) within 1e-5 in float32.
+step returns within 1e-5 in float32, and every rank's final parameters (experts by global index).
 
-The model is four LayerSpecs (linear -> MoE block -> MoE block -> head, or linear -> dense -> MoE
+The model is four LayerSpecs (linear -> MoE block -> MoE block -> head, or linear -> linear -> MoE
 block -> head: a first stage without MoE layers still builds the ep mesh), MSE loss; each MoE block
 is `x + MoE(x)`, top-1 (or top-2) gating with tokens dropped by the capacity limit. Inside the
 pipeline each MoE layer adds `aux_loss_coeff x l_aux` to its micro-batch's loss through
@@ -12,10 +12,10 @@ both kinds of parameter and both stages), the same at coefficient 0 (its traject
 matches its own reference), pp2 x ep2 at ZeRO-2 with the MoE on the second pipeline rank only under
 the ZBV zero-bubble schedule (two stages a rank, split input and weight backward), pp2 x dp2 (ep 1)
 at ZeRO-1 with top-2, and pp2 x ep2 in fp16 at static loss scales 1 and 1024 (the aux loss's
-gradient scaled with the micro-batch's loss). Also: a pp2 x ep2 ZeRO-2 checkpoint resumed at pp2 and at
-pp1 x ep2 x edp2, and stages whose MoE layers ask for different ep sizes refused. The ep and expert-data-parallel groups the layers bind are the stage's
-own. The aux-loss function's scaling itself (loss scale, accumulation) is unit-tested in
-tests/unit/parallel/test_moe_aux_loss.py."""
+gradient scaled with the micro-batch's loss). The ep and expert-data-parallel groups the layers bind
+are the stage's own. Also: a pp2 x ep2 ZeRO-2 checkpoint resumed at pp2 and at pp1 x ep2 x edp2, and
+stages whose MoE layers ask for different ep sizes refused. The aux-loss function's scaling itself is
+unit-tested in tests/unit/parallel/test_moe_aux_loss.py."""
 
 from __future__ import annotations
 

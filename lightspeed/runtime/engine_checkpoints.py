@@ -151,7 +151,8 @@ class EngineCheckpoints:
             renamed = names.to_global(name)
             if names.is_expert(name) and not names.is_fused(name):
                 placement = Placement(renamed, placement.local_shape, (tuple((0, n) for n in placement.local_shape),),
-                                      ("ep",), placement.reduced_over)
+                                      ("ep", "pp") if "pp" in placement.sharded_over else ("ep",),
+                                      placement.reduced_over)  # in a pipeline: also one stage's
             placed[renamed] = placement.as_record()
             entries.append([renamed, *entry[1:]])
         return {**state, "fragments": entries}, placed

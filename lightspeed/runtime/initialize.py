@@ -12,6 +12,7 @@ import torch
 
 from lightspeed._utils.device import default_device
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm import api as comm_api
 from lightspeed.comm import comms_logger, heartbeat
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
@@ -29,7 +30,7 @@ from lightspeed.ops.lion import CPULion
 from lightspeed.optim import build_optimizer, build_scheduler
 from lightspeed.optim.muon import Muon, muon_updates_before_clip, tag_muon_params
 from lightspeed.optim.validation import validate_training_config
-from lightspeed.parallel.experts import expert_parallel_size
+from lightspeed.parallel.experts import MoEArgumentError, expert_parallel_size, moe_layers
 from lightspeed.parallel.experts.autoep import autoep_mesh_size
 from lightspeed.parallel.pipeline import PipelineModule, PipelineParallelGrid, schedule_kind
 from lightspeed.parallel.tensor_parallel import split_tp_size
@@ -138,11 +139,26 @@ def _expert_parallel_size(source, model: torch.nn.Module) -> int:
     raw = source.raw if isinstance(source, LightspeedConfig) else read_source(source)[0]
     size = autoep_mesh_size(raw)
     if size is None:
-        return expert_parallel_size(model)
+        return _stages_agreed_ep_size(model) if isinstance(model, PipelineModule) else expert_parallel_size(model)
     if expert_parallel_size(model) != 1:
         raise ConfigError("expert_parallel.enabled: the model holds DeepSpeed MoE layers with ep_size > 1; AutoEP is "
                           "for Hugging Face MoE models, turn one off")
     return size
+
+
+def _stages_agreed_ep_size(model: PipelineModule) -> int:
+    """The ep size of a PipelineModule's MoE layers, agreed over the world (a collective): each rank
+    built only its stage's layers, and a stage without MoE layers still needs the mesh the others do."""
+    if not comm_api.is_initialized() or comm_api.get_world_size() == 1:
+        return expert_parallel_size(model)
+    local = sorted({layer.ep_size for _, layer in moe_layers(model)})  # a disagreement is raised on every rank
+    sizes = [None] * comm_api.get_world_size()
+    comm_api.all_gather_object(sizes, local)
+    asked = sorted({size for ranks in sizes for size in ranks})
+    if len(asked) > 1:
+        raise MoEArgumentError(f"MoE layers with different ep_size over the pipeline stages ({asked}): lightspeed "
+                               "builds one expert-parallel group per run, so every MoE layer needs the same ep_size")
+    return asked[0] if asked else 1
 
 
 def _pipeline_stages(model: PipelineModule, cfg, topology: Topology, optimizer, model_parameters):

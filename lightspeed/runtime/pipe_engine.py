@@ -16,6 +16,7 @@ import torch
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm import api as comm_api
 from lightspeed.config.errors import ConfigError
+from lightspeed.parallel.experts.aux_loss import aux_loss_scale
 from lightspeed.parallel.pipeline.module import PipelineModule
 from lightspeed.parallel.pipeline.schedule import PipelineDriver, schedule_kind
 from lightspeed.runtime.engine import LightspeedEngine
@@ -152,6 +153,10 @@ class PipelineEngine(LightspeedEngine):
         loss = loss / self.micro_batches
         return self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
 
+    def _aux_scale(self) -> float:
+        """The gradient each micro-batch's loss starts its backward with (what `_scale` multiplies by)."""
+        return (self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0) / self.micro_batches
+
     def _mean_loss(self, broadcast: bool = True) -> torch.Tensor:
         """[the mean micro-batch loss, that averaged over data parallelism]: on every stage when
         `broadcast` (a collective over pp), else on the rank holding the last stage only (zeros elsewhere)."""
@@ -178,7 +183,8 @@ class PipelineEngine(LightspeedEngine):
         self.tput_timer.start()
         self.timers.start("forward")
         inputs, labels = self._pull(self.micro_batches, self.data_iterator)
-        self._driver.run(inputs, labels, train=True, scale_loss=self._scale, n_microbatches=self.micro_batches)
+        with aux_loss_scale(self._aux_scale()):  # parallel/experts/aux_loss.py's Note
+            self._driver.run(inputs, labels, train=True, scale_loss=self._scale, n_microbatches=self.micro_batches)
         self.timers.stop("forward")
         with torch.no_grad():
             losses = self._mean_loss()

@@ -1,7 +1,8 @@
 """Mixture-of-experts training with expert parallelism, as DeepSpeed's `deepspeed.moe`: the gates
 (`gating.py`: top-1, top-2 and top-k with DeepSpeed's exact numerics), the layer (`layer.py`: `MoE`,
 `MOELayer`, `Experts`, the all-to-all dispatch over the topology's "ep" group) and the model transform
-that binds that group and places the expert parameters (`transform.py`); and AutoEP, DeepSpeed's
+that binds that group and places the expert parameters (`transform.py`), the aux loss of a layer
+inside a pipeline stage (`aux_loss.py`); and AutoEP, DeepSpeed's
 `expert_parallel` section (`autoep.py`: detect a Hugging Face model's MoE blocks and split their fused
 experts over "ep"; `autoep_layer.py`: the split experts with a ragged all-to-all dispatch;
 `grouped_mlp.py`: the experts' MLP over tokens sorted by expert, with per-expert biases and the

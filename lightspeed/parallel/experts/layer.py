@@ -52,6 +52,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.comm.differentiable import drop_tokens, expert_all_to_all, gather_tokens
 from lightspeed.comm.sequence_groups import as_group
 from lightspeed.comm.topology import Topology
+from lightspeed.parallel.experts.aux_loss import attach_aux_loss
 from lightspeed.parallel.experts.errors import MoEArgumentError
 from lightspeed.parallel.experts.gating import NOISY_GATE_POLICIES, Routes, TopKGate
 
@@ -181,13 +182,16 @@ class MoE(nn.Module):
     (Residual MoE), `expert` itself is a dense MLP beside the experts and a linear `coefficient` layer
     mixes the two outputs by a softmax per token. Beside tensor-parallel dense layers the experts stay
     whole (the Note on tensor parallelism); `use_tutel=True` and `enable_expert_tensor_parallelism=True`
-    are refused (not built)."""
+    are refused (not built). lightspeed's keyword `aux_loss_coeff` (default None: the caller adds `l_aux`
+    to the loss, as with DeepSpeed) is for a layer inside a pipeline stage: the layer adds `aux_loss_coeff
+    x l_aux` to its micro-batch's loss itself (aux_loss.py's Note on aux loss in a pipeline); `l_aux` is
+    still returned, for logging only."""
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True) -> None:
+                 top2_2nd_expert_sampling: bool = True, *, aux_loss_coeff: float | None = None) -> None:
         super().__init__()
         if not isinstance(expert, nn.Module):
             raise MoEArgumentError(f"MoE: expert must be a torch.nn.Module (got {type(expert).__name__})")
@@ -199,6 +203,10 @@ class MoE(nn.Module):
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise MoEArgumentError(f"MoE: unsupported noisy_gate_policy {noisy_gate_policy!r} (use None, 'Jitter' or "
                                    "'RSample')")
+        bad_coeff = isinstance(aux_loss_coeff, bool) or not isinstance(aux_loss_coeff, (int, float, type(None)))
+        if bad_coeff or (aux_loss_coeff is not None and not aux_loss_coeff >= 0):
+            raise MoEArgumentError(f"MoE: aux_loss_coeff must be None or a number >= 0 (got {aux_loss_coeff!r})")
+        self.aux_loss_coeff = aux_loss_coeff
         if enable_expert_tensor_parallelism:
             raise NotImplementedError("MoE(enable_expert_tensor_parallelism=True): experts split by tensor "
                                       "parallelism are not implemented in lightspeed (with the default False the "
@@ -238,6 +246,8 @@ class MoE(nn.Module):
                 output_mlp = output_mlp[0]
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
+        if self.aux_loss_coeff is not None and self.training and torch.is_grad_enabled():
+            output = attach_aux_loss(output, self.deepspeed_moe.l_aux, self.aux_loss_coeff, "MoE")
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
 
 

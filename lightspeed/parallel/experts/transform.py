@@ -91,8 +91,6 @@ def expert_parallel_transform(model: nn.Module, placements: PlacementTable, cfg,
     layers = moe_layers(model)
     if not layers:
         return model, placements
-    if topology.size("pp") > 1:
-        raise NotImplementedError("MoE layers in a pipeline-parallel model are not implemented in lightspeed")
     for name, layer in layers:
         for pname, _ in layer.named_parameters():
             placement = placements.get(f"{name}.{pname}" if name else pname)

@@ -42,7 +42,8 @@ import torch
 
 from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed.checkpoint.atomic import read_latest, validate_tag
-from lightspeed.checkpoint.deepspeed_moe import expert_files, expert_group_ranks, global_name, num_local_experts
+from lightspeed.checkpoint.deepspeed_moe import (expert_file_ids, expert_files, expert_group_ranks, expert_id,
+                                                 global_name, num_local_experts)
 from lightspeed.checkpoint.deepspeed_pickle import load_deepspeed_file
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification_enabled, verify_zip
@@ -56,10 +57,10 @@ logger = get_logger(__name__)
 _MODEL_FILE = "mp_rank_00_model_states.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_EXPP = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")  # MoE without ZeRO: per ep rank
 _UNSUPPORTED = (
     (re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_(?!00_)\d+_model_states\.pt$"), "model (tensor) parallelism"),
-    (re.compile(r"^expp_rank_\d+_.*optim_states\.pt$|^expert_\d+_mp_rank_.*\.pt$"),
-     "expert parallelism (MoE) without ZeRO, or in DeepSpeed's older expert_<X> layout"),
+    (re.compile(r"^expert_\d+_mp_rank_.*\.pt$"), "MoE experts in DeepSpeed's older expert_<X> layout"),
     (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline parallelism"),
 )
 # Entries of the model file that are DeepSpeed's own; anything else came from save_checkpoint's client_state.
@@ -265,9 +266,16 @@ class DeepSpeedCheckpointSource:
         self._groups: list[dict] = []
         self._loss_scaler: Any = None
         self._state_keys: list[str] = []
-        if self._expert_files and not self._optim_files:
-            raise CheckpointError(f"{self.path}: a DeepSpeed MoE checkpoint ({self._expert_files[0]}) without ZeRO "
-                                  "optimizer files: read at ZeRO stages 1 and 2 only")
+        self._expp_files = self._ranked(names, _EXPP, group=1) if mp == 0 else []
+        self._experts: dict[str, torch.Tensor] | None = None
+        if self._expert_files and not self._optim_files and not self._expp_files:
+            raise CheckpointError(f"{self.path}: a DeepSpeed MoE checkpoint ({self._expert_files[0]}) with neither "
+                                  "ZeRO optimizer files nor expp_rank_<E>_mp_rank_00_optim_states.pt (saved without "
+                                  "ZeRO); a file missing?")
+        if self._expp_files and (self._optim_files or not self._expert_files):
+            raise CheckpointError(f"{os.path.join(self.path, self._expp_files[0])}: DeepSpeed writes expp_rank_<E> "
+                                  "optimizer files for MoE without ZeRO only, beside layer_<L>_expert_<G> files and no "
+                                  "ZeRO optimizer files; this directory mixes layouts")
         if self._optim_files:
             self._read_zero_layout()
             # ZeRO files name their parameters; names given anyway must agree with them.
@@ -336,8 +344,9 @@ class DeepSpeedCheckpointSource:
         counts = first.get("partition_count")
         counts = [int(c) for c in (counts if isinstance(counts, list) else [counts])]
         if self._expert_files and self.zero_stage not in (1, 2):
-            raise CheckpointError(f"{path0}: DeepSpeed MoE checkpoints are read at ZeRO stages 1 and 2 only "
-                                  f"(this one: stage {self.zero_stage})")
+            raise CheckpointError(f"{path0}: a DeepSpeed MoE checkpoint at ZeRO stage {self.zero_stage}: read at "
+                                  "stages 0-2 only (DeepSpeed 0.19.8 refuses its MoE layers at stage 3; its AutoEP "
+                                  "layers' layout is not read)")
         self.world_size = max(counts)
         if (len(set(counts)) != 1 and not self._expert_files) or any(self.world_size % c for c in counts):
             raise CheckpointError(f"{path0}: param groups partitioned over world sizes {counts}, and no "
@@ -465,10 +474,21 @@ class DeepSpeedCheckpointSource:
     # ------------------------------------------------------------------------------- stage 0
 
     def _read_stage0_layout(self, param_names: Sequence[str] | None) -> None:
-        from lightspeed.checkpoint.deepspeed_stage0 import stage0_layout
+        from lightspeed.checkpoint.deepspeed_stage0 import moe_stage0_layout, stage0_layout
 
         self.zero_stage, self.world_size = 0, int(self._model.get("dp_world_size") or 1)
-        layout = stage0_layout(self._model, self._model_path, param_names)
+        if self._expert_files:
+            paths = [os.path.join(self.path, f) for f in self._expp_files]
+            optimizers = []
+            for path in paths:
+                loaded = self._load(path)
+                if not isinstance(loaded, dict) or "optimizer" not in loaded:
+                    raise CheckpointError(f"{path}: is not a DeepSpeed expert-parallel optimizer-states file "
+                                          "(no 'optimizer' entry)")
+                optimizers.append(loaded["optimizer"])
+            layout = moe_stage0_layout(self._model, self._expert_entries(), optimizers, paths, param_names)
+        else:
+            layout = stage0_layout(self._model, self._model_path, param_names)
         self._params = {n: _Param(shape, pieces) for n, (shape, pieces) in layout.params.items()}
         self._groups, self._loss_scaler = layout.groups, layout.loss_scaler
         self._master, self._slot_states = layout.master, layout.slot_states
@@ -536,12 +556,36 @@ class DeepSpeedCheckpointSource:
             files = [os.path.join(self.path, f) for f in self._zero3_model_files]
             return StitchedModuleState(saved, shapes, self._frozen_fragments, files)
         out = dict(saved)
-        for name in self._expert_files:  # each MoE expert's entries, under its global name
-            entries = self._load(os.path.join(self.path, name))
-            if not isinstance(entries, Mapping):
-                raise CheckpointError(f"{os.path.join(self.path, name)}: not a DeepSpeed expert model-states file")
-            out.update(entries)
+        out.update(self._expert_entries())
         return out
+
+    def _expert_entries(self) -> dict[str, torch.Tensor]:
+        """Every MoE expert's entries, under its global name, by layer then expert; each file must hold
+        only its own expert's entries, none of them in the model file."""
+        if self._experts is None:
+            out: dict[str, torch.Tensor] = {}
+            prefixes: list[str] = []
+            for name in self._expert_files:
+                path = os.path.join(self.path, name)
+                layer, expert = expert_file_ids(name)
+                entries = self._load(path)
+                if not isinstance(entries, Mapping) or not entries:
+                    raise CheckpointError(f"{path}: not a DeepSpeed expert model-states file (no entries)")
+                for key, value in entries.items():
+                    found = expert_id(key)
+                    if found is None or found[1] != expert or not isinstance(value, torch.Tensor):
+                        raise CheckpointError(f"{path}: holds {key!r}, not an entry of expert {expert} "
+                                              "(...deepspeed_experts.<G>.*): a mismatched expert file")
+                    if found[0] not in prefixes:
+                        prefixes.append(found[0])
+                    if prefixes.index(found[0]) != layer:
+                        raise CheckpointError(f"{path}: holds {key!r}, an entry of the MoE layer {found[0][:-1]}, "
+                                              f"which is not layer {layer}: a mismatched expert file")
+                    if key in out or key in self._model["module"]:
+                        raise CheckpointError(f"{path}: {key!r} is saved twice (also in another file)")
+                    out[key] = value
+            self._experts = out
+        return self._experts
 
     def _frozen_fragments(self) -> list[dict[str, torch.Tensor]]:
         first = self._model.get("frozen_param_fragments") or {}

@@ -26,6 +26,21 @@ def expert_files(names: list[str]) -> list[str]:
     return [n for _, _, n in sorted(found)]
 
 
+def expert_file_ids(name: str) -> tuple[int, int]:
+    """(layer, global expert) of an expert file's name (one `expert_files` returned)."""
+    m = EXPERT_FILE.match(name)
+    if m is None:
+        raise ValueError(f"{name}: not a DeepSpeed expert file name")
+    return int(m.group(1)), int(m.group(2))
+
+
+def expert_id(name: str) -> tuple[str, int, str] | None:
+    """(prefix up to ``deepspeed_experts.``, expert index, the rest) of an expert entry's name; None when
+    `name` is not a `MoE` layer's expert entry."""
+    m = _LOCAL.match(name)
+    return None if m is None else (m.group(1), int(m.group(2)), m.group(3))
+
+
 def num_local_experts(names: list[str]) -> dict[str, int]:
     """{expert prefix: number of local experts} of the local expert names `names`."""
     out: dict[str, int] = {}

@@ -3,8 +3,9 @@
 Owns the layout DeepSpeed's engine writes under ``<save_dir>/<tag>/``: ``mp_rank_00_model_states.pt``
 (stages 0-2) or ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (stage 3, one per rank), and
 ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (ZeRO, one per data-parallel rank), in fp32,
-fp16 and bf16, and at ZeRO 1-2 with MoE experts (their ``layer_<L>_expert_<G>_...`` model files and
-expert param groups, deepspeed_moe.py: read under the experts' global names, the ep = 1 model's).
+fp16 and bf16, and at ZeRO 0-2 with MoE experts (their ``layer_<L>_expert_<G>_...`` model files and
+expert param groups, deepspeed_moe.py, or without ZeRO an ``expp_rank_<E>_mp_rank_00_optim_states.pt``
+per expert-parallel rank, deepspeed_stage0.py: read under the experts' global names, the ep = 1 model's).
 Must not: unpickle DeepSpeed's classes (deepspeed_pickle.py turns them into plain data),
 read more of a file than a call needs, or write anything.
 
@@ -20,7 +21,8 @@ Note: [where a parameter's fp32 values live]
     - stage 3: per sub-group (``param_shapes`` has one dict per sub-group) every parameter is padded to
       a multiple of the world size and rank r holds the r-th ``ceil(numel / W)`` elements; a rank's
       ``fp32_flat_groups[k]`` is its parts of sub-group k's parameters end to end. A slot is a sub-group.
-    - stage 0: the model file's ``optimizer`` entry: a torch optimizer's state (fp32: the masters are
+    - stage 0: the model file's ``optimizer`` entry (with MoE experts: each ep rank's ``expp_rank`` file,
+      a piece's rank its ep rank): a torch optimizer's state (fp32: the masters are
       the module's own parameters), the unfused fp16/bf16 optimizer's ``fp32_groups`` (a tensor per
       parameter) or the fused one's ``fp32_groups_flat`` (a flat tensor per group). Nothing in the
       file names the parameters, so they are matched to the module's parameters in order (see
@@ -42,8 +44,8 @@ import torch
 
 from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed.checkpoint.atomic import read_latest, validate_tag
-from lightspeed.checkpoint.deepspeed_moe import (expert_file_ids, expert_files, expert_group_ranks, expert_id,
-                                                 global_name, num_local_experts)
+from lightspeed.checkpoint.deepspeed_moe import (expert_files, expert_group_ranks, global_name, num_local_experts,
+                                                 read_expert_entries)
 from lightspeed.checkpoint.deepspeed_pickle import load_deepspeed_file
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification_enabled, verify_zip
@@ -69,6 +71,7 @@ _ENGINE_KEYS = frozenset({
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
     "ds_version", "checkpoint_parallel_dimensions", "pp_degree", "tp_degree", "universal_checkpoint_info",
+    "num_experts", "ds_autoep_layers",  # MoE: per MoE layer its number of experts; AutoEP's layers
 })
 
 
@@ -560,31 +563,10 @@ class DeepSpeedCheckpointSource:
         return out
 
     def _expert_entries(self) -> dict[str, torch.Tensor]:
-        """Every MoE expert's entries, under its global name, by layer then expert; each file must hold
-        only its own expert's entries, none of them in the model file."""
+        """Every MoE expert's entries, under its global name (deepspeed_moe.read_expert_entries)."""
         if self._experts is None:
-            out: dict[str, torch.Tensor] = {}
-            prefixes: list[str] = []
-            for name in self._expert_files:
-                path = os.path.join(self.path, name)
-                layer, expert = expert_file_ids(name)
-                entries = self._load(path)
-                if not isinstance(entries, Mapping) or not entries:
-                    raise CheckpointError(f"{path}: not a DeepSpeed expert model-states file (no entries)")
-                for key, value in entries.items():
-                    found = expert_id(key)
-                    if found is None or found[1] != expert or not isinstance(value, torch.Tensor):
-                        raise CheckpointError(f"{path}: holds {key!r}, not an entry of expert {expert} "
-                                              "(...deepspeed_experts.<G>.*): a mismatched expert file")
-                    if found[0] not in prefixes:
-                        prefixes.append(found[0])
-                    if prefixes.index(found[0]) != layer:
-                        raise CheckpointError(f"{path}: holds {key!r}, an entry of the MoE layer {found[0][:-1]}, "
-                                              f"which is not layer {layer}: a mismatched expert file")
-                    if key in out or key in self._model["module"]:
-                        raise CheckpointError(f"{path}: {key!r} is saved twice (also in another file)")
-                    out[key] = value
-            self._experts = out
+            self._experts = read_expert_entries([(n, os.path.join(self.path, n)) for n in self._expert_files],
+                                                self._load, self._model["module"])
         return self._experts
 
     def _frozen_fragments(self) -> list[dict[str, torch.Tensor]]:

@@ -41,3 +41,43 @@ def test_deepspeed_moe_names_and_groups():
     assert global_name("m.experts.w1", 1, local) is None  # DeepSpeed AutoEP's fused experts: refused by the reader
     assert expert_group_ranks(4, 2) == [[0, 2], [1, 3]]  # ep 2: ep rank e's experts over ranks e, e + 2
     assert expert_group_ranks(2, 1) == [[0], [1]]
+
+
+FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_moe_checkpoint"
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_deepspeed_moe_stage0_rewritten_at_another_ep(tmp_path, ep):
+    """DeepSpeed's ep2 checkpoint without ZeRO, written again in its layout for ep `ep` (an expp_rank file
+    per ep rank), reads back with every master and moment as saved, and the experts' files as DeepSpeed's."""
+    from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource
+    from lightspeed.checkpoint.deepspeed_writer import write_deepspeed_checkpoint
+
+    source = DeepSpeedCheckpointSource(FIXTURE / "ep2_z0")
+    tag = write_deepspeed_checkpoint(FIXTURE / "ep2_z0", tmp_path, ep_size=ep)
+    names = sorted(p.name for p in __import__("pathlib").Path(tag).iterdir())
+    assert [n for n in names if n.startswith("expp_rank_")] == [f"expp_rank_{e}_mp_rank_00_optim_states.pt"
+                                                                for e in range(ep)]
+    for g in range(4):
+        assert torch.load(f"{tag}/layer_0_expert_{g}_mp_rank_00_model_states.pt", weights_only=True).keys() == \
+            torch.load(FIXTURE / "ep2_z0" / "global_step2" / f"layer_0_expert_{g}_mp_rank_00_model_states.pt",
+                       weights_only=True).keys()
+    back = DeepSpeedCheckpointSource(tmp_path)
+    assert back.param_names() == source.param_names() and back.state_keys() == source.state_keys()
+    for name in source.param_names():
+        for key in ("fp32", *source.state_keys()):
+            assert torch.equal(back.read(name, key), source.read(name, key)), (name, key)
+    assert [g["names"] for g in back.optimizer_groups()] == [g["names"] for g in source.optimizer_groups()]
+
+
+@pytest.mark.parametrize("kwargs, error", [({"stage": 1}, "written without ZeRO"),
+                                           ({"ep_size": 3, "world_size": 3},
+                                            "4 experts in moe.deepspeed_moe.experts.deepspeed_experts, "
+                                            "not a multiple of the expert-parallel size 3"),
+                                           ({"ep_size": 2, "world_size": 3}, "size 2 does not divide the 3 ranks")])
+def test_deepspeed_moe_layout_not_written_is_refused(tmp_path, kwargs, error):
+    from lightspeed.checkpoint.deepspeed_writer import write_deepspeed_checkpoint
+
+    with pytest.raises(CheckpointError, match=error):
+        write_deepspeed_checkpoint(FIXTURE / "ep2_z0", tmp_path, **kwargs)
+    assert not any(tmp_path.iterdir())

@@ -1,15 +1,17 @@
 """Writing a training state of DeepSpeed-style MoE layers (`...deepspeed_experts.<G>.*` entries) in the
-layout DeepSpeed 0.19.8's engine saves MoE training in without ZeRO, so its engine resumes it at any
-expert-parallel size that divides the experts.
+layout DeepSpeed 0.19.8's engine saves MoE training in (ZeRO 0-2; it refuses its MoE layers at ZeRO 3),
+so its engine resumes it at an expert-parallel size that divides the experts.
 
-Owns `write_moe_stage0`: the model file without the experts' entries (plus DeepSpeed's ``num_experts``,
-one count per MoE layer, and ``ds_autoep_layers`` None: its loader reads the expert files only when
+Owns `write_moe`: the model file without the experts' entries (plus DeepSpeed's ``num_experts``, one
+count per MoE layer, and ``ds_autoep_layers`` None: its loader reads the expert files only when
 ``num_experts`` is a list), one ``layer_<L>_expert_<G>_mp_rank_00_model_states.pt`` per MoE layer L (in
 module order) and global expert G holding that expert's entries under their global names (in the
-training dtype), and per expert-parallel rank e ``expp_rank_<e>_mp_rank_00_optim_states.pt``:
-``{"optimizer": ...}`` with the state dict of e's optimizer (the dense parameters and e's local experts;
-deepspeed_stage0.py's Note on MoE says how that is laid out and read back). Must not: write the files of
-a ZeRO stage (deepspeed_writer.py refuses MoE there) or AutoEP's fused experts.
+training dtype), and the optimizer state: without ZeRO, per expert-parallel rank e
+``expp_rank_<e>_mp_rank_00_optim_states.pt`` (``{"optimizer": ...}``, the state dict of e's optimizer:
+the dense parameters and e's local experts; deepspeed_stage0.py's Note on MoE); at ZeRO 1-2
+deepspeed_writer.py's rank files, an expert group's flat buffer being ep rank e's local experts (under
+their local names) partitioned over its expert-data-parallel ranks e, e + ep, ... (deepspeed_moe.py).
+Must not: write AutoEP's fused experts, or frozen experts at ZeRO (their fragments are not written).
 
 Note: [DeepSpeed's param groups]
     DeepSpeed's optimizer holds MoE training's parameters in its own groups, and its loader needs the
@@ -31,13 +33,13 @@ from typing import Any
 
 import torch
 
-from lightspeed.checkpoint.deepspeed_moe import expert_id
+from lightspeed.checkpoint.deepspeed_moe import expert_group_ranks, expert_id
 from lightspeed.checkpoint.deepspeed_writer import (_Plan, _lowp_module, _model_file, _model_name, _param_state,
-                                                    _save)
+                                                    _save, _write_stage12)
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.source import TrainingStateSource
 
-__all__ = ["has_moe_experts", "write_moe_stage0"]
+__all__ = ["has_moe_experts", "write_moe"]
 
 _MAX_GROUP_SIZE = 178_956_971  # DeepSpeed's split_params_into_different_moe_groups_for_optimizer default
 
@@ -81,6 +83,12 @@ class _Experts:
             if count % ep:
                 raise CheckpointError(f"{where}: {count} experts in {prefix[:-1]}, not a multiple of the "
                                       f"expert-parallel size {ep}")
+
+    def local_name(self, name: str) -> str:
+        """An expert entry's name on its ep rank (DeepSpeed's ZeRO files name experts so)."""
+        layer, g = self.of[name]
+        prefix, _, rest = expert_id(name)
+        return f"{prefix}{g % (self.counts[layer] // self.ep)}{rest}"
 
     def ep_rank(self, name: str) -> int | None:
         """The ep rank holding entry `name`; None for a dense entry."""
@@ -129,15 +137,55 @@ def _groups(plan: _Plan, experts: _Experts, source: TrainingStateSource, where: 
     return [g for g in dense + moe if g.names[0]]  # DeepSpeed drops empty groups
 
 
-def write_moe_stage0(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_config: Any, ep: int,
-                     where: str) -> None:
-    """Write DeepSpeed's MoE layout without ZeRO (the module docstring) for expert-parallel size `ep`."""
+def write_moe(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_config: Any, ep: int, where: str) -> None:
+    """Write DeepSpeed's MoE layout (the module docstring) at ZeRO stage 0, 1 or 2 for expert-parallel
+    size `ep`."""
     if ep < 1:
         raise CheckpointError(f"{where}: expert-parallel size {ep}; it must be at least 1")
     if plan.world % ep:
         raise CheckpointError(f"{where}: expert-parallel size {ep} does not divide the {plan.world} ranks")
+    if plan.stage not in (0, 1, 2):
+        raise CheckpointError(f"{where}: a model with MoE experts at ZeRO stage {plan.stage}: DeepSpeed 0.19.8 "
+                              "refuses its MoE layers at stage 3; write stage 0, 1 or 2")
     experts = _Experts(plan.module, ep, where)
+    frozen = [n for n in plan.frozen if n in experts.of]
+    if frozen and plan.stage:
+        raise CheckpointError(f"{where}: frozen expert parameters ({frozen[:2]}) at ZeRO stage {plan.stage}: "
+                              "DeepSpeed's frozen-parameter fragments of experts are not written")
     groups = _groups(plan, experts, source, where)
+    module = _lowp_module(plan, source, empty_params=False)
+    dense: OrderedDict[str, torch.Tensor] = OrderedDict()
+    files: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    for name, tensor in module.items():
+        if name in experts.of:
+            files.setdefault(experts.of[name], {})[name] = tensor.detach().clone()
+        else:
+            dense[name] = tensor
+    client = plan.extra.get("client_state") or {}
+    extra = {"num_experts": list(experts.counts), "ds_autoep_layers": None}
+    for key in extra:
+        if key in client:
+            raise CheckpointError(f"client_state key {key!r} is one of DeepSpeed's own MoE model-file entries")
+    for (layer, g), entries in sorted(files.items()):
+        _save(entries, os.path.join(tag_dir, f"layer_{layer}_expert_{g}_mp_rank_{plan.mp_rank:02d}_model_states.pt"))
+    if plan.stage == 0:
+        _write_stage0_optimizers(source, plan, tag_dir, ds_config, ep, groups, dense, extra)
+        return
+    # ZeRO 1/2: a dense group's flat buffer over every rank; ep rank e's experts' over its expert-data-
+    # parallel group (ranks e, e + ep, ...), under its own (local) names (deepspeed_moe.py)
+    edp = expert_group_ranks(plan.world, plan.world // ep)
+    zero_groups = []
+    for group in groups:
+        if group.hyper.get("moe"):
+            splits = [(edp[e], group.names[e], [experts.local_name(n) for n in group.names[e]]) for e in range(ep)]
+        else:
+            splits = [(list(range(plan.world)), group.names[0], group.names[0])]
+        zero_groups.append((group.hyper, group.scalars, splits))
+    _write_stage12(source, plan, tag_dir, ds_config, groups=zero_groups, module=dense, model_extra=extra)
+
+
+def _write_stage0_optimizers(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_config: Any, ep: int,
+                             groups: list[_Group], dense: dict, extra: dict) -> None:
     optimizers = []
     for e in range(ep):
         state, param_groups, masters, slot = {}, [], [], 0
@@ -159,23 +207,9 @@ def write_moe_stage0(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_
             steps = int((plan.extra.get("counters") or {}).get("global_steps") or 0)
             optimizers.append({"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": steps,
                                "optimizer_state_dict": inner, "fp32_groups": masters})
-    module = _lowp_module(plan, source, empty_params=False)
-    dense: OrderedDict[str, torch.Tensor] = OrderedDict()
-    files: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    for name, tensor in module.items():
-        if name in experts.of:
-            files.setdefault(experts.of[name], {})[name] = tensor.detach().clone()
-        else:
-            dense[name] = tensor
     state = _model_file(plan, dense, optimizer=optimizers[0], param_shapes=None, frozen_fragments=None, shared=None,
                         ds_config=ds_config)
-    client = plan.extra.get("client_state") or {}
-    for key, value in (("num_experts", list(experts.counts)), ("ds_autoep_layers", None)):
-        if key in client:
-            raise CheckpointError(f"client_state key {key!r} is one of DeepSpeed's own MoE model-file entries")
-        state[key] = value
-    for (layer, g), entries in sorted(files.items()):
-        _save(entries, os.path.join(tag_dir, f"layer_{layer}_expert_{g}_mp_rank_{plan.mp_rank:02d}_model_states.pt"))
+    state.update(extra)
     for e, optimizer in enumerate(optimizers):
         _save({"optimizer": optimizer}, os.path.join(tag_dir, f"expp_rank_{e}_mp_rank_{plan.mp_rank:02d}_optim_states.pt"))
     _save(state, os.path.join(tag_dir, _model_name(plan)))

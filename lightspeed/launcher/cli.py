@@ -390,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
                        default=1_000_000_000, help="stage 3: DeepSpeed's zero_optimization.sub_group_size "
                        "(default: DeepSpeed's, 1e9)")
     to_ds.add_argument("--ep-size", "--ep_size", dest="ep_size", type=int, default=None,
-                       help="MoE (DeepSpeed-style experts, --stage 0 only): the expert-parallel size DeepSpeed runs "
-                       "with, which its per-ep-rank optimizer files are written for (default: the saved one)")
+                       help="MoE (DeepSpeed-style experts, stages 0-2): the expert-parallel size DeepSpeed runs "
+                       "with, which its optimizer files are laid out for (default: the saved one)")
     to_ds.add_argument("--no-verify", "--no_verify", dest="no_verify", action="store_true",
                        help="read the checkpoint without checking its checksums")
     to_ds.set_defaults(func=run_convert_to_deepspeed)

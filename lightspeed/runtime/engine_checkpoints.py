@@ -60,11 +60,11 @@ class EngineCheckpoints:
             if self._expert_names.fused:
                 raise NotImplementedError("checkpoint.format='deepspeed' with AutoEP experts: DeepSpeed's AutoEP "
                                           "checkpoint layout is not written by lightspeed; save in lightspeed's format")
-            if self.zero_optimization_stage() != 0 or self._pp_comm is not None:
-                raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts is written without ZeRO "
-                                          "(zero_optimization.stage 0) and pipeline parallelism only; save in "
-                                          "lightspeed's format (`lightspeed convert to-deepspeed --stage 0` writes "
-                                          "DeepSpeed's MoE layout from it)")
+            if self.zero_optimization_stage() == 3 or self._pp_comm is not None:
+                raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts at zero_optimization.stage "
+                                          "3 or over pipeline stages: DeepSpeed 0.19.8 has no such MoE layout (it "
+                                          "refuses MoE layers at stage 3); save in lightspeed's format, or use "
+                                          "ZeRO 0-2")
         tag = engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
                                                      self.config.checkpoint.tag_validation)
         module_state = self.strategy.module_state_dict()

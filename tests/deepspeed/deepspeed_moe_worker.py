@@ -3,8 +3,8 @@
 Usage: ``python deepspeed_moe_worker.py SPEC.json``. In one world of the spec's `world_size` processes
 (gloo, DeepSpeed's CPU accelerator; a world per case), for each case: build the MoE model of
 tests/fixtures/deepspeed_moe_checkpoint (`Linear -> tanh -> MoE(4 experts, top-2, nothing dropped) ->
-Linear`, MSE) at the case's expert-parallel size, ``deepspeed.initialize`` it without ZeRO (DeepSpeed's
-MoE param groups, torch's AdamW, fp32 or bf16), ``load_checkpoint`` the case's directory and train its
+Linear`, MSE) at the case's expert-parallel size, ``deepspeed.initialize`` it at the case's ZeRO stage
+(DeepSpeed's MoE param groups, torch's AdamW, fp32 or bf16), ``load_checkpoint`` the case's directory and train its
 steps on the fixtures' global batches (each rank its share). Rank r writes ``{"losses": [the global
 batch's mean loss per step], "global_steps": N}`` (or ``{"error": traceback}``) to the spec's ``result``
 path + ``.<case name>.<r>``. Imports nothing of lightspeed.
@@ -55,7 +55,7 @@ def _case(case: dict, rank: int, world: int) -> dict:
     micro = GLOBAL // world
     config = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
-              "zero_optimization": {"stage": 0}}
+              "zero_optimization": {"stage": case["stage"]}}
     if case["dtype"] == "bf16":
         config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=net, model_parameters=params, config=config)

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 D, SEQ, GLOBAL, EXPERTS, LR = 8, 4, 4, 4, 0.02
 PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 DEEPSPEED = os.path.join(os.path.dirname(__file__), "..", "fixtures", "deepspeed_moe_checkpoint")
-# DeepSpeed's fp32 runs (ep2_z0_bf16: tests/distributed/test_deepspeed_moe_stage0.py)
+# DeepSpeed's fp32 runs (ep2_z0_bf16: tests/distributed/test_deepspeed_moe_layout.py)
 DEEPSPEED_RUNS = ["ep2_z1", "ep2_dp2_z2", "ep2_z0", "ep1_z0"]
 
 

@@ -46,18 +46,20 @@ def test_deepspeed_moe_names_and_groups():
 FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_moe_checkpoint"
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_deepspeed_moe_stage0_rewritten_at_another_ep(tmp_path, ep):
-    """DeepSpeed's ep2 checkpoint without ZeRO, written again in its layout for ep `ep` (an expp_rank file
-    per ep rank), reads back with every master and moment as saved, and the experts' files as DeepSpeed's."""
+@pytest.mark.parametrize("ep, stage, world", [(1, 0, 2), (2, 0, 2), (2, 2, 2), (2, 1, 4)])
+def test_deepspeed_moe_rewritten_at_another_ep(tmp_path, ep, stage, world):
+    """DeepSpeed's ep2 checkpoint without ZeRO, written again in its layout for ep `ep` at ZeRO `stage` over
+    `world` ranks (without ZeRO an expp_rank file per ep rank), reads back with every master and moment as
+    saved, and the experts' files as DeepSpeed's."""
     from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource
     from lightspeed.checkpoint.deepspeed_writer import write_deepspeed_checkpoint
 
     source = DeepSpeedCheckpointSource(FIXTURE / "ep2_z0")
-    tag = write_deepspeed_checkpoint(FIXTURE / "ep2_z0", tmp_path, ep_size=ep)
+    tag = write_deepspeed_checkpoint(FIXTURE / "ep2_z0", tmp_path, ep_size=ep, stage=stage, world_size=world)
     names = sorted(p.name for p in __import__("pathlib").Path(tag).iterdir())
-    assert [n for n in names if n.startswith("expp_rank_")] == [f"expp_rank_{e}_mp_rank_00_optim_states.pt"
-                                                                for e in range(ep)]
+    assert [n for n in names if "optim_states" in n] == (
+        [f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in range(ep)] if stage == 0
+        else [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)])
     for g in range(4):
         assert torch.load(f"{tag}/layer_0_expert_{g}_mp_rank_00_model_states.pt", weights_only=True).keys() == \
             torch.load(FIXTURE / "ep2_z0" / "global_step2" / f"layer_0_expert_{g}_mp_rank_00_model_states.pt",
@@ -70,7 +72,7 @@ def test_deepspeed_moe_stage0_rewritten_at_another_ep(tmp_path, ep):
     assert [g["names"] for g in back.optimizer_groups()] == [g["names"] for g in source.optimizer_groups()]
 
 
-@pytest.mark.parametrize("kwargs, error", [({"stage": 1}, "written without ZeRO"),
+@pytest.mark.parametrize("kwargs, error", [({"stage": 3}, "refuses its MoE layers at stage 3"),
                                            ({"ep_size": 3, "world_size": 3},
                                             "4 experts in moe.deepspeed_moe.experts.deepspeed_experts, "
                                             "not a multiple of the expert-parallel size 3"),

@@ -1,9 +1,14 @@
-"""A DeepSpeed checkpoint of MoE training that lightspeed does not read is refused by name: in the older
-`expert_<X>_mp_rank_<XX>` naming, expert files beside no optimizer file (neither ZeRO's nor the
-`expp_rank_<E>` files of training without ZeRO), or `expp_rank_<E>` files beside no expert file. (Those
-at ZeRO 0-2 load: tests/distributed/test_moe_checkpoints.py.)"""
+"""DeepSpeed's MoE checkpoint layout without a distributed world: a checkpoint lightspeed does not read is
+refused by name (the older `expert_<X>_mp_rank_<XX>` naming, expert files beside no optimizer file, neither
+ZeRO's nor the `expp_rank_<E>` files of training without ZeRO, or `expp_rank_<E>` files beside no expert
+file); DeepSpeed's ep2 checkpoint without ZeRO is written again in its layout at other ep sizes, ZeRO
+stages and world sizes and reads back unchanged; what is not written (ZeRO-3, an ep that does not divide
+the experts or the ranks) is refused, also by `lightspeed convert to-deepspeed --ep-size`. (Those
+checkpoints load into engines: tests/distributed/test_moe_checkpoints.py, test_deepspeed_moe_layout.py.)"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +48,7 @@ def test_deepspeed_moe_names_and_groups():
     assert expert_group_ranks(2, 1) == [[0], [1]]
 
 
-FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_moe_checkpoint"
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_moe_checkpoint"
 
 
 @pytest.mark.parametrize("ep, stage, world", [(1, 0, 2), (2, 0, 2), (2, 2, 2), (2, 1, 4)])
@@ -56,7 +61,7 @@ def test_deepspeed_moe_rewritten_at_another_ep(tmp_path, ep, stage, world):
 
     source = DeepSpeedCheckpointSource(FIXTURE / "ep2_z0")
     tag = write_deepspeed_checkpoint(FIXTURE / "ep2_z0", tmp_path, ep_size=ep, stage=stage, world_size=world)
-    names = sorted(p.name for p in __import__("pathlib").Path(tag).iterdir())
+    names = sorted(p.name for p in Path(tag).iterdir())
     assert [n for n in names if "optim_states" in n] == (
         [f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in range(ep)] if stage == 0
         else [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)])
@@ -83,3 +88,16 @@ def test_deepspeed_moe_layout_not_written_is_refused(tmp_path, kwargs, error):
     with pytest.raises(CheckpointError, match=error):
         write_deepspeed_checkpoint(FIXTURE / "ep2_z0", tmp_path, **kwargs)
     assert not any(tmp_path.iterdir())
+
+
+def test_cli_to_deepspeed_ep_size(tmp_path, capsys):
+    from lightspeed.checkpoint.deepspeed_format import DeepSpeedCheckpointSource
+    from lightspeed.launcher.cli import main as cli_main
+
+    assert cli_main(["convert", "to-deepspeed", str(FIXTURE / "ep2_z0"), str(tmp_path / "ok"), "--ep-size", "1"]) == 0
+    assert sorted(p.name for p in (tmp_path / "ok" / "global_step2").glob("expp_rank_*")) == [
+        "expp_rank_0_mp_rank_00_optim_states.pt"]
+    assert DeepSpeedCheckpointSource(tmp_path / "ok").zero_stage == 0
+    capsys.readouterr()
+    assert cli_main(["convert", "to-deepspeed", str(FIXTURE / "ep2_z0"), str(tmp_path / "bad"), "--stage", "3"]) != 0
+    assert "refuses its MoE layers at stage 3" in capsys.readouterr().err

@@ -101,3 +101,16 @@ def test_cli_to_deepspeed_ep_size(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["convert", "to-deepspeed", str(FIXTURE / "ep2_z0"), str(tmp_path / "bad"), "--stage", "3"]) != 0
     assert "refuses its MoE layers at stage 3" in capsys.readouterr().err
+
+
+def test_deepspeed_moe_checkpoint_at_zero3_is_refused(tmp_path):
+    """DeepSpeed 0.19.8 asserts against its MoE layers at ZeRO-3, so such files are not DeepSpeed's: refused."""
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    torch.save({"module": {}}, tag / "mp_rank_00_model_states.pt")
+    torch.save({}, tag / "layer_0_expert_0_mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {"zero_stage": 3, "partition_count": 1}},
+               tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match="MoE checkpoint at ZeRO stage 3: read at stages 0-2 only "
+                                              r"\(DeepSpeed 0.19.8 refuses its MoE layers at stage 3"):
+        open_source(tmp_path, "global_step1")

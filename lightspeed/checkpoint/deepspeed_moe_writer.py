@@ -109,7 +109,8 @@ def _groups(plan: _Plan, experts: _Experts, source: TrainingStateSource, where: 
                 raise CheckpointError(f"{where}: param group {hyper.get('name', '?')!r} mixes experts and dense "
                                       "parameters beside MoE groups; DeepSpeed keeps each apart")
             per_rank = [[n for n in names if experts.ep_rank(n) == e] for e in range(ep)] if moe else [names] * ep
-            out.append(_Group(dict(hyper), scalars, per_rank))
+            # DeepSpeed names an expert group by the ep size it runs at (its expert groups' name)
+            out.append(_Group({**hyper, "name": f"ep_size_{ep}"} if moe else dict(hyper), scalars, per_rank))
         return out
     dense = [_Group(dict(hyper), scalars, [[n for n in names if experts.ep_rank(n) is None]] * ep)
              for names, hyper, scalars in given]
@@ -211,5 +212,6 @@ def _write_stage0_optimizers(source: TrainingStateSource, plan: _Plan, tag_dir: 
                         ds_config=ds_config)
     state.update(extra)
     for e, optimizer in enumerate(optimizers):
-        _save({"optimizer": optimizer}, os.path.join(tag_dir, f"expp_rank_{e}_mp_rank_{plan.mp_rank:02d}_optim_states.pt"))
+        name = f"expp_rank_{e}_mp_rank_{plan.mp_rank:02d}_optim_states.pt"
+        _save({"optimizer": optimizer}, os.path.join(tag_dir, name))
     _save(state, os.path.join(tag_dir, _model_name(plan)))

@@ -1,7 +1,7 @@
 """Run by the DeepSpeed test environment's Python (see lightspeed/testing/deepspeed_env.py), not by pytest.
 
 Usage: ``python deepspeed_moe_worker.py SPEC.json``. In one world of the spec's `world_size` processes
-(gloo, DeepSpeed's CPU accelerator; a world per case), for each case: build the MoE model of
+(gloo, DeepSpeed's CPU accelerator; a world per expert-parallel size), for each case: build the MoE model of
 tests/fixtures/deepspeed_moe_checkpoint (`Linear -> tanh -> MoE(4 experts, top-2, nothing dropped) ->
 Linear`, MSE) at the case's expert-parallel size, ``deepspeed.initialize`` it at the case's ZeRO stage
 (DeepSpeed's MoE param groups, torch's AdamW, fp32 or bf16), ``load_checkpoint`` the case's directory and train its
@@ -72,19 +72,22 @@ def _case(case: dict, rank: int, world: int) -> dict:
     return {"losses": losses, "global_steps": engine.global_steps}
 
 
-def _run(rank: int, spec: dict, index: int) -> None:
+def _run(rank: int, spec: dict, ep: int, port: int) -> None:
     import deepspeed
 
-    world, case = spec["world_size"], spec["cases"][index]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"] + index), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    world = spec["world_size"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     deepspeed.init_distributed(dist_backend="gloo")
-    try:
-        out = _case(case, rank, world)
-    except Exception:
-        out = {"error": traceback.format_exc()}
-    with open(f"{spec['result']}.{case['name']}.{rank}", "w") as f:  # every rank's: any rank's error is seen
-        json.dump(out, f)
+    for case in spec["cases"]:
+        if case["ep"] != ep:
+            continue
+        try:
+            out = _case(case, rank, world)
+        except Exception:
+            out = {"error": traceback.format_exc()}
+        with open(f"{spec['result']}.{case['name']}.{rank}", "w") as f:  # every rank's: any rank's error is seen
+            json.dump(out, f)
 
 
 if __name__ == "__main__":
@@ -92,5 +95,6 @@ if __name__ == "__main__":
 
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    for index in range(len(spec["cases"])):  # a world per case: DeepSpeed's expert groups are process-wide
-        mp.spawn(_run, args=(spec, index), nprocs=spec["world_size"])
+    # a world per expert-parallel size: DeepSpeed's expert groups are process-wide
+    for i, ep in enumerate(dict.fromkeys(case["ep"] for case in spec["cases"])):
+        mp.spawn(_run, args=(spec, ep, spec["port"] + i), nprocs=spec["world_size"])

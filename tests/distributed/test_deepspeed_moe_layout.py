@@ -1,16 +1,17 @@
 """DeepSpeed's MoE checkpoint layout, without ZeRO both ways and written at ZeRO-2, on real gloo processes
-(one lightspeed world of 2 ranks; DeepSpeed worlds of 2, one per case, when its environment is there).
+(one lightspeed world of 2 ranks; DeepSpeed worlds of 2, one per ep size, when its environment is there).
 
 The model is tests/fixtures/deepspeed_moe_checkpoint's (`Linear -> tanh -> MoE(4 experts, top-2, nothing
 dropped) -> Linear`, MSE, DeepSpeed's MoE param groups, torch's AdamW). Read: DeepSpeed's own bf16 ep2
-checkpoint resumes at ep2 with the losses DeepSpeed went on with. (Its fp32 ep2 and ep1
-checkpoints resume in worlds 1, 2 and 4: tests/distributed/test_moe_checkpoints.py.) Write: lightspeed
-trains 2 steps at ep2 (fp32), at ep1 (bf16, expert-data-parallel 2) and at ep2 ZeRO-2 (fp32) with
-``checkpoint.format: "deepspeed"``, saves, and trains 2 more: the reference. The saved tags hold DeepSpeed's files only, with
-its names; lightspeed reads the ep2 tag back at ep2 and at ep1 and goes on with the reference's losses;
-a copy with a truncated expert file, and one whose two expert files are swapped, fail to load with one
-CheckpointError line and leave the engine as it was. DeepSpeed 0.19.8 (its environment,
-tests/deepspeed/deepspeed_moe_worker.py) loads the three tags and its next losses are the reference's.
+checkpoint resumes at ep2 with the losses DeepSpeed went on with. (Its fp32 ep2 and ep1 checkpoints
+resume in worlds 1, 2 and 4: tests/distributed/test_moe_checkpoints.py.) Write: lightspeed trains 2
+steps at ep2 (fp32), at ep1 (bf16, expert-data-parallel 2) and at ep2 ZeRO-2 (fp32) with
+``checkpoint.format: "deepspeed"``, saves, and trains 2 more: the reference. The saved tags hold
+DeepSpeed's files only, with its names; lightspeed reads the ep2 tag back at ep2 and at ep1 and goes on
+with the reference's losses; a copy with a truncated expert file, and one whose two expert files are
+swapped, fail to load with one CheckpointError line and leave the engine as it was. DeepSpeed 0.19.8
+(its environment, tests/deepspeed/deepspeed_moe_worker.py) loads the three tags and its next losses are
+the reference's.
 """
 
 from __future__ import annotations

@@ -75,6 +75,7 @@ def test_deepspeed_moe_rewritten_at_another_ep(tmp_path, ep, stage, world):
         for key in ("fp32", *source.state_keys()):
             assert torch.equal(back.read(name, key), source.read(name, key)), (name, key)
     assert [g["names"] for g in back.optimizer_groups()] == [g["names"] for g in source.optimizer_groups()]
+    assert [g["name"] for g in back.optimizer_groups()] == ["dense", f"ep_size_{ep}"]
 
 
 @pytest.mark.parametrize("kwargs, error", [({"stage": 3}, "refuses its MoE layers at stage 3"),

@@ -74,10 +74,12 @@ def _case(case: dict, rank: int, world: int) -> dict:
 
 def _run(rank: int, spec: dict, ep: int, port: int) -> None:
     import deepspeed
+    import torch
 
     world = spec["world_size"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     for case in spec["cases"]:
         if case["ep"] != ep:
@@ -88,13 +90,20 @@ def _run(rank: int, spec: dict, ep: int, port: int) -> None:
             out = {"error": traceback.format_exc()}
         with open(f"{spec['result']}.{case['name']}.{rank}", "w") as f:  # every rank's: any rank's error is seen
             json.dump(out, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # gloo's threads stopped before the interpreter exits
 
 
 if __name__ == "__main__":
+    import socket
+
     import torch.multiprocessing as mp
 
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     # a world per expert-parallel size: DeepSpeed's expert groups are process-wide
-    for i, ep in enumerate(dict.fromkeys(case["ep"] for case in spec["cases"])):
-        mp.spawn(_run, args=(spec, ep, spec["port"] + i), nprocs=spec["world_size"])
+    for ep in dict.fromkeys(case["ep"] for case in spec["cases"]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_run, args=(spec, ep, port), nprocs=spec["world_size"])

@@ -3,8 +3,9 @@
 Owns the layout DeepSpeed's engine writes under ``<save_dir>/<tag>/``: ``mp_rank_00_model_states.pt``
 (stages 0-2) or ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (stage 3, one per rank), and
 ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (ZeRO, one per data-parallel rank), in fp32,
-fp16 and bf16, and at ZeRO 1-2 with MoE experts (their ``layer_<L>_expert_<G>_...`` model files and
-expert param groups, deepspeed_moe.py: read under the experts' global names, the ep = 1 model's).
+fp16 and bf16, and at ZeRO 0-2 with MoE experts (their ``layer_<L>_expert_<G>_...`` model files and
+expert param groups, deepspeed_moe.py, or without ZeRO an ``expp_rank_<E>_mp_rank_00_optim_states.pt``
+per expert-parallel rank, deepspeed_stage0.py: read under the experts' global names, the ep = 1 model's).
 Must not: unpickle DeepSpeed's classes (deepspeed_pickle.py turns them into plain data),
 read more of a file than a call needs, or write anything.
 
@@ -20,7 +21,8 @@ Note: [where a parameter's fp32 values live]
     - stage 3: per sub-group (``param_shapes`` has one dict per sub-group) every parameter is padded to
       a multiple of the world size and rank r holds the r-th ``ceil(numel / W)`` elements; a rank's
       ``fp32_flat_groups[k]`` is its parts of sub-group k's parameters end to end. A slot is a sub-group.
-    - stage 0: the model file's ``optimizer`` entry: a torch optimizer's state (fp32: the masters are
+    - stage 0: the model file's ``optimizer`` entry (with MoE experts: each ep rank's ``expp_rank`` file,
+      a piece's rank its ep rank): a torch optimizer's state (fp32: the masters are
       the module's own parameters), the unfused fp16/bf16 optimizer's ``fp32_groups`` (a tensor per
       parameter) or the fused one's ``fp32_groups_flat`` (a flat tensor per group). Nothing in the
       file names the parameters, so they are matched to the module's parameters in order (see
@@ -42,7 +44,8 @@ import torch
 
 from lightspeed._utils.logging import get_logger, warn_once
 from lightspeed.checkpoint.atomic import read_latest, validate_tag
-from lightspeed.checkpoint.deepspeed_moe import expert_files, expert_group_ranks, global_name, num_local_experts
+from lightspeed.checkpoint.deepspeed_moe import (expert_files, expert_group_ranks, global_name, num_local_experts,
+                                                 read_expert_entries)
 from lightspeed.checkpoint.deepspeed_pickle import load_deepspeed_file
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.integrity import verification_enabled, verify_zip
@@ -56,10 +59,10 @@ logger = get_logger(__name__)
 _MODEL_FILE = "mp_rank_00_model_states.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_EXPP = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")  # MoE without ZeRO: per ep rank
 _UNSUPPORTED = (
     (re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_(?!00_)\d+_model_states\.pt$"), "model (tensor) parallelism"),
-    (re.compile(r"^expp_rank_\d+_.*optim_states\.pt$|^expert_\d+_mp_rank_.*\.pt$"),
-     "expert parallelism (MoE) without ZeRO, or in DeepSpeed's older expert_<X> layout"),
+    (re.compile(r"^expert_\d+_mp_rank_.*\.pt$"), "MoE experts in DeepSpeed's older expert_<X> layout"),
     (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline parallelism"),
 )
 # Entries of the model file that are DeepSpeed's own; anything else came from save_checkpoint's client_state.
@@ -68,6 +71,7 @@ _ENGINE_KEYS = frozenset({
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
     "ds_version", "checkpoint_parallel_dimensions", "pp_degree", "tp_degree", "universal_checkpoint_info",
+    "num_experts", "ds_autoep_layers",  # MoE: per MoE layer its number of experts; AutoEP's layers
 })
 
 
@@ -265,9 +269,16 @@ class DeepSpeedCheckpointSource:
         self._groups: list[dict] = []
         self._loss_scaler: Any = None
         self._state_keys: list[str] = []
-        if self._expert_files and not self._optim_files:
-            raise CheckpointError(f"{self.path}: a DeepSpeed MoE checkpoint ({self._expert_files[0]}) without ZeRO "
-                                  "optimizer files: read at ZeRO stages 1 and 2 only")
+        self._expp_files = self._ranked(names, _EXPP, group=1) if mp == 0 else []
+        self._experts: dict[str, torch.Tensor] | None = None
+        if self._expert_files and not self._optim_files and not self._expp_files:
+            raise CheckpointError(f"{self.path}: a DeepSpeed MoE checkpoint ({self._expert_files[0]}) with neither "
+                                  "ZeRO optimizer files nor expp_rank_<E>_mp_rank_00_optim_states.pt (saved without "
+                                  "ZeRO); a file missing?")
+        if self._expp_files and (self._optim_files or not self._expert_files):
+            raise CheckpointError(f"{os.path.join(self.path, self._expp_files[0])}: DeepSpeed writes expp_rank_<E> "
+                                  "optimizer files for MoE without ZeRO only, beside layer_<L>_expert_<G> files and no "
+                                  "ZeRO optimizer files; this directory mixes layouts")
         if self._optim_files:
             self._read_zero_layout()
             # ZeRO files name their parameters; names given anyway must agree with them.
@@ -336,8 +347,9 @@ class DeepSpeedCheckpointSource:
         counts = first.get("partition_count")
         counts = [int(c) for c in (counts if isinstance(counts, list) else [counts])]
         if self._expert_files and self.zero_stage not in (1, 2):
-            raise CheckpointError(f"{path0}: DeepSpeed MoE checkpoints are read at ZeRO stages 1 and 2 only "
-                                  f"(this one: stage {self.zero_stage})")
+            raise CheckpointError(f"{path0}: a DeepSpeed MoE checkpoint at ZeRO stage {self.zero_stage}: read at "
+                                  "stages 0-2 only (DeepSpeed 0.19.8 refuses its MoE layers at stage 3; its AutoEP "
+                                  "layers' layout is not read)")
         self.world_size = max(counts)
         if (len(set(counts)) != 1 and not self._expert_files) or any(self.world_size % c for c in counts):
             raise CheckpointError(f"{path0}: param groups partitioned over world sizes {counts}, and no "
@@ -465,10 +477,21 @@ class DeepSpeedCheckpointSource:
     # ------------------------------------------------------------------------------- stage 0
 
     def _read_stage0_layout(self, param_names: Sequence[str] | None) -> None:
-        from lightspeed.checkpoint.deepspeed_stage0 import stage0_layout
+        from lightspeed.checkpoint.deepspeed_stage0 import moe_stage0_layout, stage0_layout
 
         self.zero_stage, self.world_size = 0, int(self._model.get("dp_world_size") or 1)
-        layout = stage0_layout(self._model, self._model_path, param_names)
+        if self._expert_files:
+            paths = [os.path.join(self.path, f) for f in self._expp_files]
+            optimizers = []
+            for path in paths:
+                loaded = self._load(path)
+                if not isinstance(loaded, dict) or "optimizer" not in loaded:
+                    raise CheckpointError(f"{path}: is not a DeepSpeed expert-parallel optimizer-states file "
+                                          "(no 'optimizer' entry)")
+                optimizers.append(loaded["optimizer"])
+            layout = moe_stage0_layout(self._model, self._expert_entries(), optimizers, paths, param_names)
+        else:
+            layout = stage0_layout(self._model, self._model_path, param_names)
         self._params = {n: _Param(shape, pieces) for n, (shape, pieces) in layout.params.items()}
         self._groups, self._loss_scaler = layout.groups, layout.loss_scaler
         self._master, self._slot_states = layout.master, layout.slot_states
@@ -536,12 +559,15 @@ class DeepSpeedCheckpointSource:
             files = [os.path.join(self.path, f) for f in self._zero3_model_files]
             return StitchedModuleState(saved, shapes, self._frozen_fragments, files)
         out = dict(saved)
-        for name in self._expert_files:  # each MoE expert's entries, under its global name
-            entries = self._load(os.path.join(self.path, name))
-            if not isinstance(entries, Mapping):
-                raise CheckpointError(f"{os.path.join(self.path, name)}: not a DeepSpeed expert model-states file")
-            out.update(entries)
+        out.update(self._expert_entries())
         return out
+
+    def _expert_entries(self) -> dict[str, torch.Tensor]:
+        """Every MoE expert's entries, under its global name (deepspeed_moe.read_expert_entries)."""
+        if self._experts is None:
+            self._experts = read_expert_entries([(n, os.path.join(self.path, n)) for n in self._expert_files],
+                                                self._load, self._model["module"])
+        return self._experts
 
     def _frozen_fragments(self) -> list[dict[str, torch.Tensor]]:
         first = self._model.get("frozen_param_fragments") or {}

@@ -2,7 +2,8 @@
 
 Owns `write_deepspeed_checkpoint`: any checkpoint lightspeed reads (a `TrainingStateSource`: lightspeed's
 own, or DeepSpeed's at another stage or world size) written as the files ``DeepSpeedEngine.save_checkpoint``
-writes at ZeRO stage 0, 1, 2 or 3 for a data-parallel world size, in fp32 or bf16, and
+writes at ZeRO stage 0, 1, 2 or 3 for a data-parallel world size, in fp32 or bf16 (MoE experts:
+deepspeed_moe_writer.py, ZeRO 0-2), and
 `convert_tag_in_place` (the engine's ``checkpoint.format: "deepspeed"``). The layout is the one
 deepspeed_format.py's Note describes (that reader reads these files back). Must not: import deepspeed,
 or write what DeepSpeed's loader would not accept (the module Note says what it reads).
@@ -274,41 +275,56 @@ def _write_stage0(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_con
 
 # --------------------------------------------------------------------------------------- stages 1, 2
 
-def _write_stage12(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_config: Any) -> None:
+def _write_stage12(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_config: Any,
+                   groups: list | None = None, module: Any = None, model_extra: dict | None = None) -> None:
+    """`groups`: per param group (hyperparameters, scalars, splits), each split (the ranks its flat buffer
+    is partitioned over, the parameters' names in the source, their names in the files): an MoE expert
+    group has one split per ep rank (deepspeed_moe_writer.py); default: `plan.groups`, each over every
+    rank. `module` (default: the whole module) and `model_extra` (added entries) make the model file."""
     world = plan.world
-    per_rank: list[dict] = [{"masters": [], "states": {}, "groups": [], "paddings": [], "mappings": []}
-                            for _ in range(world)]
-    for g, (names, hyper, scalars) in enumerate(plan.groups):
-        numels = [source.param_shape(n).numel() for n in names]
-        total = sum(numels)
-        part = math.ceil(total / (2 * world)) * 2  # DeepSpeed aligns the flat group to 2 x world elements
+    if groups is None:
+        groups = [(hyper, scalars, [(list(range(world)), names, names)]) for names, hyper, scalars in plan.groups]
+    per_rank: list[dict] = [{"masters": [], "states": {}, "groups": [], "paddings": [], "mappings": [],
+                             "counts": [], "aligned": []} for _ in range(world)]
+    param_shapes = []
+    for g, (hyper, scalars, splits) in enumerate(groups):
+        for ranks, names, saved in splits:
+            count = len(ranks)
+            numels = [source.param_shape(n).numel() for n in names]
+            total = sum(numels)
+            part = math.ceil(total / (2 * count)) * 2  # DeepSpeed aligns the flat group to 2 x count elements
 
-        def flat(key: str) -> torch.Tensor:
-            out = torch.zeros(part * world)
-            offset = 0
-            for n, numel in zip(names, numels):
-                out[offset:offset + numel] = source.read(n, key).reshape(-1)
-                offset += numel
-            return out
+            def flat(key: str) -> torch.Tensor:
+                out = torch.zeros(part * count)
+                offset = 0
+                for n, numel in zip(names, numels):
+                    out[offset:offset + numel] = source.read(n, key).reshape(-1)
+                    offset += numel
+                return out
 
-        master = flat(MASTER_KEY)
-        moments = {key: flat(key) for key in plan.state_keys} if _step_tensor(scalars) is not None else {}
-        starts = [sum(numels[:i]) for i in range(len(names))]
-        for r, mine in enumerate(per_rank):
-            lo, hi = r * part, (r + 1) * part
-            lean = max(0, min(part, total - lo))
-            mine["masters"].append(master[lo:lo + lean].clone())
-            mine["paddings"].append(part - lean)
-            st = _param_state(plan, scalars, lambda key: moments[key][lo:hi].clone())
-            if st:
-                mine["states"][g] = st
-            mine["groups"].append({**hyper, "params": [g]})
-            mapping = OrderedDict()
-            for n, start, numel in zip(names, starts, numels):
-                a, b = max(start, lo), min(start + numel, hi)
-                if a < b:
-                    mapping[n] = FragmentAddress(numel=b - a, start=a - lo)
-            mine["mappings"].append(mapping)
+            master = flat(MASTER_KEY)
+            moments = {key: flat(key) for key in plan.state_keys} if _step_tensor(scalars) is not None else {}
+            starts = [sum(numels[:i]) for i in range(len(names))]
+            if 0 in ranks:  # the model file's param_shapes are rank 0's
+                param_shapes.append(OrderedDict((s, source.param_shape(n)) for n, s in zip(names, saved)))
+            for k, r in enumerate(ranks):
+                mine = per_rank[r]
+                lo, hi = k * part, (k + 1) * part
+                lean = max(0, min(part, total - lo))
+                mine["masters"].append(master[lo:lo + lean].clone())
+                mine["paddings"].append(part - lean)
+                mine["counts"].append(count)
+                mine["aligned"].append([0] * len(names))
+                st = _param_state(plan, scalars, lambda key: moments[key][lo:hi].clone())
+                if st:
+                    mine["states"][g] = st
+                mine["groups"].append({**hyper, "params": [g]})
+                mapping = OrderedDict()
+                for s, start, numel in zip(saved, starts, numels):
+                    a, b = max(start, lo), min(start + numel, hi)
+                    if a < b:
+                        mapping[s] = FragmentAddress(numel=b - a, start=a - lo)
+                mine["mappings"].append(mapping)
     for r, mine in enumerate(per_rank):
         osd = {
             "loss_scaler": LossScaler(1.0),
@@ -318,19 +334,20 @@ def _write_stage12(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_co
             "single_partition_of_fp32_groups": mine["masters"],
             "zero_stage": ZeroStageEnum(plan.stage),
             "group_paddings": mine["paddings"],
-            "param_alignment_paddings": [[0] * len(names) for names, _, _ in plan.groups],
-            "partition_count": [world] * len(plan.groups),
+            "param_alignment_paddings": mine["aligned"],
+            "partition_count": mine["counts"],
             "ds_version": DEEPSPEED_VERSION,
             "param_slice_mappings": mine["mappings"],
         }
         _save({"optimizer_state_dict": osd, "ds_config": ds_config if ds_config is not None else {},
                "ds_version": DEEPSPEED_VERSION}, os.path.join(tag_dir, _optim_name(plan, r)))
-    param_shapes = [OrderedDict((n, source.param_shape(n)) for n in names) for names, _, _ in plan.groups]
-    module = _lowp_module(plan, source, empty_params=False)
+    if module is None:
+        module = _lowp_module(plan, source, empty_params=False)
     fragments = OrderedDict((n, plan.module[n].detach().clone()) for n in plan.frozen)
-    _save(_model_file(plan, module, optimizer=None, param_shapes=param_shapes, frozen_fragments=fragments,
-                      shared=dict(plan.aliases), ds_config=ds_config),
-          os.path.join(tag_dir, _model_name(plan)))
+    state = _model_file(plan, module, optimizer=None, param_shapes=param_shapes, frozen_fragments=fragments,
+                        shared=dict(plan.aliases), ds_config=ds_config)
+    state.update(model_extra or {})
+    _save(state, os.path.join(tag_dir, _model_name(plan)))
 
 
 # ------------------------------------------------------------------------------------------- stage 3
@@ -419,20 +436,31 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
                                *, tag: str | None = None, source_tag: str | None = None, stage: int | None = None,
                                world_size: int | None = None, dtype: str | torch.dtype | None = None,
                                sub_group_size: int = DEFAULT_SUB_GROUP_SIZE, ds_config: dict | None = None,
-                               save_latest: bool = True, verify: bool = True, pipeline: tuple | None = None) -> str:
+                               save_latest: bool = True, verify: bool = True, pipeline: tuple | None = None,
+                               ep_size: int | None = None) -> str:
     """Write `checkpoint` (a directory any lightspeed reader opens, or a source) as DeepSpeed 0.19.8's
     ``<output_dir>/<tag>/`` for ZeRO `stage` over `world_size` data-parallel ranks (default: the
     saved ones), then ``<output_dir>/latest`` (unless `save_latest` is False). `tag` defaults to the
     source's tag (``global_step<N>``). `dtype` (fp32 / bf16) defaults to the saved module's; at stage 3
     `sub_group_size` must be DeepSpeed's ``zero_optimization.sub_group_size``. `ds_config` is recorded
     as the files' ``ds_config``. `pipeline`: (a `PipelineLayout`, the number of stages) to write
-    DeepSpeed's pipeline layout (deepspeed_pipeline_writer.py). Returns the tag directory; an existing
-    one is an error."""
+    DeepSpeed's pipeline layout (deepspeed_pipeline_writer.py). A module with DeepSpeed-style MoE experts
+    is written in DeepSpeed's MoE layout (deepspeed_moe_writer.py; ZeRO 0-2) for expert-parallel
+    size `ep_size` (default: the saved one). Returns the tag directory; an existing one is an error."""
+    from lightspeed.checkpoint.deepspeed_moe_writer import has_moe_experts, write_moe
     from lightspeed.checkpoint.convert import open_checkpoint  # convert imports the readers this needs
 
     where = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else repr(checkpoint)
     source = open_checkpoint(checkpoint, source_tag, verify=verify)
     plan = _Plan(source, where, stage, world_size, dtype)
+    moe = has_moe_experts(plan.module)
+    if moe and pipeline is not None:
+        raise CheckpointError(f"{where}: a model with MoE experts; DeepSpeed's MoE layout is not written over "
+                              "pipeline stages")
+    if ep_size is not None and int(ep_size) != 1 and not moe:
+        raise CheckpointError(f"{where}: expert-parallel size {ep_size} for a model without MoE experts "
+                              "(...deepspeed_experts.<G>.* entries)")
+    ep = int(ep_size) if ep_size is not None else int((plan.extra.get("mesh") or {}).get("ep") or 1)
     if tag is None:
         counters = plan.extra.get("counters") or {}
         saved = getattr(source, "path", None)
@@ -451,6 +479,8 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
             layout, num_stages = pipeline
             write_pipeline_stages(source, where, staging, layout=layout, num_stages=int(num_stages), stage=stage,
                                   world_size=world_size, dtype=dtype, ds_config=ds_config)
+        elif moe:
+            write_moe(source, plan, staging, ds_config, ep, where)
         elif plan.stage == 0:
             _write_stage0(source, plan, staging, ds_config)
         elif plan.stage in (1, 2):
@@ -471,7 +501,7 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
 
 def convert_tag_in_place(save_dir: str | os.PathLike, tag: str, *, stage: int, world_size: int,
                          dtype: torch.dtype | None, sub_group_size: int, ds_config: dict | None,
-                         pipeline: tuple | None = None) -> str:
+                         pipeline: tuple | None = None, ep_size: int | None = None) -> str:
     """Replace lightspeed's files of ``save_dir/tag`` by DeepSpeed's layout of the same state (one process;
     the caller has every rank's files in place and waits for this before going on). The converted tag
     is written next to it, then swapped in: a crash leaves the lightspeed tag or the DeepSpeed one."""
@@ -481,7 +511,7 @@ def convert_tag_in_place(save_dir: str | os.PathLike, tag: str, *, stage: int, w
     shutil.rmtree(scratch, ignore_errors=True)
     write_deepspeed_checkpoint(tag_dir, scratch, tag=tag, stage=stage, world_size=world_size, dtype=dtype,
                                sub_group_size=sub_group_size, ds_config=ds_config, save_latest=False,
-                               pipeline=pipeline)
+                               pipeline=pipeline, ep_size=ep_size)
     old = os.path.join(save_dir, f".{tag}.lightspeed.old")
     shutil.rmtree(old, ignore_errors=True)
     os.replace(tag_dir, old)
@@ -493,7 +523,7 @@ def convert_tag_in_place(save_dir: str | os.PathLike, tag: str, *, stage: int, w
 
 
 def save_as_deepspeed(save_dir: str | os.PathLike, tag: str, *, comm: Any, rank: int, stage: int, world_size: int,
-                      sub_group_size: int, pipeline: tuple | None = None) -> None:
+                      sub_group_size: int, pipeline: tuple | None = None, ep_size: int | None = None) -> None:
     """The engine's ``checkpoint.format: "deepspeed"``: every rank has written its part of lightspeed's
     ``save_dir/tag``; rank `rank` 0 converts it in place (`convert_tag_in_place`) while the others wait.
     Collective over `comm` (a `Communicator`); a failure on rank 0 is raised on every rank."""
@@ -501,7 +531,8 @@ def save_as_deepspeed(save_dir: str | os.PathLike, tag: str, *, comm: Any, rank:
     if rank == 0:
         try:
             convert_tag_in_place(save_dir, tag, stage=stage, world_size=world_size, dtype=None,
-                                 sub_group_size=sub_group_size, ds_config=None, pipeline=pipeline)
+                                 sub_group_size=sub_group_size, ds_config=None, pipeline=pipeline,
+                                 ep_size=ep_size)
         except Exception as exc:  # every rank raises it below, so none waits forever
             error = f"{type(exc).__name__}: {exc}"
     errors = comm.all_gather_object(error) if comm.world_size > 1 else [error]

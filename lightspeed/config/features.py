@@ -70,7 +70,8 @@ class CheckpointConfig(Section):
     format: Choice("lightspeed", "deepspeed", normalize=str.lower) = "lightspeed"
     """lightspeed's own key: the layout ``save_checkpoint`` writes. "deepspeed": DeepSpeed 0.19.8's files
     (lightspeed's tag written, then converted in place by rank 0: checkpoint/deepspeed_writer.py), which
-    DeepSpeed's ``load_checkpoint`` resumes at the same ZeRO stage and data-parallel world size."""
+    DeepSpeed's ``load_checkpoint`` resumes at the same ZeRO stage and data-parallel world size (with
+    DeepSpeed-style MoE experts: ZeRO 0-2, checkpoint/deepspeed_moe_writer.py)."""
 
 
 _AIO_BACKENDS = {"async_io": "async_io", "aio": "async_io", "async": "async_io", "deepnvme": "async_io",

@@ -280,7 +280,8 @@ def run_convert_to_deepspeed(args: argparse.Namespace, script_args: list[str]) -
     try:
         path = write_deepspeed_checkpoint(args.checkpoint_dir, args.output_dir, source_tag=args.tag,
                                           stage=args.stage, world_size=args.world_size, dtype=args.dtype,
-                                          sub_group_size=args.sub_group_size, verify=not args.no_verify)
+                                          sub_group_size=args.sub_group_size, verify=not args.no_verify,
+                                          ep_size=args.ep_size)
     except (CheckpointError, ValueError, KeyError, OSError) as e:
         return _error(str(e).strip("'\""))
     print(path)
@@ -388,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_ds.add_argument("--sub-group-size", "--sub_group_size", dest="sub_group_size", type=int,
                        default=1_000_000_000, help="stage 3: DeepSpeed's zero_optimization.sub_group_size "
                        "(default: DeepSpeed's, 1e9)")
+    to_ds.add_argument("--ep-size", "--ep_size", dest="ep_size", type=int, default=None,
+                       help="MoE (DeepSpeed-style experts, stages 0-2): the expert-parallel size DeepSpeed runs "
+                       "with, which its optimizer files are laid out for (default: the saved one)")
     to_ds.add_argument("--no-verify", "--no_verify", dest="no_verify", action="store_true",
                        help="read the checkpoint without checking its checksums")
     to_ds.set_defaults(func=run_convert_to_deepspeed)

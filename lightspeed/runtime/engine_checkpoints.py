@@ -57,9 +57,14 @@ class EngineCheckpoints:
         `checkpoint.writer.decoupled` from a host snapshot in the background (see `wait_checkpoint`)."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         if self._expert_names and self.config.checkpoint.format == "deepspeed":
-            raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts: DeepSpeed's expert checkpoint "
-                                      "files are not written by lightspeed; save in lightspeed's format "
-                                      "(`lightspeed convert to-fp32` consolidates it)")
+            if self._expert_names.fused:
+                raise NotImplementedError("checkpoint.format='deepspeed' with AutoEP experts: DeepSpeed's AutoEP "
+                                          "checkpoint layout is not written by lightspeed; save in lightspeed's format")
+            if self.zero_optimization_stage() == 3 or self._pp_comm is not None:
+                raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts at zero_optimization.stage "
+                                          "3 or over pipeline stages: DeepSpeed 0.19.8 has no such MoE layout (it "
+                                          "refuses MoE layers at stage 3); save in lightspeed's format, or use "
+                                          "ZeRO 0-2")
         tag = engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
                                                      self.config.checkpoint.tag_validation)
         module_state = self.strategy.module_state_dict()
@@ -125,7 +130,7 @@ class EngineCheckpoints:
             self._checkpoint_writer.wait(self._ckpt_comm)
             save_as_deepspeed(save_dir, tag, comm=self._ckpt_comm, rank=self._ckpt_rank,
                               stage=self.zero_optimization_stage(), world_size=self.seq_dp_world_size,
-                              sub_group_size=self.config.zero_optimization.sub_group_size,
+                              sub_group_size=self.config.zero_optimization.sub_group_size, ep_size=self._ep_size(),
                               pipeline=None if self._pp_comm is None else (self._pipeline_layout(),
                                                                            self._pp_comm.world_size))
         return True
@@ -170,7 +175,9 @@ class EngineCheckpoints:
             return state  # another expert-data-parallel rank's ep group gathers them
         out = {k: v for k, v in state.items() if not names.is_expert(k)} if keep else state
         ep = self._ep_comm.world_size
-        for key in sorted(k for k, v in state.items() if names.is_expert(k) and torch.is_tensor(v)):
+        experts = [k for k, v in state.items() if names.is_expert(k) and torch.is_tensor(v)]
+        gathered_parts: dict[str, list[torch.Tensor]] = {}
+        for key in sorted(experts):
             local = state[key].detach().to(self.device).contiguous()
             gathered = torch.empty((ep, *local.shape), dtype=local.dtype, device=local.device)
             self._ep_comm.all_gather(gathered.view(-1), local.view(-1))
@@ -180,7 +187,13 @@ class EngineCheckpoints:
             if names.is_fused(key):  # ep rank r holds rows [r x E/ep, (r + 1) x E/ep): autoep.py's placements
                 out[key] = torch.cat(parts)
             else:
-                out.update((names.to_global(key, r), part) for r, part in enumerate(parts))
+                gathered_parts[key] = parts
+        # in the ep = 1 model's order (DeepSpeed's MoE layout needs it: checkpoint/deepspeed_moe_writer.py):
+        # per layer, ep rank r's experts in this rank's order of its own
+        prefix_of = {k: names.to_global(k, 0).rsplit("deepspeed_experts.", 1)[0] for k in gathered_parts}
+        for prefix in dict.fromkeys(prefix_of.values()):
+            keys = [k for k in experts if prefix_of.get(k) == prefix]
+            out.update((names.to_global(k, r), gathered_parts[k][r]) for r in range(ep) for k in keys)
         return out
 
     def _stage_writer_rank(self, stage: int) -> int:

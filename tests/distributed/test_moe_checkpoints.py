@@ -12,8 +12,8 @@ names and per-global-expert tensors, equal to each other within 1e-5 (the ep2 ru
 float32 training, and an ep1 engine's module-only load of the ep2 tag equal to it exactly); the AutoEP
 tag loads at autoep_size 1 and gives the ep2 run's logits (1e-5), and consolidates to the whole model's
 fused [E, ...] tensors (equal to the loaded ones). In every world, DeepSpeed's own MoE
-checkpoints (tests/fixtures/deepspeed_moe_checkpoint: ep2 ZeRO-1, ep2 x dp2 ZeRO-2) resume (at ep2 ZeRO-1,
-ep2 x dp2 ZeRO-2, ep1 ZeRO-0) with the losses DeepSpeed went on with (1e-5).
+checkpoints (tests/fixtures/deepspeed_moe_checkpoint: ep2 ZeRO-1, ep2 x dp2 ZeRO-2, ep2 and ep1 without
+ZeRO) resume (at ep2 ZeRO-1, ep2 x dp2 ZeRO-2, ep1 ZeRO-0) with the losses DeepSpeed went on with (1e-5).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 D, SEQ, GLOBAL, EXPERTS, LR = 8, 4, 4, 4, 0.02
 PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 DEEPSPEED = os.path.join(os.path.dirname(__file__), "..", "fixtures", "deepspeed_moe_checkpoint")
+# DeepSpeed's fp32 runs (ep2_z0_bf16: tests/distributed/test_deepspeed_moe_layout.py)
+DEEPSPEED_RUNS = ["ep2_z1", "ep2_dp2_z2", "ep2_z0", "ep1_z0"]
 
 
 class MoENet(nn.Module):
@@ -89,7 +91,7 @@ def _engine(ep: int, stage: int, groups: bool = False):
 def _deepspeed_resumes(ep: int, stage: int) -> dict[str, list[float]]:
     """Each of DeepSpeed's MoE checkpoints loaded here, then steps 2-3 (DeepSpeed's own went on the same)."""
     out = {}
-    for run in sorted(os.listdir(DEEPSPEED)):
+    for run in DEEPSPEED_RUNS:
         if os.path.isdir(os.path.join(DEEPSPEED, run)):
             engine = _engine(ep, stage, groups=True)
             engine.load_checkpoint(os.path.join(DEEPSPEED, run))
@@ -282,10 +284,10 @@ def test_autoep_tag_loads_at_autoep_size_1(worlds):
     torch.testing.assert_close(one["auto_logits"], two[0]["auto_logits"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("run", ["ep2_z1", "ep2_dp2_z2"])
+@pytest.mark.parametrize("run", DEEPSPEED_RUNS)
 def test_deepspeed_moe_checkpoint_resumes(worlds, run):
-    """DeepSpeed's own MoE checkpoints (ep2 ZeRO-1, ep2 x dp2 ZeRO-2) resume at ep2 ZeRO-1, ep2 x dp2 ZeRO-2
-    and ep1 ZeRO-0 with the losses DeepSpeed's run went on with."""
+    """DeepSpeed's own MoE checkpoints (ep2 ZeRO-1, ep2 x dp2 ZeRO-2, and without ZeRO ep2 and ep1) resume at
+    ep2 ZeRO-1, ep2 x dp2 ZeRO-2 and ep1 ZeRO-0 with the losses DeepSpeed's run went on with."""
     import json
 
     with open(os.path.join(DEEPSPEED, run, "expected.json")) as f:

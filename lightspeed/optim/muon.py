@@ -152,6 +152,7 @@ class Muon(torch.optim.Optimizer):
         self._plan: _Plan | None = None
         self._update_before_clip = False
         self._updates_in_grads = False
+        self._attached = False  # a ZeRO stage's tensors: their gradients are the stage's buffers
 
     # ------------------------------------------------------------------------------------------
     def attach(self, fragments, comm: Communicator, update_before_clip: bool = False) -> None:
@@ -160,6 +161,7 @@ class Muon(torch.optim.Optimizer):
         `update_before_clip`: orthogonalise in `before_norm` (see Note [clipping])."""
         self._plan = _Plan.build(self, fragments, comm)
         self._update_before_clip = update_before_clip
+        self._attached = True
 
     @torch.no_grad()
     def before_norm(self, grads: dict, loss_scale: float | None) -> None:
@@ -226,7 +228,11 @@ class Muon(torch.optim.Optimizer):
         else:
             grads = {id(p): p.grad for g in self.param_groups if g["use_muon"] for p in g["params"]
                      if p.grad is not None}
-            updates = self._own_plan().orthogonalize(self._blends(grads))
+            if self._attached:  # the stage's gradient buffers take the blends, then the updates, in place
+                blends = self._blends(grads, in_place=True)
+                updates = self._plan.orthogonalize(blends, out=blends)
+            else:  # plain use: the caller's .grad stays the gradient
+                updates = self._own_plan().orthogonalize(self._blends(grads))
         for group in self.param_groups:
             if not group["use_muon"]:
                 continue
@@ -396,7 +402,8 @@ class _Plan:
             group = opt.param_groups[m.group]
             u = orthogonalize(whole.view(m.shape), opt.ns_steps, group["ns_method"], reference=opt.reference)
             u = u.reshape(-1)
-            results[m.name] = u
+            if any(r != rank for r, _, _ in m.pieces):  # other holders receive pieces of it below
+                results[m.name] = u
             for start, end, owner, offset in m.local:
                 out[id(owner)].view(-1)[offset:offset + end - start].copy_(u[start:end])
         if world > 1 and self.back_chunk:

@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.harness import sync  # noqa: E402
+from benchmarks.harness import median_ms, rel_err  # noqa: E402
 from lightspeed.parallel.experts.grouped_mlp import (ClampedSwiGLU, grouped_kernel, grouped_mlp,  # noqa: E402
                                                      grouped_mlp_reference)
 
@@ -121,26 +119,6 @@ def _step_fn(name, fn, p):
     return step
 
 
-def _time(step, warmup, steps, repeats):
-    for _ in range(warmup):
-        step()
-    sync()
-    windows = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync()
-        windows.append((time.perf_counter() - t0) * 1e3 / steps)
-    return statistics.median(windows)
-
-
-def _rel_err(got, want):
-    got, want = got.float(), want.float()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
 def run_shape(name, shape, args, device, dtype):
     experts, hidden, inter, top_k = shape
     p = _problem(experts, hidden, inter, top_k, args.tokens, dtype, device)
@@ -164,8 +142,8 @@ def run_shape(name, shape, args, device, dtype):
             err = float("nan")
             if ref is not None and path in ("grouped", "grouped-triton", "loop"):
                 out, grads = step()
-                err = max([_rel_err(out, ref[0])] + [_rel_err(g, r) for g, r in zip(grads, ref[1])])
-            results[path] = (_time(step, args.warmup, args.steps, args.repeats), "", err)
+                err = max([rel_err(out, ref[0])] + [rel_err(g, r) for g, r in zip(grads, ref[1])])
+            results[path] = (median_ms(step, args.warmup, args.steps, args.repeats), "", err)
         except (ImportError, RuntimeError, ValueError) as exc:
             results[path] = (float("nan"), f"failed: {str(exc).splitlines()[0][:70]}", float("nan"))
     loop_ms = results["loop"][0]

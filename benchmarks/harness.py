@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,29 @@ def time_steps(step, num_steps: int, warmup: int, repeats: int = 1) -> tuple[flo
         windows.append((time.perf_counter() - t0) * 1e3 / max(num_steps, 1))
         losses += [float(x) for x in pending]
     return sorted(windows)[len(windows) // 2], losses
+
+
+def median_ms(step, warmup: int, steps: int, repeats: int) -> float:
+    """`step()` (any return) run `warmup` times, then `repeats` windows of `steps`: the median window's
+    ms per step (synchronized at each window's ends only)."""
+    for _ in range(warmup):
+        step()
+    sync()
+    windows = []
+    for _ in range(max(repeats, 1)):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        windows.append((time.perf_counter() - t0) * 1e3 / max(steps, 1))
+    return statistics.median(windows)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| in fp32 (Frobenius norms)."""
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def print_table(results: list[Result], baseline: str) -> None:

@@ -53,16 +53,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.harness import emit_result, run_deepspeed_child, sync  # noqa: E402
+from benchmarks.harness import emit_result, median_ms, rel_err, run_deepspeed_child, sync  # noqa: E402
 from lightspeed.ops.grouped_gemm import grouped_mlp, offsets_from_counts, permute, unpermute  # noqa: E402
 
 SHAPES = {  # name: (experts, hidden, intermediate, top-k)
@@ -148,26 +146,6 @@ def _step_fn(name, fn, p):
     return step
 
 
-def _time(step, warmup, steps, repeats):
-    for _ in range(warmup):
-        step()
-    sync()
-    windows = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync()
-        windows.append((time.perf_counter() - t0) * 1e3 / steps)
-    return statistics.median(windows)
-
-
-def _rel_err(got, want):
-    got, want = got.float(), want.float()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
 def run_shape(name, shape, args, device, dtype):
     experts, hidden, inter, top_k = shape
     p = _problem(experts, hidden, inter, top_k, args.tokens, dtype, device)
@@ -191,8 +169,8 @@ def run_shape(name, shape, args, device, dtype):
             err = float("nan")
             if ref is not None and path not in ("dense", "+routing"):
                 out, grads = step()
-                err = max([_rel_err(out, ref[0])] + [_rel_err(g, r) for g, r in zip(grads, ref[1])])
-            ms = _time(step, args.warmup, args.steps, args.repeats)
+                err = max([rel_err(out, ref[0])] + [rel_err(g, r) for g, r in zip(grads, ref[1])])
+            ms = median_ms(step, args.warmup, args.steps, args.repeats)
             results[path] = (ms, "", err)
         except (RuntimeError, ValueError) as exc:
             results[path] = (float("nan"), f"failed: {str(exc).splitlines()[0][:70]}", float("nan"))
@@ -258,7 +236,7 @@ def _time_layer(name, forward, params, x, args):
     torch.manual_seed(2)  # the gate's random draws (top-2's second-expert sampling) the same on both sides
     out, l_aux, counts = step()
     check = {"out_norm": out.float().norm().item(), "l_aux": l_aux.float().item(), "max_load": int(counts.max())}
-    ms = _time(step, args.warmup, args.steps, args.repeats)
+    ms = median_ms(step, args.warmup, args.steps, args.repeats)
     row = {"system": name, "ms": ms, **check}
     if getattr(args, "profile", False):
         row["profile"] = _profile(step)

@@ -39,6 +39,10 @@ CASES = {
     "top1_drop_stage1": (dict(k=1, capacity_factor=1.0), 1, 10.0, "AdamW"),
     "top1_nodrop_stage2_clip": (dict(k=1, capacity_factor=1.0, drop_tokens=False), 2, 0.05, "AdamW"),
     "top2_drop_stage3": (dict(k=2, capacity_factor=1.0), 3, 10.0, "AdamW"),
+    # experts sliced over tp (DeepSpeed's enable_expert_tensor_parallelism=True)
+    "etp_top1_drop_stage1": (dict(k=1, capacity_factor=1.0, enable_expert_tensor_parallelism=True), 1, 10.0, "AdamW"),
+    "etp_top2_drop_stage2_clip": (dict(k=2, capacity_factor=1.0, enable_expert_tensor_parallelism=True), 2, 0.05,
+                                  "AdamW"),
     # SGD: AdamW would move the parameters whose gradients are rounding noise by about lr (the router's
     # rows of experts no token reached), which changes later steps' norms at 2e-5
     "mixtral_autoep_stage2": ("mixtral", 2, 0.5, "SGD"),
@@ -177,11 +181,12 @@ def _run(moe, stage: int, clip: float, optimizer: str, save_dir: str | None, nam
     topology = engine.groups.topology
     assert (topology.size("tp"), topology.size("ep"), topology.rank("ep")) == (2, 2, dp_rank)
     losses, norms = map(list, zip(*[_step(engine, moe, s) for s in range(STEPS)]))
-    expert = "model.layers.0.mlp.experts.gate_up_proj" if moe == "mixtral" else EXPERT_PREFIX + "1.0.weight"
+    expert = ("model.layers.0.mlp.experts.gate_up_proj",) if moe == "mixtral" else tuple(
+        EXPERT_PREFIX + n for n in ("1.0.weight", "1.2.weight", "1.2.bias"))
     dense = "model.layers.0.self_attn.q_proj.weight" if moe == "mixtral" else "mlp.0.weight"
     out = {"losses": losses, "norms": norms,
            "placements": {n: (p.global_shape, p.boxes, p.sharded_over, p.reduced_over)
-                          for n, p in engine.placements.items() if n in (expert, dense)}}
+                          for n, p in engine.placements.items() if n in expert + (dense,)}}
     state = {k: v.detach().float().clone() for k, v in engine.strategy.module_state_dict().items()}
     out["state"] = gather_tp_state(state, tp_layouts(engine.module),
                                    Communicator(topology.group("tp"), topology.size("tp")))
@@ -232,9 +237,19 @@ def test_tp_ep_training_matches_one_process(name, runs):
                                                 ("dp_replicate", "edp_shard", "ep", "sp"))
         else:
             g = 2 * dp_rank + 1  # local expert 1's global index
-            assert got["placements"][EXPERT_PREFIX + "1.0.weight"] == (
-                (EXPERTS * 16, D), (((16 * g, 16 * g + 16), (0, D)),), ("ep",),
-                ("dp_replicate", "edp_shard", "sp", "tp"))
+            if moe.get("enable_expert_tensor_parallelism"):  # this tp rank's 8 of the expert's 16 rows
+                assert got["placements"][EXPERT_PREFIX + "1.0.weight"] == (
+                    (EXPERTS * 16, D), (((16 * g + 8 * tp_rank, 16 * g + 8 * tp_rank + 8), (0, D)),), ("ep", "tp"),
+                    ("dp_replicate", "edp_shard", "sp"))
+                assert got["placements"][EXPERT_PREFIX + "1.2.weight"] == (
+                    (EXPERTS * D, 16), (((D * g, D * g + D), (8 * tp_rank, 8 * tp_rank + 8)),), ("ep", "tp"),
+                    ("dp_replicate", "edp_shard", "sp"))
+                assert got["placements"][EXPERT_PREFIX + "1.2.bias"] == (
+                    (EXPERTS * D,), (((D * g, D * g + D),),), ("ep",), ("dp_replicate", "edp_shard", "sp"))
+            else:
+                assert got["placements"][EXPERT_PREFIX + "1.0.weight"] == (
+                    (EXPERTS * 16, D), (((16 * g, 16 * g + 16), (0, D)),), ("ep",),
+                    ("dp_replicate", "edp_shard", "sp", "tp"))
             assert got["placements"]["mlp.0.weight"] == ((2 * D, D), (((D * tp_rank, D * tp_rank + D), (0, D)),),
                                                          ("tp",), ("dp_replicate", "edp_shard", "ep", "sp"))
         for key, value in got["state"].items():

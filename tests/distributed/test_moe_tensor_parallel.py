@@ -49,7 +49,7 @@ CASES = {
     "mixtral_autoep_stage3": ("mixtral", 3, 0.5, "SGD"),
 }
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
-SAVED = ("top1_drop_stage1", "mixtral_autoep_stage2")
+SAVED = ("top1_drop_stage1", "mixtral_autoep_stage2", "etp_top1_drop_stage1")
 
 
 class TPMoENet(nn.Module):

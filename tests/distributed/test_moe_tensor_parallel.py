@@ -13,7 +13,14 @@ take 4 and 3) at ZeRO 2 and 3. The ZeRO-1 run and the ZeRO-2 Mixtral save a tag,
 at another stage resumes (its next step's loss and norm equal the saving engine's) and which
 consolidates (`zero_to_fp32`, and `save_16bit_model`'s file) to the one-process model's names and
 tensors. Also: the expert placements (sharded over ep, reduced over tp), a dense layer's tp placement,
-and the error for a capacity that does not divide by tp."""
+and the error for a capacity that does not divide by tp.
+
+Experts sliced over tp (`enable_expert_tensor_parallelism=True`: column-parallel fc1, row-parallel fc2)
+at ZeRO 1 (top-1, dropped tokens) and 2 (top-2, dropped tokens, the norm clips), against the same one
+process: losses, norms, the final parameters (the slices joined), and placements sharded over (ep, tp)
+with boxes, reduced over the expert-data-parallel dims only. Its ZeRO-1 tag resumes at ZeRO 2 in the
+same mesh, consolidates to the one-process names, and resumes in this process at tp1 x ep1 (the next
+step's losses and norm equal the saving ranks')."""
 
 from __future__ import annotations
 
@@ -285,3 +292,25 @@ def test_tp_ep_checkpoint_resumes_and_consolidates(name, runs):
         torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=lambda m: f"{name} {key}: {m}")
         torch.testing.assert_close(value, ref_state[key], rtol=1e-5, atol=1e-4 if optimizer == "AdamW" else 1e-6,
                                    msg=lambda m: f"{name} {key}: {m}")
+
+
+def test_expert_tp_tag_resumes_at_tp1_ep1(runs):
+    """The tp2 x ep2 tag of experts sliced over tp, loaded by one process (tp1 x ep1, every expert whole):
+    its next step (both dp shards' losses, the norm) equals the saving ranks' next step."""
+    import lightspeed
+
+    runs, save_dir = runs
+    name = "etp_top1_drop_stage1"
+    moe, _stage, clip, optimizer = CASES[name]
+    config = {"train_micro_batch_size_per_gpu": DP * MICRO, "steps_per_print": 1000,
+              "optimizer": _optimizer_config(optimizer), "zero_optimization": {"stage": 2},
+              "gradient_clipping": clip}
+    engine, *_ = lightspeed.initialize(model=TPMoENet(1, 0, **moe), dist_init_required=False, config=config)
+    engine.load_checkpoint(save_dir, tag=name)
+    shards = [_shard(moe, 0, r, engine) for r in range(DP)]
+    engine.backward(torch.stack(shards).mean())
+    engine.step()
+    for rank, result in enumerate(runs):
+        (loss, norm), _ = result[name]["resumed"]
+        assert float(shards[rank // 2].detach()) == pytest.approx(loss, rel=1e-5), rank
+        assert float(engine.get_global_grad_norm()) == pytest.approx(norm, rel=1e-5), rank

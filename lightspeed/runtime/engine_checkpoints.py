@@ -32,6 +32,7 @@ from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
 from lightspeed.parallel.pipeline.layout import module_layers, parts_at, tied_layers
 from lightspeed.parallel.pipeline.module import PipelineModule
+from lightspeed.parallel.experts.autoep_layer import EPExperts
 from lightspeed.parallel.experts.transform import EXPERT_DATA_PARALLEL
 from lightspeed.parallel.placement import keyed_placements
 from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
@@ -221,7 +222,30 @@ class EngineCheckpoints:
         if experts:  # experts sliced over tp: every rank of an ep group that gathers them needs them whole
             state = gather_tp_state(state, experts, self._tp_comm)
             layouts = {k: v for k, v in layouts.items() if k not in experts}
+        state = self._whole_fused_over_tp(state)
         return gather_tp_state(state, layouts, self._tp_comm, keep=keep)
+
+    def _whole_fused_over_tp(self, state: dict) -> dict:
+        """`state` with AutoEP's experts sliced over tp joined into this ep rank's experts whole over tp
+        (autoep_layer.py's Note on experts sliced over tp; collective over the tp group, every rank keeps
+        them: the ep gather that follows needs them whole)."""
+        out = dict(state)
+        tp = self._tp_comm.world_size
+        for name, module in self.module.named_modules():
+            if not isinstance(module, EPExperts) or module.tp_comm is None:
+                continue
+            for pname in module.param_names:
+                key = f"{name}.{pname}"
+                if module.tp_placement(pname, 0) is None or not torch.is_tensor(state.get(key)):
+                    continue
+                local = state[key].detach().to(self.device).contiguous()
+                gathered = torch.empty((tp, *local.shape), dtype=local.dtype, device=local.device)
+                self._tp_comm.all_gather(gathered.view(-1), local.view(-1))
+                whole = torch.empty(module.tp_placement(pname, 0).global_shape, dtype=local.dtype)
+                for rank, piece in enumerate(gathered.unbind(0)):
+                    module.tp_placement(pname, rank).place_into(whole, piece.cpu())
+                out[key] = whole.to(state[key].device)
+        return out
 
     @heartbeat.paused()  # rank 0 copies the whole model to the host while the others go on
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:

@@ -54,9 +54,16 @@ CASES = {
     # rows of experts no token reached), which changes later steps' norms at 2e-5
     "mixtral_autoep_stage2": ("mixtral", 2, 0.5, "SGD"),
     "mixtral_autoep_stage3": ("mixtral", 3, 0.5, "SGD"),
+    # AutoEP's experts sliced over tp (expert_tensor_parallel_size = autotp_size = 2)
+    "mixtral_autoep_etp_stage1": ("mixtral_etp", 1, 0.5, "SGD"),
 }
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 SAVED = ("top1_drop_stage1", "mixtral_autoep_stage2", "etp_top1_drop_stage1")
+
+
+def _hf(moe) -> bool:
+    """Whether the case trains the Hugging Face Mixtral through AutoEP ("mixtral", "mixtral_etp")."""
+    return isinstance(moe, str)
 
 
 class TPMoENet(nn.Module):
@@ -112,7 +119,7 @@ def _data():
 
 def _shard(moe, s: int, r: int, model):
     x, y, ids = _data()
-    if moe == "mixtral":
+    if _hf(moe):
         batch = ids[s, r:r + 1]
         return model(input_ids=batch, labels=batch).loss
     return model(x[s, r * MICRO:(r + 1) * MICRO], y[s, r * MICRO:(r + 1) * MICRO])
@@ -133,7 +140,7 @@ def reference(name: str):
     """One process, every expert, nothing split: per step the mean of the dp ranks' shard losses (each
     shard gated alone, as each rank gates its own tokens), clipped AdamW."""
     moe, _stage, clip, optimizer = CASES[name]
-    model = _mixtral() if moe == "mixtral" else TPMoENet(1, 0, **moe)
+    model = _mixtral() if _hf(moe) else TPMoENet(1, 0, **moe)
     opt = _optimizer(model.parameters(), optimizer)
     losses, norms = [], []
     for s in range(STEPS):
@@ -153,13 +160,14 @@ def _engine(moe, stage: int, clip: float, optimizer: str):
     import lightspeed
 
     dp_rank = dist.get_rank() // 2  # tp innermost: ranks 0,1 | 2,3 are the tp groups; ep = the dp coordinate
-    config = {"train_micro_batch_size_per_gpu": 1 if moe == "mixtral" else MICRO, "steps_per_print": 1000,
+    config = {"train_micro_batch_size_per_gpu": 1 if _hf(moe) else MICRO, "steps_per_print": 1000,
               "optimizer": _optimizer_config(optimizer), "zero_optimization": {"stage": stage},
               "gradient_clipping": clip,
               "tensor_parallel": {"autotp_size": 2}}
-    if moe == "mixtral":
+    if _hf(moe):
         model = _mixtral()
-        config["expert_parallel"] = {"enabled": True, "autoep_size": 2}
+        config["expert_parallel"] = {"enabled": True, "autoep_size": 2,
+                                     "expert_tensor_parallel_size": 2 if moe == "mixtral_etp" else 1}
     else:
         model = TPMoENet(2, dp_rank, **moe)
         config["tensor_parallel"]["partition_config"] = copy.deepcopy(SPECS)
@@ -188,16 +196,17 @@ def _run(moe, stage: int, clip: float, optimizer: str, save_dir: str | None, nam
     topology = engine.groups.topology
     assert (topology.size("tp"), topology.size("ep"), topology.rank("ep")) == (2, 2, dp_rank)
     losses, norms = map(list, zip(*[_step(engine, moe, s) for s in range(STEPS)]))
-    expert = ("model.layers.0.mlp.experts.gate_up_proj",) if moe == "mixtral" else tuple(
+    expert = ("model.layers.0.mlp.experts.gate_up_proj",) if _hf(moe) else tuple(
         EXPERT_PREFIX + n for n in ("1.0.weight", "1.2.weight", "1.2.bias"))
-    dense = "model.layers.0.self_attn.q_proj.weight" if moe == "mixtral" else "mlp.0.weight"
+    dense = "model.layers.0.self_attn.q_proj.weight" if _hf(moe) else "mlp.0.weight"
     out = {"losses": losses, "norms": norms,
            "placements": {n: (p.global_shape, p.boxes, p.sharded_over, p.reduced_over)
-                          for n, p in engine.placements.items() if n in expert + (dense,)}}
+                          for n, p in engine.placements.items() if n in expert + (dense,)},
+           "fused": {n: p for n, p in engine.placements.items() if _hf(moe) and ".experts." in n}}
     state = {k: v.detach().float().clone() for k, v in engine.strategy.module_state_dict().items()}
     out["state"] = gather_tp_state(state, tp_layouts(engine.module),
                                    Communicator(topology.group("tp"), topology.size("tp")))
-    if moe != "mixtral" and stage == 1:  # 10 tokens, 4 experts: capacity 3, which two tp ranks cannot halve
+    if not _hf(moe) and stage == 1:  # 10 tokens, 4 experts: capacity 3, which two tp ranks cannot halve
         with pytest.raises(MoEArgumentError, match="capacity 3 does not divide by the tensor-parallel size 2"):
             engine.module.moe(torch.randn(10, D))
     if save_dir is not None:  # a tp2 x ep2 tag: a fresh engine (another ZeRO stage) resumes it exactly
@@ -225,9 +234,9 @@ def test_tp_ep_training_matches_one_process(name, runs):
     runs, save_dir = runs
     moe, stage, clip, optimizer = CASES[name]
     ref_losses, ref_norms, ref_state, (dropped, loads) = reference(name)
-    if moe != "mixtral" and moe.get("drop_tokens", True):
+    if not _hf(moe) and moe.get("drop_tokens", True):
         assert dropped > 0, "the case must drop tokens"
-    elif moe != "mixtral":  # the capacity (the largest load over the ep group) is odd in some step: padded to 2
+    elif not _hf(moe):  # the capacity (the largest load over the ep group) is odd in some step: padded to 2
         assert any(max(loads[2 * s:2 * s + 2]) % 2 for s in range(STEPS)), loads
     if clip < 1:
         assert ref_norms[0] > clip, "the clip must act, so the norm steers the step"
@@ -235,11 +244,17 @@ def test_tp_ep_training_matches_one_process(name, runs):
         got, dp_rank, tp_rank = result[name], rank // 2, rank % 2
         assert got["losses"] == pytest.approx([step[dp_rank] for step in ref_losses], rel=1e-5, abs=1e-6), rank
         assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), rank
-        if moe == "mixtral":
+        if _hf(moe):
             expert, dense = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight"
-            assert got["placements"][expert] == ((EXPERTS, 16, 8), (((2 * dp_rank, 2 * dp_rank + 2), (0, 16),
-                                                                      (0, 8)),), ("ep",),
-                                                 ("dp_replicate", "edp_shard", "sp", "tp"))
+            rows = (2 * dp_rank, 2 * dp_rank + 2)
+            if moe == "mixtral_etp":  # the gate and up rows of this tp rank's 4 of the 8 intermediate units
+                assert got["placements"][expert] == ((EXPERTS, 16, 8), ((rows, (4 * tp_rank, 4 * tp_rank + 4), (0, 8)),
+                                                                        (rows, (8 + 4 * tp_rank, 12 + 4 * tp_rank),
+                                                                         (0, 8))),
+                                                     ("ep", "tp"), ("dp_replicate", "edp_shard", "sp"))
+            else:
+                assert got["placements"][expert] == ((EXPERTS, 16, 8), ((rows, (0, 16), (0, 8)),), ("ep",),
+                                                     ("dp_replicate", "edp_shard", "sp", "tp"))
             assert got["placements"][dense] == ((8, 8), (((4 * tp_rank, 4 * tp_rank + 4), (0, 8)),), ("tp",),
                                                 ("dp_replicate", "edp_shard", "ep", "sp"))
         else:
@@ -265,8 +280,8 @@ def test_tp_ep_training_matches_one_process(name, runs):
                 local, rest = key[len(EXPERT_PREFIX):].split(".", 1)
                 want_key = f"{EXPERT_PREFIX}{2 * dp_rank + int(local)}.{rest}"
             want = ref_state[want_key]
-            if moe == "mixtral" and ".experts." in key:
-                want = want[2 * dp_rank:2 * dp_rank + 2]
+            if _hf(moe) and ".experts." in key:  # this rank's rows (and, sliced over tp, its units)
+                want = got["fused"][key].slice_of(want)
             # AdamW moves a parameter by about lr (2e-2) whatever its gradient's size: 1e-4 absolute still
             # catches a wrong gradient, while a gradient of rounding noise may move a weight 1e-5 apart
             atol = 1e-4 if optimizer == "AdamW" else 1e-6

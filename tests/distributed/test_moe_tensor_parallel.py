@@ -58,7 +58,7 @@ CASES = {
     "mixtral_autoep_etp_stage1": ("mixtral_etp", 1, 0.5, "SGD"),
 }
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
-SAVED = ("top1_drop_stage1", "mixtral_autoep_stage2", "etp_top1_drop_stage1")
+SAVED = ("top1_drop_stage1", "mixtral_autoep_stage2", "etp_top1_drop_stage1", "mixtral_autoep_etp_stage1")
 
 
 def _hf(moe) -> bool:

@@ -20,7 +20,9 @@ at ZeRO 1 (top-1, dropped tokens) and 2 (top-2, dropped tokens, the norm clips),
 process: losses, norms, the final parameters (the slices joined), and placements sharded over (ep, tp)
 with boxes, reduced over the expert-data-parallel dims only. Its ZeRO-1 tag resumes at ZeRO 2 in the
 same mesh, consolidates to the one-process names, and resumes in this process at tp1 x ep1 (the next
-step's losses and norm equal the saving ranks')."""
+step's losses and norm equal the saving ranks'). AutoEP's experts sliced over tp
+(`expert_tensor_parallel_size` 2: each tp rank's gate and up rows of 4 of the 8 intermediate units) on
+the Mixtral at ZeRO 1, against one process, its tag resumed at ZeRO 2 and consolidated."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ Note: [what a placement says] `global_shape` is the whole parameter as the origi
 (what a consolidated checkpoint holds); `boxes` are the parts of the whole tensor this rank holds, each
 a per-dim `(start, stop)`, in the order they are concatenated along dim 0 (`cat_dim`: another dim) to
 form the local tensor (one box, except the rows of each part of a fused q|k|v layer, or the gate and up
-columns of AutoEP's fused experts sliced over tp, joined along their 2I dim); `transposed`: each box is transposed before
-it is concatenated (a transformers Conv1D [in, out], split into a Linear [out, in] layer);
+units of AutoEP's fused experts sliced over tp, joined along their 2I dim); `transposed`: each box is
+transposed before it is concatenated (a transformers Conv1D [in, out], split into a Linear [out, in]);
 `sharded_over` names the mesh dims (comm/topology.py's `MESH_DIMS`) whose ranks hold different boxes;
 along every other model dim (tp, pp, ep) the rank's copy equals its peers'. `reduced_over` names the
 dims whose ranks hold the same box but see different data: the gradient is averaged over them (the

@@ -131,9 +131,10 @@ def split_expert(expert: nn.Module, comm: Communicator, where: str = "expert") -
     in_linear = {f"{name}.{p}" if name else p for name, m in linears for p, _ in m.named_parameters()}
     other = [name for name, _ in expert.named_parameters() if name not in in_linear]
     if len(linears) < 2 or other:
+        extra = f" and the parameters {other[:3]}" if other else ""
         raise MoEArgumentError(f"MoE(enable_expert_tensor_parallelism=True): {where} must be made of nn.Linear "
                                "layers only, at least two (the first column-parallel, the last row-parallel); it has "
-                               f"{len(linears)} nn.Linear layers" + (f" and the parameters {other[:3]}" if other else ""))
+                               f"{len(linears)} nn.Linear layers{extra}")
     tp = comm.world_size
     for i, (name, module) in enumerate(linears):
         last = i == len(linears) - 1
@@ -237,10 +238,11 @@ class MoE(nn.Module):
     (Residual MoE), `expert` itself is a dense MLP beside the experts and a linear `coefficient` layer
     mixes the two outputs by a softmax per token. Beside tensor-parallel dense layers the experts stay
     whole (the Note on tensor parallelism), or, with `enable_expert_tensor_parallelism=True`, are sliced
-    over tp (the Note on expert tensor parallelism); `use_tutel=True` is refused (not built). lightspeed's keyword `aux_loss_coeff` (default None: the caller adds `l_aux`
-    to the loss, as with DeepSpeed) is for a layer inside a pipeline stage: the layer adds `aux_loss_coeff
-    x l_aux` to its micro-batch's loss itself (aux_loss.py's Note on aux loss in a pipeline); `l_aux` is
-    still returned, for logging only."""
+    over tp (the Note on expert tensor parallelism); `use_tutel=True` is refused (not built).
+    lightspeed's keyword `aux_loss_coeff` (default None: the caller adds `l_aux` to the loss, as with
+    DeepSpeed) is for a layer inside a pipeline stage: the layer adds `aux_loss_coeff x l_aux` to its
+    micro-batch's loss itself (aux_loss.py's Note on aux loss in a pipeline); `l_aux` is still returned,
+    for logging only."""
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,

@@ -61,6 +61,11 @@ class EngineCheckpoints:
             if self._expert_names.fused:
                 raise NotImplementedError("checkpoint.format='deepspeed' with AutoEP experts: DeepSpeed's AutoEP "
                                           "checkpoint layout is not written by lightspeed; save in lightspeed's format")
+            if any({"ep", "tp"} <= set(p.sharded_over) for p in self.placements.values()):
+                raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts sliced over tensor "
+                                          "parallelism (enable_expert_tensor_parallelism / expert_parallel."
+                                          "expert_tensor_parallel_size) is not written by lightspeed; save in "
+                                          "lightspeed's format")
             if self.zero_optimization_stage() == 3 or self._pp_comm is not None:
                 raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts at zero_optimization.stage "
                                           "3 or over pipeline stages: DeepSpeed 0.19.8 has no such MoE layout (it "

@@ -16,8 +16,8 @@ tensors. Also: the expert placements (sharded over ep, reduced over tp), a dense
 and the error for a capacity that does not divide by tp.
 
 Experts sliced over tp (`enable_expert_tensor_parallelism=True`: column-parallel fc1, row-parallel fc2)
-at ZeRO 1 (top-1, dropped tokens) and 2 (top-2, dropped tokens, the norm clips), against the same one
-process: losses, norms, the final parameters (the slices joined), and placements sharded over (ep, tp)
+at ZeRO 1 (top-1, dropped tokens), 2 (top-2, dropped tokens, the norm clips) and 3 (top-1 without drops,
+an odd capacity padded), against the same one process: losses, norms, the final parameters (the slices joined), and placements sharded over (ep, tp)
 with boxes, reduced over the expert-data-parallel dims only. Its ZeRO-1 tag resumes at ZeRO 2 in the
 same mesh, consolidates to the one-process names, and resumes in this process at tp1 x ep1 (the next
 step's losses and norm equal the saving ranks'). AutoEP's experts sliced over tp
@@ -52,6 +52,8 @@ CASES = {
     "etp_top1_drop_stage1": (dict(k=1, capacity_factor=1.0, enable_expert_tensor_parallelism=True), 1, 10.0, "AdamW"),
     "etp_top2_drop_stage2_clip": (dict(k=2, capacity_factor=1.0, enable_expert_tensor_parallelism=True), 2, 0.05,
                                   "AdamW"),
+    "etp_top1_nodrop_stage3": (dict(k=1, capacity_factor=1.0, drop_tokens=False, enable_expert_tensor_parallelism=True),
+                               3, 10.0, "AdamW"),
     # SGD: AdamW would move the parameters whose gradients are rounding noise by about lr (the router's
     # rows of experts no token reached), which changes later steps' norms at 2e-5
     "mixtral_autoep_stage2": ("mixtral", 2, 0.5, "SGD"),

@@ -46,7 +46,8 @@ hold the same experts (reduced over tp), and ep = 1, sp and offload are not refu
 `expert_parallel.expert_tensor_parallel_size` equal to `autotp_size` (> 1) slices every expert's
 intermediate units over tp instead (autoep_layer.py's Note on experts sliced over tp): the slices are
 sharded over ("ep", "tp") and reduced over the expert-data-parallel dims only; any other value > 1, and
-experts partitioned by zero.Init, are refused naming the key.
+experts partitioned by zero.Init, are refused naming the key. This goes beyond DeepSpeed 0.19.8, whose
+AutoEP reserves the key for expert-internal tensor parallelism and refuses any value but 1.
 
 Note: [zero.Init] A model built under zero.Init (from_pretrained at ZeRO-3) holds empty placeholders
 whose logical shapes are DeepSpeed's `ds_shape` (detection reads those) and whose values are spread

@@ -13,8 +13,8 @@ stacked along dim 0: global shape [num_experts x n0, ...] for a local [n0, ...],
 different tokens). The strategies reduce each expert gradient over that group, and the global gradient
 norm counts each ep coordinate's experts once.
 
-Note: [beside tensor parallelism] With tp > 1 (AutoTP or an mpu on the dense layers) the experts and
-the gate stay whole (AutoTP leaves every linear layer inside an MOELayer out of its plan:
+Note: [beside tensor parallelism] With tp > 1 (AutoTP or an mpu on the dense layers) and DeepSpeed's
+default `enable_expert_tensor_parallelism=False`, the experts and the gate stay whole (AutoTP leaves every linear layer inside an MOELayer out of its plan:
 `kept_whole_under_tp`): the tp ranks of a group hold the same experts, so "tp" is not in
 `sharded_over` and the gradient norm counts one tp rank's copy. Each tp rank runs only its share of
 the capacity slots (layer.py's Note on tensor parallelism), so its expert gradient is a partial one:

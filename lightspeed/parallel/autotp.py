@@ -19,7 +19,8 @@ Note: [mixture-of-experts layers] The experts and gates stay whole, as DeepSpeed
 `enable_expert_tensor_parallelism=False` keeps them: every linear layer inside a DeepSpeed-style
 MOELayer, and, with `expert_parallel.enabled` (AutoEP), inside each detected block's experts and
 router, is left out of the plan even when a spec or the model's plan names it (logged);
-parallel/experts/ runs them beside the split dense layers.
+parallel/experts/ runs them beside the split dense layers, and slices the experts over tp itself
+when asked (`MoE(enable_expert_tensor_parallelism=True)`, `expert_parallel.expert_tensor_parallel_size`).
 """
 
 from __future__ import annotations

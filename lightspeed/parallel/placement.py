@@ -9,9 +9,10 @@ model, checked against it). Must not: communicate, or change a module.
 
 Note: [what a placement says] `global_shape` is the whole parameter as the original module holds it
 (what a consolidated checkpoint holds); `boxes` are the parts of the whole tensor this rank holds, each
-a per-dim `(start, stop)`, in the order they are concatenated along dim 0 to form the local tensor (one
-box, except the rows of each part of a fused q|k|v layer); `transposed`: each box is transposed before
-it is concatenated (a transformers Conv1D [in, out], split into a Linear [out, in] layer);
+a per-dim `(start, stop)`, in the order they are concatenated along dim 0 (`cat_dim`: another dim) to
+form the local tensor (one box, except the rows of each part of a fused q|k|v layer, or the gate and up
+units of AutoEP's fused experts sliced over tp, joined along their 2I dim); `transposed`: each box is
+transposed before it is concatenated (a transformers Conv1D [in, out], split into a Linear [out, in]);
 `sharded_over` names the mesh dims (comm/topology.py's `MESH_DIMS`) whose ranks hold different boxes;
 along every other model dim (tp, pp, ep) the rank's copy equals its peers'. `reduced_over` names the
 dims whose ranks hold the same box but see different data: the gradient is averaged over them (the
@@ -43,8 +44,12 @@ class Placement:
     sharded_over: tuple[str, ...] = ()
     reduced_over: tuple[str, ...] = DATA_PARALLEL
     transposed: bool = False
+    cat_dim: int = 0
 
     def __post_init__(self):
+        if self.cat_dim and (self.transposed or not 0 < self.cat_dim < len(self.global_shape)):
+            raise ValueError(f"placement of {self.name}: boxes joined along dim {self.cat_dim} of "
+                             f"{self.global_shape}{' (transposed)' if self.transposed else ''}")
         if not self.boxes:
             raise ValueError(f"placement of {self.name}: no box")
         for box in self.boxes:
@@ -82,7 +87,8 @@ class Placement:
         shapes = [self._box_shape(box) for box in self.boxes]
         if not self.global_shape:
             return ()
-        return (sum(s[0] for s in shapes),) + shapes[0][1:]
+        d = self.cat_dim
+        return shapes[0][:d] + (sum(s[d] for s in shapes),) + shapes[0][d + 1:]
 
     def _pieces(self, full: torch.Tensor) -> list[torch.Tensor]:
         pieces = [full[tuple(slice(a, b) for a, b in box)] for box in self.boxes]
@@ -94,7 +100,7 @@ class Placement:
             raise ValueError(f"placement of {self.name}: expected a whole tensor of shape {self.global_shape}, got "
                              f"{tuple(full.shape)}")
         pieces = self._pieces(full)
-        return pieces[0].contiguous().clone() if len(pieces) == 1 else torch.cat(pieces)
+        return pieces[0].contiguous().clone() if len(pieces) == 1 else torch.cat(pieces, dim=self.cat_dim)
 
     def place_into(self, full: torch.Tensor, local: torch.Tensor) -> None:
         """Write a local tensor (`local_shape`) into its boxes of the whole tensor `full` (the inverse of
@@ -102,10 +108,10 @@ class Placement:
         if tuple(local.shape) != self.local_shape:
             raise ValueError(f"placement of {self.name}: a local tensor of shape {tuple(local.shape)}, the placement "
                              f"holds {self.local_shape}")
-        row = 0
+        row, d = 0, self.cat_dim
         for target in self._pieces(full):
-            n = target.shape[0] if target.dim() else 1
-            target.copy_(local[row:row + n] if local.dim() else local)
+            n = target.shape[d] if target.dim() else 1
+            target.copy_(local.narrow(d, row, n) if local.dim() else local)
             row += n
 
     @classmethod
@@ -115,7 +121,7 @@ class Placement:
             return cls(str(name), tuple(int(n) for n in record["global_shape"]),
                        tuple(tuple((int(a), int(b)) for a, b in box) for box in record["boxes"]),
                        tuple(str(d) for d in record["sharded_over"]), tuple(str(d) for d in record["reduced_over"]),
-                       bool(record.get("transposed", False)))
+                       bool(record.get("transposed", False)), int(record.get("cat_dim", 0)))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"malformed placement record of {name}: {err}") from None
 
@@ -130,7 +136,7 @@ class Placement:
         """Plain data for a manifest."""
         return {"global_shape": list(self.global_shape), "boxes": [[list(r) for r in box] for box in self.boxes],
                 "sharded_over": list(self.sharded_over), "reduced_over": list(self.reduced_over),
-                "transposed": self.transposed}
+                "transposed": self.transposed, **({"cat_dim": self.cat_dim} if self.cat_dim else {})}
 
 
 def keyed_placements(table: Mapping[str, "Placement"]) -> list[str]:

@@ -13,8 +13,8 @@ the input gradient over the group (`copy_to_group`). A row-parallel layer keeps 
 rank's features and sums its partial output over the group (`reduce_from_group`); its bias is whole on
 every rank and added once, after the sum, so its gradient is the same on every rank (a replicated
 parameter). Fused layers (GPT-2's c_attn, Phi-3's qkv_proj) keep their rows of each part, as the plan's
-`Slice` says; parts kept whole on every rank (multi-query k/v heads) and MoE experts are not split for
-training (refused). The output head stays whole (DeepSpeed's training AutoTP likewise keeps it
+`Slice` says; parts kept whole on every rank (multi-query k/v heads) and a plan's MoE experts are not
+split for training (refused; parallel/experts/ slices experts over tp itself, with these layers). The output head stays whole (DeepSpeed's training AutoTP likewise keeps it
 replicated unless asked): splitting it would need a gather of the logits before the loss.
 """
 

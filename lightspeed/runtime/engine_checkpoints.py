@@ -32,8 +32,9 @@ from lightspeed.comm import heartbeat
 from lightspeed.comm.collectives import Communicator
 from lightspeed.parallel.pipeline.layout import module_layers, parts_at, tied_layers
 from lightspeed.parallel.pipeline.module import PipelineModule
+from lightspeed.parallel.experts.autoep_layer import EPExperts
 from lightspeed.parallel.experts.transform import EXPERT_DATA_PARALLEL
-from lightspeed.parallel.placement import Placement, keyed_placements
+from lightspeed.parallel.placement import keyed_placements
 from lightspeed.parallel.tensor_parallel import gather_tp_state, tp_layouts
 from lightspeed.zero.fragments import first_names, select_fragments
 
@@ -60,6 +61,11 @@ class EngineCheckpoints:
             if self._expert_names.fused:
                 raise NotImplementedError("checkpoint.format='deepspeed' with AutoEP experts: DeepSpeed's AutoEP "
                                           "checkpoint layout is not written by lightspeed; save in lightspeed's format")
+            if any({"ep", "tp"} <= set(p.sharded_over) for p in self.placements.values()):
+                raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts sliced over tensor "
+                                          "parallelism (enable_expert_tensor_parallelism / expert_parallel."
+                                          "expert_tensor_parallel_size) is not written by lightspeed; save in "
+                                          "lightspeed's format")
             if self.zero_optimization_stage() == 3 or self._pp_comm is not None:
                 raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts at zero_optimization.stage "
                                           "3 or over pipeline stages: DeepSpeed 0.19.8 has no such MoE layout (it "
@@ -154,10 +160,8 @@ class EngineCheckpoints:
             name = entry[0]
             placement = self.placements[name]
             renamed = names.to_global(name)
-            if names.is_expert(name) and not names.is_fused(name):
-                placement = Placement(renamed, placement.local_shape, (tuple((0, n) for n in placement.local_shape),),
-                                      ("ep", "pp") if "pp" in placement.sharded_over else ("ep",),
-                                      placement.reduced_over)  # in a pipeline: also one stage's
+            if names.is_expert(name) and not names.is_fused(name):  # its box in its own expert's whole tensor
+                placement = names.one_expert(renamed, placement)
             placed[renamed] = placement.as_record()
             entries.append([renamed, *entry[1:]])
         return {**state, "fragments": entries}, placed
@@ -202,14 +206,51 @@ class EngineCheckpoints:
         return self.groups.topology.shape.rank_of({"pp": stage})
 
     def _tp_record(self) -> dict:
-        return tp_record(self.module, self._tp_comm.world_size, self._tp_comm.rank)
+        """This run's tp layouts; those of experts sliced over tp under every ep rank's global names (a
+        checkpoint names experts so: parallel/experts/names.py)."""
+        record = tp_record(self.module, self._tp_comm.world_size, self._tp_comm.rank)
+        names = self._expert_names
+        if names:
+            record["layouts"] = dict(sorted({names.to_global(k, r) if names.is_expert(k) else k: v
+                                             for k, v in record["layouts"].items()
+                                             for r in range(self._ep_size())}.items()))
+        return record
 
     def _whole_tensors(self, state: dict, keep: bool = True) -> dict:
         """`state` with tensor-parallel slices gathered into whole tensors (collective over the tp group);
         with `keep` False this rank contributes its slices and gets `state` back."""
         if self._tp_comm is None:
             return state
-        return gather_tp_state(state, tp_layouts(self.module), self._tp_comm, keep=keep)
+        layouts = tp_layouts(self.module)
+        names = self._expert_names
+        experts = {k: v for k, v in layouts.items() if names and names.is_expert(k)}
+        if experts:  # experts sliced over tp: every rank of an ep group that gathers them needs them whole
+            state = gather_tp_state(state, experts, self._tp_comm)
+            layouts = {k: v for k, v in layouts.items() if k not in experts}
+        state = self._whole_fused_over_tp(state)
+        return gather_tp_state(state, layouts, self._tp_comm, keep=keep)
+
+    def _whole_fused_over_tp(self, state: dict) -> dict:
+        """`state` with AutoEP's experts sliced over tp joined into this ep rank's experts whole over tp
+        (autoep_layer.py's Note on experts sliced over tp; collective over the tp group, every rank keeps
+        them: the ep gather that follows needs them whole)."""
+        out = dict(state)
+        tp = self._tp_comm.world_size
+        for name, module in self.module.named_modules():
+            if not isinstance(module, EPExperts) or module.tp_comm is None:
+                continue
+            for pname in module.param_names:
+                key = f"{name}.{pname}"
+                if module.tp_placement(pname, 0) is None or not torch.is_tensor(state.get(key)):
+                    continue
+                local = state[key].detach().to(self.device).contiguous()
+                gathered = torch.empty((tp, *local.shape), dtype=local.dtype, device=local.device)
+                self._tp_comm.all_gather(gathered.view(-1), local.view(-1))
+                whole = torch.empty(module.tp_placement(pname, 0).global_shape, dtype=local.dtype)
+                for rank, piece in enumerate(gathered.unbind(0)):
+                    module.tp_placement(pname, rank).place_into(whole, piece.cpu())
+                out[key] = whole.to(state[key].device)
+        return out
 
     @heartbeat.paused()  # rank 0 copies the whole model to the host while the others go on
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:

@@ -43,7 +43,11 @@ same outcome per token but another layout: its ep groups are consecutive ranks a
 split the routed assignments rather than the tokens, and it refuses ep = 1, Ulysses sp and offload
 there. Here ep is carved from data parallelism (comm/topology.py), so it must divide dp, the tp peers
 hold the same experts (reduced over tp), and ep = 1, sp and offload are not refused.
-`expert_parallel.expert_tensor_parallel_size` > 1 (experts sliced over tp) stays refused, as in DeepSpeed.
+`expert_parallel.expert_tensor_parallel_size` equal to `autotp_size` (> 1) slices every expert's
+intermediate units over tp instead (autoep_layer.py's Note on experts sliced over tp): the slices are
+sharded over ("ep", "tp") and reduced over the expert-data-parallel dims only; any other value > 1, and
+experts partitioned by zero.Init, are refused naming the key. This goes beyond DeepSpeed 0.19.8, whose
+AutoEP reserves the key for expert-internal tensor parallelism and refuses any value but 1.
 
 Note: [zero.Init] A model built under zero.Init (from_pretrained at ZeRO-3) holds empty placeholders
 whose logical shapes are DeepSpeed's `ds_shape` (detection reads those) and whose values are spread
@@ -165,8 +169,9 @@ class MoEBlock:
     preset: Preset
 
 
-def check_autoep_config(section: ExpertParallelConfig) -> None:
-    """Refuse the section's settings that are not built, each by its key."""
+def check_autoep_config(section: ExpertParallelConfig, tp_size: int = 1) -> None:
+    """Refuse the section's settings that are not built, each by its key (`tp_size`: the run's
+    tensor-parallel size, the one `expert_tensor_parallel_size` > 1 may take)."""
     if not section.enabled:
         return
     prefix = "expert_parallel."
@@ -180,11 +185,10 @@ def check_autoep_config(section: ExpertParallelConfig) -> None:
                "load_balance_coeff": section.load_balance_coeff is not None,
                "combine_impl": section.combine_impl == "legacy_bmm",
                "expert_w3": section.expert_w3_given and section.expert_w3 is not None}
-    if section.expert_tensor_parallel_size != 1:
-        raise NotImplementedError(f"{prefix}expert_tensor_parallel_size={section.expert_tensor_parallel_size}: experts "
-                                  "sliced over tensor parallelism are not implemented in lightspeed's AutoEP; leave it "
-                                  "at 1 (with tensor_parallel.autotp_size > 1 the experts stay whole and the tp ranks "
-                                  "split their tokens)")
+    if section.expert_tensor_parallel_size not in (1, tp_size):
+        raise NotImplementedError(f"{prefix}expert_tensor_parallel_size={section.expert_tensor_parallel_size}: "
+                                  "lightspeed's AutoEP slices the experts over the dense layers' whole tensor-parallel "
+                                  f"group or not at all: set it to 1 or to tensor_parallel.autotp_size ({tp_size})")
     for key, active in refused.items():
         if active:
             raise NotImplementedError(f"{prefix}{key}={getattr(section, key)!r} is not implemented in lightspeed's "
@@ -322,7 +326,9 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
     section: ExpertParallelConfig = cfg.expert_parallel
     if not section.enabled:
         return model, placements
-    check_autoep_config(section)
+    tp = topology.size("tp")
+    check_autoep_config(section, tp)
+    sliced = tp > 1 and section.expert_tensor_parallel_size == tp  # autoep_layer.py's Note on experts sliced
     if moe_layers(model):
         raise ConfigError("expert_parallel.enabled: the model already holds DeepSpeed MoE layers "
                           "(lightspeed.parallel.experts.MoE); AutoEP is for Hugging Face MoE models, turn one off")
@@ -334,9 +340,9 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
                           f"{ep}")
     blocks = detect_moe_blocks(model, section)
     group = as_group(topology.group("ep")) if ep > 1 else None
-    tp = topology.size("tp")
     tp_group = as_group(topology.group("tp")) if tp > 1 else None
-    reduced_over = expert_reduced_over(topology)
+    tp_comm = Communicator(topology.group("tp"), tp) if sliced else None
+    reduced_over = expert_reduced_over(topology, sliced)
     placed, keep = [], None
     for block in blocks:
         if block.num_experts % ep:
@@ -347,8 +353,12 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
         activation = EXPERT_ACTIVATIONS[preset.activation](block.name, source)
         build = functools.partial(EPExperts, source, (preset.w1, preset.w2), block.num_experts, ep_rank, ep,
                                   activation, use_grouped_mm=section.use_grouped_mm,
-                                  bias_names=(preset.b1, preset.b2), transposed=preset.transposed)
+                                  bias_names=(preset.b1, preset.b2), transposed=preset.transposed, tp_comm=tp_comm)
         if _partitioned(block, source, partitioned_experts):
+            if sliced:
+                raise NotImplementedError(f"expert_parallel.expert_tensor_parallel_size={tp} with the experts of "
+                                          f"{block.name} partitioned by zero.Init is not implemented; build the model "
+                                          "whole, or leave expert_tensor_parallel_size at 1")
             keep = keep or _expert_data_parallel(topology)
             local = block.num_experts // ep
             experts = partitioned_experts(source, _param_names(preset), ep_rank * local, local,
@@ -357,16 +367,22 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
             experts = build()
         if ep > 1:
             experts.bind(group)
-        if tp > 1:
+        if tp > 1 and not sliced:
             experts.bind_tp(tp_group, tp)
         setattr(block.module, preset.experts, experts)
         local = block.num_experts // ep
         for w in experts.param_names:
+            name, first = f"{block.name}.{preset.experts}.{w}", ep_rank * local
+            within = experts.tp_placement(w, topology.rank("tp")) if sliced else None
+            if within is not None:  # its boxes in this ep rank's experts whole over tp, shifted to its rows
+                shape = (block.num_experts,) + within.global_shape[1:]
+                boxes = tuple(((first, first + local),) + box[1:] for box in within.boxes)
+                placed.append(Placement(name, shape, boxes, ("ep", "tp"), reduced_over, cat_dim=within.cat_dim))
+                continue
             rest = tuple(_shape(getattr(experts, w))[1:])  # partitioned by zero.Init: ds_shape
             shape = (block.num_experts,) + rest
-            box = ((ep_rank * local, (ep_rank + 1) * local),) + tuple((0, n) for n in rest)
-            placed.append(Placement(f"{block.name}.{preset.experts}.{w}", shape, (box,), ("ep",),
-                                    reduced_over))
+            box = ((first, first + local),) + tuple((0, n) for n in rest)
+            placed.append(Placement(name, shape, (box,), ("ep",), reduced_over))
     logger.info("AutoEP: %d MoE blocks (preset %s), %d experts each, %d per rank over ep %d", len(blocks),
                 blocks[0].preset_name, blocks[0].num_experts, blocks[0].num_experts // ep, ep)
     return model, placements.placed(placed)

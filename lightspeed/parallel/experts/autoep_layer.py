@@ -25,7 +25,7 @@ sliced along dim 0, the expert.
 Note: [state dicts] `state_dict()` holds this rank's rows under the replaced module's names (the
 placements say where they sit in the whole [E, ...] tensor). `load_state_dict` takes either this
 rank's rows or the whole model's tensors (every expert, as a Hugging Face checkpoint holds them), from
-which it keeps this rank's rows.
+which it keeps this rank's rows (sliced over tp: and this tp rank's units).
 
 Note: [the expert gradient's average] As layer.py's Note of that name: an expert's gradient on its
 rank sums the contributions of every ep rank's tokens, while the strategies average it over the
@@ -44,6 +44,17 @@ rank computes it. Each tp rank's expert gradient then holds only its tokens' sha
 reduce the experts over tp too (transform.py's `expert_reduced_over`), and as the strategies average,
 the gather's backward multiplies the gradient reaching the experts by tp and the drop's backward
 divides it back for the tokens and router weights.
+
+Note: [experts sliced over tp] With `expert_parallel.expert_tensor_parallel_size` equal to the tp size
+(`tp_comm` given), each tp rank holds 1/tp of every expert's intermediate units instead: units
+[t x I/tp, (t + 1) x I/tp) of tp rank t, i.e. those gate columns and the up columns of the same units
+(the halves layout: rows u and I + u; GPT-OSS's interleaved one: rows 2u and 2u + 1, a contiguous
+range) of gate_up and its bias, and those columns of down; the down bias stays whole. Every tp rank
+then runs all its tokens (no token split): the input to the MLP goes through `copy_to_group` (its
+gradient summed over tp), the MLP's partial output (no down bias) through `reduce_from_group`, and the
+down bias of each row's expert is added once after the sum. The gradients of the slices are whole,
+so the placements shard them over ("ep", "tp") and reduce them over the expert-data-parallel dims only
+(`tp_placement` gives each slice's boxes, joined along the 2I dim: `Placement.cat_dim`).
 """
 
 from __future__ import annotations
@@ -54,8 +65,11 @@ import torch
 from torch import nn
 
 from lightspeed.comm import api as comm_api
+from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.differentiable import drop_tokens, gather_tokens, ragged_all_to_all
+from lightspeed.comm.tp_autograd import copy_to_group, reduce_from_group
 from lightspeed.parallel.experts.grouped_mlp import GatedActivation, as_gated, grouped_mlp, grouped_mlp_reference
+from lightspeed.parallel.placement import Placement
 
 
 class EPExperts(nn.Module):
@@ -71,8 +85,9 @@ class EPExperts(nn.Module):
     def __init__(self, source: nn.Module, weight_names: tuple[str, str], num_experts: int, ep_rank: int,
                  ep_size: int, activation: GatedActivation | Callable[[torch.Tensor], torch.Tensor],
                  use_grouped_mm: bool = True, bias_names: tuple[str, str] = ("", ""), transposed: bool = False,
-                 local: dict[str, torch.Tensor] | None = None) -> None:
+                 local: dict[str, torch.Tensor] | None = None, tp_comm: Communicator | None = None) -> None:
         super().__init__()
+        self.tp_comm = tp_comm if tp_comm is not None and tp_comm.world_size > 1 else None
         w1, w2 = weight_names
         self.weight_names, self.bias_names, self.transposed = weight_names, bias_names, transposed
         self.param_names = tuple(weight_names) + tuple(b for b in bias_names if b)
@@ -94,6 +109,8 @@ class EPExperts(nn.Module):
                 if rows.shape[0] != self.num_local_experts:
                     raise ValueError(f"AutoEP: {name}'s local rows {tuple(rows.shape)} are not this rank's "
                                      f"{self.num_local_experts} experts")
+            if self.tp_comm is not None:
+                rows = self._tp_cut(name, rows)
             self.register_parameter(name, nn.Parameter(rows, requires_grad=full.requires_grad))
         gate_up, down = self._weights()
         self.hidden_dim, self.intermediate_dim = down.shape[1], down.shape[2]
@@ -105,6 +122,73 @@ class EPExperts(nn.Module):
             if name and tuple(getattr(self, name).shape) != (self.num_local_experts, width):
                 raise ValueError(f"AutoEP: {name} {tuple(getattr(self, name).shape)} is not a per-expert bias "
                                  f"[E, {width}]")
+
+    def _tp_dim(self, name: str) -> tuple[int, bool] | None:
+        """(the dim of `name` holding intermediate units, whether it is the fused 2I one); None for a
+        parameter kept whole over tp (the down bias)."""
+        w1, w2 = self.weight_names
+        b1, _b2 = self.bias_names
+        if name == w1:
+            return (2 if self.transposed else 1), True
+        if name == w2:
+            return (1 if self.transposed else 2), False
+        if b1 and name == b1:
+            return 1, True
+        return None
+
+    def tp_ranges(self, name: str, tp_rank: int, units: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """(dim, [(start, stop), ...]) of tp rank `tp_rank`'s slice of `name` along its unit dim, for
+        `units` intermediate units in all (the Note on experts sliced over tp); None when kept whole."""
+        where = self._tp_dim(name)
+        if where is None:
+            return None
+        dim, fused = where
+        tp = self.tp_comm.world_size
+        n = units // tp
+        if not fused:
+            return dim, [(tp_rank * n, (tp_rank + 1) * n)]
+        if self.activation.interleaved:
+            return dim, [(2 * tp_rank * n, 2 * (tp_rank + 1) * n)]
+        return dim, [(tp_rank * n, (tp_rank + 1) * n), (units + tp_rank * n, units + (tp_rank + 1) * n)]
+
+    def _tp_cut(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        where = self._tp_dim(name)
+        if where is None:
+            return rows
+        dim, fused = where
+        units = rows.shape[dim] // (2 if fused else 1)
+        if units % self.tp_comm.world_size:
+            raise ValueError(f"AutoEP: expert_parallel.expert_tensor_parallel_size={self.tp_comm.world_size} does "
+                             f"not divide the experts' {units} intermediate units ({name})")
+        dim, ranges = self.tp_ranges(name, self.tp_comm.rank, units)
+        return torch.cat([rows.narrow(dim, a, b - a) for a, b in ranges], dim=dim).clone()
+
+    def tp_placement(self, name: str, tp_rank: int) -> Placement | None:
+        """Where tp rank `tp_rank`'s slice of `name` sits in this ep rank's experts whole over tp
+        ([E/ep, ...] with every unit); None when `name` is not sliced."""
+        if self.tp_comm is None or self._tp_dim(name) is None:
+            return None
+        dim, fused = self._tp_dim(name)
+        shape = list(getattr(self, name).shape)
+        units = shape[dim] * self.tp_comm.world_size // (2 if fused else 1)
+        shape[dim] *= self.tp_comm.world_size
+        dim, ranges = self.tp_ranges(name, tp_rank, units)
+        boxes = tuple(tuple((a, b) if d == dim else (0, n) for d, n in enumerate(shape)) for a, b in ranges)
+        return Placement(name, tuple(shape), boxes, ("tp",), cat_dim=dim)
+
+    def _mlp(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' MLP over rows sorted by (local) expert, `counts` per expert; sliced over tp:
+        the partial outputs summed, then the down bias (the Note on experts sliced over tp)."""
+        b1, b2 = self._biases()
+        if self.tp_comm is None:
+            return self.mlp(x, counts, *self._weights(), self.activation, b1, b2)
+        y = self.mlp(copy_to_group(x, self.tp_comm), counts, *self._weights(), self.activation, b1, None)
+        y = reduce_from_group(y, self.tp_comm)
+        if b2 is None:
+            return y
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=b2.device), counts.to(b2.device),
+                                         output_size=x.shape[0])
+        return y + b2.index_select(0, expert).to(y.dtype)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_gate_up [E, 2I, H], w_down [E, H, I]) as the MLP reads them (views when transposed)."""
@@ -135,7 +219,12 @@ class EPExperts(nn.Module):
             value = state_dict.get(prefix + name)
             if value is not None and local != self.num_experts and value.dim() == getattr(self, name).dim() \
                     and value.shape[0] == self.num_experts:
-                state_dict[prefix + name] = value[first:first + local]
+                value = state_dict[prefix + name] = value[first:first + local]
+            if value is not None and self.tp_comm is not None and self._tp_dim(name) is not None \
+                    and value.dim() == getattr(self, name).dim() \
+                    and value.shape[self._tp_dim(name)[0]] == self.tp_placement(name, 0).global_shape[
+                        self._tp_dim(name)[0]]:  # whole over tp too: this tp rank's units
+                state_dict[prefix + name] = self._tp_cut(name, value)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -150,7 +239,7 @@ class EPExperts(nn.Module):
             raise RuntimeError("AutoEP experts: no expert-parallel group is bound; the model must pass through "
                                "lightspeed.initialize() with expert_parallel.enabled")
         tp = self.tp_size
-        if tp == 1:
+        if tp == 1 or self.tp_comm is not None:  # sliced over tp: every tp rank runs every token
             return self._routed(hidden_states, top_k_index, top_k_weights)
         # the Note on tensor parallelism: this tp rank's contiguous share of the tokens
         num_tokens = hidden_states.shape[0]
@@ -171,7 +260,7 @@ class EPExperts(nn.Module):
         x_send = hidden_states.index_select(0, token_of_route)
         counts = torch.bincount(experts, minlength=self.num_experts)
         if self.ep_size == 1:
-            out_sorted = self.mlp(x_send, counts, *self._weights(), self.activation, *self._biases())
+            out_sorted = self._mlp(x_send, counts)
         else:
             out_sorted = self._exchange(x_send, counts)
         weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
@@ -190,8 +279,7 @@ class EPExperts(nn.Module):
         label = torch.arange(local, device=counts.device).repeat(ep)
         expert_of_row = torch.repeat_interleave(label, by_source.reshape(-1), output_size=x_recv.shape[0])
         perm = torch.argsort(expert_of_row, stable=True).to(x_recv.device)
-        y = self.mlp(x_recv.index_select(0, perm), by_source.sum(0), *self._weights(), self.activation,
-                     *self._biases())
+        y = self._mlp(x_recv.index_select(0, perm), by_source.sum(0))
         y = y.index_select(0, torch.argsort(perm))  # back to the received order
         return ragged_all_to_all(y, self.ep_group, recv_sizes, send_sizes, grad_scale=1.0 / ep)
 

@@ -51,7 +51,10 @@ from lightspeed.ops import grouped_gemm
 
 
 class GatedActivation:
-    """The experts' gated activation: the fused gate|up projection [.., 2I] to [.., I]."""
+    """The experts' gated activation: the fused gate|up projection [.., 2I] to [.., I]. `interleaved`:
+    gate and up of unit u are columns 2u and 2u + 1 (else u and I + u)."""
+
+    interleaved = False
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define __call__")
@@ -73,6 +76,8 @@ class HalvesGLU(GatedActivation):
 
 class ClampedSwiGLU(GatedActivation):
     """GPT-OSS's gated activation (the Note on gated activations)."""
+
+    interleaved = True
 
     def __init__(self, alpha: float, limit: float) -> None:
         self.alpha, self.limit = alpha, limit

@@ -38,6 +38,19 @@ holds only its slots' share, so the experts are also reduced over tp (transform.
 gradient reaching the experts by tp and the drop's backward divides it back for the tokens. The
 routes must agree across the tp ranks: with `use_rts`, noisy gating or top-2 sampling, every rank of
 a tp group needs the same generator state (DeepSpeed's requirement too).
+
+Note: [expert tensor parallelism] With `enable_expert_tensor_parallelism=True` the experts are sliced
+over the tp group instead (`split_expert`, when the layer is bound to a tp group of more than one rank):
+in each expert every nn.Linear but the last becomes column-parallel (its rows of W and of the bias;
+these layers must all read the expert's input) and the last one row-parallel (its columns of W, the
+partial outputs summed over tp, the whole bias added once), tensor_parallel.py's layers; any other
+parameter in an expert is refused. As DeepSpeed does, each tp rank still sends only its 1/tp of the
+capacity slots through the all-to-all (`drop_tokens`), but the slots are gathered back over tp before
+the experts, which then see every slot on every tp rank; the (identical) results are dropped to 1/tp
+again before the return all-to-all and gathered after it. No gradient scale is needed: the column
+layers sum the input gradient over tp, so the gradient at each drop/gather is whole and equal on every
+tp rank, and each tp rank's expert gradient is the whole gradient of its slice, so the experts are
+sharded over ("ep", "tp") and reduced over the expert-data-parallel dims only (transform.py).
 """
 
 from __future__ import annotations
@@ -49,12 +62,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightspeed._utils.logging import get_logger
+from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.differentiable import drop_tokens, expert_all_to_all, gather_tokens
 from lightspeed.comm.sequence_groups import as_group
 from lightspeed.comm.topology import Topology
 from lightspeed.parallel.experts.aux_loss import attach_aux_loss
 from lightspeed.parallel.experts.errors import MoEArgumentError
 from lightspeed.parallel.experts.gating import NOISY_GATE_POLICIES, Routes, TopKGate
+from lightspeed.parallel.tensor_parallel import split_linear, split_tp_size
+from lightspeed.parallel.tp_plan import COLWISE, ROWWISE
 
 logger = get_logger(__name__)
 
@@ -108,12 +124,37 @@ class Experts(nn.Module):
         return torch.cat(outputs, dim=1)
 
 
+def split_expert(expert: nn.Module, comm: Communicator, where: str = "expert") -> None:
+    """Slice `expert` in place over `comm`'s tp group (the Note on expert tensor parallelism): every
+    nn.Linear but the last column-parallel, the last row-parallel."""
+    linears = [(name, m) for name, m in expert.named_modules() if type(m) is nn.Linear]
+    in_linear = {f"{name}.{p}" if name else p for name, m in linears for p, _ in m.named_parameters()}
+    other = [name for name, _ in expert.named_parameters() if name not in in_linear]
+    if len(linears) < 2 or other:
+        extra = f" and the parameters {other[:3]}" if other else ""
+        raise MoEArgumentError(f"MoE(enable_expert_tensor_parallelism=True): {where} must be made of nn.Linear "
+                               "layers only, at least two (the first column-parallel, the last row-parallel); it has "
+                               f"{len(linears)} nn.Linear layers{extra}")
+    tp = comm.world_size
+    for i, (name, module) in enumerate(linears):
+        last = i == len(linears) - 1
+        size = module.in_features if last else module.out_features
+        if size % tp:
+            raise MoEArgumentError(f"MoE(enable_expert_tensor_parallelism=True): {where}.{name} has {size} "
+                                   f"{'input features' if last else 'output features'}, which do not divide by the "
+                                   f"tensor-parallel size {tp}")
+    for i, (name, module) in enumerate(linears):
+        new = split_linear(module, ROWWISE if i == len(linears) - 1 else COLWISE, comm)
+        parent, _, child = name.rpartition(".")
+        setattr(expert.get_submodule(parent) if parent else expert, child, new)
+
+
 class MOELayer(nn.Module):
     """Gate, dispatch, experts, combine (the Note on dispatch). forward(hidden [..., m], used_token=None)
     -> output of hidden's shape; the gate's `l_aux` and `exp_counts` stay on the layer."""
 
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
-                 use_tutel: bool = False) -> None:
+                 use_tutel: bool = False, expert_tensor_parallel: bool = False) -> None:
         super().__init__()
         if use_tutel:
             raise NotImplementedError("MoE(use_tutel=True): Tutel's dispatch kernels are not implemented in lightspeed; "
@@ -126,6 +167,7 @@ class MOELayer(nn.Module):
         self.ep_group_name = ep_group_name
         self.num_local_experts = num_local_experts
         self.use_tutel = False
+        self.expert_tensor_parallel = expert_tensor_parallel
         self._ep_bound = ep_size == 1
         self.l_aux = self.exp_counts = None
 
@@ -138,7 +180,17 @@ class MOELayer(nn.Module):
         self._ep_bound = True
 
     def _set_tp_group(self, tp_group, tp_size: int) -> None:
-        """Bind the dense layers' tensor-parallel group (the Note on tensor parallelism); size 1: none."""
+        """Bind the dense layers' tensor-parallel group (the Note on tensor parallelism); size 1: none.
+        With expert tensor parallelism the experts are sliced over it here, once."""
+        if self.expert_tensor_parallel:
+            split = split_tp_size(self.experts)
+            if split == 1 and tp_size > 1:
+                comm = Communicator(tp_group, tp_size)
+                for i, expert in enumerate(self.experts.deepspeed_experts):
+                    split_expert(expert, comm, f"deepspeed_experts.{i}")
+            elif split not in (1, tp_size):
+                raise MoEArgumentError(f"MoE(enable_expert_tensor_parallelism=True): the experts are sliced for tp "
+                                       f"size {split}, the run's tensor-parallel size is {tp_size}")
         self.tp_group, self.tp_size = tp_group, tp_size
         self.gate.tp_size = tp_size
 
@@ -156,21 +208,25 @@ class MOELayer(nn.Module):
         num_experts, capacity = routes.num_experts, routes.capacity
         slots = route_slots(routes)
         dispatched = dispatch(tokens, slots, num_experts, capacity)
-        tp = self.tp_size
+        tp, sliced = self.tp_size, self.expert_tensor_parallel  # sliced: the Note on expert tensor parallelism
         if tp > 1:  # the Note on tensor parallelism
             if capacity % tp:
                 raise MoEArgumentError(f"MoE with tensor parallelism: the expert capacity {capacity} does not divide "
                                        f"by the tensor-parallel size {tp} (each tp rank takes capacity / tp slots); "
                                        "choose capacity_factor and min_capacity (or the batch) so that it does")
-            dispatched = drop_tokens(dispatched, self.tp_group, 1, grad_scale=1.0 / tp)
+            dispatched = drop_tokens(dispatched, self.tp_group, 1, grad_scale=1.0 if sliced else 1.0 / tp)
         if self.ep_size > 1:  # the Note on the expert gradient's average
             dispatched = expert_all_to_all(dispatched, self.ep_group, grad_scale=float(self.ep_size))
+        if tp > 1 and sliced:
+            dispatched = gather_tokens(dispatched, self.tp_group, 1)
         expert_output = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, -1, d_model))
         expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, d_model)
+        if tp > 1 and sliced:
+            expert_output = drop_tokens(expert_output, self.tp_group, 1)
         if self.ep_size > 1:
             expert_output = expert_all_to_all(expert_output, self.ep_group, grad_scale=1.0 / self.ep_size)
         if tp > 1:
-            expert_output = gather_tokens(expert_output, self.tp_group, 1, grad_scale=float(tp))
+            expert_output = gather_tokens(expert_output, self.tp_group, 1, grad_scale=1.0 if sliced else float(tp))
         out = combine(expert_output.reshape(num_experts * capacity, d_model), slots, routes.gates, tokens.shape[0])
         return out.reshape(hidden.shape)
 
@@ -181,11 +237,12 @@ class MoE(nn.Module):
     rank of an expert-parallel group of `ep_size` ranks; top-`k` gating (gating.py). With `use_residual`
     (Residual MoE), `expert` itself is a dense MLP beside the experts and a linear `coefficient` layer
     mixes the two outputs by a softmax per token. Beside tensor-parallel dense layers the experts stay
-    whole (the Note on tensor parallelism); `use_tutel=True` and `enable_expert_tensor_parallelism=True`
-    are refused (not built). lightspeed's keyword `aux_loss_coeff` (default None: the caller adds `l_aux`
-    to the loss, as with DeepSpeed) is for a layer inside a pipeline stage: the layer adds `aux_loss_coeff
-    x l_aux` to its micro-batch's loss itself (aux_loss.py's Note on aux loss in a pipeline); `l_aux` is
-    still returned, for logging only."""
+    whole (the Note on tensor parallelism), or, with `enable_expert_tensor_parallelism=True`, are sliced
+    over tp (the Note on expert tensor parallelism); `use_tutel=True` is refused (not built).
+    lightspeed's keyword `aux_loss_coeff` (default None: the caller adds `l_aux` to the loss, as with
+    DeepSpeed) is for a layer inside a pipeline stage: the layer adds `aux_loss_coeff x l_aux` to its
+    micro-batch's loss itself (aux_loss.py's Note on aux loss in a pipeline); `l_aux` is still returned,
+    for logging only."""
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
@@ -207,10 +264,6 @@ class MoE(nn.Module):
         if bad_coeff or (aux_loss_coeff is not None and not aux_loss_coeff >= 0):
             raise MoEArgumentError(f"MoE: aux_loss_coeff must be None or a number >= 0 (got {aux_loss_coeff!r})")
         self.aux_loss_coeff = aux_loss_coeff
-        if enable_expert_tensor_parallelism:
-            raise NotImplementedError("MoE(enable_expert_tensor_parallelism=True): experts split by tensor "
-                                      "parallelism are not implemented in lightspeed (with the default False the "
-                                      "experts stay whole beside tensor-parallel dense layers)")
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size
@@ -223,7 +276,8 @@ class MoE(nn.Module):
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                         noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
         self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts,
-                                      use_tutel=use_tutel)
+                                      use_tutel=use_tutel,
+                                      expert_tensor_parallel=bool(enable_expert_tensor_parallelism))
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)

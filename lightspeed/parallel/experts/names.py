@@ -24,6 +24,7 @@ from torch import nn
 
 from lightspeed.parallel.experts.autoep_layer import EPExperts
 from lightspeed.parallel.experts.transform import moe_layers
+from lightspeed.parallel.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,16 @@ class ExpertNames:
             raise ValueError(f"{key}: expert {g} of a layer with {layer.num_experts} experts")
         rank, i = divmod(g, layer.num_local)
         return f"{layer.prefix}{i}.{rest}" if rank == layer.ep_rank else None
+
+    def one_expert(self, key: str, placement: Placement) -> Placement:
+        """The placement of a DeepSpeed-style expert parameter (its global name `key`; `placement`: in the
+        layer's experts stacked along dim 0, transform.py's) within that one expert's whole tensor: the
+        same boxes, less the expert's rows, the same mesh dims (a slice over tp stays one)."""
+        layer, g, _rest = self._split(key)
+        n0 = placement.global_shape[0] // layer.num_experts
+        boxes = tuple(((box[0][0] - g * n0, box[0][1] - g * n0),) + tuple(box[1:]) for box in placement.boxes)
+        return Placement(key, (n0,) + tuple(placement.global_shape[1:]), boxes, placement.sharded_over,
+                         placement.reduced_over, placement.transposed)
 
     def is_expert(self, key: str) -> bool:
         """Whether `key` is expert state, each ep rank holding other experts under it."""

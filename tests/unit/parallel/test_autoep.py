@@ -260,3 +260,42 @@ def test_meta_experts_without_values_are_refused():
                                                   "on the meta device with no values"):
         lightspeed.initialize(model=model, dist_init_required=False, config={
             **CFG, "zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True}})
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "mixtral"])
+def test_experts_sliced_over_tp_sum_to_the_whole(kind):
+    """expert_tensor_parallel_size: the two tp ranks' slices (GPT-OSS: interleaved gate/up columns and
+    biases, transposed weights; Mixtral: gate and up halves) are the placements' boxes of the whole
+    experts, a whole state dict loads as them, and their partial MLP outputs, summed, plus the down bias
+    once, are the whole experts' output."""
+    from lightspeed.comm.collectives import Communicator
+    from lightspeed.parallel.experts.autoep import EXPERT_ACTIVATIONS, PRESETS
+
+    preset = PRESETS[kind]
+    source = _tiny(kind).model.layers[0].mlp.experts
+    args = (source, (preset.w1, preset.w2), 4, 0, 1, EXPERT_ACTIVATIONS[preset.activation]("block", source))
+    kw = dict(use_grouped_mm=False, bias_names=(preset.b1, preset.b2), transposed=preset.transposed)
+    whole = EPExperts(*args, **kw)
+    gen = torch.Generator().manual_seed(3)
+    x, counts = torch.randn(10, 8, generator=gen), torch.tensor([3, 0, 4, 3])
+    total = 0
+    for rank in range(2):
+        comm = Communicator(None, 2)
+        comm.rank = rank  # slicing only: no collective runs here
+        part = EPExperts(*args, tp_comm=comm, **kw)
+        for name in part.param_names:
+            placement, full, local = part.tp_placement(name, rank), getattr(whole, name), getattr(part, name)
+            torch.testing.assert_close(local, full if placement is None else placement.slice_of(full), rtol=0, atol=0)
+        with torch.no_grad():
+            for p in part.parameters():
+                p.zero_()
+        part.load_state_dict(whole.state_dict())  # whole over tp: this rank's units kept
+        b1, b2 = part._biases()
+        total = total + grouped_mlp_reference(x, counts, *part._weights(), part.activation, b1, None)
+    if b2 is not None:
+        total = total + b2.repeat_interleave(counts, dim=0)
+    torch.testing.assert_close(total, whole._mlp(x, counts), rtol=1e-5, atol=1e-6)
+    if kind == "gpt_oss":  # tp rank 1 holds units 3..5: gate_up columns 6..11, interleaved as saved
+        assert part.tp_placement("gate_up_proj", 1).boxes == (((0, 4), (0, 8), (6, 12)),)
+    else:
+        assert part.tp_placement("gate_up_proj", 1).boxes == (((0, 4), (4, 8), (0, 8)), ((0, 4), (12, 16), (0, 8)))

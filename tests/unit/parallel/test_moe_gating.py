@@ -104,8 +104,6 @@ def test_capacity_rounds_in_float32():
 def test_refusals():
     with pytest.raises(NotImplementedError, match="use_tutel"):
         MoE(HIDDEN, _expert(), num_experts=2, use_tutel=True)
-    with pytest.raises(NotImplementedError, match="enable_expert_tensor_parallelism"):
-        MoE(HIDDEN, _expert(), num_experts=2, enable_expert_tensor_parallelism=True)
     with pytest.raises(AssertionError, match="num_experts=3 is not divisible by ep_size=2"):
         MoE(HIDDEN, _expert(), num_experts=3, ep_size=2)
     with pytest.raises(MoEArgumentError, match="noisy_gate_policy"):
@@ -169,3 +167,28 @@ def test_no_drop_capacity_pads_to_a_multiple_of_tp(kind):
     assert padded.capacity % 2 == 0 and padded.capacity == plain.capacity + plain.capacity % 2
     for key in ("indices", "locations", "gates", "exp_counts"):
         assert torch.equal(getattr(padded, key), getattr(plain, key)), key
+
+
+def test_split_expert_over_tp():
+    """`enable_expert_tensor_parallelism=True`: an expert's nn.Linear layers become column-parallel, the
+    last row-parallel, with this rank's slices; experts that cannot be sliced so are refused by name."""
+    from lightspeed.comm.collectives import Communicator
+    from lightspeed.parallel.experts.layer import split_expert
+    from lightspeed.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    comm = Communicator(None, 2)  # rank 0 of 2: slicing only, no collective
+    expert = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    whole = [p.detach().clone() for p in expert.parameters()]
+    split_expert(expert, comm)
+    assert isinstance(expert[0], ColumnParallelLinear) and isinstance(expert[2], RowParallelLinear)
+    torch.testing.assert_close(expert[0].weight, whole[0][:8], rtol=0, atol=0)
+    torch.testing.assert_close(expert[0].bias, whole[1][:8], rtol=0, atol=0)
+    torch.testing.assert_close(expert[2].weight, whole[2][:, :8], rtol=0, atol=0)
+    torch.testing.assert_close(expert[2].bias, whole[3], rtol=0, atol=0)  # whole: added once after the sum
+    with pytest.raises(MoEArgumentError, match=r"nn.Linear layers only.*\['1.weight'"):
+        split_expert(nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8)), comm)
+    with pytest.raises(MoEArgumentError, match="at least two"):
+        split_expert(nn.Sequential(nn.Linear(8, 8)), comm)
+    with pytest.raises(MoEArgumentError, match=r"expert.0 has 15 output features, which do not divide by the "
+                                               r"tensor-parallel size 2"):
+        split_expert(nn.Sequential(nn.Linear(8, 15), nn.GELU(), nn.Linear(15, 8)), comm)

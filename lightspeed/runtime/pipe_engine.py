@@ -80,6 +80,8 @@ class PipelineEngine(LightspeedEngine):
         self._pp_group = topology.group("pp")
         coords = topology.coords()
         kind = schedule_kind(self.config.pipeline.schedule)
+        for chunk in self.module.chunks:  # module.py's Note on forward brackets
+            chunk.run_layers = self.strategy.forward_method(self.module.run_layers)
         self._driver = PipelineDriver(self.module, kind, self._pp_group, self.num_stages, self.device,
                                       self.strategy.backward_start, self.strategy.backward_end,
                                       reduces_every_step=self.strategy.stage >= 2,

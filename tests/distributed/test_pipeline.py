@@ -4,7 +4,8 @@ DeepSpeed with its script, on the same seeds and data), and the weights after tr
 
 The DeepSpeed trajectory is also the one-process reference: the model's numerics do not depend on how
 it is split, so one process (pp1), pp2 and pp4, each schedule, ZeRO 1-3, data parallelism and tensor
-parallelism all follow it (fp32; 1F1B bit for bit). DeepSpeed's ZeRO-0 pipeline clips each stage by
+parallelism all follow it (fp32; 1F1B bit for bit), ZeRO-3 also at pp2 x dp2 (its parameters
+partitioned over dp). DeepSpeed's ZeRO-0 pipeline clips each stage by
 its own gradient norm (the fixture README), lightspeed by the global one, so the trajectories compared
 here are DeepSpeed's ZeRO-1 ones. Also: eval_batch, bf16, and what the pipeline engine refuses."""
 
@@ -131,10 +132,30 @@ def _world2():
 
 
 def _world4():
-    return {"dp2": _train("A_pp2_dp2_z1")[0], "dp2_z2": _train("A_pp2_dp2_z1", stage=2)[0],
-            "tied_dp2": _train("B_tied_pp2_dp2_z1")[0],
-            "pp4": _train("A_pp2_z1", pp=4)[:2], "pp4_zbv": _train("A_pp2_z1", pp=4, schedule="zbv_zero_bubble")[:2],
-            "pp4_z2": _train("A_pp2_z1", pp=4, stage=2)[0], "tp2": _train("B_tied_pp2_z1", extra={"tensor_parallel": TP_PLAN})[0]}
+    out = {"dp2": _train("A_pp2_dp2_z1")[0], "dp2_z2": _train("A_pp2_dp2_z1", stage=2)[0],
+           "tied_dp2": _train("B_tied_pp2_dp2_z1")[0],
+           "pp4": _train("A_pp2_z1", pp=4)[:2], "pp4_zbv": _train("A_pp2_z1", pp=4, schedule="zbv_zero_bubble")[:2],
+           "pp4_z2": _train("A_pp2_z1", pp=4, stage=2)[0], "tp2": _train("B_tied_pp2_z1", extra={"tensor_parallel": TP_PLAN})[0]}
+    # ZeRO-3 at pp2 x dp2: each layer's parameters partitioned over dp, gathered around its forward and
+    # backward; 1F1B, and ZBV (two stages per rank, split backward) with activation checkpointing
+    out["dp2_z3"] = _train("A_pp2_dp2_z1", stage=3)[0]
+    losses, _, _, out["dp2_z3_eval"] = _train("A_pp2_dp2_z1", stage=3, schedule="zbv_zero_bubble", eval_after=True,
+                                              extra={"pipeline": {"activation_checkpoint_interval": 1}})
+    out["dp2_z3_zbv_checkpointed"] = losses
+    sys.path.insert(0, str(FIXTURES))
+    import model as M
+
+    import lightspeed
+    from lightspeed.parallel.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
+
+    tied = PipelineModule(M.layer_specs(LayerSpec, TiedLayerSpec, True), num_stages=2, loss_fn=M.loss_fn(True))
+    try:
+        lightspeed.initialize(model=tied, config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                                                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        out["tied_z3"] = None
+    except NotImplementedError as err:
+        out["tied_z3"] = str(err)
+    return out
 
 
 def test_one_process_follows_deepspeed():
@@ -185,3 +206,8 @@ def test_pp4_dp2_and_tp2_follow_deepspeed():
     _close(out["pp4_zbv"][0], want, 1e-6)
     _close(out["pp4_z2"], want, 1e-6)
     _close(out["tp2"], _expected("B_tied_pp2_z1")["losses"], 1e-5)
+    want = _expected("A_pp2_dp2_z1")
+    _close(out["dp2_z3"], want["losses"], 1e-6)
+    _close(out["dp2_z3_zbv_checkpointed"], want["losses"], 1e-6)
+    assert out["dp2_z3_eval"][0] == pytest.approx(want["eval_batch_after_training"]["value"], abs=1e-6)
+    assert "zero_optimization.stage=3 with tied modules" in out["tied_z3"]

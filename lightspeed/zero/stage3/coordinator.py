@@ -21,9 +21,12 @@ a complete trace the coordinator prefetches the groups of upcoming modules (up t
 `stage3_prefetch_bucket_size` elements, and never past `stage3_max_live_parameters` gathered
 elements), and keeps a group gathered after a module's forward when the trace uses it again within
 `stage3_max_reuse_distance` elements (DeepSpeed's rule; its default, 1e9, keeps every group of a
-small model gathered from its first use until its backward). If an iteration departs from the
-trace (control flow changed), prefetching and reuse-keeping stop for the rest of that iteration;
-correctness never depends on the trace.
+small model gathered from its first use until its backward). Each forward follows the trace from
+its start and each backward (`backward_start`) from its backward part, so the recorded last forward
+and backward also serve a pipeline stage, which runs several micro-batches' forwards before their
+backwards, each backward bracketed on its own. If a forward or backward departs from the trace
+(control flow changed), prefetching and reuse-keeping stop until the next one starts, and the
+iteration after records the trace again; correctness never depends on the trace.
 
 Note (recomputation): activation checkpointing reruns a forward inside backward (lightspeed.checkpointing,
 torch.utils.checkpoint, Hugging Face's gradient checkpointing). The units of that rerun need their
@@ -149,6 +152,8 @@ class Coordinator:
         self._trace_ok = True
         self._pos = 0
         self._cursor = 0
+        self._backward_at = 0  # where the trace's backward part begins
+        self._departed = False  # this iteration departed from the trace somewhere
         self._occurrences: dict[int, list[int]] = {}
         self._cum_numel: list[int] = [0]
         # backward
@@ -222,9 +227,9 @@ class Coordinator:
         if not self._trace_done:
             self._trace.append(module)
         elif self._trace_ok and (self._pos >= len(self._trace) or self._trace[self._pos] is not module):
-            self._trace_ok = False
+            self._trace_ok, self._departed = False, True
             warn_once("ZeRO-3: the module order differs from the first step's; prefetching is off for the rest "
-                      "of this step", logger)
+                      "of this forward or backward", logger)
         self._pos += 1
 
     def _finish_trace(self) -> None:
@@ -249,7 +254,7 @@ class Coordinator:
         detection of a first forward, `detects_external`)."""
         if self._stack or self._in_backward:
             raise RuntimeError("ZeRO-3: the module-order trace cannot be restarted during a forward or backward")
-        self._trace, self._trace_done, self._trace_ok = [], False, True
+        self._trace, self._trace_done, self._trace_ok, self._departed = [], False, True, False
         self._occurrences, self._cum_numel = {}, [0]
 
     def holders(self, g: ParamGroup) -> list[torch.nn.Module]:
@@ -464,6 +469,11 @@ class Coordinator:
     def backward_start(self) -> None:
         self._in_backward = True
         self._rerun_depth = 0
+        if self._trace_done:  # a backward follows the trace's backward part, whatever forwards came before
+            self._pos = self._cursor = self._backward_at
+            self._trace_ok = True
+        else:
+            self._backward_at = len(self._trace)
         self._ready.clear()
         self._reduced.clear()
 
@@ -478,10 +488,11 @@ class Coordinator:
         self.release_all()
         self._ready.clear()
         self._reduced.clear()
-        if self._trace_done and not self._trace_ok:  # the order changed: record it again next iteration
+        if self._trace_done and self._departed:  # the order changed: record it again next iteration
             self._trace_done = False
         else:
             self._finish_trace()
+        self._departed = False
 
     def wait_reduces(self) -> None:
         while self._pending:

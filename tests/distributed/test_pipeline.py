@@ -28,14 +28,17 @@ TP_PLAN = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "l
     {"patterns": [r".*\.fc1\.weight$", r".*\.fc1\.bias$"], "partition_type": "column"},
     {"patterns": [r".*\.fc2\.weight$"], "partition_type": "row"}]}}
 
+Z3_RELEASE = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+
 
 def _expected(run: str) -> dict:
     return json.loads((FIXTURES / run / "expected.json").read_text())
 
 
 def _train(run: str, *, pp: int | None = None, schedule: str = "1f1b", stage: int | None = None,
-           virtual: int | None = None, extra: dict | None = None, eval_after: bool = False):
-    """Train fixture run `run` through lightspeed; returns (losses, parts, final state, eval loss)."""
+           virtual: int | None = None, extra: dict | None = None, eval_after: bool = False, engines: list | None = None):
+    """Train fixture run `run` through lightspeed; returns (losses, parts, final state, eval loss); the
+    engine is appended to `engines` when given."""
     sys.path.insert(0, str(FIXTURES))
     import model as M
 
@@ -53,6 +56,8 @@ def _train(run: str, *, pp: int | None = None, schedule: str = "1f1b", stage: in
                          seed_fn=M.seed_layer, base_seed=M.BASE_SEED)
     engine, *_ = lightspeed.initialize(model=net, config=cfg,
                                        model_parameters=[p for p in net.parameters() if p.requires_grad])
+    if engines is not None:
+        engines.append(engine)
     dp_rank, gas = engine.groups.dp_rank, exp["gradient_accumulation_steps"]
 
     def data(step):
@@ -137,11 +142,17 @@ def _world4():
            "pp4": _train("A_pp2_z1", pp=4)[:2], "pp4_zbv": _train("A_pp2_z1", pp=4, schedule="zbv_zero_bubble")[:2],
            "pp4_z2": _train("A_pp2_z1", pp=4, stage=2)[0], "tp2": _train("B_tied_pp2_z1", extra={"tensor_parallel": TP_PLAN})[0]}
     # ZeRO-3 at pp2 x dp2: each layer's parameters partitioned over dp, gathered around its forward and
-    # backward; 1F1B, and ZBV (two stages per rank, split backward) with activation checkpointing
-    out["dp2_z3"] = _train("A_pp2_dp2_z1", stage=3)[0]
-    losses, _, _, out["dp2_z3_eval"] = _train("A_pp2_dp2_z1", stage=3, schedule="zbv_zero_bubble", eval_after=True,
-                                              extra={"pipeline": {"activation_checkpoint_interval": 1}})
-    out["dp2_z3_zbv_checkpointed"] = losses
+    # backward and released after (no persistent group, none kept for reuse); 1F1B, and ZBV (two stages
+    # a rank, split backward: the input half recomputes the checkpointed layers outside a bracket)
+    engines = []
+    losses, _, _, out["dp2_z3_eval"] = _train("A_pp2_dp2_z1", eval_after=True, extra={"zero_optimization": Z3_RELEASE},
+                                              engines=engines)
+    out["dp2_z3"] = losses
+    # every chunk's layers ran as a forward of the whole model, each micro-batch's backward from the
+    # trace's backward part: the recorded module order still holds (prefetching on) after the last step
+    out["dp2_z3_trace_complete"] = engines[0].strategy.trace_complete()
+    out["dp2_z3_zbv_checkpointed"] = _train("A_pp2_dp2_z1", extra={
+        "zero_optimization": Z3_RELEASE, "pipeline": {"schedule": "zbv_zero_bubble", "activation_checkpoint_interval": 1}})[0]
     sys.path.insert(0, str(FIXTURES))
     import model as M
 
@@ -196,7 +207,8 @@ def test_pp2_schedules_stages_and_tied_follow_deepspeed():
 
 
 def test_pp4_dp2_and_tp2_follow_deepspeed():
-    out = run_world(_world4, 4)[0]
+    ranks = run_world(_world4, 4)
+    out = ranks[0]
     _close(out["dp2"], _expected("A_pp2_dp2_z1")["losses"], 1e-6)
     _close(out["dp2_z2"], _expected("A_pp2_dp2_z1")["losses"], 1e-6)
     _close(out["tied_dp2"], _expected("B_tied_pp2_dp2_z1")["losses"], 1e-5)
@@ -211,3 +223,4 @@ def test_pp4_dp2_and_tp2_follow_deepspeed():
     _close(out["dp2_z3_zbv_checkpointed"], want["losses"], 1e-6)
     assert out["dp2_z3_eval"][0] == pytest.approx(want["eval_batch_after_training"]["value"], abs=1e-6)
     assert "zero_optimization.stage=3 with tied modules" in out["tied_z3"]
+    assert all(rank["dp2_z3_trace_complete"] for rank in ranks)

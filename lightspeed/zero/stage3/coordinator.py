@@ -35,8 +35,11 @@ the trace, do not move the trace position, prefetch nothing and leave the extern
 off. The rerun's groups stay gathered after it: the backward of those very units follows at once
 (torch's non-reentrant checkpoint reads the rerun's saved views of the parameters right away, with no
 pre-backward hook in between), and their gradients' arrival or `backward_end` releases them as in any
-backward. A forward is a rerun when it starts between
-`backward_start` and `backward_end` while the autograd engine is running a backward on this thread.
+backward. A forward is a rerun when it starts while the autograd engine is running a backward on this
+thread, also one outside `backward_start` / `backward_end`: a zero-bubble pipeline schedule's input-
+gradient half (torch's `stage_backward_input`, which writes no parameter gradient, so the driver does
+not bracket it) recomputes checkpointed layers too; their groups then stay gathered until the weight
+half's bracket ends. Where torch does not expose the running backward, the bracket alone decides.
 
 Note (other forward methods): the root's hooks run when the root module is called; a model method that
 is a forward by another name (DeepSpeed-Chat's `RewardModel.forward_value`, which calls the base model and
@@ -303,8 +306,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ forward hooks
     def recomputing(self) -> bool:
-        """True while a forward runs inside this coordinator's backward (activation checkpointing)."""
-        return self._in_backward and (_graph_task_id is None or _graph_task_id() != -1)
+        """True while a forward runs inside a backward (activation checkpointing: the Note on recomputation)."""
+        return self._in_backward if _graph_task_id is None else _graph_task_id() != -1
 
     def _pre_forward(self, module: torch.nn.Module, args) -> None:
         if self._rerun_depth or self.recomputing():

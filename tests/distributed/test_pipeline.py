@@ -36,7 +36,8 @@ def _expected(run: str) -> dict:
 
 
 def _train(run: str, *, pp: int | None = None, schedule: str = "1f1b", stage: int | None = None,
-           virtual: int | None = None, extra: dict | None = None, eval_after: bool = False, engines: list | None = None):
+           virtual: int | None = None, extra: dict | None = None, eval_after: bool = False,
+           engines: list | None = None):
     """Train fixture run `run` through lightspeed; returns (losses, parts, final state, eval loss); the
     engine is appended to `engines` when given."""
     sys.path.insert(0, str(FIXTURES))
@@ -140,7 +141,8 @@ def _world4():
     out = {"dp2": _train("A_pp2_dp2_z1")[0], "dp2_z2": _train("A_pp2_dp2_z1", stage=2)[0],
            "tied_dp2": _train("B_tied_pp2_dp2_z1")[0],
            "pp4": _train("A_pp2_z1", pp=4)[:2], "pp4_zbv": _train("A_pp2_z1", pp=4, schedule="zbv_zero_bubble")[:2],
-           "pp4_z2": _train("A_pp2_z1", pp=4, stage=2)[0], "tp2": _train("B_tied_pp2_z1", extra={"tensor_parallel": TP_PLAN})[0]}
+           "pp4_z2": _train("A_pp2_z1", pp=4, stage=2)[0],
+           "tp2": _train("B_tied_pp2_z1", extra={"tensor_parallel": TP_PLAN})[0]}
     # ZeRO-3 at pp2 x dp2: each layer's parameters partitioned over dp, gathered around its forward and
     # backward and released after (no persistent group, none kept for reuse); 1F1B, and ZBV (two stages
     # a rank, split backward: the input half recomputes the checkpointed layers outside a bracket)
@@ -151,8 +153,8 @@ def _world4():
     # every chunk's layers ran as a forward of the whole model, each micro-batch's backward from the
     # trace's backward part: the recorded module order still holds (prefetching on) after the last step
     out["dp2_z3_trace_complete"] = engines[0].strategy.trace_complete()
-    out["dp2_z3_zbv_checkpointed"] = _train("A_pp2_dp2_z1", extra={
-        "zero_optimization": Z3_RELEASE, "pipeline": {"schedule": "zbv_zero_bubble", "activation_checkpoint_interval": 1}})[0]
+    zbv = {"schedule": "zbv_zero_bubble", "activation_checkpoint_interval": 1}
+    out["dp2_z3_zbv_checkpointed"] = _train("A_pp2_dp2_z1", extra={"zero_optimization": Z3_RELEASE, "pipeline": zbv})[0]
     sys.path.insert(0, str(FIXTURES))
     import model as M
 
@@ -161,7 +163,8 @@ def _world4():
 
     tied = PipelineModule(M.layer_specs(LayerSpec, TiedLayerSpec, True), num_stages=2, loss_fn=M.loss_fn(True))
     try:
-        lightspeed.initialize(model=tied, config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+        lightspeed.initialize(model=tied, config={"train_micro_batch_size_per_gpu": 2,
+                                                  "zero_optimization": {"stage": 3},
                                                   "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
         out["tied_z3"] = None
     except NotImplementedError as err:

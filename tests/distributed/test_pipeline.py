@@ -7,7 +7,7 @@ it is split, so one process (pp1), pp2 and pp4, each schedule, ZeRO 1-3, data pa
 parallelism all follow it (fp32; 1F1B bit for bit), ZeRO-3 also at pp2 x dp2 (its parameters
 partitioned over dp). DeepSpeed's ZeRO-0 pipeline clips each stage by
 its own gradient norm (the fixture README), lightspeed by the global one, so the trajectories compared
-here are DeepSpeed's ZeRO-1 ones. Also: eval_batch, bf16, and what the pipeline engine refuses."""
+here are DeepSpeed's ZeRO-1 ones. Also: eval_batch, bf16, and what the pipeline engine refuses (also zero.Init over the stages)."""
 
 from __future__ import annotations
 
@@ -169,6 +169,12 @@ def _world4():
         out["tied_z3"] = None
     except NotImplementedError as err:
         out["tied_z3"] = str(err)
+    try:  # zero.Init partitioning over the world: the stages' layers differ, refused before any collective
+        with lightspeed.zero.Init():
+            PipelineModule(M.layer_specs(LayerSpec, TiedLayerSpec, False), num_stages=2, loss_fn=M.loss_fn(False))
+        out["init_world"] = None
+    except ValueError as err:
+        out["init_world"] = str(err)
     return out
 
 
@@ -227,3 +233,4 @@ def test_pp4_dp2_and_tp2_follow_deepspeed():
     assert out["dp2_z3_eval"][0] == pytest.approx(want["eval_batch_after_training"]["value"], abs=1e-6)
     assert "zero_optimization.stage=3 with tied modules" in out["tied_z3"]
     assert all(rank["dp2_z3_trace_complete"] for rank in ranks)
+    assert all("zero.Init over a PipelineModule of 2 stages" in rank["init_world"] for rank in ranks)

@@ -208,6 +208,10 @@ class PipelineEngine(LightspeedEngine):
         the mean loss (averaged over data parallelism; `reduce_output=None`: the list of micro-batch
         losses on the last stage), on every stage when `bcast_loss`; with `return_logits`, also the
         last stage's outputs (None elsewhere)."""
+        if self._driver.kind.name == "zbv_zero_bubble":  # before any communication: every rank refuses
+            raise NotImplementedError("eval_batch() with pipeline.schedule 'zbv_zero_bubble' is not implemented: "
+                                      "torch's ZBV schedule runs its local backward hand-offs in eval too; evaluate "
+                                      "with another engine's schedule (1f1b, gpipe, interleaved_*)")
         if reduce_output not in (None, "avg"):
             raise NotImplementedError(f"eval_batch(reduce_output={reduce_output!r}): only 'avg' and None are "
                                       "implemented")

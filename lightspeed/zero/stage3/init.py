@@ -62,8 +62,8 @@ from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import detect_launch_env, init_distributed
 from lightspeed.config.parse import read_source
-from lightspeed.parallel.pipeline.module import PipelineModule
 from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.parallel.pipeline.module import PipelineModule
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.zero_param import ZeroParameter
 

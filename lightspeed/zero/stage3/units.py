@@ -46,12 +46,12 @@ import torch
 from lightspeed.zero.stage3.init import owned_params
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+MAX_LEAF_NUMEL = 1_000_000_000  # DeepSpeed's Z3_MAX_LEAF_SIZE: larger modules never become leaves by threshold
 
 
 def is_container(m: torch.nn.Module) -> bool:
     """True for a module whose children are units by rule 2 of the Note."""
     return isinstance(m, CONTAINERS) or getattr(type(m), "holds_layers", False) is True
-MAX_LEAF_NUMEL = 1_000_000_000  # DeepSpeed's Z3_MAX_LEAF_SIZE: larger modules never become leaves by threshold
 
 
 @dataclass(frozen=True)

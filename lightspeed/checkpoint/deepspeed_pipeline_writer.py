@@ -77,7 +77,9 @@ def write_pipeline_stages(source, where: str, tag_dir: str, *, layout: PipelineL
         elif plan.stage in (1, 2):
             _write_stage12(view, plan, tag_dir, ds_config)
         else:
-            raise CheckpointError(f"{where}: ZeRO stage {plan.stage}; DeepSpeed's pipeline engine runs stages 0-2")
+            raise CheckpointError(f"{where}: zero_optimization.stage {plan.stage} is not written in DeepSpeed's "
+                                  "pipeline layout (DeepSpeed's PipelineEngine asserts stage < 2); keep "
+                                  "checkpoint.format \"lightspeed\" for a ZeRO-3 pipeline")
         plans.append(plan)
         for index in range(parts[s], parts[s + 1]):
             if index in layout.module_layers:

@@ -71,6 +71,11 @@ class EngineCheckpoints:
                                           "3 or over pipeline stages: DeepSpeed 0.19.8 has no such MoE layout (it "
                                           "refuses MoE layers at stage 3); save in lightspeed's format, or use "
                                           "ZeRO 0-2")
+        if self.config.checkpoint.format == "deepspeed" and self._pp_comm is not None \
+                and self.zero_optimization_stage() == 3:
+            raise NotImplementedError("checkpoint.format='deepspeed' over pipeline stages at zero_optimization.stage "
+                                      "3: DeepSpeed's PipelineEngine refuses ZeRO-2 and ZeRO-3, so it has no such "
+                                      "layout; save in lightspeed's format")
         tag = engine_checkpoint.check_save_agreement(save_dir, tag, Communicator(None, self.world_size),
                                                      self.config.checkpoint.tag_validation)
         module_state = self.strategy.module_state_dict()

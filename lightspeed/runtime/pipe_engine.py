@@ -80,6 +80,8 @@ class PipelineEngine(LightspeedEngine):
         self._pp_group = topology.group("pp")
         coords = topology.coords()
         kind = schedule_kind(self.config.pipeline.schedule)
+        for chunk in self.module.chunks:  # module.py's Note on forward brackets
+            chunk.run_layers = self.strategy.forward_method(self.module.run_layers)
         self._driver = PipelineDriver(self.module, kind, self._pp_group, self.num_stages, self.device,
                                       self.strategy.backward_start, self.strategy.backward_end,
                                       reduces_every_step=self.strategy.stage >= 2,
@@ -206,6 +208,10 @@ class PipelineEngine(LightspeedEngine):
         the mean loss (averaged over data parallelism; `reduce_output=None`: the list of micro-batch
         losses on the last stage), on every stage when `bcast_loss`; with `return_logits`, also the
         last stage's outputs (None elsewhere)."""
+        if self._driver.kind.name == "zbv_zero_bubble":  # before any communication: every rank refuses
+            raise NotImplementedError("eval_batch() with pipeline.schedule 'zbv_zero_bubble' is not implemented: "
+                                      "torch's ZBV schedule runs its local backward hand-offs in eval too; evaluate "
+                                      "with another engine's schedule (1f1b, gpipe, interleaved_*)")
         if reduce_output not in (None, "avg"):
             raise NotImplementedError(f"eval_batch(reduce_output={reduce_output!r}): only 'avg' and None are "
                                       "implemented")

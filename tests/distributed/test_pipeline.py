@@ -4,9 +4,10 @@ DeepSpeed with its script, on the same seeds and data), and the weights after tr
 
 The DeepSpeed trajectory is also the one-process reference: the model's numerics do not depend on how
 it is split, so one process (pp1), pp2 and pp4, each schedule, ZeRO 1-3, data parallelism and tensor
-parallelism all follow it (fp32; 1F1B bit for bit). DeepSpeed's ZeRO-0 pipeline clips each stage by
+parallelism all follow it (fp32; 1F1B bit for bit), ZeRO-3 also at pp2 x dp2 (its parameters
+partitioned over dp). DeepSpeed's ZeRO-0 pipeline clips each stage by
 its own gradient norm (the fixture README), lightspeed by the global one, so the trajectories compared
-here are DeepSpeed's ZeRO-1 ones. Also: eval_batch, bf16, and what the pipeline engine refuses."""
+here are DeepSpeed's ZeRO-1 ones. Also: eval_batch, bf16, and what the pipeline engine refuses (also zero.Init over the stages)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,18 @@ TP_PLAN = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "l
     {"patterns": [r".*\.fc1\.weight$", r".*\.fc1\.bias$"], "partition_type": "column"},
     {"patterns": [r".*\.fc2\.weight$"], "partition_type": "row"}]}}
 
+Z3_RELEASE = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+
 
 def _expected(run: str) -> dict:
     return json.loads((FIXTURES / run / "expected.json").read_text())
 
 
 def _train(run: str, *, pp: int | None = None, schedule: str = "1f1b", stage: int | None = None,
-           virtual: int | None = None, extra: dict | None = None, eval_after: bool = False):
-    """Train fixture run `run` through lightspeed; returns (losses, parts, final state, eval loss)."""
+           virtual: int | None = None, extra: dict | None = None, eval_after: bool = False,
+           engines: list | None = None):
+    """Train fixture run `run` through lightspeed; returns (losses, parts, final state, eval loss); the
+    engine is appended to `engines` when given."""
     sys.path.insert(0, str(FIXTURES))
     import model as M
 
@@ -52,6 +57,8 @@ def _train(run: str, *, pp: int | None = None, schedule: str = "1f1b", stage: in
                          seed_fn=M.seed_layer, base_seed=M.BASE_SEED)
     engine, *_ = lightspeed.initialize(model=net, config=cfg,
                                        model_parameters=[p for p in net.parameters() if p.requires_grad])
+    if engines is not None:
+        engines.append(engine)
     dp_rank, gas = engine.groups.dp_rank, exp["gradient_accumulation_steps"]
 
     def data(step):
@@ -86,8 +93,10 @@ def _world2():
     from lightspeed.runtime.pipe_engine import PipelineError
 
     out = {}
+    engines = []
     for schedule in ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"):
-        losses, parts, state, ev = _train("A_pp2_z1", schedule=schedule, eval_after=schedule == "1f1b")
+        losses, parts, state, ev = _train("A_pp2_z1", schedule=schedule, eval_after=schedule == "1f1b",
+                                          engines=engines)
         out[schedule] = (losses, parts)
         if schedule == "1f1b":
             out["eval"], out["state"] = ev, state
@@ -126,15 +135,53 @@ def _world2():
                                                   "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     except NotImplementedError as err:
         errors.append(str(err))
+    try:  # the ZBV engine's eval: torch's schedule would attempt its backward hand-offs
+        engines[-1].eval_batch(iter([]))
+    except NotImplementedError as err:
+        errors.append(str(err))
     out["errors"] = errors
     return out
 
 
 def _world4():
-    return {"dp2": _train("A_pp2_dp2_z1")[0], "dp2_z2": _train("A_pp2_dp2_z1", stage=2)[0],
-            "tied_dp2": _train("B_tied_pp2_dp2_z1")[0],
-            "pp4": _train("A_pp2_z1", pp=4)[:2], "pp4_zbv": _train("A_pp2_z1", pp=4, schedule="zbv_zero_bubble")[:2],
-            "pp4_z2": _train("A_pp2_z1", pp=4, stage=2)[0], "tp2": _train("B_tied_pp2_z1", extra={"tensor_parallel": TP_PLAN})[0]}
+    out = {"dp2": _train("A_pp2_dp2_z1")[0], "dp2_z2": _train("A_pp2_dp2_z1", stage=2)[0],
+           "tied_dp2": _train("B_tied_pp2_dp2_z1")[0],
+           "pp4": _train("A_pp2_z1", pp=4)[:2], "pp4_zbv": _train("A_pp2_z1", pp=4, schedule="zbv_zero_bubble")[:2],
+           "pp4_z2": _train("A_pp2_z1", pp=4, stage=2)[0],
+           "tp2": _train("B_tied_pp2_z1", extra={"tensor_parallel": TP_PLAN})[0]}
+    # ZeRO-3 at pp2 x dp2: each layer's parameters partitioned over dp, gathered around its forward and
+    # backward and released after (no persistent group, none kept for reuse); 1F1B, and ZBV (two stages
+    # a rank, split backward: the input half recomputes the checkpointed layers outside a bracket)
+    engines = []
+    losses, _, _, out["dp2_z3_eval"] = _train("A_pp2_dp2_z1", eval_after=True, extra={"zero_optimization": Z3_RELEASE},
+                                              engines=engines)
+    out["dp2_z3"] = losses
+    # every chunk's layers ran as a forward of the whole model, each micro-batch's backward from the
+    # trace's backward part: the recorded module order still holds (prefetching on) after the last step
+    out["dp2_z3_trace_complete"] = engines[0].strategy.trace_complete()
+    zbv = {"schedule": "zbv_zero_bubble", "activation_checkpoint_interval": 1}
+    out["dp2_z3_zbv_checkpointed"] = _train("A_pp2_dp2_z1", extra={"zero_optimization": Z3_RELEASE, "pipeline": zbv})[0]
+    sys.path.insert(0, str(FIXTURES))
+    import model as M
+
+    import lightspeed
+    from lightspeed.parallel.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
+
+    tied = PipelineModule(M.layer_specs(LayerSpec, TiedLayerSpec, True), num_stages=2, loss_fn=M.loss_fn(True))
+    try:
+        lightspeed.initialize(model=tied, config={"train_micro_batch_size_per_gpu": 2,
+                                                  "zero_optimization": {"stage": 3},
+                                                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        out["tied_z3"] = None
+    except NotImplementedError as err:
+        out["tied_z3"] = str(err)
+    try:  # zero.Init partitioning over the world: the stages' layers differ, refused before any collective
+        with lightspeed.zero.Init():
+            PipelineModule(M.layer_specs(LayerSpec, TiedLayerSpec, False), num_stages=2, loss_fn=M.loss_fn(False))
+        out["init_world"] = None
+    except ValueError as err:
+        out["init_world"] = str(err)
+    return out
 
 
 def test_one_process_follows_deepspeed():
@@ -168,14 +215,16 @@ def test_pp2_schedules_stages_and_tied_follow_deepspeed():
     for name, value in out["state"].items():  # rank 0 holds stage 0's layers
         torch.testing.assert_close(value, final[name].float(), atol=1e-6, rtol=0)
     errors = out["errors"]
-    assert len(errors) == 5
+    assert len(errors) == 6
     assert all("Only train_batch() is accessible in pipeline mode." == e for e in errors[:3])
     assert "pair (inputs, labels)" in errors[3]
     assert "zero_optimization.stage=2 with tied modules" in errors[4]
+    assert "pipeline.schedule 'zbv_zero_bubble'" in errors[5]
 
 
 def test_pp4_dp2_and_tp2_follow_deepspeed():
-    out = run_world(_world4, 4)[0]
+    ranks = run_world(_world4, 4)
+    out = ranks[0]
     _close(out["dp2"], _expected("A_pp2_dp2_z1")["losses"], 1e-6)
     _close(out["dp2_z2"], _expected("A_pp2_dp2_z1")["losses"], 1e-6)
     _close(out["tied_dp2"], _expected("B_tied_pp2_dp2_z1")["losses"], 1e-5)
@@ -185,3 +234,10 @@ def test_pp4_dp2_and_tp2_follow_deepspeed():
     _close(out["pp4_zbv"][0], want, 1e-6)
     _close(out["pp4_z2"], want, 1e-6)
     _close(out["tp2"], _expected("B_tied_pp2_z1")["losses"], 1e-5)
+    want = _expected("A_pp2_dp2_z1")
+    _close(out["dp2_z3"], want["losses"], 1e-6)
+    _close(out["dp2_z3_zbv_checkpointed"], want["losses"], 1e-6)
+    assert out["dp2_z3_eval"][0] == pytest.approx(want["eval_batch_after_training"]["value"], abs=1e-6)
+    assert "zero_optimization.stage=3 with tied modules" in out["tied_z3"]
+    assert all(rank["dp2_z3_trace_complete"] for rank in ranks)
+    assert all("zero.Init over a PipelineModule of 2 stages" in rank["init_world"] for rank in ranks)

@@ -16,7 +16,9 @@ model B at ZeRO-0 and pp2 x dp2 saves and loads at pp4 (ZeRO-1) with the consoli
 at pp2 x tp2 saves and resumes at pp2 x tp2 and at pp2 x dp2;
 the plain model's tag loads at pp2 x dp2 too (a non-pipeline checkpoint of the same names); a load
 whose RNG file of rank 1 is damaged fails on every rank and changes nothing; DeepSpeed's
-`A_pp2_dp2_z1` loads at pp2 x dp2 and reproduces its `losses_after_resume`.
+`A_pp2_dp2_z1` loads at pp2 x dp2 and reproduces its `losses_after_resume`; model A at ZeRO-3 and
+pp2 x dp2 saves after 3 steps and resumes at ZeRO-3 and at ZeRO-1, following DeepSpeed's 6 steps,
+and refuses to save in DeepSpeed's layout (its pipeline engine has no ZeRO-3).
 """
 
 from __future__ import annotations
@@ -256,6 +258,23 @@ def _world4(tmp: str):
     no_tp.load_checkpoint(os.path.join(tmp, "B_pp2tp2"))
     out["B_dp2_from_tp2"] = _train(no_tp, "B_tied_pp2_z0", range(3, 6), tied=True, data_rank=0)
 
+    # ZeRO-3 at pp2 x dp2 (each stage's parameters partitioned over dp): saved after 3 steps, resumed at
+    # ZeRO-3 and at ZeRO-1, each continuing DeepSpeed's uninterrupted trajectory
+    z3 = _engine("A_pp2_dp2_z1", 2, 2, stage=3)
+    out["Z3_first"] = _train(z3, "A_pp2_dp2_z1", range(3), tied=False, data_rank=z3.groups.dp_rank)
+    z3.save_checkpoint(os.path.join(tmp, "A_pp2dp2_z3"))
+    z3.config.checkpoint.format = "deepspeed"  # DeepSpeed's pipeline engine has no ZeRO-3 layout: refused first
+    try:
+        z3.save_checkpoint(os.path.join(tmp, "A_pp2dp2_z3_ds"))
+        out["Z3_deepspeed_format"] = None
+    except NotImplementedError as err:
+        out["Z3_deepspeed_format"] = (str(err), os.path.exists(os.path.join(tmp, "A_pp2dp2_z3_ds")))
+    for stage in (3, 1):
+        again = _engine("A_pp2_dp2_z1", 2, 2, stage=stage)
+        again.load_checkpoint(os.path.join(tmp, "A_pp2dp2_z3"))
+        out[f"Z3_resumed_z{stage}"] = _train(again, "A_pp2_dp2_z1", range(3, 6), tied=False,
+                                             data_rank=again.groups.dp_rank)
+
     ds = _engine("A_pp2_dp2_z1", 2, 2)
     ds.load_checkpoint(_deepspeed_tag("A_pp2_dp2_z1"))
     out["DS_counters"] = (ds.global_steps, ds.global_samples)
@@ -354,3 +373,12 @@ def test_deepspeed_tied_zero0_checkpoint_loads(worlds):
         assert ds["weights"] == 0.0 and ds["moments"] == 0.0, stage
         assert ds["steps"] == [3] and ds["global_steps"] == 3
 
+
+def test_zero3_pp2_dp2_resumes_at_zero3_and_zero1(worlds):
+    want = _expected("A_pp2_dp2_z1")["losses"]
+    for rank in worlds["four"]:
+        assert rank["Z3_first"] == pytest.approx(want[:3], abs=1e-5)
+        assert rank["Z3_resumed_z3"] == pytest.approx(want[3:6], abs=1e-5)
+        assert rank["Z3_resumed_z1"] == pytest.approx(want[3:6], abs=1e-5)
+        message, written = rank["Z3_deepspeed_format"]
+        assert "zero_optimization.stage 3" in message and not written

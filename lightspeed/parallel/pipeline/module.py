@@ -31,6 +31,14 @@ gradient is then zero there, and its placement is reduced over data parallelism 
 strategy sums the stages' gradients, partitions its state over that group and counts it once in
 the norm), which needs every pp rank in the group. DeepSpeed instead all-reduces the gradients
 over the stages that use the module; the sum is the same.
+
+Note: [forward brackets] A schedule calls the stage chunks, never the PipelineModule itself, so
+whatever a strategy runs around a call of the whole model must run around each chunk's layers: the
+engine replaces each chunk's `run_layers` with its strategy's `forward_method` of the owner's (ZeRO-3:
+the root's forward hooks around the layers, coordinator.py's Note on other forward methods). And
+`holds_layers` tells ZeRO-3's unit rule that the layers registered directly on this module are its
+units, each gathered around its own forward and backward (zero/stage3/units.py's Note), as the blocks
+of a ModuleList are: no layer's parameters depend on a hook of the module, which never runs here.
 """
 
 from __future__ import annotations
@@ -115,18 +123,23 @@ class StageChunk(torch.nn.Module):
         if used:
             self.tied_modules = torch.nn.ModuleDict({k: owner.tied_modules[k] for k in sorted(used)})
         self.inputs: list | None = None
+        # what runs the layers: the owner's `run_layers`, or a wrapper of it the engine sets (the Note on
+        # forward brackets)
+        self.run_layers: Callable = owner.run_layers
 
     def forward(self, *received):
         x = received[0] if len(received) == 1 else received
         if self.inputs is not None:
             x = self.inputs[int(x.reshape(-1)[0])]
-        return _as_stage_output(self._owner[0].run_layers(self.start, self.stop, x))
+        return _as_stage_output(self.run_layers(self.start, self.stop, x))
 
 
 class PipelineModule(torch.nn.Module):
     """DeepSpeed's `deepspeed.pipe.PipelineModule` (same arguments and meaning). `forward(x)` runs the
     local layers in order, as DeepSpeed's; `initialize()` trains it with a pipeline schedule
     (`engine.train_batch`)."""
+
+    holds_layers = True  # its children are its layers, run one after another (the Note on forward brackets)
 
     def __init__(self, layers: Iterable, num_stages: int | None = None, topology: ProcessTopology | None = None,
                  loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,

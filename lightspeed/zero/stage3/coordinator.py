@@ -21,9 +21,12 @@ a complete trace the coordinator prefetches the groups of upcoming modules (up t
 `stage3_prefetch_bucket_size` elements, and never past `stage3_max_live_parameters` gathered
 elements), and keeps a group gathered after a module's forward when the trace uses it again within
 `stage3_max_reuse_distance` elements (DeepSpeed's rule; its default, 1e9, keeps every group of a
-small model gathered from its first use until its backward). If an iteration departs from the
-trace (control flow changed), prefetching and reuse-keeping stop for the rest of that iteration;
-correctness never depends on the trace.
+small model gathered from its first use until its backward). Each forward follows the trace from
+its start and each backward (`backward_start`) from its backward part, so the recorded last forward
+and backward also serve a pipeline stage, which runs several micro-batches' forwards before their
+backwards, each backward bracketed on its own. If a forward or backward departs from the trace
+(control flow changed), prefetching and reuse-keeping stop until the next one starts, and the
+iteration after records the trace again; correctness never depends on the trace.
 
 Note (recomputation): activation checkpointing reruns a forward inside backward (lightspeed.checkpointing,
 torch.utils.checkpoint, Hugging Face's gradient checkpointing). The units of that rerun need their
@@ -32,8 +35,11 @@ the trace, do not move the trace position, prefetch nothing and leave the extern
 off. The rerun's groups stay gathered after it: the backward of those very units follows at once
 (torch's non-reentrant checkpoint reads the rerun's saved views of the parameters right away, with no
 pre-backward hook in between), and their gradients' arrival or `backward_end` releases them as in any
-backward. A forward is a rerun when it starts between
-`backward_start` and `backward_end` while the autograd engine is running a backward on this thread.
+backward. A forward is a rerun when it starts while the autograd engine is running a backward on this
+thread, also one outside `backward_start` / `backward_end`: a zero-bubble pipeline schedule's input-
+gradient half (torch's `stage_backward_input`, which writes no parameter gradient, so the driver does
+not bracket it) recomputes checkpointed layers too; their groups then stay gathered until the weight
+half's bracket ends. Where torch does not expose the running backward, the bracket alone decides.
 
 Note (other forward methods): the root's hooks run when the root module is called; a model method that
 is a forward by another name (DeepSpeed-Chat's `RewardModel.forward_value`, which calls the base model and
@@ -149,6 +155,8 @@ class Coordinator:
         self._trace_ok = True
         self._pos = 0
         self._cursor = 0
+        self._backward_at = 0  # where the trace's backward part begins
+        self._departed = False  # this iteration departed from the trace somewhere
         self._occurrences: dict[int, list[int]] = {}
         self._cum_numel: list[int] = [0]
         # backward
@@ -222,9 +230,9 @@ class Coordinator:
         if not self._trace_done:
             self._trace.append(module)
         elif self._trace_ok and (self._pos >= len(self._trace) or self._trace[self._pos] is not module):
-            self._trace_ok = False
+            self._trace_ok, self._departed = False, True
             warn_once("ZeRO-3: the module order differs from the first step's; prefetching is off for the rest "
-                      "of this step", logger)
+                      "of this forward or backward", logger)
         self._pos += 1
 
     def _finish_trace(self) -> None:
@@ -249,7 +257,7 @@ class Coordinator:
         detection of a first forward, `detects_external`)."""
         if self._stack or self._in_backward:
             raise RuntimeError("ZeRO-3: the module-order trace cannot be restarted during a forward or backward")
-        self._trace, self._trace_done, self._trace_ok = [], False, True
+        self._trace, self._trace_done, self._trace_ok, self._departed = [], False, True, False
         self._occurrences, self._cum_numel = {}, [0]
 
     def holders(self, g: ParamGroup) -> list[torch.nn.Module]:
@@ -298,8 +306,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ forward hooks
     def recomputing(self) -> bool:
-        """True while a forward runs inside this coordinator's backward (activation checkpointing)."""
-        return self._in_backward and (_graph_task_id is None or _graph_task_id() != -1)
+        """True while a forward runs inside a backward (activation checkpointing: the Note on recomputation)."""
+        return self._in_backward if _graph_task_id is None else _graph_task_id() != -1
 
     def _pre_forward(self, module: torch.nn.Module, args) -> None:
         if self._rerun_depth or self.recomputing():
@@ -464,6 +472,11 @@ class Coordinator:
     def backward_start(self) -> None:
         self._in_backward = True
         self._rerun_depth = 0
+        if self._trace_done:  # a backward follows the trace's backward part, whatever forwards came before
+            self._pos = self._cursor = self._backward_at
+            self._trace_ok = True
+        else:
+            self._backward_at = len(self._trace)
         self._ready.clear()
         self._reduced.clear()
 
@@ -478,10 +491,11 @@ class Coordinator:
         self.release_all()
         self._ready.clear()
         self._reduced.clear()
-        if self._trace_done and not self._trace_ok:  # the order changed: record it again next iteration
+        if self._trace_done and self._departed:  # the order changed: record it again next iteration
             self._trace_done = False
         else:
             self._finish_trace()
+        self._departed = False
 
     def wait_reduces(self) -> None:
         while self._pending:

@@ -57,11 +57,13 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from lightspeed._utils.device import default_device
 from lightspeed._utils.init_on_device import ParameterRegistrationContext
 from lightspeed._utils.logging import get_logger, warn_once
+from lightspeed.comm import api as comm_api
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import detect_launch_env, init_distributed
 from lightspeed.config.parse import read_source
 from lightspeed.offload.policy import OffloadPolicy
+from lightspeed.parallel.pipeline.module import PipelineModule
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.zero_param import ZeroParameter
 
@@ -269,6 +271,7 @@ class Init(ParameterRegistrationContext):
         created = {id(p) for p in self._created}
         roots = [m for key, m in self._modules.items() if key not in self._children]
         comm = self._comm()
+        _check_pipeline_group(roots, comm)
         seed = torch.tensor([self._record.seed], dtype=torch.int64, device=default_device())
         comm.broadcast(seed, src=0)
         device = default_device()
@@ -282,6 +285,7 @@ class Init(ParameterRegistrationContext):
     def _partition_built(self, model: torch.nn.Module) -> None:
         """`Init(module=model)`: partition an already built model's parameters as they are."""
         comm, device = self._comm(), default_device()
+        _check_pipeline_group([model], comm)
         for _, _, module, owned in owned_params(model):
             plain = [(n, p) for n, p in owned if not p.is_meta and param_state(p) is None]
             if plain:
@@ -289,6 +293,24 @@ class Init(ParameterRegistrationContext):
 
     def _store(self, module: torch.nn.Module, owned, comm: Communicator, device: torch.device) -> None:
         store_init_groups(module, owned, comm, device, self.dtype, self._offload)
+
+
+def _check_pipeline_group(roots: list[torch.nn.Module], comm: Communicator) -> None:
+    """Each stage of a PipelineModule builds other layers, so its parameters are partitioned over its own
+    stage's data-parallel ranks; a group spanning stages would pair unlike collectives (before any is issued,
+    so every rank of such a group raises)."""
+    for root in roots:
+        if not isinstance(root, PipelineModule) or root.num_stages == 1:
+            continue
+        topology = root.topology()
+        ranks = [comm_api.get_global_rank(comm.group, r) for r in range(comm.world_size)] if comm.world_size > 1 \
+            else [comm_api.get_rank() if comm_api.is_initialized() else 0]
+        stages = sorted({topology.get_coord(r).pipe for r in ranks})
+        if len(stages) > 1:
+            raise ValueError(f"zero.Init over a PipelineModule of {root.num_stages} stages (zero_optimization.stage 3): "
+                             f"its group spans the ranks of stages {stages}, which build other layers; pass the "
+                             "stage's data-parallel group (data_parallel_group=PipelineParallelGrid(topology)"
+                             ".get_data_parallel_group())")
 
 
 def store_init_groups(module: torch.nn.Module, owned, comm: Communicator, device: torch.device,

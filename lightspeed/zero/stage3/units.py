@@ -7,7 +7,9 @@ Note (the unit rule): the unit modules are
     1. the root;
     2. every child of an `nn.ModuleList`, `nn.Sequential` or `nn.ModuleDict` whose subtree holds
        parameters, at any depth (a model's transformer blocks; nested lists give nested units),
-       except inside a leaf module (3);
+       except inside a leaf module (3); likewise every child of a module whose class sets
+       `holds_layers = True` (its children are its layers, called one after another: a
+       `PipelineModule`, whose layers are registered under their indices directly on it);
     3. leaf modules (DeepSpeed's "z3 leaf modules", gathered whole) that contain a unit of rule 2 or
        are one: the leaf is a unit in their place and nothing inside it is a unit. Leaves are
        - the modules named by `zero_optimization.leaf_module` (`classes`: class name, simple or
@@ -45,6 +47,11 @@ from lightspeed.zero.stage3.init import owned_params
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 MAX_LEAF_NUMEL = 1_000_000_000  # DeepSpeed's Z3_MAX_LEAF_SIZE: larger modules never become leaves by threshold
+
+
+def is_container(m: torch.nn.Module) -> bool:
+    """True for a module whose children are units by rule 2 of the Note."""
+    return isinstance(m, CONTAINERS) or getattr(type(m), "holds_layers", False) is True
 
 
 @dataclass(frozen=True)
@@ -196,7 +203,7 @@ def _granularities(root: torch.nn.Module) -> dict[int, int]:
         for c in children:
             cl, cn = visit(c)
             layers, numel = layers + cl, numel + cn
-        if isinstance(m, CONTAINERS):
+        if is_container(m):
             out[id(m)] = sys.maxsize
             return layers, numel
         layers += 1
@@ -230,11 +237,11 @@ def choose_units(root: torch.nn.Module, rule: LeafRule = LeafRule()) -> list[Uni
             if not _has_params(child):
                 continue
             if is_leaf(child, name):
-                if isinstance(m, CONTAINERS) or any(isinstance(d, CONTAINERS) and any(map(_has_params, d.children()))
-                                                    for d in child.modules()):
+                if is_container(m) or any(is_container(d) and any(map(_has_params, d.children()))
+                                          for d in child.modules()):
                     unit_ids.add(id(child))  # itself a unit by rule 2, or in place of those inside it
                 continue
-            if isinstance(m, CONTAINERS):
+            if is_container(m):
                 unit_ids.add(id(child))
             visit(child, name + ".")
 

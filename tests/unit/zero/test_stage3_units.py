@@ -77,6 +77,23 @@ def test_nested_containers_give_nested_units():
                                 "layers.1.ff.2", "layers.2", "layers.2.ff.0", "layers.2.ff.2"]
 
 
+def test_pipeline_module_layers_are_units():
+    """A PipelineModule registers its layers on itself (`holds_layers`): a schedule calls its stage
+    chunks, never the module, so no layer may depend on the root's hooks; each is a unit, as a
+    ModuleList's blocks are, and the granularity threshold never makes the whole module one leaf."""
+    from lightspeed.parallel.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
+
+    torch.manual_seed(0)
+    net = PipelineModule([TiedLayerSpec("embed", torch.nn.Embedding, 8, 6), LayerSpec(Layer), torch.tanh,
+                          LayerSpec(torch.nn.LayerNorm, 6),
+                          TiedLayerSpec("embed", torch.nn.Embedding, 8, 6, forward_fn=lambda m, x: x @ m.weight.t())],
+                         num_stages=1)
+    expected = ["<root>", "tied_modules", "tied_modules.embed", "1", "1.ff.0", "1.ff.2", "3"]
+    assert _names(net) == expected
+    assert not choose_units(net)[0].owned()  # the root itself gathers nothing
+    assert _names(net, granularity_threshold=10**6) == ["<root>", "tied_modules", "tied_modules.embed", "1", "3"]
+
+
 def test_leaf_modules_and_granularity_threshold_only_coarsen():
     nested = Nested()
     by_class = ["<root>", "layers.0", "layers.1", "layers.2"]

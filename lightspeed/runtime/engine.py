@@ -472,8 +472,9 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
         compiled graph (DeepSpeed's `engine.compile`; accelerate calls it with `backend`,
         `compile_kwargs`). `backend`: a torch.compile backend name or callable (default: the
         accelerator's, "inductor"); `compile_kwargs`: torch.compile's other arguments (mode, fullgraph,
-        dynamic, options). The strategy names the regions: the whole module at stages 0-2, and at
-        stage 3 each innermost unit (Note: compiled regions in zero/stage3/units.py). A second call
+        dynamic, options). The strategy names the regions: the whole module at stages 0-2 (a PipelineModule's
+        layers, since the pipeline schedule calls them and never the module), and at stage 3 each
+        innermost unit (Note: compiled regions in zero/stage3/units.py). A second call
         logs a warning and changes nothing. `schedule` (DeepCompile's pass schedule) and
         `compiled_autograd_enabled` are refused: DeepCompile and compiled autograd are not built."""
         if schedule is not None:
@@ -491,7 +492,9 @@ class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
             logger.warning("engine.compile(): the module is already compiled; nothing changed")
             return
         backend = backend or get_accelerator().get_compile_backend() or "inductor"
-        regions = self.strategy.compile_regions()
+        # a PipelineModule is never called whole (the schedule runs its layers): its layers are the regions
+        regions = [r for region in self.strategy.compile_regions()
+                   for r in (list(region.children()) if getattr(region, "holds_layers", False) else [region])]
         heartbeat.pause_during_compilation()  # compiling ranks are not reported as stalled
         for region in regions:
             region.compile(backend=backend, **kwargs)  # in place: hooks and parameters stay as they are

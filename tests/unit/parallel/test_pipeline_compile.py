@@ -3,9 +3,18 @@ the layers are what is compiled (the module alone would compile code that never 
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import lightspeed
 from lightspeed.parallel.pipeline import LayerSpec, PipelineModule
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """A PipelineModule's engine initializes a world of one; later tests in this process expect none."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _engine(stage: int, compiled: bool):

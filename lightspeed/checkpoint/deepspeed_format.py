@@ -290,7 +290,6 @@ class DeepSpeedCheckpointSource:
             self._read_stage0_layout(param_names)
 
     # ------------------------------------------------------------------------------------ files
-
     def _ranked(self, names: list[str], pattern: re.Pattern, group: int) -> list[str]:
         matches = {int(m.group(group)): m for n in names if (m := pattern.match(n))}
         if not matches:
@@ -338,7 +337,6 @@ class DeepSpeedCheckpointSource:
         return self._optim_cache[rank]
 
     # ----------------------------------------------------------------------------- ZeRO layouts
-
     def _read_zero_layout(self) -> None:
         first = self._optim(0)
         path0 = os.path.join(self.path, self._optim_files[0])
@@ -475,7 +473,6 @@ class DeepSpeedCheckpointSource:
         self._state_keys = keys
 
     # ------------------------------------------------------------------------------- stage 0
-
     def _read_stage0_layout(self, param_names: Sequence[str] | None) -> None:
         from lightspeed.checkpoint.deepspeed_stage0 import moe_stage0_layout, stage0_layout
 
@@ -499,7 +496,6 @@ class DeepSpeedCheckpointSource:
         self._stage0_names = {"frozen_param_names": layout.frozen, "shared_params": layout.shared}
 
     # ------------------------------------------------------------------------------- protocol
-
     def param_names(self) -> list[str]:
         return list(self._params)
 

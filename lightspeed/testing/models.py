@@ -29,6 +29,16 @@ class TinyMLP(torch.nn.Module):
         return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
+def distinct_experts(moe: torch.nn.Module, ep_rank: int) -> None:
+    """Scale the local experts of a DeepSpeed-style `MoE` (copies of one module) by 1 + 0.1 x their global
+    index, so that experts differ and an expert in the wrong place shows in the losses."""
+    experts = moe.deepspeed_moe.experts.deepspeed_experts
+    with torch.no_grad():
+        for i, module in enumerate(experts):
+            for p in module.parameters():
+                p.mul_(1 + 0.1 * (ep_rank * len(experts) + i))
+
+
 def regression_data(num_samples: int, d_in: int = 13, d_out: int = 5, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_samples, d_in, generator=g)

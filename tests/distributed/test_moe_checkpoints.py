@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightspeed.testing.models import distinct_experts
 from lightspeed.testing.run_world import run_world
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -51,11 +52,7 @@ class MoENet(nn.Module):
         self.moe = MoE(D, expert, num_experts=EXPERTS, ep_size=ep_size, k=2, drop_tokens=False, use_rts=False,
                        top2_2nd_expert_sampling=False, min_capacity=0)
         self.head = nn.Linear(D, 1)
-        local = EXPERTS // ep_size
-        with torch.no_grad():  # experts differ by their global index
-            for i, module in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
-                for p in module.parameters():
-                    p.mul_(1 + 0.1 * (ep_rank * local + i))
+        distinct_experts(self.moe, ep_rank)  # experts differ by their global index
 
     def forward(self, x, y):
         out, _, _ = self.moe(torch.tanh(self.inp(x)))

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightspeed.testing.models import distinct_experts
 from lightspeed.testing.run_world import run_world
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -76,11 +77,7 @@ class MoEBlock(nn.Module):
         expert = nn.Sequential(nn.Linear(D, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, D))
         self.moe = MoE(D, expert, num_experts=EXPERTS, ep_size=ep_size, min_capacity=0, capacity_factor=1.0,
                        use_rts=False, top2_2nd_expert_sampling=False, aux_loss_coeff=coeff, **moe)
-        local = EXPERTS // ep_size
-        with torch.no_grad():
-            for i, module in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
-                for p in module.parameters():
-                    p.mul_(1 + 0.1 * (ep_rank * local + i))
+        distinct_experts(self.moe, ep_rank)  # experts differ by their global index
         self.dropped = 0
 
     def forward(self, x):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightspeed.testing.models import distinct_experts
 from lightspeed.testing.run_world import run_world
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -48,11 +49,7 @@ class MoENet(nn.Module):
         self.moe = MoE(D, expert, num_experts=EXPERTS, ep_size=ep_size, min_capacity=0, use_rts=False,
                        top2_2nd_expert_sampling=False, **moe)
         self.head = nn.Linear(D, 1)
-        local = EXPERTS // ep_size
-        with torch.no_grad():
-            for i, module in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
-                for p in module.parameters():
-                    p.mul_(1 + 0.1 * (ep_rank * local + i))
+        distinct_experts(self.moe, ep_rank)  # experts differ by their global index
         self.dropped = 0
 
     def forward(self, x, y):

@@ -53,7 +53,11 @@ def _worker(rank: int, spec: dict, port: int) -> None:
         with open(spec["result"], "w") as f:
             json.dump({"cases": results}, f)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    # every result is on disk: leave without running gloo's (or DeepSpeed's) teardown, which now and then aborts
+    # the process ("terminate called without an active exception") on a loaded two-core machine
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:

@@ -71,6 +71,8 @@ class ShardViews:
     # for one step) says the copies of this step were made, so the step does not copy them again
     early_filled: frozenset = frozenset()
     master_grads_filled: bool = False
+    # False: the step copies no gradient into host `master_grads` (ZenFlow copies what an update needs)
+    host_copies: bool = True
     # optimizer.cuda_graph: the fused step's launches captured once and replayed (zero/graphed_step.py)
     graphed: GraphedStep | None = None
 
@@ -96,7 +98,8 @@ def prepare_step(views: ShardViews, loss_scale: float | None, max_norm: float, *
             return StepResult(False, None), None
     to_host = False
     for grad, master_grad in zip(views.grads, views.master_grads):
-        if master_grad is not grad and not (views.master_grads_filled and id(master_grad) in views.early_filled):
+        if master_grad is not grad and views.host_copies and not (views.master_grads_filled
+                                                                  and id(master_grad) in views.early_filled):
             # device -> host (offload): cast on the device, copied straight into the page-locked host
             # buffer; a blocking copy_ would stage through pageable memory and cast on the host
             down = grad.device.type != "cpu" and master_grad.device.type == "cpu"

@@ -206,7 +206,8 @@ class ShardedStrategy(WholeParameters):
             lowp_out={s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped},
             device=self.shards[0].grad.device if self.shards else torch.device("cpu"),
             norm_grads=[s.grad for s in self.shards] if host else None,
-            graphed=GraphedStep(optimizer) if graphed_step else None)
+            graphed=GraphedStep(optimizer) if graphed_step else None,
+            host_copies=self.offload.zenflow is None)  # ZenFlow accumulates on the device (zero/zenflow.py)
         swap: SwappedOptimizerState | None = None
         if self.offload.optimizer == "nvme":
             swapper = NvmeSwapper(self.offload.optimizer_nvme_path, self.offload.aio,
@@ -217,8 +218,9 @@ class ShardedStrategy(WholeParameters):
                 buffer_count=self.offload.optimizer_buffer_count)
             swap.all_out()
         # early device-to-host gradient copies; not with overlap_step, whose background step still
-        # reads `master_grad` while the next backward runs
-        to_host = Stream(self._views.device) if host and not self.offload.overlap_step else None
+        # reads `master_grad` while the next backward runs, nor with ZenFlow
+        to_host = (Stream(self._views.device) if host and not self.offload.overlap_step and self.offload.zenflow is None
+                   else None)
         zenflow = self._zenflow(stepped) if self.offload.zenflow is not None else None
         self._runner = StepRunner(self._views, self.collectives.all_reduce, write_back=self._write_back,
                                   to_host=to_host, swap=swap, overlap=self.offload.overlap_step,
@@ -548,5 +550,7 @@ class ShardedStrategy(WholeParameters):
                 tally.add_tensor("grads", s.master_grad)
             if s.flat.grad_flat is not None and s.flat.grad_flat is not s.grad:
                 tally.add_tensor("grads", s.flat.grad_flat)
+        if self._runner.zenflow is not None:
+            self._runner.zenflow.tally(tally)
         tally.add_optimizer_state(self.optimizer)
         return tally.bytes

@@ -93,8 +93,6 @@ class StepRunner:
     def backward_start(self, is_boundary: bool) -> None:
         """A backward begins: at the boundary the gradient copies to the host are issued as each
         reduction completes, and NVMe reads the first sub-group while backward runs."""
-        if self.zenflow is not None:
-            self.zenflow.before_backward()  # its accumulation still reads the host gradients
         self.host_filled = is_boundary and self.to_host is not None
         if is_boundary and self.swap is not None:
             self.swap.prefetch(0)

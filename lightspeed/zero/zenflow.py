@@ -5,10 +5,11 @@ optimizer every `update_interval` steps, in the background with `overlap_step`.
 
 Owns: the column importance (the L1 norm of each column's gradient over the whole weight, summed over
 the ranks that hold parts of it), the selection and its device state (fp32 masters, moments and the
-shard/parameter indices of the selected elements), the host gradient accumulators (two with
-`overlap_step`), the adaptive update rule, the CPU update and the one in flight. Must not: reduce
-gradients, compute the step's norm or overflow verdict (`zero/sharded_step.prepare_step` does), or
-all-gather parameters (the strategy's `write_back`).
+shard/parameter indices of the selected elements), the interval's gradient accumulator on the device
+and the host buffers it is copied to for an update (two with `overlap_step`), the adaptive update
+rule, the CPU update and the one in flight. Must not: reduce gradients, compute the step's norm or
+overflow verdict (`zero/sharded_step.prepare_step` does), or all-gather parameters (the strategy's
+`write_back`).
 
 Note (the step, DeepSpeed's order): the CPU update steps every element of the shard with the
 interval's accumulated (unscaled, averaged) gradient, clipped by that mean's norm, with the Adam step
@@ -28,10 +29,15 @@ interval behind (DeepSpeed runs it in a separate process; the bound on staleness
 updates run synchronously. Readers of the masters (`flush`) wait for it and take the device values of
 the selected elements.
 
-Note (accumulation): each step's host gradients are added to the interval's accumulator on a thread
-while the next forward and backward run (an update step adds at once: it reads the sum next). The
-host gradient tensors alternate between two buffers, moved with `set_` at the next backward's start,
-so that backward's copies never wait for the addition; the next step waits for it.
+Note (accumulation): each step's reduced gradient is added, unscaled, to an fp32 accumulator on the
+device (one per stepped shard, 4 bytes a parameter of this rank's shard, kept across the interval),
+and only an update copies it to the host: one device-to-host copy per interval instead of one per
+step, and no addition in host memory (at GPT 1.3B a per-step fp32 copy moved 5 GB over the bus and
+15 GB through host memory, BENCHMARKS.md 2026-12-05). The strategy makes no host copy of the
+gradient otherwise (`ShardViews.host_copies`); an update whose interval is this step alone copies
+this step's gradient to the host instead of accumulating it. DeepSpeed, which treats
+`update_interval` as accumulation steps, adds each step's gradient on the device to the interval's
+sum brought back from host memory and copies the sum (bf16) back out every step.
 
 Note (checkpoints): a save holds one standard state: the host masters (with the device values of the
 selected elements) and the host moments with the device moments at the selected elements, and step
@@ -53,6 +59,7 @@ from typing import Callable
 
 import torch
 
+from lightspeed._utils.device import synchronize
 from lightspeed._utils.logging import get_logger
 from lightspeed._utils.pinned import page_locked_empty
 from lightspeed.comm.codecs import AllReduce
@@ -71,7 +78,7 @@ class ZenFlowShard:
     """One stepped master shard as ZenFlow sees it (built by the strategy)."""
 
     master: torch.Tensor  # host fp32 shard (the CPU optimizer's tensor)
-    master_grad: torch.Tensor  # host fp32 copy of this step's reduced gradient shard
+    master_grad: torch.Tensor  # host fp32 buffer: this step's reduced gradient, copied for an update of one step
     grad: torch.Tensor  # the device's reduced gradient shard
     lp_flat: torch.Tensor  # the device's low-precision flat buffer holding the shard's chunks
     chunks: list[tuple[Range, int]]  # (flat-buffer range, shard position) per bucket
@@ -119,15 +126,14 @@ class ZenFlowStep:
         self._reselect = False
         host = [z.master for z in shards]
         nacc = 2 if options.overlap_step else 1
-        self._acc = [[torch.empty_like(t) for t in host] for _ in range(nacc)]
+        # the host copies of the interval's sum (Note: accumulation), page-locked as the host gradients are
+        self._acc = [[page_locked_empty(t.numel(), torch.float32) if z.master_grad.is_pinned()
+                      else torch.empty(t.numel(), dtype=torch.float32) for t, z in zip(host, shards)]
+                     for _ in range(nacc)]
         self._cur = 0
+        self._dacc = [torch.empty(z.grad.numel(), dtype=torch.float32, device=z.grad.device) for z in shards]
         self._count = 0  # steps accumulated in the current interval
         self._background = BackgroundStep() if options.overlap_step else None
-        self._adder = BackgroundStep()  # a step's accumulation, run under the next forward and backward
-        # a second host gradient buffer per shard: the next backward's copies go to one while the last
-        # step's gradients are added from the other (Note: accumulation)
-        self._spare = [page_locked_empty(z.master_grad.numel(), z.master_grad.dtype) if z.master_grad.is_pinned()
-                       else torch.empty_like(z.master_grad) for z in shards]
         self._pending = False  # an overlapped update is in the masters, not yet in the parameters
         # the adaptive update (update_interval "auto")
         self._flag = False
@@ -150,7 +156,6 @@ class ZenFlowStep:
 
     # ------------------------------------------------------------------ the step
     def step(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
-        self._adder.wait()
         result, coef = prepare_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
         m, sch = self._m, self.schedule
         self._m += 1
@@ -161,8 +166,8 @@ class ZenFlowStep:
         update = sch.updates(m, flagged)
         background = self._background is not None and selective
         single = update and self._count == 0 and not background  # this step's gradient is the interval's
-        if not single:  # an update needs it now; otherwise it runs while the next forward does
-            self._accumulate(1.0 / loss_scale if loss_scale else 1.0, later=not update)
+        if not single:
+            self._accumulate(1.0 / loss_scale if loss_scale else 1.0)
         colsums = None
         if selective and (self._sel is None or self._reselect or sch.selects(m)):
             self.flush(gather=False)  # the host masters take the device values before the columns change
@@ -177,43 +182,33 @@ class ZenFlowStep:
         self._write_back()
         return result
 
-    def _accumulate(self, inv_scale: float, later: bool) -> None:
-        """Add this step's host gradients (unscaled) to the interval's accumulator; `later`: on a
-        thread, waited for before the next backward's copies overwrite the host gradients."""
-        acc, first = self._acc[self._cur], self._count == 0
+    def _accumulate(self, inv_scale: float) -> None:
+        """Add this step's reduced gradients (unscaled, in fp32) to the interval's sum on the device."""
+        first = self._count == 0
         self._count += 1
-        grads = [z.master_grad.view_as(z.master_grad) for z in self.shards]  # this storage, whatever comes
+        for z, a in zip(self.shards, self._dacc):
+            if first:
+                a.copy_(z.grad).mul_(inv_scale)
+            else:
+                a.add_(z.grad, alpha=inv_scale)
 
-        def run():
-            for g, a in zip(grads, acc):
-                if first:
-                    torch.mul(g, inv_scale, out=a)
-                else:
-                    a.add_(g, alpha=inv_scale)
-
-        if later:
-            self._adder.launch(run)
-        else:
-            run()
-
-    def before_backward(self) -> None:
-        """A backward begins: its copies would overwrite the host gradients the last step's accumulation
-        may still read, so the host gradient tensors move to the other buffer (same tensors, other
-        storage: every holder of them sees the move)."""
-        if not self._adder.running:
-            return
-        for i, z in enumerate(self.shards):
-            current = z.master_grad.view_as(z.master_grad)
-            z.master_grad.set_(self._spare[i])
-            self._spare[i] = current
+    def _to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (device, host) pair's device tensor into its host buffer (cast on the device,
+        asynchronously into page-locked memory), then wait for the copies."""
+        down = False
+        for dev, host in pairs:
+            d = dev.device.type != "cpu"
+            host.copy_(dev, non_blocking=d)
+            down |= d
+        if down:
+            synchronize(self.views.device)
 
     def _interval_coef(self, max_norm: float) -> torch.Tensor:
         """1/steps of the interval, times the clip factor of the accumulated mean's global norm."""
         n = self._count
-        acc = self._acc[self._cur]
         coef = torch.full((), 1.0 / n, dtype=torch.float32)
         if max_norm > 0:
-            sq = squared_norm(acc).to(self.views.device)
+            sq = squared_norm(self._dacc).to(self.views.device)
             if self.agree is not None:
                 self.agree(sq)
             norm = sq.cpu().sqrt() / n
@@ -224,9 +219,12 @@ class ZenFlowStep:
         """The CPU update of step `m`: over this step's gradient alone with its coefficient `coef`
         (`single`), or over the interval's accumulated gradients."""
         if single:
+            self._to_host([(z.grad, z.master_grad) for z in self.shards])
             grads = {z.master: z.master_grad for z in self.shards}
         else:
-            grads = {z.master: a for z, a in zip(self.shards, self._acc[self._cur])}
+            acc = self._acc[self._cur]  # the other one may still be read by an update in flight
+            self._to_host(list(zip(self._dacc, acc)))
+            grads = {z.master: a for z, a in zip(self.shards, acc)}
             coef = self._interval_coef(max_norm)
         self._count = 0
         self.updates += 1
@@ -353,7 +351,6 @@ class ZenFlowStep:
         """Finish an overlapped update and write it into the parameters (all-gathered unless the caller
         does it next: `gather`); the host masters take the device values of the selected elements
         (what every reader of the masters sees)."""
-        self._adder.wait()
         self._drain(gather)
         if self._sel is not None:
             for z, s in zip(self.shards, self._sel):
@@ -375,6 +372,16 @@ class ZenFlowStep:
                         z.lp_flat.index_copy_(0, s.lp_idx, s.master.to(z.lp_flat.dtype))
                 if gather:
                     self._write_back()
+
+    def tally(self, tally) -> None:
+        """Count ZenFlow's own buffers into a `MemoryTally` (zero/memory.py): the interval's sums on
+        the device and their host copies as gradients, the selected elements' values and moments as
+        optimizer state."""
+        for t in self._dacc + [a for acc in self._acc for a in acc]:
+            tally.add_tensor("grads", t)
+        for s in self._sel or ():
+            for t in (s.master, s.exp_avg, s.exp_avg_sq):
+                tally.add_tensor("optimizer_state", t)
 
     def merge_state(self, state: dict) -> dict:
         """`state` (a `fragments_state_dict` of the masters after `flush`) with the device moments at
@@ -398,7 +405,6 @@ class ZenFlowStep:
     def reset(self) -> None:
         """The masters were replaced (a load): a new interval, and a new selection at the next step.
         The device values are dropped, not written back (an update in flight is waited for)."""
-        self._adder.wait()
         if self._background is not None:
             self._background.wait()
             self._pending = False

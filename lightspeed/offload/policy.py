@@ -158,7 +158,7 @@ class OffloadPolicy:
             if opt.fast_init:
                 logger.info("zero_optimization.offload_optimizer.fast_init has no effect: swap files are written "
                             "once, at the first swap-out")
-        zenflow = _zenflow(z, opt, opt_device)
+        zenflow = _zenflow(z, opt, opt_device, par_device)
         aio = cfg.aio
         threads = max(int(aio.thread_count), int(aio.intra_op_parallelism))
         if "nvme" in (opt_device, par_device):
@@ -182,7 +182,7 @@ class OffloadPolicy:
                            single_submit=bool(aio.single_submit), overlap_events=bool(aio.overlap_events)))
 
 
-def _zenflow(z, opt, opt_device: str) -> ZenFlowOptions | None:
+def _zenflow(z, opt, opt_device: str, par_device: str) -> ZenFlowOptions | None:
     """`zero_optimization.zenflow` validated, with the rules that tie it to the offload keys."""
     if z.zenflow is None:
         return None
@@ -190,9 +190,9 @@ def _zenflow(z, opt, opt_device: str) -> ZenFlowOptions | None:
     if opt_device != "cpu":
         raise ConfigError('zero_optimization.zenflow: needs zero_optimization.offload_optimizer.device "cpu" '
                           f'(got "{opt_device}"); ZenFlow is a form of ZeRO-Offload')
-    if z.stage == 3:
-        raise NotImplementedError("zero_optimization.zenflow at ZeRO stage 3 is not implemented yet (stages 1 and 2 "
-                                  "are)")
+    if par_device != "none":
+        raise NotImplementedError("zero_optimization.zenflow with zero_optimization.offload_param is not implemented "
+                                  "(the selected columns' step writes the device's low-precision parameters)")
     if options.offload:
         raise NotImplementedError("zero_optimization.zenflow.offload (the selected columns' Adam state in host "
                                   "memory) is not implemented yet")

@@ -95,3 +95,15 @@ def owned_chunks(buckets: list[BucketPlan], world_size: int, rank: int) -> list[
         out.append((r, shard_pos))
         shard_pos += r.numel
     return out
+
+
+def uncovered(whole: Range, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The sub-ranges of `whole` not covered by the sorted, disjoint `taken` ranges."""
+    out, pos = [], whole.start
+    for a, b in sorted(taken):
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+    if pos < whole.end:
+        out.append((pos, whole.end))
+    return out

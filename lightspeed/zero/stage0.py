@@ -92,7 +92,7 @@ class WholeParameters:
         """Nothing is stepped during backward at this stage."""
 
     def set_steps_per_epoch(self, n: int) -> None:
-        """No epoch-based selection at this stage (ZenFlow runs at stages 1-2)."""
+        """No epoch-based selection at this stage (ZenFlow runs at stages 1-3)."""
 
     def external_parameters(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Nothing is gathered around a module's forward at this stage."""

@@ -78,8 +78,6 @@ from lightspeed.zero.graphed_step import GraphedStep
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
 from lightspeed.zero.zenflow import ZenFlowShard, ZenFlowStep
-from lightspeed.config.errors import ConfigError
-from lightspeed.ops.adam import CPUAdam
 from lightspeed.zero.stage0 import WholeParameters, broadcast_unflattened
 
 MAX_INFLIGHT_REDUCES = 2  # stage 2: reductions in flight at once (each holds a bucket-sized staging buffer)
@@ -238,9 +236,6 @@ class ShardedStrategy(WholeParameters):
 
     def _zenflow(self, stepped: list[Shard]) -> ZenFlowStep:
         """ZenFlow's view of the stepped shards: each parameter's pieces in them (zero/zenflow.py)."""
-        if not isinstance(self.optimizer, CPUAdam):
-            raise ConfigError("zero_optimization.zenflow: needs the Adam or AdamW optimizer (stepped by CPUAdam on "
-                              f"the host and by Adam on the device; got {type(self.optimizer).__name__})")
         group_of = {id(t): g for g in self.optimizer.param_groups for t in g["params"]}
         shards = []
         for s in stepped:
@@ -487,13 +482,10 @@ class ShardedStrategy(WholeParameters):
     def state_dict(self) -> dict[str, Any]:
         state = fragments_state_dict(self.fragments(), self.optimizer, stage=self.stage,
                                      dp_world_size=self.comm.world_size, dp_rank=self.comm.rank)
-        if self._runner.zenflow is not None:  # the device moments of ZenFlow's selected elements
-            state = self._runner.zenflow.merge_state(state)
-        return state
+        return self._runner.merge_state(state)
 
     def masters_loaded(self) -> None:
-        if self._runner.zenflow is not None:
-            self._runner.zenflow.reset()  # the loaded masters replace the device part too
+        self._runner.masters_replaced()  # before the flush: the loaded masters replace the device part too
         self.flush()
         self._masters_in()
         for s in self.shards:
@@ -505,8 +497,7 @@ class ShardedStrategy(WholeParameters):
         self._masters_in()
         for s in self.shards:
             self._copy_params_to_master(s)
-        if self._runner.zenflow is not None:
-            self._runner.zenflow.reset()
+        self._runner.masters_replaced()
         self._masters_out()
 
     def module_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -194,6 +194,17 @@ class StepRunner:
             self._writeback_pending = False
             self._write_back()
 
+    def merge_state(self, state: dict) -> dict:
+        """The strategy's optimizer state dict with what lives outside the optimizer (ZenFlow's device
+        moments of its selected elements)."""
+        return self.zenflow.merge_state(state) if self.zenflow is not None else state
+
+    def masters_replaced(self) -> None:
+        """The master shards were written from outside (a load, or the parameters): ZenFlow drops its
+        device values and selects again."""
+        if self.zenflow is not None:
+            self.zenflow.reset()
+
     def zero_grad(self) -> None:
         """Before the gradient shards are zeroed: a copy to the host still reading them finishes."""
         if self.to_host is not None:

@@ -1,4 +1,4 @@
-"""ZenFlow (``zero_optimization.zenflow``, ZeRO 1-2 with the optimizer in host memory): every step the
+"""ZenFlow (``zero_optimization.zenflow``, ZeRO 1-3 with the optimizer in host memory): every step the
 most important columns of each 2-D weight are updated on the device at once, with their own Adam
 state there; the other elements' gradients are accumulated in host memory and stepped by the CPU
 optimizer every `update_interval` steps, in the background with `overlap_step`.
@@ -39,6 +39,11 @@ this step's gradient to the host instead of accumulating it. DeepSpeed, which tr
 `update_interval` as accumulation steps, adds each step's gradient on the device to the interval's
 sum brought back from host memory and copies the sum (bf16) back out every step.
 
+Note (stage 3): the stage's shards come from zero/stage3/zenflow_shards.py: one per (parameter
+group, optimizer group), on every rank, empty where the rank holds none of its elements (it only
+joins the column sums). Parameters offloaded too (`offload_param`) are refused: the device step
+writes the device's low-precision shard.
+
 Note (checkpoints): a save holds one standard state: the host masters (with the device values of the
 selected elements) and the host moments with the device moments at the selected elements, and step
 count = steps taken. It loads into a run without ZenFlow; a ZenFlow run loading any checkpoint starts
@@ -63,6 +68,8 @@ from lightspeed._utils.device import synchronize
 from lightspeed._utils.logging import get_logger
 from lightspeed._utils.pinned import page_locked_empty
 from lightspeed.comm.codecs import AllReduce
+from lightspeed.config.errors import ConfigError
+from lightspeed.ops.adam import CPUAdam
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
 from lightspeed.offload.zenflow_config import ZenFlowOptions
 from lightspeed.ops.lowp_writer import LowpWriter
@@ -77,7 +84,8 @@ logger = get_logger(__name__)
 class ZenFlowShard:
     """One stepped master shard as ZenFlow sees it (built by the strategy)."""
 
-    master: torch.Tensor  # host fp32 shard (the CPU optimizer's tensor)
+    master: torch.Tensor  # host fp32 shard (the CPU optimizer's tensor); empty where this rank holds none of
+    # the shard's parameters (stage 3): it then only joins the column sums' all-reduce
     master_grad: torch.Tensor  # host fp32 buffer: this step's reduced gradient, copied for an update of one step
     grad: torch.Tensor  # the device's reduced gradient shard
     lp_flat: torch.Tensor  # the device's low-precision flat buffer holding the shard's chunks
@@ -108,6 +116,9 @@ class ZenFlowStep:
 
     def __init__(self, options: ZenFlowOptions, views: ShardViews, shards: list[ZenFlowShard],
                  agree: AllReduce | None, write_back: Callable[[], None]):
+        if not isinstance(views.optimizer, CPUAdam):
+            raise ConfigError("zero_optimization.zenflow: needs the Adam or AdamW optimizer (stepped by CPUAdam on "
+                              f"the host and by Adam on the device; got {type(views.optimizer).__name__})")
         self.options, self.views, self.shards, self.agree = options, views, shards, agree
         self.optimizer = views.optimizer
         self._write_back = write_back
@@ -218,18 +229,19 @@ class ZenFlowStep:
     def _update(self, m: int, max_norm: float, coef: torch.Tensor | None, single: bool, background: bool) -> None:
         """The CPU update of step `m`: over this step's gradient alone with its coefficient `coef`
         (`single`), or over the interval's accumulated gradients."""
+        stepped = [(z, a) for z, a in zip(self.shards, self._acc[self._cur]) if z.master.numel()]
         if single:
-            self._to_host([(z.grad, z.master_grad) for z in self.shards])
-            grads = {z.master: z.master_grad for z in self.shards}
+            self._to_host([(z.grad, z.master_grad) for z, _ in stepped])
+            grads = {z.master: z.master_grad for z, _ in stepped}
         else:
-            acc = self._acc[self._cur]  # the other one may still be read by an update in flight
-            self._to_host(list(zip(self._dacc, acc)))
-            grads = {z.master: a for z, a in zip(self.shards, acc)}
+            # the other host buffer may still be read by an update in flight
+            self._to_host([(d, a) for z, a, d in zip(self.shards, self._acc[self._cur], self._dacc) if z.master.numel()])
+            grads = {z.master: a for z, a in stepped}
             coef = self._interval_coef(max_norm)
         self._count = 0
         self.updates += 1
         self._drain(gather=False)  # the previous overlapped update reaches the parameters first
-        for z in self.shards:  # DeepSpeed's step_id: the Adam step count is the number of steps taken
+        for z, _ in stepped:  # DeepSpeed's step_id: the Adam step count is the number of steps taken
             self.optimizer._init_state(z.master)["step"] = m
         if background:
             snapshot = optimizer_snapshot(self.optimizer)
@@ -365,6 +377,8 @@ class ZenFlowStep:
                 self._pending = False
                 writer = LowpWriter()
                 for z in self.shards:
+                    if not z.master.numel():
+                        continue
                     writer.write(z.master, 0, z.master.numel(), self.views.lowp_out.get(z.master, ()))
                 writer.finish()
                 if self._sel is not None:
@@ -391,7 +405,7 @@ class ZenFlowStep:
         owners = {(o.data_ptr(), o.numel()): i for i, o in enumerate(state["owners"])}  # detached views
         merged = list(state["state"])
         for z, s in zip(self.shards, self._sel):
-            i = owners.get((z.master.data_ptr(), z.master.numel()))
+            i = owners.get((z.master.data_ptr(), z.master.numel())) if z.master.numel() else None
             if i is None:
                 continue
             entry = dict(merged[i])

@@ -140,10 +140,15 @@ def _zero(zf: dict | None, small: bool = True) -> dict:
     return z
 
 
-def _train(cfg: dict, steps: int = STEPS, save: str | None = None, load: str | None = None):
+def _train(cfg: dict, steps: int = STEPS, save: str | None = None, load: str | None = None, split: bool = False):
+    """`split`: fc2.weight in an optimizer group of its own (the same hyperparameters): at stage 3 over two
+    ranks one rank then holds none of that group's elements (stage3/zenflow_shards.py's Note)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model = TinyMLP()
-    engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    params = model.parameters()
+    if split:
+        params = [{"params": [model.fc2.weight]}, {"params": [p for n, p in model.named_parameters() if n != "fc2.weight"]}]
+    engine, *_ = lightspeed.initialize(model=model, model_parameters=params, config=cfg)
     if load is not None:
         engine.load_checkpoint(load)
     micro = engine.train_micro_batch_size_per_gpu()
@@ -185,6 +190,11 @@ def _worker(tmp: str):
     out["stage1"] = _train(_config(world, gradient_clipping=0.5, zero_optimization={
         **_zero(CASES["seq"]), "stage": 1}))
     out["plain"] = _train(_config(world, zero_optimization=_zero(None)))
+    stage3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    out["stage3"] = _train(_config(world, gradient_clipping=0.5, zero_optimization={**_zero(CASES["seq"]), **stage3}),
+                           split=True)
+    out["stage3-overlap"] = _train(_config(world, zero_optimization={**_zero(CASES["warm-overlap"], small=False),
+                                                                     **stage3}))
     # a ZenFlow checkpoint, loaded by a run without ZenFlow
     saved = _train(_config(world, zero_optimization=_zero(CASES["seq"])), steps=3, save=tmp)
     model = TinyMLP()
@@ -206,6 +216,13 @@ def _worker(tmp: str):
     engine.backward(engine(x[dist.get_rank() * micro:][:micro], y[dist.get_rank() * micro:][:micro]))
     engine.step()
     out["ckpt-zf"] = (again, engine.strategy._runner.zenflow._sel is not None)
+    # stage 3: the device values of the selected elements reach the checkpoint, which loads at stage 2
+    saved3 = _train(_config(world, zero_optimization={**_zero(CASES["seq"]), **stage3}), steps=3, save=tmp + "/s3")
+    model = TinyMLP()
+    engine, *_ = lightspeed.initialize(model=model, model_parameters=model.parameters(),
+                                       config=_config(world, zero_optimization=_zero(None)))
+    engine.load_checkpoint(tmp + "/s3", tag="zf")
+    out["ckpt-stage3"] = (saved3[1], {k: v.float().clone() for k, v in engine.strategy.module_state_dict().items()})
     return out
 
 
@@ -214,9 +231,10 @@ def _worker(tmp: str):
 def test_zenflow_against_the_reference(world):
     with tempfile.TemporaryDirectory(prefix="zenflow_test_") as tmp:
         out = run_world(_worker, world, tmp)[0]
-    for name in ("seq", "stage1", "warm-overlap", "auto"):
-        case = CASES["seq" if name == "stage1" else name]
-        ref_losses, ref_state, ref_updates = zenflow_reference(case, clip=0.5 if name in ("seq", "stage1") else 0.0)
+    for name in ("seq", "stage1", "warm-overlap", "auto", "stage3", "stage3-overlap"):
+        case = CASES[{"stage1": "seq", "stage3": "seq", "stage3-overlap": "warm-overlap"}.get(name, name)]
+        ref_losses, ref_state, ref_updates = zenflow_reference(case, clip=0.5 if name in ("seq", "stage1", "stage3")
+                                                               else 0.0)
         losses, state, updates = out[name]
         assert updates == ref_updates, name
         if name == "auto":  # the rule both waited and fired
@@ -240,6 +258,9 @@ def test_zenflow_against_the_reference(world):
     for k, v in saved.items():
         assert torch.equal(again[k], v), k
     assert selected
+    saved, loaded = out["ckpt-stage3"]
+    for k, v in saved.items():
+        assert torch.equal(loaded[k], v), k
 
 
 def test_zenflow_config_follows_deepspeed():
@@ -265,7 +286,8 @@ def test_zenflow_config_follows_deepspeed():
 
 
 @pytest.mark.parametrize("zero,match", [
-    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "zenflow": {}}, "zero_optimization.zenflow at ZeRO stage 3"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}, "zenflow": {}},
+     "zenflow with zero_optimization.offload_param"),
     ({"stage": 2, "zenflow": {}}, "zero_optimization.zenflow"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"offload": True}}, "zenflow.offload"),
 ])

@@ -45,13 +45,15 @@ from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.offload.swapped_step import SubGroup, SwappedOptimizerState
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero import param_access
-from lightspeed.zero.partition import Range
+from lightspeed.zero.partition import Range, uncovered
 from lightspeed.comm.topology import dims_of
 from lightspeed.zero.norm import NormPlan, device_side
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.graphed_step import GraphedStep
 from lightspeed.zero.sharded_step import ShardViews, StepResult
 from lightspeed.zero.step_runner import StepRunner
+from lightspeed.zero.zenflow import ZenFlowStep
+from lightspeed.zero.stage3.zenflow_shards import zenflow_shards
 from lightspeed.zero.stage3.coordinator import Coordinator
 from lightspeed.zero.stage3.options import Stage3Options
 from lightspeed.zero.stage3.seam import ModelSeam
@@ -66,18 +68,6 @@ from lightspeed.ops.lowp_writer import LowpWriter
 from lightspeed.zero.optimizers import check_optimizer, fused_step, low_precision_masters
 
 logger = get_logger(__name__)
-
-def _gaps(whole: Range, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The sub-ranges of `whole` not covered by the sorted, disjoint `taken` ranges."""
-    out, pos = [], whole.start
-    for a, b in sorted(taken):
-        if a > pos:
-            out.append((pos, a))
-        pos = max(pos, b)
-    if pos < whole.end:
-        out.append((pos, whole.end))
-    return out
-
 
 class Stage3Strategy(ModelSeam):
     stage = 3
@@ -132,11 +122,12 @@ class Stage3Strategy(ModelSeam):
                                  master_grads=[g.master_grad_shard for g in trainable],
                                  opt_grads=dict(self._opt_params), lowp_out=self._lowp_out, device=self.device,
                                  norm_grads=[g.grad_shard for g in trainable] if host else None,
-                                 graphed=GraphedStep(optimizer) if graphed_step else None)
+                                 graphed=GraphedStep(optimizer) if graphed_step else None,
+                                 host_copies=self.offload.zenflow is None)  # ZenFlow: zero/zenflow.py
         for g in trainable:
             g.grad_buffers.kept = graphed_step  # the captured step reads fixed addresses
         # early device-to-host gradient copies (not with overlap_step: its background step reads them later)
-        to_host = Stream(self.device) if host and not self.offload.overlap_step else None
+        to_host = Stream(self.device) if host and not self.offload.overlap_step and not self.offload.zenflow else None
         swap = self._optimizer_swap() if self.offload.optimizer == "nvme" else None
         swapped = [g for g in trainable if g.offload.offloads_optimizer]
         self._runner = StepRunner(self._views, self.collectives.all_reduce, write_back=self._write_back,
@@ -145,7 +136,10 @@ class Stage3Strategy(ModelSeam):
                                   write_sub_group=lambda i: swapped[i].copy_master_to_lp(self._lowp_writer),
                                   after_swapped=lambda: self.coordinator.release_all(force=True),
                                   copied_early=[g.master_grad_shard for g in swapped], early_ranges=True,
-                                  speculative=self.offload.super_offload)
+                                  speculative=self.offload.super_offload, zenflow=self.offload.zenflow and ZenFlowStep(
+                                      self.offload.zenflow, self._views, zenflow_shards(
+                                          trainable, optimizer, opt_index, self._opt_pieces),
+                                      self.collectives.all_reduce, self._write_back))
         self._param_swapper = self._param_swap() if self.offload.param == "nvme" else None
         unit_of = {id(m): u.module for u in self.units for m in u.region}
         self.coordinator = Coordinator(module, self.groups, self._uses(), self.options.schedule,
@@ -459,7 +453,9 @@ class Stage3Strategy(ModelSeam):
         self._runner.note_loss_scale(loss_scale)
 
     def set_steps_per_epoch(self, n: int) -> None:
-        """No epoch-based selection at stage 3 (ZenFlow is refused there)."""
+        """The training dataloader's length (ZenFlow's "epoch" selection counts in it)."""
+        if self._runner.zenflow is not None:
+            self._runner.zenflow.set_steps_per_epoch(n)
 
     def flush(self) -> None:
         """Finish an overlapped step still running and write its update into the lp shards."""
@@ -505,17 +501,18 @@ class Stage3Strategy(ModelSeam):
                 stepped = [(r.start, r.end) for r, _, _ in pieces]
                 pieces = [(r, t, o) for r, t, o in pieces] + [
                     (Range(a, b), g.optimizer_shard, a - g.shard.start)
-                    for a, b in _gaps(g.shard, stepped)]
+                    for a, b in uncovered(g.shard, stepped)]
             for st in g.states:
                 out.extend(range_fragments(st.name, tuple(st.shape), st.range, pieces))
         return out
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's fp32 master slices and optimizer state, as fragments."""
-        return fragments_state_dict(self.fragments(), self.optimizer, stage=3, dp_world_size=self.comm.world_size,
-                                    dp_rank=self.comm.rank)
+        return self._runner.merge_state(fragments_state_dict(self.fragments(), self.optimizer, stage=3,
+                                                             dp_world_size=self.comm.world_size, dp_rank=self.comm.rank))
 
     def masters_loaded(self) -> None:
+        self._runner.masters_replaced()  # before the flush: the loaded masters replace the device part too
         self.flush()
         self._masters_in()
         for g in self.groups:
@@ -529,6 +526,7 @@ class Stage3Strategy(ModelSeam):
         self._masters_in()
         for g in self.groups:
             g.copy_lp_to_master()
+        self._runner.masters_replaced()
         self.coordinator.release_all(force=True)
         self.coordinator.gather_persistent()
         self._masters_out()
@@ -596,5 +594,7 @@ class Stage3Strategy(ModelSeam):
         tally = MemoryTally(self._locate)
         for g in self.groups:
             g.add_to(tally)
+        if self._runner.zenflow is not None:
+            self._runner.zenflow.tally(tally)
         tally.add_optimizer_state(self.optimizer)
         return tally.bytes

@@ -14,14 +14,15 @@ off, the same in every expert; every expert's linear layers have the same shapes
 forward, backward or pre-hook on any expert module or on all modules (torch's global hooks), and no
 `forward` set on an instance; every weight and bias a plain `nn.Parameter` (or a subclass that
 overrides no tensor behaviour, as ZeRO-3's `ZeroParameter`) of its layer's declared shape, the input's
-dtype and device; no autocast on the input's device; a 4-D input [ep, local experts, capacity, m]
-(as MOELayer hands it). Anything else runs the loop, which
-is the general path (the same result, expert by expert).
-This keeps ZeRO-3 correct by construction: its unit rule makes every child of the experts' ModuleList
-a unit with forward hooks that gather its parameters, so with parameters to gather the loop runs; the
-batched path runs only where nothing hooks the experts (one rank, whose parameters never leave, or an
-ancestor module marked a leaf, whose hook has gathered them before `Experts.forward` runs; its
-pre-backward hook gathers them again before this backward, as for the loop's F.linear). Experts
+dtype and device; no autocast on the input's device (nor a device type torch's autocast does not
+know); a 4-D input [ep, local experts, capacity, m], as MOELayer hands it. Anything else runs the
+loop, which is the general path (the same result, expert by expert).
+ZeRO-3 stays correct by construction: its unit rule makes every child of the experts' ModuleList a
+unit with forward hooks that gather its parameters, so with parameters to gather the loop runs; the
+batched path runs only where nothing hooks the experts: one rank (parameters that never leave, no
+hooks), or an ancestor marked a leaf module (`zero_optimization.leaf_module`), whose hook has gathered
+them before `Experts.forward` runs and whose pre-backward hook gathers them again before this backward,
+as for the loop's F.linear (tests/distributed/test_moe_training.py runs both ZeRO-3 cases). Experts
 sliced by `enable_expert_tensor_parallelism` hold tensor_parallel.py's layers, not nn.Linear: loop.
 
 Note: [the batched linear] `BatchedLinear.apply(x [E, R, in], n, *weights, *biases)`: stacks the n
@@ -32,8 +33,15 @@ GB per layer for fine-grained experts), and stacks them again there for the inpu
 weights' gradients come from one `bmm` and are handed to each parameter as its slice, so every
 expert's own parameter receives its gradient (names, state dicts, optimizer and ZeRO partitioning
 unchanged). bmm, not the grouped GEMM of ops/grouped_gemm: every expert has the same capacity here
-(DeepSpeed's buffer), so the groups are equal and a strided batched GEMM is exactly the problem; the
-grouped kernels' gain is skipping the padding of uneven groups, which this buffer already holds.
+(DeepSpeed's buffer), so the groups are equal and a strided batched GEMM (cuBLAS, every transpose
+free) is exactly the problem; the grouped kernels' gain is skipping the padding of uneven groups, which
+this buffer already holds, and their CPU path is a loop over groups. Forward + backward on one CPU
+thread (`Experts`, GatedMLP experts; two runs on a shared, loaded machine): 16 experts 128 -> 88 -> 128
+at capacity 32, loop 2.4-6.5 ms, bmm 1.6-2.4 ms, grouped_mlp 2.1-6.2 ms; 64 experts 64 -> 48 -> 64 at
+16, 4.5-7.0 / 2.3-2.5 / 3.2-3.3 ms; 8 experts 256 -> 512 -> 256 at 64, 14-31 / 18-44 / 20-100 ms: the
+batched path wins where experts are many and small (the Python and launch cost of the loop), and on
+the CPU loses some to bmm's transposed operands for few large experts, the regime where the GPU loop
+is near the GEMM roofline anyway (cuBLAS' batched GEMM takes either transpose at no cost).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 ACTIVATIONS = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU,
                nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.ReLU6)
@@ -96,79 +105,98 @@ def _no_hooks(module: nn.Module) -> bool:
                 or module._backward_pre_hooks or "forward" in module.__dict__)
 
 
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as torch_module
+def _autocast_may_run(device_type: str) -> bool:
+    """True when autocast is on for `device_type`, or torch knows no autocast there (e.g. "meta")."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return True
 
+
+def _global_hooks() -> bool:
     return any(getattr(torch_module, name, None) for name in (
         "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
         "_global_backward_pre_hooks"))
 
 
-def _plain_param(p, shape: tuple, like: torch.Tensor) -> bool:
+_PLAIN_FUNCTION = nn.Parameter.__torch_function__
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _plain_param(p, shape: tuple, dtype: torch.dtype, device: torch.device) -> bool:
     cls = type(p)
-    return (isinstance(p, nn.Parameter) and issubclass(cls, nn.Parameter)
-            and cls.__torch_function__ is nn.Parameter.__torch_function__
-            and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
-            and tuple(p.shape) == shape and p.dtype == like.dtype and p.device == like.device)
+    return (issubclass(cls, nn.Parameter) and cls.__torch_function__ is _PLAIN_FUNCTION
+            and cls.__torch_dispatch__ is _PLAIN_DISPATCH and p.shape == shape and p.dtype == dtype
+            and p.device == device)
 
 
-def _linear_params(linears: list, x: torch.Tensor) -> list | None:
+def _linear_params(linears: tuple, x: torch.Tensor) -> list | None:
     """[weights..., biases...] of the experts' i-th nn.Linear layers, or None when they cannot batch."""
     first = linears[0]
-    has_bias = first.bias is not None
-    weight_shape, bias_shape = (first.out_features, first.in_features), (first.out_features,)
+    if type(first) is not nn.Linear:
+        return None
+    has_bias = first._parameters.get("bias") is not None
+    weight_shape = torch.Size((first.out_features, first.in_features))
+    bias_shape = torch.Size((first.out_features,))
+    dtype, device = x.dtype, x.device
     weights, biases = [], []
     for lin in linears:
-        if type(lin) is not nn.Linear or not _no_hooks(lin) or (lin.bias is not None) != has_bias:
+        if type(lin) is not nn.Linear or not _no_hooks(lin):
             return None
-        if (lin.out_features, lin.in_features) != weight_shape or not _plain_param(lin.weight, weight_shape, x):
+        params = lin._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        if (bias is not None) != has_bias or not _plain_param(weight, weight_shape, dtype, device):
             return None
-        if has_bias and not _plain_param(lin.bias, bias_shape, x):
+        if has_bias and not _plain_param(bias, bias_shape, dtype, device):
             return None
-        weights.append(lin.weight)
+        weights.append(weight)
         if has_bias:
-            biases.append(lin.bias)
+            biases.append(bias)
     return weights + biases
 
 
-def _activation(acts: list) -> nn.Module | None:
+def _activation(acts: tuple) -> nn.Module | None:
     first = acts[0]
-    if type(first) not in ACTIVATIONS:
+    kind = type(first)
+    if kind not in ACTIVATIONS:
         return None
     key = first.extra_repr()
-    if any(type(a) is not type(first) or not _no_hooks(a) or a.extra_repr() != key for a in acts):
+    if any(type(a) is not kind or not _no_hooks(a) or a.extra_repr() != key for a in acts):
         return None
     return first
+
+
+def _layers(modules: list) -> tuple | None:
+    """(first linears, activations, second linears, gated) of the experts, or None if not recognised."""
+    kind = type(modules[0])
+    if any(type(m) is not kind for m in modules):
+        return None
+    if kind is nn.Sequential:
+        layers = [tuple(m._modules.values()) for m in modules]
+        if any(len(children) != 3 for children in layers):
+            return None
+        return (*zip(*layers), False)
+    if kind is GatedMLP:
+        names = ("gate_up", "act", "down")
+        return (*zip(*([m._modules.get(name) for name in names] for m in modules)), True)
+    return None
 
 
 def batched_experts(experts: nn.ModuleList, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The batched forward of `experts` ([E, R, in] -> [E, R, out]) for the input `x`, or None when the
     experts or the call are not the Note's recognised case (then the loop runs)."""
     modules = list(experts)
-    if x.dim() != 4 or not modules or x.size(1) != len(modules) or any(not _no_hooks(m) for m in modules) or _global_hooks():
+    if x.dim() != 4 or not modules or x.size(1) != len(modules) or _global_hooks():
         return None
-    if torch.is_autocast_enabled(x.device.type):
+    if _autocast_may_run(x.device.type) or not all(_no_hooks(m) for m in modules):
         return None
-    kind = type(modules[0])
-    if any(type(m) is not kind for m in modules):
+    layers = _layers(modules)
+    if layers is None:
         return None
-    if kind is nn.Sequential:
-        if any(len(m) != 3 for m in modules):
-            return None
-        first, act, second = zip(*(tuple(m) for m in modules))
-        gated = False
-    elif kind is GatedMLP:
-        first, act, second = zip(*((m.gate_up, m.act, m.down) for m in modules))
-        gated = True
-        if first[0].out_features != 2 * second[0].in_features:
-            return None
-    else:
-        return None
-    act = _activation(list(act))
-    if act is None or type(first[0]) is not nn.Linear or type(second[0]) is not nn.Linear:
-        return None
-    p1 = _linear_params(list(first), x)
-    p2 = None if p1 is None else _linear_params(list(second), x)
+    first, acts, second, gated = layers
+    act = _activation(acts)
+    p1 = None if act is None else _linear_params(first, x)
+    p2 = None if p1 is None else _linear_params(second, x)
     if p2 is None or first[0].in_features != x.size(-1):
         return None
     if first[0].out_features != (2 if gated else 1) * second[0].in_features:

@@ -25,9 +25,12 @@ them before `Experts.forward` runs and whose pre-backward hook gathers them agai
 as for the loop's F.linear (tests/distributed/test_moe_training.py runs both ZeRO-3 cases). Experts
 sliced by `enable_expert_tensor_parallelism` hold tensor_parallel.py's layers, not nn.Linear: loop.
 
-Note: [the batched linear] `BatchedLinear.apply(x [E, R, in], n, *weights, *biases)`: stacks the n
-experts' weights (a temporary) and runs `torch.bmm` (`torch.baddbmm` with the stacked biases) over the
-[experts, capacity, hidden] buffer. It saves the parameters themselves for backward, not the stack (a
+Note: [the batched linear] `BatchedLinear.apply(x [E, R, in], n, fused, *weights, *biases)`: stacks
+the n experts' weights (a temporary) and runs `torch.bmm` over the [experts, capacity, hidden] buffer.
+The biases are added as the loop's nn.Linear adds them, so low-precision results round alike: inside
+the product (`torch.baddbmm`, nn.Linear's fused addmm on a contiguous input: the second layer, and the
+first when ep is 1) or after it (nn.Linear's matmul + add on the non-contiguous share [ep, 1, ...] the
+loop hands the first layer when ep > 1). It saves the parameters themselves for backward, not the stack (a
 stack saved by autograd would hold a copy of every expert's weights from forward to backward: up to a
 GB per layer for fine-grained experts), and stacks them again there for the input's gradient; the
 weights' gradients come from one `bmm` and are handed to each parameter as its slice, so every
@@ -73,17 +76,19 @@ class GatedMLP(nn.Module):
 
 
 class BatchedLinear(torch.autograd.Function):
-    """One nn.Linear per expert over an [E, R, in] buffer (the Note on the batched linear)."""
+    """One nn.Linear per expert over an [E, R, in] buffer (the Note on the batched linear); `fused`: the
+    bias added inside the product (baddbmm), else after it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, n: int, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, n: int, fused: bool, *params: torch.Tensor) -> torch.Tensor:
         weights, biases = params[:n], params[n:]
         w = torch.stack(weights).transpose(1, 2)
         ctx.n, ctx.bias = n, bool(biases)
         ctx.save_for_backward(x, *weights)
-        if biases:
+        if biases and fused:
             return torch.baddbmm(torch.stack(biases).unsqueeze(1), x, w)
-        return torch.bmm(x, w)
+        out = torch.bmm(x, w)
+        return out + torch.stack(biases).unsqueeze(1) if biases else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -92,12 +97,12 @@ class BatchedLinear(torch.autograd.Function):
         need = ctx.needs_input_grad
         grad_x = torch.bmm(grad, torch.stack(weights)) if need[0] else None
         grad_w = [None] * n
-        if any(need[2:2 + n]):
+        if any(need[3:3 + n]):
             grad_w = list(torch.bmm(grad.transpose(1, 2), x).unbind(0))
         grad_b = []
         if ctx.bias:
-            grad_b = list(grad.sum(1).unbind(0)) if any(need[2 + n:]) else [None] * n
-        return (grad_x, None, *grad_w, *grad_b)
+            grad_b = list(grad.sum(1).unbind(0)) if any(need[3 + n:]) else [None] * n
+        return (grad_x, None, None, *grad_w, *grad_b)
 
 
 def _no_hooks(module: nn.Module) -> bool:
@@ -202,13 +207,14 @@ def batched_experts(experts: nn.ModuleList, x: torch.Tensor) -> Callable[[torch.
     if first[0].out_features != (2 if gated else 1) * second[0].in_features:
         return None
     n = len(modules)
+    fused = x[:, :1].is_contiguous()  # the loop's first layer sees a contiguous share: nn.Linear's addmm
 
     def forward(buffer: torch.Tensor) -> torch.Tensor:
-        h = BatchedLinear.apply(buffer, n, *p1)
+        h = BatchedLinear.apply(buffer, n, fused, *p1)
         if gated:
             gate, up = h.chunk(2, dim=-1)
             h = act(gate) * up
         else:
             h = act(h)
-        return BatchedLinear.apply(h, n, *p2)
+        return BatchedLinear.apply(h, n, True, *p2)
     return forward

@@ -414,6 +414,8 @@ def main(argv=None):
     args.tokens = args.tokens or (64 if args.tiny else 8192)
     args.steps = args.steps or (3 if args.tiny else 10)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as DeepSpeed's child runs on the CPU (OMP_NUM_THREADS=1)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     table = TINY if args.tiny else SHAPES
     for name in args.shapes.split(","):

@@ -30,7 +30,12 @@ eval_capacity_factor=capacity_factor, min_capacity, drop_tokens)` from the same 
   top-2, and `topkgating` above 2), so both shapes run on both systems;
 - `lightspeed deepspeed.moe.layer.MoE`: what a DeepSpeed user gets after
   `lightspeed.register_as_deepspeed()`, i.e. lightspeed.parallel.experts.MoE (DeepSpeed's design: the
-  expert module deep-copied per expert and run in a loop over [experts, capacity, hidden] buffers);
+  expert module deep-copied per expert, [experts, capacity, hidden] buffers), its expert
+  lightspeed.parallel.experts.GatedMLP (the same module as this file's, which DeepSpeed's row uses), a
+  recognised MLP, so the local experts run as batched matmuls (parallel/experts/batched.py; the note
+  column says "experts batched" when that path engaged, "experts looped" otherwise);
+- `lightspeed deepspeed.moe.layer.MoE, per-expert loop`: the same layer with `Experts.batched = False`
+  (the loop over the expert modules, as DeepSpeed's);
 - `lightspeed grouped-GEMM experts, same gate`: that layer's gate and routes, the experts' weights
   stacked and run through ops.grouped_gemm (`permute` -> `grouped_mlp` -> `unpermute`; no capacity
   padding). Not DeepSpeed's API: what the layer would give on the grouped kernels.
@@ -43,6 +48,7 @@ routes give the same values on every row).
 
     python benchmarks/moe_train.py                    # one GPU: both shapes
     python benchmarks/moe_train.py --tiny --check     # small shapes, on the CPU (a functional check)
+    python benchmarks/moe_train.py --device cpu --tiny --deepspeed   # the CPU smoke of the layer rows
     python benchmarks/moe_train.py --deepspeed --deepspeed-path /path/to/site-packages-with-deepspeed
         [--profile]   # and each whole-layer row's most expensive operators (torch.profiler)
     python benchmarks/moe_train.py --tiny --deepspeed \\
@@ -186,7 +192,9 @@ def run_shape(name, shape, args, device, dtype):
 
 # ---------------------------------------------------------------- the whole layer, against DeepSpeed's
 class GatedMLP(nn.Module):
-    """The expert handed to `MoE(expert=...)`: x -> down(silu(gate(x)) * up(x)), no biases (Mixtral's)."""
+    """The expert DeepSpeed's row hands to `MoE(expert=...)`: x -> down(silu(gate(x)) * up(x)), no biases
+    (Mixtral's). lightspeed's rows use lightspeed.parallel.experts.GatedMLP: the same parameters and
+    computation, a class its batched experts recognise."""
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
@@ -198,12 +206,12 @@ class GatedMLP(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-def _build_layer(moe_cls, shape, args, device, dtype):
+def _build_layer(moe_cls, shape, args, device, dtype, expert_cls=GatedMLP):
     """`moe_cls(...)` with this run's settings, seeded so both systems start from the same weights, its
     expert-parallel group (size 1) set as `deepspeed.initialize` would; and the input tokens."""
     experts, hidden, inter, top_k = shape
     torch.manual_seed(0)
-    layer = moe_cls(hidden_size=hidden, expert=GatedMLP(hidden, inter), num_experts=experts, ep_size=1, k=top_k,
+    layer = moe_cls(hidden_size=hidden, expert=expert_cls(hidden, inter), num_experts=experts, ep_size=1, k=top_k,
                     capacity_factor=args.capacity_factor, eval_capacity_factor=args.capacity_factor,
                     min_capacity=args.min_capacity, drop_tokens=args.drop_tokens).to(device, dtype)
     layer.set_deepspeed_parallelism()
@@ -230,14 +238,14 @@ def _layer_step(forward, params, x, grad_out):
     return step
 
 
-def _time_layer(name, forward, params, x, args):
+def _time_layer(name, forward, params, x, args, note=""):
     grad_out = torch.full_like(x, 0.01)
     step = _layer_step(forward, params, x, grad_out)
     torch.manual_seed(2)  # the gate's random draws (top-2's second-expert sampling) the same on both sides
     out, l_aux, counts = step()
     check = {"out_norm": out.float().norm().item(), "l_aux": l_aux.float().item(), "max_load": int(counts.max())}
     ms = median_ms(step, args.warmup, args.steps, args.repeats)
-    row = {"system": name, "ms": ms, **check}
+    row = {"system": name, "ms": ms, **check, "note": note}
     if getattr(args, "profile", False):
         row["profile"] = _profile(step)
     return row
@@ -277,16 +285,32 @@ def _grouped_forward(layer):
     return forward, [w_gu, w_dn, *moe.gate.parameters()]
 
 
-def time_layers(moe_cls, system, shapes, args, device, dtype, grouped=False):
-    """{shape: [row, ...]}: `moe_cls`'s layer, forward + backward, on each shape (and, with `grouped`,
-    lightspeed's grouped-GEMM experts under the same gate). A row that cannot run holds its reason."""
+def _experts_note(layer, x) -> str:
+    """Whether lightspeed's layer runs its experts batched on this input (the same check its forward makes)."""
+    from lightspeed.parallel.experts.batched import batched_experts
+
+    experts = layer.deepspeed_moe.experts
+    probe = x.new_zeros(1, experts.num_local_experts, 1, x.shape[-1])
+    return "experts batched" if experts.batched and batched_experts(experts.deepspeed_experts, probe) else \
+        "experts looped"
+
+
+def time_layers(moe_cls, system, shapes, args, device, dtype, grouped=False, expert_cls=GatedMLP):
+    """{shape: [row, ...]}: `moe_cls`'s layer (its experts `expert_cls`), forward + backward, on each shape
+    (and, with `grouped`, lightspeed's layer again with its experts looped, and lightspeed's grouped-GEMM
+    experts under the same gate). A row that cannot run holds its reason."""
     out = {}
     for name, shape in shapes.items():
         rows = []
         try:
-            layer, x = _build_layer(moe_cls, shape, args, device, dtype)
-            rows.append(_time_layer(system, layer, list(layer.parameters()), x, args))
+            layer, x = _build_layer(moe_cls, shape, args, device, dtype, expert_cls)
+            note = _experts_note(layer, x) if grouped else ""
+            rows.append(_time_layer(system, layer, list(layer.parameters()), x, args, note))
             if grouped:
+                layer.deepspeed_moe.experts.batched = False
+                rows.append(_time_layer(f"{system}, per-expert loop", layer, list(layer.parameters()), x, args,
+                                        _experts_note(layer, x)))
+                layer.deepspeed_moe.experts.batched = True
                 fwd, params = _grouped_forward(layer)
                 rows.append(_time_layer("lightspeed grouped-GEMM experts, same gate", fwd, params, x, args))
             del layer, x
@@ -341,13 +365,13 @@ def print_layer_table(name, shape, rows, args):
           f"experts of {hidden} -> {inter} -> {hidden}, top {top_k}, {args.tokens} tokens; drop_tokens="
           f"{args.drop_tokens}, capacity_factor={args.capacity_factor}, min_capacity={args.min_capacity}")
     ds = next((r for r in rows if r["system"].startswith("DeepSpeed") and "ms" in r), None)
-    print(f"{'system':<46}{'ms':>10}{'TFLOP/s':>9}{'x DS':>7}{'max load':>9}{'|out|':>12}{'l_aux':>10}  note")
+    print(f"{'system':<54}{'ms':>10}{'TFLOP/s':>9}{'x DS':>7}{'max load':>9}{'|out|':>12}{'l_aux':>10}  note")
     for r in rows:
         if "ms" not in r:
-            print(f"{r['system']:<46}{'':>47}  {r['error']}")
+            print(f"{r['system']:<54}{'':>47}  {r['error']}")
             continue
         speedup = f"{ds['ms'] / r['ms']:>7.2f}" if ds else f"{'':>7}"
-        print(f"{r['system']:<46}{r['ms']:>10.3f}{flops / r['ms'] / 1e9:>9.1f}{speedup}{r['max_load']:>9}"
+        print(f"{r['system']:<54}{r['ms']:>10.3f}{flops / r['ms'] / 1e9:>9.1f}{speedup}{r['max_load']:>9}"
               f"{r['out_norm']:>12.5g}"
               f"{r['l_aux']:>10.5f}  {r.get('note', '')}", flush=True)
     for r in rows:
@@ -365,6 +389,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="small shapes (runs on the CPU)")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is available")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                    help="cuda (fails without a GPU) or cpu (the same as --cpu); default: cuda when available")
     ap.add_argument("--check", action="store_true", help="each path's relative error against the loop")
     ap.add_argument("--deepspeed", action="store_true",
                     help="also time the whole MoE layer: DeepSpeed's against lightspeed's (the Note on --deepspeed)")
@@ -382,9 +408,14 @@ def main(argv=None):
                     help="the whole-layer rows: also each row's most expensive operators (torch.profiler)")
     ap.add_argument("--ds-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device")
+    args.cpu = args.cpu or args.device == "cpu"
     args.tokens = args.tokens or (64 if args.tiny else 8192)
     args.steps = args.steps or (3 if args.tiny else 10)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as DeepSpeed's child runs on the CPU (OMP_NUM_THREADS=1)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     table = TINY if args.tiny else SHAPES
     for name in args.shapes.split(","):
@@ -407,7 +438,10 @@ def main(argv=None):
     lightspeed.register_as_deepspeed()
     from deepspeed.moe.layer import MoE  # lightspeed's, through the registration
 
-    ls_rows = time_layers(MoE, "lightspeed deepspeed.moe.layer.MoE", shapes, args, device, dtype, grouped=True)
+    from lightspeed.parallel.experts import GatedMLP as LightspeedGatedMLP
+
+    ls_rows = time_layers(MoE, "lightspeed deepspeed.moe.layer.MoE", shapes, args, device, dtype, grouped=True,
+                          expert_cls=LightspeedGatedMLP)
     print(f"\nDeepSpeed's rows: {ds_where or 'not measured'}; lightspeed's: `deepspeed.moe.layer.MoE` after "
           f"lightspeed.register_as_deepspeed(), which is {MoE.__module__}.{MoE.__qualname__}")
     for name, shape in shapes.items():

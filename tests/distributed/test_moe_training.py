@@ -9,7 +9,9 @@ those losses: what data parallelism computes. World 2 (ep2, every expert-data-pa
 rank): ZeRO stages 0-3, top-1 with tokens dropped by the capacity limit and top-2 without drops,
 gradient clipping (the global norm counting each expert once), DeepSpeed's MoE optimizer groups
 (`split_params_into_different_moe_groups_for_optimizer`), and the expert parameters' placements and
-bound group (and deepspeed.utils.groups' expert groups agreeing with it). World 4 (ep2 x dp2): ZeRO stage 1."""
+bound group (and deepspeed.utils.groups' expert groups agreeing with it); the experts run batched
+(parallel/experts/batched.py) except at ZeRO-3, whose per-expert hooks keep the loop, and run batched
+again at ZeRO-3 with the MoE layer a leaf module (gathered whole). World 4 (ep2 x dp2): ZeRO stage 1."""
 
 from __future__ import annotations
 
@@ -25,13 +27,16 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 D, SEQ, MICRO, STEPS, EXPERTS = 8, 4, 2, 3, 4
 LR = 0.02
-# (name, world, MoE arguments, ZeRO stage, gradient clipping, DeepSpeed's MoE optimizer groups)
+# (name, world, MoE arguments, ZeRO stage, gradient clipping, DeepSpeed's MoE optimizer groups, more
+# zero_optimization keys)
+LEAF = {"leaf_module": {"classes": ["MoE"]}}  # ZeRO-3 gathers the MoE layer whole: its experts run batched
 CASES = {
-    "top1_drop_stage0": (2, dict(k=1, capacity_factor=1.0), 0, 0.0, False),
-    "top1_drop_stage1_groups": (2, dict(k=1, capacity_factor=1.0), 1, 0.0, True),
-    "top2_stage2_clip": (2, dict(k=2, capacity_factor=1.0, drop_tokens=False), 2, 0.05, False),
-    "top1_drop_stage3": (2, dict(k=1, capacity_factor=1.0), 3, 0.0, False),
-    "top1_drop_ep2_dp2_stage1": (4, dict(k=1, capacity_factor=1.0), 1, 0.0, False),
+    "top1_drop_stage0": (2, dict(k=1, capacity_factor=1.0), 0, 0.0, False, {}),
+    "top1_drop_stage1_groups": (2, dict(k=1, capacity_factor=1.0), 1, 0.0, True, {}),
+    "top2_stage2_clip": (2, dict(k=2, capacity_factor=1.0, drop_tokens=False), 2, 0.05, False, {}),
+    "top1_drop_stage3": (2, dict(k=1, capacity_factor=1.0), 3, 0.0, False, {}),
+    "top1_drop_stage3_leaf": (2, dict(k=1, capacity_factor=1.0), 3, 0.0, False, LEAF),
+    "top1_drop_ep2_dp2_stage1": (4, dict(k=1, capacity_factor=1.0), 1, 0.0, False, {}),
 }
 
 
@@ -89,26 +94,30 @@ def reference(world: int, moe: dict, clip: float):
     return losses, {k: v.clone() for k, v in model.state_dict().items()}, model.dropped
 
 
-def _run(world_expected: int, moe: dict, stage: int, clip: float, groups: bool):
+def _run(world_expected: int, moe: dict, stage: int, clip: float, groups: bool, zero: dict):
     import torch.distributed as dist
 
     import lightspeed
     from lightspeed.compat.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from lightspeed.compat.deepspeed.utils import groups as ds_groups
+    from lightspeed.parallel.experts.batched import batched_experts
 
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == world_expected
     model = MoENet(2, rank % 2, **moe)
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-              "zero_optimization": {"stage": stage}}
+              "zero_optimization": {"stage": stage, **zero}}
     if clip:
         config["gradient_clipping"] = clip
     params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
                                                                    "name": "dense"}) if groups else None
     engine, *_ = lightspeed.initialize(model=model, model_parameters=params, config=config)
     x, y = _data(world)
-    losses = []
+    losses, batched = [], []
+    experts = engine.module.moe.deepspeed_moe.experts  # which path its forward takes, parameters as it sees them
+    experts.register_forward_pre_hook(lambda m, inputs: batched.append(
+        batched_experts(m.deepspeed_experts, inputs[0]) is not None))
     for s in range(STEPS):
         loss = engine(x[s, rank * MICRO:(rank + 1) * MICRO], y[s, rank * MICRO:(rank + 1) * MICRO])
         engine.backward(loss)
@@ -117,7 +126,7 @@ def _run(world_expected: int, moe: dict, stage: int, clip: float, groups: bool):
     layer = engine.module.moe.deepspeed_moe
     placement = engine.placements["moe.deepspeed_moe.experts.deepspeed_experts.1.0.weight"]
     ranks = dist.get_process_group_ranks
-    out = {"losses": losses, "ep_group": ranks(layer.ep_group),
+    out = {"losses": losses, "batched": batched, "ep_group": ranks(layer.ep_group),
            "deepspeed_groups": (ranks(ds_groups._get_expert_parallel_group("ep_size_2")),
                                 ranks(ds_groups._get_expert_data_parallel_group("ep_size_2")),
                                 ds_groups._get_expert_parallel_rank("ep_size_2"),
@@ -144,7 +153,7 @@ def runs():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_expert_parallel_training_matches_one_process(name, runs):
-    world, moe, stage, clip, groups = CASES[name]
+    world, moe, stage, clip, groups, zero = CASES[name]
     ref_losses, ref_state, dropped = reference(world, moe, clip)
     if moe["k"] == 1:
         assert dropped > 0, "the case must drop tokens"
@@ -152,6 +161,8 @@ def test_expert_parallel_training_matches_one_process(name, runs):
         got = result[name]
         ep_rank = rank % 2
         assert got["losses"] == pytest.approx([step[rank] for step in ref_losses], rel=1e-5, abs=1e-6), rank
+        # ZeRO-3 gathers each expert in its own hooks: the loop; elsewhere the experts run batched
+        assert got["batched"] == [not (stage == 3 and not zero)] * STEPS, rank
         assert got["ep_group"] == [rank - ep_rank, rank - ep_rank + 1]
         edp = list(range(ep_rank, world, 2))  # deepspeed.utils.groups answers the same groups
         assert got["deepspeed_groups"] == (got["ep_group"], edp, ep_rank, world // 2)

@@ -1,6 +1,7 @@
 """Mixture-of-experts training with expert parallelism, as DeepSpeed's `deepspeed.moe`: the gates
 (`gating.py`: top-1, top-2 and top-k with DeepSpeed's exact numerics), the layer (`layer.py`: `MoE`,
-`MOELayer`, `Experts`, the all-to-all dispatch over the topology's "ep" group) and the model transform
+`MOELayer`, `Experts`, the all-to-all dispatch over the topology's "ep" group; `batched.py`: the local
+experts at once when they are recognised MLPs, `GatedMLP`) and the model transform
 that binds that group and places the expert parameters (`transform.py`), the aux loss of a layer
 inside a pipeline stage (`aux_loss.py`); and AutoEP, DeepSpeed's
 `expert_parallel` section (`autoep.py`: detect a Hugging Face model's MoE blocks and split their fused
@@ -13,6 +14,7 @@ tests/distributed/test_moe_training.py."""
 from lightspeed.parallel.experts.autoep import PRESETS as AUTOEP_PRESETS
 from lightspeed.parallel.experts.autoep import autoep_transform, detect_moe_blocks
 from lightspeed.parallel.experts.autoep_layer import EPExperts
+from lightspeed.parallel.experts.batched import GatedMLP
 from lightspeed.parallel.experts.errors import MoEArgumentError
 from lightspeed.parallel.experts.gating import (Routes, TopKGate, expert_capacity, top1gating, top2gating,
                                                 topkgating)
@@ -21,7 +23,7 @@ from lightspeed.parallel.experts.layer import Experts, MoE, MOELayer, bind_exper
 from lightspeed.parallel.experts.transform import (EXPERT_DATA_PARALLEL, expert_parallel_size,
                                                    expert_parallel_transform, expert_placements, moe_layers)
 
-__all__ = ["AUTOEP_PRESETS", "EPExperts", "EXPERT_DATA_PARALLEL", "Experts", "MOELayer", "MoE", "MoEArgumentError",
-           "Routes", "TopKGate", "autoep_transform", "bind_expert_group", "detect_moe_blocks", "expert_capacity",
-           "expert_parallel_size", "expert_parallel_transform", "expert_placements", "grouped_mlp",
+__all__ = ["AUTOEP_PRESETS", "EPExperts", "EXPERT_DATA_PARALLEL", "Experts", "GatedMLP", "MOELayer", "MoE",
+           "MoEArgumentError", "Routes", "TopKGate", "autoep_transform", "bind_expert_group", "detect_moe_blocks",
+           "expert_capacity", "expert_parallel_size", "expert_parallel_transform", "expert_placements", "grouped_mlp",
            "grouped_mlp_reference", "moe_layers", "top1gating", "top2gating", "topkgating"]

@@ -15,6 +15,15 @@ output is the gate-weighted sum of its kept routes' results (summed in float32, 
 expert output's dtype). A dropped route contributes nothing; a token that lost every route outputs
 zeros. Global expert g lives on ep rank g // num_local_experts as local expert g % num_local_experts.
 
+Note: [batched experts] `Experts.forward` runs every local expert at once when each is a recognised MLP
+(`nn.Sequential(nn.Linear, activation, nn.Linear)` or batched.py's `GatedMLP`, biases on or off, no
+hooks, no autocast: batched.py's Note on recognised experts): the [ep, local, capacity, m] buffer is
+read as [local, ep x capacity, m] and each projection is one batched matmul over the experts' stacked
+weights, whose gradients reach each expert's own parameters. Anything else (other expert modules,
+hooks, ZeRO-3's per-expert gathering, experts sliced over tp) runs the loop (`forward_loop`), the
+general path; `Experts.batched = False` forces it. Both give the same result up to the matmuls'
+rounding.
+
 Note: [the expert gradient's average] An expert's gradient on its rank already sums the contributions
 of every ep rank's tokens (the all-to-all's backward brings them home), so it is ep times the sum the
 dense parameters' gradients hold over one rank's data. The strategies average each gradient over its
@@ -67,6 +76,7 @@ from lightspeed.comm.differentiable import drop_tokens, expert_all_to_all, gathe
 from lightspeed.comm.sequence_groups import as_group
 from lightspeed.comm.topology import Topology
 from lightspeed.parallel.experts.aux_loss import attach_aux_loss
+from lightspeed.parallel.experts.batched import batched_experts
 from lightspeed.parallel.experts.errors import MoEArgumentError
 from lightspeed.parallel.experts.gating import NOISY_GATE_POLICIES, Routes, TopKGate
 from lightspeed.parallel.tensor_parallel import split_linear, split_tp_size
@@ -105,7 +115,8 @@ def combine(expert_output: torch.Tensor, slots: torch.Tensor, gates: torch.Tenso
 class Experts(nn.Module):
     """`num_local_experts` deep copies of `expert` (`deepspeed_experts`), their parameters marked as
     DeepSpeed marks expert parameters. forward([ep, local experts, capacity, m]) runs local expert i on
-    [:, i] (a tuple output: its first element) and stacks the results the same way."""
+    [:, i] (a tuple output: its first element) and stacks the results the same way: all at once when
+    the experts are recognised MLPs (the Note on batched experts), else in a loop (`forward_loop`)."""
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None) -> None:
         super().__init__()
@@ -116,7 +127,18 @@ class Experts(nn.Module):
                 param.allreduce = False
                 param.group_name = expert_group_name
 
+    batched = True  # False: always the per-expert loop (the reference; batched.py's Note on recognised experts)
+
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        run = batched_experts(self.deepspeed_experts, inputs) if self.batched else None
+        if run is None:
+            return self.forward_loop(inputs)
+        ep, local, capacity, hidden = inputs.shape
+        out = run(inputs.transpose(0, 1).reshape(local, ep * capacity, hidden))
+        return out.view(local, ep, capacity, -1).transpose(0, 1)
+
+    def forward_loop(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Each local expert module called on its [ep, 1, capacity, m] share, one after another."""
         outputs = []
         for chunk, module in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts):
             out = module(chunk)

@@ -193,9 +193,6 @@ def _zenflow(z, opt, opt_device: str, par_device: str) -> ZenFlowOptions | None:
     if par_device != "none":
         raise NotImplementedError("zero_optimization.zenflow with zero_optimization.offload_param is not implemented "
                                   "(the selected columns' step writes the device's low-precision parameters)")
-    if options.offload:
-        raise NotImplementedError("zero_optimization.zenflow.offload (the selected columns' Adam state in host "
-                                  "memory) is not implemented yet")
     if opt.super_offload or opt.overlap_step:
         raise ConfigError("zero_optimization.zenflow: cannot be combined with offload_optimizer.super_offload or "
                           "offload_optimizer.overlap_step (use zenflow.overlap_step)")

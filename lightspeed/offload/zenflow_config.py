@@ -11,7 +11,7 @@ DeepSpeed's keys and defaults:
     update_interval       "auto"  steps between the CPU updates of the other columns; "auto": adaptive
     full_warm_up_rounds   0       first steps that update every element (no selection)
     overlap_step          False   the CPU update runs in the background, one interval behind
-    offload               False   the selected columns' Adam state in host memory (refused: not built)
+    offload               False   the selected columns' Adam state in host memory, moved over per step
     auto_ratio            0.99    with update_interval "auto": the share of 2-D weights whose
                                   unselected gradient mass must catch up before an update
     pt_reserved_cores_perc 0.5    DeepSpeed's split of the cores between training and its optimizer

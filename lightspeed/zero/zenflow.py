@@ -39,6 +39,12 @@ this step's gradient to the host instead of accumulating it. DeepSpeed, which tr
 `update_interval` as accumulation steps, adds each step's gradient on the device to the interval's
 sum brought back from host memory and copies the sum (bf16) back out every step.
 
+Note (offload): with `zenflow.offload` the selected elements' moments live in host memory (page-locked
+where the host masters are) and cross to the device for each device step and back after it, as
+DeepSpeed's: 8 bytes of device memory less per selected element, 16 bytes over the bus per selected
+element and step. The values of the selected elements stay on the device (fp32 here; DeepSpeed's
+bf16 parameters).
+
 Note (stage 3): the stage's shards come from zero/stage3/zenflow_shards.py: one per (parameter
 group, optimizer group), on every rank, empty where the rank holds none of its elements (it only
 joins the column sums). Parameters offloaded too (`offload_param`) are refused: the device step
@@ -309,6 +315,9 @@ class ZenFlowStep:
             master = z.master.index_select(0, idx_host).to(device)
             if old is not None and old[i].exp_avg.numel() == idx.numel():
                 exp_avg, exp_avg_sq = old[i].exp_avg.zero_(), old[i].exp_avg_sq.zero_()
+            elif self.options.offload:  # host memory, page-locked where the host masters are (Note: offload)
+                exp_avg, exp_avg_sq = (page_locked_empty(idx.numel(), torch.float32).zero_() if z.master.is_pinned()
+                                       else torch.zeros(idx.numel(), dtype=torch.float32) for _ in range(2))
             else:
                 exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
             sel.append(_Selected(idx, idx_host, lp_idx, master, exp_avg, exp_avg_sq, columns))
@@ -354,9 +363,16 @@ class ZenFlowStep:
             g = z.grad.index_select(0, s.idx).float()
             step = torch.tensor(float(self._k) if group["bias_correction"] else math.inf, device=device)
             kwargs = {} if coef is None else {"grad_scale": 1.0 / coef.to(device=device, dtype=torch.float32)}
-            fn([s.master], [g], [s.exp_avg], [s.exp_avg_sq], [], [step], lr=float(group["lr"]), beta1=float(beta1),
+            # zenflow.offload: the moments come over for the step and go back (Note: offload)
+            moments = [t.to(device, non_blocking=True) for t in (s.exp_avg, s.exp_avg_sq)]
+            fn([s.master], [g], moments[:1], moments[1:], [], [step], lr=float(group["lr"]), beta1=float(beta1),
                beta2=float(beta2), weight_decay=wd, eps=float(group["eps"]), amsgrad=False, maximize=False, **kwargs)
+            for host, dev in zip((s.exp_avg, s.exp_avg_sq), moments):
+                if dev is not host:
+                    host.copy_(dev, non_blocking=True)
             z.lp_flat.index_copy_(0, s.lp_idx, s.master.to(z.lp_flat.dtype))
+        if self.options.offload:
+            synchronize(self.views.device)  # the moments are in host memory before anything reads them
 
     # ------------------------------------------------------------------ readers
     def flush(self, gather: bool = True) -> None:

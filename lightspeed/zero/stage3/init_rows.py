@@ -61,16 +61,20 @@ def _flat_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[int, Box]]
     inner = math.prod(shape[1:])
     full = tuple((0, n) for n in shape[1:])
     first, last = lo // inner, hi // inner  # the rows lo and hi fall in
+
+    def within(row: int, a: int, b: int) -> list[tuple[int, Box]]:  # elements [a, b) of one row
+        return [(row * inner + s, ((row, row + 1),) + box) for s, box in _flat_boxes(shape[1:], a, b)]
+
     if first == last:
-        return [(first * inner + s, ((first, first + 1),) + b) for s, b in _flat_boxes(shape[1:], lo % inner, hi % inner)]
+        return within(first, lo % inner, hi % inner)
     out = []
     if lo % inner:
-        out += [(first * inner + s, ((first, first + 1),) + b) for s, b in _flat_boxes(shape[1:], lo % inner, inner)]
+        out += within(first, lo % inner, inner)
         first += 1
     if last > first:
         out.append((first * inner, ((first, last),) + full))
     if hi % inner:
-        out += [(last * inner + s, ((last, last + 1),) + b) for s, b in _flat_boxes(shape[1:], 0, hi % inner)]
+        out += within(last, 0, hi % inner)
     return out
 
 

@@ -12,12 +12,15 @@ two gloo ranks (float32), against the same checkpoint loaded whole and initializ
   rank received its rows by an all-to-all, then partitioned them again: zero/stage3/init_rows.py).
 
 Beside tensor parallelism, on four gloo ranks as tp2 x dp2 (autotp_size 2, autoep_size 2,
-expert_tensor_parallel_size 2: the experts sliced over tp), the tiny Mixtral and a GPT-OSS (expert
-biases, interleaved gate|up, transposed weights) loaded at ZeRO-3 by `from_pretrained` under zero.Init,
-against the same checkpoint loaded whole: the logits and 3 AdamW steps' losses within 1e-5; each rank's
-experts are its (ep rank, tp rank) slice (`ds_shape`, and its ZeRO-3 shard's values equal to that slice
-of the checkpoint's tensors, and to the whole-built run's shard), and so is an attention projection
-split by AutoTP; neither the experts' nor a split layer's zero.Init groups were gathered.
+expert_tensor_parallel_size 2: the experts sliced over tp), the tiny Mixtral loaded at ZeRO-3 by
+`from_pretrained` under zero.Init, against the same checkpoint loaded whole: the logits and 3 AdamW
+steps' losses within 1e-5; each rank's experts are its (ep rank, tp rank) slice (`ds_shape`, and its
+ZeRO-3 shard's values equal to that slice of the checkpoint's tensors, and to the whole-built run's
+shard), the attention's q_proj split by AutoTP holds each tp rank's rows between the ZeRO-3 shards of
+that tp rank's ranks, and the experts' zero.Init groups were never gathered. (GPT-OSS's sliced layout,
+biases and interleaved gate|up, is checked against the whole-built slicing in
+tests/unit/parallel/test_autoep.py: AutoTP's plan of GPT-OSS is refused, whole-built or not, for its
+biased experts.)
 """
 
 from __future__ import annotations
@@ -57,22 +60,6 @@ def config(ep: int) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
             "zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True, "autoep_size": ep}}
-
-
-def build_gpt_oss():
-    """A tiny GPT-OSS with its expert biases drawn (transformers initializes them to zero)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    model = tf.GptOssForCausalLM(tf.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=4, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-        max_position_embeddings=64, initializer_range=0.2, swiglu_limit=0.5))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_bias"):
-                p.normal_(0.0, 0.3)
-    return model.float()
 
 
 def _run(model_dir: str, ep: int, zero_init: bool, rank: int, tp: int = 1) -> dict:
@@ -157,7 +144,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for name in {name for name, _ in RUNS} | set(TP_RUNS):
         path = str(tmp_path_factory.mktemp(name))
-        model = build_gpt_oss() if name == "gpt_oss" else build(name)
+        model = build(name)
         model.save_pretrained(path)
         out[name] = (path, {k: v.detach().clone() for k, v in model.state_dict().items()})
     return out
@@ -204,22 +191,15 @@ def test_each_rank_holds_only_its_experts(name, ep, runs, checkpoints):
             torch.testing.assert_close(torch.cat([shard for _, shard in shards]), rows, rtol=0, atol=0)
 
 
-def _tp_slice(name: str, key: str, full: torch.Tensor, ep_rank: int, tp_rank: int) -> torch.Tensor:
-    """This (ep rank, tp rank)'s slice of an experts tensor of the checkpoint, from the layouts: Mixtral's
-    gate_up_proj [E, 2I, H] (the gate rows, then the up rows), down_proj [E, H, I]; GPT-OSS's gate_up_proj
-    [E, H, 2I] interleaved (gate, up, gate, ...) and its bias [E, 2I], down_proj [E, I, H], its bias [E, H]
-    whole."""
+def _tp_slice(key: str, full: torch.Tensor, ep_rank: int, tp_rank: int) -> torch.Tensor:
+    """This (ep rank, tp rank)'s slice of a Mixtral experts tensor of the checkpoint: of gate_up_proj
+    [E, 2I, H] its gate rows and its up rows of this tp rank's half of the I units, of down_proj
+    [E, H, I] those columns; the ep rank's half of the experts."""
     local = full.shape[0] // 2
     rows = full[ep_rank * local:(ep_rank + 1) * local]
-    if key.endswith("down_proj_bias"):
-        return rows
     if key.endswith("down_proj"):
-        dim = 1 if name == "gpt_oss" else 2
-        n = rows.shape[dim] // 2
-        return rows.narrow(dim, tp_rank * n, n)
-    if name == "gpt_oss":  # gate_up_proj and its bias: a contiguous half of the interleaved 2I
-        n = rows.shape[-1] // 2
-        return rows.narrow(-1, tp_rank * n, n)
+        n = rows.shape[2] // 2
+        return rows.narrow(2, tp_rank * n, n)
     units = rows.shape[1] // 2
     n = units // 2
     return torch.cat([rows.narrow(1, tp_rank * n, n), rows.narrow(1, units + tp_rank * n, n)], dim=1)
@@ -238,10 +218,9 @@ def test_experts_sliced_over_tp_match_the_whole_built_model(name, tp_runs, check
         assert not [g for g in init["gathered"] if g.endswith("Experts") and g != "init:EPExperts"], init["gathered"]
         assert "init:ColumnParallelLinear" in init["gathered"] and "init:RowParallelLinear" in init["gathered"]
         ep_rank, tp_rank = rank // 2, rank % 2  # tp innermost; ep is the dp coordinate (one rank per ep rank)
-        assert init["experts"].keys() == whole["experts"].keys() and len(init["experts"]) == 2 * (
-            4 if name == "gpt_oss" else 2)
+        assert init["experts"].keys() == whole["experts"].keys() and len(init["experts"]) == 4  # 2 blocks
         for key, (shape, shard) in init["experts"].items():
-            expected = _tp_slice(name, key, state[key], ep_rank, tp_rank)
+            expected = _tp_slice(key, state[key], ep_rank, tp_rank)
             assert shape == tuple(expected.shape) == whole["experts"][key][0], key
             torch.testing.assert_close(shard, expected.reshape(-1), rtol=0, atol=0)
             torch.testing.assert_close(shard, whole["experts"][key][1], rtol=0, atol=0)

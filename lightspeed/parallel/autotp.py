@@ -36,7 +36,7 @@ from lightspeed.comm.topology import Topology
 from lightspeed.config.errors import ConfigError
 from lightspeed.config.tensor_parallel import PartitionConfig, TensorParallelConfig, TPLayerSpecConfig
 from lightspeed.parallel.module_kinds import is_conv1d, is_linear, linear_dims
-from lightspeed.parallel.tensor_parallel import apply_tensor_parallel, split_tp_size
+from lightspeed.parallel.tensor_parallel import PartitionedLayer, apply_tensor_parallel, split_tp_size
 from lightspeed.parallel.tp_plan import BUILTIN_PLANS, COLWISE, ROWWISE, build_plan, colwise_parts, is_colwise, \
     match_patterns, part_rows
 
@@ -178,9 +178,12 @@ def _checked(model: nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, 
     return plan
 
 
-def tensor_parallel_transform(model: nn.Module, cfg, topology: Topology) -> nn.Module:
+def tensor_parallel_transform(model: nn.Module, cfg, topology: Topology, *,
+                              partitioned: PartitionedLayer | None = None) -> nn.Module:
     """`initialize()`'s tensor-parallel step: split `model` over the topology's tp group as the config's
-    `tensor_parallel` section says; a model `tp_model_init` split already is checked and kept."""
+    `tensor_parallel` section says; a model `tp_model_init` split already is checked and kept.
+    `partitioned` reads the slices of layers partitioned by zero.Init (tensor_parallel.py's Note on
+    layers built under zero.Init)."""
     tp_size, want, done = topology.size("tp"), cfg.tensor_parallel.tp_size, split_tp_size(model)
     if want > 1 and done == 1 and any(p.is_meta for p in model.parameters()):
         raise NotImplementedError("tensor_parallel.autotp_size with a model on the meta device is not implemented: "
@@ -195,7 +198,7 @@ def tensor_parallel_transform(model: nn.Module, cfg, topology: Topology) -> nn.M
     if want != tp_size:
         raise ConfigError(f"tensor_parallel.autotp_size={want}, but the tensor-parallel group has {tp_size} ranks")
     plan = config_plan(model, cfg.tensor_parallel, kept_whole(model, cfg.expert_parallel))
-    return apply_tensor_parallel(model, Communicator(topology.group("tp"), tp_size), plan)
+    return apply_tensor_parallel(model, Communicator(topology.group("tp"), tp_size), plan, partitioned)
 
 
 def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None, config=None, **kwargs) -> nn.Module:

@@ -32,12 +32,20 @@ def is_linear(module: nn.Module | None) -> bool:
     return all(isinstance(d, int) and not isinstance(d, bool) for d in dims)
 
 
+def logical_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape; for one partitioned by ZeRO-3 (an empty placeholder), DeepSpeed's `ds_shape`."""
+    shape = getattr(p, "ds_shape", None)
+    return tuple(shape) if shape is not None else tuple(p.shape)
+
+
 def linear_dims(module: nn.Module) -> tuple[int, int]:
     """(out_features, in_features) of a linear layer (`is_linear`)."""
     if is_conv1d(module):
-        return module.weight.shape[1], module.weight.shape[0]
+        shape = logical_shape(module.weight)
+        return shape[1], shape[0]
     if isinstance(module, nn.Linear):
-        return module.weight.shape[0], module.weight.shape[1]
+        shape = logical_shape(module.weight)
+        return shape[0], shape[1]
     return module.out_features, module.in_features
 
 
@@ -46,7 +54,7 @@ def experts_layout(module: nn.Module) -> tuple[int, int, int] | str | None:
     its 3-D `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], a reason string for an experts module
     of another kind, None for any other module."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and len(logical_shape(gate_up)) == 3):
         return None
     for flag, want in EXPERT_FLAGS.items():
         if getattr(module, flag, want) != want:
@@ -57,7 +65,7 @@ def experts_layout(module: nn.Module) -> tuple[int, int, int] | str | None:
         params = []
     if tuple(params[:3]) != _FORWARD_ARGS or not callable(getattr(module, "act_fn", None)):
         return "its forward is not (hidden_states, top_k_index, top_k_weights) with an act_fn"
-    experts, two_inter, hidden = gate_up.shape
-    if down.dim() != 3 or two_inter % 2 or tuple(down.shape) != (experts, hidden, two_inter // 2):
-        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not match"
+    (experts, two_inter, hidden), down_shape = logical_shape(gate_up), logical_shape(down)
+    if len(down_shape) != 3 or two_inter % 2 or down_shape != (experts, hidden, two_inter // 2):
+        return f"gate_up_proj {logical_shape(gate_up)} and down_proj {down_shape} do not match"
     return experts, hidden, two_inter // 2

@@ -16,10 +16,18 @@ parameter). Fused layers (GPT-2's c_attn, Phi-3's qkv_proj) keep their rows of e
 `Slice` says; parts kept whole on every rank (multi-query k/v heads) and a plan's MoE experts are not
 split for training (refused; parallel/experts/ slices experts over tp itself, with these layers). The output head stays whole (DeepSpeed's training AutoTP likewise keeps it
 replicated unless asked): splitting it would need a gather of the logits before the loss.
+
+Note: [layers built under zero.Init] A layer of a model built under zero.Init (from_pretrained at
+ZeRO-3) holds empty placeholders (their `ds_shape` gives the layouts). Its split layer is built from
+this rank's slices alone: `TPLayout.boxes` names them as boxes of the whole tensors, and the reader
+`initialize()` gives (zero/stage3/init_rows.py's `replace_init_module`) hands every rank exactly those
+from the ranks holding them, by one all-to-all per layer (no rank gathers the whole layer), then
+partitions the split layer's parameters by zero.Init again over the ranks holding the same slices.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +37,7 @@ from torch import nn
 from lightspeed._utils.logging import get_logger
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.tp_autograd import copy_to_group, reduce_from_group
-from lightspeed.parallel.module_kinds import is_conv1d, is_linear
+from lightspeed.parallel.module_kinds import is_conv1d, is_linear, logical_shape
 from lightspeed.parallel.tp_plan import EXPERTS, ROWWISE, Slice, build_plan, is_colwise, part_rows, \
     per_rank_attributes, whole_parts
 
@@ -69,6 +77,22 @@ class TPLayout:
         if self.role == "bias":
             return part.bias(full).clone()
         return part.weight(full.t() if self.transposed else full).contiguous()
+
+    def boxes(self, rank: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """This rank's slice as boxes of the whole tensor ([start, stop) per dim of `full_shape`, joined
+        along the one dim where they differ): `shard` is their join, transposed back for a `transposed`
+        weight (the Note on layers built under zero.Init)."""
+        if not self.sharded:
+            return (tuple((0, n) for n in self.full_shape),)
+        part = Slice(self.style, rank, self.tp_size)
+        if self.role == "bias":
+            return tuple((rows.indices(self.full_shape[0])[:2],) for rows, _ in part.indices((self.full_shape[0], 1)))
+        shape = self.full_shape[::-1] if self.transposed else self.full_shape
+        out = []
+        for index in part.indices(shape):
+            box = tuple(i.indices(n)[:2] for i, n in zip(index, shape))
+            out.append(box[::-1] if self.transposed else box)
+        return tuple(out)
 
     def shard_shape(self, rank: int) -> tuple[int, ...]:
         """The shape of `shard(full, rank)`, worked out on the meta device (no data)."""
@@ -128,19 +152,38 @@ class RowParallelLinear(_ParallelLinear):
         return y if self.bias is None else y + self.bias
 
 
-def split_linear(module: nn.Module, style: str, comm: Communicator) -> _ParallelLinear:
+# (module, {parameter name: this rank's boxes of it}, build) -> build(this rank's boxes of each), its
+# parameters partitioned by zero.Init again: a layer partitioned by zero.Init (the Note on layers built
+# under zero.Init; lightspeed.zero.stage3.init_rows.replace_init_module, given by initialize()); collective
+PartitionedLayer = Callable[[nn.Module, dict[str, tuple[tuple[tuple[int, int], ...], ...]],
+                             Callable[[dict[str, torch.Tensor]], nn.Module]], nn.Module]
+
+
+def split_linear(module: nn.Module, style: str, comm: Communicator,
+                 partitioned: PartitionedLayer | None = None) -> _ParallelLinear:
     """The parallel layer holding this rank's slice of `module` (an nn.Linear or a Conv1D; same device,
-    dtype and requires_grad)."""
+    dtype and requires_grad); `partitioned` reads the slices of a layer partitioned by zero.Init."""
     transposed = is_conv1d(module)
+    layouts = {"weight": TPLayout(style, "weight", logical_shape(module.weight), transposed, comm.world_size)}
+    if module.bias is not None:
+        layouts["bias"] = TPLayout(style, "bias", logical_shape(module.bias), transposed, comm.world_size)
+    cls = ColumnParallelLinear if is_colwise(style) else RowParallelLinear
+    requires_grad = module.weight.requires_grad
+    if getattr(module.weight, "ds_shape", None) is not None:  # partitioned by zero.Init: receive the slices
+        if partitioned is None:
+            raise NotImplementedError(f"tensor_parallel: {type(module).__name__} is partitioned by zero.Init and no "
+                                      "reader of its slices was given; go through initialize()")
+
+        def build(parts: dict[str, torch.Tensor]) -> _ParallelLinear:
+            w = parts["weight"].t().contiguous() if transposed else parts["weight"]
+            return cls(w, parts.get("bias"), comm, layouts, requires_grad=requires_grad)
+
+        return partitioned(module, {role: layout.boxes(comm.rank) for role, layout in layouts.items()}, build)
     weight = module.weight.detach()
     bias = None if module.bias is None else module.bias.detach()
-    layouts = {"weight": TPLayout(style, "weight", tuple(weight.shape), transposed, comm.world_size)}
-    if bias is not None:
-        layouts["bias"] = TPLayout(style, "bias", tuple(bias.shape), transposed, comm.world_size)
     w = layouts["weight"].shard(weight, comm.rank)
     b = None if bias is None else layouts["bias"].shard(bias, comm.rank)
-    cls = ColumnParallelLinear if is_colwise(style) else RowParallelLinear
-    return cls(w, b, comm, layouts, requires_grad=module.weight.requires_grad)
+    return cls(w, b, comm, layouts, requires_grad=requires_grad)
 
 
 def tp_layouts(model: nn.Module) -> dict[str, TPLayout]:
@@ -166,7 +209,8 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def apply_tensor_parallel(model: nn.Module, comm: Communicator, plan: dict[str, str] | None = None) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, comm: Communicator, plan: dict[str, str] | None = None,
+                          partitioned: PartitionedLayer | None = None) -> nn.Module:
     """Split `model` in place over `comm`'s group (the tensor-parallel group): every layer of `plan`
     ({module name: style}; default: the model's own, `tp_plan.build_plan`) becomes a column- or
     row-parallel layer, and attention modules keeping head counts get this rank's. Returns `model`."""
@@ -189,7 +233,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Communicator, plan: dict[str, 
     if tp_size == 1:
         return model
     for name, style in plan.items():
-        _replace(model, name, split_linear(model.get_submodule(name), style, comm))
+        _replace(model, name, split_linear(model.get_submodule(name), style, comm, partitioned))
     changed = per_rank_attributes(model, plan, tp_size, comm.rank)
     logger.info("tensor parallel: %d layers split over %d ranks (%d row-parallel)%s", len(plan), tp_size,
                 sum(style == ROWWISE for style in plan.values()),

@@ -45,7 +45,6 @@ from lightspeed.runtime.kernel_patch import apply_kernels
 from lightspeed.runtime.model_transforms import apply_model_transforms
 from lightspeed.runtime.param_names import params_by_name, params_from_names
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
-from lightspeed.zero.stage3.init import init_record
 
 logger = get_logger(__name__)
 
@@ -235,10 +234,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError("tensor_parallel.autotp_size: initialize() splits the model, so an optimizer built from "
                           "the whole model would hold stale parameters; let the config (or a callable) build the "
                           "optimizer, pass model_parameters, or split the model first with tp_model_init()")
-    if splits_model and any(init_record(m) is not None for m in model.modules()):
-        raise NotImplementedError("tensor_parallel.autotp_size with a model built under zero.Init (partitioned as it "
-                                  "was built) is not implemented: build the model whole, or split it first with "
-                                  "tp_model_init()")
     # DeepSpeed reads model_parameters after its split: follow the model's parameters through it by name
     named_parameters = params_by_name(model, model_parameters) if splits_model and model_parameters is not None \
         else None

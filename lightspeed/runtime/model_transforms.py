@@ -21,6 +21,7 @@ from collections.abc import Callable
 from torch import nn
 
 from lightspeed.checkpointing import apply_activation_checkpointing
+from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.topology import Topology
 from lightspeed.parallel.autotp import tensor_parallel_transform
 from lightspeed.parallel.experts import expert_parallel_transform
@@ -33,7 +34,15 @@ ModelTransform = Callable[[nn.Module, PlacementTable, object, Topology], tuple[n
 
 
 def _tensor_parallel(model, placements, cfg, topology):
-    model = tensor_parallel_transform(model, cfg, topology)
+    # layers partitioned by zero.Init give each rank its slices through Init's groups, partitioned again
+    # over the ranks of its tp rank (zero/stage3/init_rows.py)
+    dims = tuple(d for d in ("dp_replicate", "edp_shard", "ep", "sp") if topology.size_over((d,)) > 1)
+
+    def partitioned(module, wanted, build):
+        keep = Communicator(topology.group_over(dims), topology.size_over(dims)) if dims else Communicator(None, 1)
+        return replace_init_module(module, wanted, build, keep)
+
+    model = tensor_parallel_transform(model, cfg, topology, partitioned=partitioned)
     # the split layers hold their layouts; a model split by its own (Megatron) layers marks its parameters
     placements = PlacementTable.for_module(model)
     return model, tensor_parallel_placements(model, placements, topology.rank("tp"), topology.size("tp"))

@@ -6,7 +6,8 @@ slices) and global norm, and the final parameters must match in fp32 within 1e-5
 consolidated 16-bit save gathers whole tensors; checkpoints load at the same tp size, at another (tp2 ->
 tp1 x dp2, no tp -> tp2, with a ZeRO stage change) and consolidate (zero_to_fp32, safetensors) from the
 tp slices; tp_model_init before initialize, model_parameters given before the split (a generator, param groups),
-and the errors (a model built under zero.Init, a stale optimizer, a parameter not the model's). In the tp2 x dp2
+a model built under zero.Init split by initialize() (its losses equal the model built whole with the same
+values), and the errors (a stale optimizer, a parameter not the model's). In the tp2 x dp2
 world, a save overwriting its tag fails at every point of the publisher's and of another rank's part of the
 protocol: every rank then loads the old save or the new one, never a mix, and the tag verifies."""
 
@@ -307,11 +308,30 @@ def test_tp2_matches_single_process(stage):
             _check(results[kind], references[kind])
 
 
-def _zero_init_model(config):
+def _zero_init_against_whole() -> list[list[float]]:
+    """GPT-2 (Conv1D layers, the fused c_attn) built under zero.Init, then split by initialize() at tp2 and
+    ZeRO-3 (each rank receives its slices of the partitioned layers), and the same model built whole with
+    the same initial values (`initialize_module_weights`, Init's rule): each one's losses."""
     import lightspeed
+    from lightspeed.zero.stage3.init import initialize_module_weights
 
-    with lightspeed.zero.Init(config_dict_or_path=config):
-        return _model("gpt2")
+    config = _config(2, 1, 3, "gpt2")
+    out = []
+    for zero_init in (True, False):
+        if zero_init:
+            with lightspeed.zero.Init(config_dict_or_path=config, seed=7):
+                model = _model("gpt2")
+        else:
+            model = initialize_module_weights(_model("gpt2"), 7)
+        engine, *_ = lightspeed.initialize(model=model, config=config)
+        losses = []
+        for ids in _batches():
+            loss = _loss(engine, "gpt2", ids)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out.append(losses)
+    return out
 
 
 def _model_parameters_follow_the_split():
@@ -345,8 +365,6 @@ def _errors():
 
     out = {}
     for name, call in (
-        ("zero_init", lambda: lightspeed.initialize(model=_zero_init_model(_config(2, 1, 3, "gpt2")),
-                                                    config=_config(2, 1, 3, "gpt2"))),
         ("optimizer", lambda: lightspeed.initialize(
             model=(m := _model("gpt2")), optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
             config={**_config(2, 1, 1, "gpt2"), "optimizer": None})),
@@ -359,21 +377,20 @@ def _errors():
             out[name] = None
         except Exception as error:  # noqa: BLE001 (the test reads the message)
             out[name] = f"{type(error).__name__}: {error}"
-    return out, _model_parameters_follow_the_split()  # one world for both
+    return out, _model_parameters_follow_the_split(), _zero_init_against_whole()  # one world for all
 
 
 def test_errors_name_what_is_not_built():
     results = run_world(_errors, 2)
     out = results[0][0]
-    assert out["zero_init"].startswith("NotImplementedError: tensor_parallel.autotp_size with a model built under "
-                                       "zero.Init"), out["zero_init"]
     assert "ConfigError" in out["optimizer"] and "stale parameters" in out["optimizer"]
     assert "ConfigError" in out["size"] and "does not divide by tp=3" in out["size"]
     assert "ConfigError" in out["foreign"] and "model_parameters[0] (shape (3,)) is not one of the model's" in \
         out["foreign"]
     ref_losses = _reference("gpt2")[0]
     weights = sorted(n for n, _ in _model("gpt2").named_parameters() if n.endswith("weight"))
-    for _, rank_out in results:
+    for _, rank_out, (zero_init, whole) in results:
+        assert zero_init == pytest.approx(whole, rel=1e-5) and len(whole) == STEPS  # zero.Init, split by initialize()
         losses, groups, c_fc_shape, c_fc_in_group = rank_out
         assert losses == pytest.approx(ref_losses, rel=1e-5)  # the generator's parameters are the split ones
         assert [decay for decay, _ in groups] == [0.1, 0.0] and groups[0][1] == weights

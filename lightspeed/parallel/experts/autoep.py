@@ -45,20 +45,23 @@ there. Here ep is carved from data parallelism (comm/topology.py), so it must di
 hold the same experts (reduced over tp), and ep = 1, sp and offload are not refused.
 `expert_parallel.expert_tensor_parallel_size` equal to `autotp_size` (> 1) slices every expert's
 intermediate units over tp instead (autoep_layer.py's Note on experts sliced over tp): the slices are
-sharded over ("ep", "tp") and reduced over the expert-data-parallel dims only; any other value > 1, and
-experts partitioned by zero.Init, are refused naming the key. This goes beyond DeepSpeed 0.19.8, whose
-AutoEP reserves the key for expert-internal tensor parallelism and refuses any value but 1.
+sharded over ("ep", "tp") and reduced over the expert-data-parallel dims only, for a model built whole
+or under zero.Init alike; any other value > 1 is refused naming the key. This goes beyond DeepSpeed
+0.19.8, whose AutoEP reserves the key for expert-internal tensor parallelism and refuses any value but 1.
 
 Note: [zero.Init] A model built under zero.Init (from_pretrained at ZeRO-3) holds empty placeholders
 whose logical shapes are DeepSpeed's `ds_shape` (detection reads those) and whose values are spread
 over Init's ranks. Each block's experts then become their `EPExperts` through `partitioned_experts`
 (zero/stage3/init_rows.py's `replace_init_module`, given by `initialize()`): one all-to-all per block
 hands every rank exactly its ep rank's rows from the ranks holding them (no rank gathers a block's
-whole experts; at autoep_size 1 a rank's rows are all of them), the experts' Init storage is freed,
-and the `EPExperts`' parameters are partitioned by zero.Init again over the expert-data-parallel
-ranks, so only one block's rows are whole on a rank at a time; ZeRO-3 takes them over as every Init
-group, into the same groups and placements as for a model built whole. Meta experts with no values
-anywhere (`OnDevice("meta")`) are refused.
+whole experts; at autoep_size 1 a rank's rows are all of them) and, with the experts sliced over tp,
+only its tp rank's units of those rows (`_wanted`: the boxes `tp_unit_ranges` names, so a tp rank
+never holds its rows' other units either); the experts' Init storage is freed, and the `EPExperts`'
+parameters are partitioned by zero.Init again over the ranks holding the same slices (the
+expert-data-parallel ranks; with tp too when the experts are whole over it), so only one block's
+slices are whole on a rank at a time; ZeRO-3 takes them over as every Init group, into the same groups
+and placements as for a model built whole. Meta experts with no values anywhere (`OnDevice("meta")`)
+are refused.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ from lightspeed.comm.sequence_groups import as_group
 from lightspeed.comm.topology import Topology
 from lightspeed.config.errors import ConfigError
 from lightspeed.config.expert_parallel import ExpertParallelConfig
-from lightspeed.parallel.experts.autoep_layer import EPExperts
+from lightspeed.parallel.experts.autoep_layer import EPExperts, tp_unit_dim, tp_unit_ranges
 from lightspeed.parallel.experts.grouped_mlp import ClampedSwiGLU, GatedActivation, HalvesGLU
 from lightspeed.parallel.experts.transform import expert_reduced_over, moe_layers
 from lightspeed.parallel.placement import Placement, PlacementTable
@@ -151,10 +154,12 @@ _ROUTING_KEYS = {"route_norm": None, "route_scale": 1.0, "score_apply": "auto", 
                  "num_limited_groups": None, "top_k_attr": None}
 
 
-# (experts module, parameter names, first row, rows, build, keep) -> build(this rank's rows of each), its
-# parameters partitioned by zero.Init again over `keep`: experts partitioned by zero.Init
+# (experts module, {parameter name: this rank's boxes, each a [start, stop) per dim, joined along the dim
+# where they differ}, build, keep) -> build(this rank's boxes of each), its parameters partitioned by
+# zero.Init again over `keep`: experts partitioned by zero.Init
 # (lightspeed.zero.stage3.init_rows.replace_init_module, given by initialize()); collective
-PartitionedExperts = Callable[[nn.Module, tuple[str, ...], int, int, Callable[[dict[str, torch.Tensor]], nn.Module],
+Box = tuple[tuple[int, int], ...]
+PartitionedExperts = Callable[[nn.Module, dict[str, tuple[Box, ...]], Callable[[dict[str, torch.Tensor]], nn.Module],
                                Communicator], nn.Module]
 
 
@@ -312,9 +317,32 @@ def _param_names(preset: Preset) -> tuple[str, ...]:
     return tuple(n for n in (preset.w1, preset.w2, preset.b1, preset.b2) if n)
 
 
-def _expert_data_parallel(topology: Topology) -> Communicator:
+def _wanted(block: MoEBlock, source: nn.Module, ep_rank: int, ep: int, tp: tuple[int, int] | None,
+            activation: GatedActivation) -> dict[str, tuple[Box, ...]]:
+    """This rank's boxes of each experts parameter partitioned by zero.Init: its ep rank's rows, and,
+    sliced over tp (`tp` = (tp rank, tp size)), only its tp rank's units of them (the Note on zero.Init)."""
+    preset, local = block.preset, block.num_experts // ep
+    rows = (ep_rank * local, (ep_rank + 1) * local)
+    units = _shape(getattr(source, preset.w2))[1 if preset.transposed else 2]
+    if tp is not None and units % tp[1]:
+        raise ValueError(f"AutoEP: expert_parallel.expert_tensor_parallel_size={tp[1]} does not divide the "
+                         f"{units} intermediate units of the experts of {block.name}")
+    out = {}
+    for name in _param_names(preset):
+        shape = _shape(getattr(source, name))
+        where = tp_unit_dim(name, (preset.w1, preset.w2), (preset.b1, preset.b2), preset.transposed)
+        if tp is None or where is None:
+            out[name] = ((rows,) + tuple((0, n) for n in shape[1:]),)
+            continue
+        dim, fused = where
+        out[name] = tuple(tuple(rows if d == 0 else cut if d == dim else (0, n) for d, n in enumerate(shape))
+                          for cut in tp_unit_ranges(fused, activation.interleaved, tp[1], tp[0], units))
+    return out
+
+
+def _expert_data_parallel(topology: Topology, sliced: bool) -> Communicator:
     """The ranks holding the same experts (as the strategy's reduce group of the experts)."""
-    dims = tuple(d for d in expert_reduced_over(topology) if topology.size_over((d,)) > 1)
+    dims = tuple(d for d in expert_reduced_over(topology, sliced) if topology.size_over((d,)) > 1)
     return Communicator(topology.group_over(dims), topology.size_over(dims)) if dims else Communicator(None, 1)
 
 
@@ -355,14 +383,9 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
                                   activation, use_grouped_mm=section.use_grouped_mm,
                                   bias_names=(preset.b1, preset.b2), transposed=preset.transposed, tp_comm=tp_comm)
         if _partitioned(block, source, partitioned_experts):
-            if sliced:
-                raise NotImplementedError(f"expert_parallel.expert_tensor_parallel_size={tp} with the experts of "
-                                          f"{block.name} partitioned by zero.Init is not implemented; build the model "
-                                          "whole, or leave expert_tensor_parallel_size at 1")
-            keep = keep or _expert_data_parallel(topology)
-            local = block.num_experts // ep
-            experts = partitioned_experts(source, _param_names(preset), ep_rank * local, local,
-                                          lambda rows: build(local=rows), keep)
+            keep = keep or _expert_data_parallel(topology, sliced)
+            wanted = _wanted(block, source, ep_rank, ep, (topology.rank("tp"), tp) if sliced else None, activation)
+            experts = partitioned_experts(source, wanted, lambda rows: build(local=rows), keep)
         else:
             experts = build()
         if ep > 1:

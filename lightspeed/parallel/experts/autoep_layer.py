@@ -72,6 +72,32 @@ from lightspeed.parallel.experts.grouped_mlp import GatedActivation, as_gated, g
 from lightspeed.parallel.placement import Placement
 
 
+def tp_unit_dim(name: str, weight_names: tuple[str, str], bias_names: tuple[str, str], transposed: bool
+                ) -> tuple[int, bool] | None:
+    """(the dim of experts parameter `name` holding intermediate units, whether it is the fused 2I
+    one); None for a parameter kept whole over tp (the down bias). The Note on experts sliced over tp."""
+    w1, w2 = weight_names
+    if name == w1:
+        return (2 if transposed else 1), True
+    if name == w2:
+        return (1 if transposed else 2), False
+    if bias_names[0] and name == bias_names[0]:
+        return 1, True
+    return None
+
+
+def tp_unit_ranges(fused: bool, interleaved: bool, tp: int, tp_rank: int, units: int) -> list[tuple[int, int]]:
+    """The [start, stop) ranges along a unit dim (`tp_unit_dim`) holding tp rank `tp_rank`'s 1/tp of
+    `units` intermediate units: one range of down's I, the gate and up ranges of a halves-layout 2I, one
+    range of an `interleaved` 2I (the Note on experts sliced over tp)."""
+    n = units // tp
+    if not fused:
+        return [(tp_rank * n, (tp_rank + 1) * n)]
+    if interleaved:
+        return [(2 * tp_rank * n, 2 * (tp_rank + 1) * n)]
+    return [(tp_rank * n, (tp_rank + 1) * n), (units + tp_rank * n, units + (tp_rank + 1) * n)]
+
+
 class EPExperts(nn.Module):
     """This ep rank's share of a fused experts module. `weight_names` (w1, w2) are the fused gate|up
     and down parameters' names, `bias_names` (b1, b2) their biases' ("" for none; kept, so the state
@@ -79,8 +105,8 @@ class EPExperts(nn.Module):
     activation (grouped_mlp.py: a `GatedActivation`, or an elementwise `act_fn` of the gate half);
     `transposed` the Note on layouts; `ep_group` is bound by `bind` before the first forward when
     `ep_size` > 1. `local`, when given, holds this rank's rows of each parameter already (name ->
-    [E/ep, ...]: a source partitioned by zero.Init, whose own tensors are empty); else they are sliced
-    from `source`'s whole tensors."""
+    [E/ep, ...], and only this tp rank's units with `tp_comm`: a source partitioned by zero.Init, whose
+    own tensors are empty); else they are sliced from `source`'s whole tensors."""
 
     def __init__(self, source: nn.Module, weight_names: tuple[str, str], num_experts: int, ep_rank: int,
                  ep_size: int, activation: GatedActivation | Callable[[torch.Tensor], torch.Tensor],
@@ -109,7 +135,7 @@ class EPExperts(nn.Module):
                 if rows.shape[0] != self.num_local_experts:
                     raise ValueError(f"AutoEP: {name}'s local rows {tuple(rows.shape)} are not this rank's "
                                      f"{self.num_local_experts} experts")
-            if self.tp_comm is not None:
+            if self.tp_comm is not None and local is None:  # `local` holds this tp rank's units already
                 rows = self._tp_cut(name, rows)
             self.register_parameter(name, nn.Parameter(rows, requires_grad=full.requires_grad))
         gate_up, down = self._weights()
@@ -124,17 +150,7 @@ class EPExperts(nn.Module):
                                  f"[E, {width}]")
 
     def _tp_dim(self, name: str) -> tuple[int, bool] | None:
-        """(the dim of `name` holding intermediate units, whether it is the fused 2I one); None for a
-        parameter kept whole over tp (the down bias)."""
-        w1, w2 = self.weight_names
-        b1, _b2 = self.bias_names
-        if name == w1:
-            return (2 if self.transposed else 1), True
-        if name == w2:
-            return (1 if self.transposed else 2), False
-        if b1 and name == b1:
-            return 1, True
-        return None
+        return tp_unit_dim(name, self.weight_names, self.bias_names, self.transposed)
 
     def tp_ranges(self, name: str, tp_rank: int, units: int) -> tuple[int, list[tuple[int, int]]] | None:
         """(dim, [(start, stop), ...]) of tp rank `tp_rank`'s slice of `name` along its unit dim, for
@@ -143,13 +159,7 @@ class EPExperts(nn.Module):
         if where is None:
             return None
         dim, fused = where
-        tp = self.tp_comm.world_size
-        n = units // tp
-        if not fused:
-            return dim, [(tp_rank * n, (tp_rank + 1) * n)]
-        if self.activation.interleaved:
-            return dim, [(2 * tp_rank * n, 2 * (tp_rank + 1) * n)]
-        return dim, [(tp_rank * n, (tp_rank + 1) * n), (units + tp_rank * n, units + (tp_rank + 1) * n)]
+        return dim, tp_unit_ranges(fused, self.activation.interleaved, self.tp_comm.world_size, tp_rank, units)
 
     def _tp_cut(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         where = self._tp_dim(name)
@@ -169,7 +179,8 @@ class EPExperts(nn.Module):
         if self.tp_comm is None or self._tp_dim(name) is None:
             return None
         dim, fused = self._tp_dim(name)
-        shape = list(getattr(self, name).shape)
+        p = getattr(self, name)
+        shape = list(getattr(p, "ds_shape", None) or p.shape)  # partitioned by zero.Init: its logical shape
         units = shape[dim] * self.tp_comm.world_size // (2 if fused else 1)
         shape[dim] *= self.tp_comm.world_size
         dim, ranges = self.tp_ranges(name, tp_rank, units)

@@ -267,7 +267,8 @@ def test_experts_sliced_over_tp_sum_to_the_whole(kind):
     """expert_tensor_parallel_size: the two tp ranks' slices (GPT-OSS: interleaved gate/up columns and
     biases, transposed weights; Mixtral: gate and up halves) are the placements' boxes of the whole
     experts, a whole state dict loads as them, and their partial MLP outputs, summed, plus the down bias
-    once, are the whole experts' output."""
+    once, are the whole experts' output; the boxes a rank of a model built under zero.Init receives
+    (`_wanted`, at ep 2) are its slices too."""
     from lightspeed.comm.collectives import Communicator
     from lightspeed.parallel.experts.autoep import EXPERT_ACTIVATIONS, PRESETS
 
@@ -295,6 +296,18 @@ def test_experts_sliced_over_tp_sum_to_the_whole(kind):
     if b2 is not None:
         total = total + b2.repeat_interleave(counts, dim=0)
     torch.testing.assert_close(total, whole._mlp(x, counts), rtol=1e-5, atol=1e-6)
+    # experts partitioned by zero.Init: the boxes each (ep rank, tp rank) receives are its slices
+    from lightspeed.parallel.experts.autoep import _wanted
+
+    block = detect_moe_blocks(_tiny(kind), ExpertParallelConfig(enabled=True))[0]
+    for ep_rank, tp_rank in ((0, 0), (1, 1)):
+        comm = Communicator(None, 2)
+        comm.rank = tp_rank
+        sliced = EPExperts(source, (preset.w1, preset.w2), 4, ep_rank, 2, args[5], tp_comm=comm, **kw)
+        for name, boxes in _wanted(block, source, ep_rank, 2, (tp_rank, 2), args[5]).items():
+            dim = next((d for d in range(len(boxes[0])) if len({b[d] for b in boxes}) > 1), 0)
+            got = torch.cat([getattr(source, name).detach()[tuple(slice(a, b) for a, b in box)] for box in boxes], dim)
+            torch.testing.assert_close(got, getattr(sliced, name).detach(), rtol=0, atol=0)
     if kind == "gpt_oss":  # tp rank 1 holds units 3..5: gate_up columns 6..11, interleaved as saved
         assert part.tp_placement("gate_up_proj", 1).boxes == (((0, 4), (0, 8), (6, 12)),)
     else:

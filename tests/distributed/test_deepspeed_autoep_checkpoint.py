@@ -1,0 +1,125 @@
+"""DeepSpeed 0.19.8's own checkpoints of AutoEP training (tests/fixtures/deepspeed_autoep_checkpoint: a
+tiny Mixtral at world 2, saved after 2 steps: ep2 without ZeRO, ep2 at ZeRO-2, ep1 at ZeRO-2) loaded by
+lightspeed's `engine.load_checkpoint`, in one world of 2 gloo processes, each resume then taking the
+two steps DeepSpeed took after its save, with DeepSpeed's losses (1e-5):
+
+- ep2 ZeRO-0 into AutoEP at autoep_size 2, ZeRO-0; ep2 ZeRO-2 into AutoEP at autoep_size 1, ZeRO-2
+  (another ep size); ep1 ZeRO-2 into the plain Hugging Face model (no AutoEP), ZeRO-1, and into
+  AutoEP at autoep_size 2, ZeRO-2.
+- errors: a tag missing an expert file, and one whose expert file holds another expert: one line
+  naming the file, raised on every rank, the engine unchanged.
+(The reader alone: tests/unit/checkpoint/test_deepspeed_autoep.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from lightspeed.testing.run_world import run_world
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "deepspeed_autoep_checkpoint")
+SEQ, MICRO, VOCAB, LR = 6, 2, 64, 0.01
+# (fixture, autoep_size here (0: no AutoEP), ZeRO stage here)
+RESUMES = (("ep2_z0", 2, 0), ("ep2_z2", 1, 2), ("ep1_z2", 0, 1), ("ep1_z2", 2, 2))
+
+
+def _model():
+    import transformers as tf
+
+    torch.manual_seed(1)  # other weights than DeepSpeed's: the load must replace every one
+    return tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, initializer_range=0.2, intermediate_size=24, num_local_experts=4,
+        num_experts_per_tok=2)).float()
+
+
+def _engine(autoep: int, stage: int, clip: float = 1.0):
+    import lightspeed
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+              "zero_optimization": {"stage": stage},
+              "gradient_clipping": clip}  # the fixture's (1.0: DeepSpeed 0.19.8's default)
+    if autoep:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": autoep, "preset_model": "mixtral"}
+    engine, *_ = lightspeed.initialize(model=_model(), config=config)
+    return engine
+
+
+def _train(engine, steps) -> list[float]:
+    """The global batch's mean loss at each step (the fixture's batches)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        gen = torch.Generator().manual_seed(11 + step)
+        ids = torch.randint(0, VOCAB, (world * MICRO, SEQ), generator=gen)[rank * MICRO:(rank + 1) * MICRO]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def _world(tmp: str):
+    import torch.distributed as dist
+
+    from lightspeed.checkpoint.errors import CheckpointError
+
+    rank = dist.get_rank()
+    out: dict = {}
+    for run, autoep, stage in RESUMES:
+        with open(os.path.join(FIXTURES, run, "expected.json")) as f:
+            clip = json.load(f)["gradient_clipping"]
+        engine = _engine(autoep, stage, clip)
+        engine.load_checkpoint(os.path.join(FIXTURES, run))
+        out[f"{run}->{autoep},{stage}"] = _train(engine, range(2, 4))
+    tag = os.path.join(FIXTURES, "ep2_z2", "global_step2")
+    if rank == 0:
+        for bad in ("missing", "swapped"):
+            shutil.copytree(tag, os.path.join(tmp, bad, "global_step2"))
+        os.remove(os.path.join(tmp, "missing", "global_step2", "layer_1_expert_3_mp_rank_00_model_states.pt"))
+        shutil.copy(os.path.join(tag, "layer_1_expert_2_mp_rank_00_model_states.pt"),
+                    os.path.join(tmp, "swapped", "global_step2", "layer_1_expert_3_mp_rank_00_model_states.pt"))
+    dist.barrier()
+    engine = _engine(2, 2)
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    for bad in ("missing", "swapped"):
+        try:
+            engine.load_checkpoint(os.path.join(tmp, bad), tag="global_step2")
+            out[bad] = "loaded"
+        except CheckpointError as err:
+            out[bad] = str(err)
+    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in engine.module.state_dict().items())
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return run_world(_world, 2, str(tmp_path_factory.mktemp("ds_autoep")), timeout=240)
+
+
+@pytest.mark.parametrize("run,autoep,stage", RESUMES)
+def test_resume_follows_deepspeed(world, run, autoep, stage):
+    with open(os.path.join(FIXTURES, run, "expected.json")) as f:
+        expected = json.load(f)["losses_after_resume"]
+    for result in world:
+        assert result[f"{run}->{autoep},{stage}"] == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+def test_bad_files_change_nothing(world):
+    for result in world:
+        assert "layer_1_expert_3_mp_rank_00_model_states.pt: missing" in result["missing"], result["missing"]
+        assert "mismatched expert file" in result["swapped"] and "\n" not in result["swapped"], result["swapped"]
+        assert result["unchanged"]
+

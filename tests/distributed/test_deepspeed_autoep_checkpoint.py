@@ -4,10 +4,15 @@ lightspeed's `engine.load_checkpoint`, in one world of 2 gloo processes, each re
 two steps DeepSpeed took after its save, with DeepSpeed's losses (1e-5):
 
 - ep2 ZeRO-0 into AutoEP at autoep_size 2, ZeRO-0; ep2 ZeRO-2 into AutoEP at autoep_size 1, ZeRO-2
-  (another ep size); ep1 ZeRO-2 into the plain Hugging Face model (no AutoEP), ZeRO-1, and into
-  AutoEP at autoep_size 2, ZeRO-2.
+  (another ep size); ep1 ZeRO-2 into the plain Hugging Face model (no AutoEP), ZeRO-1.
 - errors: a tag missing an expert file, and one whose expert file holds another expert: one line
   naming the file, raised on every rank, the engine unchanged.
+- writing (`checkpoint.format: "deepspeed"`): AutoEP at autoep_size 2 trains 2 steps from DeepSpeed's
+  initial weights, saves DeepSpeed's AutoEP layout at ZeRO-2 (clipping 1.0) and ZeRO-0 (no clipping)
+  and goes on 2 steps; its first 2 losses are DeepSpeed's own (the fixtures'), the written files have
+  DeepSpeed's names and metadata, lightspeed reads the ZeRO-2 tag back (plain model, ZeRO-1) and takes
+  the same 2 steps, and real DeepSpeed (tests/deepspeed/deepspeed_autoep_worker.py, in its own
+  environment) resumes both tags with lightspeed's losses (1e-5).
 (The reader alone: tests/unit/checkpoint/test_deepspeed_autoep.py.)
 """
 
@@ -16,40 +21,47 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
+from lightspeed.testing import deepspeed_env
 from lightspeed.testing.run_world import run_world
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "deepspeed_autoep_checkpoint")
+WORKER = Path(__file__).resolve().parents[1] / "deepspeed" / "deepspeed_autoep_worker.py"
 SEQ, MICRO, VOCAB, LR = 6, 2, 64, 0.01
 # (fixture, autoep_size here (0: no AutoEP), ZeRO stage here)
-RESUMES = (("ep2_z0", 2, 0), ("ep2_z2", 1, 2), ("ep1_z2", 0, 1), ("ep1_z2", 2, 2))
+RESUMES = (("ep2_z0", 2, 0), ("ep2_z2", 1, 2), ("ep1_z2", 0, 1))
+# written by lightspeed at autoep_size 2: name -> (ZeRO stage, gradient clipping)
+WRITTEN = {"written_z2": (2, 1.0), "written_z0": (0, 0.0)}
 
 
-def _model():
+def _model(seed: int = 1):
     import transformers as tf
 
-    torch.manual_seed(1)  # other weights than DeepSpeed's: the load must replace every one
+    torch.manual_seed(seed)  # 1: other weights than DeepSpeed's (the load must replace every one); 0: DeepSpeed's
     return tf.MixtralForCausalLM(tf.MixtralConfig(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, initializer_range=0.2, intermediate_size=24, num_local_experts=4,
         num_experts_per_tok=2)).float()
 
 
-def _engine(autoep: int, stage: int, clip: float = 1.0):
+def _engine(autoep: int, stage: int, clip: float = 1.0, fmt: str = "lightspeed", seed: int = 1):
     import lightspeed
 
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
               "zero_optimization": {"stage": stage},
-              "gradient_clipping": clip}  # the fixture's (1.0: DeepSpeed 0.19.8's default)
+              "gradient_clipping": clip,  # the fixture's (1.0: DeepSpeed 0.19.8's default)
+              "checkpoint": {"format": fmt}}
     if autoep:
         config["expert_parallel"] = {"enabled": True, "autoep_size": autoep, "preset_model": "mixtral"}
-    engine, *_ = lightspeed.initialize(model=_model(), config=config)
+    engine, *_ = lightspeed.initialize(model=_model(seed), config=config)
     return engine
 
 
@@ -101,12 +113,25 @@ def _world(tmp: str):
         except CheckpointError as err:
             out[bad] = str(err)
     out["unchanged"] = all(torch.equal(v, before[k]) for k, v in engine.module.state_dict().items())
+    for name, (stage, clip) in WRITTEN.items():
+        engine = _engine(2, stage, clip, fmt="deepspeed", seed=0)
+        out[name] = _train(engine, range(2))
+        engine.save_checkpoint(os.path.join(tmp, name), tag="global_step2")
+        out[name] += _train(engine, range(2, 4))
+    engine = _engine(0, 1)
+    engine.load_checkpoint(os.path.join(tmp, "written_z2"))
+    out["written_z2 read back"] = _train(engine, range(2, 4))
     return out
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return run_world(_world, 2, str(tmp_path_factory.mktemp("ds_autoep")), timeout=240)
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("ds_autoep")
+
+
+@pytest.fixture(scope="module")
+def world(tmp):
+    return run_world(_world, 2, str(tmp), timeout=240)
 
 
 @pytest.mark.parametrize("run,autoep,stage", RESUMES)
@@ -123,3 +148,40 @@ def test_bad_files_change_nothing(world):
         assert "mismatched expert file" in result["swapped"] and "\n" not in result["swapped"], result["swapped"]
         assert result["unchanged"]
 
+
+
+def test_written_layout_is_deepspeeds(world, tmp):
+    with open(os.path.join(FIXTURES, "ep2_z2", "expected.json")) as f:
+        before = json.load(f)["losses_before_save"]
+    for result in world:
+        assert result["written_z2"][:2] == pytest.approx(before, rel=1e-5, abs=1e-5)
+        assert result["written_z2 read back"] == pytest.approx(result["written_z2"][2:], rel=0, abs=1e-6)
+    ours, theirs = (sorted(os.listdir(d)) for d in (tmp / "written_z2" / "global_step2",
+                                                     Path(FIXTURES) / "ep2_z2" / "global_step2"))
+    assert ours == theirs
+    tag = tmp / "written_z2" / "global_step2"
+    model = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+    fixture = torch.load(Path(FIXTURES) / "ep2_z2" / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert list(model["module"]) == list(fixture["module"])
+    assert model["num_experts"] == fixture["num_experts"]
+    assert model["ds_autoep_layers"] == fixture["ds_autoep_layers"]
+    assert [list(g) for g in model["param_shapes"]] == [list(g) for g in fixture["param_shapes"]]
+
+
+def test_deepspeed_resumes_the_written_layout(world, tmp):
+    py = deepspeed_env.python()
+    if py is None:
+        pytest.skip(deepspeed_env.missing_reason())
+    spec = {"world_size": 2, "result": str(tmp / "deepspeed.json"),
+            "cases": [{"name": name, "checkpoint": str(tmp / name), "ep": 2, "stage": stage, "clip": clip,
+                       "steps": [2, 3]} for name, (stage, clip) in WRITTEN.items()]}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run([str(py), str(WORKER), str(tmp / "spec.json")], capture_output=True, text=True,
+                         timeout=240, env=deepspeed_env.worker_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in WRITTEN:
+        ranks = [json.loads((tmp / f"deepspeed.json.{name}.{r}").read_text()) for r in range(2)]
+        for rank, result in enumerate(ranks):
+            assert "error" not in result, f"DeepSpeed rank {rank} on {name}:\n{result['error']}"
+        assert ranks[0]["global_steps"] == 4
+        assert ranks[0]["losses"] == pytest.approx(world[0][name][2:], rel=1e-5, abs=1e-5), name

@@ -24,7 +24,7 @@ the same values under the block's router name), the shared expert and its gate `
       optimizer's state dict}: groups dense (every dense parameter, in module order) and `moe` (ep rank
       e's w1, w2, w3 of each block); with ZeRO 1/2 the usual `zero_pp_rank_<r>` files, the experts'
       group partitioned over the expert-data-parallel ranks (deepspeed_moe.py's Note).
-    ZeRO 3 (checkpoint_format `zero3_partitioned_experts`) and AutoEP beside AutoTP folding are not read.
+    ZeRO 3 (checkpoint_format `zero3_partitioned`) and AutoEP beside AutoTP folding are not read.
 
 Note: [the model's names] The Hugging Face model holds `P.<router>.*` (the lightspeed preset's router,
 `gate` in every preset DeepSpeed has), `P.<shared_experts>.*`, `P.<shared_experts_gate>.*` and fused
@@ -129,10 +129,15 @@ class DeepSpeedAutoEPSource:
         self._ep = self._layers[0]["ep_size"]
         self._names = self._model_names(preset)
         self._experts = self._read_expert_files(names)
+        lowp = next((n for n in names if re.match(r"^(bf16|fp16)_zero_pp_rank_\d+_", n)), None)
+        if lowp is not None:
+            raise CheckpointError(f"{os.path.join(self.path, lowp)}: DeepSpeed's bf16/fp16 optimizer's files of AutoEP "
+                                  "training are not read (ZeRO-2's zero_pp_rank files are, in any dtype)")
         self._optim_files = self._ranked(names, _OPTIM)
         self._expp_files = self._ranked(names, _EXPP)
         # DeepSpeed's own parameters: name (an expert's with "@<ep rank>") -> (shape, pieces)
         self._ds: dict[str, tuple[torch.Size, tuple]] = {}
+        self._state_keys: list[str] | None = None
         if self._optim_files and not self._expp_files:
             self._read_zero()
         elif self._expp_files and not self._optim_files:
@@ -179,7 +184,7 @@ class DeepSpeedAutoEPSource:
                                       f"{entry['ep_size']} is not {entry['num_experts']}")
             if entry["ep_size"] != layers[0]["ep_size"] or entry.get("moe_layer_id", i) != i:
                 raise CheckpointError(f"{where}[{i}]: blocks of several ep sizes or out of order")
-        if "folding_metadata" in self._model:
+        if "folding" in self._model:  # AutoEP + AutoTP folding's metadata
             raise CheckpointError(f"{self._model_path}: AutoEP folded with AutoTP is not read")
         return layers
 
@@ -395,12 +400,14 @@ class DeepSpeedAutoEPSource:
         return self._params[name]
 
     def state_keys(self) -> list[str]:
-        keys: list[str] = []
-        for shape, pieces in self._ds.values():
-            for k, v in self._state(pieces[0][0], pieces[0][1]).items():
-                if _elementwise(v) and k not in keys:
-                    keys.append(k)
-        return keys
+        if self._state_keys is None:
+            keys: list[str] = []
+            for slot in dict.fromkeys((p[0][0], p[0][1]) for _, p in self._ds.values() if p):
+                for k, v in self._state(*slot).items():
+                    if _elementwise(v) and k not in keys:
+                        keys.append(k)
+            self._state_keys = keys
+        return list(self._state_keys)
 
     def _read_ds(self, name: str, key: str) -> torch.Tensor:
         shape, pieces = self._ds[name]

@@ -48,6 +48,7 @@ class AutoEPBlock:
     experts: str = "experts"
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
+    preset: str = ""
 
 
 # DeepSpeed 0.19.8's presets whose adapter records the router logits on the router (transformers' model-level
@@ -247,6 +248,8 @@ def write_autoep(source: TrainingStateSource, plan: _Plan, tag_dir: str, ds_conf
     clash = sorted(set(plan.extra.get("client_state") or {}) & set(model_extra))
     if clash:
         raise CheckpointError(f"client_state keys {clash} are DeepSpeed's own AutoEP model-file entries")
+    if ds_config is None and blocks[0].preset:
+        ds_config = {"expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": blocks[0].preset}}
     if plan.stage == 0:
         _write_stage0_optimizers(view, plan, tag_dir, ds_config, ep, groups, module, model_extra)
         return

@@ -163,7 +163,7 @@ class EngineCheckpoints:
             preset, router, shared, shared_gate = module.block_children
             blocks.append(AutoEPBlock(path, module.num_experts, router,
                                       deepspeed_router_alias(preset, block, getattr(block, router), router), shared,
-                                      shared_gate, child, *module.weight_names))
+                                      shared_gate, child, *module.weight_names, preset))
         return blocks
 
     def _ep_size(self) -> int:

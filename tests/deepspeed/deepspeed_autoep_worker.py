@@ -1,9 +1,9 @@
 """Run by the DeepSpeed test environment's Python (see lightspeed/testing/deepspeed_env.py), not by pytest.
 
 Usage: ``python deepspeed_autoep_worker.py SPEC.json``. In one world of the spec's `world_size` processes
-(gloo, DeepSpeed's CPU accelerator; a world per autoep_size), for each case: build the tiny Hugging Face
-Mixtral of tests/fixtures/deepspeed_autoep_checkpoint (other weights than saved: the load must replace every
-one), ``deepspeed.initialize`` it with AutoEP at the case's autoep_size, ZeRO stage and gradient clipping
+(gloo, DeepSpeed's CPU accelerator; a world per autoep_size), for each case: build the case's tiny Hugging
+Face model (`MODELS`: the Mixtral of tests/fixtures/deepspeed_autoep_checkpoint, or a Qwen2-MoE with a shared
+expert and its gate; other weights than saved: the load must replace every one), ``deepspeed.initialize`` it with AutoEP at the case's autoep_size, ZeRO stage and gradient clipping
 (torch's AdamW), ``load_checkpoint`` the case's directory and train its steps on the fixtures' global
 batches (each rank its share). Rank r writes ``{"losses": [the global batch's mean loss per step],
 "global_steps": N}`` (or ``{"error": traceback}``) to the spec's ``result`` path + ``.<case name>.<r>``.
@@ -18,9 +18,14 @@ import sys
 import traceback
 
 SEQ, MICRO, VOCAB, LR = 6, 2, 64, 0.01
-MODEL = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64, initializer_range=0.2, intermediate_size=24, num_local_experts=4,
-             num_experts_per_tok=2)
+COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, initializer_range=0.2)
+# a case's "model" -> (transformers class names, its config's own keys, DeepSpeed's preset)
+MODELS = {"mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                      dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2), "mixtral"),
+          "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                        dict(intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1), "qwen3_moe")}
 
 
 def _transformers_shim() -> None:
@@ -39,12 +44,13 @@ def _case(case: dict, rank: int, world: int) -> dict:
     import torch.distributed as dist
     import transformers
 
+    model_class, config_class, own, preset = MODELS[case.get("model", "mixtral")]
     torch.manual_seed(1)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MODEL)).float()
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**COMMON, **own)).float()
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
               "zero_optimization": {"stage": case["stage"]}, "gradient_clipping": case["clip"],
-              "expert_parallel": {"enabled": True, "autoep_size": case["ep"], "preset_model": "mixtral",
+              "expert_parallel": {"enabled": True, "autoep_size": case["ep"], "preset_model": preset,
                                   "use_grouped_mm": False}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine.load_checkpoint(case["checkpoint"])

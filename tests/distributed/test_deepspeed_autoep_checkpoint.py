@@ -7,12 +7,13 @@ two steps DeepSpeed took after its save, with DeepSpeed's losses (1e-5):
   (another ep size); ep1 ZeRO-2 into the plain Hugging Face model (no AutoEP), ZeRO-1.
 - errors: a tag missing an expert file, and one whose expert file holds another expert: one line
   naming the file, raised on every rank, the engine unchanged.
-- writing (`checkpoint.format: "deepspeed"`): AutoEP at autoep_size 2 trains 2 steps from DeepSpeed's
-  initial weights, saves DeepSpeed's AutoEP layout at ZeRO-2 (clipping 1.0) and ZeRO-0 (no clipping)
-  and goes on 2 steps; its first 2 losses are DeepSpeed's own (the fixtures'), the written files have
-  DeepSpeed's names and metadata, lightspeed reads the ZeRO-2 tag back (plain model, ZeRO-1) and takes
-  the same 2 steps, and real DeepSpeed (tests/deepspeed/deepspeed_autoep_worker.py, in its own
-  environment) resumes both tags with lightspeed's losses (1e-5).
+- writing (`checkpoint.format: "deepspeed"`): AutoEP at autoep_size 2 trains 2 steps, saves DeepSpeed's
+  AutoEP layout and goes on 2 steps: the Mixtral at ZeRO-2 (clipping 1.0) from DeepSpeed's initial
+  weights (its first 2 losses are the fixture's; its files have the fixture's names, param shapes and
+  ds_autoep_layers), and a Qwen2-MoE (a shared expert and its gate: DeepSpeed renames them) at ZeRO-0
+  (no clipping). lightspeed reads each tag back into the plain model (ZeRO-1) and takes the same 2
+  steps, and real DeepSpeed (tests/deepspeed/deepspeed_autoep_worker.py, in its own environment)
+  resumes both with lightspeed's losses (1e-5).
 (The reader alone: tests/unit/checkpoint/test_deepspeed_autoep.py.)
 """
 
@@ -37,21 +38,27 @@ WORKER = Path(__file__).resolve().parents[1] / "deepspeed" / "deepspeed_autoep_w
 SEQ, MICRO, VOCAB, LR = 6, 2, 64, 0.01
 # (fixture, autoep_size here (0: no AutoEP), ZeRO stage here)
 RESUMES = (("ep2_z0", 2, 0), ("ep2_z2", 1, 2), ("ep1_z2", 0, 1))
-# written by lightspeed at autoep_size 2: name -> (ZeRO stage, gradient clipping)
-WRITTEN = {"written_z2": (2, 1.0), "written_z0": (0, 0.0)}
+# written by lightspeed at autoep_size 2: name -> (model, ZeRO stage, gradient clipping)
+WRITTEN = {"written_z2": ("mixtral", 2, 1.0), "written_z0_qwen": ("qwen2_moe", 0, 0.0)}
+PRESET = {"mixtral": "mixtral", "qwen2_moe": "qwen3_moe"}  # DeepSpeed's presets' names
 
 
-def _model(seed: int = 1):
+def _model(seed: int = 1, name: str = "mixtral"):
     import transformers as tf
 
+    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, initializer_range=0.2)
     torch.manual_seed(seed)  # 1: other weights than DeepSpeed's (the load must replace every one); 0: DeepSpeed's
-    return tf.MixtralForCausalLM(tf.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, initializer_range=0.2, intermediate_size=24, num_local_experts=4,
-        num_experts_per_tok=2)).float()
+    if name == "qwen2_moe":  # a shared expert and its gate (tests/deepspeed/deepspeed_autoep_worker.py's)
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=4,
+            num_experts_per_tok=2, decoder_sparse_step=1, **common)).float()
+    return tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                                  **common)).float()
 
 
-def _engine(autoep: int, stage: int, clip: float = 1.0, fmt: str = "lightspeed", seed: int = 1):
+def _engine(autoep: int, stage: int, clip: float = 1.0, fmt: str = "lightspeed", seed: int = 1,
+            model: str = "mixtral"):
     import lightspeed
 
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
@@ -60,8 +67,8 @@ def _engine(autoep: int, stage: int, clip: float = 1.0, fmt: str = "lightspeed",
               "gradient_clipping": clip,  # the fixture's (1.0: DeepSpeed 0.19.8's default)
               "checkpoint": {"format": fmt}}
     if autoep:
-        config["expert_parallel"] = {"enabled": True, "autoep_size": autoep, "preset_model": "mixtral"}
-    engine, *_ = lightspeed.initialize(model=_model(seed), config=config)
+        config["expert_parallel"] = {"enabled": True, "autoep_size": autoep, "preset_model": PRESET[model]}
+    engine, *_ = lightspeed.initialize(model=_model(seed, model), config=config)
     return engine
 
 
@@ -113,14 +120,14 @@ def _world(tmp: str):
         except CheckpointError as err:
             out[bad] = str(err)
     out["unchanged"] = all(torch.equal(v, before[k]) for k, v in engine.module.state_dict().items())
-    for name, (stage, clip) in WRITTEN.items():
-        engine = _engine(2, stage, clip, fmt="deepspeed", seed=0)
+    for name, (model, stage, clip) in WRITTEN.items():
+        engine = _engine(2, stage, clip, fmt="deepspeed", seed=0, model=model)
         out[name] = _train(engine, range(2))
         engine.save_checkpoint(os.path.join(tmp, name), tag="global_step2")
         out[name] += _train(engine, range(2, 4))
-    engine = _engine(0, 1)
-    engine.load_checkpoint(os.path.join(tmp, "written_z2"))
-    out["written_z2 read back"] = _train(engine, range(2, 4))
+        engine = _engine(0, 1, clip, model=model)  # the plain model reads it back
+        engine.load_checkpoint(os.path.join(tmp, name))
+        out[f"{name} read back"] = _train(engine, range(2, 4))
     return out
 
 
@@ -155,7 +162,8 @@ def test_written_layout_is_deepspeeds(world, tmp):
         before = json.load(f)["losses_before_save"]
     for result in world:
         assert result["written_z2"][:2] == pytest.approx(before, rel=1e-5, abs=1e-5)
-        assert result["written_z2 read back"] == pytest.approx(result["written_z2"][2:], rel=0, abs=1e-6)
+        for name in WRITTEN:
+            assert result[f"{name} read back"] == pytest.approx(result[name][2:], rel=0, abs=1e-6), name
     ours, theirs = (sorted(os.listdir(d)) for d in (tmp / "written_z2" / "global_step2",
                                                      Path(FIXTURES) / "ep2_z2" / "global_step2"))
     assert ours == theirs
@@ -173,8 +181,8 @@ def test_deepspeed_resumes_the_written_layout(world, tmp):
     if py is None:
         pytest.skip(deepspeed_env.missing_reason())
     spec = {"world_size": 2, "result": str(tmp / "deepspeed.json"),
-            "cases": [{"name": name, "checkpoint": str(tmp / name), "ep": 2, "stage": stage, "clip": clip,
-                       "steps": [2, 3]} for name, (stage, clip) in WRITTEN.items()]}
+            "cases": [{"name": name, "model": model, "checkpoint": str(tmp / name), "ep": 2, "stage": stage,
+                       "clip": clip, "steps": [2, 3]} for name, (model, stage, clip) in WRITTEN.items()]}
     (tmp / "spec.json").write_text(json.dumps(spec))
     run = subprocess.run([str(py), str(WORKER), str(tmp / "spec.json")], capture_output=True, text=True,
                          timeout=240, env=deepspeed_env.worker_env())

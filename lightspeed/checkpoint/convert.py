@@ -37,8 +37,9 @@ import torch
 from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint.atomic import LATEST_FILENAME, atomic_torch_save, atomic_write_bytes, atomic_write_via
 from lightspeed.checkpoint.deepspeed_format import (
-    DeepSpeedCheckpointSource, is_deepspeed_checkpoint, resolve_deepspeed_tag_dir,
+    is_deepspeed_checkpoint, resolve_deepspeed_tag_dir,
 )  # fmt: skip
+from lightspeed.checkpoint.deepspeed_autoep import open_deepspeed_source
 from lightspeed.checkpoint.deepspeed_pipeline import DeepSpeedPipelineSource, is_deepspeed_pipeline_tag_dir
 from lightspeed.checkpoint.engine_checkpoint import is_tag_dir
 from lightspeed.checkpoint.errors import CheckpointError
@@ -78,7 +79,7 @@ def open_checkpoint(checkpoint_dir: str | os.PathLike | TrainingStateSource,
             tag_path = resolve_deepspeed_tag_dir(path, tag)
             if is_deepspeed_pipeline_tag_dir(tag_path):  # without the model: layers named by their index
                 return DeepSpeedPipelineSource(tag_path)
-            return DeepSpeedCheckpointSource(path, tag)
+            return open_deepspeed_source(path, tag)  # AutoEP's layout too
         if tag is None and is_tag_dir(path) and not os.path.isfile(os.path.join(path, LATEST_FILENAME)):
             # one tag directory of lightspeed's layout: read it as its save directory's tag
             path, tag = os.path.split(os.path.abspath(path))

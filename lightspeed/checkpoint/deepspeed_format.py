@@ -5,8 +5,8 @@ Owns the layout DeepSpeed's engine writes under ``<save_dir>/<tag>/``: ``mp_rank
 ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (ZeRO, one per data-parallel rank), in fp32,
 fp16 and bf16, and at ZeRO 0-2 with MoE experts (their ``layer_<L>_expert_<G>_...`` model files and
 expert param groups, deepspeed_moe.py, or without ZeRO an ``expp_rank_<E>_mp_rank_00_optim_states.pt``
-per expert-parallel rank, deepspeed_stage0.py: read under the experts' global names, the ep = 1 model's).
-Must not: unpickle DeepSpeed's classes (deepspeed_pickle.py turns them into plain data),
+per expert-parallel rank, deepspeed_stage0.py: read under the experts' global names, the ep = 1 model's;
+AutoEP's layout: deepspeed_autoep.py). Must not: unpickle DeepSpeed's classes (deepspeed_pickle.py turns them into plain data),
 read more of a file than a call needs, or write anything.
 
 Note: [where a parameter's fp32 values live]
@@ -346,8 +346,8 @@ class DeepSpeedCheckpointSource:
         counts = [int(c) for c in (counts if isinstance(counts, list) else [counts])]
         if self._expert_files and self.zero_stage not in (1, 2):
             raise CheckpointError(f"{path0}: a DeepSpeed MoE checkpoint at ZeRO stage {self.zero_stage}: read at "
-                                  "stages 0-2 only (DeepSpeed 0.19.8 refuses its MoE layers at stage 3; its AutoEP "
-                                  "layers' layout is not read)")
+                                  "stages 0-2 only (DeepSpeed 0.19.8 refuses its MoE layers at stage 3; AutoEP's "
+                                  "layout at ZeRO 0-2: deepspeed_autoep.py)")
         self.world_size = max(counts)
         if (len(set(counts)) != 1 and not self._expert_files) or any(self.world_size % c for c in counts):
             raise CheckpointError(f"{path0}: param groups partitioned over world sizes {counts}, and no "
@@ -401,8 +401,8 @@ class DeepSpeedCheckpointSource:
                         renamed = global_name(name, ep_rank, local)
                         if renamed is None:  # e.g. DeepSpeed's AutoEP layers' fused experts.w1 / w2 / w3
                             raise CheckpointError(f"{self.path}: {name} is in an expert param group but is not a "
-                                                  "`MoE` layer's expert (deepspeed_experts.<i>); only DeepSpeed "
-                                                  "MoE layers' checkpoints are read (not AutoEP's)")
+                                                  "`MoE` layer's expert (deepspeed_experts.<i>); AutoEP's layout is "
+                                                  "read by deepspeed_autoep.DeepSpeedAutoEPSource")
                         name = renamed
                     self._params[name] = _Param(shape, tuple(pieces))
                     group_names[g].append(name)

@@ -11,7 +11,8 @@ training dtype), and the optimizer state: without ZeRO, per expert-parallel rank
 the dense parameters and e's local experts; deepspeed_stage0.py's Note on MoE); at ZeRO 1-2
 deepspeed_writer.py's rank files, an expert group's flat buffer being ep rank e's local experts (under
 their local names) partitioned over its expert-data-parallel ranks e, e + ep, ... (deepspeed_moe.py).
-Must not: write AutoEP's fused experts, or frozen experts at ZeRO (their fragments are not written).
+Must not: write AutoEP's fused experts (deepspeed_autoep_writer.py does), or frozen experts at ZeRO (their
+fragments are not written).
 
 Note: [DeepSpeed's param groups]
     DeepSpeed's optimizer holds MoE training's parameters in its own groups, and its loader needs the

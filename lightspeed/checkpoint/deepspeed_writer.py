@@ -3,7 +3,7 @@
 Owns `write_deepspeed_checkpoint`: any checkpoint lightspeed reads (a `TrainingStateSource`: lightspeed's
 own, or DeepSpeed's at another stage or world size) written as the files ``DeepSpeedEngine.save_checkpoint``
 writes at ZeRO stage 0, 1, 2 or 3 for a data-parallel world size, in fp32 or bf16 (MoE experts:
-deepspeed_moe_writer.py, ZeRO 0-2), and
+deepspeed_moe_writer.py, ZeRO 0-2; AutoEP: deepspeed_autoep_writer.py, ZeRO 0-2), and
 `convert_tag_in_place` (the engine's ``checkpoint.format: "deepspeed"``). The layout is the one
 deepspeed_format.py's Note describes (that reader reads these files back). Must not: import deepspeed,
 or write what DeepSpeed's loader would not accept (the module Note says what it reads).
@@ -437,7 +437,7 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
                                world_size: int | None = None, dtype: str | torch.dtype | None = None,
                                sub_group_size: int = DEFAULT_SUB_GROUP_SIZE, ds_config: dict | None = None,
                                save_latest: bool = True, verify: bool = True, pipeline: tuple | None = None,
-                               ep_size: int | None = None) -> str:
+                               ep_size: int | None = None, autoep: list | None = None) -> str:
     """Write `checkpoint` (a directory any lightspeed reader opens, or a source) as DeepSpeed 0.19.8's
     ``<output_dir>/<tag>/`` for ZeRO `stage` over `world_size` data-parallel ranks (default: the
     saved ones), then ``<output_dir>/latest`` (unless `save_latest` is False). `tag` defaults to the
@@ -446,7 +446,9 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
     as the files' ``ds_config``. `pipeline`: (a `PipelineLayout`, the number of stages) to write
     DeepSpeed's pipeline layout (deepspeed_pipeline_writer.py). A module with DeepSpeed-style MoE experts
     is written in DeepSpeed's MoE layout (deepspeed_moe_writer.py; ZeRO 0-2) for expert-parallel
-    size `ep_size` (default: the saved one). Returns the tag directory; an existing one is an error."""
+    size `ep_size` (default: the saved one). `autoep`: the model's AutoEP blocks (deepspeed_autoep_writer's
+    `AutoEPBlock`s) to write DeepSpeed's AutoEP layout for autoep_size `ep_size` (ZeRO 0-2). Returns the
+    tag directory; an existing one is an error."""
     from lightspeed.checkpoint.deepspeed_moe_writer import has_moe_experts, write_moe
     from lightspeed.checkpoint.convert import open_checkpoint  # convert imports the readers this needs
 
@@ -454,10 +456,12 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
     source = open_checkpoint(checkpoint, source_tag, verify=verify)
     plan = _Plan(source, where, stage, world_size, dtype)
     moe = has_moe_experts(plan.module)
+    if autoep and (moe or pipeline is not None):
+        raise CheckpointError(f"{where}: DeepSpeed's AutoEP layout is written without MoE layers or pipeline stages")
     if moe and pipeline is not None:
         raise CheckpointError(f"{where}: a model with MoE experts; DeepSpeed's MoE layout is not written over "
                               "pipeline stages")
-    if ep_size is not None and int(ep_size) != 1 and not moe:
+    if ep_size is not None and int(ep_size) != 1 and not moe and not autoep:
         raise CheckpointError(f"{where}: expert-parallel size {ep_size} for a model without MoE experts "
                               "(...deepspeed_experts.<G>.* entries)")
     ep = int(ep_size) if ep_size is not None else int((plan.extra.get("mesh") or {}).get("ep") or 1)
@@ -479,6 +483,10 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
             layout, num_stages = pipeline
             write_pipeline_stages(source, where, staging, layout=layout, num_stages=int(num_stages), stage=stage,
                                   world_size=world_size, dtype=dtype, ds_config=ds_config)
+        elif autoep:
+            from lightspeed.checkpoint.deepspeed_autoep_writer import write_autoep
+
+            write_autoep(source, plan, staging, ds_config, ep, list(autoep), where)
         elif moe:
             write_moe(source, plan, staging, ds_config, ep, where)
         elif plan.stage == 0:
@@ -501,7 +509,8 @@ def write_deepspeed_checkpoint(checkpoint: str | os.PathLike | TrainingStateSour
 
 def convert_tag_in_place(save_dir: str | os.PathLike, tag: str, *, stage: int, world_size: int,
                          dtype: torch.dtype | None, sub_group_size: int, ds_config: dict | None,
-                         pipeline: tuple | None = None, ep_size: int | None = None) -> str:
+                         pipeline: tuple | None = None, ep_size: int | None = None,
+                         autoep: list | None = None) -> str:
     """Replace lightspeed's files of ``save_dir/tag`` by DeepSpeed's layout of the same state (one process;
     the caller has every rank's files in place and waits for this before going on). The converted tag
     is written next to it, then swapped in: a crash leaves the lightspeed tag or the DeepSpeed one."""
@@ -511,7 +520,7 @@ def convert_tag_in_place(save_dir: str | os.PathLike, tag: str, *, stage: int, w
     shutil.rmtree(scratch, ignore_errors=True)
     write_deepspeed_checkpoint(tag_dir, scratch, tag=tag, stage=stage, world_size=world_size, dtype=dtype,
                                sub_group_size=sub_group_size, ds_config=ds_config, save_latest=False,
-                               pipeline=pipeline, ep_size=ep_size)
+                               pipeline=pipeline, ep_size=ep_size, autoep=autoep)
     old = os.path.join(save_dir, f".{tag}.lightspeed.old")
     shutil.rmtree(old, ignore_errors=True)
     os.replace(tag_dir, old)
@@ -523,7 +532,8 @@ def convert_tag_in_place(save_dir: str | os.PathLike, tag: str, *, stage: int, w
 
 
 def save_as_deepspeed(save_dir: str | os.PathLike, tag: str, *, comm: Any, rank: int, stage: int, world_size: int,
-                      sub_group_size: int, pipeline: tuple | None = None, ep_size: int | None = None) -> None:
+                      sub_group_size: int, pipeline: tuple | None = None, ep_size: int | None = None,
+                      autoep: list | None = None) -> None:
     """The engine's ``checkpoint.format: "deepspeed"``: every rank has written its part of lightspeed's
     ``save_dir/tag``; rank `rank` 0 converts it in place (`convert_tag_in_place`) while the others wait.
     Collective over `comm` (a `Communicator`); a failure on rank 0 is raised on every rank."""
@@ -532,7 +542,7 @@ def save_as_deepspeed(save_dir: str | os.PathLike, tag: str, *, comm: Any, rank:
         try:
             convert_tag_in_place(save_dir, tag, stage=stage, world_size=world_size, dtype=None,
                                  sub_group_size=sub_group_size, ds_config=None, pipeline=pipeline,
-                                 ep_size=ep_size)
+                                 ep_size=ep_size, autoep=autoep)
         except Exception as exc:  # every rank raises it below, so none waits forever
             error = f"{type(exc).__name__}: {exc}"
     errors = comm.all_gather_object(error) if comm.world_size > 1 else [error]

@@ -49,8 +49,9 @@ from lightspeed._utils.logging import get_logger
 from lightspeed._utils.progress import progress
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.deepspeed_format import (
-    DeepSpeedCheckpointSource, is_deepspeed_checkpoint, is_deepspeed_tag_dir, resolve_deepspeed_tag_dir,
+    is_deepspeed_checkpoint, is_deepspeed_tag_dir, resolve_deepspeed_tag_dir,
 )  # fmt: skip
+from lightspeed.checkpoint.deepspeed_autoep import open_deepspeed_source
 from lightspeed.checkpoint.deepspeed_pipeline import (
     DeepSpeedPipelineSource, PipelineLayout, is_deepspeed_pipeline_tag_dir,
 )  # fmt: skip
@@ -336,7 +337,8 @@ def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_nam
                 pipeline: PipelineLayout | None = None):
     """The checkpoint in `load_dir` (tag, or the one `latest` names) as `(path, source, rng_state)`, or None
     when there is no `latest` and no tag. lightspeed's layout gives a `LightspeedSource` and `dp_rank`'s saved
-    RNG state (or None); DeepSpeed's layout a `DeepSpeedCheckpointSource` (`param_names`: the module's
+    RNG state (or None); DeepSpeed's layout a `DeepSpeedCheckpointSource`, or of AutoEP training a
+    `DeepSpeedAutoEPSource` (`param_names`: the module's
     trainable parameter names in order, which DeepSpeed's stage-0 files do not record) and no RNG state,
     which DeepSpeed's engine does not save. A checkpoint saved over a mesh (tensor parallelism: `mesh` in its
     shared file) keeps one RNG state per rank of the mesh: `mesh_rank`'s is returned there. DeepSpeed's
@@ -347,7 +349,7 @@ def open_source(load_dir, tag: str | None = None, *, dp_rank: int = 0, param_nam
         if is_deepspeed_pipeline_tag_dir(tag_path):
             source = DeepSpeedPipelineSource(tag_path, layout=pipeline)
             return Path(source.path), source, None
-        source = DeepSpeedCheckpointSource(load_dir, tag, param_names=param_names)
+        source = open_deepspeed_source(load_dir, tag, param_names=param_names)  # AutoEP's layout too
         return Path(source.path), source, None
     loaded = engine_checkpoint.load(load_dir, tag, dp_rank=dp_rank, load_strategy=False, mesh_rank=mesh_rank)
     if loaded is None:
@@ -398,7 +400,7 @@ def _check_deepspeed_tag(path: Path) -> tuple[list[str], list[str]]:
     if not problems:
         try:
             if not is_deepspeed_pipeline_tag_dir(path):
-                DeepSpeedCheckpointSource(path, verify=False)  # every file was just checked
+                open_deepspeed_source(path, verify=False)  # every file was just checked
             elif any(p.name.endswith("_optim_states.pt") for p in path.iterdir()):
                 DeepSpeedPipelineSource(path, verify=False)
             else:  # without ZeRO a stage's optimizer names its parameters by position: needs the model
@@ -472,7 +474,7 @@ def read_training_state(source, fragments: list[Fragment], optimizer: torch.opti
 
 def _optimizer_state(source, fragments: list[Fragment], optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
     """A state dict in torch's `Optimizer.state_dict()` form for `optimizer`'s current tensors."""
-    saved_groups = source.optimizer_groups()
+    saved_groups = _unsplit_moe_groups(source.optimizer_groups(), len(optimizer.param_groups))
     if not saved_groups:  # saved without an optimizer (e.g. converted from a model's weights): start fresh
         logger.info("checkpoint holds no optimizer state: the optimizer starts from its initial state")
         return None
@@ -509,6 +511,26 @@ def _optimizer_state(source, fragments: list[Fragment], optimizer: torch.optim.O
             index += 1
         param_groups.append({**hyper, "params": ids})
     return {"state": state, "param_groups": param_groups}
+
+
+def _unsplit_moe_groups(saved: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """DeepSpeed gives MoE experts param groups of their own (`moe` True, named after their ep size, with
+    the hyperparameters of the group they came from: its AutoEP always does): for an optimizer of `count`
+    groups that keeps the experts in their group, each such group joins the one before it when their
+    hyperparameters and scalars agree. Anything else is returned as saved."""
+    if len(saved) <= count or not any(g.get("moe") for g in saved):
+        return saved
+
+    def hyper(g: dict) -> dict:
+        return {k: v for k, v in g.items() if k not in ("names", "name", "moe")}
+
+    out: list[dict[str, Any]] = []
+    for g in saved:
+        if g.get("moe") and out and hyper(g) == hyper(out[-1]):
+            out[-1] = {**out[-1], "names": out[-1]["names"] + g["names"]}
+        else:
+            out.append(g)
+    return out if len(out) == count else saved
 
 
 def apply_training_state(state: TrainingState, optimizer: torch.optim.Optimizer | None) -> None:

@@ -20,6 +20,7 @@ from lightspeed._utils.logging import get_logger
 from lightspeed.checkpoint import engine_checkpoint
 from lightspeed.checkpoint.atomic import atomic_torch_save
 from lightspeed.checkpoint.deepspeed_pipeline import PipelineLayout
+from lightspeed.checkpoint.deepspeed_autoep_writer import AutoEPBlock, deepspeed_router_alias
 from lightspeed.checkpoint.deepspeed_writer import module_entry_names, save_as_deepspeed
 from lightspeed.checkpoint.errors import CheckpointError
 from lightspeed.checkpoint.experts import ExpertSource
@@ -57,10 +58,10 @@ class EngineCheckpoints:
         """Write `save_dir/<tag>/` atomically (tag defaults to `global_step<N>`), then `latest`; with
         `checkpoint.writer.decoupled` from a host snapshot in the background (see `wait_checkpoint`)."""
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        autoep = None
         if self._expert_names and self.config.checkpoint.format == "deepspeed":
-            if self._expert_names.fused:
-                raise NotImplementedError("checkpoint.format='deepspeed' with AutoEP experts: DeepSpeed's AutoEP "
-                                          "checkpoint layout is not written by lightspeed; save in lightspeed's format")
+            if self._expert_names.fused:  # DeepSpeed's AutoEP layout (checkpoint/deepspeed_autoep_writer.py)
+                autoep = self._autoep_blocks()
             if any({"ep", "tp"} <= set(p.sharded_over) for p in self.placements.values()):
                 raise NotImplementedError("checkpoint.format='deepspeed' with MoE experts sliced over tensor "
                                           "parallelism (enable_expert_tensor_parallelism / expert_parallel."
@@ -142,9 +143,28 @@ class EngineCheckpoints:
             save_as_deepspeed(save_dir, tag, comm=self._ckpt_comm, rank=self._ckpt_rank,
                               stage=self.zero_optimization_stage(), world_size=self.seq_dp_world_size,
                               sub_group_size=self.config.zero_optimization.sub_group_size, ep_size=self._ep_size(),
+                              autoep=autoep,
                               pipeline=None if self._pp_comm is None else (self._pipeline_layout(),
                                                                            self._pp_comm.world_size))
         return True
+
+    def _autoep_blocks(self) -> list[AutoEPBlock]:
+        """The model's AutoEP blocks as DeepSpeed's AutoEP layout names them (checkpoint.format "deepspeed")."""
+        blocks = []
+        for name, module in self.module.named_modules():
+            if not isinstance(module, EPExperts):
+                continue
+            if module.transposed or any(module.bias_names):
+                raise NotImplementedError(f"checkpoint.format='deepspeed' with the AutoEP experts of {name} (biases or "
+                                          "transposed weights, as GPT-OSS's): DeepSpeed 0.19.8's AutoEP has no such "
+                                          "layout; save in lightspeed's format")
+            path, _, child = name.rpartition(".")
+            block = self.module.get_submodule(path)
+            preset, router, shared, shared_gate = module.block_children
+            blocks.append(AutoEPBlock(path, module.num_experts, router,
+                                      deepspeed_router_alias(preset, block, getattr(block, router), router), shared,
+                                      shared_gate, child, *module.weight_names, preset))
+        return blocks
 
     def _ep_size(self) -> int:
         return self._ep_comm.world_size if self._ep_comm is not None else 1

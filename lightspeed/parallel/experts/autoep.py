@@ -393,6 +393,8 @@ def autoep_transform(model: nn.Module, placements: PlacementTable, cfg, topology
         if tp > 1 and not sliced:
             experts.bind_tp(tp_group, tp)
         setattr(block.module, preset.experts, experts)
+        # the block's other children, by name (DeepSpeed's AutoEP checkpoint layout renames them)
+        experts.block_children = (block.preset_name, preset.router, preset.shared_experts, preset.shared_experts_gate)
         local = block.num_experts // ep
         for w in experts.param_names:
             name, first = f"{block.name}.{preset.experts}.{w}", ep_rank * local

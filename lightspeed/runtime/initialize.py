@@ -132,6 +132,18 @@ def _build_topology(source, mpu, pp: int = 1, ep: int = 1) -> Topology:
         raise ConfigError(f"{where}{error}") from None
 
 
+def _batch_world_size(groups: ParallelGroups, topology: Topology, mpu, pipeline: bool) -> int:
+    """The world size of the batch triad (`train_batch_size = micro * accumulation * world`), as
+    DeepSpeed 0.19.8's `DeepSpeedConfig` counts it: the data-parallel size when a model-parallel unit
+    says it (an `mpu`, or a PipelineModule's grid), else every rank but the sequence-parallel ones, so
+    tensor-parallel ranks from `tensor_parallel.autotp_size` count as if they took batches of their own
+    (transformers' Trainer fills "auto" as micro x accumulation x every process). The samples a step
+    takes are still micro x accumulation x the data-parallel size."""
+    if pipeline or mpu is not None:
+        return groups.dp_world_size
+    return groups.dp_world_size * topology.size("tp")
+
+
 def _expert_parallel_size(source, model: torch.nn.Module) -> int:
     """The mesh's ep dim: `expert_parallel.autoep_size` with AutoEP on (parallel/experts/autoep.py), else
     the ep_size of the model's MoE layers (parallel/experts/transform.py)."""
@@ -218,7 +230,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                                                                                          model))
     record_topology(topology)  # for deepspeed.utils.groups' argument-less functions
     groups = ParallelGroups.from_topology(topology)
-    cfg = validate_training_config(source, groups.dp_world_size).raise_for_errors()  # as `lightspeed config check`
+    cfg = validate_training_config(source, _batch_world_size(groups, topology, mpu, pipeline)).raise_for_errors()
     if cfg.hybrid_engine.enabled:
         if pipeline:
             raise ConfigError("hybrid_engine.enabled: the hybrid engine generates with a whole model; a PipelineModule "
@@ -280,10 +292,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     loss_scaler = build_loss_scaler(cfg.fp16, stage0=cfg.zero_optimization.stage == 0) if cfg.fp16.enabled else None
     lr_scheduler = _build_scheduler(lr_scheduler, cfg, optimizer)
     monitor = MonitorMaster(cfg, rank=groups.world_rank)
+    samples = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * groups.dp_world_size
     step_profiler = StepProfiler(cfg.flops_profiler, model, rank=groups.world_rank, run={
         "world size": groups.world_size, "data parallel size": groups.dp_world_size,
         "batch size per GPU": cfg.train_micro_batch_size_per_gpu,
-        "gradient accumulation steps": cfg.gradient_accumulation_steps, "samples per step": cfg.train_batch_size})
+        "gradient accumulation steps": cfg.gradient_accumulation_steps, "samples per step": samples})
     engine_class = PipelineEngine if pipeline else hybrid_engine_class if cfg.hybrid_engine.enabled \
         else LightspeedEngine
     engine = engine_class(module=model, config=cfg, groups=groups, comm=comm, device=device, policy=policy,
@@ -306,6 +319,5 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     logger.info("engine ready: ZeRO stage %d, %s params, dp_world_size %d, sp %d, micro batch %d x %d accumulation "
                 "steps = %d global, device %s", cfg.zero_optimization.stage, policy.param_dtype,
                 groups.dp_world_size, groups.sp_world_size, cfg.train_micro_batch_size_per_gpu,
-                cfg.gradient_accumulation_steps,
-                cfg.train_batch_size, device)
+                cfg.gradient_accumulation_steps, samples, device)
     return engine, optimizer, dataloader, lr_scheduler

@@ -95,7 +95,8 @@ def _config(tp: int, dp: int, stage: int, kind: str, **extra) -> dict:
     section = {"autotp_size": tp}
     if kind == "demo":
         section["partition_config"] = copy.deepcopy(DEMO_SPECS)
-    cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
+    # the micro batch alone: DeepSpeed's triad counts the tp ranks too (train_batch_size = micro x dp x tp)
+    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8,
                                                      "weight_decay": 0.01}},
            "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}, "tensor_parallel": section,
@@ -371,10 +372,15 @@ def _errors():
         ("size", lambda: lightspeed.initialize(model=_model("gpt2"), config=_config(3, 1, 1, "gpt2"))),
         ("foreign", lambda: lightspeed.initialize(model=_model("gpt2"), config=_config(2, 1, 1, "gpt2"),
                                                   model_parameters=[torch.nn.Parameter(torch.zeros(3))])),
+        # DeepSpeed 0.19.8's triad counts the tp ranks (no mpu): 8 = 2 x accumulation x (dp 1 x tp 2)
+        ("triad", lambda: (lambda e: (e.train_batch_size(), e.gradient_accumulation_steps()))(lightspeed.initialize(
+            model=_model("gpt2"), config={**_config(2, 1, 1, "gpt2"), "train_batch_size": 8,
+                                          "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": None})[0])),
     ):
         try:
-            call()
-            out[name] = None
+            out[name] = call()
+            if name != "triad":
+                out[name] = None
         except Exception as error:  # noqa: BLE001 (the test reads the message)
             out[name] = f"{type(error).__name__}: {error}"
     return out, _model_parameters_follow_the_split(), _zero_init_against_whole()  # one world for all
@@ -387,6 +393,7 @@ def test_errors_name_what_is_not_built():
     assert "ConfigError" in out["size"] and "does not divide by tp=3" in out["size"]
     assert "ConfigError" in out["foreign"] and "model_parameters[0] (shape (3,)) is not one of the model's" in \
         out["foreign"]
+    assert out["triad"] == (8, 2)
     ref_losses = _reference("gpt2")[0]
     weights = sorted(n for n, _ in _model("gpt2").named_parameters() if n.endswith("weight"))
     for _, rank_out, (zero_init, whole) in results:

@@ -50,7 +50,8 @@ def _reference():
 
 
 def _config(stage: int) -> dict:
-    return {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH, "sequence_parallel_size": SP,
+    # the micro batch alone: DeepSpeed's triad counts the tp ranks too (train_batch_size = micro x dp x tp)
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "sequence_parallel_size": SP,
             "tensor_parallel": {"autotp_size": TP}, "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.99], "eps": 1e-8,
                                                       "weight_decay": 0.01}},

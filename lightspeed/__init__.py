@@ -29,8 +29,9 @@ def tp_model_init(model, tp_size: int, dtype=None, config=None, **kwargs):
     """DeepSpeed's `tp_model_init`: split `model` for tensor-parallel training over `tp_size` ranks; see
     :func:`lightspeed.parallel.autotp.tp_model_init`."""
     from lightspeed.parallel.autotp import tp_model_init as _tp_model_init
+    from lightspeed.runtime.model_transforms import zero_init_splitter
 
-    return _tp_model_init(model, tp_size, dtype, config=config, **kwargs)
+    return _tp_model_init(model, tp_size, dtype, config=config, splitter=zero_init_splitter, **kwargs)
 
 
 def register_as_deepspeed(override: bool = False) -> None:

@@ -26,6 +26,7 @@ when asked (`MoE(enable_expert_tensor_parallelism=True)`, `expert_parallel.exper
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -201,12 +202,15 @@ def tensor_parallel_transform(model: nn.Module, cfg, topology: Topology, *,
     return apply_tensor_parallel(model, Communicator(topology.group("tp"), tp_size), plan, partitioned)
 
 
-def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None, config=None, **kwargs) -> nn.Module:
+def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None, config=None, *,
+                  splitter: Callable[[Topology], PartitionedLayer] | None = None, **kwargs) -> nn.Module:
     """DeepSpeed's `deepspeed.tp_model_init`: split `model` for tensor parallelism over `tp_size` ranks
     (contiguous ranks form a tp group; torch.distributed must be initialized), cast it to `dtype`, and
     return it. `config` is the ds_config (a dict, as transformers passes it, or a loaded config) whose
     `tensor_parallel` section may name a `preset_model` or a `partition_config`; `initialize()` later
-    finds the model split and keeps it."""
+    finds the model split and keeps it. `splitter(topology)` gives the reader of layers partitioned by
+    zero.Init (runtime/model_transforms.py's `zero_init_splitter`, which `lightspeed.tp_model_init`
+    passes: transformers' Trainer calls it on a model built under zero.Init)."""
     if kwargs:
         raise TypeError(f"tp_model_init() got unexpected keyword arguments {sorted(kwargs)}")
     section = getattr(config, "tensor_parallel", None) if config is not None and not isinstance(config, dict) \
@@ -226,7 +230,8 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     if split_tp_size(model) > 1:
         raise ValueError("tp_model_init: the model is split for tensor parallelism already")
     plan = config_plan(model, tp_config)
-    apply_tensor_parallel(model, Communicator(topology.group("tp"), tp_size), plan)
+    apply_tensor_parallel(model, Communicator(topology.group("tp"), tp_size), plan,
+                          splitter(topology) if splitter is not None else None)
     if dtype is not None:
         model.to(dtype=dtype)
     return model

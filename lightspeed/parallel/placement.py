@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightspeed.parallel.module_kinds import logical_shape
 from lightspeed.parallel.tensor_parallel import TPLayout
 from lightspeed.parallel.tp_plan import Slice
 
@@ -171,7 +172,8 @@ class PlacementTable(dict):
 
     @classmethod
     def for_module(cls, module: torch.nn.Module) -> "PlacementTable":
-        return cls((name, Placement.replicated(name, p.shape)) for name, p in module.named_parameters())
+        # a parameter partitioned by zero.Init holds an empty placeholder: its whole shape is its ds_shape
+        return cls((name, Placement.replicated(name, logical_shape(p))) for name, p in module.named_parameters())
 
     def placed(self, placements: Iterable[Placement]) -> "PlacementTable":
         """A copy with `placements` replacing the entries of their names (each must exist)."""

@@ -262,9 +262,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     device = default_device(groups.local_rank)
     places_params = strategy_places_params(cfg)  # stage 3 shards the params onto the device itself
     if not places_params:
-        if any(p.is_meta for p in model.parameters()):
-            raise ConfigError(f"zero_optimization.stage: a model built under lightspeed.zero.Init (meta parameters) "
-                              f"needs stage 3 (got {cfg.zero_optimization.stage})")
+        if any(p.is_meta or getattr(p, "ds_shape", None) is not None for p in model.parameters()):
+            raise ConfigError(f"zero_optimization.stage: a model built under lightspeed.zero.Init (partitioned or meta "
+                              f"parameters) needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
     client_optimizer = optimizer is not None
     # ZeRO partitions and reduces over dp x sp (the dp group while sp is 1): comm/topology.py's Note

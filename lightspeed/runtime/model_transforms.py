@@ -33,16 +33,19 @@ from lightspeed.zero.stage3.init_rows import replace_init_module
 ModelTransform = Callable[[nn.Module, PlacementTable, object, Topology], tuple[nn.Module, PlacementTable]]
 
 
-def _tensor_parallel(model, placements, cfg, topology):
-    # layers partitioned by zero.Init give each rank its slices through Init's groups, partitioned again
-    # over the ranks of its tp rank (zero/stage3/init_rows.py)
+def zero_init_splitter(topology: Topology):
+    """How AutoTP splits a layer partitioned by zero.Init on `topology`: each rank receives its slices
+    through Init's groups, partitioned again over the ranks of its tp rank (zero/stage3/init_rows.py)."""
     dims = tuple(d for d in ("dp_replicate", "edp_shard", "ep", "sp") if topology.size_over((d,)) > 1)
 
     def partitioned(module, wanted, build):
         keep = Communicator(topology.group_over(dims), topology.size_over(dims)) if dims else Communicator(None, 1)
         return replace_init_module(module, wanted, build, keep)
+    return partitioned
 
-    model = tensor_parallel_transform(model, cfg, topology, partitioned=partitioned)
+
+def _tensor_parallel(model, placements, cfg, topology):
+    model = tensor_parallel_transform(model, cfg, topology, partitioned=zero_init_splitter(topology))
     # the split layers hold their layouts; a model split by its own (Megatron) layers marks its parameters
     placements = PlacementTable.for_module(model)
     return model, tensor_parallel_placements(model, placements, topology.rank("tp"), topology.size("tp"))

@@ -87,9 +87,9 @@ def init_inference(model, config=None, **kwargs):
 
 def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
     """`deepspeed.tp_model_init`; see `lightspeed.tp_model_init`."""
-    from lightspeed.parallel.autotp import tp_model_init as _tp_model_init
+    import lightspeed
 
-    return _tp_model_init(model, tp_size, dtype, config=config, **kwargs)
+    return lightspeed.tp_model_init(model, tp_size, dtype, config=config, **kwargs)
 
 
 def __getattr__(name: str):

@@ -62,8 +62,8 @@ class LightspeedConfig(Section):
     managed_gradient_accumulation: Bool = True
 
     # Logging
-    steps_per_print: StepsPerPrint = 10
-    """Log every N steps; null or Infinity (accelerate's setting): never."""
+    steps_per_print: StepsPerPrint = None
+    """Log every N steps; null (DeepSpeed's default since 0.16) or Infinity (accelerate's setting): never."""
     wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False
     dump_state: Bool = False
@@ -77,7 +77,7 @@ class LightspeedConfig(Section):
     disable_allgather: Bool = False
     communication_data_type: Optional[CommDtype] = None
     """None lets the precision mode decide (DeepSpeed's default)."""
-    seq_parallel_comm_data_type: CommDtype = "fp32"
+    seq_parallel_communication_data_type: CommDtype = "fp32"
     sequence_parallel_size: Optional[PosInt] = None
 
     # Optimizer

@@ -47,7 +47,8 @@ class OffloadParamConfig(Section):
     buffer_size: NonNegInt = 100_000_000
     max_in_cpu: NonNegInt = 1_000_000_000
     """Parameter elements kept in CPU memory when offloading to NVMe."""
-    pin_memory: Bool = False
+    pin_memory: Bool = True
+    """Page-locked host memory for the offloaded partitions (DeepSpeed's default since 0.19.4)."""
 
 
 class OffloadOptimizerConfig(Section):
@@ -58,7 +59,8 @@ class OffloadOptimizerConfig(Section):
     nvme_path_per_local_rank: Optional[StrList] = None
     buffer_count: NonNegInt = 4
     buffer_size: NonNegInt = 100_000_000
-    pin_memory: Bool = False
+    pin_memory: Bool = True
+    """Page-locked host memory for the offloaded optimizer state (DeepSpeed's default since 0.19.4)."""
     pipeline_read: Bool = False
     pipeline_write: Bool = False
     fast_init: Bool = False

@@ -15,10 +15,10 @@ CFG = load({"train_micro_batch_size_per_gpu": 1}, world_size=1)
 @pytest.mark.parametrize(
     "path, default",
     [
-        ("steps_per_print", 10), ("wall_clock_breakdown", False), ("dump_state", False), ("gradient_clipping", 0.0),
+        ("steps_per_print", None), ("wall_clock_breakdown", False), ("dump_state", False), ("gradient_clipping", 0.0),
         ("prescale_gradients", False), ("gradient_predivide_factor", 1.0), ("sparse_gradients", False),
         ("memory_breakdown", False), ("zero_allow_untested_optimizer", False), ("zero_force_ds_cpu_optimizer", True),
-        ("communication_data_type", None), ("seq_parallel_comm_data_type", "fp32"), ("optimizer", None),
+        ("communication_data_type", None), ("seq_parallel_communication_data_type", "fp32"), ("optimizer", None),
         ("scheduler", None), ("gradient_allreduce_op", "mean"),
         ("fp16.enabled", False), ("fp16.auto_cast", False), ("fp16.loss_scale", 0), ("fp16.initial_scale_power", 16),
         ("fp16.loss_scale_window", 1000), ("fp16.hysteresis", 2), ("fp16.consecutive_hysteresis", False),
@@ -69,7 +69,9 @@ def test_offload_block_defaults():
     assert zero.overlap_comm is True  # DeepSpeed's dynamic default for stage 3
     assert (zero.offload_optimizer.device, zero.offload_optimizer.buffer_count, zero.offload_optimizer.ratio) == ("none", 4, 1.0)
     assert (zero.offload_param.device, zero.offload_param.buffer_count, zero.offload_param.max_in_cpu) == ("none", 5, 10**9)
-    assert zero.offload_param.buffer_size == 10**8 and zero.offload_param.pin_memory is False
+    assert zero.offload_param.buffer_size == 10**8
+    # pinned host memory by default since DeepSpeed 0.19.4 (its #8207)
+    assert zero.offload_param.pin_memory is True and zero.offload_optimizer.pin_memory is True
 
 
 def test_sparse_attention_defaults():

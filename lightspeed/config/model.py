@@ -36,6 +36,8 @@ from lightspeed.config.tensor_parallel import TensorParallelConfig
 from lightspeed.config.zero import ZeroConfig, zero_problems
 
 CommDtype = Choice("fp16", "bf16", "fp32", normalize=str.lower)
+AllreduceOp = Choice("mean", "sum", normalize=str.lower)
+LogLevel = Choice("debug", "info", "warning", "error", "critical", normalize=str.lower)
 
 
 def _check_steps_per_print(value):
@@ -72,7 +74,7 @@ class LightspeedConfig(Section):
     gradient_clipping: Float(ge=0) = 0.0
     prescale_gradients: Bool = False
     gradient_predivide_factor: Float(gt=0) = 1.0
-    gradient_allreduce_op: Choice("mean", "sum", normalize=str.lower) = "mean"
+    gradient_allreduce_op: AllreduceOp = "mean"
     sparse_gradients: Bool = False
     disable_allgather: Bool = False
     communication_data_type: Optional[CommDtype] = None
@@ -128,6 +130,8 @@ class LightspeedConfig(Section):
     graph_harvesting: Bool = False
     use_data_before_expert_parallelism: Bool = False
     disable_python_gc: Bool = False
+    log_level: Optional[LogLevel] = None
+    """DeepSpeed's engine log level (0.19.8); None leaves the logging configuration alone."""
 
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     expert_parallel: ExpertParallelConfig = ExpertParallelConfig()  # AutoEP (parallel/experts/autoep.py)

@@ -3,6 +3,7 @@ zero/offload_config.py, monitor/config.py, profiling/constants.py, ...), for a s
 section; to_dict() shows every key."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -54,6 +55,14 @@ CFG = load({"train_micro_batch_size_per_gpu": 1}, world_size=1)
         ("progressive_layer_drop.gamma", 0.001), ("data_efficiency.seed", 1234), ("sparse_attention", None),
         ("eigenvalue.max_iter", 100), ("curriculum_learning.enabled", False), ("timers.throughput.enabled", True),
         ("comm.timeout_seconds", 600.0), ("comm.stall_seconds", 60.0),
+        # keys DeepSpeed 0.19.8 reads that its earlier releases did not
+        ("log_level", None), ("data_types.keep_in_fp32_modules", "auto"), ("compile.autoep_non_moe", False),
+        ("compile.offload_activation_pin_memory", True), ("tensor_parallel.vocab_parallel_lm_head", None),
+        ("tensor_parallel.vocab_parallel_ce_backend", "torch"), ("expert_parallel.async_split_plan", False),
+        ("expert_parallel.row_weighting_impl", "auto"), ("expert_parallel.gate_up_impl", "separate"),
+        ("expert_parallel.comm_backend", "comm"), ("expert_parallel.comm_num_sm", 12),
+        ("expert_parallel.comm_qp_margin", 4), ("expert_parallel.comm_max_tokens_per_rank", 0),
+        ("expert_parallel.expert_activation", None),
     ],
 )  # fmt: skip
 def test_default(path, default):
@@ -111,3 +120,31 @@ def test_raw_keeps_the_mapped_input():
 def test_amp_passes_other_keys_through():
     cfg = load({"train_micro_batch_size_per_gpu": 1, "amp": {"enabled": False, "opt_level": "O1"}}, world_size=1)
     assert cfg.amp.params() == {"opt_level": "O1"}
+
+
+# DeepSpeed 0.19.8's keys that lightspeed parses but does not build: refused by key when set, never ignored
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        ({"log_level": "INFO"}, 'log_level="info"'),
+        ({"data_types": {"keep_in_fp32_modules": "auto"}}, 'data_types.keep_in_fp32_modules="auto"'),
+        ({"data_types": {"keep_in_fp32_modules": ["*bias"]}}, "data_types.keep_in_fp32_modules="),
+        ({"compile": {"autoep_non_moe": True}}, "autoep_non_moe=true"),
+        ({"compile": {"offload_activation_pin_memory": False}}, "offload_activation_pin_memory=false"),
+        ({"tensor_parallel": {"vocab_parallel_lm_head": True}}, "tensor_parallel.vocab_parallel_lm_head=true"),
+        ({"tensor_parallel": {"vocab_parallel_ce_backend": "liger"}}, "tensor_parallel.vocab_parallel_ce_backend"),
+    ],
+)  # fmt: skip
+def test_new_deepspeed_keys_are_refused_when_set(extra, refused):
+    with pytest.raises(NotImplementedError, match=re.escape(refused)):
+        load({"train_micro_batch_size_per_gpu": 1, **extra}, world_size=1)
+
+
+def test_keep_in_fp32_modules_empty_list_is_what_lightspeed_does():
+    cfg = load({"train_micro_batch_size_per_gpu": 1, "data_types": {"keep_in_fp32_modules": []}}, world_size=1)
+    assert cfg.data_types.keep_in_fp32_modules == []
+
+
+def test_sequence_parallel_dtype_key_is_deepspeeds_current_name():
+    cfg = load({"train_micro_batch_size_per_gpu": 1, "seq_parallel_communication_data_type": "BF16"}, world_size=1)
+    assert cfg.seq_parallel_communication_data_type == "bf16"

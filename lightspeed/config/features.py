@@ -74,14 +74,9 @@ class CheckpointConfig(Section):
     DeepSpeed-style MoE experts: ZeRO 0-2, checkpoint/deepspeed_moe_writer.py)."""
 
 
-_AIO_BACKENDS = {"async_io": "async_io", "aio": "async_io", "async": "async_io", "deepnvme": "async_io",
-                 "posix": "posix", "sync": "posix", "simple": "posix"}  # fmt: skip
-
-
 class AIOConfig(Section):
     """``aio``: the asynchronous NVMe I/O used by ZeRO-Infinity offload."""
 
-    io_backend: Choice("async_io", "posix", normalize=lambda s: _AIO_BACKENDS.get(s.lower(), s)) = "async_io"
     block_size: PosInt = 1_048_576
     queue_depth: PosInt = 8
     intra_op_parallelism: PosInt = 1

@@ -141,6 +141,10 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("use_data_before_expert_parallelism"),
     _flag("disable_python_gc"),
     _set("log_level"),
+    # DeepSpeed pins its super-offload CPU Adam worker to this share of the cores; nothing here reads it
+    Unimplemented("zero_optimization.offload_optimizer.cpuadam_cores_perc",
+                  lambda cfg: cfg.zero_optimization.offload_optimizer is not None
+                  and cfg.zero_optimization.offload_optimizer.cpuadam_cores_perc != 0.8),
     # DeepSpeed 0.19.8 keeps the model's transformers-listed buffers in fp32 ("auto"); lightspeed keeps none,
     # which is what an explicit [] asks for
     Unimplemented("data_types.keep_in_fp32_modules",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightspeed.config import load
+from lightspeed.config import ConfigError, load
 
 CFG = load({"train_micro_batch_size_per_gpu": 1}, world_size=1)
 
@@ -148,3 +148,23 @@ def test_keep_in_fp32_modules_empty_list_is_what_lightspeed_does():
 def test_sequence_parallel_dtype_key_is_deepspeeds_current_name():
     cfg = load({"train_micro_batch_size_per_gpu": 1, "seq_parallel_communication_data_type": "BF16"}, world_size=1)
     assert cfg.seq_parallel_communication_data_type == "bf16"
+
+
+@pytest.mark.parametrize("section, key", [("zero_optimization.offload_optimizer", "convert_grad_on_cpu"),
+                                          ("zero_optimization.offload_optimizer", "buffer_size"),
+                                          ("aio", "io_backend")])
+def test_keys_deepspeed_does_not_have_are_unknown(section, key):
+    # none of these is a DeepSpeed 0.19.8 key (its offload blocks refuse them; it ignores aio's)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    parent = config
+    for part in section.split("."):
+        parent = parent.setdefault(part, {})
+    parent[key] = 1
+    with pytest.raises(ConfigError, match=re.escape(f"{section}.{key}: unknown key")):
+        load(config, world_size=1)
+
+
+def test_cpuadam_cores_perc_is_refused_when_changed():
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True, "cpuadam_cores_perc": 0.5}}
+    with pytest.raises(NotImplementedError, match="offload_optimizer.cpuadam_cores_perc=0.5"):
+        load({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=1)

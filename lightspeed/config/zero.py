@@ -34,6 +34,7 @@ STAGE3_ALIASES = {
 }
 
 OffloadDevice = Choice(*OFFLOAD_DEVICES)
+Stage = Int(ge=0, le=3, what="must be 0, 1, 2 or 3")
 
 
 class OffloadParamConfig(Section):
@@ -106,7 +107,7 @@ class LeafModuleConfig(Section):
 class ZeroConfig(Section):
     """``zero_optimization``."""
 
-    stage: Int(ge=0, le=3, what="must be 0, 1, 2 or 3") = 0
+    stage: Stage = 0
     contiguous_gradients: Bool = True
     reduce_scatter: Bool = True
     reduce_bucket_size: NonNegInt = 500_000_000

@@ -35,9 +35,11 @@ class CompileConfig(Section):
 
     # DeepCompile (refused when set: config/support.py)
     deepcompile: Bool = False
+    autoep_non_moe: Bool = False
     free_activation: Bool = False
     free_activation_threshold: Int(ge=0) = 10 * 1024 * 1024
     offload_activation: Bool = False
+    offload_activation_pin_memory: Bool = True
     offload_opt_states: Bool = False
     double_buffer: Bool = True
     symmetric_memory: Bool = False

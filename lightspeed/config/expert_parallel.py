@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 from pydantic import field_validator
 
-from lightspeed.config.base import Bool, PosInt, Section, Str
+from lightspeed.config.base import Bool, NonNegInt, PosInt, Section, Str
 
 _UNSET = "<unset>"  # `expert_w3` not given (DeepSpeed's _UNSET sentinel)
 
@@ -28,6 +28,7 @@ class ExpertParallelConfig(Section):
     autoep_size: PosInt = 1
     expert_tensor_parallel_size: PosInt = 1
     validate_folding_routing: Bool = False
+    async_split_plan: Bool = False
     preset_model: Optional[Str] = None
     moe_layer_pattern: Optional[Str] = None
     expert_pattern: Optional[Str] = None
@@ -38,6 +39,12 @@ class ExpertParallelConfig(Section):
     route_scale: float = 1.0
     score_apply: Str = "auto"
     combine_impl: Str = "auto"
+    row_weighting_impl: Str = "auto"
+    gate_up_impl: Str = "separate"
+    comm_backend: Str = "comm"
+    comm_num_sm: PosInt = 12
+    comm_qp_margin: NonNegInt = 4
+    comm_max_tokens_per_rank: NonNegInt = 0
     num_expert_groups: Optional[PosInt] = None
     num_limited_groups: Optional[PosInt] = None
     score_func: Str = "auto"
@@ -52,6 +59,7 @@ class ExpertParallelConfig(Section):
     has_shared_experts: Optional[Bool] = None
     shared_experts_pattern: Optional[Str] = None
     shared_experts_gate_pattern: Optional[Str] = None
+    expert_activation: Optional[Str] = None
 
     @field_validator("score_apply")
     @classmethod
@@ -61,7 +69,22 @@ class ExpertParallelConfig(Section):
     @field_validator("combine_impl")
     @classmethod
     def _combine_impl(cls, value: Any) -> Any:
-        return _one_of(value, ("auto", "weighted_sum", "legacy_bmm"))
+        return _one_of(value, ("auto", "weighted_sum", "fused_weighted_sum", "legacy_bmm"))
+
+    @field_validator("row_weighting_impl")
+    @classmethod
+    def _row_weighting_impl(cls, value: Any) -> Any:
+        return _one_of(value, ("auto", "eager", "fused"))
+
+    @field_validator("gate_up_impl")
+    @classmethod
+    def _gate_up_impl(cls, value: Any) -> Any:
+        return _one_of(value, ("separate", "fused"))
+
+    @field_validator("comm_backend")
+    @classmethod
+    def _comm_backend(cls, value: Any) -> Any:
+        return _one_of(value, ("comm", "deepep"))
 
     @field_validator("score_func")
     @classmethod

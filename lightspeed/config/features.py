@@ -31,6 +31,13 @@ class ActivationCheckpointingConfig(Section):
     profile: Bool = False
 
 
+WriterType = Choice("MOCK", "PYTHON", "FAST", normalize=str.upper)
+WriterDataParallel = Choice("REPLICA", "SOCKET", "MACHINE", normalize=str.upper)
+SnapshotPool = Choice("first_save", "startup", normalize=str.lower)
+CheckpointFormat = Choice("lightspeed", "deepspeed", normalize=str.lower)
+TunerType = Choice("gridsearch", "random", "model_based")
+
+
 class ParallelWriteConfig(Section):
     """``checkpoint.parallel_write``."""
 
@@ -40,14 +47,14 @@ class ParallelWriteConfig(Section):
 class CheckpointWriterConfig(Section):
     """``checkpoint.writer``: DeepSpeed's fast/decoupled checkpoint writers."""
 
-    type: Choice("MOCK", "PYTHON", "FAST", normalize=str.upper) = "FAST"
+    type: WriterType = "FAST"
     decoupled: Bool = False
     io_buffer_size: PosInt = 64 * 1024**2
     io_buffer_double: Bool = True
     show_statistics: Bool = False
-    data_parallel: Optional[Choice("REPLICA", "SOCKET", "MACHINE", normalize=str.upper)] = None
+    data_parallel: Optional[WriterDataParallel] = None
     io_multiplier: PosInt = 1
-    snapshot_pool: Choice("first_save", "startup", normalize=str.lower) = "first_save"
+    snapshot_pool: SnapshotPool = "first_save"
     """lightspeed's own key: when a decoupled writer allocates the host memory it snapshots the state
     into (kept for every later save): at the first save ("first_save"), or when the engine is built
     and again after the first optimizer step, which creates the optimizer state ("startup"), so that
@@ -67,21 +74,16 @@ class CheckpointConfig(Section):
     parallel_write: ParallelWriteConfig = ParallelWriteConfig()
     checkpoint_serialization: Bool = True
     writer: Optional[CheckpointWriterConfig] = None
-    format: Choice("lightspeed", "deepspeed", normalize=str.lower) = "lightspeed"
+    format: CheckpointFormat = "lightspeed"
     """lightspeed's own key: the layout ``save_checkpoint`` writes. "deepspeed": DeepSpeed 0.19.8's files
     (lightspeed's tag written, then converted in place by rank 0: checkpoint/deepspeed_writer.py), which
     DeepSpeed's ``load_checkpoint`` resumes at the same ZeRO stage and data-parallel world size (with
     DeepSpeed-style MoE experts: ZeRO 0-2, checkpoint/deepspeed_moe_writer.py)."""
 
 
-_AIO_BACKENDS = {"async_io": "async_io", "aio": "async_io", "async": "async_io", "deepnvme": "async_io",
-                 "posix": "posix", "sync": "posix", "simple": "posix"}  # fmt: skip
-
-
 class AIOConfig(Section):
     """``aio``: the asynchronous NVMe I/O used by ZeRO-Infinity offload."""
 
-    io_backend: Choice("async_io", "posix", normalize=lambda s: _AIO_BACKENDS.get(s.lower(), s)) = "async_io"
     block_size: PosInt = 1_048_576
     queue_depth: PosInt = 8
     intra_op_parallelism: PosInt = 1
@@ -166,7 +168,7 @@ class AutotuningConfig(Section):
     end_profile_step: NonNegInt = 5
     metric: Str = "throughput"
     metric_path: Optional[Str] = None
-    tuner_type: Choice("gridsearch", "random", "model_based") = "gridsearch"
+    tuner_type: TunerType = "gridsearch"
     tuner_early_stopping: NonNegInt = 5
     tuner_num_trials: PosInt = 50
     arg_mappings: Optional[FreeDict] = None

@@ -52,10 +52,11 @@ logger = get_logger(__name__)
 LEGACY_TOP_LEVEL = ("bfloat16", "allgather_size")
 
 # Names people write for a top-level key that are too far from it for the typo rule.
-MISNAMED_TOP_LEVEL = {"seq_parallel_communication_data_type": "seq_parallel_comm_data_type"}
+# DeepSpeed before 0.17 read the sequence-parallel dtype as seq_parallel_comm_data_type; 0.19.8 ignores that name.
+MISNAMED_TOP_LEVEL = {"seq_parallel_comm_data_type": "seq_parallel_communication_data_type"}
 
 # Places where DeepSpeed itself gives "auto" a meaning, so it is not an unresolved HF placeholder.
-AUTO_ALLOWED_PATHS = ("pipeline.stages", "zero_optimization.zenflow.select_strategy",
+AUTO_ALLOWED_PATHS = ("pipeline.stages", "data_types.keep_in_fp32_modules", "zero_optimization.zenflow.select_strategy",
                       "zero_optimization.zenflow.select_interval", "zero_optimization.zenflow.update_interval")
 AUTO_ALLOWED_PREFIXES = ("expert_parallel.",)
 # Sections whose own keys DeepSpeed drops when "auto" (Note: "auto").

@@ -36,6 +36,8 @@ from lightspeed.config.tensor_parallel import TensorParallelConfig
 from lightspeed.config.zero import ZeroConfig, zero_problems
 
 CommDtype = Choice("fp16", "bf16", "fp32", normalize=str.lower)
+AllreduceOp = Choice("mean", "sum", normalize=str.lower)
+LogLevel = Choice("debug", "info", "warning", "error", "critical", normalize=str.lower)
 
 
 def _check_steps_per_print(value):
@@ -62,8 +64,8 @@ class LightspeedConfig(Section):
     managed_gradient_accumulation: Bool = True
 
     # Logging
-    steps_per_print: StepsPerPrint = 10
-    """Log every N steps; null or Infinity (accelerate's setting): never."""
+    steps_per_print: StepsPerPrint = None
+    """Log every N steps; null (DeepSpeed's default since 0.16) or Infinity (accelerate's setting): never."""
     wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False
     dump_state: Bool = False
@@ -72,12 +74,12 @@ class LightspeedConfig(Section):
     gradient_clipping: Float(ge=0) = 0.0
     prescale_gradients: Bool = False
     gradient_predivide_factor: Float(gt=0) = 1.0
-    gradient_allreduce_op: Choice("mean", "sum", normalize=str.lower) = "mean"
+    gradient_allreduce_op: AllreduceOp = "mean"
     sparse_gradients: Bool = False
     disable_allgather: Bool = False
     communication_data_type: Optional[CommDtype] = None
     """None lets the precision mode decide (DeepSpeed's default)."""
-    seq_parallel_comm_data_type: CommDtype = "fp32"
+    seq_parallel_communication_data_type: CommDtype = "fp32"
     sequence_parallel_size: Optional[PosInt] = None
 
     # Optimizer
@@ -128,6 +130,8 @@ class LightspeedConfig(Section):
     graph_harvesting: Bool = False
     use_data_before_expert_parallelism: Bool = False
     disable_python_gc: Bool = False
+    log_level: Optional[LogLevel] = None
+    """DeepSpeed's engine log level (0.19.8); None leaves the logging configuration alone."""
 
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     expert_parallel: ExpertParallelConfig = ExpertParallelConfig()  # AutoEP (parallel/experts/autoep.py)

@@ -6,11 +6,11 @@ other lives in `model.py`, and loss scaling itself lives in ``lightspeed.precisi
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional, Union
 
-from pydantic import ConfigDict
+from pydantic import BeforeValidator, ConfigDict
 
-from lightspeed.config.base import Bool, Choice, Float, Int, Section, StrList
+from lightspeed.config.base import Bool, Choice, Float, Int, Section, StrList, expectation
 
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
@@ -19,6 +19,15 @@ AUTOCAST_DTYPE_NAMES = (
     "bfloat16", "bf16", "torch.bfloat16",
     "float16", "fp16", "half", "torch.float16",
 )  # fmt: skip
+
+
+def _check_keep_in_fp32(value):
+    if value == "auto" or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return value
+    raise expectation('must be "auto" or a list of name patterns')
+
+
+KeepInFp32 = Annotated[Union[str, list], BeforeValidator(_check_keep_in_fp32)]
 
 
 class FP16Config(Section):
@@ -104,6 +113,9 @@ class DataTypesConfig(Section):
     """dtype gradients accumulate in across micro-steps; None means the model's dtype."""
     param_dtype: Optional[Choice(*DTYPE_NAMES, normalize=str.lower)] = None
     buffer_dtype: Optional[Choice(*DTYPE_NAMES, normalize=str.lower)] = None
+    keep_in_fp32_modules: KeepInFp32 = "auto"
+    """DeepSpeed 0.19.8's buffers kept in fp32 under bf16/fp16 training: "auto" (the model's own transformers
+    `_keep_in_fp32_modules(_strict)` lists) or a list of name patterns."""
 
 
 def torch_dtype_name(name: Optional[str]) -> Optional[str]:

@@ -140,6 +140,16 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("graph_harvesting"),
     _flag("use_data_before_expert_parallelism"),
     _flag("disable_python_gc"),
+    _set("log_level"),
+    # DeepSpeed pins its super-offload CPU Adam worker to this share of the cores; nothing here reads it
+    Unimplemented("zero_optimization.offload_optimizer.cpuadam_cores_perc",
+                  lambda cfg: cfg.zero_optimization.offload_optimizer is not None
+                  and cfg.zero_optimization.offload_optimizer.cpuadam_cores_perc != 0.8),
+    # DeepSpeed 0.19.8 keeps the model's transformers-listed buffers in fp32 ("auto"); lightspeed keeps none,
+    # which is what an explicit [] asks for
+    Unimplemented("data_types.keep_in_fp32_modules",
+                  lambda cfg: "keep_in_fp32_modules" in cfg.data_types.model_fields_set
+                  and cfg.data_types.keep_in_fp32_modules != []),
     # Monitoring and profiling
     _flag("trackio.enabled"),
     # Training-efficiency research features
@@ -160,6 +170,9 @@ UNIMPLEMENTED: list[Unimplemented] = [
         + ", ".join(f"{k}={show(v)}" for k, v in cfg.compile.deepcompile_settings().items()) + ")",
     ),
     _flag("tensor_parallel.tp_overlap_comm"),
+    _flag("tensor_parallel.vocab_parallel_lm_head"),
+    Unimplemented("tensor_parallel.vocab_parallel_ce_backend",
+                  lambda cfg: cfg.tensor_parallel.vocab_parallel_ce_backend != "torch"),
     _set("tensor_parallel.injection_policy_tuple"),
     _flag("tensor_parallel.replace_with_kernel_inject"),
     _flag("nebula.enabled"),

@@ -10,8 +10,10 @@ from typing import Any, Optional
 
 from pydantic import model_validator
 
-from lightspeed.config.base import Bool, Choice, FreeDict, NonNegInt, PosInt, Section, Str
+from lightspeed.config.base import Bool, Choice, NonNegInt, PosInt, Section, Str
 
+CEBackend = Choice("torch", "liger")
+PartitionType = Choice("column", "row", "skip", normalize=str.lower)
 _ALIASES = {"tp": "tensor_parallel", "kernel_inject": "replace_with_kernel_inject"}
 
 
@@ -28,7 +30,7 @@ class TPLayerSpecConfig(Section):
     """One entry of ``partition_config.layer_specs``."""
 
     patterns: list[Str]
-    partition_type: Choice("column", "row", "skip", normalize=str.lower) = "column"
+    partition_type: PartitionType = "column"
     shape: Optional[list[Any]] = None
     partition_dim: Optional[NonNegInt] = None
     model_types: Optional[list[Str]] = None
@@ -54,6 +56,10 @@ class TensorParallelConfig(Section):
     dtype: Any = None
     """DeepSpeed's `tp_model_init` dtype; in training the precision sections decide the dtype."""
     tp_overlap_comm: Bool = False
+    vocab_parallel_lm_head: Optional[Bool] = None
+    """DeepSpeed 0.19.8: true shards the output projection over the vocabulary, false never, None as the
+    model's tied-embedding plan allows."""
+    vocab_parallel_ce_backend: CEBackend = "torch"
     tensor_parallel: TPGroupConfig = TPGroupConfig()
     injection_policy_tuple: Any = None
     partition_config: Optional[PartitionConfig] = None

@@ -34,6 +34,7 @@ STAGE3_ALIASES = {
 }
 
 OffloadDevice = Choice(*OFFLOAD_DEVICES)
+Stage = Int(ge=0, le=3, what="must be 0, 1, 2 or 3")
 
 
 class OffloadParamConfig(Section):
@@ -42,12 +43,14 @@ class OffloadParamConfig(Section):
     device: OffloadDevice = "none"
     nvme_path: Optional[Str] = None
     nvme_path_per_local_rank: Optional[StrList] = None
-    """One NVMe path per local rank, indexed by LOCAL_RANK."""
+    """lightspeed's own key (DeepSpeed 0.19.8 has none): one NVMe path per local rank, indexed by
+    LOCAL_RANK."""
     buffer_count: NonNegInt = 5
     buffer_size: NonNegInt = 100_000_000
     max_in_cpu: NonNegInt = 1_000_000_000
     """Parameter elements kept in CPU memory when offloading to NVMe."""
-    pin_memory: Bool = False
+    pin_memory: Bool = True
+    """Page-locked host memory for the offloaded partitions (DeepSpeed's default since 0.19.4)."""
 
 
 class OffloadOptimizerConfig(Section):
@@ -56,16 +59,16 @@ class OffloadOptimizerConfig(Section):
     device: OffloadDevice = "none"
     nvme_path: Optional[Str] = None
     nvme_path_per_local_rank: Optional[StrList] = None
+    """lightspeed's own key, as offload_param's."""
     buffer_count: NonNegInt = 4
-    buffer_size: NonNegInt = 100_000_000
-    pin_memory: Bool = False
+    pin_memory: Bool = True
+    """Page-locked host memory for the offloaded optimizer state (DeepSpeed's default since 0.19.4)."""
     pipeline_read: Bool = False
     pipeline_write: Bool = False
     fast_init: Bool = False
     ratio: Float(ge=0.0, le=1.0) = 1.0
     """Fraction of the optimizer step run on CPU (partial offload; ZeRO-3 only)."""
     super_offload: Bool = False
-    convert_grad_on_cpu: Bool = True
     cpuadam_cores_perc: Float(ge=0.0, le=1.0) = 0.8
     overlap_step: Bool = False
     """lightspeed's own key (off by default): run the CPU optimizer step in the background during the next
@@ -104,7 +107,7 @@ class LeafModuleConfig(Section):
 class ZeroConfig(Section):
     """``zero_optimization``."""
 
-    stage: Int(ge=0, le=3, what="must be 0, 1, 2 or 3") = 0
+    stage: Stage = 0
     contiguous_gradients: Bool = True
     reduce_scatter: Bool = True
     reduce_bucket_size: NonNegInt = 500_000_000

@@ -213,7 +213,7 @@ def _nvme_notes(aio, opt, par) -> None:
     if par is not None:
         quiet.append("offload_param.buffer_count / buffer_size (shards are read straight into their host tensors, "
                      "ahead of use by the stage-3 prefetch)")
-    if (opt is not None and opt.pin_memory) or (par is not None and par.pin_memory):
+    if any(block is not None and block.pin_memory and "pin_memory" in block.model_fields_set for block in (opt, par)):
         quiet.append("pin_memory for swapped tensors (their memory is freed and re-allocated, so never pinned)")
     for what in quiet:
         logger.info("NVMe offload: %s has no effect", what)

@@ -114,7 +114,7 @@ def _short(dtype: torch.dtype) -> str:
 def policy_from_config(cfg: Any) -> PrecisionPolicy:
     """Resolve the policy from a config object or dict with DeepSpeed's ``fp16``, ``bf16``,
     ``data_types.grad_accum_dtype``, ``data_types.param_dtype`` (checked, not chosen),
-    ``communication_data_type`` and, with ``sequence_parallel_size`` > 1, ``seq_parallel_comm_data_type``; missing sections mean DeepSpeed's defaults."""
+    ``communication_data_type`` and, with ``sequence_parallel_size`` > 1, ``seq_parallel_communication_data_type``; missing sections mean DeepSpeed's defaults."""
     fp16 = bool(_field(cfg, "fp16.enabled", False))
     bf16 = bool(_field(cfg, "bf16.enabled", False)) or bool(_field(cfg, "bfloat16.enabled", False))
     if fp16 and bf16:
@@ -133,7 +133,7 @@ def policy_from_config(cfg: Any) -> PrecisionPolicy:
     reduce = parse_dtype(_field(cfg, "communication_data_type"), "communication_data_type") or param
     if (_field(cfg, "sequence_parallel_size") or 1) > 1:
         # DeepSpeed's rule: with sequence parallelism the gradients are reduced in this dtype (fp32 by default)
-        reduce = parse_dtype(_field(cfg, "seq_parallel_comm_data_type", "fp32"), "seq_parallel_comm_data_type")
+        reduce = parse_dtype(_field(cfg, "seq_parallel_communication_data_type", "fp32"), "seq_parallel_communication_data_type")
 
     master = None if param == torch.float32 else torch.float32
     state = torch.float32

@@ -12,7 +12,7 @@ at construction) and returns them (`.sp_group`, `.sp_rank`, ...); `initialize()`
 Imports comm/, _utils/ and parallel/'s `split_tp_size` only.
 
 ZeRO reduces and partitions over dp x sp (the `Topology`'s "dp_sp" group) and averages gradients over it;
-with sp > 1 gradients are reduced in `seq_parallel_comm_data_type` (fp32 by default), DeepSpeed's rule.
+with sp > 1 gradients are reduced in `seq_parallel_communication_data_type` (fp32 by default), DeepSpeed's rule.
 With tensor parallelism (tp x sp x dp, Megatron's layout) the tp transform leaves each tp rank H/tp heads
 (column-parallel q/k/v) and Ulysses all-to-alls those over the sp group: H/tp and the key/value heads per
 tp rank must divide by sp, else an error naming `sequence_parallel_size`. A model split by

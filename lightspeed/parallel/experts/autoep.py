@@ -188,7 +188,12 @@ def check_autoep_config(section: ExpertParallelConfig, tp_size: int = 1) -> None
                                       f"model's config); remove the key or leave it at {default!r}")
     refused = {"validate_folding_routing": section.validate_folding_routing,
                "load_balance_coeff": section.load_balance_coeff is not None,
-               "combine_impl": section.combine_impl == "legacy_bmm",
+               "combine_impl": section.combine_impl in ("legacy_bmm", "fused_weighted_sum"),
+               "async_split_plan": section.async_split_plan,
+               "row_weighting_impl": section.row_weighting_impl != "auto",
+               "gate_up_impl": section.gate_up_impl != "separate",
+               "comm_backend": section.comm_backend != "comm",
+               "expert_activation": section.expert_activation is not None,
                "expert_w3": section.expert_w3_given and section.expert_w3 is not None}
     if section.expert_tensor_parallel_size not in (1, tp_size):
         raise NotImplementedError(f"{prefix}expert_tensor_parallel_size={section.expert_tensor_parallel_size}: "
@@ -197,8 +202,9 @@ def check_autoep_config(section: ExpertParallelConfig, tp_size: int = 1) -> None
     for key, active in refused.items():
         if active:
             raise NotImplementedError(f"{prefix}{key}={getattr(section, key)!r} is not implemented in lightspeed's "
-                                      "AutoEP (fused gate|up experts, no expert tensor parallelism, no load-balancing "
-                                      "router bias, a weighted-sum combine)")
+                                      "AutoEP (it runs the preset's experts and activation, exchanges tokens with "
+                                      "torch.distributed, combines by a weighted sum and adds no load-balancing "
+                                      "router bias); remove the key")
     if section.preset_model is not None and section.preset_model not in PRESETS:
         raise ConfigError(f"expert_parallel.preset_model={section.preset_model!r}: unknown preset (available: "
                           f"{', '.join(PRESETS)})")

@@ -170,9 +170,12 @@ class Init(ParameterRegistrationContext):
         if remote not in ("none", "cpu", "cuda", str(default_device().type)):
             raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected \"cpu\", \"nvme\" or None")
         # remote_device "cpu": each rank's shards are kept in host memory (pinned with pin_memory) until the
-        # engine takes them over with its own offload_param placement
-        self._offload = OffloadPolicy(param="cpu", param_pin_memory=bool(pin_memory or (
-            isinstance(offload, dict) and offload.get("pin_memory", False)))) if remote == "cpu" else OffloadPolicy()
+        # engine takes them over with its own offload_param placement. As DeepSpeed: a config's offload_param
+        # block decides pinning (its pin_memory, true by default), else the argument.
+        if isinstance((ds_config.get("zero_optimization") or {}).get("offload_param"), dict):
+            pin_memory = offload.get("pin_memory", True)
+        self._offload = OffloadPolicy(param="cpu", param_pin_memory=bool(pin_memory)) if remote == "cpu" \
+            else OffloadPolicy()
         if zero_param_parallel_group is not None:
             raise NotImplementedError("zero.Init(zero_param_parallel_group=...): hpZ (zero_hpz_partition_size) "
                                       "is not implemented yet")

@@ -3,11 +3,12 @@ zero/offload_config.py, monitor/config.py, profiling/constants.py, ...), for a s
 section; to_dict() shows every key."""
 
 import json
+import re
 import sys
 
 import pytest
 
-from lightspeed.config import load
+from lightspeed.config import ConfigError, load
 
 CFG = load({"train_micro_batch_size_per_gpu": 1}, world_size=1)
 
@@ -15,10 +16,10 @@ CFG = load({"train_micro_batch_size_per_gpu": 1}, world_size=1)
 @pytest.mark.parametrize(
     "path, default",
     [
-        ("steps_per_print", 10), ("wall_clock_breakdown", False), ("dump_state", False), ("gradient_clipping", 0.0),
+        ("steps_per_print", None), ("wall_clock_breakdown", False), ("dump_state", False), ("gradient_clipping", 0.0),
         ("prescale_gradients", False), ("gradient_predivide_factor", 1.0), ("sparse_gradients", False),
         ("memory_breakdown", False), ("zero_allow_untested_optimizer", False), ("zero_force_ds_cpu_optimizer", True),
-        ("communication_data_type", None), ("seq_parallel_comm_data_type", "fp32"), ("optimizer", None),
+        ("communication_data_type", None), ("seq_parallel_communication_data_type", "fp32"), ("optimizer", None),
         ("scheduler", None), ("gradient_allreduce_op", "mean"),
         ("fp16.enabled", False), ("fp16.auto_cast", False), ("fp16.loss_scale", 0), ("fp16.initial_scale_power", 16),
         ("fp16.loss_scale_window", 1000), ("fp16.hysteresis", 2), ("fp16.consecutive_hysteresis", False),
@@ -54,6 +55,14 @@ CFG = load({"train_micro_batch_size_per_gpu": 1}, world_size=1)
         ("progressive_layer_drop.gamma", 0.001), ("data_efficiency.seed", 1234), ("sparse_attention", None),
         ("eigenvalue.max_iter", 100), ("curriculum_learning.enabled", False), ("timers.throughput.enabled", True),
         ("comm.timeout_seconds", 600.0), ("comm.stall_seconds", 60.0),
+        # keys DeepSpeed 0.19.8 reads that its earlier releases did not
+        ("log_level", None), ("data_types.keep_in_fp32_modules", "auto"), ("compile.autoep_non_moe", False),
+        ("compile.offload_activation_pin_memory", True), ("tensor_parallel.vocab_parallel_lm_head", None),
+        ("tensor_parallel.vocab_parallel_ce_backend", "torch"), ("expert_parallel.async_split_plan", False),
+        ("expert_parallel.row_weighting_impl", "auto"), ("expert_parallel.gate_up_impl", "separate"),
+        ("expert_parallel.comm_backend", "comm"), ("expert_parallel.comm_num_sm", 12),
+        ("expert_parallel.comm_qp_margin", 4), ("expert_parallel.comm_max_tokens_per_rank", 0),
+        ("expert_parallel.expert_activation", None),
     ],
 )  # fmt: skip
 def test_default(path, default):
@@ -69,7 +78,9 @@ def test_offload_block_defaults():
     assert zero.overlap_comm is True  # DeepSpeed's dynamic default for stage 3
     assert (zero.offload_optimizer.device, zero.offload_optimizer.buffer_count, zero.offload_optimizer.ratio) == ("none", 4, 1.0)
     assert (zero.offload_param.device, zero.offload_param.buffer_count, zero.offload_param.max_in_cpu) == ("none", 5, 10**9)
-    assert zero.offload_param.buffer_size == 10**8 and zero.offload_param.pin_memory is False
+    assert zero.offload_param.buffer_size == 10**8
+    # pinned host memory by default since DeepSpeed 0.19.4 (its #8207)
+    assert zero.offload_param.pin_memory is True and zero.offload_optimizer.pin_memory is True
 
 
 def test_sparse_attention_defaults():
@@ -109,3 +120,51 @@ def test_raw_keeps_the_mapped_input():
 def test_amp_passes_other_keys_through():
     cfg = load({"train_micro_batch_size_per_gpu": 1, "amp": {"enabled": False, "opt_level": "O1"}}, world_size=1)
     assert cfg.amp.params() == {"opt_level": "O1"}
+
+
+# DeepSpeed 0.19.8's keys that lightspeed parses but does not build: refused by key when set, never ignored
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        ({"log_level": "INFO"}, 'log_level="info"'),
+        ({"data_types": {"keep_in_fp32_modules": "auto"}}, 'data_types.keep_in_fp32_modules="auto"'),
+        ({"data_types": {"keep_in_fp32_modules": ["*bias"]}}, "data_types.keep_in_fp32_modules="),
+        ({"compile": {"autoep_non_moe": True}}, "autoep_non_moe=true"),
+        ({"compile": {"offload_activation_pin_memory": False}}, "offload_activation_pin_memory=false"),
+        ({"tensor_parallel": {"vocab_parallel_lm_head": True}}, "tensor_parallel.vocab_parallel_lm_head=true"),
+        ({"tensor_parallel": {"vocab_parallel_ce_backend": "liger"}}, "tensor_parallel.vocab_parallel_ce_backend"),
+    ],
+)  # fmt: skip
+def test_new_deepspeed_keys_are_refused_when_set(extra, refused):
+    with pytest.raises(NotImplementedError, match=re.escape(refused)):
+        load({"train_micro_batch_size_per_gpu": 1, **extra}, world_size=1)
+
+
+def test_keep_in_fp32_modules_empty_list_is_what_lightspeed_does():
+    cfg = load({"train_micro_batch_size_per_gpu": 1, "data_types": {"keep_in_fp32_modules": []}}, world_size=1)
+    assert cfg.data_types.keep_in_fp32_modules == []
+
+
+def test_sequence_parallel_dtype_key_is_deepspeeds_current_name():
+    cfg = load({"train_micro_batch_size_per_gpu": 1, "seq_parallel_communication_data_type": "BF16"}, world_size=1)
+    assert cfg.seq_parallel_communication_data_type == "bf16"
+
+
+@pytest.mark.parametrize("section, key", [("zero_optimization.offload_optimizer", "convert_grad_on_cpu"),
+                                          ("zero_optimization.offload_optimizer", "buffer_size"),
+                                          ("aio", "io_backend")])
+def test_keys_deepspeed_does_not_have_are_unknown(section, key):
+    # none of these is a DeepSpeed 0.19.8 key (its offload blocks refuse them; it ignores aio's)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    parent = config
+    for part in section.split("."):
+        parent = parent.setdefault(part, {})
+    parent[key] = 1
+    with pytest.raises(ConfigError, match=re.escape(f"{section}.{key}: unknown key")):
+        load(config, world_size=1)
+
+
+def test_cpuadam_cores_perc_is_refused_when_changed():
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True, "cpuadam_cores_perc": 0.5}}
+    with pytest.raises(NotImplementedError, match="offload_optimizer.cpuadam_cores_perc=0.5"):
+        load({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=1)

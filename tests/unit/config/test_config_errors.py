@@ -213,8 +213,8 @@ def test_cross_section_rules_still_run_when_another_section_is_invalid():
 
 
 def test_known_misname_of_a_top_level_key():
-    assert 'seq_parallel_communication_data_type: unknown top-level key; did you mean "seq_parallel_comm_data_type"?' in (
-        problems({"seq_parallel_communication_data_type": "bf16"})
+    assert 'seq_parallel_comm_data_type: unknown top-level key; did you mean "seq_parallel_communication_data_type"?' in (
+        problems({"seq_parallel_comm_data_type": "bf16"})
     )
 
 

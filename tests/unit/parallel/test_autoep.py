@@ -192,6 +192,11 @@ CFG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
     ({"top_k": 3}, NotImplementedError, "expert_parallel.top_k=3"),
     ({"expert_tensor_parallel_size": 2}, NotImplementedError, "expert_parallel.expert_tensor_parallel_size=2"),
     ({"load_balance_coeff": 0.001}, NotImplementedError, "expert_parallel.load_balance_coeff"),
+    # DeepSpeed 0.19.8's AutoEP implementation switches
+    ({"comm_backend": "deepep"}, NotImplementedError, "expert_parallel.comm_backend='deepep'"),
+    ({"gate_up_impl": "fused"}, NotImplementedError, "expert_parallel.gate_up_impl='fused'"),
+    ({"expert_activation": "silu"}, NotImplementedError, "expert_parallel.expert_activation='silu'"),
+    ({"combine_impl": "fused_weighted_sum"}, NotImplementedError, "expert_parallel.combine_impl"),
 ])
 def test_refusals_name_the_key(extra, error, match):
     config = {**CFG, "expert_parallel": {"enabled": True, **extra}}

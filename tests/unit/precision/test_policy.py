@@ -43,11 +43,11 @@ def test_overrides():
     assert (p.param_dtype, p.reduce_dtype) == (fp32, bf16)
 
 
-def test_sequence_parallel_reduces_in_seq_parallel_comm_data_type():
-    # DeepSpeed's rule: with sp > 1 the gradient reduction dtype is seq_parallel_comm_data_type (fp32 default)
+def test_sequence_parallel_reduces_in_seq_parallel_communication_data_type():
+    # DeepSpeed's rule: with sp > 1 the gradient reduction dtype is seq_parallel_communication_data_type (fp32 default)
     assert policy_from_config({"bf16": {"enabled": True}, "sequence_parallel_size": 2}).reduce_dtype == fp32
     p = policy_from_config({"bf16": {"enabled": True}, "sequence_parallel_size": 2,
-                            "communication_data_type": "fp32", "seq_parallel_comm_data_type": "bf16"})
+                            "communication_data_type": "fp32", "seq_parallel_communication_data_type": "bf16"})
     assert p.reduce_dtype == bf16
     assert policy_from_config({"bf16": {"enabled": True}, "sequence_parallel_size": 1}).reduce_dtype == bf16
 

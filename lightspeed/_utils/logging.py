@@ -61,6 +61,15 @@ def get_logger(name: str | None = None) -> logging.Logger:
     return root.getChild(name)
 
 
+def set_log_level(level: str) -> None:
+    """The `lightspeed` logger's level and its handlers' (the config's `log_level`, as DeepSpeed's
+    `set_log_level_from_string`: "debug", "info", "warning", "error" or "critical")."""
+    root = get_logger()
+    root.setLevel(level.upper())
+    for handler in root.handlers:
+        handler.setLevel(level.upper())
+
+
 def log_all_ranks(enabled: bool = True) -> None:
     """Let records from every rank through (default: rank 0 only)."""
     _RankFilter.all_ranks = enabled

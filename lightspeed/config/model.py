@@ -131,7 +131,7 @@ class LightspeedConfig(Section):
     use_data_before_expert_parallelism: Bool = False
     disable_python_gc: Bool = False
     log_level: Optional[LogLevel] = None
-    """DeepSpeed's engine log level (0.19.8); None leaves the logging configuration alone."""
+    """DeepSpeed's engine log level (0.19.8): initialize() sets the lightspeed logger to it; None leaves it."""
 
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     expert_parallel: ExpertParallelConfig = ExpertParallelConfig()  # AutoEP (parallel/experts/autoep.py)

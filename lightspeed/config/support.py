@@ -140,7 +140,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     _flag("graph_harvesting"),
     _flag("use_data_before_expert_parallelism"),
     _flag("disable_python_gc"),
-    _set("log_level"),
     # DeepSpeed pins its super-offload CPU Adam worker to this share of the cores; nothing here reads it
     Unimplemented("zero_optimization.offload_optimizer.cpuadam_cores_perc",
                   lambda cfg: cfg.zero_optimization.offload_optimizer is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from lightspeed._utils.device import default_device
-from lightspeed._utils.logging import get_logger
+from lightspeed._utils.logging import get_logger, set_log_level
 from lightspeed.comm import api as comm_api
 from lightspeed.comm import comms_logger, heartbeat
 from lightspeed.comm.collectives import Communicator
@@ -238,6 +238,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         if hybrid_engine_class is None:
             raise ConfigError("hybrid_engine.enabled: lightspeed.runtime.initialize builds training engines only; "
                               "call lightspeed.initialize (or deepspeed.initialize), which builds the hybrid engine")
+    if cfg.log_level is not None:  # DeepSpeed sets its logger's level from the config at engine start
+        set_log_level(cfg.log_level)
     apply_config_timeout(cfg.comm.timeout_seconds)
     heartbeat.set_stall_seconds(cfg.comm.stall_seconds)
     policy = policy_from_config(cfg)

@@ -126,7 +126,6 @@ def test_amp_passes_other_keys_through():
 @pytest.mark.parametrize(
     "extra, refused",
     [
-        ({"log_level": "INFO"}, 'log_level="info"'),
         ({"data_types": {"keep_in_fp32_modules": "auto"}}, 'data_types.keep_in_fp32_modules="auto"'),
         ({"data_types": {"keep_in_fp32_modules": ["*bias"]}}, "data_types.keep_in_fp32_modules="),
         ({"compile": {"autoep_non_moe": True}}, "autoep_non_moe=true"),
@@ -168,3 +167,23 @@ def test_cpuadam_cores_perc_is_refused_when_changed():
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True, "cpuadam_cores_perc": 0.5}}
     with pytest.raises(NotImplementedError, match="offload_optimizer.cpuadam_cores_perc=0.5"):
         load({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=1)
+
+
+def test_log_level_sets_the_logger_at_initialize():
+    import logging
+
+    import lightspeed
+    from lightspeed._utils.logging import get_logger
+    from lightspeed.testing.models import TinyMLP
+
+    root = get_logger()
+    before = root.level
+    try:
+        lightspeed.initialize(model=TinyMLP(), config={"train_micro_batch_size_per_gpu": 1, "log_level": "ERROR",
+                                                        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}},
+                              dist_init_required=False)
+        assert root.level == logging.ERROR and all(h.level == logging.ERROR for h in root.handlers)
+    finally:
+        root.setLevel(before)
+        for h in root.handlers:
+            h.setLevel(logging.NOTSET)

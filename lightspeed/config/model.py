@@ -71,7 +71,7 @@ class LightspeedConfig(Section):
     dump_state: Bool = False
 
     # Gradients and communication
-    gradient_clipping: Float(ge=0) = 0.0
+    gradient_clipping: Float(ge=0) = 1.0
     prescale_gradients: Bool = False
     gradient_predivide_factor: Float(gt=0) = 1.0
     gradient_allreduce_op: AllreduceOp = "mean"

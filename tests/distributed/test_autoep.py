@@ -63,7 +63,7 @@ def data(step: int = 0, world: int = 2):
 
 
 def config(stage: int, **autoep) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+    return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage}, "expert_parallel": {"enabled": True, "autoep_size": 2, **autoep}}
 

@@ -53,7 +53,7 @@ def data(step: int):
 
 
 def config(autoep_size: int = 2, stage: int = 1, **autoep) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
+    return {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage},
             "expert_parallel": {"enabled": True, "autoep_size": autoep_size, **autoep}}

@@ -67,7 +67,7 @@ def engine_losses(steps: int, config: dict, global_batch: int = GLOBAL_BATCH):
 
 def _config(world: int, gas: int = 1, **extra):
     cfg = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": gas, "optimizer": copy.deepcopy(OPT),
-           "steps_per_print": 1000}
+           "steps_per_print": 1000, "gradient_clipping": 0.0}  # the references do not clip (DeepSpeed's default does)
     cfg.update(extra)
     return cfg
 

@@ -92,7 +92,8 @@ def _comm() -> dict:
 def _config(stage: int, **extra) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
            "steps_per_print": float("inf"),  # what accelerate writes: never log
-           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+           "gradient_clipping": 0.0}  # the references do not clip (DeepSpeed's default does)
     cfg.update(extra)
     return cfg
 

@@ -143,6 +143,7 @@ def _train(name: str):
     net = PipelineModule(layer_specs(LayerSpec, ep, ep_rank, layout, moe, coeff), num_stages=PP,
                          loss_fn=lambda out, y: F.mse_loss(out, y), partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 1000,
+              "gradient_clipping": 0.0,  # the reference clips only when asked (DeepSpeed's default does)
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": stage},
               "pipeline": {"schedule": schedule, **({"virtual_stages": 2} if schedule != "1f1b" else {})}}
@@ -201,7 +202,7 @@ def _resume(path: str):
         built, *_ = lightspeed.initialize(model=net, config={
             "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": 2}})
+            "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0})
         return built
 
     def step(built, batch, gas):

@@ -108,8 +108,7 @@ def _run(world_expected: int, moe: dict, stage: int, clip: float, groups: bool, 
     config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": stage, **zero}}
-    if clip:
-        config["gradient_clipping"] = clip
+    config["gradient_clipping"] = clip or 0.0  # the reference clips only when asked (DeepSpeed's default does)
     params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
                                                                    "name": "dense"}) if groups else None
     engine, *_ = lightspeed.initialize(model=model, model_parameters=params, config=config)

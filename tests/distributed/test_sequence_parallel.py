@@ -99,6 +99,7 @@ def _attention_reference(dp: int, steps: int):
 
 def _config(stage: int, **extra):
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "sequence_parallel_size": SP,
+            "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage}, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
             "steps_per_print": 1000, **extra}
 

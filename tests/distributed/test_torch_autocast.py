@@ -61,7 +61,7 @@ def _engine(stage: int, section: dict):
     import lightspeed
 
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": 4, "torch_autocast": section,
+    cfg = {"train_micro_batch_size_per_gpu": 4, "torch_autocast": section, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     engine, *_ = lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg)
     return engine

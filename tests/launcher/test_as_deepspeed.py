@@ -17,7 +17,7 @@ STEPS, MICRO, WORLD, LR = 5, 4, 2, 0.01
 
 
 def _reference_losses(zero_init: bool) -> list[float]:
-    """The script's run on one process: the whole global batch, torch.optim.Adam, the same initial
+    """The script's run on one process: the whole global batch, torch.optim.Adam, clipping at 1.0, the same initial
     weights (under zero.Init: its rule, with the seed the script's Init draws; else torch's)."""
     torch.manual_seed(1234)
     seed = seed_from_global_rng()
@@ -32,6 +32,7 @@ def _reference_losses(zero_init: bool) -> list[float]:
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
         opt.step()
         losses.append(loss.item())
     return losses

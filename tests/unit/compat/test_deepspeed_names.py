@@ -179,7 +179,7 @@ def test_safe_update_full_grad_vectorized(stage):
 
     torch.manual_seed(0)
     model = TinyMLP()
-    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage}}
     engine, *_ = lightspeed.initialize(model=model, config=cfg, dist_init_required=False)
     x, y = regression_data(2)

@@ -16,7 +16,7 @@ CFG = load({"train_micro_batch_size_per_gpu": 1}, world_size=1)
 @pytest.mark.parametrize(
     "path, default",
     [
-        ("steps_per_print", None), ("wall_clock_breakdown", False), ("dump_state", False), ("gradient_clipping", 0.0),
+        ("steps_per_print", None), ("wall_clock_breakdown", False), ("dump_state", False), ("gradient_clipping", 1.0),
         ("prescale_gradients", False), ("gradient_predivide_factor", 1.0), ("sparse_gradients", False),
         ("memory_breakdown", False), ("zero_allow_untested_optimizer", False), ("zero_force_ds_cpu_optimizer", True),
         ("communication_data_type", None), ("seq_parallel_communication_data_type", "fp32"), ("optimizer", None),

@@ -38,7 +38,7 @@ class ValueModel(torch.nn.Module):
 
 
 def _engine(model, stage):
-    cfg = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    cfg = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     engine, *_ = lightspeed.initialize(model=model, config=cfg, dist_init_required=False)
     return engine

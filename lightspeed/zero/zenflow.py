@@ -346,7 +346,10 @@ class ZenFlowStep:
                 v[0] = (v[0] * (u - 1) + critic) / u / (ratio * 10)
                 v[1] += (total - critic) / ((1 - ratio) * 10)
                 need += v[1] >= v[0]
-        self._flag = need >= int(self.options.auto_ratio * self._n2d)
+        flag = torch.tensor(float(need >= int(self.options.auto_ratio * self._n2d)), device=self.views.device)
+        if self.agree is not None:  # ranks holding other experts count other sums: every rank updates when one does
+            self.agree(flag, op="max")
+        self._flag = bool(flag)
 
     # ------------------------------------------------------------------ the device step
     def _device_step(self, coef: torch.Tensor | None) -> None:

@@ -148,6 +148,21 @@ def test_initialize_at_every_stage(stage):
     assert dtypes(engine.module) == expected
 
 
+@pytest.mark.parametrize("fmt", ["lightspeed", "deepspeed"])
+def test_fp32_buffers_survive_a_checkpoint(tmp_path, fmt):
+    cfg = {**_config(2), "checkpoint": {"format": fmt}}
+    engine, *_ = lightspeed.initialize(model=Model(), config=cfg, dist_init_required=False)
+    engine.module.router.plain.fill_(CLOSE_TO_ONE)  # a value bf16 cannot hold
+    engine.save_checkpoint(tmp_path, tag="t")
+    for stage in (2, 3):  # loaded at another stage too
+        loaded, *_ = lightspeed.initialize(model=Model(), config={**_config(stage), "checkpoint": {"format": fmt}},
+                                           dist_init_required=False)
+        loaded.load_checkpoint(tmp_path, tag="t")
+        plain = loaded.module.router.plain
+        assert plain.dtype == fp32 and torch.all(plain == CLOSE_TO_ONE)
+        assert dtypes(loaded.module) == AS_BUILT
+
+
 def test_fp16_keeps_its_list_too():
     engine, *_ = lightspeed.initialize(model=Model(low=fp16), config=_config(2, "fp16", buffer_dtype="fp16"),
                                        dist_init_required=False)

@@ -19,11 +19,11 @@ Note: [keep_in_fp32_modules]
     Hugging Face models list tensors for fp32 in two class attributes: `_keep_in_fp32_modules_strict`
     (fp32 under bf16 and fp16) and `_keep_in_fp32_modules` (fp32 under fp16 only); e.g. DeepSeek-V3's MoE
     routing bias `e_score_correction_bias`, whose values are too close together for bf16. The setting:
-    "auto" (the default) reads those attributes of every submodule, a pattern `p` of the submodule at
-    `path` matching the buffers under it whose full names match `^path\\..*p` (the root's: `p` anywhere);
-    a list gives patterns matched anywhere in a buffer's full name; `[]` keeps nothing. In a pattern `*`
-    stands for any characters, and the rest is a regular expression as written (transformers' rule, so
-    the `.` in `gate.weight` matches any character). Only floating BUFFERS are kept: a listed parameter
+    "auto" (the default) reads those attributes of every submodule: a name `p` listed by the submodule
+    at `path` selects the buffers whose full names match `^path\\..*p` (listed by the root: `p` found
+    anywhere); a list gives patterns found anywhere in a buffer's full name; `[]` keeps nothing. In a
+    pattern `*` stands for any characters, and the rest is a regular expression as written (transformers'
+    rule, so the `.` in `gate.weight` matches any character). Only floating BUFFERS are kept: a listed parameter
     follows the training dtype. A kept buffer that arrives in a lower precision is upcast (its value as it
     is then); under fp32 training the setting selects nothing.
 """

@@ -75,7 +75,7 @@ class PrecisionPolicy:
     loss_scaling: bool = False
     state_dtype: torch.dtype = torch.float32  # the optimizer state (bf16 with bf16_optimizer_states)
     stochastic_rounding: bool = False  # bf16.stochastic_rounding: bf16 masters and state rounded stochastically
-    buffer_dtype: torch.dtype | None = None  # data_types.buffer_dtype: None keeps each buffer's dtype (module_dtypes.py)
+    buffer_dtype: torch.dtype | None = None  # data_types.buffer_dtype: None keeps each buffer's (module_dtypes.py)
     keep_in_fp32: str | tuple[str, ...] = "auto"  # data_types.keep_in_fp32_modules: "auto" or name patterns
 
     @property

@@ -134,7 +134,8 @@ CASES = [
     ({}, AS_BUILT),
     ({"buffer_dtype": "bf16"}, {**{n: bf16 for n in AS_BUILT}, "router.bias_fp32": fp32}),
     ({"buffer_dtype": "bf16", "keep_in_fp32_modules": []}, {n: bf16 for n in AS_BUILT}),
-    ({"buffer_dtype": "bf16", "keep_in_fp32_modules": ["*plain"]}, {**{n: bf16 for n in AS_BUILT}, "router.plain": fp32}),
+    ({"buffer_dtype": "bf16", "keep_in_fp32_modules": ["*plain"]},
+     {**{n: bf16 for n in AS_BUILT}, "router.plain": fp32}),
 ]
 
 

@@ -20,7 +20,8 @@ communication_data_type, checkpoint.tag_validation, checkpoint.writer (type PYTH
 snapshot_pool), checkpoint.format (lightspeed's own key: "deepspeed" saves DeepSpeed's layout,
 checkpoint/deepspeed_writer.py), memory_breakdown, dump_state; also
 dataloader_drop_last (the engine's deepspeed_io) and data_types.param_dtype (checked against the
-precision mode by ``lightspeed.precision.policy``); the tensorboard, csv_monitor, wandb and comet
+precision mode by ``lightspeed.precision.policy``), data_types.buffer_dtype and data_types.keep_in_fp32_modules
+(``lightspeed.precision.module_dtypes``); the tensorboard, csv_monitor, wandb and comet
 monitors (``lightspeed.monitor``), flops_profiler (``lightspeed.profiling``), the one-bit optimizers
 (OneBitAdam, ZeroOneAdam, OneBitLamb), comms_logger, sequence_parallel_size (Ulysses, ``lightspeed.sequence``),
 ZeRO++ at stage 3 (zero_quantized_weights, zero_quantized_nontrainable_weights, zero_quantized_gradients,
@@ -107,7 +108,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     # Precision
     _flag("fp16.auto_cast"),
     _flag("amp.enabled"),
-    _set("data_types.buffer_dtype"),
     # Gradients, communication, optimizer
     # Features
     _flag("checkpoint.load_universal"),
@@ -144,11 +144,6 @@ UNIMPLEMENTED: list[Unimplemented] = [
     Unimplemented("zero_optimization.offload_optimizer.cpuadam_cores_perc",
                   lambda cfg: cfg.zero_optimization.offload_optimizer is not None
                   and cfg.zero_optimization.offload_optimizer.cpuadam_cores_perc != 0.8),
-    # DeepSpeed 0.19.8 keeps the model's transformers-listed buffers in fp32 ("auto"); lightspeed keeps none,
-    # which is what an explicit [] asks for
-    Unimplemented("data_types.keep_in_fp32_modules",
-                  lambda cfg: "keep_in_fp32_modules" in cfg.data_types.model_fields_set
-                  and cfg.data_types.keep_in_fp32_modules != []),
     # Monitoring and profiling
     _flag("trackio.enabled"),
     # Training-efficiency research features

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from lightspeed.config.errors import ConfigError, ConfigNotImplementedError
+from lightspeed.precision.module_dtypes import keep_in_fp32_setting
 
 __all__ = ["PrecisionPolicy", "check_master_placement", "policy_from_config", "parse_dtype"]
 
@@ -74,6 +75,8 @@ class PrecisionPolicy:
     loss_scaling: bool = False
     state_dtype: torch.dtype = torch.float32  # the optimizer state (bf16 with bf16_optimizer_states)
     stochastic_rounding: bool = False  # bf16.stochastic_rounding: bf16 masters and state rounded stochastically
+    buffer_dtype: torch.dtype | None = None  # data_types.buffer_dtype: None keeps each buffer's (module_dtypes.py)
+    keep_in_fp32: str | tuple[str, ...] = "auto"  # data_types.keep_in_fp32_modules: "auto" or name patterns
 
     @property
     def mixed(self) -> bool:
@@ -113,7 +116,8 @@ def _short(dtype: torch.dtype) -> str:
 
 def policy_from_config(cfg: Any) -> PrecisionPolicy:
     """Resolve the policy from a config object or dict with DeepSpeed's ``fp16``, ``bf16``,
-    ``data_types.grad_accum_dtype``, ``data_types.param_dtype`` (checked, not chosen),
+    ``data_types.grad_accum_dtype``, ``data_types.param_dtype`` (checked, not chosen), ``data_types.buffer_dtype``,
+    ``data_types.keep_in_fp32_modules`` (applied by module_dtypes.py),
     ``communication_data_type`` and, with ``sequence_parallel_size`` > 1, ``seq_parallel_communication_data_type``; missing sections mean DeepSpeed's defaults."""
     fp16 = bool(_field(cfg, "fp16.enabled", False))
     bf16 = bool(_field(cfg, "bf16.enabled", False)) or bool(_field(cfg, "bfloat16.enabled", False))
@@ -165,6 +169,8 @@ def policy_from_config(cfg: Any) -> PrecisionPolicy:
         loss_scaling=fp16,
         state_dtype=state,
         stochastic_rounding=rounding,
+        buffer_dtype=parse_dtype(_field(cfg, "data_types.buffer_dtype"), "data_types.buffer_dtype"),
+        keep_in_fp32=keep_in_fp32_setting(_field(cfg, "data_types.keep_in_fp32_modules")),
     )
 
 

@@ -36,6 +36,7 @@ from lightspeed.parallel.pipeline import PipelineModule, PipelineParallelGrid, s
 from lightspeed.parallel.tensor_parallel import split_tp_size
 from lightspeed.precision.float8 import convert_to_float8
 from lightspeed.precision.loss_scaler import build_loss_scaler
+from lightspeed.precision.module_dtypes import cast_module
 from lightspeed.precision.policy import policy_from_config
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.engine import LightspeedEngine
@@ -199,10 +200,12 @@ def _pipeline_stages(model: PipelineModule, cfg, topology: Topology, optimizer, 
     return None if named is None else [p for p in model.parameters() if p.requires_grad]
 
 
-def _place(model: torch.nn.Module, device: torch.device, policy) -> None:
+def _place(model: torch.nn.Module, device: torch.device, policy, cast_params: bool = True) -> None:
+    """The model on its device, its parameters (unless a stage-3 strategy holds them) and buffers in their
+    dtypes for training: precision/module_dtypes.py's rules (buffers keep theirs unless data_types.buffer_dtype;
+    data_types.keep_in_fp32_modules keeps the model's listed buffers in fp32)."""
     model.to(device=device)
-    if policy.param_dtype != torch.float32:
-        model.to(dtype=policy.param_dtype)
+    cast_module(model, policy.param_dtype, policy.buffer_dtype, policy.keep_in_fp32, cast_params=cast_params)
 
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
@@ -289,7 +292,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if isinstance(optimizer, Muon):  # whole matrices from the pieces the strategy holds (optim/muon.py)
         optimizer.attach(strategy.fragments(), comm, update_before_clip=muon_updates_before_clip(cfg, policy))
     if places_params:
-        _place(model, device, policy)  # the buffers: the parameters are already empty placeholders there
+        _place(model, device, policy, cast_params=False)  # the buffers: the parameters are the strategy's
     strategy.broadcast_from_rank0(model)
     loss_scaler = build_loss_scaler(cfg.fp16, stage0=cfg.zero_optimization.stage == 0) if cfg.fp16.enabled else None
     lr_scheduler = _build_scheduler(lr_scheduler, cfg, optimizer)

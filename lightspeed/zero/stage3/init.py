@@ -43,6 +43,16 @@ Note (how a model is partitioned under Init):
     modifier_rank=0)` while rank 0 alone copies the checkpoint's tensors in (`_load_from_state_dict`);
     missing weights are initialized the same way. So the loaded values reach every rank's shard, and
     the most any rank holds whole is one module's parameters.
+
+Note (buffers under Init):
+    Buffers stay real, whole on every rank, and in the dtype their constructor gave them: Init's dtype
+    is the parameters'. (*Changed* from DeepSpeed, whose Init makes every floating tensor that
+    `torch.empty/zeros/ones/full/tensor/arange/eye/randn` create inside the block in its dtype, buffers
+    made by those included, while one computed from them, an HF rotary `inv_freq`, keeps its own.) The
+    buffers a model lists for fp32 (`data_types.keep_in_fp32_modules` of the config given to Init,
+    "auto" without one; precision/module_dtypes.py) are upcast as the block ends, under an fp16/bf16
+    Init dtype: before transformers' loader copies the checkpoint into them, so their values are not
+    rounded on the way. `initialize()` then applies the same rules to the whole model.
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ from lightspeed.comm.init import detect_launch_env, init_distributed
 from lightspeed.config.parse import read_source
 from lightspeed.offload.policy import OffloadPolicy
 from lightspeed.parallel.pipeline.module import PipelineModule
+from lightspeed.precision.module_dtypes import keep_buffers_in_fp32, keep_in_fp32_pattern, keep_in_fp32_setting
 from lightspeed.zero.stage3.param_group import RELEASED, ParamGroup, param_state
 from lightspeed.zero.stage3.zero_param import ZeroParameter
 
@@ -190,6 +201,7 @@ class Init(ParameterRegistrationContext):
             raise ValueError(f"zero.Init(dtype=...): expected a floating-point torch dtype (got {dtype!r})")
         self.enabled, self.seed = enabled, seed
         self.dtype = dtype if dtype is not None else _config_dtype(ds_config)
+        self.keep_in_fp32 = keep_in_fp32_setting((ds_config.get("data_types") or {}).get("keep_in_fp32_modules"))
         # with sequence parallelism ZeRO partitions over dp x sp (DeepSpeed's sequence-data-parallel group)
         self._group_source = (data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group,
                               mpu)
@@ -284,6 +296,7 @@ class Init(ParameterRegistrationContext):
                 if mine:
                     materialize_module(root, module, index, mine, int(seed.item()), device, _logical_shape)
                     self._store(module, mine, comm, device)
+            self._keep_in_fp32(root)
 
     def _partition_built(self, model: torch.nn.Module) -> None:
         """`Init(module=model)`: partition an already built model's parameters as they are."""
@@ -293,6 +306,15 @@ class Init(ParameterRegistrationContext):
             plain = [(n, p) for n, p in owned if not p.is_meta and param_state(p) is None]
             if plain:
                 self._store(module, plain, comm, device)
+        self._keep_in_fp32(model)
+
+    def _keep_in_fp32(self, root: torch.nn.Module) -> None:
+        """The buffers `root` lists for fp32 (data_types.keep_in_fp32_modules) upcast now, before a loader
+        copies a checkpoint into them (precision/module_dtypes.py)."""
+        upcast = keep_buffers_in_fp32(root, keep_in_fp32_pattern(root, self.keep_in_fp32, self.dtype))
+        if upcast:
+            logger.info("zero.Init: %d buffers of %s kept in fp32 (data_types.keep_in_fp32_modules)", len(upcast),
+                        type(root).__name__)
 
     def _store(self, module: torch.nn.Module, owned, comm: Communicator, device: torch.device) -> None:
         store_init_groups(module, owned, comm, device, self.dtype, self._offload)

@@ -126,8 +126,6 @@ def test_amp_passes_other_keys_through():
 @pytest.mark.parametrize(
     "extra, refused",
     [
-        ({"data_types": {"keep_in_fp32_modules": "auto"}}, 'data_types.keep_in_fp32_modules="auto"'),
-        ({"data_types": {"keep_in_fp32_modules": ["*bias"]}}, "data_types.keep_in_fp32_modules="),
         ({"compile": {"autoep_non_moe": True}}, "autoep_non_moe=true"),
         ({"compile": {"offload_activation_pin_memory": False}}, "offload_activation_pin_memory=false"),
         ({"tensor_parallel": {"vocab_parallel_lm_head": True}}, "tensor_parallel.vocab_parallel_lm_head=true"),
@@ -139,9 +137,16 @@ def test_new_deepspeed_keys_are_refused_when_set(extra, refused):
         load({"train_micro_batch_size_per_gpu": 1, **extra}, world_size=1)
 
 
-def test_keep_in_fp32_modules_empty_list_is_what_lightspeed_does():
-    cfg = load({"train_micro_batch_size_per_gpu": 1, "data_types": {"keep_in_fp32_modules": []}}, world_size=1)
-    assert cfg.data_types.keep_in_fp32_modules == []
+@pytest.mark.parametrize("value", ["auto", [], ["*bias", "gate.e_score_correction_bias"]])
+def test_buffer_dtype_and_keep_in_fp32_modules_are_built(value):  # lightspeed/precision/module_dtypes.py
+    cfg = load({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                "data_types": {"buffer_dtype": "BF16", "keep_in_fp32_modules": value}}, world_size=1)
+    assert cfg.data_types.keep_in_fp32_modules == value and cfg.data_types.buffer_dtype == "bf16"
+
+
+def test_keep_in_fp32_modules_other_values_are_refused():
+    with pytest.raises(ConfigError, match="data_types.keep_in_fp32_modules"):
+        load({"train_micro_batch_size_per_gpu": 1, "data_types": {"keep_in_fp32_modules": "none"}}, world_size=1)
 
 
 def test_sequence_parallel_dtype_key_is_deepspeeds_current_name():

@@ -40,7 +40,7 @@ def _update(stage: int, op: str, extra: dict):
     model = _model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_allreduce_op": op, "zero_optimization": {"stage": stage},
-           **extra}
+           "gradient_clipping": 0.0, **extra}  # the expected updates are unclipped (DeepSpeed's default clips)
     engine, *_ = lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                        config=cfg)
     x = torch.randn(2, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -118,7 +118,7 @@ def _accumulation(_total):
     for stage in (1, 2, 3):
         for model_dtype, accum in PAIRS:
             model = _model()
-            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
                    "data_types": {"grad_accum_dtype": accum},
                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
             if model_dtype != "fp32":
@@ -159,7 +159,7 @@ def _unmanaged():
         params = {}
         for managed in (True, False):
             model = _model()
-            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "gradient_clipping": 0.0,
                    "managed_gradient_accumulation": managed,
                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
             engine, *_ = lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -207,7 +207,7 @@ def _sparse():
         for flag, sparse in ((False, False), (True, False), (False, True)):
             model = _Tokens(sparse)
             cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "sparse_gradients": flag,
-                   "gradient_allreduce_op": op}
+                   "gradient_allreduce_op": op, "gradient_clipping": 0.0}
             engine, *_ = lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
                                                config=cfg)
             assert len(engine.strategy._sparse_flats) == int(flag or sparse)

@@ -306,3 +306,15 @@ def test_names_import_under_deepspeeds_module_paths():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
+
+
+def test_deepspeed_config_data_types_as_deepspeed_holds_them():
+    from lightspeed.compat.deepspeed.runtime.config import DeepSpeedConfig
+
+    given = DeepSpeedConfig({"train_batch_size": 2, "data_types": {"grad_accum_dtype": "fp32", "buffer_dtype": "bf16",
+                                                                   "keep_in_fp32_modules": ["*bias"]}})
+    assert (given.grad_accum_dtype, given.param_dtype, given.buffer_dtype, given.keep_in_fp32_modules) == (
+        "fp32", None, "bf16", ["*bias"])
+    absent = DeepSpeedConfig({"train_batch_size": 2})  # DeepSpeed 0.19.8: None, None, None, "auto"
+    assert (absent.grad_accum_dtype, absent.param_dtype, absent.buffer_dtype, absent.keep_in_fp32_modules) == (
+        None, None, None, "auto")

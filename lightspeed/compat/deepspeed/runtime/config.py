@@ -80,6 +80,11 @@ class DeepSpeedConfig:
         self.sparse_gradients_enabled = cfg.sparse_gradients
         self.disable_allgather = cfg.disable_allgather
         self.communication_data_type = cfg.communication_data_type
+        # data_types, as DeepSpeed 0.19.8 holds them: raw names ("bf16", ...) or None; "auto" or patterns
+        self.grad_accum_dtype = cfg.data_types.grad_accum_dtype
+        self.param_dtype = cfg.data_types.param_dtype
+        self.buffer_dtype = cfg.data_types.buffer_dtype
+        self.keep_in_fp32_modules = cfg.data_types.keep_in_fp32_modules
 
         # DeepSpeed's model of the section, with its field names (`prefetch_bucket_size` for
         # `stage3_prefetch_bucket_size`, ...), over the section lightspeed validated

@@ -130,6 +130,11 @@ class PipelineEngine(LightspeedEngine):
         self.config.train_batch_size = train_batch_size
         self.micro_batches = self.config.gradient_accumulation_steps
 
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        raise NotImplementedError("PipelineEngine.set_train_micro_batch_size: changing the pipeline's micro batch "
+                                  "after initialize() (its stages exchange activations of that batch) is not "
+                                  "implemented in lightspeed yet")
+
     # ------------------------------------------------------------------ the batch
     def _pull(self, n: int, data_iter) -> tuple[list | None, list | None]:
         """`n` micro-batches from the iterator, on the ranks whose stages read them (first: inputs, last:

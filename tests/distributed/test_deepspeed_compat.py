@@ -65,6 +65,22 @@ def _comm() -> dict:
     t = torch.ones(1)
     comm.all_reduce(t, group=group)
     out["group_all_reduce"] = t.item()
+    # DeepSpeed's coalesced, batched point-to-point and monitored-barrier functions
+    pair = [torch.tensor([rank + 1.0]), torch.tensor([2.0 * rank, 1.0])]
+    comm.all_reduce_coalesced(pair)
+    out["all_reduce_coalesced"] = [t.tolist() for t in pair]
+    gathered = [torch.zeros(WORLD), torch.zeros(2 * WORLD)]
+    comm.all_gather_coalesced(gathered, [torch.tensor([float(rank)]), torch.tensor([rank, rank + 0.5])],
+                              async_op=True).wait()
+    out["all_gather_coalesced"] = [t.tolist() for t in gathered]
+    got = torch.zeros(1)
+    for request in comm.batch_isend_irecv([comm.P2POp(comm.isend, torch.tensor([10.0 + rank]), 1 - rank),
+                                           comm.P2POp(comm.irecv, got, 1 - rank)]):
+        request.wait()
+    out["batch_isend_irecv"] = got.item()
+    comm.monitored_barrier()
+    out["groups"] = (comm.get_world_group() is dist.group.WORLD, comm.get_all_ranks_from_group(group),
+                     comm.get_all_ranks_from_group())
     comm.barrier()
     comm.configure(enabled=True, prof_all=True)  # the comms logger times the runtime's collectives
     out["log_summary"] = comm.log_summary(return_dict=True)
@@ -209,6 +225,9 @@ def test_comm_functions_match_torch_distributed(world):
         assert c["future_warnings"] == []
         assert c["broadcast"] == 8.0 and c["group_all_reduce"] == 2.0
         assert c["recv"] == (42.0 if rank == 1 else None)
+        assert c["all_reduce_coalesced"] == [[3.0], [2.0, 2.0]]
+        assert c["all_gather_coalesced"] == [[0.0, 1.0], [0.0, 0.5, 1.0, 1.5]]
+        assert c["batch_isend_irecv"] == 10.0 + (1 - rank) and c["groups"] == (True, [0, 1], [0, 1])
         assert isinstance(c["log_summary"], dict)
         assert c["ds_comm_same"]
         # the norm averaged over the data-parallel ranks: (sqrt(9 + 1) + sqrt(9 + 4)) / 2, one coefficient

@@ -17,6 +17,7 @@ Note: the CPU side
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import resource
 import time
@@ -137,6 +138,29 @@ class Accelerator:
 
     def initial_seed(self) -> int:
         return torch.initial_seed()
+
+    def is_fp64_supported(self) -> bool:
+        return True
+
+    def set_visible_devices_envs(self, current_env: dict, local_accelerator_ids) -> None:
+        """Writes the ids, comma-separated, into each of `visible_devices_envs()` in `current_env`."""
+        for env in self.visible_devices_envs():
+            current_env[env] = ",".join(map(str, local_accelerator_ids))
+
+    # ---- DeepSpeed's typed tensor constructors: on CPU torch's legacy classes, on CUDA `torch.tensor`
+    # of the dtype on the device (DeepSpeed's two accelerators)
+    def _typed_tensor(self, dtype: torch.dtype, legacy: str):
+        if self._name == "cpu":
+            return getattr(torch, legacy)
+        return functools.partial(torch.tensor, dtype=dtype, device=self._name)
+
+    BFloat16Tensor = property(lambda self: self._typed_tensor(torch.bfloat16, "BFloat16Tensor"))
+    ByteTensor = property(lambda self: self._typed_tensor(torch.uint8, "ByteTensor"))
+    DoubleTensor = property(lambda self: self._typed_tensor(torch.double, "DoubleTensor"))
+    FloatTensor = property(lambda self: self._typed_tensor(torch.float, "FloatTensor"))
+    HalfTensor = property(lambda self: self._typed_tensor(torch.half, "HalfTensor"))
+    IntTensor = property(lambda self: self._typed_tensor(torch.int, "IntTensor"))
+    LongTensor = property(lambda self: self._typed_tensor(torch.long, "LongTensor"))
 
     # ---- op builders: none, by design
     def create_op_builder(self, class_name: str):
@@ -268,6 +292,22 @@ class CudaAccelerator(Accelerator):
     def visible_devices_envs(self) -> list[str]:
         return ["CUDA_VISIBLE_DEVICES"]
 
+    def export_envs(self) -> list[str]:
+        return ["NCCL"]
+
+    # ---- CUDA graphs
+    def is_current_stream_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def create_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def capture_to_graph(self, graph, pool=None, stream=None):
+        return torch.cuda.graph(graph, pool, stream)
+
+    def replay_graph(self, graph) -> None:
+        graph.replay()
+
 
 class CpuAccelerator(Accelerator):
     _name = "cpu"
@@ -396,6 +436,20 @@ class CpuAccelerator(Accelerator):
 
     def visible_devices_envs(self) -> list[str]:
         return []
+
+    def export_envs(self) -> list[str]:
+        return []
+
+    # ---- CUDA graphs: none on CPU (DeepSpeed's CPU accelerator runs the captured code once and replays
+    # nothing; here a capture is refused, so a graph never silently stands still)
+    def is_current_stream_capturing(self) -> bool:
+        return False
+
+    def create_graph(self, *args, **kwargs):
+        raise NotImplementedError("get_accelerator(): CUDA graphs (create_graph, capture_to_graph, replay_graph) need "
+                                  "a CUDA device (this process runs on CPU)")
+
+    capture_to_graph = replay_graph = create_graph
 
 
 _ACCELERATOR: Accelerator | None = None

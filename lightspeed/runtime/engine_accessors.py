@@ -2,7 +2,9 @@
 
 Owns the read-only `DeepSpeedEngine` getters scripts call on the engine (`engine.optimizer_name()`,
 `engine.zero_offload_optimizer()`, `engine.communication_data_type`, `engine.get_batch_info()`, ...)
-with DeepSpeed 0.19.8's answers, and DeepSpeed's two setters of the batch geometry. Must not: hold state of its own, or answer for a feature lightspeed does not build (such a
+with DeepSpeed 0.19.8's answers (`EngineAccessors`: optimizer, batch, precision, communication,
+ZeRO; `EngineSettingAccessors`: checkpoint, profiler, autotuning, data-efficiency sections and the
+tensor-parallel ranks), and DeepSpeed's two setters of the batch geometry. Must not: hold state of its own, or answer for a feature lightspeed does not build (such a
 getter is absent, or raises NotImplementedError naming the feature).
 
 Note: [config objects] the offload getters return lightspeed's config sections (`device`,
@@ -19,6 +21,7 @@ sets the global batch its own way and refuses a new micro batch (pipe_engine.py)
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -179,6 +182,139 @@ class EngineAccessors:
 
     def get_sequence_parallel_group(self):
         return self.seq_parallel_group
+
+
+class EngineSettingAccessors:
+    """Mix into LightspeedEngine: DeepSpeed's getters of the checkpoint, profiler, autotuning, precision
+    and data-efficiency sections, and its tensor-parallel ranks. Needs `config`, `groups` and
+    `save_16bit_model`."""
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_tag_validation_enabled(self) -> bool:
+        return str(self.config.checkpoint.tag_validation).upper() != "IGNORE"
+
+    def checkpoint_tag_validation_fail(self) -> bool:
+        return str(self.config.checkpoint.tag_validation).upper() == "FAIL"
+
+    def checkpoint_serialization_enabled(self) -> bool:
+        return bool(self.config.checkpoint.checkpoint_serialization)
+
+    def checkpoint_writer_enabled(self) -> bool:
+        return self.config.checkpoint.writer is not None
+
+    def use_node_local_storage(self) -> bool:
+        return bool(self.config.checkpoint.use_node_local_storage)
+
+    def load_universal_checkpoint(self) -> bool:
+        return bool(self.config.checkpoint.load_universal)
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    # ------------------------------------------------------------------ flops profiler and autotuning
+    def autotuning_enabled(self) -> bool:
+        return bool(self.config.autotuning.enabled)
+
+    def autotuning_start_profile_step(self) -> int:
+        return self.config.autotuning.start_profile_step
+
+    def autotuning_end_profile_step(self) -> int:
+        return self.config.autotuning.end_profile_step
+
+    def autotuning_metric(self) -> str:
+        return self.config.autotuning.metric
+
+    def autotuning_metric_path(self) -> str:
+        return self.config.autotuning.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
+
+    def autotuning_model_info_path(self) -> str:
+        return self.config.autotuning.model_info_path or os.path.join(os.getcwd(), "autotuning_model_info.json")
+
+    def autotuning_profile_model_info(self) -> bool:
+        info = self.config.autotuning.model_info
+        return bool(self.autotuning_enabled() and info and info.get("profile", False))
+
+    def flops_profiler_enabled(self) -> bool:
+        return bool(self.config.flops_profiler.enabled or self.autotuning_enabled())
+
+    def flops_profiler_profile_step(self) -> int:
+        if self.autotuning_enabled():
+            return self.autotuning_start_profile_step()
+        return self.config.flops_profiler.profile_step
+
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return self.config.flops_profiler.recompute_fwd_factor
+
+    def flops_profiler_module_depth(self) -> int:
+        return self.config.flops_profiler.module_depth
+
+    def flops_profiler_top_modules(self) -> int:
+        return self.config.flops_profiler.top_modules
+
+    def flops_profiler_detailed(self) -> bool:
+        return False if self.autotuning_enabled() else bool(self.config.flops_profiler.detailed)
+
+    def flops_profiler_output_file(self) -> str | None:
+        return self.config.flops_profiler.output_file
+
+    # ------------------------------------------------------------------ precision
+    def fp16_auto_cast(self) -> bool:
+        return bool(self.config.fp16.auto_cast)
+
+    def fp16_master_weights_and_gradients(self) -> bool:
+        return bool(self.config.fp16.fp16_master_weights_and_grads)
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return bool(self.config.bf16.bf16_master_weights_and_grads)
+
+    def bf16_optimizer_states(self) -> bool:
+        return bool(self.config.bf16.bf16_optimizer_states)
+
+    def torch_autocast_enabled(self) -> bool:
+        return bool(self.config.torch_autocast.enabled)
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """`torch_autocast.dtype`; None when unset."""
+        return parse_dtype(self.config.torch_autocast.dtype, "torch_autocast.dtype")
+
+    # ------------------------------------------------------------------ ZeRO extras and data efficiency
+    def is_sanity_checks_enabled(self) -> bool:
+        return bool(self.config.zero_optimization.enable_sanity_checks)
+
+    def is_first_weights_partition_group(self) -> bool:
+        return self.zero_optimization_partition_weights()
+
+    def cpuadam_cores_perc(self) -> float:
+        return getattr(self.config.zero_optimization.offload_optimizer, "cpuadam_cores_perc", 0.9)
+
+    def super_offload(self) -> bool:
+        return bool(getattr(self.config.zero_optimization.offload_optimizer, "super_offload", False))
+
+    def managed_gradient_accumulation(self) -> bool:
+        return bool(self.config.managed_gradient_accumulation)
+
+    def data_efficiency_enabled(self) -> bool:
+        return bool(self.config.data_efficiency.enabled)
+
+    def data_sampling_enabled(self) -> bool:
+        return bool((self.config.data_efficiency.data_sampling or {}).get("enabled", False))
+
+    def curriculum_learning_enabled(self) -> bool:
+        sampling = self.config.data_efficiency.data_sampling or {}
+        return bool((sampling.get("curriculum_learning") or {}).get("enabled", False))
+
+    def random_ltd_enabled(self) -> bool:
+        routing = self.config.data_efficiency.data_routing or {}
+        return bool((routing.get("random_ltd") or {}).get("enabled", False))
+
+    # ------------------------------------------------------------------ ranks
+    def get_model_parallel_rank(self) -> int:
+        """The tensor-parallel rank (DeepSpeed's model-parallel rank)."""
+        return self.groups.tp_rank
+
+    def get_tensor_parallel_rank(self) -> int:
+        return self.groups.tp_rank
 
 
 def _zero_getter(engine_name: str, field: str):

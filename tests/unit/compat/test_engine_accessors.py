@@ -92,3 +92,38 @@ def test_batch_setters_rewrite_the_batch_geometry_the_step_reads():
     with pytest.raises(ValueError, match="must be a positive integer"):
         engine.set_train_micro_batch_size(0)
     assert engine.get_batch_info() == (12, 3, 4)
+
+
+def test_setting_getters(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    engine = _engine({"checkpoint": {"tag_validation": "Fail"},
+                      "flops_profiler": {"enabled": True, "profile_step": 4, "module_depth": 2, "top_modules": 3},
+                      "bf16": {"enabled": True}, "torch_autocast": {"enabled": False, "dtype": "bf16"}})
+    assert engine.checkpoint_tag_validation_enabled() and engine.checkpoint_tag_validation_fail()
+    assert not engine.use_node_local_storage() and engine.checkpoint_serialization_enabled()
+    assert not engine.checkpoint_writer_enabled() and not engine.load_universal_checkpoint()
+    assert engine.flops_profiler_enabled() and engine.flops_profiler_profile_step() == 4
+    assert (engine.flops_profiler_module_depth(), engine.flops_profiler_top_modules()) == (2, 3)
+    assert engine.flops_profiler_detailed() and engine.flops_profiler_output_file() is None
+    assert not engine.autotuning_enabled() and not engine.autotuning_profile_model_info()
+    assert engine.autotuning_metric_path() == str(tmp_path / "autotuning_metric.json")
+    assert engine.autotuning_model_info_path() == str(tmp_path / "autotuning_model_info.json")
+    assert engine.autotuning_metric() == "throughput" and engine.autotuning_start_profile_step() == 3
+    assert not (engine.fp16_auto_cast() or engine.bf16_master_weights_and_gradients()
+                or engine.bf16_optimizer_states() or engine.fp16_master_weights_and_gradients())
+    assert not engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.bfloat16
+    assert not (engine.data_efficiency_enabled() or engine.data_sampling_enabled()
+                or engine.curriculum_learning_enabled() or engine.random_ltd_enabled())
+    assert engine.get_model_parallel_rank() == engine.get_tensor_parallel_rank() == 0
+    assert not engine.is_first_weights_partition_group() and engine.managed_gradient_accumulation()
+    assert engine.cpuadam_cores_perc() == 0.9 and not engine.super_offload()
+    quiet = _engine({"checkpoint": {"tag_validation": "IGNORE"}})
+    assert not quiet.checkpoint_tag_validation_enabled() and quiet.torch_autocast_dtype() is None
+    assert not quiet.flops_profiler_enabled()
+
+
+def test_save_fp16_model_is_save_16bit_model(tmp_path):
+    engine = _engine({})
+    engine.save_fp16_model(str(tmp_path), "model.bin")
+    state = torch.load(tmp_path / "model.bin")
+    assert set(state) == set(engine.module.state_dict())

@@ -111,3 +111,15 @@ def test_accelerator_typed_constructors_and_graphs():
     for call in (acc.create_graph, lambda: acc.capture_to_graph(None), lambda: acc.replay_graph(None)):
         with pytest.raises(NotImplementedError, match="CUDA graphs"):
             call()
+
+
+def test_zero_param_names():
+    from lightspeed.compat.deepspeed.runtime.zero import partition_parameters as pp
+    from lightspeed.compat.deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    assert ds.runtime.zero.ZeroParamStatus is pp.ZeroParamStatus and ds.zero.ZeroParamType is pp.ZeroParamType
+    assert [t.value for t in pp.ZeroParamType] == [1, 2, 3] and ds.runtime.zero.DeepSpeedZeRoOffload is DeepSpeedZeRoOffload
+    plain = torch.nn.Parameter(torch.ones(1))
+    assert not pp.is_zero_param(plain)
+    plain.ds_id = 0
+    assert pp.is_zero_param(plain)

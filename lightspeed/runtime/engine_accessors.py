@@ -176,6 +176,30 @@ class EngineAccessors:
     def zero_force_ds_cpu_optimizer(self) -> bool:
         return bool(self.config.zero_force_ds_cpu_optimizer)
 
+    def zero_nvme_offload_optimizer(self) -> bool:
+        """Whether the optimizer state is swapped to NVMe (`offload_optimizer.device` "nvme")."""
+        off = self.config.zero_optimization.offload_optimizer
+        return off is not None and off.device == "nvme"
+
+    def optimizer_legacy_fusion(self) -> bool:
+        return bool(self.config.optimizer.legacy_fusion) if self.config.optimizer is not None else False
+
+    def offload_states(self, include=None, device=None, pin_memory: bool = True, non_blocking: bool = False):
+        raise NotImplementedError("engine.offload_states: moving the ZeRO states off the device between phases is "
+                                  "not implemented in lightspeed yet")
+
+    def reload_states(self, non_blocking: bool = False):
+        raise NotImplementedError("engine.reload_states: moving the ZeRO states off the device between phases is "
+                                  "not implemented in lightspeed yet")
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def tensor_parallel_config(self) -> Any:
+        """The `tensor_parallel` section (lightspeed's, under DeepSpeed's field names)."""
+        return self.config.tensor_parallel
+
+    def autotp_size(self) -> int:
+        return self.config.tensor_parallel.autotp_size
+
     # ------------------------------------------------------------------ groups
     def get_data_parallel_rank(self) -> int:
         return self.groups.dp_rank

@@ -117,6 +117,11 @@ def test_setting_getters(tmp_path, monkeypatch):
     assert engine.get_model_parallel_rank() == engine.get_tensor_parallel_rank() == 0
     assert not engine.is_first_weights_partition_group() and engine.managed_gradient_accumulation()
     assert engine.cpuadam_cores_perc() == 0.9 and not engine.super_offload()
+    assert not engine.zero_nvme_offload_optimizer() and not engine.optimizer_legacy_fusion()
+    assert engine.autotp_size() == 0 and engine.tensor_parallel_config() is engine.config.tensor_parallel
+    for call in (engine.offload_states, engine.reload_states):
+        with pytest.raises(NotImplementedError, match="moving the ZeRO states off the device"):
+            call()
     quiet = _engine({"checkpoint": {"tag_validation": "IGNORE"}})
     assert not quiet.checkpoint_tag_validation_enabled() and quiet.torch_autocast_dtype() is None
     assert not quiet.flops_profiler_enabled()

@@ -20,6 +20,7 @@ __version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPS
 __git_hash__ = None
 __git_branch__ = None
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+dist = None  # DeepSpeed's top-level placeholder, None in DeepSpeed too (its modules import deepspeed.comm)
 
 _SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "compression", "elasticity", "launcher", "moe",
                "ops", "pipe", "runtime", "sequence", "utils", "zero")
@@ -49,6 +50,8 @@ _NOT_BUILT_CLASSES = {
     "DualPipeVModule": "the DualPipeV pipeline schedule",
     "DeepSpeedDataLoader": "constructing DeepSpeed's data loader class directly (engine.deepspeed_io builds the "
                            "loader)",
+    "InferenceEngine": "constructing DeepSpeed's InferenceEngine directly (deepspeed.init_inference prepares the "
+                       "model and returns it)",
 }
 _NOT_BUILT_FUNCTIONS = {
     "replace_transformer_layer": "kernel injection (module_inject.replace_transformer_layer)",

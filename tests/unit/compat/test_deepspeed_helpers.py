@@ -71,10 +71,12 @@ def test_utils_groups_logging_and_attributes(ls_caplog):
 def test_top_level_names():
     from lightspeed.runtime.pipe_engine import PipelineEngine
 
+    assert ds.dist is None  # as in DeepSpeed
     assert ds.PipelineEngine is PipelineEngine and ds.MUON_OPTIMIZER == "muon" and ds.git_hash == "[none]"
     assert ds.DeepSpeedOptimizerCallable is ds.runtime.engine.DeepSpeedOptimizerCallable
     for name, feature in (("DeepSpeedTransformerLayer", "fused transformer layer kernels"),
-                          ("DualPipeVEngine", "DualPipeV"), ("DeepSpeedDataLoader", "deepspeed_io builds")):
+                          ("DualPipeVEngine", "DualPipeV"), ("DeepSpeedDataLoader", "deepspeed_io builds"),
+                          ("InferenceEngine", "init_inference prepares")):
         assert getattr(ds, name) is getattr(ds, name)
         with pytest.raises(NotImplementedError, match=feature):
             getattr(ds, name)()

@@ -63,7 +63,7 @@ def test_utils_groups_logging_and_attributes(ls_caplog):
     dutils.recursive_setattr(net, "0.0", torch.nn.Identity())
     assert isinstance(net[0][0], torch.nn.Identity)
     dutils.set_z3_leaf_module(net[0], True)
-    assert dutils.get_z3_leaf_modules(net) == [net[0]]
+    assert dutils.get_z3_leaf_modules(net) == [net[0]] and dutils.z3_leaf_module(model=net[0])
     dutils.set_z3_leaf_module(net[0], False)
     assert dutils.get_z3_leaf_modules(net) == []
 

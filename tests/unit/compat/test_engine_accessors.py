@@ -132,3 +132,9 @@ def test_save_fp16_model_is_save_16bit_model(tmp_path):
     engine.save_fp16_model(str(tmp_path), "model.bin")
     state = torch.load(tmp_path / "model.bin")
     assert set(state) == set(engine.module.state_dict())
+
+
+def test_load_checkpoint_refuses_custom_load_fn(tmp_path):
+    engine = _engine({})
+    with pytest.raises(NotImplementedError, match="custom_load_fn"):
+        engine.load_checkpoint(str(tmp_path), custom_load_fn=lambda src, dst: None)

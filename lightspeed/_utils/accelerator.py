@@ -87,6 +87,17 @@ def _proc_status_bytes(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
+def _no_nvtx_domain(domain) -> None:
+    if domain is not None:
+        raise NotImplementedError(f"get_accelerator().range_push/range_pop: NVTX domains (domain={domain!r}) are not "
+                                  "implemented in lightspeed yet")
+
+
+def _require_host(device) -> None:
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"pin_empty allocates host memory; device must be cpu, got {device!r}")
+
+
 class Accelerator:
     """Methods shared by both devices; `CudaAccelerator` and `CpuAccelerator` fill in the rest."""
 
@@ -138,6 +149,32 @@ class Accelerator:
 
     def initial_seed(self) -> int:
         return torch.initial_seed()
+
+    # ---- host memory (DeepSpeed 0.19's API; `_pin` / `_empty_pinned` are the device's)
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True, *,
+                   align_bytes: int = 1) -> torch.Tensor:
+        """`tensor` in page-locked host memory (CPU device: the tensor itself). With `make_copy` False the
+        tensor is only a template: a fresh, uninitialised pinned buffer of its dtype and shape (flat with
+        `match_shape` False). `align_bytes` is DeepSpeed 0.18's argument, accepted."""
+        if make_copy:
+            return self._pin(tensor)
+        return self._empty_pinned(tensor, tuple(tensor.shape) if match_shape else (tensor.numel(),))
+
+    def pin_empty(self, *size, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+        """An uninitialised pinned host buffer of `size` (ints, or one tuple) and `dtype`."""
+        _require_host(device)
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+        return self._empty_pinned(torch.empty(0, dtype=dtype), shape)
+
+    def pin_empty_like(self, tensor: torch.Tensor, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        _require_host(device)
+        return self._empty_pinned(torch.empty(0, dtype=tensor.dtype if dtype is None else dtype), tuple(tensor.shape))
+
+    def pin_memory_alignment(self) -> int:
+        return 1
+
+    def supports_nvtx_domain(self) -> bool:
+        return False
 
     def is_fp64_supported(self) -> bool:
         return True
@@ -274,8 +311,11 @@ class CudaAccelerator(Accelerator):
         return torch.cuda.mem_get_info(device_index)[0]
 
     # host memory
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+    def _pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory()
+
+    def _empty_pinned(self, template: torch.Tensor, shape) -> torch.Tensor:
+        return torch.empty(shape, dtype=template.dtype, device="cpu", pin_memory=True)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned()
@@ -283,10 +323,12 @@ class CudaAccelerator(Accelerator):
     def lazy_call(self, callback) -> None:
         torch.cuda._lazy_call(callback)
 
-    def range_push(self, msg: str) -> None:
+    def range_push(self, msg: str, domain=None, category=None) -> None:
+        _no_nvtx_domain(domain)
         torch.cuda.nvtx.range_push(msg)
 
-    def range_pop(self) -> None:
+    def range_pop(self, domain=None) -> None:
+        _no_nvtx_domain(domain)
         torch.cuda.nvtx.range_pop()
 
     def visible_devices_envs(self) -> list[str]:
@@ -419,8 +461,11 @@ class CpuAccelerator(Accelerator):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
     # host memory: page-locking only speeds up copies to a GPU, so the CPU device leaves tensors as they are
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+    def _pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def _empty_pinned(self, template: torch.Tensor, shape) -> torch.Tensor:
+        return template.new_empty(shape, device="cpu")
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return torch.cuda.is_available() and tensor.is_pinned()
@@ -428,11 +473,11 @@ class CpuAccelerator(Accelerator):
     def lazy_call(self, callback) -> None:
         callback()
 
-    def range_push(self, msg: str) -> None:
-        pass
+    def range_push(self, msg: str, domain=None, category=None) -> None:
+        _no_nvtx_domain(domain)  # no NVTX on CPU: the ranges mark nothing
 
-    def range_pop(self) -> None:
-        pass
+    def range_pop(self, domain=None) -> None:
+        _no_nvtx_domain(domain)
 
     def visible_devices_envs(self) -> list[str]:
         return []

@@ -125,3 +125,23 @@ def test_zero_param_names():
     assert not pp.is_zero_param(plain)
     plain.ds_id = 0
     assert pp.is_zero_param(plain)
+
+
+def test_accelerator_host_buffers_deepspeed_0_19():
+    from lightspeed._utils.accelerator import CpuAccelerator
+
+    acc, t = CpuAccelerator(), torch.arange(6.0).reshape(2, 3)
+    assert acc.pin_memory(t) is t and acc.pin_memory(t, align_bytes=64) is t
+    fresh = acc.pin_memory(t, make_copy=False)
+    assert fresh is not t and fresh.shape == (2, 3) and fresh.dtype == t.dtype
+    assert acc.pin_memory(t, make_copy=False, match_shape=False).shape == (6,)
+    assert acc.pin_empty(2, 4, dtype=torch.bfloat16).shape == (2, 4)
+    assert acc.pin_empty((5,), dtype=torch.int32).dtype == torch.int32
+    assert acc.pin_empty_like(t, dtype=torch.float16).shape == (2, 3) and acc.pin_memory_alignment() == 1
+    with pytest.raises(ValueError, match="device must be cpu"):
+        acc.pin_empty(2, dtype=torch.float32, device="meta")
+    acc.range_push("step", category=1)
+    acc.range_pop()
+    assert acc.supports_nvtx_domain() is False
+    with pytest.raises(NotImplementedError, match="NVTX domains"):
+        acc.range_push("step", domain="zero")

@@ -146,6 +146,10 @@ class EngineAccessors:
     def wall_clock_breakdown(self) -> bool:
         return bool(self.config.wall_clock_breakdown or self.config.flops_profiler.enabled)
 
+    def log_level(self) -> str | None:
+        """The config's `log_level` (None: the logger's level was left as it was)."""
+        return self.config.log_level
+
     def dump_state(self) -> bool:
         return bool(self.config.dump_state)
 

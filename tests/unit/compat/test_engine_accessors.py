@@ -34,6 +34,7 @@ def test_config_optimizer_scheduler_and_zero_getters():
     assert engine.communication_data_type == torch.float32 and not engine.wall_clock_breakdown()
     assert engine.get_data_parallel_rank() == 0 and engine.get_sequence_parallel_group() is None
     assert engine.zero_force_ds_cpu_optimizer() and not engine.zero_allow_untested_optimizer()
+    assert engine.log_level() is None and not engine.dump_state()
 
 
 def test_precision_getters_and_defaults():

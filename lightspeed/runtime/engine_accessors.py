@@ -4,7 +4,8 @@ Owns the read-only `DeepSpeedEngine` getters scripts call on the engine (`engine
 `engine.zero_offload_optimizer()`, `engine.communication_data_type`, `engine.get_batch_info()`, ...)
 with DeepSpeed 0.19.8's answers (`EngineAccessors`: optimizer, batch, precision, communication,
 ZeRO; `EngineSettingAccessors`: checkpoint, profiler, autotuning, data-efficiency sections and the
-tensor-parallel ranks), and DeepSpeed's two setters of the batch geometry. Must not: hold state of its own, or answer for a feature lightspeed does not build (such a
+tensor-parallel ranks), DeepSpeed's two setters of the batch geometry, and the refusals of the engine
+methods whose feature is not built (`offload_states`, `scale`, `coalesce_grad_reduction`). Must not: hold state of its own, or answer for a feature lightspeed does not build (such a
 getter is absent, or raises NotImplementedError naming the feature).
 
 Note: [config objects] the offload getters return lightspeed's config sections (`device`,
@@ -187,6 +188,16 @@ class EngineAccessors:
 
     def optimizer_legacy_fusion(self) -> bool:
         return bool(self.config.optimizer.legacy_fusion) if self.config.optimizer is not None else False
+
+    # ------------------------------------------------------------------ DeepSpeed 0.19 methods not built
+    def scale(self, loss):
+        raise NotImplementedError("engine.scale: the manual backward (loss.backward() called outside "
+                                  "engine.backward) is not implemented in lightspeed yet; call engine.backward(loss)")
+
+    def coalesce_grad_reduction(self):
+        raise NotImplementedError("engine.coalesce_grad_reduction: one gradient reduction over several backward "
+                                  "calls is not implemented in lightspeed yet (engine.no_sync() defers the "
+                                  "reduction without ZeRO stage 2/3)")
 
     def offload_states(self, include=None, device=None, pin_memory: bool = True, non_blocking: bool = False):
         raise NotImplementedError("engine.offload_states: moving the ZeRO states off the device between phases is "

@@ -123,6 +123,10 @@ def test_setting_getters(tmp_path, monkeypatch):
     for call in (engine.offload_states, engine.reload_states):
         with pytest.raises(NotImplementedError, match="moving the ZeRO states off the device"):
             call()
+    with pytest.raises(NotImplementedError, match="manual backward"):
+        engine.scale(torch.ones(()))
+    with pytest.raises(NotImplementedError, match="one gradient reduction over several backward"):
+        engine.coalesce_grad_reduction()
     quiet = _engine({"checkpoint": {"tag_validation": "IGNORE"}})
     assert not quiet.checkpoint_tag_validation_enabled() and quiet.torch_autocast_dtype() is None
     assert not quiet.flops_profiler_enabled()

@@ -361,6 +361,7 @@ def test_deepspeed_0_19_8_names_present_or_recorded_absent():
 
     record = json.loads((Path(__file__).parent / "deepspeed_0_19_8_surface.json").read_text())
     ds = importlib.import_module("lightspeed.compat.deepspeed")
+    importlib.import_module("lightspeed.compat.deepspeed.comm.comm")  # a submodule, as DeepSpeed's deepspeed.comm.comm
     owners = {"DeepSpeedEngine": LightspeedEngine, "PipelineEngine (beyond DeepSpeedEngine)": PipelineEngine,
               "deepspeed": ds, "deepspeed.comm": ds.comm, "deepspeed.utils": ds.utils,
               "get_accelerator()": get_accelerator()}

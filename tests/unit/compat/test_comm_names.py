@@ -51,3 +51,11 @@ def test_p2p_op_and_uninitialized_refusals():
                  lambda: comm.batch_isend_irecv([op])):
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
             call()
+
+
+def test_lightspeed_comm_reaches_every_api_function():
+    import lightspeed.comm as ls_comm
+    from lightspeed.comm import api
+
+    assert sorted(ls_comm.__all__) == sorted(api.__all__)
+    assert ls_comm.batch_isend_irecv is api.batch_isend_irecv

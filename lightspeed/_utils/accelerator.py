@@ -17,6 +17,7 @@ Note: the CPU side
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import resource
 import time
@@ -86,6 +87,17 @@ def _proc_status_bytes(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
+def _no_nvtx_domain(domain) -> None:
+    if domain is not None:
+        raise NotImplementedError(f"get_accelerator().range_push/range_pop: NVTX domains (domain={domain!r}) are not "
+                                  "implemented in lightspeed yet")
+
+
+def _require_host(device) -> None:
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"pin_empty allocates host memory; device must be cpu, got {device!r}")
+
+
 class Accelerator:
     """Methods shared by both devices; `CudaAccelerator` and `CpuAccelerator` fill in the rest."""
 
@@ -137,6 +149,55 @@ class Accelerator:
 
     def initial_seed(self) -> int:
         return torch.initial_seed()
+
+    # ---- host memory (DeepSpeed 0.19's API; `_pin` / `_empty_pinned` are the device's)
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True, *,
+                   align_bytes: int = 1) -> torch.Tensor:
+        """`tensor` in page-locked host memory (CPU device: the tensor itself). With `make_copy` False the
+        tensor is only a template: a fresh, uninitialised pinned buffer of its dtype and shape (flat with
+        `match_shape` False). `align_bytes` is DeepSpeed 0.18's argument, accepted."""
+        if make_copy:
+            return self._pin(tensor)
+        return self._empty_pinned(tensor, tuple(tensor.shape) if match_shape else (tensor.numel(),))
+
+    def pin_empty(self, *size, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+        """An uninitialised pinned host buffer of `size` (ints, or one tuple) and `dtype`."""
+        _require_host(device)
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+        return self._empty_pinned(torch.empty(0, dtype=dtype), shape)
+
+    def pin_empty_like(self, tensor: torch.Tensor, device="cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        _require_host(device)
+        return self._empty_pinned(torch.empty(0, dtype=tensor.dtype if dtype is None else dtype), tuple(tensor.shape))
+
+    def pin_memory_alignment(self) -> int:
+        return 1
+
+    def supports_nvtx_domain(self) -> bool:
+        return False
+
+    def is_fp64_supported(self) -> bool:
+        return True
+
+    def set_visible_devices_envs(self, current_env: dict, local_accelerator_ids) -> None:
+        """Writes the ids, comma-separated, into each of `visible_devices_envs()` in `current_env`."""
+        for env in self.visible_devices_envs():
+            current_env[env] = ",".join(map(str, local_accelerator_ids))
+
+    # ---- DeepSpeed's typed tensor constructors: on CPU torch's legacy classes, on CUDA `torch.tensor`
+    # of the dtype on the device (DeepSpeed's two accelerators)
+    def _typed_tensor(self, dtype: torch.dtype, legacy: str):
+        if self._name == "cpu":
+            return getattr(torch, legacy)
+        return functools.partial(torch.tensor, dtype=dtype, device=self._name)
+
+    BFloat16Tensor = property(lambda self: self._typed_tensor(torch.bfloat16, "BFloat16Tensor"))
+    ByteTensor = property(lambda self: self._typed_tensor(torch.uint8, "ByteTensor"))
+    DoubleTensor = property(lambda self: self._typed_tensor(torch.double, "DoubleTensor"))
+    FloatTensor = property(lambda self: self._typed_tensor(torch.float, "FloatTensor"))
+    HalfTensor = property(lambda self: self._typed_tensor(torch.half, "HalfTensor"))
+    IntTensor = property(lambda self: self._typed_tensor(torch.int, "IntTensor"))
+    LongTensor = property(lambda self: self._typed_tensor(torch.long, "LongTensor"))
 
     # ---- op builders: none, by design
     def create_op_builder(self, class_name: str):
@@ -250,8 +311,11 @@ class CudaAccelerator(Accelerator):
         return torch.cuda.mem_get_info(device_index)[0]
 
     # host memory
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+    def _pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory()
+
+    def _empty_pinned(self, template: torch.Tensor, shape) -> torch.Tensor:
+        return torch.empty(shape, dtype=template.dtype, device="cpu", pin_memory=True)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned()
@@ -259,14 +323,32 @@ class CudaAccelerator(Accelerator):
     def lazy_call(self, callback) -> None:
         torch.cuda._lazy_call(callback)
 
-    def range_push(self, msg: str) -> None:
+    def range_push(self, msg: str, domain=None, category=None) -> None:
+        _no_nvtx_domain(domain)
         torch.cuda.nvtx.range_push(msg)
 
-    def range_pop(self) -> None:
+    def range_pop(self, domain=None) -> None:
+        _no_nvtx_domain(domain)
         torch.cuda.nvtx.range_pop()
 
     def visible_devices_envs(self) -> list[str]:
         return ["CUDA_VISIBLE_DEVICES"]
+
+    def export_envs(self) -> list[str]:
+        return ["NCCL"]
+
+    # ---- CUDA graphs
+    def is_current_stream_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def create_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def capture_to_graph(self, graph, pool=None, stream=None):
+        return torch.cuda.graph(graph, pool, stream)
+
+    def replay_graph(self, graph) -> None:
+        graph.replay()
 
 
 class CpuAccelerator(Accelerator):
@@ -379,8 +461,11 @@ class CpuAccelerator(Accelerator):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
     # host memory: page-locking only speeds up copies to a GPU, so the CPU device leaves tensors as they are
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+    def _pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def _empty_pinned(self, template: torch.Tensor, shape) -> torch.Tensor:
+        return template.new_empty(shape, device="cpu")
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return torch.cuda.is_available() and tensor.is_pinned()
@@ -388,14 +473,28 @@ class CpuAccelerator(Accelerator):
     def lazy_call(self, callback) -> None:
         callback()
 
-    def range_push(self, msg: str) -> None:
-        pass
+    def range_push(self, msg: str, domain=None, category=None) -> None:
+        _no_nvtx_domain(domain)  # no NVTX on CPU: the ranges mark nothing
 
-    def range_pop(self) -> None:
-        pass
+    def range_pop(self, domain=None) -> None:
+        _no_nvtx_domain(domain)
 
     def visible_devices_envs(self) -> list[str]:
         return []
+
+    def export_envs(self) -> list[str]:
+        return []
+
+    # ---- CUDA graphs: none on CPU (DeepSpeed's CPU accelerator runs the captured code once and replays
+    # nothing; here a capture is refused, so a graph never silently stands still)
+    def is_current_stream_capturing(self) -> bool:
+        return False
+
+    def create_graph(self, *args, **kwargs):
+        raise NotImplementedError("get_accelerator(): CUDA graphs (create_graph, capture_to_graph, replay_graph) need "
+                                  "a CUDA device (this process runs on CPU)")
+
+    capture_to_graph = replay_graph = create_graph
 
 
 _ACCELERATOR: Accelerator | None = None

@@ -19,7 +19,12 @@ _API = ("ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object",
         "gather", "get_backend", "get_global_rank", "get_local_rank", "get_rank", "get_world_size",
         "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "inference_all_reduce", "init_distributed",
         "irecv", "is_available", "is_initialized", "isend", "log_summary", "new_group", "recv", "reduce",
-        "reduce_scatter", "reduce_scatter_fn", "reduce_scatter_tensor", "scatter", "send")
+        "reduce_scatter", "reduce_scatter_fn", "reduce_scatter_tensor", "scatter", "send",
+        "CCL_BACKEND", "GLOO_BACKEND", "HCCL_BACKEND", "MPI_BACKEND", "NCCL_BACKEND", "P2POp", "SCCL_BACKEND",
+        "TORCH_DISTRIBUTED_DEFAULT_PORT", "all_gather_coalesced", "all_reduce_coalesced", "all_to_all",
+        "batch_isend_irecv", "default_pg_timeout", "get_all_ranks_from_group", "get_local_rank_from_launcher",
+        "get_world_group", "get_world_rank_from_launcher", "get_world_size_from_launcher", "has_all_reduce_coalesced",
+        "has_coalescing_manager", "in_aml", "in_aws_sm", "in_dlts", "monitored_barrier")
 
 __all__ = list(_API)
 

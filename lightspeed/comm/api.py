@@ -14,6 +14,7 @@ collectives, not these.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -186,6 +187,128 @@ def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, a
     return dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op)
 
 
+def all_to_all(output_tensor_list: list, input_tensor_list: list, group=None, async_op: bool = False,
+               prof: bool = False, log_name: str = "all_to_all", debug=None):
+    return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+
+
+def all_reduce_coalesced(tensors: list, op=ReduceOp.SUM, group=None, async_op: bool = False, prof: bool = False,
+                         log_name: str = "all_reduce", debug=None):
+    return dist.all_reduce_coalesced(tensors, op=op, group=group, async_op=async_op)
+
+
+class _AllHandles:
+    """One handle over several: `wait()` waits for each, `is_completed()` when all are."""
+
+    def __init__(self, handles: list):
+        self._handles = handles
+
+    def wait(self) -> bool:
+        for handle in self._handles:
+            handle.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(handle.is_completed() for handle in self._handles)
+
+
+def all_gather_coalesced(output_tensors: list, input_tensors: list, group=None, async_op: bool = False):
+    """All-gathers each input into its output (`all_gather_into_tensor` pairwise); with `async_op` a
+    handle whose `wait()` waits for every gather, else it returns once all are done."""
+    if len(output_tensors) != len(input_tensors):
+        raise ValueError(f"all_gather_coalesced: {len(output_tensors)} outputs for {len(input_tensors)} inputs")
+    _require_initialized("all_gather_coalesced")
+    handle = _AllHandles([dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+                          for out, inp in zip(output_tensors, input_tensors)])
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def has_all_reduce_coalesced() -> bool:
+    return hasattr(dist, "all_reduce_coalesced")
+
+
+def has_coalescing_manager() -> bool:
+    return hasattr(dist.distributed_c10d, "_coalescing_manager")
+
+
+class P2POp:
+    """One point-to-point operation of `batch_isend_irecv`: `op` is `isend` or `irecv` (this module's
+    or torch.distributed's), `peer` a global rank."""
+
+    def __init__(self, op, tensor: torch.Tensor, peer: int, group=None, tag: int = 0):
+        if op not in (isend, irecv, dist.isend, dist.irecv):
+            raise ValueError(f"P2POp: op must be deepspeed.comm.isend or deepspeed.comm.irecv (got {op!r})")
+        self.op = "isend" if op in (isend, dist.isend) else "irecv"
+        self.tensor, self.peer, self.group, self.tag = tensor, peer, group, tag
+
+
+def batch_isend_irecv(p2p_op_list: list, prof: bool = False, log_name: str = "batch_isend_irecv", debug=None):
+    """Starts the point-to-point operations together; their requests."""
+    _require_initialized("batch_isend_irecv")
+    return dist.batch_isend_irecv([dist.P2POp(getattr(dist, op.op), op.tensor, op.peer, op.group, op.tag)
+                                   for op in p2p_op_list])
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False, prof: bool = False,
+                      log_name: str = "monitored_barrier", debug=None):
+    _require_initialized("monitored_barrier")
+    return dist.monitored_barrier(group=group if group is not None else dist.group.WORLD, timeout=timeout,
+                                  wait_all_ranks=wait_all_ranks)
+
+
+def get_world_group():
+    _require_initialized("get_world_group")
+    return dist.group.WORLD
+
+
+def get_all_ranks_from_group(group=None) -> list[int]:
+    """The global ranks of `group`'s members, in group-rank order (every rank without a group)."""
+    _require_initialized("get_all_ranks_from_group")
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def _launcher_env(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        if os.environ.get(name) is not None:
+            return int(os.environ[name])
+    return default
+
+
+def get_world_rank_from_launcher() -> int:
+    """RANK, else Open MPI's OMPI_COMM_WORLD_RANK, else 0."""
+    return _launcher_env(("RANK", "OMPI_COMM_WORLD_RANK"), 0)
+
+
+def get_world_size_from_launcher() -> int:
+    """WORLD_SIZE, else Open MPI's OMPI_COMM_WORLD_SIZE, else 1."""
+    return _launcher_env(("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"), 1)
+
+
+def get_local_rank_from_launcher() -> int:
+    """LOCAL_RANK, else Open MPI's OMPI_COMM_WORLD_LOCAL_RANK, else 0."""
+    return _launcher_env(("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"), 0)
+
+
+def in_aml() -> bool:
+    """Inside an Azure Machine Learning job."""
+    return "AZUREML_EXPERIMENT_ID" in os.environ
+
+
+def in_aws_sm() -> bool:
+    """Inside an AWS SageMaker training job."""
+    return "SM_TRAINING_ENV" in os.environ
+
+
+def in_dlts() -> bool:
+    """On a DLTS cluster."""
+    return "DLTS_JOB_ID" in os.environ
+
+
 def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None):
     """DeepSpeed's `deepspeed.comm.configure`: the comms logger from a config's `comms_logger` section
     (`deepspeed_config`: a loaded config or anything with `.comms_logger`), then the keyword overrides."""
@@ -207,7 +330,17 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False):
     return _log_summary(show_straggler=show_straggler, return_dict=return_dict)
 
 
+NCCL_BACKEND, CCL_BACKEND, MPI_BACKEND, GLOO_BACKEND, SCCL_BACKEND, HCCL_BACKEND = (
+    "nccl", "ccl", "mpi", "gloo", "sccl", "hccl")
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+default_pg_timeout = timedelta(minutes=10)
+
 __all__ = [
+    "CCL_BACKEND", "GLOO_BACKEND", "HCCL_BACKEND", "MPI_BACKEND", "NCCL_BACKEND", "P2POp", "SCCL_BACKEND",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT", "all_gather_coalesced", "all_reduce_coalesced", "all_to_all",
+    "batch_isend_irecv", "default_pg_timeout", "get_all_ranks_from_group", "get_local_rank_from_launcher",
+    "get_world_group", "get_world_rank_from_launcher", "get_world_size_from_launcher", "has_all_reduce_coalesced",
+    "has_coalescing_manager", "in_aml", "in_aws_sm", "in_dlts", "monitored_barrier",
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all_single",
     "allgather_fn", "barrier", "broadcast", "broadcast_object_list", "configure", "destroy_process_group",
     "gather", "get_backend", "get_global_rank", "get_local_rank", "get_rank", "get_world_size",

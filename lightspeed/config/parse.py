@@ -5,6 +5,8 @@ comments and trailing commas are accepted, and duplicate keys are an error. Pars
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import re
@@ -16,6 +18,7 @@ import hjson
 from lightspeed.config.errors import ConfigError
 
 STRING_SOURCE = "<string>"
+BASE64_SOURCE = "<base64>"
 DICT_SOURCE = "<dict>"
 
 
@@ -62,8 +65,18 @@ def parse_text(text: str, name: str) -> dict:
     return data
 
 
+def _base64_text(source: str) -> str | None:
+    """The JSON object text `source` encodes in URL-safe base64, else None."""
+    try:
+        text = base64.urlsafe_b64decode(source.strip()).decode("utf-8")
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        return None
+    return text if text.lstrip().startswith("{") else None
+
+
 def read_source(source: Any) -> tuple[dict, str]:
-    """The parsed config and a name for where it came from (a path, ``<string>`` or ``<dict>``)."""
+    """The parsed config and a name for where it came from (a path, ``<string>``, ``<base64>`` (a
+    string that is no file but URL-safe base64 of the JSON, as DeepSpeed accepts) or ``<dict>``)."""
     if isinstance(source, dict):
         return source, DICT_SOURCE
     if isinstance(source, str) and source.lstrip().startswith("{"):
@@ -71,6 +84,9 @@ def read_source(source: Any) -> tuple[dict, str]:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
+            decoded = _base64_text(source) if isinstance(source, str) else None
+            if decoded is not None:  # DeepSpeed's third form: the JSON text, URL-safe base64 encoded
+                return parse_text(decoded, BASE64_SOURCE), BASE64_SOURCE
             raise ConfigError(f"{path}: config file not found")
         try:
             text = path.read_text(encoding="utf-8-sig")

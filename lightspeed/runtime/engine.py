@@ -33,6 +33,7 @@ from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.profiling.step_profiler import StepProfiler
 from lightspeed.runtime.autotuning_probe import AutotuningProbe
 from lightspeed.runtime.dataloader import build_dataloader
+from lightspeed.runtime.engine_accessors import EngineAccessors, EngineSettingAccessors
 from lightspeed.runtime.engine_checkpoints import EngineCheckpoints
 from lightspeed.runtime.errors import UsageAssertionError
 from lightspeed.runtime.module_passthrough import ModulePassthrough
@@ -42,7 +43,8 @@ from lightspeed.runtime.strategy import (DestroyedStrategy, ShardingStrategy, st
 logger = get_logger(__name__)
 
 
-class LightspeedEngine(EngineCheckpoints, ModulePassthrough, torch.nn.Module):
+class LightspeedEngine(EngineCheckpoints, EngineAccessors, EngineSettingAccessors, ModulePassthrough,
+                       torch.nn.Module):
     """DeepSpeed's engine API: `engine(*inputs)`, `engine.backward(loss)`, `engine.step()`, checkpoints;
     a name the engine lacks is the wrapped module's (module_passthrough.py)."""
 

@@ -339,14 +339,18 @@ class EngineCheckpoints:
     @heartbeat.paused()
     def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, *, verify: bool = True):
+                        load_module_only: bool = False, custom_load_fn=None, *, verify: bool = True):
         """Restore a checkpoint written by `save_checkpoint` at any data-parallel world size, ZeRO stage,
         tensor-parallel size and number of pipeline stages (or DeepSpeed's, pipeline layout included);
         returns `(path, client_state)`, or `(None, None)` when `load_dir` holds no `latest` file and no
         tag is given. Everything is read and checked on every rank before anything changes: a
         load that fails raises on every rank and leaves the engine as it was. Every file read is verified
         (lightspeed's against its checksum manifest, DeepSpeed's against its CRC-32s); `verify=False`
-        reads them unchecked (e.g. a tag whose manifests were lost), with a warning."""
+        reads them unchecked (e.g. a tag whose manifests were lost), with a warning. DeepSpeed's
+        `custom_load_fn` (a user function loading the module's weights) is refused."""
+        if custom_load_fn is not None:
+            raise NotImplementedError("engine.load_checkpoint: custom_load_fn (a user function that loads the module's "
+                                      "weights in place of load_state_dict) is not implemented in lightspeed yet")
         self.wait_checkpoint()
         with verification(verify):
             return self._load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,

@@ -308,6 +308,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                               strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
                               loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler,
                               placements=placements)
+    if client_optimizer:
+        engine._client_optimizer_name = type(optimizer).__name__  # engine.optimizer_name(), as DeepSpeed's
     if cfg.compile.enabled:  # DeepSpeed's first compile section: compile at initialize()
         engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     dataloader = None

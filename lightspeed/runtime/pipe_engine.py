@@ -61,6 +61,11 @@ class PipelineEngine(LightspeedEngine):
     """DeepSpeed's pipeline engine API: `train_batch(data_iter)`, `eval_batch(data_iter, ...)`,
     `is_first_stage()`, `is_last_stage()`, `set_dataiterator`, `micro_batches`."""
 
+    # DeepSpeed's dtype codes for tensors sent between stages (its class constants)
+    ID_TO_DTYPE = [torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16,
+                   torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool]
+    DTYPE_TO_ID = {dtype: id_ for id_, dtype in enumerate(ID_TO_DTYPE)}
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(self.module, PipelineModule):
@@ -89,6 +94,8 @@ class PipelineEngine(LightspeedEngine):
         last_pp = self.num_stages - 1 if kind.order == "loop" else 0  # the rank holding the last stage
         self._loss_src = topology.shape.rank_of({**coords, "pp": last_pp})
         self.data_iterator = None
+        self.batch_fn = None  # set_batch_fn
+        self.has_attention_mask = False  # set_has_attention_mask
         self.agg_train_loss: torch.Tensor | None = None
         self.dp_group_loss: torch.Tensor | None = None
         self.outputs = None
@@ -120,6 +127,24 @@ class PipelineEngine(LightspeedEngine):
         self.training_dataloader = loader
         self.data_iterator = iter(_RepeatingLoader(loader))
 
+    def set_batch_fn(self, fn) -> None:
+        """`fn(batch)` is applied to each micro-batch as it is read from the data iterator (before it is
+        split into inputs and labels), as DeepSpeed's post-processing of the loaded batch."""
+        self.batch_fn = fn
+
+    def set_has_attention_mask(self, value: bool) -> None:
+        """DeepSpeed's flag that the last activation passed between stages is a boolean attention mask
+        (DeepSpeed sends it as fp16 and turns it back to bool). Lightspeed's stages send bool tensors as
+        they are, so the mask arrives as bool either way; the flag is kept for DeepSpeed's readers."""
+        if not isinstance(value, bool):
+            raise TypeError(f"set_has_attention_mask: value must be a bool (got {type(value).__name__})")
+        self.has_attention_mask = value
+
+    def reset_activation_shape(self) -> None:
+        """The activations' shapes change from the next batch (a new sequence length): the stages probe
+        the next batch's first micro-batch again. Every rank calls it before that batch, as DeepSpeed's."""
+        self._driver.reset_shapes()
+
     def set_train_batch_size(self, train_batch_size: int) -> None:
         dp = self.groups.dp_world_size
         per_step = self.micro_batch_size * dp
@@ -129,6 +154,11 @@ class PipelineEngine(LightspeedEngine):
         self.config.gradient_accumulation_steps = train_batch_size // per_step
         self.config.train_batch_size = train_batch_size
         self.micro_batches = self.config.gradient_accumulation_steps
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        raise NotImplementedError("PipelineEngine.set_train_micro_batch_size: changing the pipeline's micro batch "
+                                  "after initialize() (its stages exchange activations of that batch) is not "
+                                  "implemented in lightspeed yet")
 
     # ------------------------------------------------------------------ the batch
     def _pull(self, n: int, data_iter) -> tuple[list | None, list | None]:
@@ -144,6 +174,8 @@ class PipelineEngine(LightspeedEngine):
         inputs, labels = [], []
         for _ in range(n):
             batch = next(data_iter)
+            if self.batch_fn is not None:
+                batch = self.batch_fn(batch)
             if not isinstance(batch, (list, tuple)) or len(batch) != 2:
                 raise ValueError("a pipeline micro-batch must be a pair (inputs, labels), as DeepSpeed's "
                                  f"(got {type(batch).__name__}{'' if not isinstance(batch, (list, tuple)) else f' of {len(batch)}'})")

@@ -1,6 +1,7 @@
 """DeepSpeed's module-level comm functions (lightspeed.comm / deepspeed.comm) against torch.distributed,
 and the engine calls accelerate and transformers make: no_sync, the optimizer's `overflow`,
-zero_gather_16bit_weights_on_model_save and _zero3_consolidated_16bit_state_dict. One world of 2 gloo
+zero_gather_16bit_weights_on_model_save and _zero3_consolidated_16bit_state_dict; a two-stage pipeline
+whose activations change shape after `reset_activation_shape`. One world of 2 gloo
 ranks runs every scenario and returns plain data; the tests assert on it."""
 
 from __future__ import annotations
@@ -65,6 +66,22 @@ def _comm() -> dict:
     t = torch.ones(1)
     comm.all_reduce(t, group=group)
     out["group_all_reduce"] = t.item()
+    # DeepSpeed's coalesced, batched point-to-point and monitored-barrier functions
+    pair = [torch.tensor([rank + 1.0]), torch.tensor([2.0 * rank, 1.0])]
+    comm.all_reduce_coalesced(pair)
+    out["all_reduce_coalesced"] = [t.tolist() for t in pair]
+    gathered = [torch.zeros(WORLD), torch.zeros(2 * WORLD)]
+    comm.all_gather_coalesced(gathered, [torch.tensor([float(rank)]), torch.tensor([rank, rank + 0.5])],
+                              async_op=True).wait()
+    out["all_gather_coalesced"] = [t.tolist() for t in gathered]
+    got = torch.zeros(1)
+    for request in comm.batch_isend_irecv([comm.P2POp(comm.isend, torch.tensor([10.0 + rank]), 1 - rank),
+                                           comm.P2POp(comm.irecv, got, 1 - rank)]):
+        request.wait()
+    out["batch_isend_irecv"] = got.item()
+    comm.monitored_barrier()
+    out["groups"] = (comm.get_world_group() is dist.group.WORLD, comm.get_all_ranks_from_group(group),
+                     comm.get_all_ranks_from_group())
     comm.barrier()
     comm.configure(enabled=True, prof_all=True)  # the comms logger times the runtime's collectives
     out["log_summary"] = comm.log_summary(return_dict=True)
@@ -188,8 +205,34 @@ def _engine_calls() -> dict:
     return out
 
 
+def _pipeline_shapes() -> dict:
+    """Two stages, one per rank (lr 0): a batch of [2, 6] activations, then reset_activation_shape and a
+    batch of [2, 4, 6]; the losses against the whole model, gathered from both stages."""
+    from lightspeed.parallel.pipeline import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    pipe = PipelineModule(layers=[LayerSpec(torch.nn.Linear, 6, 6), LayerSpec(torch.nn.Linear, 6, 3)], num_stages=2,
+                          loss_fn=torch.nn.MSELoss())
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    engine, *_ = lightspeed.initialize(model=pipe, config=cfg, model_parameters=pipe.parameters())
+    g = torch.Generator().manual_seed(1)
+    short = [(torch.randn(2, 6, generator=g), torch.randn(2, 3, generator=g)) for _ in range(2)]
+    long = [(torch.randn(2, 4, 6, generator=g), torch.randn(2, 4, 3, generator=g)) for _ in range(2)]
+    losses = [float(engine.train_batch(iter(short)))]
+    engine.reset_activation_shape()
+    losses.append(float(engine.train_batch(iter(long))))
+    parts = [None] * WORLD
+    dist.all_gather_object(parts, {k: v.detach().clone() for k, v in pipe.state_dict().items()})
+    whole = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    whole.load_state_dict({k: v for part in parts for k, v in part.items()})
+    with torch.no_grad():
+        want = [float(sum(torch.nn.functional.mse_loss(whole(x), y) for x, y in batch) / 2) for batch in (short, long)]
+    return {"losses": losses, "want": want}
+
+
 def _world() -> dict:
-    return {"comm": _comm(), "engine": _engine_calls()}
+    return {"comm": _comm(), "engine": _engine_calls(), "pipeline": _pipeline_shapes()}
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +252,9 @@ def test_comm_functions_match_torch_distributed(world):
         assert c["future_warnings"] == []
         assert c["broadcast"] == 8.0 and c["group_all_reduce"] == 2.0
         assert c["recv"] == (42.0 if rank == 1 else None)
+        assert c["all_reduce_coalesced"] == [[3.0], [2.0, 2.0]]
+        assert c["all_gather_coalesced"] == [[0.0, 1.0], [0.0, 0.5, 1.0, 1.5]]
+        assert c["batch_isend_irecv"] == 10.0 + (1 - rank) and c["groups"] == (True, [0, 1], [0, 1])
         assert isinstance(c["log_summary"], dict)
         assert c["ds_comm_same"]
         # the norm averaged over the data-parallel ranks: (sqrt(9 + 1) + sqrt(9 + 4)) / 2, one coefficient
@@ -277,3 +323,8 @@ def test_16bit_weights_for_saving(world):
         c = e["consolidated"]
         assert c["keys"] == sorted(TinyMLP().state_dict()) and c["frozen_excluded"] == ["frozen"]
         assert c["dtypes"] == ["torch.bfloat16"] and c["devices"] == ["cpu"] and c["equal"]
+
+
+def test_pipeline_activation_shape_reset(world):
+    for out in world:
+        assert out["pipeline"]["losses"] == pytest.approx(out["pipeline"]["want"], rel=1e-5)

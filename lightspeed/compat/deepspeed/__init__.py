@@ -20,6 +20,7 @@ __version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPS
 __git_hash__ = None
 __git_branch__ = None
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+dist = None  # DeepSpeed's top-level placeholder, None in DeepSpeed too (its modules import deepspeed.comm)
 
 _SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "compression", "elasticity", "launcher", "moe",
                "ops", "pipe", "runtime", "sequence", "utils", "zero")
@@ -34,6 +35,28 @@ _LAZY = {
     "logger": ("lightspeed.compat.deepspeed.utils", "logger"),
     "log_dist": ("lightspeed.compat.deepspeed.utils", "log_dist"),
     "PipelineModule": ("lightspeed.compat.deepspeed.pipe", "PipelineModule"),
+    "PipelineEngine": ("lightspeed.runtime.pipe_engine", "PipelineEngine"),
+    "DeepSpeedOptimizerCallable": ("lightspeed.compat.deepspeed.runtime.engine", "DeepSpeedOptimizerCallable"),
+    "DeepSpeedSchedulerCallable": ("lightspeed.compat.deepspeed.runtime.engine", "DeepSpeedSchedulerCallable"),
+    "MUON_OPTIMIZER": ("lightspeed.compat.deepspeed.runtime.config", "MUON_OPTIMIZER"),
+    "git_hash": ("lightspeed.compat.deepspeed.git_version_info", "git_hash"),
+    "git_branch": ("lightspeed.compat.deepspeed.git_version_info", "git_branch"),
+}
+# DeepSpeed names whose feature lightspeed has not built: name -> the feature, named in the error
+_NOT_BUILT_CLASSES = {
+    "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer layer kernels (deepspeed.ops.transformer)",
+    "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer layer kernels (deepspeed.ops.transformer)",
+    "DualPipeVEngine": "the DualPipeV pipeline schedule",
+    "DualPipeVModule": "the DualPipeV pipeline schedule",
+    "DeepSpeedDataLoader": "constructing DeepSpeed's data loader class directly (engine.deepspeed_io builds the "
+                           "loader)",
+    "InferenceEngine": "constructing DeepSpeed's InferenceEngine directly (deepspeed.init_inference prepares the "
+                       "model and returns it)",
+}
+_NOT_BUILT_FUNCTIONS = {
+    "replace_transformer_layer": "kernel injection (module_inject.replace_transformer_layer)",
+    "set_autotp_mode": "AutoTP's module-injection mode switch (tp_model_init and tensor_parallel.autotp_size "
+                       "shard for training)",
 }
 
 
@@ -92,7 +115,32 @@ def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
     return lightspeed.tp_model_init(model, tp_size, dtype, config=config, **kwargs)
 
 
+def set_optimizer_flags(config_class, model) -> None:
+    """`deepspeed.set_optimizer_flags`: with the Muon optimizer configured (`config_class.optimizer_name`
+    "muon"), tags each parameter `use_muon` (matrices not named embed / lm_head, as `initialize` does) and
+    `muon_num_heads = None`; otherwise nothing. Per-head Muon is refused."""
+    if getattr(config_class, "optimizer_name", None) != "muon":
+        return
+    if (getattr(config_class, "optimizer_params", None) or {}).get("per_head_muon", False):
+        raise NotImplementedError("deepspeed.set_optimizer_flags: per-head Muon (optimizer.params.per_head_muon) is "
+                                  "not implemented in lightspeed yet")
+    from lightspeed.optim.muon import tag_muon_params
+
+    tag_muon_params(model)
+    for p in model.parameters():
+        p.muon_num_heads = None
+
+
 def __getattr__(name: str):
+    if name in _NOT_BUILT_CLASSES or name in _NOT_BUILT_FUNCTIONS:
+        from lightspeed.compat.deepspeed._missing import missing_class, missing_function
+
+        if name in _NOT_BUILT_CLASSES:
+            value = missing_class(f"deepspeed.{name}", _NOT_BUILT_CLASSES[name])
+        else:
+            value = missing_function(f"deepspeed.{name}", _NOT_BUILT_FUNCTIONS[name])
+        globals()[name] = value  # one object per name: `deepspeed.X is deepspeed.X`
+        return value
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY:
@@ -102,5 +150,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "DeepSpeedHybridEngine", "OnDevice", "add_config_arguments",
-           "get_accelerator", "init_distributed", "init_inference", "initialize", "logger", "tp_model_init",
+           "get_accelerator", "init_distributed", "init_inference", "initialize", "logger", "set_optimizer_flags",
+           "tp_model_init",
            "__version__", *_SUBMODULES]

@@ -160,6 +160,13 @@ class PipelineDriver:
         self._losses[int(index.reshape(-1)[0])] = loss.detach().float().reshape(())
         return self._loss(loss)
 
+    def reset_shapes(self) -> None:
+        """Forget the probed stage examples and the schedules built on them: the next batch probes its
+        first micro-batch again (activations of another shape). Every pipeline rank calls it together."""
+        self._examples = None
+        self._schedules.clear()
+        self._stages.clear()
+
     # ------------------------------------------------------------------ schedules
     def _schedule(self, n: int, train: bool):
         key = (n, train)

@@ -172,9 +172,9 @@ def mark_named_leaves(root: torch.nn.Module, rule: LeafRule) -> None:
     _mark([m for name, m in root.named_modules() if rule.named(m, name)], True)
 
 
-def z3_leaf_module(module: torch.nn.Module) -> bool:
-    """True when `module` was marked a leaf by `set_z3_leaf_modules`."""
-    return module in _MARKED
+def z3_leaf_module(model: torch.nn.Module) -> bool:
+    """True when the module `model` (DeepSpeed's parameter name) was marked a leaf by `set_z3_leaf_modules`."""
+    return model in _MARKED
 
 
 def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

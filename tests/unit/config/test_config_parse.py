@@ -62,6 +62,20 @@ def test_missing_file_and_wrong_source_type(tmp_path):
         load(write(tmp_path, "[1, 2]"))
 
 
+def test_base64_config_string():
+    """DeepSpeed takes a config as URL-safe base64 of its JSON (its autotuner passes one on the command line)."""
+    import base64
+
+    encoded = base64.urlsafe_b64encode(b'{"train_batch_size": 8, "gradient_accumulation_steps": 2}').decode()
+    cfg = load(encoded, world_size=2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (8, 2)
+    with pytest.raises(ConfigError, match="<base64>:1:.*duplicate key"):
+        load(base64.urlsafe_b64encode(b'{"a": 1, "a": 2}').decode())
+    for not_a_config in ("abcd", base64.urlsafe_b64encode(b"[1]").decode(), "ds.json"):
+        with pytest.raises(ConfigError, match="config file not found"):
+            load(not_a_config)
+
+
 def test_dict_source_is_not_modified():
     source = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"cpu_offload": True}}
     load(source, world_size=1, check_support=False)

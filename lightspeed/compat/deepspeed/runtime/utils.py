@@ -1,6 +1,9 @@
 """`deepspeed.runtime.utils`: `see_memory_usage` (lightspeed/_utils/memory_usage.py), `set_random_seed`,
 the pipeline's partition functions (`partition_uniform`, `partition_balanced`), and the gradient helpers
-Megatron-style training loops call: `clip_grad_norm_`, `get_weight_norm`, `CheckOverflow`, `call_to_str`.
+Megatron-style training loops call: `clip_grad_norm_`, `get_weight_norm`, `CheckOverflow`, `call_to_str`;
+and DeepSpeed's small container and norm helpers (`move_to_device`, `copy_to_device`, `get_global_norm`,
+`is_invalid_grad_norm`, `align_dense_tensors`, `prefix_sum_inc`, `get_only_unique_item`,
+`ensure_directory_exists`, `empty_cache`, `noop_decorator`, `noop_context`).
 
 Note: [MoE norms] As DeepSpeed's, `clip_grad_norm_` averages the total norm over the data-parallel
 group, so ranks whose expert (`allreduce=False`) gradients differ agree on one coefficient, and
@@ -10,6 +13,7 @@ split (`model_parallel` false or absent), as Megatron marks them.
 """
 
 import math
+import os
 import random
 
 import numpy
@@ -131,5 +135,104 @@ class CheckOverflow:
         return self._agree(self.has_overflow_serial(params), has_moe, reduce, device)
 
 
-__all__ = ["CheckOverflow", "call_to_str", "clip_grad_norm_", "get_weight_norm", "partition_balanced",
-           "partition_uniform", "see_memory_usage", "set_random_seed"]
+def move_to_device(item, device, criterion_func=None):
+    """`item` (a tensor, or lists / tuples / dicts of them, nested) on `device`, the containers rebuilt.
+    With `criterion_func`, an item it accepts is moved in place (its `.data` replaced) and returned
+    itself; anything else that is not a container is moved with `.to(device)`, as DeepSpeed's."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device)
+
+
+def copy_to_device(item, device, criterion_func):
+    """A copy on `device` of each item `criterion_func` accepts, through lists / tuples / dicts; other
+    items come back as they are."""
+    if criterion_func(item):
+        return item.to(device)
+    if isinstance(item, list):
+        return [copy_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(copy_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: copy_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item
+
+
+def is_invalid_grad_norm(norm) -> bool:
+    """A norm that is inf, nan or negative (a tensor: any element)."""
+    if torch.is_tensor(norm):
+        return bool((~torch.isfinite(norm) | (norm < 0)).any())
+    return not math.isfinite(float(norm)) or norm < 0
+
+
+def get_global_norm(norm_list) -> float:
+    """The 2-norm of norms (sqrt of the sum of their squares); inf when one is invalid."""
+    if any(is_invalid_grad_norm(norm) for norm in norm_list):
+        return float("inf")
+    return math.sqrt(sum(float(norm) ** 2.0 for norm in norm_list))
+
+
+def align_dense_tensors(tensor_list: list, alignment: int) -> list:
+    """`tensor_list`, plus a zero tensor (the first's dtype and device) that pads the total element
+    count to a multiple of `alignment`, where it is not one already."""
+    remaining = sum(t.numel() for t in tensor_list) % alignment
+    if not remaining:
+        return tensor_list
+    pad = torch.zeros(alignment - remaining, device=tensor_list[0].device, dtype=tensor_list[0].dtype)
+    return tensor_list + [pad]
+
+
+def prefix_sum_inc(weights) -> list:
+    """The inclusive prefix sums: [3, 4, 5] -> [3, 7, 12]."""
+    out = list(weights)
+    for i in range(1, len(out)):
+        out[i] += out[i - 1]
+    return out
+
+
+def get_only_unique_item(items):
+    """The one distinct value of `items`; RuntimeError when there are none or several."""
+    distinct = set(items)
+    if len(distinct) != 1:
+        raise RuntimeError(f"expected there to be only one unique element in {items}")
+    return next(iter(distinct))
+
+
+def ensure_directory_exists(filename: str) -> None:
+    """Creates the directory that `filename` is in (and its parents)."""
+    os.makedirs(os.path.dirname(filename), exist_ok=True)
+
+
+def empty_cache() -> None:
+    """Releases the accelerator's cached memory and resets its peak-memory statistics."""
+    from lightspeed._utils.accelerator import get_accelerator
+
+    get_accelerator().empty_cache()
+    get_accelerator().reset_peak_memory_stats()
+
+
+def noop_decorator(func):
+    return func
+
+
+class noop_context:
+    """A context manager that does nothing."""
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        return None
+
+
+__all__ = ["CheckOverflow", "align_dense_tensors", "call_to_str", "clip_grad_norm_", "copy_to_device", "empty_cache",
+           "ensure_directory_exists", "get_global_norm", "get_only_unique_item", "get_weight_norm",
+           "is_invalid_grad_norm", "move_to_device", "noop_context", "noop_decorator", "partition_balanced",
+           "partition_uniform", "prefix_sum_inc", "see_memory_usage", "set_random_seed"]

@@ -186,3 +186,14 @@ def _get_max_expert_size_name() -> str:
 
 def _get_max_expert_parallel_group():
     return _get_expert_parallel_group(_get_max_expert_size_name())
+
+
+class DeprecatedException(Exception):
+    """DeepSpeed's error for a groups API it has retired."""
+
+
+def initialize(ep_size: int = 1, mpu=None):
+    """Retired in DeepSpeed: raises DeprecatedException (the expert-parallel size is given to
+    `deepspeed.moe.layer.MoE(..., ep_size=...)`)."""
+    raise DeprecatedException("deepspeed.utils.groups.initialize() is deprecated: pass ep_size to "
+                              "deepspeed.moe.layer.MoE(..., ep_size=...) instead")

@@ -9,7 +9,8 @@ MiCS_Init = missing_class("deepspeed.zero.MiCS_Init", "MiCS (ZeRO-3 sharding wit
 TiledLinear = missing_class("deepspeed.zero.TiledLinear", "tiled linear layers (zero.TiledLinear)")
 TiledLinearReturnBias = missing_class("deepspeed.zero.TiledLinearReturnBias", "tiled linear layers (zero.TiledLinear)")
 
-__all__ = [*_zero.__all__, "MiCS_Init", "TiledLinear", "TiledLinearReturnBias", "unwrap_model_for_generation"]
+__all__ = [*_zero.__all__, "DeepSpeedZeRoOffload", "MiCS_Init", "TiledLinear", "TiledLinearReturnBias",
+           "ZeroParamStatus", "ZeroParamType", "unwrap_model_for_generation"]
 
 
 def __getattr__(name: str):
@@ -19,6 +20,14 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module(f"lightspeed.compat.deepspeed.runtime.zero.{name}")
+    if name in ("ZeroParamStatus", "ZeroParamType"):  # DeepSpeed's runtime/zero/__init__.py re-exports these
+        from lightspeed.compat.deepspeed.runtime.zero import partition_parameters
+
+        return getattr(partition_parameters, name)
+    if name == "DeepSpeedZeRoOffload":
+        from lightspeed.compat.deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+        return DeepSpeedZeRoOffload
     if name == "unwrap_model_for_generation":
         from lightspeed.compat.deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 

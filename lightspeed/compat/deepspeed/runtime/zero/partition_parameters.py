@@ -1,5 +1,6 @@
 """`deepspeed.runtime.zero.partition_parameters`: where DeepSpeed defines `Init`, `GatheredParameters`,
-`register_external_parameter` and `ZeroParamStatus` (lightspeed.zero's objects), and the two names
+`register_external_parameter` and `ZeroParamStatus` (lightspeed.zero's objects), DeepSpeed's
+`ZeroParamType` and `is_zero_param`, and the two names
 transformers' `prevent_arange_dtype_change` swaps around `from_pretrained` under ZeRO-3.
 
 Note: the tensor-constructor hook
@@ -11,6 +12,8 @@ Note: the tensor-constructor hook
     function is DeepSpeed's, for callers that use it directly.
 """
 
+import enum
+
 import torch
 
 from lightspeed.zero import GatheredParameters, Init, register_external_parameter
@@ -20,6 +23,20 @@ _orig_torch_arange = torch.arange
 
 # the shape of a partitioned parameter's `.data` between gathers (lightspeed's empty placeholder too)
 partitioned_param_data_shape = [0]
+
+
+class ZeroParamType(enum.Enum):
+    """DeepSpeed's kinds of ZeRO parameter: a plain one, one partitioned over data parallelism, one held
+    by a single rank."""
+
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3
+
+
+def is_zero_param(parameter) -> bool:
+    """Whether `parameter` is a ZeRO-3 parameter (it has a `ds_id`), DeepSpeed's test."""
+    return hasattr(parameter, "ds_id")
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, target_device=None):
@@ -35,5 +52,5 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype, tar
     return wrapped_fn
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParameter", "partitioned_param_data_shape",
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType", "ZeroParameter", "is_zero_param", "partitioned_param_data_shape",
            "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]

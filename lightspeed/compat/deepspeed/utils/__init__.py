@@ -59,18 +59,8 @@ def set_z3_leaf_module(model, flag: bool) -> None:
     _mark([model], flag)
 
 
-def recursive_getattr(model, module_name: str):
-    """`model.a.b.c` for "a.b.c"."""
-    output = model
-    for name in module_name.split("."):
-        output = getattr(output, name)
-    return output
-
-
-def recursive_setattr(model, module_name: str, module) -> None:
-    """Sets `model.a.b.c = module` for "a.b.c"."""
-    *path, last = module_name.split(".")
-    setattr(recursive_getattr(model, ".".join(path)) if path else model, last, module)
+# DeepSpeed 0.19's `deepspeed.utils.recursive_getattr` / `recursive_setattr`: the compression helpers' own
+from lightspeed.compat.deepspeed.compression.helper import recursive_getattr, recursive_setattr  # noqa: E402,F401
 
 
 # the `deepspeed.utils.groups` functions DeepSpeed's `deepspeed.utils` re-exports (`from .groups import *`)

@@ -3,7 +3,8 @@
 Owns: `SequenceGroups` (the sp group, the data-parallel group across sp groups, and the group ZeRO reduces
 and shards over, dp x sp, with this process's ranks in each), `build_sequence_groups`, the
 process-wide record (`initialize_sequence_parallel`, `record_from_topology`, `current_sequence_groups`,
-`destroy_sequence_parallel`), and `build_topology`, which gives `initialize()` the run's `Topology` in
+`destroy_sequence_parallel`; and `record_sp_gradient_mean`, the last engine's way of combining the sp
+ranks' gradients, which `sequence/loss.py` reads), and `build_topology`, which gives `initialize()` the run's `Topology` in
 agreement with the record. Must not: know about attention, models or data loaders.
 
 Layout: the single source of truth is the mesh's rank arithmetic (comm/topology.py's Note on rank
@@ -165,8 +166,30 @@ def current_sequence_groups() -> SequenceGroups | None:
 
 def destroy_sequence_parallel() -> None:
     """Forget the record (the groups themselves go with the process group)."""
-    global _CURRENT
+    global _CURRENT, _SP_GRADIENT_MEAN
     _CURRENT = None
+    _SP_GRADIENT_MEAN = None
+
+
+# whether the last engine initialized with sp > 1 averages gradients over the sp ranks (True: ZeRO-3) or
+# sums them (False: ZeRO 0-2, and gradient_allreduce_op "sum"); None: no such engine in this process
+_SP_GRADIENT_MEAN: bool | None = None
+
+
+def record_sp_gradient_mean(averaged: bool) -> None:
+    """Recorded by `initialize()` of an engine with sp > 1 (zero/reduce.py's Note on sequence parallelism):
+    whether its gradient reduction averages over the sp ranks. The last engine initialized wins."""
+    global _SP_GRADIENT_MEAN
+    _SP_GRADIENT_MEAN = bool(averaged)
+
+
+def sp_gradient_mean() -> bool:
+    """What `record_sp_gradient_mean` recorded; an error when no engine with sp > 1 was initialized."""
+    if _SP_GRADIENT_MEAN is None:
+        raise RuntimeError("no engine with sequence_parallel_size > 1 was initialized in this process: how the "
+                           "sp ranks' gradients are combined (summed at ZeRO 0-2, averaged at ZeRO 3) is the "
+                           "engine's, so call lightspeed.initialize() before computing the sequence-parallel loss")
+    return _SP_GRADIENT_MEAN
 
 
 class SequenceParallelMPU:

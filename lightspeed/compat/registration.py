@@ -34,9 +34,12 @@ from lightspeed._utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-# The DeepSpeed release whose public API lightspeed's compatibility package follows. accelerate's
-# strictest gate (ALST / Ulysses sequence parallelism) is deepspeed>=0.18.2.
-DEEPSPEED_VERSION = "0.18.2"
+# The DeepSpeed release whose public API lightspeed's compatibility package follows (the surface is
+# audited against 0.19.8: tests/unit/compat/deepspeed_0_19_8_surface.json) and whose gradient
+# reduction it keeps (zero/reduce.py's Note on sequence parallelism). accelerate's strictest gate
+# (ALST / Ulysses sequence parallelism) is deepspeed>=0.18.2; transformers' sequence-parallel loss
+# multiplies each rank's share by sp under ZeRO-3 below 0.20.2, which is right for this reduction.
+DEEPSPEED_VERSION = "0.19.8"
 ALIAS = "deepspeed"
 TARGET = "lightspeed.compat.deepspeed"
 

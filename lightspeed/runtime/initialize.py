@@ -17,7 +17,7 @@ from lightspeed.comm import comms_logger, heartbeat
 from lightspeed.comm.collectives import Communicator
 from lightspeed.comm.groups import ParallelGroups
 from lightspeed.comm.init import apply_config_timeout, init_distributed
-from lightspeed.comm.sequence_groups import build_topology
+from lightspeed.comm.sequence_groups import build_topology, record_sp_gradient_mean
 from lightspeed.comm.topology import Topology, TopologyError, mesh_sizes, record_topology
 from lightspeed.config import LightspeedConfig
 from lightspeed.config.errors import ConfigError
@@ -46,6 +46,7 @@ from lightspeed.runtime.kernel_patch import apply_kernels
 from lightspeed.runtime.model_transforms import apply_model_transforms
 from lightspeed.runtime.param_names import params_by_name, params_from_names
 from lightspeed.runtime.strategy import select_strategy, strategy_places_params
+from lightspeed.zero.reduce import sp_summed
 
 logger = get_logger(__name__)
 
@@ -284,6 +285,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         prepare_tied(model, topology, device, cfg.zero_optimization.stage)
     strategy = select_strategy(cfg, model, optimizer, policy, comm, device=device, offload=offload,
                                placements=placements, topology=topology)
+    if topology.size("sp") > 1:  # sequence/loss.py weights each rank's share by it
+        record_sp_gradient_mean(cfg.gradient_allreduce_op == "mean"
+                                and sp_summed(cfg.zero_optimization.stage, topology.size("sp")) == 1)
     if optimizer is not None:
         strategy.use_placements(placements, topology)  # the gradient norm over the mesh (zero/norm.py)
     if isinstance(optimizer, Muon) and cfg.checkpoint.format == "deepspeed":

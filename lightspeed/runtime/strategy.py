@@ -23,7 +23,7 @@ from lightspeed.optim.onebit.base import ReducesOwnGradients
 from lightspeed.precision.autocast import AutocastSettings
 from lightspeed.precision.policy import PrecisionPolicy
 from lightspeed.zero.sparse import sparse_parameters
-from lightspeed.zero.reduce import ReduceOptions
+from lightspeed.zero.reduce import ReduceOptions, sp_summed
 from lightspeed.zero.reduce_groups import ReduceGroups
 from lightspeed.zero.fragments import Fragment
 from lightspeed.zero.graphed_step import check_graphed_step
@@ -232,8 +232,11 @@ def check_strategy(strategy: object) -> ShardingStrategy:
     return strategy  # type: ignore[return-value]
 
 
-def reduce_options(cfg, policy: PrecisionPolicy) -> ReduceOptions:
-    return ReduceOptions(bucket_numel=int(cfg.zero_optimization.reduce_bucket_size),
+def reduce_options(cfg, policy: PrecisionPolicy, sp_size: int = 1) -> ReduceOptions:
+    """Stages 0-2's reduction; `sp_size`: the sequence-parallel ranks each reduce group holds, whose
+    gradients are summed, not averaged (zero/reduce.py's Note on sequence parallelism)."""
+    return ReduceOptions(sp_summed=sp_summed(cfg.zero_optimization.stage, sp_size),
+                         bucket_numel=int(cfg.zero_optimization.reduce_bucket_size),
                          prescale_gradients=bool(cfg.prescale_gradients),
                          gradient_predivide_factor=float(cfg.gradient_predivide_factor),
                          reduce_dtype=policy.reduce_dtype,
@@ -262,6 +265,12 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
     gradients (zero/reduce_groups.py: `comm`'s, unless a placement names another)."""
     stage = cfg.zero_optimization.stage
     offload = offload if offload is not None else OffloadPolicy()
+    sp = topology.size("sp") if topology is not None else 1
+    if isinstance(optimizer, ReducesOwnGradients) and sp > 1:
+        # its compressed momentum is averaged over the whole dp x sp group, while stage 0 sums the sp
+        # ranks' gradients (zero/reduce.py's Note on sequence parallelism): the two would disagree by sp
+        raise NotImplementedError(f"sequence_parallel_size={sp} with {type(optimizer).__name__} (a one-bit "
+                                  "optimizer, optimizer.type) is not implemented")
     if isinstance(optimizer, ReducesOwnGradients) and stage != 0:
         raise ConfigError(f"zero_optimization.stage: {type(optimizer).__name__} communicates compressed momentum "
                           f"instead of gradients and runs at ZeRO stage 0 only (got stage {stage})")
@@ -283,7 +292,8 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
         raise NotImplementedError(f"{what} with parameters reduced over another group than data parallelism "
                                   "(expert parameters) is not implemented")
     if stage == 0:
-        strategy = Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy), collectives=collectives,
+        strategy = Stage0Strategy(module, optimizer, policy, comm, reduce_options(cfg, policy, sp),
+                                  collectives=collectives,
                                   reduce_groups=groups, sparse_params=sparse_parameters(module, cfg.sparse_gradients),
                                   graphed_step=graphed)
     elif cfg.sparse_gradients:
@@ -291,7 +301,7 @@ def select_strategy(cfg, module: torch.nn.Module, optimizer, policy: PrecisionPo
                                   "reduce-scatters dense gradients (the sparse row all-gather is stage 0's, as "
                                   "DeepSpeed's)")
     elif stage in (1, 2):
-        strategy = ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy), stage=stage,
+        strategy = ShardedStrategy(module, optimizer, policy, comm, reduce_options(cfg, policy, sp), stage=stage,
                                    allow_untested_optimizer=bool(cfg.zero_allow_untested_optimizer), offload=offload,
                                    collectives=collectives, reduce_groups=groups, comm_dtypes=comm_dtypes,
                                    graphed_step=graphed)

@@ -11,7 +11,9 @@ builds this process's groups before the model (a model holding `DistributedAtten
 at construction) and returns them (`.sp_group`, `.sp_rank`, ...); `initialize()` then uses the same ones.
 Imports comm/, _utils/ and parallel/'s `split_tp_size` only.
 
-ZeRO reduces and partitions over dp x sp (the `Topology`'s "dp_sp" group) and averages gradients over it;
+ZeRO reduces and partitions over dp x sp (the `Topology`'s "dp_sp" group); it sums the sp ranks' gradients
+and averages over dp at stages 0-2 and averages over dp x sp at stage 3, DeepSpeed 0.19.8's rule
+(zero/reduce.py's Note), which `sequence_parallel_loss` follows;
 with sp > 1 gradients are reduced in `seq_parallel_communication_data_type` (fp32 by default), DeepSpeed's rule.
 With tensor parallelism (tp x sp x dp, Megatron's layout) the tp transform leaves each tp rank H/tp heads
 (column-parallel q/k/v) and Ulysses all-to-alls those over the sp group: H/tp and the key/value heads per

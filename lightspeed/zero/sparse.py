@@ -14,7 +14,8 @@ Note: [which gradients, and DeepSpeed's rule]
     ``sparse_gradients: true``. Gradients accumulate densely in the flat buffer either way; at the
     boundary the rows with a nonzero element are the ones sent. Each rank's rows are scaled before
     the gather as DeepSpeed scales them (mean: by predivide / world without prescale_gradients, by
-    1 / world with it; sum: not at all), gathered padded to the largest row count, and added into the
+    1 / world with it, world being the data-parallel ranks with the sp ranks summed, reduce.py's
+    Note; sum: not at all), gathered padded to the largest row count, and added into the
     dense gradient, which equals the dense all-reduce's (for two ranks exactly: the same sum).
 """
 
@@ -46,7 +47,8 @@ def all_gather_rows(grad: torch.Tensor, collectives: Collectives, reduce: Reduce
     dtype = reduce.reduce_dtype or grad.dtype
     values = grad.index_select(0, rows).to(dtype)
     if reduce.average:
-        values.mul_(reduce.gradient_predivide_factor / world if not reduce.prescale_gradients else 1.0 / world)
+        ranks = reduce.mean_ranks(world)  # dp x sp summed over sp: zero/reduce.py's Note on sequence parallelism
+        values.mul_(reduce.gradient_predivide_factor / ranks if not reduce.prescale_gradients else 1.0 / ranks)
     count = torch.tensor([rows.numel()], dtype=torch.int64, device=grad.device)
     counts = torch.empty(world, dtype=torch.int64, device=grad.device)
     collectives.comm.all_gather(counts, count)

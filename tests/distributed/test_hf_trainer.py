@@ -2,7 +2,9 @@
 ZeRO-3 with a Hugging Face ds_config full of "auto" values, bf16, gradient accumulation 2, against
 Trainer's own DDP run; a checkpoint resumed in a fresh job; `save_model` under ZeRO-3;
 `from_pretrained` under ZeRO-3 (right weights, never the whole model on one rank); a Llama's
-`from_config` under ZeRO-3.
+`from_config` under ZeRO-3; and Ulysses sequence parallelism (accelerate's ParallelismConfig, sp 2, so
+transformers' `deepspeed_sp_compute_loss`) at ZeRO-2 and ZeRO-3 in fp32 against one process on the whole
+sequence: the gradient norms and the trained weights.
 
 Registration happens inside the spawned ranks only: the pytest process never sees a `deepspeed`.
 
@@ -162,13 +164,88 @@ def _run(mode: str, model_dir: str, out_dir: str, resume: str | None):
     return out
 
 
-def _trainer_worker(model_dir: str, out_root: str, modes: tuple[str, ...], resume: str | None):
+# ---------------------------------------------------------------- Ulysses sequence parallelism, fp32
+SP_STEPS, SP_CLIP = 4, 3.0  # the clip acts at some steps only: a gradient scaled by 1/sp changes the weights
+# Adam turns the rounding of near-zero gradient elements into steps of up to lr: the weights after 4 steps
+# differ from one process's by at most 2.3e-5 (2026-12-05, this model and data); with the gradients halved
+# (the sp ranks averaged at ZeRO-2) by up to 6.4e-3, and the norms by 2x
+SP_WEIGHT_ATOL = 2e-4
+
+
+def sp_sample() -> dict[str, torch.Tensor]:
+    """One sample, repeated: every batch is the same whatever order the sampler takes. Its first labels are
+    -100 (a prompt), so the two sp halves count different numbers of tokens."""
+    ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:5] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def save_tiny_llama(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                 attn_implementation="sdpa")).save_pretrained(path)
+
+
+def sp_reference(model_dir: str) -> dict:
+    """One process on the whole sequence: AdamW (the config's "auto" values: Trainer's defaults), the
+    gradient clipped at SP_CLIP, a batch of two copies of `sp_sample`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    batch = {k: v.expand(2, -1) for k, v in sp_sample().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    norms, losses = [], []
+    for _ in range(SP_STEPS):
+        loss = model(**batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), SP_CLIP)))
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "losses": losses, "trained": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _run_sp(stage: int, model_dir: str, out_dir: str) -> dict:
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    ds = hf_ds_config(stage)
+    del ds["bf16"]
+    pc = ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(
+        sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
+    args = TrainingArguments(output_dir=out_dir, deepspeed=ds, per_device_train_batch_size=2, max_steps=SP_STEPS,
+                             learning_rate=1e-2, lr_scheduler_type="constant", weight_decay=0.0,
+                             max_grad_norm=SP_CLIP, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                             seed=0, disable_tqdm=True, parallelism_config=pc)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    trainer = Trainer(model=model, args=args, train_dataset=[sp_sample() for _ in range(4 * SP_STEPS)])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    out = {"norms": [h["grad_norm"] for h in logs], "losses": [h["loss"] for h in logs],
+           "global_step": trainer.state.global_step, "engine": type(trainer.model_wrapped).__name__,
+           "trained": gathered_state(trainer.model_wrapped.module)}
+    unset_hf_deepspeed_config()
+    UlyssesSPAttentionHF.unregister_from_transformers()  # accelerate registers it again for the next run
+    return out
+
+
+def _trainer_worker(model_dir: str, out_root: str, modes: tuple[str, ...], resume: str | None,
+                    llama_dir: str | None = None):
     """Each mode's Trainer run, one after the other in this job (TrainingArguments resets accelerate's
-    state, so one process serves the DDP run and the DeepSpeed ones)."""
+    state, so one process serves the DDP run and the DeepSpeed ones). The sp modes come last: the
+    sequence-parallel groups they build stay for the life of the process."""
     import lightspeed
 
     lightspeed.register_as_deepspeed()  # the DDP run does not use it: its TrainingArguments has no config
-    return {mode: _run(mode, model_dir, os.path.join(out_root, mode), resume) for mode in modes}
+    return {mode: (_run_sp(int(mode[-1]), llama_dir, os.path.join(out_root, mode)) if mode.startswith("sp_")
+                   else _run(mode, model_dir, os.path.join(out_root, mode), resume)) for mode in modes}
 
 
 @pytest.fixture(scope="module")
@@ -178,10 +255,35 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny, tmp_path_factory):
+def tiny_llama(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    save_tiny_llama(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tiny_llama, tmp_path_factory):
     out_root = str(tmp_path_factory.mktemp("trainer"))
-    results = run_world(_trainer_worker, 2, tiny[0], out_root, ("ddp", "zero2", "zero3"), None, timeout=500)
+    results = run_world(_trainer_worker, 2, tiny[0], out_root, ("ddp", "zero2", "zero3", "sp_zero2", "sp_zero3"),
+                        None, tiny_llama, timeout=560)
     return out_root, results
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_ulysses_sp_matches_one_process(stage, tiny_llama, runs):
+    """transformers backpropagates each sp rank's share of the loss (times sp at ZeRO-3 below DeepSpeed
+    0.20.2): the engine's sum over sp at ZeRO-2 and average at ZeRO-3 (DeepSpeed 0.19.8's) make the
+    gradient one process's on the whole sequence. The clip acts at some steps only, so a gradient off by
+    sp changes the weights as well as the norms."""
+    _, results = runs
+    ref = sp_reference(tiny_llama)
+    assert min(ref["norms"]) < SP_CLIP < max(ref["norms"])
+    for r in (res[f"sp_zero{stage}"] for res in results):
+        assert r["engine"] == "LightspeedEngine" and r["global_step"] == SP_STEPS
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        for name, value in ref["trained"].items():
+            torch.testing.assert_close(r["trained"][name], value, rtol=1e-5, atol=SP_WEIGHT_ATOL, msg=name)
 
 
 def test_trainer_zero2_matches_ddp(runs):

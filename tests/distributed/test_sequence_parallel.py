@@ -17,12 +17,14 @@ from lightspeed.config.errors import ConfigError
 from lightspeed.sequence import (DistributedAttention, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
                                  sequence_parallel_loss)
 from lightspeed.testing.run_world import run_world
-from lightspeed.zero.param_access import safe_get_full_grad
+from lightspeed.zero.param_access import safe_get_full_fp32_param, safe_get_full_grad
 
 pytestmark = pytest.mark.dist
 
 RTOL, ATOL = 1e-5, 1e-7
 SP = 2
+STAGES = (0, 1, 2, 3)
+LR, CLIP = 0.1, 0.05  # the attention test's SGD; its gradient clip, below every step's norm
 
 
 # ---------------------------------------------------------------- the all-to-all and its gradient
@@ -82,9 +84,10 @@ def _attention_batches(dp: int, steps: int):
 
 
 def _attention_reference(dp: int, steps: int):
+    """One process, the whole sequence: SGD with the gradient clipped (active) at CLIP."""
     torch.manual_seed(0)
     model = AttentionBlock()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
     for batches in _attention_batches(dp, steps):
         per_replica = [model(x, y) for x, y in batches]
@@ -92,9 +95,11 @@ def _attention_reference(dp: int, steps: int):
         loss.backward()
         losses.append([v.item() for v in per_replica])
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        assert norm > CLIP  # the clip is active: a gradient sp times too large or too small changes the step
         opt.step()
         opt.zero_grad()
-    return losses, grads
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _config(stage: int, **extra):
@@ -104,35 +109,51 @@ def _config(stage: int, **extra):
             "steps_per_print": 1000, **extra}
 
 
-def _attention_worker(stage: int, steps: int):
-    torch.manual_seed(0)
+def _attention_worker(steps: int):
+    """Every ZeRO stage in turn, each a fresh engine (stages 0-2 sum the sp ranks' gradients, stage 3
+    averages them: the loss follows the engine initialized last)."""
     groups = initialize_sequence_parallel(SP)
-    model = AttentionBlock(groups.sp_group, SP)
-    engine, _, _, _ = lightspeed.initialize(model=model, config=_config(stage))
-    assert (engine.dp_world_size, engine.seq_dp_world_size) == (dist.get_world_size() // SP, dist.get_world_size())
     chunk = SEQ // SP
     mine = slice(groups.sp_rank * chunk, (groups.sp_rank + 1) * chunk)
-    losses, grads = [], []
-    for batches in _attention_batches(engine.dp_world_size, steps):
-        x, y = batches[groups.dp_rank]
-        local = engine(x[:, mine], y[:, mine])  # mean over this rank's tokens
-        loss = sequence_parallel_loss(local, y[:, mine].numel())
-        engine.backward(loss)
-        losses.append(loss.item())
-        grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
-        engine.step()
-    return groups.dp_rank, losses, grads
+    out = {}
+    for stage in STAGES:
+        torch.manual_seed(0)
+        model = AttentionBlock(groups.sp_group, SP)
+        config = {k: v for k, v in _config(stage, gradient_clipping=CLIP).items() if k != "optimizer"}
+        engine, _, _, _ = lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                                config=config)
+        assert (engine.dp_world_size, engine.seq_dp_world_size) == (dist.get_world_size() // SP,
+                                                                    dist.get_world_size())
+        losses, grads = [], []
+        for batches in _attention_batches(engine.dp_world_size, steps):
+            x, y = batches[groups.dp_rank]
+            local = engine(x[:, mine], y[:, mine])  # mean over this rank's tokens
+            loss = sequence_parallel_loss(local, y[:, mine].numel())
+            engine.backward(loss)
+            losses.append(loss.item())
+            grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+            engine.step()
+        params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+        out[stage] = losses, grads, params
+    return groups.dp_rank, out
 
 
-@pytest.mark.parametrize("world, stage", [(2, 2), (4, 1)])  # stages 0 and 3: the Llama test
-def test_distributed_attention_matches_single_process(world, stage):
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_attention_matches_single_process(world):
+    """sequence_parallel_loss at ZeRO 0-3, sp2 (world 2) and dp2 x sp2 (world 4): the losses, the reduced
+    gradients and the parameters after SGD steps with an active gradient clip equal one process's on the
+    whole sequence (a gradient sp times too large or too small fails all three but the loss)."""
     steps = 3
-    ref_losses, ref_grads = _attention_reference(world // SP, steps)
-    for dp_rank, losses, grads in run_world(_attention_worker, world, stage, steps):
-        assert losses == pytest.approx([step[dp_rank] for step in ref_losses], rel=RTOL, abs=ATOL)
-        for got, want in zip(grads, ref_grads):
-            for name, value in want.items():
-                torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    ref_losses, ref_grads, ref_params = _attention_reference(world // SP, steps)
+    for dp_rank, by_stage in run_world(_attention_worker, world, steps):
+        assert sorted(by_stage) == list(STAGES)
+        for stage, (losses, grads, params) in by_stage.items():
+            assert losses == pytest.approx([step[dp_rank] for step in ref_losses], rel=RTOL, abs=ATOL), stage
+            for got, want in zip(grads, ref_grads):
+                for name, value in want.items():
+                    torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
+            for name, value in ref_params.items():
+                torch.testing.assert_close(params[name], value, rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
 
 
 # ---------------------------------------------------------------- a tiny HF Llama, transformers' way
@@ -268,6 +289,13 @@ def _adapter_errors_worker():
                                            groups.sp_group, SP, "cpu")
     with pytest.raises(ValueError, match="need `labels`"):
         next(no_labels)
+    # a one-bit optimizer averages its compressed momentum over dp x sp, where stage 0 sums the sp ranks
+    with pytest.raises(NotImplementedError, match="sequence_parallel_size=2 with OneBitAdam"):
+        lightspeed.initialize(model=torch.nn.Linear(2, 2), config=_config(
+            0, optimizer={"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}))
+    # no engine yet (every initialize() above was refused): the loss cannot know how gradients are combined
+    with pytest.raises(RuntimeError, match="no engine with sequence_parallel_size > 1 was initialized"):
+        sequence_parallel_loss(torch.ones(()), 3)
     return True
 
 

@@ -56,7 +56,7 @@ def test_unchanged_deepspeed_script_runs_through_the_launcher(tmp_path, home, st
     assert proc.returncode == 0, proc.stderr[-2000:] + "".join(f"\n== {p.name}\n{p.read_text()[-2000:]}"
                                                               for p in sorted(logs.glob("*.log")))
     result = json.loads(out.read_text())
-    assert result["version"] == "0.18.2" and result["engine"] == "LightspeedEngine"
+    assert result["version"] == "0.19.8" and result["engine"] == "LightspeedEngine"
     assert result["accelerator"] == "cpu" and result["overflow"] is False
     expected = _reference_losses(zero_init=stage == 3)
     assert result["losses"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
@@ -105,4 +105,4 @@ def test_accelerate_launch_form_registers_in_the_launcher_and_every_worker(tmp_p
     import re
 
     workers = sorted(re.findall(r"WORKER (\d) (True|False) (\S+) (\[[^\]]*\])", proc.stdout))
-    assert workers == [(str(r), "True", "0.18.2", "['--foo', '1']") for r in range(2)]
+    assert workers == [(str(r), "True", "0.19.8", "['--foo', '1']") for r in range(2)]

@@ -356,6 +356,7 @@ class ParamGroup:
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None
+        # the mean over the whole group, sp ranks included: `sp_summed(3, sp)` is 1 (zero/reduce.py's Note)
         pre, post = mean_scaling(prescale, predivide, self.comm.world_size)
         if pre != 1.0:
             send.mul_(pre)

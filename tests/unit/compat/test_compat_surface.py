@@ -177,7 +177,7 @@ def test_names_transformers_and_accelerate_use():
     from lightspeed.ops.lion import DeepSpeedCPULion
     from lightspeed.runtime.engine import LightspeedEngine
 
-    assert ds.__version__ == "0.18.2" and (ds.__version_major__, ds.__version_minor__) == (0, 18)
+    assert ds.__version__ == "0.19.8" and (ds.__version_major__, ds.__version_minor__) == (0, 19)
     assert ds.DeepSpeedEngine is LightspeedEngine and ds.runtime.engine.DeepSpeedEngine is LightspeedEngine
     assert ds.zero.Init is lightspeed.zero.Init and ds.zero.GatheredParameters is lightspeed.zero.GatheredParameters
     assert ds.runtime.zero.partition_parameters.Init is lightspeed.zero.Init
@@ -279,8 +279,8 @@ def test_report_shows_the_deepspeed_version_presented():
     from lightspeed.launcher.report import format_report, gather
 
     machine = gather()
-    assert machine.deepspeed_api == "0.18.2" and machine.deepspeed_installed is None
-    assert "DeepSpeed API          0.18.2" in format_report(machine)
+    assert machine.deepspeed_api == "0.19.8" and machine.deepspeed_installed is None
+    assert "DeepSpeed API          0.19.8" in format_report(machine)
 
 
 def test_initialize_accepts_the_autos_deepspeed_accepts():

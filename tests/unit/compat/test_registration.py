@@ -35,13 +35,13 @@ def test_registration_is_seen_by_importlib_transformers_and_accelerate():
         lightspeed.register_as_deepspeed()  # idempotent
         assert len(sys.meta_path) == before + 2, sys.meta_path
         assert importlib.util.find_spec("deepspeed") is not None
-        assert importlib.metadata.version("deepspeed") == "0.18.2"
+        assert importlib.metadata.version("deepspeed") == "0.19.8"
         assert importlib.metadata.metadata("deepspeed")["Name"] == "deepspeed"
         assert "deepspeed" in {d.metadata["Name"] for d in importlib.metadata.distributions()}
 
         import deepspeed, deepspeed.comm, deepspeed.zero
         import lightspeed.compat.deepspeed as compat
-        assert deepspeed is compat and deepspeed.__version__ == "0.18.2"
+        assert deepspeed is compat and deepspeed.__version__ == "0.19.8"
         assert deepspeed.comm is sys.modules["lightspeed.compat.deepspeed.comm"]
         assert deepspeed.__spec__.name == "lightspeed.compat.deepspeed"  # the module keeps its own spec
 
@@ -55,7 +55,7 @@ def test_registration_is_seen_by_importlib_transformers_and_accelerate():
         print("OK")
     """)
     assert proc.stdout.strip().endswith("OK")
-    assert proc.stderr.count("registered lightspeed as deepspeed 0.18.2") == 1  # logged once
+    assert proc.stderr.count("registered lightspeed as deepspeed 0.19.8") == 1  # logged once
 
 
 def _fake_deepspeed(tmp_path: Path, version: str = "0.14.0") -> str:
@@ -97,8 +97,8 @@ def test_override_shadows_an_installed_deepspeed(tmp_path):
         import lightspeed
         lightspeed.register_as_deepspeed(override=True)
         import deepspeed
-        assert not hasattr(deepspeed, "REAL") and deepspeed.__version__ == "0.18.2"
-        assert importlib.metadata.version("deepspeed") == "0.18.2"
+        assert not hasattr(deepspeed, "REAL") and deepspeed.__version__ == "0.19.8"
+        assert importlib.metadata.version("deepspeed") == "0.19.8"
         print("OK")
     """, extra_path=str(fake))
     assert proc.stdout.strip() == "OK"
@@ -147,7 +147,7 @@ def test_as_deepspeed_entry_point_runs_the_script_registered(tmp_path, as_module
     proc = subprocess.run([sys.executable, "-m", "lightspeed.as_deepspeed", *target, "--x", "1"], env=env,
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "ARGS ['--x', '1'] __main__ 0.18.2 True" in proc.stdout
+    assert "ARGS ['--x', '1'] __main__ 0.19.8 True" in proc.stdout
 
 
 def test_as_deepspeed_entry_point_errors_are_one_line(tmp_path):

@@ -1,6 +1,7 @@
 """ZeRO-3 building blocks without processes: ownership, param groups (gather / release / storage),
 reduce scaling, persistence, optimizer binding and refusal, Init and the initialization rule."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from lightspeed.testing.models import TinyMLP
 from lightspeed.zero import GatheredParameters, Init
 from lightspeed.zero.stage3 import Stage3Options, Stage3Strategy, initialize_module_weights, param_state
 from lightspeed.zero.stage3.init import owned_params
-from lightspeed.zero.reduce import mean_scaling
+from lightspeed.zero.reduce import ReduceOptions, mean_scaling, sp_summed
 from lightspeed.zero.stage3.param_group import GATHERED, RELEASED, ParamGroup
 from lightspeed.zero.stage3.units import choose_units
 from lightspeed.zero.stage3.zero_param import ZeroParameter, ZeroParamStatus
@@ -56,6 +57,20 @@ def test_owned_params_give_a_tied_parameter_to_its_first_module():
 def test_mean_scaling_averages_over_ranks(prescale, predivide, world, expected):
     pre, post = mean_scaling(prescale, predivide, world)
     assert (pre, post) == expected and pre * post * world == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("stage,sp,world,prescale,predivide,expected", [
+    (0, 2, 4, False, 1.0, (1.0, 0.5)), (1, 2, 4, True, 1.0, (0.5, 1.0)), (2, 2, 4, False, 4.0, (0.25, 2.0)),
+    (2, 2, 2, False, 1.0, (1.0, 1.0)), (3, 2, 4, False, 1.0, (1.0, 0.25)), (2, 1, 4, False, 1.0, (1.0, 0.25))])
+def test_sequence_parallel_ranks_are_summed_at_stages_0_to_2(stage, sp, world, prescale, predivide, expected):
+    """DeepSpeed 0.19.8: world / sp at ZeRO 0-2 (predivide, then predivide / (world / sp)), world at 3."""
+    reduce = ReduceOptions(sp_summed=sp_summed(stage, sp), prescale_gradients=prescale,
+                           gradient_predivide_factor=predivide)
+    assert reduce.scaling(world) == expected
+    assert reduce.mean_ranks(world) == (world // sp if stage < 3 else world)
+    assert dataclasses.replace(reduce, average=False).scaling(world) == (1.0, 1.0)  # "sum" stays a sum
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 does not divide the reduce group of 3 ranks"):
+        ReduceOptions(sp_summed=2).scaling(3)
 
 
 def test_group_gathers_into_views_and_frees_the_storage_on_release():

@@ -1,9 +1,15 @@
 """Ulysses sequence parallelism on real gloo processes, against one process on the whole sequence: the
 all-to-all's gradient, DistributedAttention in a plain model and a tiny HF Llama through
 register_with_transformers + UlyssesSPDataLoaderAdapter, at sp2 (world 2) and sp2 x dp2 (world 4), under
-ZeRO stages 0-3; and the errors for sizes that do not fit."""
+ZeRO stages 0-3 (SGD with an active gradient clip, so a gradient off by sp shows); transformers' loss
+against real DeepSpeed 0.19.8's grad norms; and the errors for sizes that do not fit."""
 
 from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +22,7 @@ from lightspeed.comm.sequence_groups import current_sequence_groups, initialize_
 from lightspeed.config.errors import ConfigError
 from lightspeed.sequence import (DistributedAttention, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
                                  sequence_parallel_loss)
+from lightspeed.testing import deepspeed_env
 from lightspeed.testing.run_world import run_world
 from lightspeed.zero.param_access import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -25,6 +32,7 @@ RTOL, ATOL = 1e-5, 1e-7
 SP = 2
 STAGES = (0, 1, 2, 3)
 LR, CLIP = 0.1, 0.05  # the attention test's SGD; its gradient clip, below every step's norm
+DS_WORKER = Path(__file__).resolve().parents[1] / "deepspeed" / "deepspeed_sp_worker.py"
 
 
 # ---------------------------------------------------------------- the all-to-all and its gradient
@@ -111,7 +119,8 @@ def _config(stage: int, **extra):
 
 def _attention_worker(steps: int):
     """Every ZeRO stage in turn, each a fresh engine (stages 0-2 sum the sp ranks' gradients, stage 3
-    averages them: the loss follows the engine initialized last)."""
+    averages them: the loss follows the engine initialized last); then, per stage, the grad norms of the
+    DeepSpeed comparison's per-token MLP under transformers' loss (tests/deepspeed/deepspeed_sp_worker.py)."""
     groups = initialize_sequence_parallel(SP)
     chunk = SEQ // SP
     mine = slice(groups.sp_rank * chunk, (groups.sp_rank + 1) * chunk)
@@ -135,17 +144,40 @@ def _attention_worker(steps: int):
             engine.step()
         params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
         out[stage] = losses, grads, params
-    return groups.dp_rank, out
+    ds = _ds_worker()
+    norms = {}
+    for stage in STAGES:
+        model = ds.build()
+        engine, _, _, _ = lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=ds.LR),
+                                                config=ds.config(stage))
+        norms[stage] = []
+        for x, y in (step[groups.dp_rank] for step in ds.batches(engine.dp_world_size)):
+            engine.backward(ds.sp_loss(engine, x, y, groups.sp_rank, groups.sp_group, times_sp=stage == 3))
+            engine.step()
+            norms[stage].append(float(engine.get_global_grad_norm()))
+    return groups.dp_rank, out, norms
+
+
+def _ds_worker():
+    """tests/deepspeed/deepspeed_sp_worker.py as a module: its model, data and loss."""
+    spec = importlib.util.spec_from_file_location("deepspeed_sp_worker", DS_WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def attention_runs():
+    return {world: run_world(_attention_worker, world, 3) for world in (2, 4)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_distributed_attention_matches_single_process(world):
+def test_distributed_attention_matches_single_process(world, attention_runs):
     """sequence_parallel_loss at ZeRO 0-3, sp2 (world 2) and dp2 x sp2 (world 4): the losses, the reduced
     gradients and the parameters after SGD steps with an active gradient clip equal one process's on the
     whole sequence (a gradient sp times too large or too small fails all three but the loss)."""
-    steps = 3
-    ref_losses, ref_grads, ref_params = _attention_reference(world // SP, steps)
-    for dp_rank, by_stage in run_world(_attention_worker, world, steps):
+    ref_losses, ref_grads, ref_params = _attention_reference(world // SP, 3)
+    for dp_rank, by_stage, _ in attention_runs[world]:
         assert sorted(by_stage) == list(STAGES)
         for stage, (losses, grads, params) in by_stage.items():
             assert losses == pytest.approx([step[dp_rank] for step in ref_losses], rel=RTOL, abs=ATOL), stage
@@ -154,6 +186,37 @@ def test_distributed_attention_matches_single_process(world):
                     torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
             for name, value in ref_params.items():
                 torch.testing.assert_close(params[name], value, rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
+
+
+def test_grad_norms_equal_deepspeed_0_19_8_under_transformers_loss(attention_runs, tmp_path):
+    """transformers' sequence-parallel loss on a per-token MLP, sp 2: lightspeed's grad norms at ZeRO 0-3
+    equal one process's on the whole sequence at world 2 (sp 2) and world 4 (dp 2 x sp 2), and real
+    DeepSpeed 0.19.8's at ZeRO 1-3 at world 2 (its stage 0 keeps no global norm)."""
+    ds = _ds_worker()
+    for world in (2, 4):
+        model, ref = ds.build(), []
+        opt = torch.optim.SGD(model.parameters(), lr=ds.LR)
+        for step in ds.batches(world // SP):
+            (sum(((model(x) - y) ** 2).mean() for x, y in step) / len(step)).backward()
+            ref.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), ds.CLIP)))
+            opt.step()
+            opt.zero_grad()
+        assert min(ref) > ds.CLIP  # the clip is active
+        for _, _, norms in attention_runs[world]:
+            for stage in STAGES:
+                assert norms[stage] == pytest.approx(ref, rel=1e-6), (world, stage)
+    py = deepspeed_env.python()
+    if py is None:
+        pytest.skip(deepspeed_env.missing_reason())
+    spec = {"world_size": 2, "stages": [1, 2, 3], "result": str(tmp_path / "norms.json")}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run([str(py), str(DS_WORKER), str(tmp_path / "spec.json")], capture_output=True, text=True,
+                         timeout=240, env=deepspeed_env.worker_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    deepspeed_norms = json.loads((tmp_path / "norms.json").read_text())
+    lightspeed_norms = attention_runs[2][0][2]
+    for stage in (1, 2, 3):
+        assert deepspeed_norms[str(stage)] == pytest.approx(lightspeed_norms[stage], rel=1e-6), stage
 
 
 # ---------------------------------------------------------------- a tiny HF Llama, transformers' way

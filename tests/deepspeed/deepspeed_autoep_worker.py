@@ -17,6 +17,9 @@ import os
 import sys
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # worker_exit, beside this file
+from worker_exit import free_port, leave  # noqa: E402
+
 SEQ, MICRO, VOCAB, LR = 6, 2, 64, 0.01
 COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, initializer_range=0.2)
@@ -86,24 +89,15 @@ def _run(rank: int, spec: dict, ep: int, port: int) -> None:
             out = {"error": traceback.format_exc()}
         with open(f"{spec['result']}.{case['name']}.{rank}", "w") as f:  # every rank's: any rank's error is seen
             json.dump(out, f)
-    torch.distributed.barrier()
-    # every result is on disk: leave without gloo's (or DeepSpeed's) teardown, which now and then aborts the
-    # process on a loaded two-core machine
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # every result is on disk
 
 
 if __name__ == "__main__":
-    import socket
-
     import torch.multiprocessing as mp
 
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     # a world per autoep_size: DeepSpeed's expert groups are process-wide
     for ep in dict.fromkeys(case["ep"] for case in spec["cases"]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         mp.spawn(_run, args=(spec, ep, port), nprocs=spec["world_size"])

@@ -18,6 +18,9 @@ import os
 import sys
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # worker_exit, beside this file
+from worker_exit import free_port, leave  # noqa: E402
+
 
 def _models(path: str):
     spec = importlib.util.spec_from_file_location("ls_testing_models", path)
@@ -28,7 +31,6 @@ def _models(path: str):
 
 def _full_state(engine, stage: int, dtype: str):
     """{name: {"fp32": master, "exp_avg": ..., "exp_avg_sq": ...}} as the live engine holds them."""
-    import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     if stage > 0 and getattr(engine.optimizer, "_hp_optimizer_states_linked", None) is not None:
@@ -117,24 +119,15 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
     if rank == 0:
         with open(spec["result"], "w") as f:
             json.dump({"cases": results}, f)
-    torch.distributed.barrier()
-    # every result is on disk: leave without running gloo's (or DeepSpeed's) teardown, which now and then aborts
-    # the process ("terminate called without an active exception") on a loaded two-core machine
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()  # every result is on disk
 
 
 def main() -> None:
-    import socket
-
     import torch.multiprocessing as mp
 
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.start_processes(_worker, args=(spec["world_size"], port, spec), nprocs=spec["world_size"],
                        start_method="spawn")
 

@@ -5,6 +5,7 @@ without them, through lightspeed's engine with engine.compile(), against plain t
     python benchmarks/hf_kernels.py [--models llama-1b llama-8b-8l gpt-1.3b] [--stage 2] [--micro 1]
         [--seq 4096] [--steps 10] [--warmup 3] [--systems ...] [--smoke]
     python benchmarks/hf_kernels.py --ops [--seq 4096] [--smoke]     # each kernel alone vs its reference
+    python benchmarks/hf_kernels.py --largest-micro 64 [--models ...]  # each system's largest micro batch
 
 Models: "llama-1b" is HF Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, vocab
 128256, tied embeddings), "llama-8b-8l" Llama-3-8B's shape cut to 8 layers (hidden 4096, MLP 14336, vocab
@@ -23,7 +24,9 @@ Systems (each in a fresh process, world size 1):
 - "deepspeed": DeepSpeed's engine (bf16, ZeRO --stage) + engine.compile(), when `import deepspeed` works.
 MFU: 6 N + 12 L H T FLOPs per token (N: the parameters taking part in matmuls, the LM head included, the
 input embedding excluded unless tied; the attention term ignores causal masking, as PaLM's does) over the
-H200's dense bf16 peak. --smoke: tiny models on CPU (Triton not used: the kernels' reference path),
+H200's dense bf16 peak. --largest-micro M: per model and system, micro batches 1, 2, 4, ... up to M (each
+a fresh process running --warmup + 2 steps) until one fails (out of memory); the table gives the largest
+that ran, its tokens/s and peak. --smoke: tiny models on CPU (Triton not used: the kernels' reference path),
 the aot_eager backend, two steps; keeps the script alive without a GPU.
 """
 
@@ -213,6 +216,44 @@ def bench_ops(args) -> None:
                 p.grad = None
 
 
+def _child(args, name: str, system: str, extra: list[str]) -> Result:
+    """One run of `system` on `name` in a fresh process (this script with --one), its Result."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(29600 + SYSTEMS.index(system)))
+    proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], *extra, "--one", f"{name}:{system}"], env=env,
+                          capture_output=True, text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is not None:
+        return Result(**json.loads(line[len("RESULT "):]))
+    err = proc.stderr.strip()
+    tail = (err.splitlines() or ["no output"])[-1]
+    if "out of memory" in err.lower() or "OutOfMemoryError" in err:
+        return Result(system, note="failed: out of memory")
+    return Result(system, note="n/a: not importable" if "No module named" in tail else f"failed: {tail[:160]}")
+
+
+def largest_micro(args, name: str) -> None:
+    """Per system, the largest micro batch (1, 2, 4, ... <= --largest-micro) whose steps run."""
+    seq = args.gpt_seq if name.startswith("gpt") else args.seq
+    flag = "--gpt-micro" if name.startswith("gpt") else "--micro"
+    print(f"{'run':<22}{'largest micro':>14}{'tokens/s':>11}{'peak GiB':>10}  the next size", flush=True)
+    for system in args.systems:
+        if system == "lightspeed+ce" and name.startswith("gpt"):
+            continue
+        best, why, micro = None, "", 1
+        while micro <= args.largest_micro:
+            r = _child(args, name, system, [flag, str(micro), "--steps", "2"])
+            if r.ms_per_step != r.ms_per_step:  # nan: it did not run
+                why = r.note
+                break
+            best, micro = r, micro * 2
+        if best is None:
+            print(f"{system:<22}{'none':>14}{'':>11}{'':>10}  {why}", flush=True)
+        else:
+            print(f"{system:<22}{micro // 2:>14}{best.tokens_per_s:>11.0f}{best.peak_gib:>10.2f}  "
+                  f"{why or f'not tried (limit {args.largest_micro})'}; seq {seq}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["llama-1b", "llama-8b-8l", "gpt-1.3b"])
@@ -227,6 +268,8 @@ def main():
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU (keeps the script alive in CI)")
     ap.add_argument("--ops", action="store_true", help="only each kernel alone against its reference")
+    ap.add_argument("--largest-micro", type=int, default=0, metavar="M",
+                    help="find each system's largest micro batch up to M (doubling from 1) instead of timing")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # model:system, run in a child
     args = ap.parse_args()
     if args.smoke:
@@ -234,7 +277,11 @@ def main():
         args.models = [{"llama-1b": "llama-smoke", "llama-8b-8l": "llama-smoke", "gpt-1.3b": "gpt-smoke"}.get(m, m)
                        for m in dict.fromkeys(args.models)]
         args.models = list(dict.fromkeys(args.models))
-        args.micro, args.seq, args.gpt_micro, args.gpt_seq, args.steps, args.warmup = 2, 32, 2, 32, 2, 1
+        args.seq, args.gpt_seq, args.steps, args.warmup = 32, 32, min(args.steps, 2), 1
+        if "--micro" not in sys.argv:  # a child of --largest-micro keeps the size it was given
+            args.micro = 2
+        if "--gpt-micro" not in sys.argv:
+            args.gpt_micro = 2
         args.backend = "aot_eager"
     if args.ops:
         bench_ops(args)
@@ -250,22 +297,14 @@ def main():
         micro, seq = (args.gpt_micro, args.gpt_seq) if name.startswith("gpt") else (args.micro, args.seq)
         print(f"\n== {name}: micro batch {micro} x seq {seq}, ZeRO-{args.stage}, {hw}, torch {torch.__version__}, "
               f"compile backend {args.backend}, each run in a fresh process", flush=True)
+        if args.largest_micro:
+            largest_micro(args, name)
+            continue
         results = []
         for system in args.systems:
             if system == "lightspeed+ce" and name.startswith("gpt"):
                 continue  # the fused loss is the GPT's only kernel: "lightspeed+kernels" is this row
-            env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(29600 + len(results)))
-            argv = [a for a in sys.argv[1:]]
-            proc = subprocess.run([sys.executable, __file__, *argv, "--one", f"{name}:{system}"], env=env,
-                                  capture_output=True, text=True)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                note = "n/a: not importable" if "No module named" in tail else f"failed: {tail[:160]}"
-                results.append(Result(system, note=note))
-            else:
-                results.append(Result(**json.loads(line[len("RESULT "):])))
+            results.append(_child(args, name, system, []))
         print_table(results, "torch.compile")
 
 

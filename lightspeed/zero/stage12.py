@@ -18,7 +18,12 @@ Note (one rank): with a data-parallel world of one the shard is the whole flat b
 nothing to reduce and nowhere else for gradients to go: both stages let autograd accumulate into
 `grad_flat` (the parameters' `.grad` are its views, as stage 1's), which is the shard's `grad`, and
 skip the reduce-scatter, the stage-2 staging and the copy into the shard. What a single-GPU ZeRO-2
-run then holds is one gradient buffer, as DeepSpeed's, without a staging bucket.
+run then holds is one gradient buffer, as DeepSpeed's, without a staging bucket. Where the master is
+in the parameters' own dtype (fp32 training, or bf16 params with `bf16_master_weights_and_grads`) and
+in device memory, the master shard is the flat parameter buffer itself (`Shard.aliased`), as stage 3's
+low-precision shard is: the optimizer steps the parameters in place and no copy of them is kept (2
+bytes a parameter less with bf16 masters; DeepSpeed keeps the copy). The values are those a separate
+master would hold, bit for bit.
 
 DeepSpeed's keys: `reduce_bucket_size` and `allgather_bucket_size` both bound the layout bucket (the
 unit of reduce-scatter and all-gather); `overlap_comm` false waits on each reduction as soon as it
@@ -86,6 +91,7 @@ MAX_INFLIGHT_REDUCES = 2  # stage 2: reductions in flight at once (each holds a 
 # its copy to the host could only start when backward ends (the offloaded forward + backward took
 # 75.1 ms against 48.1 without offload, 355M on one H200, 2026-12-02, benchmarks/offload.py --phases)
 OFFLOAD_BUCKET_NUMEL = 1 << 25
+ONE_RANK_MASTER_ALIAS = True  # Note: one rank (a module constant so tests can compare with a separate master)
 
 @dataclass
 class Shard:
@@ -99,6 +105,7 @@ class Shard:
     stepped: bool  # False for trainable params outside every optimizer group
     collectives: Collectives  # the group its gradients are reduced and its state partitioned over
     reduce: ReduceOptions  # how its gradients are reduced (the reduce dtype is the shard's, with torch_autocast)
+    aliased: bool = False  # `master` is the lp buffer itself (Note: one rank), nothing to copy between them
 
     def chunk_pairs(self):
         """(flat-buffer slice, shard slice) per bucket."""
@@ -165,6 +172,7 @@ class ShardedStrategy(WholeParameters):
                 numel = flat.layout.padded_numel // world
                 grad = flat.grad_flat if self._solo else torch.zeros(numel, dtype=policy.grad_accum_dtype,
                                                                      device=flat.device)
+                aliased = False
                 if host:
                     pin = self.offload.optimizer_pin_memory
                     # a swapped master frees and re-allocates its storage: never pinned
@@ -172,11 +180,14 @@ class ShardedStrategy(WholeParameters):
                                                      pin=pin and self.offload.optimizer != "nvme")
                     master_grad = self.offload.host_empty(numel, master_dtype, flat.device, pin=pin).zero_()
                 else:  # fp32, or the master dtype of bf16/fp16_master_weights_and_grads (Note: low-precision masters)
-                    master = torch.empty(numel, dtype=master_dtype, device=flat.device)
+                    aliased = (ONE_RANK_MASTER_ALIAS and world == 1 and master_dtype == flat.lp_flat.dtype
+                               and flat.lp_flat.numel() == numel
+                               and all(pos == r.start for r, pos in chunks))
+                    master = flat.lp_flat if aliased else torch.empty(numel, dtype=master_dtype, device=flat.device)
                     copy = grad.dtype != master_dtype and not self._fused
                     master_grad = torch.zeros_like(grad, dtype=master_dtype) if copy else grad
                 shard = Shard(flat, chunks, master, grad, master_grad, stepped=group_index is not None,
-                              collectives=shard_collectives, reduce=shard_reduce)
+                              collectives=shard_collectives, reduce=shard_reduce, aliased=aliased)
                 self._copy_params_to_master(shard)
                 self.shards.append(shard)
                 for p in dtype_params:
@@ -201,7 +212,8 @@ class ShardedStrategy(WholeParameters):
             optimizer, self._fused, grads=[s.grad for s in self.shards],
             master_grads=[s.master_grad for s in self.shards],
             opt_grads={s.master: s.master_grad for s in stepped},
-            lowp_out={s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()] for s in stepped},
+            lowp_out={s.master: [(sh.start, s.flat.lp_flat[fl]) for fl, sh in s.chunk_pairs()]
+                      for s in stepped if not s.aliased},
             device=self.shards[0].grad.device if self.shards else torch.device("cpu"),
             norm_grads=[s.grad for s in self.shards] if host else None,
             graphed=GraphedStep(optimizer) if graphed_step else None,
@@ -310,6 +322,8 @@ class ShardedStrategy(WholeParameters):
 
     # ---------------------------------------------------------------- parameters
     def _copy_params_to_master(self, shard: Shard) -> None:
+        if shard.aliased:
+            return
         for flat_slice, shard_slice in shard.chunk_pairs():
             shard.master[shard_slice].copy_(shard.flat.lp_flat[flat_slice])
 
@@ -317,7 +331,7 @@ class ShardedStrategy(WholeParameters):
         """Write the master shard into this rank's chunks of the lp buffer (unless the fused step has
         written them: `copy=False`), then all-gather each bucket."""
         flat = shard.flat
-        if copy:
+        if copy and not shard.aliased:
             for flat_slice, shard_slice in shard.chunk_pairs():
                 if shard.master.device == flat.lp_flat.device:
                     flat.lp_flat[flat_slice].copy_(shard.master[shard_slice])
@@ -535,7 +549,8 @@ class ShardedStrategy(WholeParameters):
         tally = MemoryTally(self._runner.swap_location)
         for s in self.shards:
             tally.add_tensor("lp_params", s.flat.lp_flat)
-            tally.add_tensor("master_params", s.master)
+            if not s.aliased:
+                tally.add_tensor("master_params", s.master)
             tally.add_tensor("grads", s.grad)
             if s.master_grad is not s.grad:
                 tally.add_tensor("grads", s.master_grad)

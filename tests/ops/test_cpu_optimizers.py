@@ -368,12 +368,15 @@ EPS32 = torch.finfo(torch.float32).eps
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("steps_before", [0, 3])
-def test_adam_inverse_undoes_the_step(adamw, wd, bias_correction, steps_before):
+def test_adam_inverse_undoes_the_step(adamw, wd, bias_correction, steps_before, monkeypatch):
     """ops/adam/inverse.py undoes CPUAdam's ZeRO step (the fused kernel, with a coefficient) to within
     a few fp32 roundings of the values it is computed from: each recovered master and moment within
     8 eps32 of |before| + |after| elementwise (measured: at most 3.5 eps32); at step 1 the moments come
     back as the zeros they were."""
-    sizes = [1, 7, 33, 1023, 4099, 262144 + 5]  # the last spans two of the inverse's chunks
+    from lightspeed.ops.adam import inverse
+
+    monkeypatch.setattr(inverse, "CHUNK_ELEMS", 1000)  # the larger sizes span several chunks, a partial last
+    sizes = [1, 7, 33, 1023, 4099, 100_003]
     gen = torch.Generator().manual_seed(7)
     params = [torch.randn(n, generator=gen) for n in sizes]
     opt = CPUAdam(params, lr=1e-2, betas=(0.9, 0.99), weight_decay=wd, adamw_mode=adamw,

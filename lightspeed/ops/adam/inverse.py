@@ -27,8 +27,11 @@ import math
 
 import torch
 
-#: elements undone per chunk: the fp32 temporaries (two of this size) stay in cache
-CHUNK_ELEMS = 256 * 1024
+#: elements undone per chunk (two fp32 temporaries of this size). Each of the ~10 elementwise ops per
+#: chunk is one parallel region: on a 2-core host shared with other work (2026-12-05, 38M elements,
+#: min / median / max of 5) 256K gave 50 / 51 / 9639 ms, 1M 42 / 43 / 2581 ms, 2M 43 / 45 / 462 ms,
+#: 8M 71 / 74 / 82 ms: fewer regions wait less on descheduled threads, past 2M the chunk leaves cache
+CHUNK_ELEMS = 2 * 1024 * 1024
 
 
 @torch.no_grad()

@@ -11,7 +11,9 @@ offloaded runs use DeepSpeed's offload block (`device: cpu, pin_memory: true`), 
 becomes CPUAdam in both engines. `--overlap-step` adds lightspeed's one-step-delayed CPU step;
 `--param` adds ZeRO-3 with the parameters offloaded too.
 `--zenflow` adds ZenFlow (topk 0.05, update_interval 4, sequential and overlapped; stage 2), and
-`--speculative` the speculative CPU step (`super_offload`; its rows say how many steps rolled back). `--variants` runs exactly the variants named,
+`--speculative` the speculative CPU step (`super_offload`; its rows say how many steps rolled back),
+with its two rollbacks (`cpu-super`: the Adam step inverted; `cpu-super-copy`: pre-step copies restored,
+lightspeed only). `--variants` runs exactly the variants named,
 for both systems; `cpu-bf16` is the optimizer on the CPU with bf16 masters and bf16 Adam state there
 (`bf16.bf16_master_weights_and_grads` and `bf16_optimizer_states`: 8 host bytes a parameter, not 16);
 `--meta` builds lightspeed's ZeRO-3 model on the meta device, for models whose fp32 copy does not fit
@@ -71,8 +73,11 @@ VARIANTS = {  # name -> the zero_optimization keys added to {"stage": s}
     "cpu-zenflow-overlap": {"offload_optimizer": {"device": "cpu", "pin_memory": True},
                             "zenflow": {"topk_ratio": 0.05, "update_interval": 4, "full_warm_up_rounds": 0,
                                         "overlap_step": True}},
-    # the speculative CPU step during backward, rolled back when the clip (1.0) acts
+    # the speculative CPU step during backward, rolled back when the clip (1.0) acts: by inverting the
+    # Adam step (the default for AdamW), or (lightspeed's "copy" rollback) from pre-step copies
     "cpu-super": {"offload_optimizer": {"device": "cpu", "pin_memory": True, "super_offload": True}},
+    "cpu-super-copy": {"offload_optimizer": {"device": "cpu", "pin_memory": True, "super_offload": True,
+                                             "super_offload_rollback": "copy"}},
     # optimizer on the CPU with bf16 masters and bf16 Adam state there (BF16_STATE: 8 host bytes a parameter)
     "cpu-bf16": {"offload_optimizer": {"device": "cpu", "pin_memory": True}},
 }
@@ -128,8 +133,9 @@ def run_one(args, size: str, system: str, stage: int, variant: str) -> Result:
     result = finish(Result(name), ms, losses, meta, args)
     result.note += f"; host peak {host_peak_gib():.1f} GiB"
     runner = getattr(getattr(engine, "strategy", None), "_runner", None)
-    if runner is not None and variant == "cpu-super":
-        result.note += f"; {runner.rollbacks} rolled back, {runner.early_ranges} ranges during backward"
+    if runner is not None and variant.startswith("cpu-super"):
+        result.note += (f"; {runner.rollbacks} rolled back ({runner._rollback.mode}), {runner.early_ranges} ranges "
+                        "during backward")
     if runner is not None and runner.zenflow is not None:
         result.note += f"; {runner.zenflow.updates} CPU updates"
     if args.phases:
@@ -313,7 +319,7 @@ def main():
                 variants += list(ZENFLOW)
                 ds_variants += list(ZENFLOW)
             if args.speculative:
-                variants.append("cpu-super")
+                variants += ["cpu-super", "cpu-super-copy"]
                 ds_variants.append("cpu-super")  # DeepSpeed's SuperOffload: stage 3 on Grace Hopper only
             if args.variants:
                 variants = ds_variants = [v for v in args.variants if stage == 3 or v != "cpu-param"]

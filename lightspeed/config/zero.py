@@ -34,6 +34,7 @@ STAGE3_ALIASES = {
 }
 
 OffloadDevice = Choice(*OFFLOAD_DEVICES)
+SuperOffloadRollback = Choice("inverse", "copy")
 Stage = Int(ge=0, le=3, what="must be 0, 1, 2 or 3")
 
 
@@ -69,6 +70,13 @@ class OffloadOptimizerConfig(Section):
     ratio: Float(ge=0.0, le=1.0) = 1.0
     """Fraction of the optimizer step run on CPU (partial offload; ZeRO-3 only)."""
     super_offload: Bool = False
+    super_offload_rollback: Optional[SuperOffloadRollback] = None
+    """lightspeed's own key: how `super_offload`'s speculative step is rolled back when the step clips or
+    overflows. "inverse" (DeepSpeed's way): the Adam/AdamW step is undone algebraically from its gradient,
+    no copies, close to the synchronous step (offload/speculative.py's Note); "copy": each range's master and optimizer
+    state are copied before it steps, bitwise the synchronous step, at one host copy of the optimizer state
+    and its copy time per step. Unset: "inverse" where the optimizer has an inverse (fp32 Adam/AdamW),
+    else "copy"."""
     cpuadam_cores_perc: Float(ge=0.0, le=1.0) = 0.8
     overlap_step: Bool = False
     """lightspeed's own key (off by default): run the CPU optimizer step in the background during the next

@@ -5,8 +5,9 @@ step with the gradient transfers).
 Exact only where no step-wide quantity changes the update: no gradient clipping (its coefficient
 needs every gradient's norm) and no loss scaling (its overflow check needs every gradient). The step
 runner (zero/step_runner.py) decides per step; otherwise the optimizer steps after backward as usual,
-or (`offload_optimizer.super_offload`) early anyway, a `saver` keeping each range's pre-step values
-(offload/speculative.py).
+or (`offload_optimizer.super_offload`) early anyway, a `saver` called before each range steps (it
+keeps the range's pre-step values or checks its gradient, and may hold the range back:
+offload/speculative.py).
 
 Owns: one worker thread per step, the queue of ready ranges (each with the event of its copy to the
 host), and re-raising the worker's error in the caller. Must not: decide when stepping early is exact,
@@ -35,7 +36,8 @@ class EarlyStep:
     def __init__(self, optimizer, params: list[torch.Tensor], saver=None):
         self.optimizer = optimizer
         self.params = params
-        self.saver = saver  # the speculative step: called with (param, start, end) before each range steps
+        # the speculative step: called with (param, start, end) before each range steps; False: skip it
+        self.saver = saver
         self._covered: dict[int, int] = {}  # id(param) -> elements stepped
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -59,9 +61,8 @@ class EarlyStep:
                 if event is not None:
                     event.synchronize()
                 with torch.no_grad():
-                    if self.saver is not None:
-                        self.saver(param, start, end)
-                    self.optimizer.zero_step_range(param, start, end)
+                    if self.saver is None or self.saver(param, start, end):
+                        self.optimizer.zero_step_range(param, start, end)
                 self.ranges += 1
                 self._covered[id(param)] = self._covered.get(id(param), 0) + end - start
             except BaseException as err:  # re-raised by finish()
@@ -77,9 +78,8 @@ class EarlyStep:
                 done = self._covered.get(id(p), 0)
                 if done == 0:
                     with torch.no_grad():
-                        if self.saver is not None:
-                            self.saver(p, 0, p.numel())
-                        self.optimizer.zero_step_range(p, 0, p.numel())
+                        if self.saver is None or self.saver(p, 0, p.numel()):
+                            self.optimizer.zero_step_range(p, 0, p.numel())
                 elif done != p.numel():
                     self._error = RuntimeError(f"the early offloaded step covered {done} of {p.numel()} elements "
                                                "of an optimizer tensor")

@@ -23,7 +23,10 @@ DeepSpeed's keys and meaning:
 
 ``offload_optimizer.super_offload`` (DeepSpeed's SuperOffload, there for stage 3 on Grace Hopper,
 honoured here on any host and at stages 1-3): the CPU step runs during backward speculatively and is
-rolled back when the step clips or overflows (offload/speculative.py).
+rolled back when the step clips or overflows (offload/speculative.py): by undoing the Adam step
+algebraically (``offload_optimizer.super_offload_rollback: "inverse"``, lightspeed's own key, DeepSpeed's
+way, the default for fp32 Adam/AdamW) or by restoring copies taken before each range stepped ("copy":
+bitwise, the default for the other CPU optimizers).
 
 Beyond DeepSpeed (off by default): ``offload_optimizer.overlap_step`` runs the CPU optimizer step in
 the background while the next forward and backward run, so parameters lag one step behind the
@@ -78,6 +81,7 @@ class OffloadPolicy:
     overlap_step: bool = False
     overlap_step_warmup: int = 0  # synchronous steps before the delayed update begins
     super_offload: bool = False  # the speculative CPU step during backward (offload/speculative.py)
+    super_offload_rollback: str | None = None  # "inverse" | "copy" | None (inverse where the optimizer has one)
     zenflow: ZenFlowOptions | None = None  # ZenFlow's selective update (zero/zenflow.py)
     aio: AioOptions = field(default_factory=AioOptions)
 
@@ -96,6 +100,9 @@ class OffloadPolicy:
         if self.super_offload and (self.optimizer != "cpu" or self.overlap_step):
             raise ConfigError("zero_optimization.offload_optimizer.super_offload: needs offload_optimizer.device "
                               f'"cpu" (got "{self.optimizer}") and no overlap_step (it steps during backward)')
+        if self.super_offload_rollback not in (None, "inverse", "copy"):
+            raise ConfigError('zero_optimization.offload_optimizer.super_offload_rollback: must be "inverse" or '
+                              f'"copy" (got {self.super_offload_rollback!r})')
         if self.overlap_step and self.optimizer != "cpu":
             raise ConfigError("zero_optimization.offload_optimizer.overlap_step: needs offload_optimizer.device "
                               f'"cpu" (got "{self.optimizer}")')
@@ -177,6 +184,7 @@ class OffloadPolicy:
             overlap_step=bool(getattr(opt, "overlap_step", False)) if opt is not None else False,
             overlap_step_warmup=int(getattr(opt, "overlap_step_warmup", 0)) if opt is not None else 0,
             super_offload=bool(opt.super_offload) if opt is not None and opt_device != "none" else False,
+            super_offload_rollback=getattr(opt, "super_offload_rollback", None) if opt is not None else None,
             zenflow=zenflow,
             aio=AioOptions(block_size=int(aio.block_size), queue_depth=int(aio.queue_depth), thread_count=threads,
                            single_submit=bool(aio.single_submit), overlap_events=bool(aio.overlap_events)))

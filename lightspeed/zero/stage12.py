@@ -238,7 +238,7 @@ class ShardedStrategy(WholeParameters):
                                   write_sub_group=lambda i: self._all_gather_params(stepped[i]),
                                   copied_early=[s.master_grad for s in self.shards], early_ranges=zenflow is None,
                                   zenflow=zenflow,
-                                  speculative=self.offload.super_offload)
+                                  speculative=self.offload.super_offload, rollback=self.offload.super_offload_rollback)
         param_access.register(self, self._shard_of_params())
         # device gradient buffers hold memory from a backward's first gradient to the step (zero/grad_buffers.py)
         self._grads = GradBuffers([t for s in self.shards for t in (s.flat.grad_flat, s.grad)

@@ -5,9 +5,9 @@ Owns: the choice among the plain step (`sharded_step`), the swapped step (each N
 stepped, written back and swapped out in turn: `offload/swapped_step.py`), the overlapped step
 (the optimizer step on a background thread: `offload/overlap.py`) and the early step (each range
 stepped during backward as its gradients reach the host: `offload/early_step.py`), the speculative
-step (the early step whatever the step clips or scales, rolled back exactly when it does:
-`offload/speculative.py`, `offload_optimizer.super_offload`), or ZenFlow's step, handed over whole
-(`zero/zenflow.py`); the state those carry across
+step (the early step whatever the step clips or scales, rolled back when it does, by inverting the
+step or restoring copies: `offload/speculative.py`, `offload_optimizer.super_offload`), or ZenFlow's
+step, handed over whole (`zero/zenflow.py`); the state those carry across
 calls (the side stream of the early device-to-host gradient copies and whether this step's copies
 were issued, the update not yet written into the parameters); and `flush`, which every reader of the
 parameters or masters calls first. Must not: know a stage or how parameters are laid out: the
@@ -25,7 +25,7 @@ from lightspeed._utils.device import Stream
 from lightspeed.comm.codecs import AllReduce
 from lightspeed.offload.early_step import EarlyStep
 from lightspeed.offload.overlap import BackgroundStep, optimizer_snapshot
-from lightspeed.offload.speculative import Rollback
+from lightspeed.offload.speculative import Rollback, rollback_mode
 from lightspeed.offload.swapped_step import SwappedOptimizerState
 from lightspeed.zero.sharded_step import ShardViews, StepResult, apply_step, prepare_step, sharded_step
 
@@ -39,13 +39,15 @@ class StepRunner:
     i-th swapped sub-group's; `after_swapped()` runs once a swapped step has written them all.
     `copied_early` are the host `master_grads` entries the strategy fills through `to_host`;
     `early_ranges`: the strategy reports each range it copies there (`host_copy_queued`), so the early
-    step can run. `overlap_warmup`: with `overlap`, the first applied steps run synchronously."""
+    step can run. `overlap_warmup`: with `overlap`, the first applied steps run synchronously.
+    `speculative`: `offload_optimizer.super_offload`; `rollback` its `super_offload_rollback` ("inverse",
+    "copy", None: inverse where the optimizer has one)."""
 
     def __init__(self, views: ShardViews, agree: AllReduce | None, *, write_back: Callable[[], None],
                  to_host: Stream | None = None, swap: SwappedOptimizerState | None = None, overlap: bool = False,
                  write_sub_group: Callable[[int], None] | None = None, after_swapped: Callable[[], None] | None = None,
                  copied_early: list[torch.Tensor] = (), early_ranges: bool = False, overlap_warmup: int = 0,
-                 speculative: bool = False, zenflow=None):
+                 speculative: bool = False, rollback: str | None = None, zenflow=None):
         self.views = views
         self.agree = agree
         self.zenflow = zenflow  # zero/zenflow.py's ZenFlowStep: it runs every step itself
@@ -78,7 +80,7 @@ class StepRunner:
                 raise ValueError("zero_optimization.offload_optimizer.super_offload: needs a CPU optimizer stepping "
                                  "host masters through the fused ZeRO step (offload_optimizer.device \"cpu\", the "
                                  "config's Adam/AdamW/Lion/Adagrad, no overlap_step)")
-            self._rollback = Rollback(views.optimizer)
+            self._rollback = Rollback(views.optimizer, rollback_mode(views.optimizer, rollback, views.opt_grads))
 
     @property
     def rollbacks(self) -> int:
@@ -106,7 +108,7 @@ class StepRunner:
             params = self.views.optimizer.begin_zero_step(self.views.opt_grads, coef, self.views.lowp_out)
             saver = None
             if speculative:
-                self._rollback.begin(params, None if coef is None else float(coef))
+                self._rollback.begin(params, coef, self.views.opt_grads)
                 saver = self._rollback.save
             self._early = EarlyStep(self.views.optimizer, params, saver=saver)
 
@@ -157,8 +159,9 @@ class StepRunner:
 
     def _settle(self, loss_scale: float | None, max_norm: float, check: bool) -> StepResult:
         """The speculative step's verdict: keep it when the synchronous step would have used the same
-        coefficient; otherwise restore what was stepped and redo it (clipping) or leave it undone
-        (overflow), as the synchronous step would have."""
+        coefficient; otherwise roll back what was stepped and redo it (clipping, or a range held back
+        for a non-finite gradient without an overflow check) or leave it undone (overflow), as the
+        synchronous step would have."""
         result, coef = prepare_step(self.views, loss_scale, max_norm, check_overflow=check, agree=self.agree)
         rollback = self._rollback
         if not result.applied:
@@ -166,7 +169,7 @@ class StepRunner:
             self._write_back()
             return result
         wanted = 1.0 if coef is None else float(coef)
-        if wanted != (1.0 if rollback.coef is None else rollback.coef):
+        if wanted != (1.0 if rollback.coef is None else rollback.coef) or rollback.deferred:
             rollback.restore()
             apply_step(self.views, coef)  # writes the low-precision copies again
         self._write_back()

@@ -54,6 +54,7 @@ from lightspeed._utils.logging import get_logger
 
 from ..lowp_writer import PIECE_ELEMS, LowpWriter
 from ..rounding import mix_seed, round_in_place
+from .inverse import adam_undo_
 from .reference import adam_step
 
 logger = get_logger(__name__)
@@ -351,6 +352,18 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                         dtype = torch.float32 if self.fp32_optimizer_states else p.dtype
                         self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
 
+    # -- the inverse step (offload/speculative.py's "inverse" rollback) -------------------------------
+    def inverse_unsupported(self, grads=None) -> str | None:
+        """Why `undo_zero_step_range` cannot undo this optimizer's ZeRO step (None: it can); `grads`:
+        the gradients the step will read, checked too when given."""
+        return f"{type(self).__name__} has no inverse step (Adam/AdamW only)"
+
+    def undo_zero_step_range(self, p: torch.Tensor, start: int, end: int, grad: torch.Tensor,
+                             grad_scale: torch.Tensor | None) -> None:
+        """Undo the ZeRO step of elements [start, end) of `p` (flat): the step `state["step"]` counts,
+        taken from `grad` with the coefficient `grad_scale` (None: none). The step count is the caller's."""
+        raise NotImplementedError(self.inverse_unsupported())
+
     # -- per family ------------------------------------------------------------------------------
     def _check_group(self, group: dict) -> None:
         pass
@@ -402,6 +415,31 @@ class CPUAdam(CPUOptimizerBase):
         fn(params, grads, states[0], states[1], [], step_ts, lr=float(group["lr"]), beta1=float(beta1),
            beta2=float(beta2), weight_decay=wd, eps=float(group["eps"]), amsgrad=False, maximize=False,
            grad_scale=grad_scale)
+
+    def inverse_unsupported(self, grads=None) -> str | None:
+        if any(group.get("amsgrad", False) for group in self.param_groups):
+            return "AMSGrad's running max has no inverse"
+        # the tensors the ZeRO step will step (`grads`' keys: a strategy may hand the optimizer its
+        # masters after this check), else the optimizer's own
+        pairs = list(grads.items()) if grads else [(p, None) for g in self.param_groups for p in g["params"]]
+        for p, g in pairs:
+            if p.dtype != torch.float32 or (g is not None and g.dtype != torch.float32):
+                got = p.dtype if g is None else f"{p.dtype} masters, {g.dtype} gradients"
+                return f"the inverse step needs fp32 masters and gradients (got {got})"
+            if not (p.device.type == "cpu" and p.is_contiguous()):
+                return "the inverse step needs contiguous host masters"
+        return None
+
+    def undo_zero_step_range(self, p, start, end, grad, grad_scale):
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        state = self.state[p]
+        beta1, beta2 = group["betas"]
+        adam_undo_(p.view(-1)[start:end], grad.view(-1)[start:end], state["exp_avg"].view(-1)[start:end],
+                   state["exp_avg_sq"].view(-1)[start:end], step=int(state["step"]), lr=float(group["lr"]),
+                   beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                   weight_decay=float(group["weight_decay"]), adamw=self.adam_w_mode,
+                   bias_correction=group["bias_correction"],
+                   grad_scale=None if grad_scale is None else 1.0 / grad_scale)
 
     def _reference(self, p, g, states, step, group, lowp):
         beta1, beta2 = group["betas"]

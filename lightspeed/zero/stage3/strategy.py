@@ -136,7 +136,9 @@ class Stage3Strategy(ModelSeam):
                                   write_sub_group=lambda i: swapped[i].copy_master_to_lp(self._lowp_writer),
                                   after_swapped=lambda: self.coordinator.release_all(force=True),
                                   copied_early=[g.master_grad_shard for g in swapped], early_ranges=True,
-                                  speculative=self.offload.super_offload, zenflow=self.offload.zenflow and ZenFlowStep(
+                                  speculative=self.offload.super_offload,
+                                  rollback=self.offload.super_offload_rollback,
+                                  zenflow=self.offload.zenflow and ZenFlowStep(
                                       self.offload.zenflow, self._views, zenflow_shards(
                                           trainable, optimizer, opt_index, self._opt_pieces),
                                       self.collectives.all_reduce, self._write_back))

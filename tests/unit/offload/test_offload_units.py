@@ -149,3 +149,18 @@ def test_overlap_step_warmup_needs_overlap_step():
     with pytest.raises(ConfigError, match="overlap_step_warmup: needs overlap_step"):
         OffloadPolicy(optimizer="cpu", overlap_step_warmup=3)
     assert OffloadPolicy(optimizer="cpu", overlap_step=True, overlap_step_warmup=3).overlap_step_warmup == 3
+
+
+def test_super_offload_rollback_key():
+    """`offload_optimizer.super_offload_rollback` (lightspeed's own key): "inverse" | "copy", unset by
+    default (the step runner then picks the inverse where the optimizer has one); anything else is an
+    error naming the key."""
+    opt = {"device": "cpu", "super_offload": True}
+    assert _policy({"stage": 2, "offload_optimizer": opt}).super_offload_rollback is None
+    for mode in ("inverse", "copy"):
+        zero = {"stage": 2, "offload_optimizer": {**opt, "super_offload_rollback": mode}}
+        assert _policy(zero).super_offload_rollback == mode
+    with pytest.raises(ConfigError, match="offload_optimizer.super_offload_rollback"):
+        _policy({"stage": 2, "offload_optimizer": {**opt, "super_offload_rollback": "exact"}})
+    with pytest.raises(ConfigError, match="super_offload_rollback"):
+        OffloadPolicy(optimizer="cpu", super_offload=True, super_offload_rollback="exact")

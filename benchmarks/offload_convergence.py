@@ -15,19 +15,31 @@ backward, rolled back when the clip or an overflow says so). `--finetune N` make
 task: N steps of plain ZeRO-2 on the first half of the text, then every run from those weights on the
 second half. Reported: the final validation loss of
 each and its gap to the usual offloaded run.
+
+`--deepspeed` also runs the same training (benchmarks/demo_task.py's loop: model init, data order,
+schedule, clipping, seed, gloo world; in fine-tuning, the same pretrained weights) under real DeepSpeed
+(lightspeed.testing.deepspeed_env's interpreter, DeepSpeed's CPU accelerator, one child process
+spawning the world per run) for ZeRO-2 offload and ZeRO-2 offload + ZenFlow (the same zenflow
+section), each row's gap taken to DeepSpeed's own offloaded run: whether a ZenFlow gap is the
+algorithm's or lightspeed's. A DeepSpeed run that fails reports its error as its row.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.onebit import PRESETS, _train_one, optimizers  # noqa: E402
-from lightspeed.testing.run_world import run_world  # noqa: E402
+# torch-only modules: the DeepSpeed child (--ds-child) imports this file and never lightspeed
+from benchmarks.demo_task import PRESETS, train_demo  # noqa: E402
+from benchmarks.harness import emit_result, run_deepspeed_child  # noqa: E402
 
 VARIANTS = {
     "ZeRO-2": {"stage": 2},
@@ -46,6 +58,60 @@ ZENFLOW = {
 }
 SPECULATIVE = {"ZeRO-2 offload, speculative (super_offload)": {
     "stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}}}
+# the DeepSpeed rows: the same zero_optimization sections as lightspeed's rows of these names
+DEEPSPEED = ("ZeRO-2 offload", "ZeRO-2 offload, ZenFlow")
+
+
+# ---------------------------------------------------------------- DeepSpeed (its own interpreter)
+def _ds_worker(rank: int, world: int, port: int, name: str, optimizer: dict, args_dict: dict, zero: dict,
+               out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    row = train_demo(deepspeed.initialize, name, optimizer, args_dict, zero, count_wire=False)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({**row, "version": deepspeed.__version__}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _ds_child(spec_path: str) -> None:
+    """In DeepSpeed's interpreter: one spawned gloo world per run of the spec; emits each row (or its
+    error) for `run_deepspeed_child`."""
+    import torch.multiprocessing as mp
+
+    spec = json.loads(Path(spec_path).read_text())
+    for name, zero in spec["runs"].items():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = os.path.join(tempfile.mkdtemp(), "row.json")
+        try:
+            mp.start_processes(_ds_worker, args=(spec["world"], port, name, spec["optimizer"], spec["args"], zero,
+                                                 out), nprocs=spec["world"], start_method="spawn")
+            emit_result(json.loads(Path(out).read_text()))
+        except Exception as err:  # the run's failure is its row's result
+            lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+            emit_result({"name": name, "error": " | ".join(lines[-3:])[:600]})
+
+
+def run_deepspeed(args, optimizer: dict, run_args: dict, runs: dict[str, dict]) -> dict[str, dict]:
+    """The `runs` under real DeepSpeed in a child interpreter; {name: row}, a row with "error" if it failed."""
+    from lightspeed.testing import deepspeed_env
+
+    python = deepspeed_env.python()
+    if python is None:
+        return {f"DeepSpeed {n}": {"error": deepspeed_env.missing_reason()} for n in runs}
+    spec = os.path.join(tempfile.mkdtemp(), "spec.json")
+    Path(spec).write_text(json.dumps({"world": args.world, "optimizer": optimizer, "args": run_args, "runs": runs}))
+    results, err = run_deepspeed_child([__file__, "--ds-child", spec], str(python), cpu=True, timeout=args.timeout)
+    rows = {f"DeepSpeed {r['name']}": r for r in results}
+    for n in runs:
+        rows.setdefault(f"DeepSpeed {n}", {"error": err or "no result"})
+    return rows
 
 
 def main(argv=None) -> None:
@@ -66,7 +132,16 @@ def main(argv=None) -> None:
     p.add_argument("--finetune", type=int, default=0, metavar="N",
                    help="fine-tuning: first train N steps (ZeRO-2, lr 3e-3) on the first half of the text, then "
                         "run every variant from those weights on the second half")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="also real DeepSpeed's ZeRO-2 offload and ZeRO-2 offload + ZenFlow (child interpreter)")
+    p.add_argument("--ds-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.ds_child:
+        _ds_child(args.ds_child)
+        return
+    from benchmarks.onebit import _train_one, optimizers
+    from lightspeed.testing.run_world import run_world
+
     adamw = optimizers(args.steps, args.lr, args.lr, 1, 1, args.weight_decay)["AdamW"]
     rows = {}
     variants = dict(VARIANTS)
@@ -87,12 +162,26 @@ def main(argv=None) -> None:
         rows[name] = run_world(_train_one, args.world, name, adamw, run_args, zero, timeout=args.timeout)[0]
         print(f"  {name}: val loss {rows[name]['val_loss']:.4f}, train loss (last 20) "
               f"{rows[name]['train_loss_last']:.4f}", flush=True)
-    base = rows["ZeRO-2 offload"]["val_loss"]
+    ds_rows = {}
+    if args.deepspeed:
+        ds_rows = run_deepspeed(args, adamw, run_args, {n: {**VARIANTS, **ZENFLOW}[n] for n in DEEPSPEED})
+        for name, r in ds_rows.items():
+            print(f"  {name}: " + (f"failed: {r['error']}" if "error" in r else
+                                   f"val loss {r['val_loss']:.4f}, train loss (last 20) {r['train_loss_last']:.4f}"),
+                  flush=True)
     print(f"\nworld {args.world}, {args.steps} steps, {rows['ZeRO-2']['params']:,} parameters (fp32, gloo), "
           f"preset {args.preset}")
     print(f"{'run':<56} {'val loss':>9} {'vs offload':>11}")
-    for name, r in rows.items():
-        print(f"{name:<56} {r['val_loss']:>9.4f} {(r['val_loss'] / base - 1) * 100:>+10.2f}%")
+    for group in (rows, ds_rows):
+        base = group.get("ZeRO-2 offload", group.get("DeepSpeed ZeRO-2 offload", {})).get("val_loss")
+        for name, r in group.items():
+            if "error" in r:
+                print(f"{name:<56} failed: {r['error']}")
+                continue
+            gap = f"{(r['val_loss'] / base - 1) * 100:>+10.2f}%" if base else f"{'n/a':>11}"
+            print(f"{name:<56} {r['val_loss']:>9.4f} {gap}")
+    if ds_rows:
+        print("(each DeepSpeed row's gap is to DeepSpeed's own offloaded run)")
 
 
 if __name__ == "__main__":

@@ -35,10 +35,12 @@ def demo_config(args, optimizer: dict, zero: dict | None) -> dict:
 
 
 def train_demo(initialize, name: str, optimizer: dict, args_dict: dict, zero: dict | None = None,
-               count_wire: bool = True) -> dict:
+               count_wire: bool = True, check_init: bool = False) -> dict:
     """Train the demo task with `optimizer` (a config section) and `zero` (the zero_optimization
     section) on the engine `initialize(model=, config=)` returns; the mean validation loss over
-    ranks and, with `count_wire` (lightspeed's `engine.comm.stats`), the bytes on the wire."""
+    ranks and, with `count_wire` (lightspeed's `engine.comm.stats`), the bytes on the wire. With
+    `check_init`, also "init_max_diff": the largest change `initialize` made to the model's weights
+    (0.0 when the run starts from the weights it was given)."""
     from data import train_val_datasets
     from gpt import GPT, GPTConfig
 
@@ -49,7 +51,12 @@ def train_demo(initialize, name: str, optimizer: dict, args_dict: dict, zero: di
     model = GPT(cfg)
     if getattr(args, "init_from", None):  # a fine-tuning run starts from a trained model's weights
         model.load_state_dict(torch.load(args.init_from, weights_only=True))
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()} if check_init else None
     engine, *_ = initialize(model=model, config=demo_config(args, optimizer, zero))
+    init_diff = None
+    if check_init:
+        init_diff = max(((v.detach().float() - before[k].float()).abs().max().item() if v.numel() else 0.0)
+                        for k, v in engine.module.state_dict().items())
     train, val = train_val_datasets(cfg.block_size)
     g = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(train), generator=g)
@@ -84,6 +91,8 @@ def train_demo(initialize, name: str, optimizer: dict, args_dict: dict, zero: di
     dist.all_reduce(t)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     row = {"name": name, "val_loss": float(t[0] / t[1]), "train_loss_last": sum(losses[-20:]) / 20, "params": numel}
+    if check_init:
+        row["init_max_diff"] = init_diff
     if count_wire:
         row.update(bytes_per_step_after_warmup=sum(wire[warm + 1:]) / max(len(wire) - warm - 1, 1),
                    bytes_first_step=wire[0])

@@ -15,19 +15,34 @@ backward, rolled back when the clip or an overflow says so). `--finetune N` make
 task: N steps of plain ZeRO-2 on the first half of the text, then every run from those weights on the
 second half. Reported: the final validation loss of
 each and its gap to the usual offloaded run.
+
+`--deepspeed` also runs the same training (benchmarks/demo_task.py's loop: model init, data order,
+schedule, clipping, seed, gloo world; in fine-tuning, the same pretrained weights) under real DeepSpeed
+(lightspeed.testing.deepspeed_env's interpreter, DeepSpeed's CPU accelerator, one child process
+spawning the world per run) for ZeRO-2 offload and ZeRO-2 offload + ZenFlow (the same zenflow
+section), each row's gap taken to DeepSpeed's own offloaded run: whether a ZenFlow gap is the
+algorithm's or lightspeed's. DeepSpeed 0.19.8's ZenFlow mixes up the layout of the 2-D weights (see
+FIXED): the table says when a run's initialize changed its weights, and two more rows run DeepSpeed's
+ZenFlow with that one method patched (and, as the patch's check, with update_interval 1, which must
+give DeepSpeed's offloaded run). A DeepSpeed run that fails reports its error as its row.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.onebit import PRESETS, _train_one, optimizers  # noqa: E402
-from lightspeed.testing.run_world import run_world  # noqa: E402
+# torch-only modules: the DeepSpeed child (--ds-child) imports this file and never lightspeed
+from benchmarks.demo_task import PRESETS, train_demo  # noqa: E402
+from benchmarks.harness import emit_result, run_deepspeed_child  # noqa: E402
 
 VARIANTS = {
     "ZeRO-2": {"stage": 2},
@@ -46,6 +61,96 @@ ZENFLOW = {
 }
 SPECULATIVE = {"ZeRO-2 offload, speculative (super_offload)": {
     "stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}}}
+# the DeepSpeed rows: the same zero_optimization sections as lightspeed's rows of these names
+DEEPSPEED = ("ZeRO-2 offload", "ZeRO-2 offload, ZenFlow")
+# DeepSpeed 0.19.8's ZeRO-1/2 ZenFlow keeps the flat buffers in each 2-D weight's transposed layout
+# (zenflow_utils._flatten_dense_tensors; the gradients reach its CPU Adam in that layout, its column
+# selection reads them so) but points each parameter back at its slice with a plain view
+# (stage_1_and_2._update_model_bit16_weights): after `deepspeed.initialize` every 2-D weight W holds
+# W.t() read in W's shape, and each element is updated with another element's gradient. From a random
+# init the first is another draw of the same init; a fine-tuning run loses its weights, and every run
+# trains on mismatched updates (measured 2026-12-05: 97.7% of the elements' updates agree in sign with
+# plain offload's update re-laid out so, 52% without). These rows patch that one method in the child
+# to view each 2-D slice transposed (the layout fix); update_interval 1 (every step a full CPU update)
+# must then give DeepSpeed's plain offloaded run: the check of the fix.
+FIXED = {"ZeRO-2 offload, ZenFlow, layout fix": dict(_ZENFLOW),
+         "ZeRO-2 offload, ZenFlow, layout fix, update_interval 1 (check)": {**_ZENFLOW, "update_interval": 1}}
+
+
+def _fix_zenflow_layout() -> None:
+    """In the DeepSpeed child: ZenFlow's parameters view their flat slices in its transposed layout
+    (see FIXED); other runs keep DeepSpeed's method."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    original = DeepSpeedZeroOptimizer._update_model_bit16_weights
+
+    def update(self, group_index):
+        if not getattr(self, "zenflow", False):
+            return original(self, group_index)
+        flat = self.bit16_groups_flat[group_index]
+        for p, meta, offset in zip(self.round_robin_bit16_groups[group_index], self.round_robin_bit16_meta[group_index],
+                                   self.round_robin_bit16_offsets[group_index]):
+            piece = flat.narrow(0, offset, meta.numel())
+            p.data = piece.view(meta.shape[1], meta.shape[0]).t() if len(meta.shape) == 2 else piece.view(meta.shape)
+        for i, param in enumerate(self.bit16_groups[group_index]):
+            param.data = self.round_robin_bit16_groups[group_index][self.round_robin_bit16_indices[group_index][i]].data
+
+    DeepSpeedZeroOptimizer._update_model_bit16_weights = update
+
+
+# ---------------------------------------------------------------- DeepSpeed (its own interpreter)
+def _ds_worker(rank: int, world: int, port: int, name: str, optimizer: dict, args_dict: dict, run: dict,
+               out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    import deepspeed
+
+    if run["layout_fix"]:
+        _fix_zenflow_layout()
+    deepspeed.init_distributed(dist_backend="gloo")
+    row = train_demo(deepspeed.initialize, name, optimizer, args_dict, run["zero"], count_wire=False, check_init=True)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({**row, "version": deepspeed.__version__}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _ds_child(spec_path: str) -> None:
+    """In DeepSpeed's interpreter: one spawned gloo world per run of the spec; emits each row (or its
+    error) for `run_deepspeed_child`."""
+    import torch.multiprocessing as mp
+
+    spec = json.loads(Path(spec_path).read_text())
+    for name, run in spec["runs"].items():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = os.path.join(tempfile.mkdtemp(), "row.json")
+        try:
+            mp.start_processes(_ds_worker, args=(spec["world"], port, name, spec["optimizer"], spec["args"], run,
+                                                 out), nprocs=spec["world"], start_method="spawn")
+            emit_result(json.loads(Path(out).read_text()))
+        except Exception as err:  # the run's failure is its row's result
+            lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+            emit_result({"name": name, "error": " | ".join(lines[-3:])[:600]})
+
+
+def run_deepspeed(args, optimizer: dict, run_args: dict, runs: dict[str, dict]) -> dict[str, dict]:
+    """The `runs` ({name: {"zero": section, "layout_fix": bool}}) under real DeepSpeed in a child
+    interpreter; {"DeepSpeed " + name: row}, a row with "error" if it failed."""
+    from lightspeed.testing import deepspeed_env
+
+    python = deepspeed_env.python()
+    if python is None:
+        return {f"DeepSpeed {n}": {"error": deepspeed_env.missing_reason()} for n in runs}
+    spec = os.path.join(tempfile.mkdtemp(), "spec.json")
+    Path(spec).write_text(json.dumps({"world": args.world, "optimizer": optimizer, "args": run_args, "runs": runs}))
+    results, err = run_deepspeed_child([__file__, "--ds-child", spec], str(python), cpu=True, timeout=args.timeout)
+    rows = {f"DeepSpeed {r['name']}": r for r in results}
+    for n in runs:
+        rows.setdefault(f"DeepSpeed {n}", {"error": err or "no result"})
+    return rows
 
 
 def main(argv=None) -> None:
@@ -66,7 +171,17 @@ def main(argv=None) -> None:
     p.add_argument("--finetune", type=int, default=0, metavar="N",
                    help="fine-tuning: first train N steps (ZeRO-2, lr 3e-3) on the first half of the text, then "
                         "run every variant from those weights on the second half")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="also real DeepSpeed's ZeRO-2 offload and ZeRO-2 offload + ZenFlow (child interpreter), "
+                        "and its ZenFlow with its 2-D weight layout fixed (see FIXED)")
+    p.add_argument("--ds-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.ds_child:
+        _ds_child(args.ds_child)
+        return
+    from benchmarks.onebit import _train_one, optimizers
+    from lightspeed.testing.run_world import run_world
+
     adamw = optimizers(args.steps, args.lr, args.lr, 1, 1, args.weight_decay)["AdamW"]
     rows = {}
     variants = dict(VARIANTS)
@@ -87,12 +202,32 @@ def main(argv=None) -> None:
         rows[name] = run_world(_train_one, args.world, name, adamw, run_args, zero, timeout=args.timeout)[0]
         print(f"  {name}: val loss {rows[name]['val_loss']:.4f}, train loss (last 20) "
               f"{rows[name]['train_loss_last']:.4f}", flush=True)
-    base = rows["ZeRO-2 offload"]["val_loss"]
+    ds_rows = {}
+    if args.deepspeed:
+        runs = {n: {"zero": {**VARIANTS, **ZENFLOW}[n], "layout_fix": False} for n in DEEPSPEED}
+        runs.update({n: {"zero": {**VARIANTS["ZeRO-2 offload"], "zenflow": zf}, "layout_fix": True}
+                     for n, zf in FIXED.items()})
+        ds_rows = run_deepspeed(args, adamw, run_args, runs)
+        for name, r in ds_rows.items():
+            print(f"  {name}: " + (f"failed: {r['error']}" if "error" in r else
+                                   f"val loss {r['val_loss']:.4f}, train loss (last 20) {r['train_loss_last']:.4f}"),
+                  flush=True)
     print(f"\nworld {args.world}, {args.steps} steps, {rows['ZeRO-2']['params']:,} parameters (fp32, gloo), "
           f"preset {args.preset}")
-    print(f"{'run':<56} {'val loss':>9} {'vs offload':>11}")
-    for name, r in rows.items():
-        print(f"{name:<56} {r['val_loss']:>9.4f} {(r['val_loss'] / base - 1) * 100:>+10.2f}%")
+    width = max([56] + [len(n) for n in ds_rows])
+    print(f"{'run':<{width}} {'val loss':>9} {'vs offload':>11}")
+    for group in (rows, ds_rows):
+        base = group.get("ZeRO-2 offload", group.get("DeepSpeed ZeRO-2 offload", {})).get("val_loss")
+        for name, r in group.items():
+            if "error" in r:
+                print(f"{name:<{width}} failed: {r['error']}")
+                continue
+            gap = f"{(r['val_loss'] / base - 1) * 100:>+10.2f}%" if base else f"{'n/a':>11}"
+            changed = f"  (initialize changed the weights: max |diff| {r['init_max_diff']:.3g})" \
+                if r.get("init_max_diff") else ""
+            print(f"{name:<{width}} {r['val_loss']:>9.4f} {gap}{changed}")
+    if ds_rows:
+        print("(each DeepSpeed row's gap is to DeepSpeed's own offloaded run)")
 
 
 if __name__ == "__main__":

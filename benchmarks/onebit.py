@@ -32,8 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 import lightspeed  # noqa: E402
 from lightspeed.testing.run_world import run_world  # noqa: E402
-
-PRESETS = {"small": dict(n_layer=2, n_head=4, n_embd=64, block_size=64), "demo": {}}
+from benchmarks.demo_task import PRESETS, train_demo  # noqa: E402
 
 
 def optimizers(steps: int, lr: float, lamb_lr: float, local_step_scaler: int, local_step_clipper: int,
@@ -55,59 +54,10 @@ def optimizers(steps: int, lr: float, lamb_lr: float, local_step_scaler: int, lo
 
 
 def _train_one(name: str, optimizer: dict, args_dict: dict, zero: dict | None = None) -> dict:
-    """Train the demo task with `optimizer` (a config section) and `zero` (the zero_optimization
-    section, ZeRO-0 by default); the mean validation loss over ranks and the bytes on the wire."""
-    from data import train_val_datasets
-    from gpt import GPT, GPTConfig
-
-    args = argparse.Namespace(**args_dict)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(args.seed)
-    cfg = GPTConfig.preset("demo", **PRESETS[args.preset])
-    model = GPT(cfg)
-    if getattr(args, "init_from", None):  # a fine-tuning run starts from a trained model's weights
-        model.load_state_dict(torch.load(args.init_from, weights_only=True))
-    config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10**9, "gradient_clipping": 1.0, "optimizer": optimizer,
-              "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": args.steps,
-                                                                 "warmup_num_steps": max(args.steps // 10, 1),
-                                                                 "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}},
-              "zero_optimization": zero or {"stage": 0}}
-    engine, *_ = lightspeed.initialize(model=model, config=config)
-    train, val = train_val_datasets(cfg.block_size)
-    g = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(len(train), generator=g)
-    part = getattr(args, "data_part", None)  # "first" / "second": only that half of the training text
-    if part is not None:
-        half = len(train) // 2
-        order = order[order < half] if part == "first" else order[order >= half]
-    warm = max(args.steps // 5, 1)
-    wire, losses = [], []
-    for step in range(args.steps):
-        idx = order[(step * world + rank) * args.micro:(step * world + rank + 1) * args.micro] % len(train)
-        x, y = map(torch.stack, zip(*(train[int(i)] for i in idx)))
-        engine.comm.stats.reset()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        wire.append(engine.comm.stats.total_bytes())
-    engine.eval()
-    if getattr(args, "save_to", None) and rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in engine.module.state_dict().items()}, args.save_to)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in range(args.eval_batches):
-            start = ((b * world + rank) * args.micro) % max(len(val) - args.micro, 1)
-            x, y = map(torch.stack, zip(*(val[i] for i in range(start, start + args.micro))))
-            total += float(engine(x, y))
-            count += 1
-    t = torch.tensor([total, count], dtype=torch.float64)
-    dist.all_reduce(t)
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"name": name, "val_loss": float(t[0] / t[1]), "train_loss_last": sum(losses[-20:]) / 20,
-            "bytes_per_step_after_warmup": sum(wire[warm + 1:]) / max(len(wire) - warm - 1, 1),
-            "bytes_first_step": wire[0], "params": numel}
+    """Train the demo task on lightspeed with `optimizer` (a config section) and `zero` (the
+    zero_optimization section, ZeRO-0 by default); the mean validation loss over ranks and the bytes
+    on the wire (benchmarks/demo_task.py's loop)."""
+    return train_demo(lightspeed.initialize, name, optimizer, args_dict, zero)
 
 
 def cpu_main(args) -> None:

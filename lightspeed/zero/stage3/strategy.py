@@ -17,8 +17,7 @@ parameters gathered at once (plus prefetch); frozen parameters form their own gr
 optimizer never sees them. Within a group, parameters are laid out by optimizer param group
 (stable), so that each (optimizer param group x ParamGroup) is one contiguous range of the shard and
 the optimizer gets one flat tensor for it: elementwise optimizers (Adam, AdamW, SGD, Adagrad, Lion,
-...) then compute exactly what they compute on whole parameters. `sub_group_size` has no effect: these
-pieces already are the optimizer's sub-groups.
+...) then compute exactly what they compute on whole parameters; `sub_group_size` has no effect here.
 
 Note (initial values): without Init, each group of every rank's model is flattened in turn, rank 0's
 values broadcast, each rank keeps its slice and `param.data` becomes an empty placeholder. With Init
@@ -136,8 +135,7 @@ class Stage3Strategy(ModelSeam):
                                   write_sub_group=lambda i: swapped[i].copy_master_to_lp(self._lowp_writer),
                                   after_swapped=lambda: self.coordinator.release_all(force=True),
                                   copied_early=[g.master_grad_shard for g in swapped], early_ranges=True,
-                                  speculative=self.offload.super_offload,
-                                  rollback=self.offload.super_offload_rollback,
+                                  speculative=self.offload.super_offload, rollback=self.offload.super_offload_rollback,
                                   zenflow=self.offload.zenflow and ZenFlowStep(
                                       self.offload.zenflow, self._views, zenflow_shards(
                                           trainable, optimizer, opt_index, self._opt_pieces),

@@ -4,7 +4,7 @@ without them, through lightspeed's engine with engine.compile(), against plain t
 
     python benchmarks/hf_kernels.py [--models llama-1b llama-8b-8l gpt-1.3b] [--stage 2] [--micro 1]
         [--seq 4096] [--steps 10] [--warmup 3] [--systems ...] [--smoke]
-    python benchmarks/hf_kernels.py --ops [--seq 4096] [--smoke]     # each kernel alone vs its reference
+    python benchmarks/hf_kernels.py --ops [--seq 4096] [--ce-chunks 128 1024] [--smoke]  # each kernel alone
     python benchmarks/hf_kernels.py --largest-micro 64 [--models ...]  # each system's largest micro batch
 
 Models: "llama-1b" is HF Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 / 8 heads, MLP 8192, vocab
@@ -27,7 +27,10 @@ input embedding excluded unless tied; the attention term ignores causal masking,
 H200's dense bf16 peak. --largest-micro M: per model and system, micro batches 1, 2, 4, ... up to M (each
 a fresh process running --warmup + 2 steps) until one fails (out of memory); the table gives the largest
 that ran, its tokens/s and peak. --smoke: tiny models on CPU (Triton not used: the kernels' reference path),
-the aot_eager backend, two steps; keeps the script alive without a GPU.
+the aot_eager backend, two steps; keeps the script alive without a GPU. --chunk-size N: the fused
+linear cross-entropy's tokens per chunk in the lightspeed+kernels / +ce rows (default: its rule).
+--ops: each kernel alone (forward + backward) against the reference eager and compiled, and Liger-Kernel's
+kernel for the same op when importable; --ce-chunks adds one linear + cross-entropy row per chunk size.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def ds_config(args, kernels: dict | None) -> dict:
     if not args.smoke:
         cfg["bf16"] = {"enabled": True}
     if kernels:
-        cfg["kernels"] = kernels
+        cfg["kernels"] = dict(kernels, chunk_size=args.chunk_size) if args.chunk_size else kernels
     return cfg
 
 
@@ -104,10 +107,14 @@ def loss_of(fwd, kind: str, b: torch.Tensor, device) -> torch.Tensor:
     return fwd(input_ids=b[:, :-1], labels=b[:, :-1]).loss
 
 
-def _liger(model) -> None:
+def _liger_path() -> None:
     path = os.environ.get("LIGER_KERNEL_PATH")
-    if path:
+    if path and path not in sys.path:
         sys.path.insert(0, path)
+
+
+def _liger(model) -> None:
+    _liger_path()
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
     apply_liger_kernel_to_llama(model=model)
@@ -194,12 +201,18 @@ def bench_ops(args) -> None:
         "linear_cross_entropy": (lambda f: f(x, head, target), fused.fused_linear_cross_entropy,
                                  reference.linear_cross_entropy),
     }
-    print(f"\n== kernels alone, forward + backward, {t} tokens, {dt}, {device}")
+    liger = _liger_ops()
+    print(f"\n== kernels alone, forward + backward, {t} tokens, {dt}, {device}"
+          f"{'' if liger else ' (Liger-Kernel not importable)'}")
     print(f"{'op':<22}{'path':<20}{'ms':>9}{'peak GiB':>10}")
     for name, (call, fast, ref) in cases.items():
         kw = {"backend": backend}
         paths = [("fused " + backend, lambda *a, _f=fast, **k: _f(*a, **k, **kw)), ("reference eager", ref),
                  ("reference compiled", torch.compile(ref, backend=args.backend))]
+        if name == "linear_cross_entropy":
+            paths += [(f"fused chunk {c}", lambda *a, _c=c: fast(*a, chunk_size=_c, **kw)) for c in args.ce_chunks]
+        if liger and not args.smoke:
+            paths.append(("liger", liger[name]))
         for label, fn in paths:
             def step(fn=fn):
                 out = call(fn)
@@ -214,6 +227,19 @@ def bench_ops(args) -> None:
                 print(f"{name:<22}{label:<20}  failed: {type(err).__name__}: {str(err)[:100]}")
             for p in (x, w, q, k, g, u, head):
                 p.grad = None
+
+
+def _liger_ops() -> dict | None:
+    """Liger-Kernel's functional ops under the names of bench_ops' cases (None when not importable)."""
+    _liger_path()
+    try:
+        from liger_kernel.transformers import functional as lf
+    except ImportError:
+        return None
+    return {"rms_norm": lambda x, w, eps: lf.liger_rms_norm(x, w, eps, in_place=False),
+            "rope": lambda q, k, cos, sin: lf.liger_rope(q, k, cos, sin),
+            "swiglu": lf.liger_swiglu,
+            "linear_cross_entropy": lambda x, w, t: lf.liger_fused_linear_cross_entropy(x, w, t)}
 
 
 def _child(args, name: str, system: str, extra: list[str]) -> Result:
@@ -270,6 +296,8 @@ def main():
     ap.add_argument("--ops", action="store_true", help="only each kernel alone against its reference")
     ap.add_argument("--largest-micro", type=int, default=0, metavar="M",
                     help="find each system's largest micro batch up to M (doubling from 1) instead of timing")
+    ap.add_argument("--chunk-size", type=int, default=None, help="the fused linear CE's tokens per chunk")
+    ap.add_argument("--ce-chunks", type=int, nargs="*", default=[], help="--ops: CE rows at these chunk sizes")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # model:system, run in a child
     args = ap.parse_args()
     if args.smoke:

@@ -262,11 +262,12 @@ def _recorded_size(sp_size: int) -> int:
 def build_topology(mpu: Any, sp_size: int = 1, tp_size: int = 1, pp_size: int = 1, ep_size: int = 1) -> Topology:
     """The run's `Topology` for the configured sizes (1 when unset) and the caller's `mpu`, with this
     process's sequence-parallel record consistent with it (see Layout). A pipeline (pp > 1) builds its
-    mesh itself, with no mpu. With tp = 1 the topology takes
-    the record's groups through an mpu (`sequence_parallel_mpu`); with tp > 1 it is built from the mesh
-    and the record from it. Our own `SequenceParallelMPU` (register_with_transformers' return) carries
-    nothing the record does not, so at tp > 1 it stands for the record. `ep_size` (the model's MoE
-    layers') splits the data-parallel shard dim; with an mpu's groups it must be 1."""
+    mesh itself, with no mpu. With tp = 1 and ep = 1 the topology takes
+    the record's groups through an mpu (`sequence_parallel_mpu`); with tp > 1 or ep > 1 it is built from
+    the mesh and the record from it (the record's sp ranks must be the mesh's). Our own
+    `SequenceParallelMPU` (register_with_transformers' return) carries nothing the record does not, so
+    there it stands for the record. `ep_size` (the model's MoE layers') splits the data-parallel shard
+    dim; with a Megatron-style mpu's groups it must be 1."""
     if pp_size > 1:
         if mpu is not None and not isinstance(mpu, SequenceParallelMPU):
             raise ValueError("initialize(mpu=...) with a PipelineModule: the pipeline builds its own groups "
@@ -276,7 +277,7 @@ def build_topology(mpu: Any, sp_size: int = 1, tp_size: int = 1, pp_size: int = 
         if sp > 1:
             record_from_topology(topology)
         return topology
-    if tp_size == 1:
+    if tp_size == 1 and ep_size == 1:
         return Topology.build(mpu=sequence_parallel_mpu(mpu, sp_size), tp=tp_size, sp=sp_size, ep=ep_size)
     if isinstance(mpu, SequenceParallelMPU):
         if sp_size > 1 and mpu.get_sequence_parallel_world_size() != sp_size:

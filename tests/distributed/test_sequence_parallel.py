@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism on real gloo processes, against one process on the whole sequence: the
 all-to-all's gradient, DistributedAttention in a plain model and a tiny HF Llama through
-register_with_transformers + UlyssesSPDataLoaderAdapter, at sp2 (world 2) and sp2 x dp2 (world 4), under
+register_with_transformers + UlyssesSPDataLoaderAdapter, at sp2 (world 2) and sp2 x dp2 (world 4, the plain
+model's MoE layer expert-parallel over the two dp ranks), under
 ZeRO stages 0-3 (SGD with an active gradient clip, so a gradient off by sp shows); transformers' loss
 against real DeepSpeed 0.19.8's grad norms; and the errors for sizes that do not fit."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import lightspeed
 from lightspeed.comm.differentiable import seq_all_to_all
 from lightspeed.comm.sequence_groups import current_sequence_groups, initialize_sequence_parallel
 from lightspeed.config.errors import ConfigError
+from lightspeed.parallel.experts.layer import MoE
 from lightspeed.sequence import (DistributedAttention, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
                                  sequence_parallel_loss)
 from lightspeed.testing import deepspeed_env
@@ -61,7 +64,7 @@ def test_all_to_all_and_its_backward_match_single_process_autograd(world):
 
 
 # ---------------------------------------------------------------- DistributedAttention in a plain model
-HIDDEN, HEADS, SEQ, BATCH = 16, 4, 8, 2
+HIDDEN, HEADS, SEQ, BATCH, EXPERTS = 16, 4, 8, 2, 4
 
 
 def _causal_sdpa(q, k, v):  # [b, s, h, d] in and out
@@ -70,19 +73,38 @@ def _causal_sdpa(q, k, v):  # [b, s, h, d] in and out
 
 
 class AttentionBlock(torch.nn.Module):
-    """qkv projection, attention, output projection, per-token MSE (mean over this module's tokens)."""
+    """qkv projection, attention, an MoE layer (EXPERTS experts, top-1, no token dropped, `ep` of them
+    expert-parallel; its balance loss left out: it is not a sum over tokens), output projection,
+    per-token MSE (mean over this module's tokens)."""
 
-    def __init__(self, group=None, sp: int = 1):
+    def __init__(self, group=None, sp: int = 1, ep: int = 1):
         super().__init__()
         self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
         self.out = torch.nn.Linear(HIDDEN, HIDDEN)
         self.attn = DistributedAttention(_causal_sdpa, group, scatter_idx=2, gather_idx=1) if sp > 1 else None
+        expert = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 2 * HIDDEN), torch.nn.GELU(),
+                                     torch.nn.Linear(2 * HIDDEN, HIDDEN))
+        self.moe = MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=ep, k=1, drop_tokens=False)
 
     def forward(self, x, y):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, HIDDEN // HEADS).unbind(2)
         ctx = self.attn(q, k, v, 0) if self.attn is not None else _causal_sdpa(q, k, v)
-        return F.mse_loss(self.out(ctx.reshape(b, s, HIDDEN)).tanh(), y)
+        ctx = ctx.reshape(b, s, HIDDEN)
+        return F.mse_loss(self.out(ctx + self.moe(ctx)[0]).tanh(), y)
+
+
+def _global_names(engine, values: dict) -> dict:
+    """`values` by parameter name with each local expert renamed to its global index (ep rank x local
+    experts + local index), as one process names it."""
+    ep_rank = engine.groups.topology.rank("ep") if engine.groups.topology is not None else 0
+    local = engine.module.moe.num_local_experts
+
+    def rename(name):
+        m = re.search(r"deepspeed_experts\.(\d+)\.", name)
+        return name if m is None else f"{name[:m.start(1)]}{ep_rank * local + int(m.group(1))}{name[m.end(1):]}"
+
+    return {rename(n): v for n, v in values.items()}
 
 
 def _attention_batches(dp: int, steps: int):
@@ -127,7 +149,7 @@ def _attention_worker(steps: int):
     out = {}
     for stage in STAGES:
         torch.manual_seed(0)
-        model = AttentionBlock(groups.sp_group, SP)
+        model = AttentionBlock(groups.sp_group, SP, ep=dist.get_world_size() // SP)
         config = {k: v for k, v in _config(stage, gradient_clipping=CLIP).items() if k != "optimizer"}
         engine, _, _, _ = lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                                 config=config)
@@ -140,9 +162,11 @@ def _attention_worker(steps: int):
             loss = sequence_parallel_loss(local, y[:, mine].numel())
             engine.backward(loss)
             losses.append(loss.item())
-            grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
+            grads.append(_global_names(engine, {n: safe_get_full_grad(p).clone()
+                                                for n, p in engine.module.named_parameters()}))
             engine.step()
-        params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+        params = _global_names(engine, {n: safe_get_full_fp32_param(p).clone()
+                                        for n, p in engine.module.named_parameters()})
         out[stage] = losses, grads, params
     ds = _ds_worker()
     norms = {}
@@ -173,19 +197,27 @@ def attention_runs():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_distributed_attention_matches_single_process(world, attention_runs):
-    """sequence_parallel_loss at ZeRO 0-3, sp2 (world 2) and dp2 x sp2 (world 4): the losses, the reduced
-    gradients and the parameters after SGD steps with an active gradient clip equal one process's on the
-    whole sequence (a gradient sp times too large or too small fails all three but the loss)."""
+    """sequence_parallel_loss at ZeRO 0-3, sp2 (world 2) and dp2 x sp2 (world 4, the experts ep 2): the
+    losses, the reduced gradients and the parameters after SGD steps with an active gradient clip equal one
+    process's on the whole sequence (a gradient sp times too large or too small fails all three but the
+    loss), the MoE layer's experts and gate included."""
     ref_losses, ref_grads, ref_params = _attention_reference(world // SP, 3)
+    held = set()
     for dp_rank, by_stage, _ in attention_runs[world]:
         assert sorted(by_stage) == list(STAGES)
         for stage, (losses, grads, params) in by_stage.items():
             assert losses == pytest.approx([step[dp_rank] for step in ref_losses], rel=RTOL, abs=ATOL), stage
+            # a rank holds its ep rank's experts (world 4: ep 2) and every other parameter
+            assert set(params) <= set(ref_params)
+            assert all("deepspeed_experts" in n for n in set(ref_params) - set(params)), stage
+            held |= set(params)
             for got, want in zip(grads, ref_grads):
-                for name, value in want.items():
-                    torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
-            for name, value in ref_params.items():
-                torch.testing.assert_close(params[name], value, rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
+                assert set(got) == set(params)
+                for name, value in got.items():
+                    torch.testing.assert_close(value, want[name], rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
+            for name, value in params.items():
+                torch.testing.assert_close(value, ref_params[name], rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
+    assert held == set(ref_params)
 
 
 def test_grad_norms_equal_deepspeed_0_19_8_under_transformers_loss(attention_runs, tmp_path):

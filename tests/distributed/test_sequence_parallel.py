@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism on real gloo processes, against one process on the whole sequence: the
 all-to-all's gradient, DistributedAttention in a plain model and a tiny HF Llama through
 register_with_transformers + UlyssesSPDataLoaderAdapter, at sp2 (world 2) and sp2 x dp2 (world 4, the plain
-model's MoE layer expert-parallel over the two dp ranks), under
+model's MoE layer expert-parallel over the two dp ranks; and pp2 x sp2 through a PipelineModule), under
 ZeRO stages 0-3 (SGD with an active gradient clip, so a gradient off by sp shows); transformers' loss
 against real DeepSpeed 0.19.8's grad norms; and the errors for sizes that do not fit."""
 
@@ -23,6 +23,7 @@ from lightspeed.comm.differentiable import seq_all_to_all
 from lightspeed.comm.sequence_groups import current_sequence_groups, initialize_sequence_parallel
 from lightspeed.config.errors import ConfigError
 from lightspeed.parallel.experts.layer import MoE
+from lightspeed.parallel.pipeline import PipelineModule
 from lightspeed.sequence import (DistributedAttention, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
                                  sequence_parallel_loss)
 from lightspeed.testing import deepspeed_env
@@ -179,7 +180,80 @@ def _attention_worker(steps: int):
             engine.backward(ds.sp_loss(engine, x, y, groups.sp_rank, groups.sp_group, times_sp=stage == 3))
             engine.step()
             norms[stage].append(float(engine.get_global_grad_norm()))
-    return groups.dp_rank, out, norms
+    piped = _pipeline_run(groups, mine) if dist.get_world_size() == 4 else None
+    return groups.dp_rank, out, norms, piped
+
+
+# ---------------------------------------------------------------- pipeline x sequence parallel (world 4)
+PIPE_STEPS, PIPE_GAS = 3, 2
+
+
+class _PipeAttention(torch.nn.Module):
+    """A residual attention layer for a PipelineModule."""
+
+    def __init__(self, group=None, sp: int = 1):
+        super().__init__()
+        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.attn = DistributedAttention(_causal_sdpa, group, scatter_idx=2, gather_idx=1) if sp > 1 else None
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, HIDDEN // HEADS).unbind(2)
+        ctx = self.attn(q, k, v, 0) if self.attn is not None else _causal_sdpa(q, k, v)
+        return x + ctx.reshape(b, s, HIDDEN)
+
+
+def _pipe_layers(group=None, sp: int = 1):
+    torch.manual_seed(0)
+    return [torch.nn.Linear(HIDDEN, HIDDEN), _PipeAttention(group, sp), torch.nn.Linear(HIDDEN, HIDDEN),
+            _PipeAttention(group, sp), torch.nn.Linear(HIDDEN, HIDDEN)]
+
+
+def _pipe_batches():
+    gen = torch.Generator().manual_seed(2)
+    return [[(torch.randn(BATCH, SEQ, HIDDEN, generator=gen), torch.randn(BATCH, SEQ, HIDDEN, generator=gen))
+             for _ in range(PIPE_GAS)] for _ in range(PIPE_STEPS)]
+
+
+def _pipeline_run(groups, mine: slice):
+    """pp 2 x sp 2: a PipelineModule whose attention layers are DistributedAttention, each sp rank fed its
+    share of the sequence, ZeRO 0 and 1; (train_batch's losses, the stage's weights) per stage."""
+    runs = {}
+    for stage in (0, 1):
+        net = PipelineModule(_pipe_layers(groups.sp_group, SP), num_stages=2, partition_method="uniform",
+                             loss_fn=lambda out, y: sequence_parallel_loss(F.mse_loss(out.tanh(), y), y.numel()))
+        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": PIPE_GAS,
+                  "sequence_parallel_size": SP, "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+        engine, _, _, _ = lightspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=LR),
+                                                config=config)
+        assert (engine.dp_world_size, engine.groups.topology.size("pp")) == (1, 2)
+        losses = [float(engine.train_batch(iter([(x[:, mine], y[:, mine]) for x, y in step])))
+                  for step in _pipe_batches()]
+        runs[stage] = losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+    return runs
+
+
+def test_pipeline_with_sequence_parallelism_matches_one_process(attention_runs):
+    """pp 2 x sp 2 (world 4) at ZeRO 0 and 1: train_batch's losses and each stage's weights after SGD steps
+    equal one process's on the whole sequence and the whole model."""
+    model = torch.nn.Sequential(*_pipe_layers())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ref_losses = []
+    for step in _pipe_batches():
+        loss = sum(F.mse_loss(model(x).tanh(), y) for x, y in step) / PIPE_GAS
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    ref_state = model.state_dict()
+    held = set()
+    for _, _, _, piped in attention_runs[4]:
+        for stage, (losses, state) in piped.items():
+            assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), stage
+            for name, value in state.items():
+                torch.testing.assert_close(value, ref_state[name], rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
+            held |= set(state)
+    assert held == set(ref_state)
 
 
 def _ds_worker():
@@ -203,7 +277,7 @@ def test_distributed_attention_matches_single_process(world, attention_runs):
     loss), the MoE layer's experts and gate included."""
     ref_losses, ref_grads, ref_params = _attention_reference(world // SP, 3)
     held = set()
-    for dp_rank, by_stage, _ in attention_runs[world]:
+    for dp_rank, by_stage, _, _ in attention_runs[world]:
         assert sorted(by_stage) == list(STAGES)
         for stage, (losses, grads, params) in by_stage.items():
             assert losses == pytest.approx([step[dp_rank] for step in ref_losses], rel=RTOL, abs=ATOL), stage
@@ -234,7 +308,7 @@ def test_grad_norms_equal_deepspeed_0_19_8_under_transformers_loss(attention_run
             opt.step()
             opt.zero_grad()
         assert min(ref) > ds.CLIP  # the clip is active
-        for _, _, norms in attention_runs[world]:
+        for _, _, norms, _ in attention_runs[world]:
             for stage in STAGES:
                 assert norms[stage] == pytest.approx(ref, rel=1e-6), (world, stage)
     py = deepspeed_env.python()

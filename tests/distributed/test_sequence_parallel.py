@@ -217,9 +217,9 @@ def _pipe_batches():
 
 def _pipeline_run(groups, mine: slice):
     """pp 2 x sp 2: a PipelineModule whose attention layers are DistributedAttention, each sp rank fed its
-    share of the sequence, ZeRO 0 and 1; (train_batch's losses, the stage's weights) per stage."""
+    share of the sequence, ZeRO 0-3; (train_batch's losses, the stage's weights) per ZeRO stage."""
     runs = {}
-    for stage in (0, 1):
+    for stage in STAGES:
         net = PipelineModule(_pipe_layers(groups.sp_group, SP), num_stages=2, partition_method="uniform",
                              loss_fn=lambda out, y: sequence_parallel_loss(F.mse_loss(out.tanh(), y), y.numel()))
         config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": PIPE_GAS,
@@ -229,12 +229,12 @@ def _pipeline_run(groups, mine: slice):
         assert (engine.dp_world_size, engine.groups.topology.size("pp")) == (1, 2)
         losses = [float(engine.train_batch(iter([(x[:, mine], y[:, mine]) for x, y in step])))
                   for step in _pipe_batches()]
-        runs[stage] = losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+        runs[stage] = losses, {n: safe_get_full_fp32_param(p).clone() for n, p in net.named_parameters()}
     return runs
 
 
 def test_pipeline_with_sequence_parallelism_matches_one_process(attention_runs):
-    """pp 2 x sp 2 (world 4) at ZeRO 0 and 1: train_batch's losses and each stage's weights after SGD steps
+    """pp 2 x sp 2 (world 4) at ZeRO 0-3: train_batch's losses and each stage's weights after SGD steps
     equal one process's on the whole sequence and the whole model."""
     model = torch.nn.Sequential(*_pipe_layers())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -245,13 +245,15 @@ def test_pipeline_with_sequence_parallelism_matches_one_process(attention_runs):
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss.item())
-    ref_state = model.state_dict()
+    ref_state = dict(model.named_parameters())
     held = set()
     for _, _, _, piped in attention_runs[4]:
+        assert sorted(piped) == list(STAGES)
         for stage, (losses, state) in piped.items():
             assert losses == pytest.approx(ref_losses, rel=RTOL, abs=ATOL), stage
             for name, value in state.items():
-                torch.testing.assert_close(value, ref_state[name], rtol=RTOL, atol=ATOL, msg=f"stage {stage} {name}")
+                torch.testing.assert_close(value, ref_state[name].detach(), rtol=RTOL, atol=ATOL,
+                                           msg=f"stage {stage} {name}")
             held |= set(state)
     assert held == set(ref_state)
 

@@ -1,7 +1,7 @@
 """The offloaded updates that are not the synchronous step: their effect on convergence.
 
     python benchmarks/offload_convergence.py [--world 2] [--steps 300] [--preset small] [--zenflow]
-        [--speculative] [--warmups 30 100]
+        [--zenflow-sweep] [--speculative] [--warmups 30 100]
 
 Trains the demo task (benchmarks/onebit.py's harness: examples/train_gpt.py's byte-level GPT on its
 Shakespeare text, AdamW, warm-up + cosine schedule, clipping 1.0) at ZeRO-2 with the optimizer
@@ -9,7 +9,9 @@ offloaded to the CPU, once with the usual step and once with `overlap_step` (the
 runs during the forward and backward of step t+1, so each update is one step late), and with
 `overlap_step_warmup` (the first steps synchronous), on gloo processes, same data, schedule and seed;
 and the same run without offload. `--zenflow` adds ZenFlow (`zero_optimization.zenflow`: topk 0.05,
-update_interval 4, as benchmarks/offload.py runs it; sequential and with `overlap_step`), and
+update_interval 4, as benchmarks/offload.py runs it; sequential and with `overlap_step`),
+`--zenflow-sweep` ZenFlow at other settings (topk 0.1 and 0.2, update_interval 2, 30 full warm-up
+rounds), and
 `--speculative` the speculative CPU step (`offload_optimizer.super_offload`: each bucket stepped during
 backward, rolled back when the clip or an overflow says so). `--finetune N` makes it a fine-tuning
 task: N steps of plain ZeRO-2 on the first half of the text, then every run from those weights on the
@@ -59,6 +61,13 @@ ZENFLOW = {
     "ZeRO-2 offload, ZenFlow, update_interval auto": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                                       "zenflow": {**_ZENFLOW, "update_interval": "auto"}},
 }
+# other ZenFlow settings (--zenflow-sweep): more columns on the GPU, a shorter interval, full warm-up rounds
+ZENFLOW_SWEEP = {
+    f"ZeRO-2 offload, ZenFlow, {label}": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                          "zenflow": {**_ZENFLOW, **change}}
+    for label, change in (("topk 0.1", {"topk_ratio": 0.1}), ("topk 0.2", {"topk_ratio": 0.2}),
+                          ("update_interval 2", {"update_interval": 2}),
+                          ("full_warm_up_rounds 30", {"full_warm_up_rounds": 30}))}
 SPECULATIVE = {"ZeRO-2 offload, speculative (super_offload)": {
     "stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}}}
 # the DeepSpeed rows: the same zero_optimization sections as lightspeed's rows of these names
@@ -167,6 +176,8 @@ def main(argv=None) -> None:
     p.add_argument("--warmups", type=int, nargs="*", default=[30],
                    help="also overlap_step after this many synchronous steps (overlap_step_warmup)")
     p.add_argument("--zenflow", action="store_true", help="also ZenFlow, sequential and overlapped")
+    p.add_argument("--zenflow-sweep", action="store_true",
+                   help="also ZenFlow at topk 0.1 and 0.2, update_interval 2, 30 full warm-up rounds")
     p.add_argument("--speculative", action="store_true", help="also the speculative CPU step (super_offload)")
     p.add_argument("--finetune", type=int, default=0, metavar="N",
                    help="fine-tuning: first train N steps (ZeRO-2, lr 3e-3) on the first half of the text, then "
@@ -189,6 +200,7 @@ def main(argv=None) -> None:
         variants[WARMUP_NAME.format(w)] = {"stage": 2, "offload_optimizer": {
             "device": "cpu", "overlap_step": True, "overlap_step_warmup": w}}
     variants.update(ZENFLOW if args.zenflow else {})
+    variants.update(ZENFLOW_SWEEP if args.zenflow_sweep else {})
     variants.update(SPECULATIVE if args.speculative else {})
     run_args = dict(vars(args))
     if args.finetune:
@@ -205,8 +217,11 @@ def main(argv=None) -> None:
     ds_rows = {}
     if args.deepspeed:
         runs = {n: {"zero": {**VARIANTS, **ZENFLOW}[n], "layout_fix": False} for n in DEEPSPEED}
+        fixed = dict(FIXED)
+        if args.zenflow_sweep:  # the sweep's settings on DeepSpeed's ZenFlow too (layout fixed)
+            fixed.update({f"{n}, layout fix": z["zenflow"] for n, z in ZENFLOW_SWEEP.items()})
         runs.update({n: {"zero": {**VARIANTS["ZeRO-2 offload"], "zenflow": zf}, "layout_fix": True}
-                     for n, zf in FIXED.items()})
+                     for n, zf in fixed.items()})
         ds_rows = run_deepspeed(args, adamw, run_args, runs)
         for name, r in ds_rows.items():
             print(f"  {name}: " + (f"failed: {r['error']}" if "error" in r else

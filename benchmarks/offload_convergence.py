@@ -11,7 +11,8 @@ runs during the forward and backward of step t+1, so each update is one step lat
 and the same run without offload. `--zenflow` adds ZenFlow (`zero_optimization.zenflow`: topk 0.05,
 update_interval 4, as benchmarks/offload.py runs it; sequential and with `overlap_step`),
 `--zenflow-sweep` ZenFlow at other settings (topk 0.1 and 0.2, update_interval 2, 30 full warm-up
-rounds), and
+rounds; with `--deepspeed` also on DeepSpeed, plus its warm-up row without its division of the loss by
+update_interval in the warm-up steps, a check), and
 `--speculative` the speculative CPU step (`offload_optimizer.super_offload`: each bucket stepped during
 backward, rolled back when the clip or an overflow says so). `--finetune N` makes it a fine-tuning
 task: N steps of plain ZeRO-2 on the first half of the text, then every run from those weights on the
@@ -107,6 +108,22 @@ def _fix_zenflow_layout() -> None:
     DeepSpeedZeroOptimizer._update_model_bit16_weights = update
 
 
+def _unscaled_warm_up(rounds: int) -> None:
+    """DeepSpeed's engine without its division of the loss by the accumulation steps (ZenFlow's
+    update_interval) in the first `rounds` steps, ZenFlow's full warm-up updates of one step's
+    gradient each: the check that this division is what separates its warm-up rows from lightspeed's."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._scale_loss_by_gas
+
+    def scale(self, loss, eval_micro_batches=None):
+        if eval_micro_batches is None and self.micro_steps + 1 <= rounds:
+            return loss
+        return original(self, loss, eval_micro_batches)
+
+    DeepSpeedEngine._scale_loss_by_gas = scale
+
+
 # ---------------------------------------------------------------- DeepSpeed (its own interpreter)
 def _ds_worker(rank: int, world: int, port: int, name: str, optimizer: dict, args_dict: dict, run: dict,
                out_path: str) -> None:
@@ -117,6 +134,8 @@ def _ds_worker(rank: int, world: int, port: int, name: str, optimizer: dict, arg
 
     if run["layout_fix"]:
         _fix_zenflow_layout()
+    if run.get("warm_up_unscaled"):
+        _unscaled_warm_up(run["warm_up_unscaled"])
     deepspeed.init_distributed(dist_backend="gloo")
     row = train_demo(deepspeed.initialize, name, optimizer, args_dict, run["zero"], count_wire=False, check_init=True)
     if rank == 0:
@@ -222,6 +241,10 @@ def main(argv=None) -> None:
             fixed.update({f"{n}, layout fix": z["zenflow"] for n, z in ZENFLOW_SWEEP.items()})
         runs.update({n: {"zero": {**VARIANTS["ZeRO-2 offload"], "zenflow": zf}, "layout_fix": True}
                      for n, zf in fixed.items()})
+        if args.zenflow_sweep:
+            zf = {**_ZENFLOW, "full_warm_up_rounds": 30}
+            runs["ZeRO-2 offload, ZenFlow, full_warm_up_rounds 30, layout fix, warm-up losses undivided (check)"] = {
+                "zero": {**VARIANTS["ZeRO-2 offload"], "zenflow": zf}, "layout_fix": True, "warm_up_unscaled": 30}
         ds_rows = run_deepspeed(args, adamw, run_args, runs)
         for name, r in ds_rows.items():
             print(f"  {name}: " + (f"failed: {r['error']}" if "error" in r else

@@ -111,17 +111,18 @@ def _fix_zenflow_layout() -> None:
 def _unscaled_warm_up(rounds: int) -> None:
     """DeepSpeed's engine without its division of the loss by the accumulation steps (ZenFlow's
     update_interval) in the first `rounds` steps, ZenFlow's full warm-up updates of one step's
-    gradient each: the check that this division is what separates its warm-up rows from lightspeed's."""
+    gradient each: the check whether this division is what separates its warm-up rows from lightspeed's.
+    (DeepSpeed 0.19.8's `backward` divides inline unless `scale_wrt_gas` is False.)"""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    original = DeepSpeedEngine._scale_loss_by_gas
+    original = DeepSpeedEngine.backward
 
-    def scale(self, loss, eval_micro_batches=None):
-        if eval_micro_batches is None and self.micro_steps + 1 <= rounds:
-            return loss
-        return original(self, loss, eval_micro_batches)
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        if self.micro_steps + 1 <= rounds:
+            scale_wrt_gas = False
+        return original(self, loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
-    DeepSpeedEngine._scale_loss_by_gas = scale
+    DeepSpeedEngine.backward = backward
 
 
 # ---------------------------------------------------------------- DeepSpeed (its own interpreter)

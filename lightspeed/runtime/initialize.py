@@ -273,6 +273,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                               f"parameters) needs stage 3 (got {cfg.zero_optimization.stage})")
         _place(model, device, policy)
     client_optimizer = optimizer is not None
+    # engine.optimizer_name(), as DeepSpeed's: the class of what the caller passed ("function" for a callable)
+    client_optimizer_name = type(optimizer).__name__ if client_optimizer else None
     # ZeRO partitions and reduces over dp x sp (the dp group while sp is 1): comm/topology.py's Note
     comm = Communicator(topology.grad_reduce_group, topology.size("dp_sp"))
     comms_logger.configure(cfg.comms_logger)
@@ -312,8 +314,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                               strategy=strategy, optimizer=optimizer, lr_scheduler=lr_scheduler,
                               loss_scaler=loss_scaler, monitor=monitor, step_profiler=step_profiler,
                               placements=placements)
-    if client_optimizer:
-        engine._client_optimizer_name = type(optimizer).__name__  # engine.optimizer_name(), as DeepSpeed's
+    engine._client_optimizer_name = client_optimizer_name
     if cfg.compile.enabled:  # DeepSpeed's first compile section: compile at initialize()
         engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     dataloader = None

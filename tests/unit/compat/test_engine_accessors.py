@@ -60,6 +60,11 @@ def test_client_optimizer_name_and_momentum():
     engine, *_ = lightspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.7),
                                        config={"train_batch_size": 2}, dist_init_required=False)
     assert engine.optimizer_name() == "SGD" and engine.get_mom() == [0.7]
+    # a callable: DeepSpeed 0.19.8 answers the class of what was passed (`client_optimizer.__class__.__name__`)
+    model = TinyMLP()
+    engine, *_ = lightspeed.initialize(model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                       config={"train_batch_size": 2}, dist_init_required=False)
+    assert engine.optimizer_name() == "function" and type(engine.optimizer).__name__ == "SGD"
 
 
 def test_dataset_kinds():

@@ -12,7 +12,8 @@ unchanged TRL script on real DeepSpeed 0.19.8, in the same invocation.
     python benchmarks/trl_grpo.py --smoke
 
 What runs: a Hugging Face model built from a config with random weights (`--model`: Qwen2-0.5B's shapes,
-OPT-350M's, or a 2-layer toy under `--smoke`), saved once with a word-level tokenizer made locally (tokens
+OPT-350M's, OPT-350M's width at 4 layers (`opt-350m-4l`), or a 2-layer toy under `--smoke`, `tiny` or
+`opt-tiny`), saved once with a word-level tokenizer made locally (tokens
 `t2`..`t<vocab-1>`, `<pad>` 0, `<eos>` 1), so nothing is downloaded; the prompts are `--prompt-len` words
 (`datasets.Dataset.from_dict`). The reward is plain Python: the share of a completion's tokens whose number
 is even (it varies between completions, so the advantages are not all zero). Every completion is exactly
@@ -49,11 +50,14 @@ each after a device synchronization); generation seconds (TRL's `_generate_singl
 ZeRO-3 gather, wrapped on the trainer instance to time it; the median over the timed steps) and generated
 tokens per second (the tokens TRL got back / that time); peak GPU memory over the timed steps
 (`max_memory_allocated`, reset at each step's end); the mean reward and gradient norm of the timed steps
-(a sanity check: finite and of the same size in every row). `vs DS` is DeepSpeed's step time at the same
+(a sanity check: finite and of the same size in every row; `--trace` prints each timed step's loss and
+gradient norm and a checksum of its completions, which agree across rows to about 1e-6 in fp32 on the
+CPU, the sampled completions being the same). `vs DS` is DeepSpeed's step time at the same
 ZeRO stage over the row's (above 1: faster than DeepSpeed); `wall s` is the row's whole process.
 
 Hardware: written without a GPU; no GPU figure of it exists yet. `--smoke` runs on CPU (2 layers, width
-64) and supports no claim: it checks that every row runs end to end.
+64) and supports no claim: it checks that every row runs end to end. `--smoke --model opt-350m` and the
+sizes below run on one CPU thread for a compute-bound figure (BENCHMARKS.md), not the GPU claim.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ MODELS = {  # architecture, layers, hidden, intermediate, heads, kv heads, vocab
     "qwen2-0.5b": ("qwen2", 24, 896, 4864, 14, 2, 151936),
     "opt-350m": ("opt", 24, 1024, 4096, 16, 16, 50272),
     "tiny": ("qwen2", 2, 64, 128, 4, 2, 128),
+    "opt-tiny": ("opt", 2, 64, 128, 4, 4, 128),
+    "opt-350m-4l": ("opt", 4, 1024, 4096, 16, 16, 50272),
 }
 PAD, EOS = 0, 1
 
@@ -182,7 +188,7 @@ def run_row(args) -> dict:
     trainer = GRPOTrainer(model=args.model_dir, reward_funcs=reward_even, args=config, train_dataset=data,
                           processing_class=tokenizer)
 
-    ends, gens, tokens, peaks = [], [], [], []
+    ends, gens, tokens, peaks, checks = [], [], [], [], []
 
     class Clock(TrainerCallback):
         def on_step_end(self, a, state, control, **kwargs):
@@ -202,6 +208,7 @@ def run_row(args) -> dict:
         sync()
         gens.append((len(ends), time.perf_counter() - t0))
         tokens.append((len(ends), sum(len(c) for c in completion_ids)))
+        checks.append(sum((i + 1) * t for c in completion_ids for i, t in enumerate(c)))
         return completion_ids, logprobs
 
     trainer._generate_single_turn = timed_generate
@@ -220,7 +227,7 @@ def run_row(args) -> dict:
             "ref_engine": type(getattr(trainer, "ref_model", None)).__name__, "steps": steps, "gen_s": gen_s,
             "gen_tokens": gen_tokens, "peak_gib": max(peaks) / 2**30 if peaks else None,
             "loss": [h["loss"] for h in logs], "grad_norm": [h.get("grad_norm") for h in logs],
-            "reward": [h.get("reward") for h in logs], "graphs": counts}
+            "reward": [h.get("reward") for h in logs], "graphs": counts, "checks": checks}
 
 
 def child_main(args) -> None:
@@ -363,6 +370,7 @@ def main(argv=None) -> None:
                     help="prepended to the DeepSpeed child's PYTHONPATH (default $LIGHTSPEED_DS_SITE)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per row (its process)")
     ap.add_argument("--verbose", action="store_true", help="print a failed child's stderr")
+    ap.add_argument("--trace", action="store_true", help="print each row's loss and gradient norm per timed step")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
@@ -400,6 +408,11 @@ def main(argv=None) -> None:
             r = results[-1]
             print(f"  {system}: {'%.3f s/step' % med(r['steps']) if 'steps' in r else r['error']}", flush=True)
     print_table(args, results)
+    if args.trace:
+        print("\n== per timed step: loss / gradient norm; then a checksum of every step's completion tokens (warm-up included)")
+        for r in results:
+            if "loss" in r:
+                print(f"{r['system']:<28} " + "  ".join(f"{l:.6g}/{g:.6g}" for l, g in zip(r["loss"], r["grad_norm"])) + f"  {r['checks']}")
 
 
 if __name__ == "__main__":

@@ -267,7 +267,8 @@ def build_topology(mpu: Any, sp_size: int = 1, tp_size: int = 1, pp_size: int = 
     the mesh and the record from it (the record's sp ranks must be the mesh's). Our own
     `SequenceParallelMPU` (register_with_transformers' return) carries nothing the record does not, so
     there it stands for the record. `ep_size` (the model's MoE layers') splits the data-parallel shard
-    dim; with a Megatron-style mpu's groups it must be 1."""
+    dim; with a Megatron-style mpu's groups it splits the mpu's data-parallel groups as DeepSpeed does
+    (at sp = 1)."""
     if pp_size > 1:
         if mpu is not None and not isinstance(mpu, SequenceParallelMPU):
             raise ValueError("initialize(mpu=...) with a PipelineModule: the pipeline builds its own groups "

@@ -178,6 +178,30 @@ class MeshShape:
         return out
 
 
+def expert_groups_from_dp(dp_group: Any, ep: int) -> tuple[Any, Any]:
+    """(expert-parallel group, expert-data-parallel group) of this rank when an mpu gives the
+    data-parallel groups: DeepSpeed's rule (`_get_expert_parallel_ranks`): each data-parallel group, in
+    its rank order, is cut into consecutive runs of `ep` ranks (the expert-parallel groups), and the
+    ranks at the same place in each run form an expert-data-parallel group. Collective over the world:
+    every rank learns every data-parallel group and creates each new group in the same order."""
+    if not dist.is_initialized():  # one process: ep > 1 cannot divide its data-parallel size of 1
+        raise TopologyError(f"expert parallel size ep={ep} needs torch.distributed initialized")
+    mine = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(dist.get_world_size()))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    dp_groups = sorted({tuple(r) for r in everyone}, key=lambda r: r[0])
+    me, found = dist.get_rank(), [None, None]
+    for ranks in dp_groups:
+        if len(ranks) % ep:
+            raise TopologyError(f"expert parallel size ep={ep} does not divide the mpu's data-parallel group {list(ranks)}")
+        runs = [list(ranks[i:i + ep]) for i in range(0, len(ranks), ep)]
+        for kind, members in [(0, run) for run in runs] + [(1, [run[j] for run in runs]) for j in range(ep)]:
+            group = dist.new_group(ranks=members)
+            if me in members:
+                found[kind] = group
+    return found[0], found[1]
+
+
 def _check_name(name: str) -> None:
     if name not in GROUP_NAMES:
         raise KeyError(f"no mesh group {name!r} (known: {', '.join(GROUP_NAMES)})")
@@ -204,9 +228,7 @@ class Topology:
         Megatron-style object) its groups are used as given (`from_mpu`)."""
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if mpu is not None:
-            if ep != 1:
-                raise TopologyError(f"expert parallelism (ep={ep}) with an mpu's groups is not implemented")
-            return cls.from_mpu(mpu, sp=sp, pp=pp)
+            return cls.from_mpu(mpu, sp=sp, pp=pp, ep=ep)
         if not dist.is_initialized():
             shape = MeshShape.for_world(1, tp=tp, sp=sp, pp=pp, dp_replicate=dp_replicate, ep=ep)
             return cls(shape, 0, local_rank, {})
@@ -228,10 +250,12 @@ class Topology:
         return cls.build(tp=sizes["tp"], sp=sizes["sp"], pp=pp, mpu=mpu)
 
     @classmethod
-    def from_mpu(cls, mpu, *, sp: int = 1, pp: int = 1) -> "Topology":
+    def from_mpu(cls, mpu, *, sp: int = 1, pp: int = 1, ep: int = 1) -> "Topology":
         """From a Megatron-style `mpu`: get_data_parallel_group / _rank / _world_size, and
         get_tensor_model_parallel_* or get_model_parallel_* (tp; absent means 1), and with sp > 1
-        get_sequence_parallel_* and get_sequence_data_parallel_group (DeepSpeed's names)."""
+        get_sequence_parallel_* and get_sequence_data_parallel_group (DeepSpeed's names). With ep > 1 the
+        expert groups split each of the mpu's data-parallel groups as DeepSpeed's
+        `_create_expert_data_and_model_parallel` does (`expert_groups_from_dp`)."""
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         world_rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -246,7 +270,10 @@ class Topology:
         if dp * tp * sp != world_size:
             raise TopologyError(f"mpu: data parallel {dp} x tensor parallel {tp} x sequence parallel {sp} is not the "
                                 f"world size {world_size}")
-        shape = MeshShape(dp_shard=dp, sp=sp, tp=tp)
+        if ep > 1 and sp > 1:
+            raise TopologyError(f"expert parallelism (ep={ep}) with an mpu's sequence-parallel groups (sp={sp}) is "
+                                f"not implemented; pass no mpu (the mesh builds both)")
+        shape = MeshShape(dp_shard=dp, sp=sp, tp=tp, ep=ep)
         groups = {"dp": mpu.get_data_parallel_group(), "dp_shard": mpu.get_data_parallel_group(),
                   "tp_dp_sp": None}
         ranks = {"dp": _mpu_call(mpu, "get_data_parallel_rank"), "dp_shard": _mpu_call(mpu, "get_data_parallel_rank"),
@@ -263,6 +290,9 @@ class Topology:
             groups["dp_sp"] = mpu.get_sequence_data_parallel_group()
         else:
             groups["dp_sp"], ranks["dp_sp"] = groups["dp"], ranks["dp"]
+        if ep > 1:
+            groups["ep"], groups["edp"] = expert_groups_from_dp(groups["dp"], ep)
+            groups["edp_sp"] = groups["edp"]
         topology = cls(shape, world_rank, local_rank, groups, from_mpu=True)
         topology._ranks.update(ranks)
         return topology

@@ -11,7 +11,9 @@ gradient clipping (the global norm counting each expert once), DeepSpeed's MoE o
 (`split_params_into_different_moe_groups_for_optimizer`), and the expert parameters' placements and
 bound group (and deepspeed.utils.groups' expert groups agreeing with it); the experts run batched
 (parallel/experts/batched.py) except at ZeRO-3, whose per-expert hooks keep the loop, and run batched
-again at ZeRO-3 with the MoE layer a leaf module (gathered whole). World 4 (ep2 x dp2): ZeRO stage 1."""
+again at ZeRO-3 with the MoE layer a leaf module (gathered whole). World 4 (ep2 x dp2): ZeRO stage 1, and
+ZeRO-2 with top-2 and clipping through a Megatron-style mpu (the expert groups cut from its data-parallel
+group by DeepSpeed's rule)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,11 @@ CASES = {
     "top1_drop_stage3": (2, dict(k=1, capacity_factor=1.0), 3, 0.0, False, {}),
     "top1_drop_stage3_leaf": (2, dict(k=1, capacity_factor=1.0), 3, 0.0, False, LEAF),
     "top1_drop_ep2_dp2_stage1": (4, dict(k=1, capacity_factor=1.0), 1, 0.0, False, {}),
+    "top2_ep2_dp2_stage2_clip_mpu": (4, dict(k=2, capacity_factor=1.0, drop_tokens=False), 2, 0.05, False, {}),
 }
+# cases that pass initialize() a Megatron-style mpu (data parallelism over the world, no tp): the expert
+# groups then come from the mpu's data-parallel group by DeepSpeed's rule, the same groups as the mesh's
+WITH_MPU = {"top2_ep2_dp2_stage2_clip_mpu"}
 
 
 class MoENet(nn.Module):
@@ -94,7 +100,29 @@ def reference(world: int, moe: dict, clip: float):
     return losses, {k: v.clone() for k, v in model.state_dict().items()}, model.dropped
 
 
-def _run(world_expected: int, moe: dict, stage: int, clip: float, groups: bool, zero: dict):
+class _WorldMpu:
+    """Megatron's data-parallel names over the whole world (a group made for it, not the default one)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.group = dist.new_group(list(range(dist.get_world_size())))
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_rank(self):
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    def get_data_parallel_world_size(self):
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+
+def _run(world_expected: int, moe: dict, stage: int, clip: float, groups: bool, zero: dict, mpu: bool = False):
     import torch.distributed as dist
 
     import lightspeed
@@ -111,7 +139,8 @@ def _run(world_expected: int, moe: dict, stage: int, clip: float, groups: bool, 
     config["gradient_clipping"] = clip or 0.0  # the reference clips only when asked (DeepSpeed's default does)
     params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
                                                                    "name": "dense"}) if groups else None
-    engine, *_ = lightspeed.initialize(model=model, model_parameters=params, config=config)
+    engine, *_ = lightspeed.initialize(model=model, model_parameters=params, config=config,
+                                       mpu=_WorldMpu() if mpu else None)
     x, y = _data(world)
     losses, batched = [], []
     experts = engine.module.moe.deepspeed_moe.experts  # which path its forward takes, parameters as it sees them
@@ -131,14 +160,15 @@ def _run(world_expected: int, moe: dict, stage: int, clip: float, groups: bool, 
                                 ds_groups._get_expert_parallel_rank("ep_size_2"),
                                 ds_groups._get_expert_data_parallel_world_size("ep_size_2")),
            "placement": (placement.global_shape, placement.boxes, placement.sharded_over, placement.reduced_over),
-           "optimizer_groups": [g.get("name") for g in engine.optimizer.param_groups] if groups else None}
+           "optimizer_groups": [g.get("name") for g in engine.optimizer.param_groups] if groups else None,
+           "from_mpu": engine.groups.topology.from_mpu}
     if stage < 3:  # stage 3's module holds released placeholders
         out["state"] = {k: v.clone() for k, v in engine.module.state_dict().items()}
     return out
 
 
 def _world(names):
-    return {name: _run(*CASES[name]) for name in names}
+    return {name: _run(*CASES[name], mpu=name in WITH_MPU) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +200,7 @@ def test_expert_parallel_training_matches_one_process(name, runs):
                                     ("dp_replicate", "edp_shard", "sp"))
         if groups:
             assert got["optimizer_groups"] == ["dense", "ep_size_2"]
+        assert got["from_mpu"] == (name in WITH_MPU)
         for key, value in got.get("state", {}).items():
             prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
             if key.startswith(prefix):

@@ -107,15 +107,24 @@ def _mpu_world():
 
     groups = ParallelGroups.build(Mpu())
     topology = groups.topology
+    from lightspeed.comm.topology import Topology
+
+    experts = Topology.build(mpu=Mpu(), ep=2)  # DeepSpeed's rule: each dp group cut into runs of ep ranks
+    expert_groups = {name: (experts.rank(name), experts.size(name), _members(experts, name))
+                     for name in ("ep", "edp", "edp_sp", "dp", "tp")}
+    expert_groups["edp dims"] = _members_over(experts, ("dp_replicate", "edp_shard"))
     return (groups.dp_rank, groups.dp_world_size, topology.rank("tp"), topology.size("tp"),
-            _members(topology, "tp"), _members(topology, "dp"), topology.from_mpu)
+            _members(topology, "tp"), _members(topology, "dp"), topology.from_mpu, expert_groups)
 
 
 def test_megatron_mpu_adapter():
     results = run_world(_mpu_world, 4)
     for rank, out in enumerate(results):
         tp0 = rank - rank % 2
-        assert out == (rank // 2, 2, rank % 2, 2, [tp0, tp0 + 1], [rank % 2, rank % 2 + 2], True)
+        assert out[:7] == (rank // 2, 2, rank % 2, 2, [tp0, tp0 + 1], [rank % 2, rank % 2 + 2], True)
+        dp = [rank % 2, rank % 2 + 2]  # ep 2 takes the whole dp group of 2; each edp group is one rank
+        assert out[7] == {"ep": (rank // 2, 2, dp), "edp": (0, 1, [rank]), "edp_sp": (0, 1, [rank]),
+                          "dp": (rank // 2, 2, dp), "tp": (rank % 2, 2, [tp0, tp0 + 1]), "edp dims": [rank]}
 
 
 def _bad_mpu():
